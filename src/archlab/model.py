@@ -1,0 +1,146 @@
+"""TransformerLM: token embedding -> blocks -> final norm -> LM head, every choice from ModelConfig.
+
+Read top to bottom: the variants live in archlab.nn (norms, mlp, position, attention, block);
+this file only wires them. Parallelism, compilation and checkpointing are applied to a built
+model from outside (train.py), never here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archlab.config import ModelConfig
+from archlab.nn.block import Block
+from archlab.nn.mlp import MoEMLP
+from archlab.nn.norms import build_norm
+from archlab.nn.position import AbsolutePosition, T5RelativeBias
+
+
+@dataclass
+class LossOutput:
+    total: torch.Tensor     # what to backpropagate
+    ce: torch.Tensor        # mean next-token cross-entropy (nats)
+    z_loss: torch.Tensor    # z_loss * mean(log Z)^2 (PaLM), already weighted
+    aux_loss: torch.Tensor  # MoE load-balancing + router z-loss, already weighted
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        cfg = self.config = config
+        norm = lambda: build_norm(cfg.norm.kind, cfg.d_model, cfg.norm.eps, cfg.bias.norm)  # noqa: E731
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.abs_position = AbsolutePosition(cfg)
+        self.embed_norm = norm() if cfg.norm.embedding_norm else None
+        self.embed_drop = nn.Dropout(cfg.embedding_dropout)
+        shared = {}
+        if any(cfg.position_kind(i) == "t5" for i in range(cfg.n_layers)):
+            self.t5_bias = shared["t5"] = T5RelativeBias(cfg)  # one table for all layers (T5)
+        self.blocks = nn.ModuleList(Block(cfg, i, shared) for i in range(cfg.n_layers))
+        self.final_norm = norm() if cfg.norm.final_norm else None
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.bias.head else None
+        self.reset_parameters()
+
+    # ---- init ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, std) for matrices and embeddings, zero biases; residual outputs scaled by
+        1/sqrt(2 n_layers) when init.scaled_residual (GPT-2). Seeded by config.seed alone."""
+        init = self.config.init
+        gen = torch.Generator().manual_seed(self.config.seed)
+        residual_std = init.std / math.sqrt(2 * self.config.n_layers)
+
+        def fill(weight: torch.Tensor, std: float) -> None:
+            if init.truncated:
+                nn.init.trunc_normal_(weight, 0.0, std, -3 * std, 3 * std, generator=gen)
+            else:
+                nn.init.normal_(weight, 0.0, std, generator=gen)
+
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                scaled = init.scaled_residual and getattr(module, "is_residual_out", False)
+                fill(module.weight, residual_std if scaled else init.std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                fill(module.weight, init.std)
+        if self.head_bias is not None:
+            self.head_bias.zero_()
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,                      # (b, t) int
+        positions: torch.Tensor | None = None,        # (b, t) int; -1 marks padding
+        cache=None,                                   # see archlab.nn.kv_cache for the protocol
+        prefix_lengths: torch.Tensor | None = None,   # (b,) for attention.prefix_lm
+        return_hidden: bool = False,
+    ) -> torch.Tensor:                                # (b, t, v) logits, or (b, t, d) hidden
+        b, t = input_ids.shape
+        plain = positions is None and cache is None
+        if positions is None:
+            start = len(cache) if cache is not None else 0
+            positions = torch.arange(start, start + t, device=input_ids.device).expand(b, t)
+        if self.config.position.kind == "learned" and int(positions.max()) >= self.config.max_seq_len:
+            raise ValueError(
+                f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}: "
+                "learned position embeddings have no row for it"
+            )
+        if prefix_lengths is not None and not self.config.attention.prefix_lm:
+            raise ValueError("prefix_lengths given but config.attention.prefix_lm is False")
+
+        x = self.embed(input_ids)                                            # (b, t, d)
+        if self.config.scale_embeddings:  # Gemma: sqrt(d) rounded to the activation dtype
+            x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
+        pe = self.abs_position(positions)
+        if pe is not None:
+            x = x + pe.to(x.dtype)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        x = self.embed_drop(x)
+        for block in self.blocks:
+            x = block(x, positions, cache=cache, prefix_lengths=prefix_lengths, plain_causal=plain)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if return_hidden:
+            return x
+        return self.head(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, t, v)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(x, weight, self.head_bias)
+        if self.config.logit_scale is not None:       # Cohere
+            logits = logits * self.config.logit_scale
+        cap = self.config.final_logit_softcap         # Gemma 2: cap * tanh(logits / cap)
+        if cap is not None:
+            logits = cap * torch.tanh(logits.float() / cap)
+        return logits
+
+    # ---- loss ----------------------------------------------------------------------------
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+             **forward_kw) -> LossOutput:
+        """Next-token cross-entropy (targets already shifted) + z-loss + MoE auxiliary losses."""
+        logits = self(input_ids, **forward_kw).float()                       # (b, t, v)
+        return self.loss_from_logits(logits, targets, ignore_index)
+
+    def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor,
+                         ignore_index: int = -100) -> LossOutput:
+        logits = logits.float()
+        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+        zero = logits.new_zeros(())
+        z_loss = zero
+        if self.config.z_loss:
+            valid = targets != ignore_index
+            log_z = torch.logsumexp(logits, dim=-1)[valid]
+            z_loss = self.config.z_loss * log_z.square().mean()
+        aux = sum((m.aux_loss for m in self.modules() if isinstance(m, MoEMLP)), zero)
+        return LossOutput(total=ce + z_loss + aux, ce=ce, z_loss=z_loss, aux_loss=aux)
+
+    def num_params(self) -> int:
+        """Unique parameters (tied embeddings count once)."""
+        return sum(p.numel() for p in self.parameters())

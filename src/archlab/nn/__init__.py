@@ -1,0 +1,1 @@
+"""Interchangeable building blocks, one file per concern, each a small registry."""

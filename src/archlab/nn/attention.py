@@ -1,0 +1,148 @@
+"""Causal self-attention and its variants.
+
+Dimension legend used in shape comments across archlab:
+  b batch, t time (queries), s time (keys, cache included), d model, h heads, k kv-heads,
+  e head dim, f ffn width, v vocab.
+
+Variants (each a field of AttentionConfig):
+  MHA / GQA / MQA        Ainslie et al. 2023 (arXiv 2305.13245); Shazeer 2019
+  sliding window          Beltagy et al. 2020 (Longformer); Mistral; per-layer local/global pattern
+  prefix-LM mask          Raffel et al. 2020 (bidirectional over a prefix)
+  QK-norm                 Dehghani et al. 2023; per head (Qwen3, Gemma 3) or full width (OLMo 2)
+  logit soft-cap          Gemma 2: s -> cap * tanh(s / cap)
+  gated attention         Qiu et al. 2025 (arXiv 2505.06708): sigmoid(x W_g) * attn, before W_o
+  learned sinks           a per-head logit in the softmax denominator (Xiao et al. 2023; gpt-oss)
+Attention runs through torch's scaled_dot_product_attention whenever the math allows; the eager
+path (soft-cap, sinks, or when probabilities are recorded for diagnostics) is the readable
+reference and is tested equal to SDPA where both apply.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archlab.config import ModelConfig
+from archlab.nn.norms import build_norm
+from archlab.nn.position import build_attention_position
+
+
+def allowed_keys(
+    q_pos: torch.Tensor,                 # (b, t)
+    k_pos: torch.Tensor,                 # (b, s); -1 marks an empty or padded slot
+    window: int | None = None,
+    prefix_lengths: torch.Tensor | None = None,  # (b,)
+) -> torch.Tensor:                       # (b, 1, t, s) bool, True = may attend
+    q, k = q_pos[:, :, None], k_pos[:, None, :]
+    ok = (k <= q) & (k >= 0)
+    if window is not None:
+        ok &= (q - k) < window
+    if prefix_lengths is not None:
+        p = prefix_lengths[:, None, None]
+        ok |= (q < p) & (k < p) & (k >= 0)
+    # a padded query (position -1) would see no key at all and give NaN: let it see its row freely
+    ok |= (q < 0)
+    return ok[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, shared: dict):
+        super().__init__()
+        att, d = cfg.attention, cfg.d_model
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = att.n_heads, cfg.n_kv_heads, cfg.head_dim
+        h_e, k_e = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(d, h_e, bias=cfg.bias.qkv)
+        self.k_proj = nn.Linear(d, k_e, bias=cfg.bias.qkv)
+        self.v_proj = nn.Linear(d, k_e, bias=cfg.bias.qkv)
+        self.o_proj = nn.Linear(h_e, d, bias=cfg.bias.attn_out)
+        self.o_proj.is_residual_out = True
+        self.gate_proj = nn.Linear(d, h_e, bias=False) if att.gated else None
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if att.learned_sinks else None
+
+        self.qk_norm = att.qk_norm
+        if att.qk_norm != "none":
+            per_head = att.qk_norm == "per_head"
+            self.q_norm = build_norm(cfg.norm.kind, self.head_dim if per_head else h_e, cfg.norm.eps, False)
+            self.k_norm = build_norm(cfg.norm.kind, self.head_dim if per_head else k_e, cfg.norm.eps, False)
+
+        self.window = att.window if cfg.is_local(layer) else None
+        self.position = build_attention_position(cfg, layer, shared)
+        scale_dim = att.query_pre_attn_scalar or self.head_dim
+        self.scale = scale_dim ** -0.5
+        self.softcap = att.logit_softcap
+        self.dropout = att.dropout
+        self.record_probs = False      # diagnostics switch this on to keep `last_probs`
+        self.last_probs: torch.Tensor | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,                 # (b, t, d)
+        positions: torch.Tensor,         # (b, t)
+        cache=None,
+        prefix_lengths: torch.Tensor | None = None,
+        plain_causal: bool = False,      # positions are 0..t-1 in every row, no padding, no cache
+    ) -> torch.Tensor:                   # (b, t, d)
+        b, t, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)      # (b, h, t, e)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (b, k, t, e)
+        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (b, k, t, e)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.position.rotate(q, positions), self.position.rotate(k, positions)
+
+        k_pos = positions
+        if cache is not None:
+            k, v, k_pos = cache.update(self.layer, k, v, positions)         # (b, k, s, e), (b, s)
+
+        bias = self.position.bias(positions, k_pos)                          # (b, h, t, s) | None
+        simple = plain_causal and cache is None and self.window is None and prefix_lengths is None
+        mask = None if simple else allowed_keys(positions, k_pos, self.window, prefix_lengths)
+        if self.softcap is not None or self.sinks is not None or self.record_probs:
+            out = self._eager(q, k, v, mask, bias)
+        else:
+            out = self._sdpa(q, k, v, mask, bias, is_causal=simple and t > 1)
+        out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h*e)
+        if self.gate_proj is not None:
+            out = out * torch.sigmoid(self.gate_proj(x))
+        return self.o_proj(out)
+
+    def _sdpa(self, q, k, v, mask, bias, is_causal):
+        if bias is not None:
+            if mask is None:  # bias needs an explicit causal mask beside it
+                t, s = q.shape[2], k.shape[2]
+                mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)[None, None]
+            attn_mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+        else:
+            attn_mask = mask
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal and attn_mask is None,
+            dropout_p=self.dropout if self.training else 0.0, scale=self.scale,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+
+    def _eager(self, q, k, v, mask, bias):
+        groups = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (b, h, s, e)
+        # upcast to fp32 before softcap and softmax: bf16 logits lose the tail that matters
+        scores = (q @ k.transpose(-1, -2)).float() * self.scale                     # (b, h, t, s)
+        if self.softcap is not None:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        if bias is not None:
+            scores = scores + bias
+        t, s = scores.shape[-2:]
+        if mask is None:
+            mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)[None, None]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if self.sinks is not None:
+            sink = self.sinks.float()[None, :, None, None].expand(scores.shape[0], -1, t, 1)
+            probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        if self.record_probs:
+            self.last_probs = probs.detach()
+        probs = F.dropout(probs, self.dropout, self.training)
+        return probs.to(v.dtype) @ v                                                  # (b, h, t, e)

@@ -1,0 +1,109 @@
+"""Feed-forward layers: plain MLPs, the GLU family and mixture of experts.
+
+Plain:  y = W2 act(W1 x)                                  ReLU (Vaswani 2017), GeLU (Hendrycks &
+        Gimpel 2016; GPT), squared ReLU (So et al. 2021, Primer; Nemotron-4), SiLU.
+Gated:  y = W2 (act(W_gate x) * W_up x)                   ReGLU, GeGLU, SwiGLU (Shazeer 2020,
+        arXiv 2002.05202). Gemma's GeGLU uses the tanh approximation of GeLU.
+MoE:    y = sum_{i in topk(router(x))} p_i E_i(x)         (Shazeer 2017; Switch, Fedus 2021;
+        Mixtral). Load-balancing aux loss (Switch) and router z-loss (ST-MoE, Zoph 2022).
+Shapes: b batch, t time, d model, f ffn width, n experts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archlab.config import GATED_ACTIVATIONS, MLPConfig
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu2": lambda x: F.relu(x).square(),
+    "silu": F.silu,
+    # the gated kinds name the function applied to the gate branch
+    "reglu": F.relu,
+    "geglu": F.gelu,
+    "geglu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "swiglu": F.silu,
+}
+
+
+class DenseMLP(nn.Module):
+    """up -> act -> down, or for GLU kinds: act(gate) * up -> down."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool):
+        super().__init__()
+        self.act = ACTIVATIONS[activation]
+        self.gated = activation in GATED_ACTIVATIONS
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias) if self.gated else None
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.down_proj.is_residual_out = True  # scaled init (GPT-2) applies here
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, t, d)
+        if self.gated:
+            h = self.act(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = self.act(self.up_proj(x))
+        return self.down_proj(h)
+
+
+class MoEMLP(nn.Module):
+    """Top-k routed experts, each a DenseMLP; an optional always-on shared expert.
+
+    After each forward `aux_loss` holds this layer's weighted load-balancing + router z-loss, which
+    TransformerLM.loss adds to the objective.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, cfg: MLPConfig, bias: bool):
+        super().__init__()
+        moe = cfg.moe
+        self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
+        self.aux_coef, self.z_coef = moe.aux_loss_coef, moe.router_z_loss_coef
+        self.router = nn.Linear(d_model, moe.n_experts, bias=False)
+        self.experts = nn.ModuleList(
+            DenseMLP(d_model, d_ff, cfg.activation, bias) for _ in range(moe.n_experts)
+        )
+        self.shared_expert = (
+            DenseMLP(d_model, moe.shared_expert_d_ff, cfg.activation, bias)
+            if moe.shared_expert_d_ff else None
+        )
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        logits = self.router(flat).float()                     # (bt, n)
+        probs = logits.softmax(-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)       # (bt, k)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(chosen == e)
+            if token_idx.numel() == 0:
+                continue
+            y = expert(flat[token_idx]) * weights[token_idx, slot, None].to(flat.dtype)
+            out.index_add_(0, token_idx, y)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        self.aux_loss = self._aux_loss(logits, probs, chosen)
+        return out.reshape(b, t, d)
+
+    def _aux_loss(self, logits, probs, chosen) -> torch.Tensor:
+        n = probs.shape[-1]
+        # Switch: n * sum_i f_i * P_i, f_i = fraction of routed slots to expert i, P_i = mean prob
+        routed = F.one_hot(chosen, n).float().sum(1)           # (bt, n)
+        fraction = routed.mean(0) / self.top_k
+        balance = n * (fraction * probs.mean(0)).sum()
+        z = torch.logsumexp(logits, -1).square().mean()
+        return self.aux_coef * balance + self.z_coef * z
+
+
+def build_mlp(d_model: int, cfg: MLPConfig, bias: bool) -> nn.Module:
+    d_ff = cfg.width(d_model)
+    if cfg.moe is not None:
+        return MoEMLP(d_model, d_ff, cfg, bias)
+    return DenseMLP(d_model, d_ff, cfg.activation, bias)

@@ -1,0 +1,83 @@
+"""Normalization layers.
+
+LayerNorm (Ba et al. 2016), RMSNorm (Zhang & Sennrich 2019, arXiv 1910.07467), RMSNorm with
+(1 + w) weights (Gemma), LayerNorm1p (Nemotron: weight stored as w - 1), non-parametric LayerNorm
+(OLMo 1: no weight, no bias). All compute in float32 and cast back: bf16 variance underflows.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archlab.nn.registry import Registry
+
+NORMS: Registry[type[nn.Module]] = Registry("norm kind")
+
+
+@NORMS.register("layernorm")
+class LayerNorm(nn.Module):
+    """y = (x - mean) / std * w + b."""
+
+    weight_offset = 0.0
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - self.weight_offset))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.float() + self.weight_offset
+        bias = None if self.bias is None else self.bias.float()
+        y = F.layer_norm(x.float(), (x.shape[-1],), weight, bias, self.eps)
+        return y.to(x.dtype)
+
+
+@NORMS.register("layernorm_1p")
+class LayerNorm1p(LayerNorm):
+    """Nemotron: the stored weight is w - 1 (zero-initialised), applied as (1 + w)."""
+
+    weight_offset = 1.0
+
+
+@NORMS.register("nonparametric")
+class NonParametricLayerNorm(nn.Module):
+    """OLMo 1: LayerNorm without any learnable weight or bias."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = False):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps).to(x.dtype)
+
+
+@NORMS.register("rmsnorm")
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * w. No mean subtraction, no bias (Zhang & Sennrich 2019)."""
+
+    weight_offset = 0.0
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - self.weight_offset))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Gemma multiplies by (1 + w) in float32 before casting; LLaMA casts first then scales.
+        # The difference is below bf16 resolution, so one float32 path serves both.
+        return (y * (self.weight.float() + self.weight_offset)).to(x.dtype)
+
+
+@NORMS.register("rmsnorm_1p")
+class RMSNorm1p(RMSNorm):
+    """Gemma: weights stored zero-initialised and applied as (1 + w)."""
+
+    weight_offset = 1.0
+
+
+def build_norm(kind: str, dim: int, eps: float, bias: bool) -> nn.Module:
+    return NORMS.get(kind)(dim, eps=eps, bias=bias)

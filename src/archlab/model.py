@@ -118,7 +118,7 @@ class TransformerLM(nn.Module):
             logits = logits * self.config.logit_scale
         cap = self.config.final_logit_softcap         # Gemma 2: cap * tanh(logits / cap)
         if cap is not None:
-            logits = cap * torch.tanh(logits.float() / cap)
+            logits = (cap * torch.tanh(logits.float() / cap)).to(logits.dtype)
         return logits
 
     # ---- loss ----------------------------------------------------------------------------

@@ -1,0 +1,5 @@
+import sys
+
+from archlab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,575 @@
+"""Token data: a corpus tokenized into flat memmap files, and the batch samplers that read them.
+
+Data folder layout (written by `prepare`, read by `TokenDataset`)::
+
+    DATA_DIR/
+      meta.json      dtype, vocab_size, eot id, per-split token / byte / document counts, corpus, seed
+      train.bin      every training document's ids followed by the end-of-text id, back to back,
+      val.bin        as raw little-endian uint16 (vocab_size <= 65536) or uint32; no header
+      tokenizer/     a copy of the tokenizer (`tokenizer.save(dir)`), so the folder describes itself
+
+One flat file per split (no shards): `np.memmap` reads any size, and appending is how it is written.
+The split is by document: document d goes to validation when
+`blake2b(seed, utf8(d)) / 2**64 < val_fraction` -- a function of the seed and the text alone, so it does
+not depend on worker count or read order, and exact duplicates never straddle train and val. With two or
+more documents both splits hold at least one (the document nearest the threshold moves over).
+
+Sampling is a pure function of (seed, step, rank): the training stream cuts the token file into
+non-overlapping windows of seq_len + 1 tokens at a random offset, permuted per epoch; global sample i of
+step s is `s * global_batch + i`, and rank r of world_size takes rows [r*B, (r+1)*B) of the global batch,
+so a DDP run sees the same global batch as one process with batch B * world_size, and resuming needs only
+the step counter.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections import deque
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from archlab import corpora
+
+__all__ = [
+    "EOT_TOKEN", "TokenizerLike", "ByteTokenizer", "load_tokenizer", "prepare", "load_meta",
+    "TokenDataset", "BatchSampler", "eval_batches", "DataError",
+]
+
+EOT_TOKEN = "<|endoftext|>"
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+
+
+class DataError(ValueError):
+    """A data folder, split or sampling request that cannot be served."""
+
+
+# --------------------------------------------------------------------------- tokenizers
+@runtime_checkable
+class TokenizerLike(Protocol):
+    """What `prepare` needs from a tokenizer (archlab.tokenizer.Tokenizer and ByteTokenizer both fit)."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+    def token_to_id(self, token: str) -> int | None: ...
+    def save(self, directory: str | os.PathLike) -> Any: ...
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: ids 0-255 are the UTF-8 bytes, 256 is <|endoftext|> (vocab 257)."""
+
+    FILE = "byte_tokenizer.json"
+    vocab_size = 257
+    eot_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.eot_id if token == EOT_TOKEN else None
+
+    def save(self, directory: str | os.PathLike) -> None:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / self.FILE).write_text(json.dumps(
+            {"kind": "bytes", "vocab_size": self.vocab_size, "special_tokens": {EOT_TOKEN: self.eot_id}}) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> ByteTokenizer:
+        spec = json.loads((Path(directory) / cls.FILE).read_text())
+        if spec.get("kind") != "bytes":
+            raise DataError(f"{directory}/{cls.FILE} is not a byte tokenizer")
+        return cls()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ByteTokenizer)
+
+    def __hash__(self) -> int:
+        return hash(ByteTokenizer)
+
+
+def load_tokenizer(spec: Any) -> TokenizerLike:
+    """A tokenizer from "bytes", a folder (a saved ByteTokenizer or archlab.tokenizer.Tokenizer), or
+    an object that already has `encode` (returned as is)."""
+    if not isinstance(spec, (str, os.PathLike)):
+        if not hasattr(spec, "encode"):
+            raise DataError(f"{type(spec).__name__} is not a tokenizer: it has no encode()")
+        return spec
+    if spec == "bytes":
+        return ByteTokenizer()
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise DataError(f"tokenizer {str(spec)!r} is neither 'bytes' nor an existing tokenizer folder")
+    if (path / ByteTokenizer.FILE).is_file():
+        return ByteTokenizer.load(path)
+    try:
+        from archlab.tokenizer import Tokenizer
+    except ImportError as err:
+        raise DataError(f"cannot load tokenizer {str(path)!r}: archlab.tokenizer is unavailable ({err})") from err
+    return Tokenizer.load(path)
+
+
+def _special_token_id(tokenizer: Any, token: str) -> int:
+    """The id of a special token: token_to_id when the tokenizer has it, else a one-id encoding."""
+    token_id = None
+    if hasattr(tokenizer, "token_to_id"):
+        token_id = tokenizer.token_to_id(token)
+    else:
+        ids = list(tokenizer.encode(token))
+        token_id = ids[0] if len(ids) == 1 else None
+    if token_id is None:
+        raise DataError(f"the tokenizer has no {token!r} token: add it as a special token "
+                        "or pass another eot_token")
+    if not 0 <= int(token_id) < _vocab_size(tokenizer):
+        raise DataError(f"{token!r} has id {token_id}, outside vocab_size={_vocab_size(tokenizer)}")
+    return int(token_id)
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    """vocab_size as an attribute or property (or a method, or len(tokenizer), for other tokenizers)."""
+    size = getattr(tokenizer, "vocab_size", None)
+    if callable(size):
+        size = size()
+    if size is None and hasattr(tokenizer, "__len__"):
+        size = len(tokenizer)
+    if size is None:
+        raise DataError(f"{type(tokenizer).__name__} has no vocab_size")
+    return int(size)
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+# --------------------------------------------------------------------------- prepare: workers
+# Set once per worker process (Pool initializer) so the tokenizer is sent once, not with every batch.
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: Any, seed: int, dtype: np.dtype) -> None:
+    _WORKER.update(tokenizer=tokenizer, seed=seed, dtype=dtype, vocab_size=_vocab_size(tokenizer))
+
+
+def _doc_score(data: bytes, seed: int) -> float:
+    """A uniform number in [0, 1) from the seed and the document's bytes: decides its split."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(int(seed).to_bytes(8, "little", signed=True))
+    h.update(data)
+    return int.from_bytes(h.digest(), "little") / 2.0**64
+
+
+def _encode_batch(texts: list[str]) -> list[tuple[np.ndarray, float, int]]:
+    """(ids, split score, UTF-8 byte count) per document, in order."""
+    tokenizer, seed, dtype, vocab_size = (_WORKER[k] for k in ("tokenizer", "seed", "dtype", "vocab_size"))
+    out = []
+    for text in texts:
+        data = text.encode("utf-8", errors="surrogatepass")
+        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise DataError(f"the tokenizer produced id {int(ids.max())} outside vocab_size={vocab_size}")
+        out.append((ids.astype(dtype), _doc_score(data, seed), len(data)))
+    return out
+
+
+# A unit of work sent to a tokenizing process: at most this many documents / characters.
+BATCH_DOCS, BATCH_CHARS = 512, 1 << 20
+
+
+def _batched(docs: Iterable[str]) -> Iterator[list[str]]:
+    max_docs, max_chars = BATCH_DOCS, BATCH_CHARS
+    batch: list[str] = []
+    chars = 0
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc)
+        if chars >= max_chars or len(batch) >= max_docs:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _encoded(docs: Iterable[str], tokenizer: Any, seed: int, dtype: np.dtype,
+             num_workers: int) -> Iterator[list[tuple[np.ndarray, float, int]]]:
+    """Encoded batches in corpus order. At most 2 * num_workers batches are in flight, so memory stays
+    bounded however long the corpus (Pool.imap would read the whole input ahead)."""
+    if num_workers <= 1:
+        _init_worker(tokenizer, seed, dtype)
+        for batch in _batched(docs):
+            yield _encode_batch(batch)
+        return
+    import multiprocessing
+
+    with multiprocessing.Pool(num_workers, initializer=_init_worker, initargs=(tokenizer, seed, dtype)) as pool:
+        pending: deque = deque()
+        for batch in _batched(docs):
+            pending.append(pool.apply_async(_encode_batch, (batch,)))
+            if len(pending) >= 2 * num_workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _default_workers() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8))
+
+
+# --------------------------------------------------------------------------- prepare
+class _SplitWriter:
+    """Appends documents (ids + eot) to one split file and counts tokens, bytes and documents."""
+
+    def __init__(self, path: Path, eot: np.ndarray) -> None:
+        self.path, self.eot = path, eot
+        self.file = open(path, "wb")
+        self.tokens = self.bytes = self.documents = 0
+
+    def write(self, ids: np.ndarray, n_bytes: int) -> tuple[int, int]:
+        start = self.tokens
+        self.file.write(ids.tobytes())
+        self.file.write(self.eot.tobytes())
+        self.tokens += ids.size + 1
+        self.bytes += n_bytes
+        self.documents += 1
+        return start, self.tokens
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _move_document(src: _SplitWriter, dst: _SplitWriter, start: int, end: int, n_bytes: int) -> None:
+    """Move tokens [start, end) of a closed split file to the end of another, in bounded-size chunks."""
+    itemsize, chunk = src.eot.itemsize, 1 << 24
+    with open(src.path, "rb") as fs, open(dst.path, "ab") as fd:
+        fs.seek(start * itemsize)
+        left = (end - start) * itemsize
+        while left:
+            data = fs.read(min(chunk, left))
+            fd.write(data)
+            left -= len(data)
+    with open(src.path, "r+b") as f:  # shift the tail left over the moved document
+        read, write = end * itemsize, start * itemsize
+        while True:
+            f.seek(read)
+            data = f.read(chunk)
+            if not data:
+                break
+            f.seek(write)
+            f.write(data)
+            read, write = read + len(data), write + len(data)
+        f.truncate(write)
+    for writer, sign in ((src, -1), (dst, 1)):
+        writer.tokens += sign * (end - start)
+        writer.bytes += sign * n_bytes
+        writer.documents += sign
+
+
+def prepare(
+    corpus: str | os.PathLike | Iterable[str],
+    tokenizer: Any,
+    out_dir: str | os.PathLike,
+    *,
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    num_workers: int | None = None,
+    eot_token: str = EOT_TOKEN,
+    text_field: str = "text",
+    overwrite: bool = False,
+    progress: bool = True,
+    corpus_name: str | None = None,
+) -> dict:
+    """Tokenize a corpus into `out_dir` (train.bin, val.bin, meta.json, tokenizer/) and return the meta.
+
+    corpus: a name or path for `archlab.corpora.iter_documents`, or any iterable of document strings.
+    tokenizer: "bytes", a tokenizer folder, or an object with encode / vocab_size / token_to_id / save.
+    num_workers: processes that tokenize (None: the usable CPUs, at most 8; 0 or 1: this process).
+    The folder is built beside out_dir under a temporary name and renamed into place at the end, so
+    a crash never leaves a folder that looks complete. An existing out_dir is an error unless overwrite.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
+    out = Path(out_dir).expanduser()
+    if out.exists() and not overwrite and not _is_empty_dir(out):
+        raise FileExistsError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
+    tok = load_tokenizer(tokenizer)
+    if not callable(getattr(tok, "save", None)):
+        raise DataError(f"{type(tok).__name__} has no save(dir): the data folder must carry its tokenizer")
+    vocab_size = _vocab_size(tok)
+    eot_id = _special_token_id(tok, eot_token)
+    dtype = _token_dtype(vocab_size)
+    if isinstance(corpus, (str, os.PathLike)):
+        name = corpus_name or os.fspath(corpus)
+        docs: Iterable[str] = corpora.iter_documents(corpus, text_field=text_field)
+    else:
+        name, docs = corpus_name or "<iterable>", corpus
+    workers = _default_workers() if num_workers is None else max(0, int(num_workers))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        meta = _write_splits(docs, tok, tmp, dtype=dtype, eot_id=eot_id, seed=seed,
+                             val_fraction=val_fraction, workers=workers, progress=progress)
+        meta.update(corpus=name, seed=seed, val_fraction=val_fraction, eot_token=eot_token,
+                    vocab_size=vocab_size, text_field=text_field)
+        (tmp / "tokenizer").mkdir()
+        tok.save(tmp / "tokenizer")
+        _write_json(tmp / META_FILE, _ordered_meta(meta))  # written last: its presence marks completeness
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return load_meta(out)
+
+
+def _write_splits(docs: Iterable[str], tok: Any, tmp: Path, *, dtype: np.dtype, eot_id: int, seed: int,
+                  val_fraction: float, workers: int, progress: bool) -> dict:
+    from tqdm.auto import tqdm
+
+    eot = np.array([eot_id], dtype=dtype)
+    writers = {s: _SplitWriter(tmp / f"{s}.bin", eot) for s in SPLITS}
+    # The train document with the lowest score and the val one with the highest: the ones to move
+    # if a split ends up empty. (score, start, end, n_bytes)
+    lowest_train: tuple | None = None
+    highest_val: tuple | None = None
+    bar = tqdm(desc="tokenizing", unit=" docs", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    try:
+        for batch in _encoded(docs, tok, seed, dtype, workers):
+            for ids, score, n_bytes in batch:
+                if n_bytes == 0:  # an empty document adds nothing, not even an end-of-text
+                    continue
+                split = "val" if score < val_fraction else "train"
+                start, end = writers[split].write(ids, n_bytes)
+                record = (score, start, end, n_bytes)
+                if split == "train" and (lowest_train is None or score < lowest_train[0]):
+                    lowest_train = record
+                if split == "val" and (highest_val is None or score > highest_val[0]):
+                    highest_val = record
+            bar.update(len(batch))
+            bar.set_postfix(tokens=writers["train"].tokens + writers["val"].tokens, refresh=False)
+    finally:
+        bar.close()
+        for w in writers.values():
+            w.close()
+    train, val = writers["train"], writers["val"]
+    if train.documents == 0 and highest_val is not None:  # a lone document trains; 2+: keep one for val
+        _move_document(val, train, *highest_val[1:])
+    elif val.documents == 0 and train.documents >= 2 and val_fraction > 0:
+        _move_document(train, val, *lowest_train[1:])
+    return {
+        "dtype": dtype.name,
+        "eot_id": eot_id,
+        "splits": {s: {"file": w.path.name, "tokens": w.tokens, "bytes": w.bytes, "documents": w.documents}
+                   for s, w in writers.items()},
+    }
+
+
+def _ordered_meta(meta: dict) -> dict:
+    head = {"format": "archlab-tokens", "version": FORMAT_VERSION}
+    keys = ["corpus", "dtype", "vocab_size", "eot_token", "eot_id", "seed", "val_fraction", "text_field",
+            "splits"]
+    return {**head, **{k: meta[k] for k in keys}, "tokenizer": "tokenizer"}
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Rename `new` to `target`; an existing target is moved aside first and deleted after."""
+    old = None
+    if _is_empty_dir(target):
+        target.rmdir()
+    elif target.exists():
+        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        os.rename(target, old)
+    os.rename(new, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- reading
+def load_meta(data_dir: str | os.PathLike) -> dict:
+    path = Path(data_dir) / META_FILE
+    if not path.is_file():
+        raise DataError(f"{data_dir} is not a prepared data folder (no {META_FILE}); "
+                        "run `archlab data prepare` first")
+    return json.loads(path.read_text())
+
+
+class TokenDataset:
+    """A read-only memmap view of one split of a prepared data folder.
+
+    n_tokens counts the end-of-text tokens too; bytes_per_token = UTF-8 bytes / n_tokens, so
+    bits per byte = (mean loss in nats) / ln 2 / bytes_per_token.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, split: str = "train") -> None:
+        split = {"validation": "val", "valid": "val"}.get(split, split)
+        self.data_dir = Path(data_dir)
+        self.meta = load_meta(self.data_dir)
+        if split not in self.meta["splits"]:
+            raise DataError(f"no split {split!r} in {data_dir} (has {sorted(self.meta['splits'])})")
+        self.split = split
+        info = self.meta["splits"][split]
+        self.dtype = np.dtype(self.meta["dtype"])
+        path = self.data_dir / info["file"]
+        n = path.stat().st_size // self.dtype.itemsize
+        if n != info["tokens"]:
+            raise DataError(f"{path} holds {n} tokens but {META_FILE} says {info['tokens']}")
+        # np.memmap cannot map an empty file
+        self.tokens = np.memmap(path, dtype=self.dtype, mode="r") if n else np.zeros(0, self.dtype)
+        self.n_tokens = int(n)
+        self.n_bytes = int(info["bytes"])
+        self.n_documents = int(info.get("documents", 0))
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.eot_id = int(self.meta["eot_id"])
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.n_bytes / self.n_tokens if self.n_tokens else 0.0
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    def window(self, start: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) for one window: tokens [start, start+seq_len) and the same shifted by one."""
+        chunk = torch.from_numpy(self.tokens[start:start + seq_len + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+    def load_tokenizer(self) -> TokenizerLike:
+        return load_tokenizer(self.data_dir / self.meta.get("tokenizer", "tokenizer"))
+
+    def __repr__(self) -> str:
+        return f"TokenDataset({str(self.data_dir)!r}, {self.split!r}, n_tokens={self.n_tokens})"
+
+
+def _mix_seed(*parts: int) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    for p in parts:
+        h.update(int(p).to_bytes(8, "little", signed=True))
+    return int.from_bytes(h.digest(), "little") & (2**63 - 1)
+
+
+class BatchSampler:
+    """Training batches (x, y), int64 tensors of shape (batch_size, seq_len), y = x shifted by one.
+
+    Each epoch cuts the tokens into non-overlapping windows of seq_len + 1 at an offset drawn from
+    (seed, epoch) and visits them in a permutation drawn from (seed, epoch). Batch `step` on `rank` is a
+    pure function of (seed, step, rank, batch_size * world_size): the state is the step counter.
+    """
+
+    def __init__(self, dataset: TokenDataset, batch_size: int, seq_len: int, seed: int = 0,
+                 rank: int = 0, world_size: int = 1) -> None:
+        if batch_size < 1 or seq_len < 1:
+            raise DataError(f"batch_size={batch_size} and seq_len={seq_len} must be positive")
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank={rank} must be in [0, world_size={world_size})")
+        n = dataset.n_tokens
+        if n < seq_len + 1:
+            raise DataError(f"split {dataset.split!r} has {n} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        self.dataset, self.batch_size, self.seq_len = dataset, batch_size, seq_len
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.global_batch_size = batch_size * world_size
+        # Keep one window spare when we can, so the per-epoch offset ranges over all of [0, seq_len).
+        most = (n - 1) // seq_len
+        self.windows_per_epoch = most - 1 if most >= 2 else most
+        self._max_offset = min(seq_len - 1, n - 1 - self.windows_per_epoch * seq_len)
+        self.step = 0
+        self._epochs: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def _epoch(self, epoch: int) -> tuple[int, torch.Tensor]:
+        if epoch not in self._epochs:
+            g = torch.Generator().manual_seed(_mix_seed(self.seed, epoch))
+            offset = int(torch.randint(0, self._max_offset + 1, (1,), generator=g))
+            perm = torch.randperm(self.windows_per_epoch, generator=g)
+            if len(self._epochs) >= 2:  # a batch spans at most two epochs
+                self._epochs.pop(min(self._epochs))
+            self._epochs[epoch] = (offset, perm)
+        return self._epochs[epoch]
+
+    def starts(self, step: int) -> list[int]:
+        """Token offsets of this rank's windows at `step`."""
+        first = step * self.global_batch_size + self.rank * self.batch_size
+        out = []
+        for i in range(first, first + self.batch_size):
+            epoch, pos = divmod(i, self.windows_per_epoch)
+            offset, perm = self._epoch(epoch)
+            out.append(offset + int(perm[pos]) * self.seq_len)
+        return out
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's batch at `step` (does not move the counter)."""
+        tokens, s = self.dataset.tokens, self.seq_len
+        rows = np.stack([tokens[a:a + s + 1] for a in self.starts(step)]).astype(np.int64)
+        chunk = torch.from_numpy(rows)  # (b, t+1)
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def __iter__(self) -> BatchSampler:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+    @property
+    def epoch(self) -> float:
+        """Epochs completed so far, fractional."""
+        return self.step * self.global_batch_size / self.windows_per_epoch
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len,
+                "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at state["step"]. The global batch may be split over a different world_size."""
+        for key in ("seed", "seq_len", "global_batch_size"):
+            if key in state and state[key] != getattr(self, key):
+                raise DataError(f"sampler state has {key}={state[key]}, this sampler {getattr(self, key)}")
+        self.step = int(state["step"])
+
+
+def eval_batches(dataset: TokenDataset, batch_size: int, seq_len: int, max_batches: int | None = None,
+                 *, rank: int = 0, world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic validation batches: windows [k*seq_len, (k+1)*seq_len) with their shifted targets,
+    k = 0, 1, ... in order, non-overlapping, covering every predictable token but the last partial window.
+    The last batch may be smaller. With world_size > 1, rank r gets batches r, r + world_size, ...
+    (of the first max_batches)."""
+    n_windows = (dataset.n_tokens - 1) // seq_len
+    if n_windows == 0:
+        raise DataError(f"split {dataset.split!r} has {dataset.n_tokens} tokens, "
+                        f"fewer than seq_len + 1 = {seq_len + 1}")
+    n_batches = -(-n_windows // batch_size)
+    if max_batches is not None:
+        n_batches = min(n_batches, max_batches)
+    tokens = dataset.tokens
+    for b in range(rank, n_batches, world_size):
+        first, last = b * batch_size, min((b + 1) * batch_size, n_windows)
+        span = np.asarray(tokens[first * seq_len: last * seq_len + 1], dtype=np.int64)
+        x = torch.from_numpy(span[:-1].reshape(last - first, seq_len).copy())
+        y = torch.from_numpy(span[1:].reshape(last - first, seq_len).copy())
+        yield x, y

@@ -1,0 +1,329 @@
+"""Token data: prepare (split, eot, dtype, meta, atomicity), TokenDataset, BatchSampler, eval_batches."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from archlab import data
+from archlab.data import BatchSampler, ByteTokenizer, DataError, TokenDataset, eval_batches, prepare
+
+EOT = "<|endoftext|>"
+
+
+class FakeTokenizer:
+    """ids = UTF-8 bytes + offset, eot = vocab_size - 1: the tokenizer protocol without archlab.tokenizer."""
+
+    def __init__(self, vocab_size: int = 300, offset: int = 0, fail_on: str | None = None):
+        self.vocab_size, self.offset, self.fail_on = vocab_size, offset, fail_on
+
+    def encode(self, text: str) -> list[int]:
+        if self.fail_on is not None and self.fail_on in text:
+            raise RuntimeError("tokenizer crashed")
+        return [b + self.offset for b in text.encode("utf-8")]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.vocab_size - 1 if token == EOT else None
+
+    def save(self, directory) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "fake.json").write_text(json.dumps({"vocab_size": self.vocab_size}))
+
+
+def _docs(n: int) -> list[str]:
+    return [f"document {i}: " + "abc\u00e9\u6f22 " * (i % 7 + 1) for i in range(n)]
+
+
+def _read_docs(data_dir: Path, split: str, offset: int = 0) -> list[str]:
+    """The documents of a split, cut at the eot ids and decoded back to text."""
+    ds = TokenDataset(data_dir, split)
+    ids = np.asarray(ds.tokens, dtype=np.int64)
+    assert ids.size == 0 or ids[-1] == ds.eot_id, "every document, the last included, ends with eot"
+    cuts = np.flatnonzero(ids == ds.eot_id)
+    docs, start = [], 0
+    for cut in cuts:
+        docs.append(bytes((ids[start:cut] - offset).tolist()).decode("utf-8"))
+        start = cut + 1
+    return docs
+
+
+def _prepare(docs, out, **kw):
+    kw.setdefault("num_workers", 0)
+    kw.setdefault("progress", False)
+    tokenizer = kw.pop("tokenizer", "bytes")
+    return prepare(docs, tokenizer, out, **kw)
+
+
+# --------------------------------------------------------------------------- prepare: split
+def test_split_is_by_whole_document_and_covers_the_corpus(tmp_path):
+    docs = _docs(60)
+    meta = _prepare(docs, tmp_path / "d", val_fraction=0.25)
+    train, val = _read_docs(tmp_path / "d", "train"), _read_docs(tmp_path / "d", "val")
+    assert sorted(train + val) == sorted(docs)  # each document whole, in exactly one split
+    assert train == [d for d in docs if d in set(train)]  # corpus order kept within a split
+    assert 5 <= len(val) <= 25
+    assert meta["splits"]["val"]["documents"] == len(val) and meta["splits"]["train"]["documents"] == len(train)
+
+
+def test_split_is_deterministic_and_independent_of_workers_and_order(tmp_path, monkeypatch):
+    docs = _docs(60)
+    _prepare(docs, tmp_path / "a", val_fraction=0.2, seed=3)
+    monkeypatch.setattr(data, "BATCH_DOCS", 3)  # 20 batches over 2 processes: order must still hold
+    _prepare(docs, tmp_path / "b", val_fraction=0.2, seed=3, num_workers=2)
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    _prepare(docs[::-1], tmp_path / "r", val_fraction=0.2, seed=3)
+    assert set(_read_docs(tmp_path / "r", "val")) == set(_read_docs(tmp_path / "a", "val"))
+    _prepare(docs, tmp_path / "s", val_fraction=0.2, seed=4)
+    assert set(_read_docs(tmp_path / "s", "val")) != set(_read_docs(tmp_path / "a", "val"))
+
+
+def test_tokenizing_streams_with_a_bounded_read_ahead(monkeypatch):
+    monkeypatch.setattr(data, "BATCH_DOCS", 1)
+    pulled = 0
+
+    def endless():
+        nonlocal pulled
+        while True:
+            pulled += 1
+            yield f"document {pulled}"
+    stream = data._encoded(endless(), ByteTokenizer(), 0, np.dtype(np.uint16), num_workers=2)
+    first = [next(stream) for _ in range(3)]
+    assert bytes(first[2][0][0].tolist()) == b"document 3"
+    assert pulled <= 3 + 2 * 2  # what was consumed plus at most 2 * workers batches in flight
+    stream.close()
+
+
+def test_two_documents_always_give_one_to_each_split(tmp_path):
+    for seed in range(4):
+        for fraction in (0.0001, 0.5, 0.9999):
+            meta = _prepare(["first doc", "second doc"], tmp_path / f"d{seed}{fraction}",
+                            val_fraction=fraction, seed=seed)
+            assert [meta["splits"][s]["documents"] for s in ("train", "val")] == [1, 1]
+    meta = _prepare(["only doc"], tmp_path / "one", val_fraction=0.9)
+    assert meta["splits"]["train"]["documents"] == 1 and meta["splits"]["val"]["tokens"] == 0
+
+
+def test_moving_a_document_into_val_keeps_both_files_consistent(tmp_path):
+    docs = _docs(30)
+    _prepare(docs, tmp_path / "d", val_fraction=1e-9)  # no document scores below: one is moved
+    train, val = _read_docs(tmp_path / "d", "train"), _read_docs(tmp_path / "d", "val")
+    assert len(val) == 1 and sorted(train + val) == sorted(docs)
+    meta = data.load_meta(tmp_path / "d")
+    assert meta["splits"]["val"]["bytes"] == len(val[0].encode())
+    assert meta["splits"]["val"]["tokens"] == len(val[0].encode()) + 1
+
+
+# --------------------------------------------------------------------------- prepare: tokens + meta
+def test_eot_follows_every_document_and_empty_documents_are_dropped(tmp_path):
+    _prepare(["ab", "", "c", "", "def"], tmp_path / "d", val_fraction=0.0)
+    ids = TokenDataset(tmp_path / "d", "train").tokens
+    assert ids.tolist() == [97, 98, 256, 99, 256, 100, 101, 102, 256]
+
+
+@pytest.mark.parametrize("vocab_size,offset,dtype", [(300, 0, "uint16"), (65536, 65000, "uint16"),
+                                                     (70000, 65000, "uint32")])
+def test_dtype_is_uint16_up_to_65536_tokens_else_uint32(tmp_path, vocab_size, offset, dtype):
+    tok = FakeTokenizer(vocab_size, offset)
+    meta = _prepare(["hello \u00e9", "world"], tmp_path / "d", tokenizer=tok)
+    assert meta["dtype"] == dtype and meta["eot_id"] == vocab_size - 1
+    ds = TokenDataset(tmp_path / "d", "train")
+    assert ds.tokens.dtype == np.dtype(dtype) and int(ds.tokens.max()) == vocab_size - 1
+    assert sorted(_read_docs(tmp_path / "d", "train", offset) + _read_docs(tmp_path / "d", "val", offset)) == \
+        ["hello \u00e9", "world"]
+
+
+def test_meta_counts_tokens_and_utf8_bytes_per_split(tmp_path):
+    docs = ["caf\u00e9", "\u6f22\u5b57 text", "emoji \U0001f600", "plain ascii", "more"]
+    tok = FakeTokenizer(400)
+    meta = _prepare(docs, tmp_path / "d", tokenizer=tok, val_fraction=0.3, corpus_name="unit")
+    assert meta["corpus"] == "unit" and meta["vocab_size"] == 400 and meta["eot_token"] == EOT
+    assert meta["format"] == "archlab-tokens" and meta["seed"] == 0 and meta["val_fraction"] == 0.3
+    for split in ("train", "val"):
+        texts = _read_docs(tmp_path / "d", split)
+        info = meta["splits"][split]
+        assert info["bytes"] == sum(len(t.encode("utf-8")) for t in texts)
+        assert info["tokens"] == sum(len(tok.encode(t)) + 1 for t in texts)
+        ds = TokenDataset(tmp_path / "d", split)
+        assert ds.n_tokens == info["tokens"] and ds.bytes_per_token == pytest.approx(info["bytes"] / info["tokens"])
+    assert json.loads((tmp_path / "d" / "tokenizer" / "fake.json").read_text()) == {"vocab_size": 400}
+
+
+def test_data_folder_carries_its_byte_tokenizer(tmp_path):
+    _prepare(["x", "y"], tmp_path / "d")
+    tok = TokenDataset(tmp_path / "d").load_tokenizer()
+    assert isinstance(tok, ByteTokenizer) and tok.decode(tok.encode("h\u00e9")) == "h\u00e9"
+    assert data.load_tokenizer(tmp_path / "d" / "tokenizer") == ByteTokenizer()
+
+
+def test_prepare_reads_a_corpus_path(tmp_path):
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for i, text in enumerate(["one", "two", "three"]):
+        (folder / f"{i}.txt").write_text(text)
+    meta = _prepare(folder, tmp_path / "d")
+    assert meta["corpus"] == str(folder)
+    assert sorted(_read_docs(tmp_path / "d", "train") + _read_docs(tmp_path / "d", "val")) == ["one", "three", "two"]
+
+
+def test_tokenizer_without_the_eot_token_is_an_error(tmp_path):
+    with pytest.raises(DataError, match="no '<\\|end_of_doc\\|>' token"):
+        _prepare(["a"], tmp_path / "d", eot_token="<|end_of_doc|>")
+    assert not (tmp_path / "d").exists()
+
+
+def test_unknown_tokenizer_spec_is_an_error(tmp_path):
+    with pytest.raises(DataError, match="neither 'bytes' nor"):
+        _prepare(["a"], tmp_path / "d", tokenizer=str(tmp_path / "nope"))
+
+
+def test_crash_mid_prepare_leaves_no_data_folder(tmp_path):
+    docs = _docs(20) + ["boom"] + _docs(5)
+    with pytest.raises(RuntimeError, match="tokenizer crashed"):
+        _prepare(docs, tmp_path / "d", tokenizer=FakeTokenizer(fail_on="boom"))
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its temporary build
+
+
+def test_existing_folder_is_kept_unless_overwrite(tmp_path):
+    _prepare(["first", "run"], tmp_path / "d")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        _prepare(["second", "run"], tmp_path / "d")
+    assert "first" in _read_docs(tmp_path / "d", "train") + _read_docs(tmp_path / "d", "val")
+    _prepare(["second", "run"], tmp_path / "d", overwrite=True)
+    assert sorted(_read_docs(tmp_path / "d", "train") + _read_docs(tmp_path / "d", "val")) == ["run", "second"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def test_dataset_on_an_unprepared_folder_is_an_error(tmp_path):
+    with pytest.raises(DataError, match="not a prepared data folder"):
+        TokenDataset(tmp_path, "train")
+
+
+# --------------------------------------------------------------------------- sampling
+@pytest.fixture
+def counting_dir(tmp_path) -> Path:
+    """A data folder whose train tokens are 0, 1, 2, ...: a window's first token is its start."""
+    n = 5000
+    out = tmp_path / "counting"
+    out.mkdir()
+    np.arange(n, dtype=np.uint16).tofile(out / "train.bin")
+    np.arange(n // 10, dtype=np.uint16).tofile(out / "val.bin")
+    meta = {"dtype": "uint16", "vocab_size": n, "eot_id": n - 1, "splits": {
+        "train": {"file": "train.bin", "tokens": n, "bytes": 2 * n, "documents": 1},
+        "val": {"file": "val.bin", "tokens": n // 10, "bytes": n // 10, "documents": 1}}}
+    (out / "meta.json").write_text(json.dumps(meta))
+    return out
+
+
+def test_batches_are_int64_windows_with_targets_shifted_by_one(counting_dir):
+    x, y = next(BatchSampler(TokenDataset(counting_dir), batch_size=4, seq_len=16, seed=0))
+    assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(y, x + 1)
+    assert torch.equal(x, x[:, :1] + torch.arange(16))  # contiguous windows
+
+
+def test_sampler_is_deterministic_per_seed(counting_dir):
+    ds = TokenDataset(counting_dir)
+    a = [next(BatchSampler(ds, 4, 16, seed=1))[0] for _ in range(2)]
+    assert torch.equal(a[0], a[1])
+    b = next(BatchSampler(ds, 4, 16, seed=2))[0]
+    assert not torch.equal(a[0], b)
+
+
+def test_resumed_sampler_continues_exactly(counting_dir):
+    ds = TokenDataset(counting_dir)
+    run = BatchSampler(ds, 8, 32, seed=5)
+    for _ in range(40):  # past an epoch boundary (155 windows / 8 per step)
+        next(run)
+    state = json.loads(json.dumps(run.state_dict()))  # survives a checkpoint file
+    expected = [next(run) for _ in range(5)]
+    resumed = BatchSampler(ds, 8, 32, seed=5)
+    resumed.load_state_dict(state)
+    for (x, y), (ex, ey) in zip((next(resumed) for _ in range(5)), expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def test_ranks_split_the_single_process_global_batch(counting_dir):
+    ds = TokenDataset(counting_dir)
+    single = BatchSampler(ds, batch_size=6, seq_len=32, seed=7)
+    ranks = [BatchSampler(ds, batch_size=3, seq_len=32, seed=7, rank=r, world_size=2) for r in range(2)]
+    for _ in range(60):  # crosses several epochs
+        x, y = next(single)
+        parts = [next(r) for r in ranks]
+        assert torch.equal(x, torch.cat([p[0] for p in parts])) and torch.equal(y, torch.cat([p[1] for p in parts]))
+        assert not torch.equal(parts[0][0], parts[1][0])
+
+
+def test_resume_onto_a_different_world_size_with_the_same_global_batch(counting_dir):
+    ds = TokenDataset(counting_dir)
+    single = BatchSampler(ds, 4, 32, seed=0)
+    for _ in range(7):
+        next(single)
+    rank1 = BatchSampler(ds, 2, 32, seed=0, rank=1, world_size=2)
+    rank1.load_state_dict(single.state_dict())
+    assert torch.equal(next(rank1)[0], next(single)[0][2:])
+    with pytest.raises(DataError, match="global_batch_size"):
+        BatchSampler(ds, 3, 32, seed=0).load_state_dict(single.state_dict())
+
+
+def test_an_epoch_visits_disjoint_windows_once_and_epochs_differ(counting_dir):
+    ds = TokenDataset(counting_dir)
+    sampler = BatchSampler(ds, batch_size=5, seq_len=32, seed=0, rank=0, world_size=1)
+    n = sampler.windows_per_epoch
+    assert n == (5000 - 1) // 32 - 1
+    epochs = [[s for i in range(k * n, (k + 1) * n) for s in [_start_of(sampler, i)]] for k in range(2)]
+    for starts in epochs:
+        assert len(set(starts)) == n
+        ordered = sorted(starts)
+        assert all(b - a == 32 for a, b in zip(ordered, ordered[1:]))  # non-overlapping, no gaps
+        assert ordered[-1] + 33 <= 5000
+    assert epochs[0] != epochs[1]
+
+
+def _start_of(sampler: BatchSampler, sample: int) -> int:
+    epoch, pos = divmod(sample, sampler.windows_per_epoch)
+    offset, perm = sampler._epoch(epoch)
+    return offset + int(perm[pos]) * sampler.seq_len
+
+
+def test_sampler_rejects_a_split_shorter_than_a_window(tmp_path):
+    _prepare(["ab", "cd"], tmp_path / "d")
+    with pytest.raises(DataError, match="fewer than seq_len"):
+        BatchSampler(TokenDataset(tmp_path / "d", "val"), 2, 8)
+
+
+# --------------------------------------------------------------------------- evaluation batches
+def test_eval_batches_are_contiguous_non_overlapping_and_cover_the_split(counting_dir):
+    ds = TokenDataset(counting_dir, "validation")  # 500 tokens -> 15 windows of 32 (+1 target)
+    batches = list(eval_batches(ds, batch_size=4, seq_len=32))
+    assert [b[0].shape[0] for b in batches] == [4, 4, 4, 3]
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    assert torch.equal(x.flatten(), torch.arange(15 * 32)) and torch.equal(y, x + 1)
+    again = list(eval_batches(ds, batch_size=4, seq_len=32, max_batches=2))
+    assert len(again) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(again, batches))
+    shards = [list(eval_batches(ds, 4, 32, rank=r, world_size=2)) for r in range(2)]
+    assert [len(s) for s in shards] == [2, 2] and torch.equal(shards[1][0][0], batches[1][0])
+
+
+# --------------------------------------------------------------------------- command line
+def test_cli_prepare_writes_a_data_folder(tmp_path, capsys):
+    from archlab.cli import main
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"{i}.txt").write_text(f"text number {i}")
+    out = tmp_path / "data"
+    rc = main(["data", "prepare", "--corpus", str(folder), "--tokenizer", "bytes", "--out", str(out),
+               "--workers", "0", "--quiet", "--val-fraction", "0.3"])
+    assert rc == 0 and "train" in capsys.readouterr().out
+    assert TokenDataset(out).n_tokens + TokenDataset(out, "val").n_tokens == sum(len(f"text number {i}") + 1
+                                                                                   for i in range(4))
+    rc = main(["data", "prepare", "--corpus", str(tmp_path / "missing"), "--tokenizer", "bytes",
+               "--out", str(tmp_path / "x"), "--quiet"])
+    assert rc == 1 and "missing" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,255 @@
+"""Analytic accounting from a ModelConfig alone (no model built): parameters, FLOPs, memory.
+
+    param_count(cfg)                     unique parameters, == TransformerLM(cfg).num_params()
+    param_breakdown(cfg)                 the same, split into embeddings/position/attention/mlp/norms/head
+    flops_per_token(cfg, seq_len)        forward FLOPs per token (Kaplan et al. 2020 convention, below)
+    training_flops_per_token(cfg, T)     3x forward (backward costs twice the forward)
+    kv_cache_bytes(cfg, seq_len, ...)    K and V cache honouring GQA/MQA and sliding windows
+    training_memory_bytes(cfg, ...)      weights + grads + optimizer state + activations (estimate)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from archlab.config import ConfigError, ModelConfig
+
+DTYPE_BYTES = {
+    "float64": 8, "fp64": 8, "float32": 4, "fp32": 4, "tf32": 4,
+    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+    "float8": 1, "fp8": 1, "int8": 1, "int4": 0.5,
+}
+
+
+def dtype_bytes(dtype: Any) -> float:
+    """Bytes per element for a dtype name ("bfloat16", "fp32", ...) or a torch.dtype."""
+    itemsize = getattr(dtype, "itemsize", None)
+    if itemsize is not None and not isinstance(dtype, str):
+        return itemsize
+    key = str(dtype).removeprefix("torch.").lower()
+    if key not in DTYPE_BYTES:
+        raise ConfigError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[key]
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+def _norm_params(cfg: ModelConfig, dim: int, bias: bool) -> int:
+    kind = cfg.norm.kind
+    if kind == "nonparametric":
+        return 0
+    if kind in ("layernorm", "layernorm_1p"):
+        return dim * (2 if bias else 1)
+    return dim  # rmsnorm kinds have no bias
+
+
+def _linear(d_in: int, d_out: int, bias: bool) -> int:
+    return d_in * d_out + (d_out if bias else 0)
+
+
+def _dense_mlp_params(d: int, f: int, gated: bool, bias: bool) -> int:
+    return _linear(d, f, bias) * (2 if gated else 1) + _linear(f, d, bias)
+
+
+def _attention_params(cfg: ModelConfig) -> int:
+    """One layer's attention: q, k, v, o (+ gate, sinks, QK-norm weights)."""
+    att, d, e = cfg.attention, cfg.d_model, cfg.head_dim
+    he, ke = att.n_heads * e, cfg.n_kv_heads * e
+    n = _linear(d, he, cfg.bias.qkv) + 2 * _linear(d, ke, cfg.bias.qkv) + _linear(he, d, cfg.bias.attn_out)
+    if att.gated:
+        n += d * he
+    if att.learned_sinks:
+        n += att.n_heads
+    if att.qk_norm == "per_head":
+        n += 2 * _norm_params(cfg, e, False)
+    elif att.qk_norm == "full":
+        n += _norm_params(cfg, he, False) + _norm_params(cfg, ke, False)
+    return n
+
+
+def _mlp_params(cfg: ModelConfig) -> int:
+    mlp, d, bias = cfg.mlp, cfg.d_model, cfg.bias.mlp
+    dense = _dense_mlp_params(d, cfg.d_ff, mlp.gated, bias)
+    if mlp.moe is None:
+        return dense
+    moe = mlp.moe
+    n = moe.n_experts * dense + d * moe.n_experts  # experts + router (no bias)
+    if moe.shared_expert_d_ff:
+        n += _dense_mlp_params(d, moe.shared_expert_d_ff, mlp.gated, bias)
+    return n
+
+
+def _block_norms(cfg: ModelConfig) -> int:
+    count = 2
+    if cfg.block.parallel and cfg.block.parallel_norms == 1:
+        count = 1
+    if cfg.norm.position == "sandwich":
+        count += 2
+    return count
+
+
+def _uses_t5(cfg: ModelConfig) -> bool:
+    return any(cfg.position_kind(i) == "t5" for i in range(cfg.n_layers))
+
+
+def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
+    """Unique parameters by part. QK-norm weights count under attention; tied head counts 0."""
+    d, v, L = cfg.d_model, cfg.vocab_size, cfg.n_layers
+    norm_one = _norm_params(cfg, d, cfg.bias.norm)
+    position = 0
+    if cfg.position.kind == "learned":
+        position += (cfg.max_seq_len + cfg.position.learned_offset) * d
+    if _uses_t5(cfg):
+        position += cfg.position.t5_num_buckets * cfg.attention.n_heads  # one table, all layers
+    norms = L * _block_norms(cfg) * norm_one
+    norms += norm_one * (int(cfg.norm.embedding_norm) + int(cfg.norm.final_norm))
+    return {
+        "embeddings": v * d,
+        "position": position,
+        "attention": L * _attention_params(cfg),
+        "mlp": L * _mlp_params(cfg),
+        "norms": norms,
+        "head": (0 if cfg.tie_embeddings else v * d) + (v if cfg.bias.head else 0),
+    }
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Unique parameters; equals TransformerLM(cfg).num_params() (tied embeddings count once)."""
+    return sum(param_breakdown(cfg).values())
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters a token passes through: MoE counts only top_k experts (+ shared, router)."""
+    total = param_count(cfg)
+    moe = cfg.mlp.moe
+    if moe is None:
+        return total
+    dense = _dense_mlp_params(cfg.d_model, cfg.d_ff, cfg.mlp.gated, cfg.bias.mlp)
+    return total - cfg.n_layers * (moe.n_experts - moe.top_k) * dense
+
+
+# ---- FLOPs ---------------------------------------------------------------------------------------
+def average_context(seq_len: int, window: int | None = None) -> float:
+    """Mean number of keys a causal query sees over positions 0..T-1: (T+1)/2, or with a window w
+    the mean of min(i+1, w)."""
+    if seq_len < 1:
+        raise ConfigError(f"seq_len={seq_len} must be >= 1")
+    if window is None or window >= seq_len:
+        return (seq_len + 1) / 2
+    # positions 0..w-1 see 1..w keys, the remaining T-w positions see w each
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
+def _matmul_params_per_token(cfg: ModelConfig) -> int:
+    """Weights multiplied per token: projections, the top_k experts (+ shared, router), LM head."""
+    att, d, e = cfg.attention, cfg.d_model, cfg.head_dim
+    he, ke = att.n_heads * e, cfg.n_kv_heads * e
+    attn = d * he * 2 + 2 * d * ke + (d * he if att.gated else 0)
+    f_mats = 3 if cfg.mlp.gated else 2
+    moe = cfg.mlp.moe
+    if moe is None:
+        mlp = f_mats * d * cfg.d_ff
+    else:
+        mlp = moe.top_k * f_mats * d * cfg.d_ff + d * moe.n_experts
+        if moe.shared_expert_d_ff:
+            mlp += f_mats * d * moe.shared_expert_d_ff
+    return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token for a sequence of `seq_len` tokens (Kaplan et al. 2020, Table 1).
+
+    Convention: 2 FLOPs per multiply-add. Counted: 2 x every weight matrix a token is multiplied by
+    (q/k/v/o and gate projections, the top_k routed experts + shared expert + router for MoE, the
+    LM head, tied or not) plus, per layer, 2 x 2 x ctx x n_heads x head_dim for QK^T and PV, where ctx
+    is the average causal context (a local layer sees at most its window). Not counted: embedding
+    lookups, norms, biases, softmax, activations, position encodings (all O(d) per token).
+    """
+    att = cfg.attention
+    flops = 2.0 * _matmul_params_per_token(cfg)
+    for layer in range(cfg.n_layers):
+        window = att.window if cfg.is_local(layer) else None
+        flops += 4.0 * average_context(seq_len, window) * att.n_heads * cfg.head_dim
+    return flops
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward + backward: 3x forward (the backward pass computes grads for inputs and weights)."""
+    return 3.0 * flops_per_token(cfg, seq_len)
+
+
+# ---- KV cache ------------------------------------------------------------------------------------
+def cached_tokens(cfg: ModelConfig, layer: int, seq_len: int) -> int:
+    """Tokens layer `layer` must keep: all of them, or the last `window` on a local layer."""
+    if cfg.is_local(layer):
+        return min(cfg.attention.window, seq_len)
+    return seq_len
+
+
+def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: Any = "bfloat16") -> int:
+    """Bytes of K and V after `seq_len` tokens: sum over layers of 2 x k x e x tokens kept x bytes.
+
+    GQA/MQA shrink k (n_kv_heads); local layers keep only their window (a rolling buffer).
+    """
+    if seq_len < 0 or batch < 1:
+        raise ConfigError(f"seq_len={seq_len} must be >= 0 and batch={batch} >= 1")
+    per_token_layer = 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes(dtype)
+    tokens = sum(cached_tokens(cfg, i, seq_len) for i in range(cfg.n_layers))
+    return int(batch * tokens * per_token_layer)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: Any = "bfloat16") -> int:
+    """Cache growth per token while no window is full: 2 x n_layers x k x e x bytes."""
+    return int(2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes(dtype))
+
+
+# ---- training memory -----------------------------------------------------------------------------
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "lion": 1, "sgd_momentum": 1, "sgd": 0}
+
+
+def activation_elements_per_token(cfg: ModelConfig) -> int:
+    """Activations saved for backward per token, all layers (no recomputation, flash attention:
+    no t x t probabilities stored). Per layer: the inputs of both norms and of the projections they
+    feed (4d, sandwich +2d), q/k/v ((h + 2k) e), the attention output (h e), and in the MLP the
+    pre-activations and the down-projection input ((2 or 3) f, times top_k for MoE). Plus the
+    logits (v) for the loss. A simplification of Korthikanti et al. 2022 (arXiv 2205.05198)
+    without dropout masks."""
+    att, d, e, f = cfg.attention, cfg.d_model, cfg.head_dim, cfg.d_ff
+    per_layer = 4 * d + (2 * d if cfg.norm.position == "sandwich" else 0)
+    per_layer += (att.n_heads + 2 * cfg.n_kv_heads) * e + att.n_heads * e
+    mlp = (3 if cfg.mlp.gated else 2) * f
+    if cfg.mlp.moe is not None:
+        mlp = mlp * cfg.mlp.moe.top_k + (
+            (3 if cfg.mlp.gated else 2) * cfg.mlp.moe.shared_expert_d_ff
+            if cfg.mlp.moe.shared_expert_d_ff else 0)
+    per_layer += mlp
+    return cfg.n_layers * per_layer + cfg.vocab_size + d
+
+
+def training_memory(cfg: ModelConfig, batch: int, seq_len: int, dtype: Any = "bfloat16",
+                    optimizer: str = "adamw") -> dict[str, int]:
+    """Estimated bytes by part for one training step on one device (no sharding).
+
+    weights: P x bytes(dtype); grads: P x bytes(dtype); optimizer: P x 4 x n_states (fp32 moments,
+    AdamW 2) plus an fp32 master copy P x 4 when dtype is narrower than fp32 (mixed precision);
+    activations: batch x seq_len x activation_elements_per_token x bytes(dtype), plus the fp32
+    logits the loss upcasts. Ignores allocator fragmentation, temporary buffers and the CUDA context.
+    """
+    if optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATES)}")
+    if batch < 1 or seq_len < 1:
+        raise ConfigError(f"batch={batch} and seq_len={seq_len} must be >= 1")
+    p, nbytes = param_count(cfg), dtype_bytes(dtype)
+    optimizer_bytes = p * 4 * OPTIMIZER_STATES[optimizer] + (p * 4 if nbytes < 4 else 0)
+    tokens = batch * seq_len
+    activations = tokens * activation_elements_per_token(cfg) * nbytes + tokens * cfg.vocab_size * 4
+    return {
+        "weights": int(p * nbytes),
+        "grads": int(p * nbytes),
+        "optimizer": int(optimizer_bytes),
+        "activations": int(activations),
+    }
+
+
+def training_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, dtype: Any = "bfloat16",
+                          optimizer: str = "adamw") -> int:
+    """Total of `training_memory` (see there for the formula)."""
+    return sum(training_memory(cfg, batch, seq_len, dtype, optimizer).values())

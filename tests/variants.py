@@ -34,6 +34,7 @@ VARIANTS.update({
     "learned-offset": {"position.kind": "learned", "position.learned_offset": 2},
     "qk-norm-per-head": {"attention.qk_norm": "per_head"},
     "qk-norm-full": {"attention.qk_norm": "full"},
+    "qk-norm-per-head-untied": {"attention.qk_norm": "per_head_untied"},
     "softcap": {"attention.logit_softcap": 5.0, "final_logit_softcap": 3.0},
     "query-scalar": {"attention.query_pre_attn_scalar": 4.0},
     "gated-attention": {"attention.gated": True},

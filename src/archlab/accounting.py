@@ -60,7 +60,7 @@ def _attention_params(cfg: ModelConfig) -> int:
         n += att.n_heads
     if att.qk_norm == "per_head":
         n += 2 * _norm_params(cfg, e, False)
-    elif att.qk_norm == "full":
+    elif att.qk_norm in ("full", "per_head_untied"):  # untied: one weight per head (Cohere)
         n += _norm_params(cfg, he, False) + _norm_params(cfg, ke, False)
     return n
 

@@ -30,7 +30,7 @@ GATED_ACTIVATIONS = ("reglu", "geglu", "geglu_tanh", "swiglu")
 PositionKind = Literal["none", "sinusoidal", "learned", "rope", "alibi", "t5"]
 ABSOLUTE_POSITIONS = ("sinusoidal", "learned")
 RopeLayout = Literal["half", "interleaved"]
-QKNorm = Literal["none", "per_head", "full"]
+QKNorm = Literal["none", "per_head", "per_head_untied", "full"]
 
 
 def _positive(owner: str, **values: float | int | None) -> None:
@@ -164,8 +164,10 @@ class AttentionConfig:
     layer_pattern: str | None = None       # "LG" repeated over depth; None: all L if window else G
     prefix_lm: bool = False                # bidirectional attention inside a prefix (forward arg)
     qk_norm: QKNorm = "none"               # per_head: Qwen3/Gemma 3; full: OLMo 2
+                                           # per_head_untied: own weight per head (Command R+)
     logit_softcap: float | None = None     # Gemma 2: 50.0  (cap * tanh(s / cap))
     query_pre_attn_scalar: float | None = None  # scale = scalar**-0.5 (Gemma 2); None: head_dim
+    clip_qkv: float | None = None          # OLMo: clamp q, k, v projections to [-c, c]
     gated: bool = False                    # sigmoid(x W_g) * attn_out, before o_proj (Qiu et al. 2025)
     learned_sinks: bool = False            # per-head logit in the softmax denominator
     dropout: float = 0.0
@@ -173,7 +175,7 @@ class AttentionConfig:
     def __post_init__(self):
         _check_literals(self, "attention")
         _positive("attention", n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                  head_dim=self.head_dim, logit_softcap=self.logit_softcap,
+                  head_dim=self.head_dim, logit_softcap=self.logit_softcap, clip_qkv=self.clip_qkv,
                   query_pre_attn_scalar=self.query_pre_attn_scalar)
         if self.window is not None and self.window < 1:
             raise ConfigError(f"attention.window={self.window} must be >= 1 (or None for global)")
@@ -323,6 +325,9 @@ class ModelConfig:
             raise ConfigError(
                 f"block.parallel=True needs norm.position='pre', got {self.norm.position!r}"
             )
+        if att.qk_norm == "per_head_untied" and self.norm.kind == "nonparametric":
+            raise ConfigError("attention.qk_norm='per_head_untied' needs a norm with a weight; "
+                              "norm.kind='nonparametric' has none")
         if self.mlp.width(self.d_model) < 1:
             raise ConfigError("mlp width must be >= 1")
 

@@ -498,12 +498,11 @@ def phi3_mini() -> ModelConfig:  # config.json sets sliding_window 2047
 
 
 @_preset("command-r-plus", year=2024, source="HF CohereForAI/c4ai-command-r-plus config.json",
-         params=104e9, approximation="Cohere's QK LayerNorm has separate weights per head; "
-         "per_head QK-norm here shares one weight vector across heads")
+         params=104e9)
 def command_r_plus() -> ModelConfig:
     return cohere_like("command-r-plus", vocab_size=256_000, d_model=12_288, n_layers=64, n_heads=96,
                        n_kv_heads=8, d_ff=33_792, max_seq_len=131_072, rope_theta=75e6,
-                       logit_scale=0.8333333333333334, attention=dict(qk_norm="per_head"))
+                       logit_scale=0.8333333333333334, attention=dict(qk_norm="per_head_untied"))
 
 
 @_preset("command-a", year=2025, source="HF CohereForAI/c4ai-command-a-03-2025 config.json "

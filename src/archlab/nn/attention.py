@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import ModelConfig
-from archlab.nn.norms import build_norm
+from archlab.nn.norms import HeadwiseNorm, build_norm
 from archlab.nn.position import build_attention_position
 
 
@@ -61,7 +61,10 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if att.learned_sinks else None
 
         self.qk_norm = att.qk_norm
-        if att.qk_norm != "none":
+        if att.qk_norm == "per_head_untied":
+            self.q_norm = HeadwiseNorm(cfg.norm.kind, self.n_heads, self.head_dim, cfg.norm.eps)
+            self.k_norm = HeadwiseNorm(cfg.norm.kind, self.n_kv_heads, self.head_dim, cfg.norm.eps)
+        elif att.qk_norm != "none":
             per_head = att.qk_norm == "per_head"
             self.q_norm = build_norm(cfg.norm.kind, self.head_dim if per_head else h_e, cfg.norm.eps, False)
             self.k_norm = build_norm(cfg.norm.kind, self.head_dim if per_head else k_e, cfg.norm.eps, False)
@@ -71,6 +74,7 @@ class Attention(nn.Module):
         scale_dim = att.query_pre_attn_scalar or self.head_dim
         self.scale = scale_dim ** -0.5
         self.softcap = att.logit_softcap
+        self.clip_qkv = att.clip_qkv
         self.dropout = att.dropout
         self.record_probs = False      # diagnostics switch this on to keep `last_probs`
         self.last_probs: torch.Tensor | None = None
@@ -85,18 +89,26 @@ class Attention(nn.Module):
     ) -> torch.Tensor:                   # (b, t, d)
         b, t, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.clip_qkv is not None:  # OLMo (Groeneveld et al. 2024): tames loss spikes
+            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)      # (b, h, t, e)
         k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (b, k, t, e)
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (b, k, t, e)
-        if self.qk_norm == "per_head":
+        if self.qk_norm in ("per_head", "per_head_untied"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.position.rotate(q, positions), self.position.rotate(k, positions)
-
-        k_pos = positions
-        if cache is not None:
-            k, v, k_pos = cache.update(self.layer, k, v, positions)         # (b, k, s, e), (b, s)
+        if cache is not None and getattr(cache, "rotates_keys", False):
+            # StreamingLLM cache (kv_cache.SinkKVCache): it keeps un-rotated keys, rotates them
+            # with in-cache positions, and hands back the queries' in-cache positions
+            k, v, k_pos, positions = cache.update(self.layer, k, v, positions,
+                                                  rotate=self.position.rotate)
+            q = self.position.rotate(q, positions)
+        else:
+            q, k = self.position.rotate(q, positions), self.position.rotate(k, positions)
+            k_pos = positions
+            if cache is not None:
+                k, v, k_pos = cache.update(self.layer, k, v, positions)     # (b, k, s, e), (b, s)
 
         bias = self.position.bias(positions, k_pos)                          # (b, h, t, s) | None
         simple = plain_causal and cache is None and self.window is None and prefix_lengths is None

@@ -81,3 +81,28 @@ class RMSNorm1p(RMSNorm):
 
 def build_norm(kind: str, dim: int, eps: float, bias: bool) -> nn.Module:
     return NORMS.get(kind)(dim, eps=eps, bias=bias)
+
+
+class HeadwiseNorm(nn.Module):
+    """QK-norm over each head's dims with a separate weight per head, weight (h, e): Cohere
+    Command R+ (`per_head_untied`); the plain `per_head` QK-norm shares one (e,) weight."""
+
+    def __init__(self, kind: str, n_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        base = NORMS.get(kind)
+        if not issubclass(base, (LayerNorm, RMSNorm)):
+            from archlab.config import ConfigError
+
+            raise ConfigError(f"attention.qk_norm='per_head_untied' needs a norm with a weight; "
+                              f"norm.kind={kind!r} has none")
+        self.eps, self.center = eps, issubclass(base, LayerNorm)
+        self.weight_offset = base.weight_offset
+        self.weight = nn.Parameter(torch.full((n_heads, head_dim), 1.0 - self.weight_offset))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, h, t, e) -> (b, h, t, e)
+        xf = x.float()
+        if self.center:
+            xf = xf - xf.mean(-1, keepdim=True)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight.float() + self.weight_offset                # (h, e)
+        return (y * weight[:, None, :]).to(x.dtype)

@@ -37,6 +37,7 @@ VARIANTS.update({
     "qk-norm-per-head-untied": {"attention.qk_norm": "per_head_untied"},
     "softcap": {"attention.logit_softcap": 5.0, "final_logit_softcap": 3.0},
     "query-scalar": {"attention.query_pre_attn_scalar": 4.0},
+    "clip-qkv": {"attention.clip_qkv": 0.05},
     "gated-attention": {"attention.gated": True},
     "learned-sinks": {"attention.learned_sinks": True},
     "moe": {"mlp.moe": {"n_experts": 4, "top_k": 2, "router_z_loss_coef": 1e-3}},

@@ -1,0 +1,195 @@
+"""`archlab convert` (HF folder <-> archlab run folder) and `archlab verify` (archlab vs transformers).
+
+A converted run folder is an ordinary run folder (archlab.checkpoint): config.yaml with the model
+under `model`, tokenizer/ (copied when the HF folder has tokenizer.json) and one checkpoint
+`checkpoints/step_0000000/model.safetensors` holding our parameter names, so `archlab generate`,
+`archlab eval` and `archlab diagnose` read it like a trained run.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from archlab.config import ConfigError
+
+CONVERT_EXAMPLE = """\
+examples:
+  archlab convert --from-hf ~/models/Qwen2.5-0.5B --out runs/qwen2.5-0.5b
+  archlab convert --to-hf runs/my-run --out exported/my-run          # family inferred from the config
+  archlab convert --to-hf runs/my-run --out exported/my-run --family mistral
+"""
+
+VERIFY_EXAMPLE = """\
+examples:
+  archlab verify ~/models/Qwen2.5-0.5B
+  archlab verify exported/my-run --seq-len 64 --batch 2 --tolerance 1e-4
+
+prints the max absolute and relative logit difference and the mean KL(transformers || archlab)
+over a fixed random token batch; exits 1 when the relative difference exceeds --tolerance.
+"""
+
+# files of an HF folder that make up its tokenizer (copied beside tokenizer.json when present)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
+    if not (src / "tokenizer.json").is_file():
+        return []
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def convert_from_hf(hf_dir: str | Path, run_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """HF folder -> run folder (config.yaml, tokenizer/, checkpoints/step_0000000/)."""
+    from archlab.checkpoint import CHECKPOINT_DIR, save_checkpoint, write_run_config
+    from archlab.interop.hf import load_hf, read_hf_config
+
+    hf_dir, run_dir = Path(hf_dir), Path(run_dir)
+    model = load_hf(hf_dir, dtype=dtype)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    source = {"hf_folder": str(hf_dir.resolve()), "model_type": read_hf_config(hf_dir)["model_type"]}
+    write_run_config(run_dir, model=model.config.to_dict(), train={}, data={"converted_from": source})
+    save_checkpoint(run_dir / CHECKPOINT_DIR, 0, model.state_dict(), {}, keep_last=0,
+                    extra_meta={"converted_from": source})
+    if (hf_dir / "tokenizer.json").is_file():
+        problem = _tokenizer_problem(hf_dir)
+        if problem is None:
+            _copy_tokenizer(hf_dir, run_dir / "tokenizer")
+        else:  # keep it, but where load_run does not trip over it
+            _copy_tokenizer(hf_dir, run_dir / "tokenizer_hf")
+            print(f"note: archlab's tokenizer cannot read {hf_dir / 'tokenizer.json'} ({problem}); "
+                  f"copied to {run_dir / 'tokenizer_hf'} instead of tokenizer/", file=sys.stderr)
+    return run_dir
+
+
+def _tokenizer_problem(folder: Path) -> str | None:
+    """None when archlab.tokenizer loads folder/tokenizer.json, else the reason."""
+    try:
+        from archlab.data import load_tokenizer as load  # what load_run uses
+    except ImportError as exc:
+        return str(exc)
+    try:
+        load(folder)
+    except Exception as exc:  # any failure means a run folder could not load it
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None = None) -> str:
+    """Run folder (latest checkpoint) -> HF folder; returns the HF model_type used."""
+    from archlab.checkpoint import load_run
+    from archlab.interop.hf import save_hf
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    model, _ = load_run(run_dir)
+    fam = save_hf(model, out_dir, family=family)
+    tok = run_dir / "tokenizer"
+    if (tok / "tokenizer.json").is_file():
+        _copy_tokenizer(tok, out_dir)
+    return fam.model_type
+
+
+def compare_with_transformers(hf_dir: str | Path, seq_len: int = 32, batch: int = 2, seed: int = 0,
+                              dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Logits of archlab.load_hf and transformers on the same random tokens:
+    max_abs, max_rel (max|a-b| / max|b|) and mean_kl = mean over positions of KL(p_hf || p_ours)."""
+    import transformers
+
+    from archlab.interop.hf import load_hf
+
+    ours = load_hf(hf_dir, dtype=dtype)
+    kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, attn_implementation="eager", **{kw: dtype}).eval()
+    seq_len = min(seq_len, ours.config.max_seq_len)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, ours.config.vocab_size, (batch, seq_len), generator=gen)
+    with torch.no_grad():
+        a = ours(ids).float()
+        b = theirs(input_ids=ids, use_cache=False).logits.float()
+    diff = (a - b).abs()
+    log_p, log_q = b.log_softmax(-1), a.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    return {"max_abs": float(diff.max()), "max_rel": float(diff.max() / b.abs().max()),
+            "mean_kl": float(kl)}
+
+
+# ---- command entry points ------------------------------------------------------------------------
+def run_convert(args: argparse.Namespace) -> int:
+    try:
+        if args.from_hf:
+            dtype = DTYPES[args.dtype] if args.dtype else None
+            out = convert_from_hf(args.from_hf, args.out, dtype=dtype)
+            print(f"wrote run folder {out} (config.yaml, checkpoints/step_0000000"
+                  + (", tokenizer/" if (out / "tokenizer").is_dir() else "") + ")")
+        else:
+            model_type = convert_to_hf(args.to_hf, args.out, family=args.family)
+            print(f"wrote Hugging Face folder {args.out} (model_type {model_type!r})")
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"archlab convert: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    try:
+        stats = compare_with_transformers(args.folder, seq_len=args.seq_len, batch=args.batch,
+                                          seed=args.seed, dtype=DTYPES[args.dtype])
+    except ImportError:
+        print("archlab verify: error: needs `transformers` (pip install archlab[hf])", file=sys.stderr)
+        return 2
+    except (ConfigError, ValueError, FileNotFoundError, OSError) as exc:
+        print(f"archlab verify: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"max abs logit diff   {stats['max_abs']:.3e}")
+    print(f"max rel logit diff   {stats['max_rel']:.3e}   (tolerance {args.tolerance:g})")
+    print(f"mean KL(hf || ours)  {stats['mean_kl']:.3e}")
+    ok = math.isfinite(stats["max_rel"]) and stats["max_rel"] <= args.tolerance
+    print("OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    c = subparsers.add_parser(
+        "convert", help="convert between a Hugging Face folder and an archlab run folder",
+        description="HF folder (config.json + safetensors) <-> archlab run folder. "
+        "Example: archlab convert --from-hf ~/models/Qwen2.5-0.5B --out runs/qwen",
+        epilog=CONVERT_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = c.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-hf", metavar="HF_DIR", help="Hugging Face folder to import")
+    src.add_argument("--to-hf", metavar="RUN_DIR", help="archlab run folder to export (latest checkpoint)")
+    c.add_argument("--out", required=True, metavar="DIR", help="folder to write")
+    c.add_argument("--family", default=None, metavar="MODEL_TYPE",
+                   help="with --to-hf: HF model_type to write (default: inferred from the config)")
+    c.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="with --from-hf: weight dtype of the run (default: the checkpoint's)")
+    c.set_defaults(func=run_convert)
+
+    v = subparsers.add_parser(
+        "verify", help="compare archlab's and transformers' logits on a Hugging Face folder",
+        description="Load an HF folder with archlab and with transformers and compare logits on a "
+        "fixed random token batch. Example: archlab verify ~/models/Qwen2.5-0.5B",
+        epilog=VERIFY_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    v.add_argument("folder", metavar="HF_DIR", help="Hugging Face folder (config.json + safetensors)")
+    v.add_argument("--seq-len", type=int, default=32, help="tokens per row (default 32)")
+    v.add_argument("--batch", type=int, default=2, help="rows (default 2)")
+    v.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
+    v.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype (default float32)")
+    v.add_argument("--tolerance", type=float, default=1e-4,
+                   help="max relative logit difference accepted (default 1e-4)")
+    v.set_defaults(func=run_verify)

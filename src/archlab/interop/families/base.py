@@ -1,0 +1,302 @@
+"""The contract every Hugging Face family implements, plus small helpers shared by families.
+
+How to add a family (one file in this package, ~100 lines):
+
+1. Subclass `Family`, set `model_type` (the `model_type` field of HF's config.json) and
+   `architecture` (the class name HF writes into `architectures`, e.g. "LlamaForCausalLM"), and
+   decorate with `@register_family`:
+
+       @register_family
+       class LlamaFamily(Family):
+           model_type = "llama"
+           architecture = "LlamaForCausalLM"
+
+2. `to_config(hf) -> ModelConfig`: read the config.json dict. Use `HFConfig(hf, self.model_type)`:
+   `c.get("rms_norm_eps", 1e-6)`, `c.require("hidden_size")`, and `c.unsupported(field, bad_if)` /
+   `c.only(field, allowed)` so that an HF switch we cannot express raises ConfigError naming the
+   field and its value instead of silently loading a different model. RoPE settings (legacy
+   `rope_theta`/`rope_scaling` and transformers-5 `rope_parameters`) go through `read_rope`.
+
+3. `from_config(cfg) -> dict`: our config -> config.json dict for `save_hf`. Raise ConfigError naming
+   the switch HF cannot express (`require_switch(cfg, "norm.kind", "rmsnorm", family)`). The
+   round trip `to_config(from_config(cfg))` must give back `cfg` on every architectural field
+   (see `ARCH_IGNORED`): that is how `save_hf` infers the family of a model.
+   Families that cannot be saved leave `from_config` unimplemented (NotImplementedError).
+
+4. `weight_rules(cfg) -> list[Rule]`: every one of OUR parameter names covered exactly once, with
+   the HF tensor names it comes from. `rename(ours, hf)` for 1:1 tensors, `transposed` for GPT-2's
+   Conv1D, `fused(ours_list, hf, dim)` for one HF tensor split into several of ours (fused qkv,
+   gate_up) -- the inverse (concatenation) is used when saving. Tensors that old checkpoints
+   store but that are not weights (rotary `inv_freq`, causal `masked_bias`) go in
+   `ignored_hf(cfg)` as regular expressions. With tied embeddings `lm_head.weight` is ignored
+   automatically.
+
+5. Add a parity test in tests/interop/test_parity_<family>.py using the helpers in
+   tests/interop/conftest.py (tiny random HF model -> save_pretrained -> load_hf -> logits equal;
+   save_hf -> transformers -> logits equal).
+
+Checkpoints saved from the bare base model (LlamaModel instead of LlamaForCausalLM) lack the
+`base_prefix` ("model.", "transformer."); the loader adds it back when no tensor carries it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from archlab.config import ConfigError, ModelConfig, PositionConfig, RopeScaling
+from archlab.nn.registry import Registry
+
+Tensors = list[torch.Tensor]
+
+
+def _identity(tensors: Tensors) -> Tensors:
+    return list(tensors)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """HF tensors `hf` <-> our parameters `ours`. `to_ours` maps the list of HF tensors (in `hf`
+    order) to the list of ours (in `ours` order); `to_hf` is its inverse, used by save_hf."""
+
+    ours: tuple[str, ...]
+    hf: tuple[str, ...]
+    to_ours: Callable[[Tensors], Tensors] = _identity
+    to_hf: Callable[[Tensors], Tensors] = _identity
+
+
+def rename(ours: str, hf: str) -> Rule:
+    return Rule((ours,), (hf,))
+
+
+def transposed(ours: str, hf: str) -> Rule:
+    """GPT-2's Conv1D stores weights (in, out); ours are nn.Linear (out, in)."""
+    flip = lambda ts: [ts[0].t().contiguous()]  # noqa: E731
+    return Rule((ours,), (hf,), flip, flip)
+
+
+def fused(ours: Sequence[str], hf: str, sizes: Sequence[int], dim: int = 0,
+          pre: Callable[[torch.Tensor], torch.Tensor] | None = None,
+          post: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Rule:
+    """One HF tensor = concatenation of several of ours along `dim` (fused qkv, gate_up).
+    `pre` is applied to the HF tensor before splitting (e.g. a transpose or a head reorder) and
+    `post` (its inverse) after concatenating when saving."""
+    def split(ts: Tensors) -> Tensors:
+        t = pre(ts[0]) if pre else ts[0]
+        if t.shape[dim] != sum(sizes):
+            raise ConfigError(f"tensor {hf!r} has size {t.shape[dim]} along dim {dim}, "
+                              f"expected {sum(sizes)} = {' + '.join(map(str, sizes))}")
+        return [p.contiguous() for p in torch.split(t, list(sizes), dim=dim)]
+
+    def cat(ts: Tensors) -> Tensors:
+        t = torch.cat(ts, dim=dim)
+        return [(post(t) if post else t).contiguous()]
+
+    return Rule(tuple(ours), (hf,), split, cat)
+
+
+class HFConfig:
+    """Read access to an HF config.json dict that names the family and field in every error."""
+
+    def __init__(self, data: dict, model_type: str):
+        self.data, self.model_type = data, model_type
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key)
+        return default if value is None else value
+
+    def require(self, key: str) -> Any:
+        if self.data.get(key) is None:
+            raise ConfigError(f"{self.model_type} config.json lacks the required field {key!r}")
+        return self.data[key]
+
+    def only(self, key: str, allowed: Iterable[Any], default: Any = None) -> Any:
+        """The value of `key` (default if absent), which must be one of `allowed`."""
+        value = self.get(key, default)
+        allowed = list(allowed)
+        if value not in allowed:
+            raise ConfigError(
+                f"{self.model_type} config.json field {key}={value!r} is not supported by archlab "
+                f"(supported: {', '.join(map(repr, allowed))})"
+            )
+        return value
+
+    def unsupported(self, key: str, bad: Callable[[Any], bool] = lambda v: bool(v),
+                    why: str = "") -> None:
+        """Raise if `key` is present with a value for which `bad(value)` holds."""
+        value = self.data.get(key)
+        if value is not None and bad(value):
+            raise ConfigError(
+                f"{self.model_type} config.json field {key}={value!r} is not supported by archlab"
+                + (f": {why}" if why else "")
+            )
+
+    def error(self, message: str) -> ConfigError:
+        return ConfigError(f"{self.model_type} config.json: {message}")
+
+
+def read_rope(c: HFConfig, default_theta: float = 10_000.0,
+              params: dict | None = None) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from legacy `rope_theta` + `rope_scaling` or transformers-5 `rope_parameters`
+    (pass `params` to read one entry of a per-layer-type `rope_parameters`)."""
+    if params is None:
+        params = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta") or c.get("rope_theta", default_theta))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        return theta, RopeScaling(kind="linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return theta, RopeScaling(
+            kind="llama3", factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_seq_len=int(params["original_max_position_embeddings"]),
+        )
+    raise c.error(f"rope type {kind!r} (rope_scaling / rope_parameters) is not supported by archlab "
+                  "(supported: 'default', 'linear', 'llama3')")
+
+
+def write_rope(theta: float, scaling: RopeScaling | None) -> dict:
+    """HF rope fields: `rope_parameters` (transformers >= 5) plus legacy `rope_theta`/`rope_scaling`."""
+    theta = float(theta)
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if scaling is not None and scaling.kind == "linear":
+        params.update(rope_type="linear", factor=float(scaling.factor))
+    elif scaling is not None:
+        params.update(rope_type="llama3", factor=float(scaling.factor),
+                      low_freq_factor=float(scaling.low_freq_factor),
+                      high_freq_factor=float(scaling.high_freq_factor),
+                      original_max_position_embeddings=scaling.original_max_seq_len)
+    legacy = None
+    if params["rope_type"] != "default":
+        legacy = {k: v for k, v in params.items() if k != "rope_theta"}
+        legacy["type"] = params["rope_type"]
+    return {"rope_theta": theta, "rope_scaling": legacy, "rope_parameters": params}
+
+
+def require_switch(cfg: ModelConfig, key: str, allowed: Any | Sequence[Any], family: str) -> None:
+    """Raise ConfigError if the dotted config `key` is not `allowed` (a value or list of values)."""
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part) if value is not None else None
+    options = allowed if isinstance(allowed, (list, tuple)) else [allowed]
+    if value not in options:
+        raise ConfigError(
+            f"HF family {family!r} cannot express {key}={value!r} "
+            f"(it needs {' or '.join(map(repr, options))})"
+        )
+
+
+# Fields that do not change the function a model computes (training-only or bookkeeping); the
+# family inference in save_hf ignores them when comparing a config with its HF round trip.
+ARCH_IGNORED = (
+    "name", "seed", "init", "z_loss", "embedding_dropout", "block.residual_dropout",
+    "attention.dropout", "mlp.moe.aux_loss_coef", "mlp.moe.router_z_loss_coef", "max_seq_len",
+)
+
+
+def config_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
+    """Dotted keys whose values differ between two configs, ignoring ARCH_IGNORED; mlp width is
+    compared as the resolved d_ff (d_ff vs d_ff_ratio spell the same model)."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict):
+                out.update(flat(v, key + "."))
+            else:
+                out[key] = v
+        return out
+
+    def normalized(cfg: ModelConfig) -> dict:
+        """Spell equivalent configs the same: resolved sizes, per-layer pattern, and the
+        defaults of fields that the chosen kinds never read (t5 buckets without t5, ...)."""
+        n = cfg.n_layers
+        local = "".join("L" if cfg.is_local(i) else "G" for i in range(n))
+        att, pos, default_pos = cfg.attention, cfg.position, PositionConfig()
+        kinds = {cfg.position_kind(i) for i in range(n)} | {pos.kind}
+        rope = "rope" in kinds
+        pos = dataclasses.replace(
+            pos,
+            global_kind=None if pos.global_kind in (None, pos.kind) else pos.global_kind,
+            t5_num_buckets=pos.t5_num_buckets if "t5" in kinds else default_pos.t5_num_buckets,
+            t5_max_distance=pos.t5_max_distance if "t5" in kinds else default_pos.t5_max_distance,
+            learned_offset=pos.learned_offset if pos.kind == "learned" else 0,
+            rope_theta=pos.rope_theta if rope else default_pos.rope_theta,
+            rope_layout=pos.rope_layout if rope else default_pos.rope_layout,
+            rotary_fraction=pos.rotary_fraction if rope else 1.0,
+            rope_scaling=(None if not rope or pos.rope_scaling is None else
+                          RopeScaling(kind="linear", factor=pos.rope_scaling.factor)
+                          if pos.rope_scaling.kind == "linear" else pos.rope_scaling),
+            local_rope_theta=pos.local_rope_theta if rope and "L" in local else None,
+        )
+        att = dataclasses.replace(
+            att, head_dim=cfg.head_dim, n_kv_heads=cfg.n_kv_heads,
+            query_pre_attn_scalar=att.query_pre_attn_scalar or cfg.head_dim,
+            layer_pattern=local, window=att.window if "L" in local else None)
+        bias = cfg.bias
+        if cfg.norm.kind not in ("layernorm", "layernorm_1p"):  # no beta to have
+            bias = dataclasses.replace(bias, norm=False)
+        cfg = dataclasses.replace(
+            cfg, attention=att, position=pos, bias=bias,
+            mlp=dataclasses.replace(cfg.mlp, d_ff=cfg.d_ff, d_ff_ratio=4.0, multiple_of=1))
+        return flat(cfg.to_dict())
+
+    fa, fb = normalized(a), normalized(b)
+    ignored = lambda k: any(k == p or k.startswith(p + ".") for p in ARCH_IGNORED)  # noqa: E731
+    return sorted(k for k in set(fa) | set(fb) if not ignored(k) and fa.get(k) != fb.get(k))
+
+
+class Family:
+    """One HF `model_type`: config translation both ways and the weight-name mapping."""
+
+    model_type: str = ""
+    architecture: str = ""          # HF class written to config.json "architectures"
+    base_prefix: str = "model."     # prefix of the base model's tensors inside *ForCausalLM
+    save_priority: int = 100        # lower wins when several families express a config exactly
+
+    def to_config(self, hf: dict) -> ModelConfig:
+        raise NotImplementedError
+
+    def from_config(self, cfg: ModelConfig) -> dict:
+        raise NotImplementedError(f"saving to HF family {self.model_type!r} is not implemented")
+
+    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+        raise NotImplementedError
+
+    def ignored_hf(self, cfg: ModelConfig) -> list[str]:
+        """Regular expressions (full match) of HF tensor names that are not weights."""
+        return [r".*rotary_emb\.inv_freq", r".*\.attn\.bias", r".*\.attn\.masked_bias"]
+
+    # ---- helpers for from_config -------------------------------------------------------------
+    def base_hf(self, cfg: ModelConfig) -> dict:
+        """Fields every config.json written by save_hf carries."""
+        return {
+            "model_type": self.model_type,
+            "architectures": [self.architecture],
+            "vocab_size": cfg.vocab_size,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "torch_dtype": "float32",
+            "initializer_range": float(cfg.init.std),
+        }
+
+    def require(self, cfg: ModelConfig, key: str, allowed: Any) -> None:
+        require_switch(cfg, key, allowed, self.model_type)
+
+
+FAMILIES: Registry[Family] = Registry("HF model_type")
+
+
+def register_family(cls: type[Family]) -> type[Family]:
+    """Class decorator: registers one instance under `cls.model_type`."""
+    if not cls.model_type:
+        raise ValueError(f"{cls.__name__} sets no model_type")
+    FAMILIES.register(cls.model_type)(cls())
+    return cls

@@ -1,0 +1,74 @@
+"""BLOOM (BigScience 2022): ALiBi (Press et al. 2021) instead of positions, a LayerNorm right after
+the token embedding (`word_embeddings_layernorm`), per-head fused qkv [q_i, k_i, v_i], biases
+everywhere, tanh-approximated GeLU, MLP width 4d, tied head.
+
+HF adds slope_h * key_position to the logits; archlab's ALiBi adds -slope_h * (q - k). They differ
+by slope_h * q, constant along each softmax row, so the attention probabilities are identical.
+"""
+from __future__ import annotations
+
+from archlab.config import (
+    AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+)
+from archlab.interop.families.base import Family, HFConfig, Rule, register_family, rename
+from archlab.interop.families.gpt_neox import per_head_qkv, require_plain_transformer, weight_bias
+
+
+@register_family
+class BloomFamily(Family):
+    model_type = "bloom"
+    architecture = "BloomForCausalLM"
+    base_prefix = "transformer."
+    save_priority = 50
+
+    def to_config(self, hf: dict) -> ModelConfig:
+        c = HFConfig(hf, self.model_type)
+        c.unsupported("apply_residual_connection_post_layernorm",
+                      why="the residual taken after the LayerNorm")
+        d = c.get("hidden_size") or c.require("n_embed")
+        return ModelConfig(
+            name="hf-bloom",
+            vocab_size=c.require("vocab_size"),
+            d_model=d,
+            n_layers=c.get("n_layer") or c.require("num_hidden_layers"),
+            max_seq_len=c.get("seq_length", 2048),
+            attention=AttentionConfig(n_heads=c.get("n_head") or c.require("num_attention_heads"),
+                                      dropout=float(c.get("attention_dropout", 0.0))),
+            mlp=MLPConfig(activation="gelu_tanh", d_ff=4 * d),
+            norm=NormConfig(kind="layernorm", eps=c.get("layer_norm_epsilon", 1e-5), position="pre",
+                            embedding_norm=True),
+            position=PositionConfig(kind="alibi"),
+            bias=BiasConfig(qkv=True, attn_out=True, mlp=True, norm=True),
+            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+            init={"std": c.get("initializer_range", 0.02)},
+        )
+
+    def from_config(self, cfg: ModelConfig) -> dict:
+        require_plain_transformer(self, cfg)
+        self.require(cfg, "attention.n_kv_heads", [None, cfg.attention.n_heads])
+        hf = self.base_hf(cfg)
+        hf.update(hidden_size=cfg.d_model, n_head=cfg.attention.n_heads, n_layer=cfg.n_layers,
+                  layer_norm_epsilon=cfg.norm.eps, apply_residual_connection_post_layernorm=False,
+                  attention_dropout=cfg.attention.dropout, hidden_dropout=0.0,
+                  pretraining_tp=1, slow_but_exact=False, seq_length=cfg.max_seq_len)
+        return hf
+
+    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+        p = self.base_prefix
+        rules = [rename("embed.weight", f"{p}word_embeddings.weight")]
+        rules += weight_bias("embed_norm", f"{p}word_embeddings_layernorm", True)
+        rules += weight_bias("final_norm", f"{p}ln_f", True)
+        for i in range(cfg.n_layers):
+            h, o = f"{p}h.{i}.", f"blocks.{i}."
+            for part in ("weight", "bias"):
+                rules.append(per_head_qkv([f"{o}attn.{x}_proj.{part}" for x in "qkv"],
+                                          f"{h}self_attention.query_key_value.{part}",
+                                          cfg.attention.n_heads, cfg.head_dim))
+            rules += weight_bias(f"{o}attn.o_proj", f"{h}self_attention.dense", True)
+            rules += weight_bias(f"{o}mlp.up_proj", f"{h}mlp.dense_h_to_4h", True)
+            rules += weight_bias(f"{o}mlp.down_proj", f"{h}mlp.dense_4h_to_h", True)
+            rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
+            rules += weight_bias(f"{o}mlp_norm", f"{h}post_attention_layernorm", True)
+        if not cfg.tie_embeddings:
+            rules.append(rename("lm_head.weight", "lm_head.weight"))
+        return rules

@@ -1,0 +1,115 @@
+"""GPT-2 (Radford et al. 2019): learned positions, pre-LayerNorm with biases, biases everywhere,
+plain GeLU MLP (tanh approximation, HF's "gelu_new"), tied head.
+
+Weights are stored by HF's Conv1D as (in, out), the transpose of nn.Linear, and q/k/v are one
+fused `c_attn` of width 3d: both are undone here. Old checkpoints also store the causal-mask
+buffers `attn.bias` / `attn.masked_bias`; they are ignored.
+"""
+from __future__ import annotations
+
+from archlab.config import (
+    AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+)
+from archlab.interop.families.base import (
+    Family, HFConfig, Rule, fused, register_family, rename, transposed,
+)
+
+ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
+       "silu": "silu", "swish": "silu"}
+ACT_BACK = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+
+
+def _t(x):
+    return x.t()
+
+
+@register_family
+class GPT2Family(Family):
+    model_type = "gpt2"
+    architecture = "GPT2LMHeadModel"
+    base_prefix = "transformer."
+    save_priority = 10
+
+    def to_config(self, hf: dict) -> ModelConfig:
+        c = HFConfig(hf, self.model_type)
+        d = c.require("n_embd")
+        act = c.only("activation_function", ACT, "gelu_new")
+        c.unsupported("scale_attn_weights", lambda v: v is False, "unscaled attention logits")
+        c.unsupported("scale_attn_by_inverse_layer_idx", why="per-layer 1/(layer+1) logit scale")
+        c.unsupported("add_cross_attention", why="encoder-decoder cross-attention")
+        n_positions = c.get("n_positions", c.get("n_ctx", 1024))
+        return ModelConfig(
+            name="hf-gpt2",
+            vocab_size=c.require("vocab_size"),
+            d_model=d,
+            n_layers=c.require("n_layer"),
+            max_seq_len=n_positions,
+            attention=AttentionConfig(n_heads=c.require("n_head"),
+                                      dropout=float(c.get("attn_pdrop", 0.0))),
+            mlp=MLPConfig(activation=ACT[act], d_ff=c.get("n_inner") or 4 * d),
+            norm=NormConfig(kind="layernorm", eps=c.get("layer_norm_epsilon", 1e-5), position="pre"),
+            block={"residual_dropout": float(c.get("resid_pdrop", 0.0))},
+            position=PositionConfig(kind="learned"),
+            bias=BiasConfig(qkv=True, attn_out=True, mlp=True, norm=True),
+            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+            embedding_dropout=float(c.get("embd_pdrop", 0.0)),
+            init={"std": c.get("initializer_range", 0.02), "scaled_residual": True},
+        )
+
+    def from_config(self, cfg: ModelConfig) -> dict:
+        req = self.require
+        req(cfg, "norm.kind", "layernorm")
+        req(cfg, "norm.position", "pre")
+        req(cfg, "norm.final_norm", True)
+        req(cfg, "norm.embedding_norm", False)
+        req(cfg, "block.parallel", False)
+        req(cfg, "position.kind", "learned")
+        req(cfg, "position.learned_offset", 0)
+        req(cfg, "mlp.activation", list(ACT_BACK))
+        req(cfg, "mlp.moe", None)
+        for key in ("bias.qkv", "bias.attn_out", "bias.mlp", "bias.norm"):
+            req(cfg, key, True)
+        for key in ("bias.head", "scale_embeddings", "attention.prefix_lm", "attention.gated",
+                    "attention.learned_sinks"):
+            req(cfg, key, False)
+        for key in ("attention.window", "attention.logit_softcap", "attention.query_pre_attn_scalar",
+                    "logit_scale", "final_logit_softcap", "position.global_kind"):
+            req(cfg, key, None)
+        req(cfg, "attention.qk_norm", "none")
+        req(cfg, "attention.n_kv_heads", [None, cfg.attention.n_heads])
+        req(cfg, "attention.head_dim", [None, cfg.d_model // cfg.attention.n_heads])
+        hf = self.base_hf(cfg)
+        hf.update(
+            n_embd=cfg.d_model, n_layer=cfg.n_layers, n_head=cfg.attention.n_heads,
+            n_inner=cfg.d_ff, n_positions=cfg.max_seq_len, n_ctx=cfg.max_seq_len,
+            activation_function=ACT_BACK[cfg.mlp.activation], layer_norm_epsilon=float(cfg.norm.eps),
+            attn_pdrop=float(cfg.attention.dropout), resid_pdrop=float(cfg.block.residual_dropout),
+            embd_pdrop=float(cfg.embedding_dropout), scale_attn_weights=True,
+        )
+        return hf
+
+    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+        p, d = self.base_prefix, cfg.d_model
+        rules = [rename("embed.weight", f"{p}wte.weight"),
+                 rename("abs_position.embedding.weight", f"{p}wpe.weight")]
+        for i in range(cfg.n_layers):
+            h, o = f"{p}h.{i}.", f"blocks.{i}."
+            qkv = [f"{o}attn.{x}_proj" for x in "qkv"]
+            rules += [
+                fused([f"{n}.weight" for n in qkv], f"{h}attn.c_attn.weight", [d, d, d], pre=_t, post=_t),
+                fused([f"{n}.bias" for n in qkv], f"{h}attn.c_attn.bias", [d, d, d]),
+                transposed(f"{o}attn.o_proj.weight", f"{h}attn.c_proj.weight"),
+                rename(f"{o}attn.o_proj.bias", f"{h}attn.c_proj.bias"),
+                transposed(f"{o}mlp.up_proj.weight", f"{h}mlp.c_fc.weight"),
+                rename(f"{o}mlp.up_proj.bias", f"{h}mlp.c_fc.bias"),
+                transposed(f"{o}mlp.down_proj.weight", f"{h}mlp.c_proj.weight"),
+                rename(f"{o}mlp.down_proj.bias", f"{h}mlp.c_proj.bias"),
+            ]
+            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                rules += [rename(f"{o}{ours}.weight", f"{h}{theirs}.weight"),
+                          rename(f"{o}{ours}.bias", f"{h}{theirs}.bias")]
+        rules += [rename("final_norm.weight", f"{p}ln_f.weight"),
+                  rename("final_norm.bias", f"{p}ln_f.bias")]
+        if not cfg.tie_embeddings:
+            rules.append(rename("lm_head.weight", "lm_head.weight"))
+        return rules

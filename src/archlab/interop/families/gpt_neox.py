@@ -1,0 +1,151 @@
+"""GPT-NeoX (Pythia, GPT-NeoX-20B, StableLM-alpha): LayerNorm with bias, biases everywhere,
+partial rotate-half RoPE (`rotary_pct`, 0.25 in Pythia), a fused `query_key_value` laid out per
+head as [q_h, k_h, v_h], untied `embed_out`, and parallel residual with two norms
+(`use_parallel_residual`, Black et al. 2022) or the serial pre-norm block.
+
+Also holds small helpers shared by the other families of this group (plain activations, the
+per-head fused-qkv layout, the switches none of these HF families can express).
+"""
+from __future__ import annotations
+
+import torch
+
+from archlab.config import (
+    AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+)
+from archlab.interop.families.base import (
+    Family, HFConfig, Rule, fused, read_rope, register_family, rename, write_rope,
+)
+
+# HF hidden_act of a plain (non-gated) MLP -> ours. gelu_new / gelu_fast / bloom's gelu are the
+# tanh approximation (Hendrycks & Gimpel 2016), equal to torch's approximate="tanh" to rounding.
+PLAIN_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+             "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu", "relu2": "relu2",
+             "silu": "silu", "swish": "silu"}
+PLAIN_ACT_BACK = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "relu2": "relu2",
+                  "silu": "silu"}
+
+
+def plain_activation(c: HFConfig, key: str, default: str) -> str:
+    act = c.get(key, default)
+    if act not in PLAIN_ACT:
+        raise c.error(f"{key}={act!r} is not supported (supported: {', '.join(PLAIN_ACT)})")
+    return PLAIN_ACT[act]
+
+
+def partial_rotary(c: HFConfig, legacy_key: str, default: float) -> float:
+    """Fraction of each head's dims that RoPE rotates: transformers-5 `rope_parameters
+    .partial_rotary_factor`, else the legacy top-level field."""
+    params = c.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor") or c.get(legacy_key, default))
+
+
+def per_head_qkv(ours: list[str], hf: str, n_heads: int, head_dim: int) -> Rule:
+    """A fused qkv stored per head, rows [q_0, k_0, v_0, q_1, ...] (GPT-NeoX, BLOOM, Falcon MHA)
+    <-> our separate q, k, v projections (weight (3*h*e, d) or bias (3*h*e,))."""
+    def pre(t: torch.Tensor) -> torch.Tensor:
+        rest = t.shape[1:]
+        return t.reshape(n_heads, 3, head_dim, *rest).transpose(0, 1).reshape(3 * n_heads * head_dim, *rest)
+
+    def post(t: torch.Tensor) -> torch.Tensor:
+        rest = t.shape[1:]
+        return t.reshape(3, n_heads, head_dim, *rest).transpose(0, 1).reshape(3 * n_heads * head_dim, *rest)
+
+    return fused(ours, hf, [n_heads * head_dim] * 3, pre=pre, post=post)
+
+
+def require_plain_transformer(fam: Family, cfg: ModelConfig) -> None:
+    """Switches that none of these HF families has: must be off to save."""
+    for key in ("attention.prefix_lm", "attention.gated", "attention.learned_sinks",
+                "scale_embeddings"):
+        fam.require(cfg, key, False)
+    for key in ("attention.logit_softcap", "attention.query_pre_attn_scalar",
+                "final_logit_softcap", "mlp.moe", "position.local_rope_theta"):
+        fam.require(cfg, key, None)
+
+
+def weight_bias(ours: str, hf: str, bias: bool) -> list[Rule]:
+    rules = [rename(f"{ours}.weight", f"{hf}.weight")]
+    return rules + [rename(f"{ours}.bias", f"{hf}.bias")] if bias else rules
+
+
+@register_family
+class GPTNeoXFamily(Family):
+    model_type = "gpt_neox"
+    architecture = "GPTNeoXForCausalLM"
+    base_prefix = "gpt_neox."
+    save_priority = 50
+
+    def to_config(self, hf: dict) -> ModelConfig:
+        c = HFConfig(hf, self.model_type)
+        d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
+        theta, scaling = read_rope(c, default_theta=float(c.get("rotary_emb_base", 10_000.0)))
+        attn_bias = bool(c.get("attention_bias", True))
+        parallel = bool(c.get("use_parallel_residual", True))
+        return ModelConfig(
+            name="hf-gpt_neox",
+            vocab_size=c.require("vocab_size"),
+            d_model=d,
+            n_layers=c.require("num_hidden_layers"),
+            max_seq_len=c.get("max_position_embeddings", 2048),
+            attention=AttentionConfig(n_heads=n_heads, dropout=float(c.get("attention_dropout", 0.0))),
+            mlp=MLPConfig(activation=plain_activation(c, "hidden_act", "gelu"),
+                          d_ff=c.get("intermediate_size", 4 * d)),
+            norm=NormConfig(kind="layernorm", eps=c.get("layer_norm_eps", 1e-5), position="pre"),
+            block=BlockConfig(parallel=parallel, parallel_norms=2 if parallel else 1),
+            position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling,
+                                    rotary_fraction=partial_rotary(c, "rotary_pct", 0.25)),
+            bias=BiasConfig(qkv=attn_bias, attn_out=attn_bias, mlp=True, norm=True),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            init={"std": c.get("initializer_range", 0.02)},
+        )
+
+    def from_config(self, cfg: ModelConfig) -> dict:
+        require_plain_transformer(self, cfg)
+        req = self.require
+        req(cfg, "norm.kind", "layernorm")
+        req(cfg, "norm.position", "pre")
+        req(cfg, "position.kind", "rope")
+        req(cfg, "position.rope_layout", "half")
+        req(cfg, "attention.n_kv_heads", [None, cfg.attention.n_heads])
+        req(cfg, "mlp.activation", list(PLAIN_ACT_BACK))
+        hf = self.base_hf(cfg)
+        rope = write_rope(cfg.position.rope_theta, cfg.position.rope_scaling)
+        rope["rope_parameters"]["partial_rotary_factor"] = cfg.position.rotary_fraction
+        hf.update(
+            hidden_size=cfg.d_model, num_attention_heads=cfg.attention.n_heads,
+            num_hidden_layers=cfg.n_layers, intermediate_size=cfg.d_ff,
+            hidden_act=PLAIN_ACT_BACK[cfg.mlp.activation], layer_norm_eps=cfg.norm.eps,
+            max_position_embeddings=cfg.max_seq_len, use_parallel_residual=cfg.block.parallel,
+            attention_bias=cfg.bias.qkv, attention_dropout=cfg.attention.dropout,
+            hidden_dropout=0.0, rotary_pct=cfg.position.rotary_fraction,
+            rotary_emb_base=cfg.position.rope_theta, **rope,
+        )
+        return hf
+
+    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+        p = self.base_prefix
+        rules = [rename("embed.weight", f"{p}embed_in.weight")]
+        rules += weight_bias("final_norm", f"{p}final_layer_norm", True)
+        for i in range(cfg.n_layers):
+            h, o = f"{p}layers.{i}.", f"blocks.{i}."
+            qkv = [f"{o}attn.{x}_proj" for x in "qkv"]
+            rules.append(per_head_qkv([f"{n}.weight" for n in qkv], f"{h}attention.query_key_value.weight",
+                                      cfg.attention.n_heads, cfg.head_dim))
+            rules.append(rename(f"{o}attn.o_proj.weight", f"{h}attention.dense.weight"))
+            if cfg.bias.qkv:
+                rules.append(per_head_qkv([f"{n}.bias" for n in qkv], f"{h}attention.query_key_value.bias",
+                                          cfg.attention.n_heads, cfg.head_dim))
+            if cfg.bias.attn_out:
+                rules.append(rename(f"{o}attn.o_proj.bias", f"{h}attention.dense.bias"))
+            for ours, theirs in (("up_proj", "dense_h_to_4h"), ("down_proj", "dense_4h_to_h")):
+                rules += weight_bias(f"{o}mlp.{ours}", f"{h}mlp.{theirs}", cfg.bias.mlp)
+            rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
+            rules += weight_bias(f"{o}mlp_norm", f"{h}post_attention_layernorm", True)
+        if not cfg.tie_embeddings:
+            rules.append(rename("lm_head.weight", "embed_out.weight"))
+        return rules
+
+    def ignored_hf(self, cfg: ModelConfig) -> list[str]:
+        extra = [r".*attention\.(bias|masked_bias)"]
+        return super().ignored_hf(cfg) + extra + ([r"embed_out\.weight"] if cfg.tie_embeddings else [])

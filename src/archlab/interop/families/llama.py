@@ -1,0 +1,318 @@
+"""LLaMA and its close relatives: llama, mistral, mixtral, qwen2, qwen3.
+
+All are pre-norm RMSNorm, rotate-half RoPE, gated MLP, untied (or tied) head, and share one weight
+layout (`model.layers.N.self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`). They differ in:
+  llama    attention_bias (q, k, v and o), mlp_bias, rope scaling (linear, llama3)
+  mistral  sliding_window on every layer
+  mixtral  mistral + top-k MoE (`block_sparse_moe.gate`, `experts.E.w1/w3/w2`): softmax over all
+           experts, top-k, renormalize the k weights (same order of operations as archlab's MoEMLP)
+  qwen2    q/k/v bias (not o); sliding window on layers >= max_window_layers (or `layer_types`)
+  qwen3    per-head RMSNorm on q and k (`q_norm`, `k_norm`), attention_bias like llama
+"""
+from __future__ import annotations
+
+from archlab.config import (
+    AttentionConfig, BiasConfig, ConfigError, MLPConfig, ModelConfig, MoEConfig, NormConfig,
+    PositionConfig,
+)
+from archlab.interop.families.base import (
+    Family, HFConfig, Rule, read_rope, register_family, rename, write_rope,
+)
+
+# HF hidden_act of a gated MLP -> our gated activation
+GATED_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh",
+             "gelu_new": "geglu_tanh", "relu": "reglu"}
+GATED_ACT_BACK = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_pytorch_tanh", "reglu": "relu"}
+
+
+def pattern_from_types(layer_types: list[str], c: HFConfig) -> str | None:
+    """HF `layer_types` ("sliding_attention"/"full_attention") -> the shortest repeating 'L'/'G'
+    pattern reproducing it exactly (None when every layer is global)."""
+    letters = []
+    for kind in layer_types:
+        if kind not in ("sliding_attention", "full_attention"):
+            raise c.error(f"layer_types entry {kind!r} is not supported (sliding_attention, full_attention)")
+        letters.append("L" if kind == "sliding_attention" else "G")
+    full = "".join(letters)
+    if "L" not in full:
+        return None
+    for size in range(1, len(full) + 1):
+        unit = full[:size]
+        if (unit * (len(full) // size + 1))[: len(full)] == full:
+            return unit
+    return full
+
+
+def layer_types(cfg: ModelConfig) -> list[str]:
+    return ["sliding_attention" if cfg.is_local(i) else "full_attention" for i in range(cfg.n_layers)]
+
+
+def gated_activation(c: HFConfig, key: str = "hidden_act", default: str = "silu") -> str:
+    act = c.get(key, default)
+    if act not in GATED_ACT:
+        raise c.error(f"{key}={act!r} is not supported (supported: {', '.join(GATED_ACT)})")
+    return GATED_ACT[act]
+
+
+PRE_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
+
+def llama_rules(cfg: ModelConfig, prefix: str = "model.", qk_norm: bool = False,
+                norms: dict[str, str] = PRE_NORMS) -> list[Rule]:
+    """Weight names shared by the LLaMA-like families (and Gemma, OLMo). `norms` maps our block
+    norm names to HF's (sandwich and post-sublayer wirings name them differently)."""
+    rules = [rename("embed.weight", f"{prefix}embed_tokens.weight")]
+    for i in range(cfg.n_layers):
+        h, o = f"{prefix}layers.{i}.", f"blocks.{i}."
+        for p in "qkvo":
+            rules.append(rename(f"{o}attn.{p}_proj.weight", f"{h}self_attn.{p}_proj.weight"))
+        if cfg.bias.qkv:
+            rules += [rename(f"{o}attn.{p}_proj.bias", f"{h}self_attn.{p}_proj.bias") for p in "qkv"]
+        if cfg.bias.attn_out:
+            rules.append(rename(f"{o}attn.o_proj.bias", f"{h}self_attn.o_proj.bias"))
+        if qk_norm:
+            rules += [rename(f"{o}attn.{p}_norm.weight", f"{h}self_attn.{p}_norm.weight") for p in "qk"]
+        if cfg.mlp.moe is None:
+            for p in ("gate", "up", "down"):
+                rules.append(rename(f"{o}mlp.{p}_proj.weight", f"{h}mlp.{p}_proj.weight"))
+                if cfg.bias.mlp:
+                    rules.append(rename(f"{o}mlp.{p}_proj.bias", f"{h}mlp.{p}_proj.bias"))
+        if cfg.norm.kind != "nonparametric":
+            rules += [rename(f"{o}{ours}.weight", f"{h}{theirs}.weight") for ours, theirs in norms.items()]
+    if cfg.norm.kind != "nonparametric":
+        rules.append(rename("final_norm.weight", f"{prefix}norm.weight"))
+    if not cfg.tie_embeddings:
+        rules.append(rename("lm_head.weight", "lm_head.weight"))
+    return rules
+
+
+class LlamaLike(Family):
+    """Shared reading/writing of the LLaMA-style config.json fields."""
+
+    architecture = "LlamaForCausalLM"
+    has_attention_bias_field = True   # llama/qwen3: attention_bias -> q, k, v, o biases
+    qkv_bias = False                  # qwen2: q/k/v biases always
+    qk_norm = "none"                  # qwen3: per_head; olmo2: full
+    window_style = "none"             # none | all (mistral) | qwen (max_window_layers/layer_types)
+    norm_kind = "rmsnorm"             # olmo: nonparametric (LayerNorm, eps fixed at 1e-5)
+    norm_position = "pre"             # olmo2: post_sublayer
+    norms = PRE_NORMS                 # our block norm name -> HF name
+    clip_qkv = False                  # olmo: clamp q, k, v to +-clip_qkv
+
+    def to_config(self, hf: dict) -> ModelConfig:
+        c = HFConfig(hf, self.model_type)
+        d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
+        theta, scaling = read_rope(c)
+        attn_bias = bool(c.get("attention_bias", False)) if self.has_attention_bias_field else False
+        if self.model_type != "llama":
+            c.unsupported("mlp_bias", why="MLP biases")
+        c.unsupported("pretraining_tp", lambda v: v != 1, "tensor-parallel slicing of the MLP")
+        window, pattern = self.read_window(c)
+        return ModelConfig(
+            name=f"hf-{self.model_type}",
+            vocab_size=c.require("vocab_size"),
+            d_model=d,
+            n_layers=c.require("num_hidden_layers"),
+            max_seq_len=c.get("max_position_embeddings", 2048),
+            attention=AttentionConfig(
+                n_heads=n_heads,
+                n_kv_heads=c.get("num_key_value_heads", n_heads),
+                head_dim=c.get("head_dim", d // n_heads),
+                window=window,
+                layer_pattern=pattern,
+                qk_norm=self.qk_norm,
+                clip_qkv=c.get("clip_qkv") if self.clip_qkv else None,
+                dropout=float(c.get("attention_dropout", 0.0)),
+            ),
+            mlp=MLPConfig(activation=gated_activation(c), d_ff=c.require("intermediate_size"),
+                          moe=self.read_moe(c)),
+            norm=NormConfig(kind=self.norm_kind, eps=self.read_eps(c), position=self.norm_position),
+            position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling),
+            bias=BiasConfig(qkv=attn_bias or self.qkv_bias, attn_out=attn_bias,
+                            mlp=bool(c.get("mlp_bias", False))),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            init={"std": c.get("initializer_range", 0.02)},
+        )
+
+    def read_window(self, c: HFConfig) -> tuple[int | None, str | None]:
+        if self.window_style == "none":
+            return None, None
+        if self.window_style == "all":
+            c.unsupported("layer_types", why=f"{self.model_type} applies sliding_window to every layer")
+            return c.get("sliding_window"), None
+        # qwen: the window applies only when use_sliding_window, to layers >= max_window_layers
+        if not c.get("use_sliding_window", False) or c.get("sliding_window") is None:
+            return None, None
+        n = c.require("num_hidden_layers")
+        types = c.get("layer_types") or [
+            "sliding_attention" if i >= c.get("max_window_layers", 28) else "full_attention"
+            for i in range(n)
+        ]
+        if len(types) != n:
+            raise c.error(f"layer_types has {len(types)} entries for {n} layers")
+        pattern = pattern_from_types(types, c)
+        return (c.get("sliding_window"), pattern) if pattern else (None, None)
+
+    def read_moe(self, c: HFConfig) -> MoEConfig | None:
+        return None
+
+    def read_eps(self, c: HFConfig) -> float:
+        return float(c.get("rms_norm_eps", 1e-6))
+
+    # ---- saving --------------------------------------------------------------------------------
+    def from_config(self, cfg: ModelConfig) -> dict:
+        self.check_switches(cfg)
+        hf = self.base_hf(cfg)
+        hf.update(
+            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_dim, hidden_act=GATED_ACT_BACK[cfg.mlp.activation],
+            max_position_embeddings=cfg.max_seq_len, attention_dropout=float(cfg.attention.dropout),
+            **write_rope(cfg.position.rope_theta, cfg.position.rope_scaling),
+        )
+        if self.norm_kind != "nonparametric":
+            hf["rms_norm_eps"] = float(cfg.norm.eps)
+        if cfg.attention.clip_qkv is not None:
+            hf["clip_qkv"] = float(cfg.attention.clip_qkv)
+        if self.has_attention_bias_field:
+            hf["attention_bias"] = cfg.bias.qkv
+        if self.model_type == "llama":
+            hf["mlp_bias"] = cfg.bias.mlp
+        hf.update(self.write_window(cfg))
+        return hf
+
+    def check_switches(self, cfg: ModelConfig) -> None:
+        req = self.require
+        req(cfg, "norm.kind", self.norm_kind)
+        req(cfg, "norm.position", self.norm_position)
+        if self.norm_kind == "nonparametric":
+            req(cfg, "norm.eps", 1e-5)
+        if not self.clip_qkv:
+            req(cfg, "attention.clip_qkv", None)
+        req(cfg, "norm.final_norm", True)
+        req(cfg, "norm.embedding_norm", False)
+        req(cfg, "block.parallel", False)
+        req(cfg, "position.kind", "rope")
+        req(cfg, "position.rope_layout", "half")
+        req(cfg, "position.rotary_fraction", 1.0)
+        req(cfg, "position.global_kind", [None, "rope"])
+        req(cfg, "position.local_rope_theta", None)
+        req(cfg, "mlp.activation", list(GATED_ACT_BACK))
+        for key in ("attention.prefix_lm", "attention.gated", "attention.learned_sinks",
+                    "scale_embeddings", "bias.head"):
+            req(cfg, key, False)
+        for key in ("attention.logit_softcap", "attention.query_pre_attn_scalar", "logit_scale",
+                    "final_logit_softcap"):
+            req(cfg, key, None)
+        req(cfg, "attention.qk_norm", self.qk_norm)
+        if self.has_attention_bias_field:
+            if cfg.bias.qkv != cfg.bias.attn_out:
+                raise ConfigError(f"HF family {self.model_type!r} has one attention_bias for q, k, v "
+                                  f"and o: bias.qkv={cfg.bias.qkv} and bias.attn_out="
+                                  f"{cfg.bias.attn_out} differ")
+        else:
+            req(cfg, "bias.qkv", self.qkv_bias)
+            req(cfg, "bias.attn_out", False)
+        if self.model_type != "llama":
+            req(cfg, "bias.mlp", False)
+        if self.model_type != "mixtral":
+            req(cfg, "mlp.moe", None)
+        if self.window_style == "none":
+            req(cfg, "attention.window", None)
+        if self.window_style == "all" and cfg.attention.window is not None:
+            req(cfg, "attention.layer_pattern", [None, "L"])
+
+    def write_window(self, cfg: ModelConfig) -> dict:
+        if self.window_style == "none":
+            return {}
+        local = [cfg.is_local(i) for i in range(cfg.n_layers)]
+        if self.window_style == "all":
+            return {"sliding_window": cfg.attention.window if all(local) else None}
+        if not any(local):
+            return {"use_sliding_window": False, "sliding_window": None,
+                    "max_window_layers": cfg.n_layers}
+        first = local.index(True)
+        return {"use_sliding_window": True, "sliding_window": cfg.attention.window,
+                "max_window_layers": first, "layer_types": layer_types(cfg)}
+
+    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+        return llama_rules(cfg, self.base_prefix, qk_norm=self.qk_norm != "none", norms=self.norms)
+
+
+@register_family
+class LlamaFamily(LlamaLike):
+    model_type = "llama"
+    architecture = "LlamaForCausalLM"
+    save_priority = 10
+
+
+@register_family
+class MistralFamily(LlamaLike):
+    model_type = "mistral"
+    architecture = "MistralForCausalLM"
+    has_attention_bias_field = False
+    window_style = "all"
+    save_priority = 20
+
+
+@register_family
+class Qwen2Family(LlamaLike):
+    model_type = "qwen2"
+    architecture = "Qwen2ForCausalLM"
+    has_attention_bias_field = False
+    qkv_bias = True
+    window_style = "qwen"
+    save_priority = 30
+
+
+@register_family
+class Qwen3Family(LlamaLike):
+    model_type = "qwen3"
+    architecture = "Qwen3ForCausalLM"
+    qk_norm = "per_head"
+    window_style = "qwen"
+    save_priority = 30
+
+
+@register_family
+class MixtralFamily(LlamaLike):
+    model_type = "mixtral"
+    architecture = "MixtralForCausalLM"
+    has_attention_bias_field = False
+    window_style = "all"
+    save_priority = 40
+
+    def read_moe(self, c: HFConfig) -> MoEConfig:
+        c.unsupported("router_jitter_noise", why="multiplicative router noise in training")
+        return MoEConfig(n_experts=c.require("num_local_experts"),
+                         top_k=c.get("num_experts_per_tok", 2), normalize_top_k=True,
+                         aux_loss_coef=c.get("router_aux_loss_coef", 0.001))
+
+    def from_config(self, cfg: ModelConfig) -> dict:
+        if cfg.mlp.moe is None:
+            raise ConfigError("HF family 'mixtral' needs mlp.moe (a dense MLP is not a mixtral)")
+        self.require(cfg, "mlp.moe.normalize_top_k", True)
+        self.require(cfg, "mlp.moe.shared_expert_d_ff", None)
+        hf = super().from_config(cfg)
+        moe = cfg.mlp.moe
+        hf.update(num_local_experts=moe.n_experts, num_experts_per_tok=moe.top_k,
+                  router_aux_loss_coef=float(moe.aux_loss_coef), router_jitter_noise=0.0)
+        return hf
+
+    def to_config(self, hf: dict) -> ModelConfig:
+        cfg = super().to_config(hf)
+        if cfg.mlp.moe is None:  # pragma: no cover - read_moe always returns one
+            raise ConfigError("mixtral config without experts")
+        return cfg
+
+    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+        if cfg.mlp.moe is None:
+            raise ConfigError("HF family 'mixtral' needs mlp.moe set")
+        rules = llama_rules(cfg, self.base_prefix)
+        for i in range(cfg.n_layers):
+            h, o = f"{self.base_prefix}layers.{i}.block_sparse_moe.", f"blocks.{i}.mlp."
+            rules.append(rename(f"{o}router.weight", f"{h}gate.weight"))
+            for e in range(cfg.mlp.moe.n_experts):
+                for ours, theirs in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")):
+                    rules.append(rename(f"{o}experts.{e}.{ours}.weight", f"{h}experts.{e}.{theirs}.weight"))
+        return rules

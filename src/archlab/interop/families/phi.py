@@ -1,0 +1,81 @@
+"""Phi-1/1.5/2 (Microsoft 2023): parallel block with one shared LayerNorm, partial rotate-half RoPE
+(`partial_rotary_factor`, 0.4 in phi-2), biases on every linear layer and on the LM head,
+gelu_new. Not supported: `qk_layernorm` (a LayerNorm with bias on q and k; no released Phi
+checkpoint sets it)."""
+from __future__ import annotations
+
+from archlab.config import (
+    AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+)
+from archlab.interop.families.base import (
+    Family, HFConfig, Rule, read_rope, register_family, rename, write_rope,
+)
+from archlab.interop.families.gpt_neox import (
+    PLAIN_ACT_BACK, partial_rotary, plain_activation, require_plain_transformer, weight_bias,
+)
+
+
+@register_family
+class PhiFamily(Family):
+    model_type = "phi"
+    architecture = "PhiForCausalLM"
+    base_prefix = "model."
+    save_priority = 50
+
+    def to_config(self, hf: dict) -> ModelConfig:
+        c = HFConfig(hf, self.model_type)
+        c.unsupported("qk_layernorm", why="per-head LayerNorm with bias on q and k")
+        d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
+        theta, scaling = read_rope(c)
+        return ModelConfig(
+            name="hf-phi",
+            vocab_size=c.require("vocab_size"),
+            d_model=d,
+            n_layers=c.require("num_hidden_layers"),
+            max_seq_len=c.get("max_position_embeddings", 2048),
+            attention=AttentionConfig(n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
+                                      dropout=float(c.get("attention_dropout", 0.0))),
+            mlp=MLPConfig(activation=plain_activation(c, "hidden_act", "gelu_new"),
+                          d_ff=c.require("intermediate_size")),
+            norm=NormConfig(kind="layernorm", eps=c.get("layer_norm_eps", 1e-5), position="pre"),
+            block=BlockConfig(parallel=True, parallel_norms=1),
+            position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling,
+                                    rotary_fraction=partial_rotary(c, "partial_rotary_factor", 0.5)),
+            bias=BiasConfig(qkv=True, attn_out=True, mlp=True, norm=True, head=True),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            init={"std": c.get("initializer_range", 0.02)},
+        )
+
+    def from_config(self, cfg: ModelConfig) -> dict:
+        require_plain_transformer(self, cfg)
+        self.require(cfg, "mlp.activation", list(PLAIN_ACT_BACK))
+        self.require(cfg, "position.kind", "rope")
+        self.require(cfg, "attention.head_dim", [None, cfg.d_model // cfg.attention.n_heads])
+        hf = self.base_hf(cfg)
+        rope = write_rope(cfg.position.rope_theta, cfg.position.rope_scaling)
+        rope["rope_parameters"]["partial_rotary_factor"] = cfg.position.rotary_fraction
+        hf.update(
+            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,
+            hidden_act=PLAIN_ACT_BACK[cfg.mlp.activation], layer_norm_eps=cfg.norm.eps,
+            max_position_embeddings=cfg.max_seq_len, partial_rotary_factor=cfg.position.rotary_fraction,
+            qk_layernorm=False, attention_dropout=cfg.attention.dropout, resid_pdrop=0.0,
+            embd_pdrop=0.0, **rope,
+        )
+        return hf
+
+    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+        p = self.base_prefix
+        rules = [rename("embed.weight", f"{p}embed_tokens.weight"), rename("head_bias", "lm_head.bias")]
+        rules += weight_bias("final_norm", f"{p}final_layernorm", True)
+        for i in range(cfg.n_layers):
+            h, o = f"{p}layers.{i}.", f"blocks.{i}."
+            for x in "qkv":
+                rules += weight_bias(f"{o}attn.{x}_proj", f"{h}self_attn.{x}_proj", True)
+            rules += weight_bias(f"{o}attn.o_proj", f"{h}self_attn.dense", True)
+            rules += weight_bias(f"{o}mlp.up_proj", f"{h}mlp.fc1", True)
+            rules += weight_bias(f"{o}mlp.down_proj", f"{h}mlp.fc2", True)
+            rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
+        if not cfg.tie_embeddings:
+            rules.append(rename("lm_head.weight", "lm_head.weight"))
+        return rules

@@ -1,0 +1,82 @@
+"""Phi-3 / Phi-4-mini (Microsoft 2024): LLaMA-like (RMSNorm pre-norm, SwiGLU, no biases) with a
+fused `qkv_proj` [q; k; v] and a fused `gate_up_proj` [gate; up], optional partial rotary
+(`partial_rotary_factor`) and a sliding window on every layer (`sliding_window`).
+Not supported: longrope / su / yarn `rope_scaling` (the 128k variants) -- read_rope names it."""
+from __future__ import annotations
+
+from archlab.config import (
+    AttentionConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+)
+from archlab.interop.families.base import (
+    Family, HFConfig, Rule, fused, read_rope, register_family, rename, write_rope,
+)
+from archlab.interop.families.gpt_neox import partial_rotary, require_plain_transformer
+from archlab.interop.families.llama import GATED_ACT_BACK, gated_activation
+
+
+@register_family
+class Phi3Family(Family):
+    model_type = "phi3"
+    architecture = "Phi3ForCausalLM"
+    base_prefix = "model."
+    save_priority = 60
+
+    def to_config(self, hf: dict) -> ModelConfig:
+        c = HFConfig(hf, self.model_type)
+        d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
+        theta, scaling = read_rope(c)
+        return ModelConfig(
+            name="hf-phi3",
+            vocab_size=c.require("vocab_size"),
+            d_model=d,
+            n_layers=c.require("num_hidden_layers"),
+            max_seq_len=c.get("max_position_embeddings", 4096),
+            attention=AttentionConfig(n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
+                                      head_dim=c.get("head_dim", d // n_heads),
+                                      window=c.get("sliding_window"),
+                                      dropout=float(c.get("attention_dropout", 0.0))),
+            mlp=MLPConfig(activation=gated_activation(c), d_ff=c.require("intermediate_size")),
+            norm=NormConfig(kind="rmsnorm", eps=c.get("rms_norm_eps", 1e-5), position="pre"),
+            position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling,
+                                    rotary_fraction=partial_rotary(c, "partial_rotary_factor", 1.0)),
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            init={"std": c.get("initializer_range", 0.02)},
+        )
+
+    def from_config(self, cfg: ModelConfig) -> dict:
+        require_plain_transformer(self, cfg)
+        self.require(cfg, "mlp.activation", list(GATED_ACT_BACK))
+        self.require(cfg, "attention.layer_pattern", [None, "L"])
+        self.require(cfg, "position.kind", "rope")
+        hf = self.base_hf(cfg)
+        rope = write_rope(cfg.position.rope_theta, cfg.position.rope_scaling)
+        rope["rope_parameters"]["partial_rotary_factor"] = cfg.position.rotary_fraction
+        hf.update(
+            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_dim, hidden_act=GATED_ACT_BACK[cfg.mlp.activation],
+            rms_norm_eps=cfg.norm.eps, max_position_embeddings=cfg.max_seq_len,
+            original_max_position_embeddings=cfg.max_seq_len, sliding_window=cfg.attention.window,
+            partial_rotary_factor=cfg.position.rotary_fraction, pad_token_id=None,
+            attention_dropout=cfg.attention.dropout, resid_pdrop=0.0, embd_pdrop=0.0, **rope,
+        )
+        return hf
+
+    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+        p = self.base_prefix
+        q, kv = cfg.attention.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        rules = [rename("embed.weight", f"{p}embed_tokens.weight"),
+                 rename("final_norm.weight", f"{p}norm.weight")]
+        for i in range(cfg.n_layers):
+            h, o = f"{p}layers.{i}.", f"blocks.{i}."
+            rules.append(fused([f"{o}attn.{x}_proj.weight" for x in "qkv"],
+                               f"{h}self_attn.qkv_proj.weight", [q, kv, kv]))
+            rules.append(rename(f"{o}attn.o_proj.weight", f"{h}self_attn.o_proj.weight"))
+            rules.append(fused([f"{o}mlp.gate_proj.weight", f"{o}mlp.up_proj.weight"],
+                               f"{h}mlp.gate_up_proj.weight", [cfg.d_ff, cfg.d_ff]))
+            rules.append(rename(f"{o}mlp.down_proj.weight", f"{h}mlp.down_proj.weight"))
+            rules.append(rename(f"{o}attn_norm.weight", f"{h}input_layernorm.weight"))
+            rules.append(rename(f"{o}mlp_norm.weight", f"{h}post_attention_layernorm.weight"))
+        if not cfg.tie_embeddings:
+            rules.append(rename("lm_head.weight", "lm_head.weight"))
+        return rules

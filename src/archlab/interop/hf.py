@@ -1,0 +1,235 @@
+"""Hugging Face folders (config.json + safetensors) <-> TransformerLM.
+
+`load_hf(folder)` reads config.json, picks the family registered for its `model_type`, builds our
+ModelConfig, and maps every tensor (single `model.safetensors` or a sharded
+`model.safetensors.index.json`; memory-mapped, CPU). Every HF tensor must be used and every one of
+our parameters filled: a missing or a left-over tensor is an error naming it, so a silently
+half-loaded model cannot happen. `save_hf(model, folder)` writes a folder `transformers` loads to
+the same logits; the family is inferred from the config when not given.
+HF names appear only here and in archlab.interop.families.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from archlab.config import ConfigError, ModelConfig
+from archlab.interop.families import FAMILIES, Family
+from archlab.interop.families.base import Rule, config_diff
+from archlab.model import TransformerLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class WeightsError(ValueError):
+    """A checkpoint whose tensors do not match the family's mapping (missing, extra, wrong shape)."""
+
+
+# ---- reading -----------------------------------------------------------------------------------
+def read_hf_config(folder: str | Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def family_for(hf: dict) -> Family:
+    model_type = hf.get("model_type")
+    if not model_type:
+        raise ConfigError("config.json has no 'model_type'; known: "
+                          + ", ".join(sorted(FAMILIES.names())))
+    return FAMILIES.get(model_type)  # unknown -> ConfigError listing the known ones
+
+
+class SafetensorsFolder:
+    """Lazy access to the tensors of a folder: name -> file, opened memory-mapped on first use."""
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        self._safe_open = safe_open
+        self._handles: dict[Path, object] = {}
+        index = folder / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise WeightsError(f"{index}: not a safetensors index ({exc})") from exc
+            self.files = {name: folder / file for name, file in weight_map.items()}
+            for path in set(self.files.values()):
+                if not path.is_file():
+                    raise WeightsError(f"{index} names shard {path.name}, which is missing")
+        elif (folder / SINGLE_FILE).is_file():
+            path = folder / SINGLE_FILE
+            self.files = {name: path for name in self._open(path).keys()}
+        else:
+            others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+            hint = f" (found {', '.join(others)}: convert pickled weights to safetensors first)" if others else ""
+            raise WeightsError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+
+    def _open(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = self._safe_open(str(path), framework="pt", device="cpu")
+        return self._handles[path]
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._open(self.files[name]).get_tensor(name)
+
+
+# ---- loading -----------------------------------------------------------------------------------
+def load_hf(folder: str | Path, dtype: torch.dtype | None = torch.float32,
+            family: str | None = None) -> TransformerLM:
+    """HF folder -> TransformerLM in eval mode (`.config` set). `dtype=None` keeps the
+    checkpoint's dtype; `family` overrides config.json's model_type."""
+    hf = read_hf_config(folder)
+    fam = FAMILIES.get(family) if family else family_for(hf)
+    cfg = fam.to_config(hf)
+    source = SafetensorsFolder(folder)
+    tensors = map_from_hf(fam, cfg, source)
+    if dtype is None:
+        dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    model = TransformerLM(cfg).to(dtype)
+    load_our_state(model, tensors)
+    return model.eval()
+
+
+def load_our_state(model: TransformerLM, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy named tensors into the model's parameters; every parameter exactly once."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    extra = sorted(set(tensors) - set(own))
+    if missing or extra:
+        raise WeightsError(
+            "weights do not match the model"
+            + (f"; missing: {', '.join(missing[:10])}" if missing else "")
+            + (f"; unexpected: {', '.join(extra[:10])}" if extra else "")
+        )
+    for name, value in tensors.items():
+        if own[name].shape != value.shape:
+            raise WeightsError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape "
+                               f"{tuple(own[name].shape)}")
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()})
+
+
+def _prefix_fix(fam: Family, names: list[str]) -> dict[str, str]:
+    """Our expected HF name -> stored name; adds the base prefix back for bare-base checkpoints."""
+    prefix = fam.base_prefix
+    if prefix and names and not any(n.startswith(prefix) for n in names):
+        return {prefix + n: n for n in names}
+    return {n: n for n in names}
+
+
+def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder) -> dict[str, torch.Tensor]:
+    """All of our parameters from the HF tensors; errors name missing and left-over tensors."""
+    stored = _prefix_fix(fam, source.names())
+    rules = fam.weight_rules(cfg)
+    needed = [name for rule in rules for name in rule.hf]
+    missing = [n for n in needed if n not in stored]
+    if missing:
+        raise WeightsError(f"{fam.model_type} checkpoint is missing tensor(s): {', '.join(missing[:10])}"
+                           + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+    ignored = [re.compile(p) for p in fam.ignored_hf(cfg)]
+    if cfg.tie_embeddings:
+        ignored.append(re.compile(r"lm_head\.weight"))
+    used = set(needed)
+    leftover = [n for n in stored if n not in used and not any(p.fullmatch(n) for p in ignored)]
+    if leftover:
+        raise WeightsError(f"{fam.model_type} checkpoint has tensor(s) archlab does not use: "
+                           f"{', '.join(leftover[:10])}"
+                           + (f" (+{len(leftover) - 10} more)" if len(leftover) > 10 else ""))
+    out: dict[str, torch.Tensor] = {}
+    for rule in tqdm(rules, desc=f"loading {fam.model_type} tensors", unit="tensor",
+                     disable=len(rules) < 200, leave=False):
+        values = rule.to_ours([source.get(stored[n]) for n in rule.hf])
+        if len(values) != len(rule.ours):
+            raise WeightsError(f"rule for {rule.hf} produced {len(values)} tensors for {rule.ours}")
+        for name, value in zip(rule.ours, values):
+            if name in out:
+                raise WeightsError(f"{fam.model_type}: parameter {name} mapped twice (family bug)")
+            out[name] = value
+    return out
+
+
+# ---- saving ------------------------------------------------------------------------------------
+def infer_family(cfg: ModelConfig) -> Family:
+    """The HF family whose switches express `cfg` exactly (round trip equal on every architectural
+    field); on failure the error names the mismatching switches of the closest families."""
+    matches, near = [], []
+    for name in FAMILIES.names():
+        fam = FAMILIES.get(name)
+        try:
+            back = fam.to_config(fam.from_config(cfg))
+        except NotImplementedError:
+            continue
+        except ConfigError as exc:
+            near.append((1.5, name, str(exc)))  # after configs one switch away
+            continue
+        diff = config_diff(cfg, back)
+        if diff:
+            near.append((len(diff), name, "differs in " + ", ".join(diff[:6])))
+        else:
+            matches.append(fam)
+    if matches:
+        return min(matches, key=lambda f: f.save_priority)
+    near.sort(key=lambda item: item[0])  # stable: registry order among equals
+    detail = "".join(f"\n  {n}: {why}" for _, n, why in near)
+    raise ConfigError(f"no Hugging Face family expresses this config exactly:{detail}")
+
+
+def save_hf(model: TransformerLM, folder: str | Path, family: str | None = None) -> Family:
+    """Write config.json + model.safetensors loadable by `transformers`; returns the family used.
+    With `family` given, the round trip must still be exact (error naming the differing switch)."""
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    if family is None:
+        fam = infer_family(cfg)
+        hf = fam.from_config(cfg)
+    else:
+        fam = FAMILIES.get(family)
+        hf = fam.from_config(cfg)
+        diff = config_diff(cfg, fam.to_config(hf))
+        if diff:
+            raise ConfigError(f"HF family {family!r} cannot express {', '.join(diff)} of this config")
+    own = {k: v.detach() for k, v in model.state_dict().items()}
+    tensors: dict[str, torch.Tensor] = {}
+    covered: set[str] = set()
+    rules = fam.weight_rules(cfg)
+    for rule in tqdm(rules, desc=f"mapping to {fam.model_type}", unit="tensor",
+                     disable=len(rules) < 200, leave=False):
+        values = rule.to_hf([own[n] for n in rule.ours])
+        covered.update(rule.ours)
+        for name, value in zip(rule.hf, values):
+            tensors[name] = value.contiguous().cpu()
+    left = sorted(set(own) - covered)
+    if left:
+        raise WeightsError(f"{fam.model_type}: no HF name for parameter(s) {', '.join(left)}")
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) == 1:
+        hf["torch_dtype"] = hf["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    return fam
+
+
+def rules_for(model_type: str, cfg: ModelConfig) -> list[Rule]:
+    """The weight mapping of a family (for tools that inspect it)."""
+    return FAMILIES.get(model_type).weight_rules(cfg)

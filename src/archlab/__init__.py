@@ -1,8 +1,32 @@
-"""archlab: language modeling from scratch, one switch per architecture choice."""
-from archlab.config import ConfigError, ModelConfig
-from archlab.model import TransformerLM
-from archlab import accounting, presets
-from archlab.generation import generate
+"""archlab: language modeling from scratch, one switch per architecture choice.
+
+Names are imported lazily, so `import archlab.tokenizer` (or the data pipeline) does not pay
+for importing torch.
+"""
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "ModelConfig", "TransformerLM", "accounting", "presets", "generate"]
+
+_LAZY = {
+    "ConfigError": ("archlab.config", "ConfigError"),
+    "ModelConfig": ("archlab.config", "ModelConfig"),
+    "TransformerLM": ("archlab.model", "TransformerLM"),
+    "generate": ("archlab.generation", "generate"),
+}
+_SUBMODULES = ("accounting", "presets", "interop", "tokenizer", "data", "corpora", "train",
+               "diagnostics", "lab")
+__all__ = [*_LAZY, *_SUBMODULES]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"archlab.{name}")
+    else:
+        raise AttributeError(f"module 'archlab' has no attribute {name!r}")
+    globals()[name] = value
+    return value

@@ -586,7 +586,8 @@ def tiny(name: str, *, d_model: int = 64, vocab_size: int = 256, max_seq_len: in
     new_head_dim = head_dim or d_model // n_heads
     scalar = att.query_pre_attn_scalar
     if scalar is not None and scalar != 1.0:  # keep its ratio to the head dim (Gemma 2 27B: 144/128)
-        scalar = scalar * new_head_dim / cfg.head_dim
+        # rounded: HF types query_pre_attn_scalar as an int, so tiny twins stay saveable
+        scalar = float(max(1, round(scalar * new_head_dim / cfg.head_dim)))
     attention = dataclasses.replace(
         att, n_heads=n_heads, n_kv_heads=kv, head_dim=head_dim, query_pre_attn_scalar=scalar,
         window=None if att.window is None else min(att.window, window),

@@ -1,0 +1,133 @@
+"""`archlab tokenizer train|stats`: train BPE / WordPiece / Unigram tokenizers and measure them."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+TRAIN_EXAMPLE = """example:
+  archlab tokenizer train --input data/shakespeare/ --vocab-size 10000 --kind bpe \\
+      --special-tokens '<|endoftext|>' --out runs/tok-shakespeare
+  archlab tokenizer train --input a.txt b.txt --vocab-size 8000 --kind unigram --out runs/tok-uni"""
+
+STATS_EXAMPLE = """example:
+  archlab tokenizer stats runs/tok-shakespeare --input data/shakespeare/hamlet.txt"""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "tokenizer", help="train and inspect tokenizers (BPE, WordPiece, Unigram)",
+        description="Train and inspect tokenizers. Example: archlab tokenizer train --input corpus.txt "
+        "--vocab-size 10000 --out runs/tok",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="tokenizer_command", metavar="SUBCOMMAND")
+    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+
+    train = sub.add_parser(
+        "train", help="train a tokenizer and save it as a folder holding tokenizer.json",
+        description="Train a tokenizer on text files and save it as a folder holding tokenizer.json "
+        "(loadable by archlab.tokenizer.load and by HF tokenizers).\n\n" + TRAIN_EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR",
+                       help="text files or folders (searched recursively), e.g. --input corpus/ extra.txt")
+    train.add_argument("--vocab-size", type=int, required=True, metavar="N",
+                       help="final vocabulary size including special tokens, e.g. --vocab-size 10000")
+    train.add_argument("--kind", choices=["bpe", "wordpiece", "unigram"], default="bpe",
+                       help="tokenizer algorithm (default: bpe, byte-level as in GPT-2), e.g. --kind unigram")
+    train.add_argument("--special-tokens", nargs="*", default=["<|endoftext|>"], metavar="TOKEN",
+                       help="special tokens, never merged across (default: <|endoftext|>), "
+                       "e.g. --special-tokens '<|endoftext|>' '<|pad|>'")
+    train.add_argument("--out", required=True, metavar="DIR",
+                       help="output folder for tokenizer.json, e.g. --out runs/tok-10k")
+    train.add_argument("--workers", type=int, default=None, metavar="N",
+                       help="pre-tokenization processes (default: all CPUs), e.g. --workers 4")
+    train.add_argument("--no-progress", action="store_true", help="hide the progress bar, e.g. in CI logs")
+    train.set_defaults(func=cmd_train)
+
+    stats = sub.add_parser(
+        "stats", help="bytes per token and vocabulary use of a saved tokenizer on some text",
+        description="Encode files with a saved tokenizer and report bytes per token and the share of the "
+        "vocabulary used.\n\n" + STATS_EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    stats.add_argument("dir", metavar="DIR",
+                       help="folder holding tokenizer.json (or the file), e.g. runs/tok-shakespeare")
+    stats.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR",
+                       help="text to encode, e.g. --input data/valid.txt")
+    stats.add_argument("--json", action="store_true", help="print the numbers as one JSON object, e.g. for scripts")
+    stats.add_argument("--top", type=int, default=10, metavar="K",
+                       help="also list the K most frequent tokens (default 10), e.g. --top 20")
+    stats.set_defaults(func=cmd_stats)
+
+
+def cmd_train(args) -> int:
+    from tqdm import tqdm
+
+    import archlab.tokenizer as tk
+    if args.vocab_size <= 0:
+        print("error: --vocab-size must be positive", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    bar = None if args.no_progress else tqdm(total=args.vocab_size, desc=f"train {args.kind}", unit="tok")
+
+    def progress(n: int) -> None:
+        if bar is not None:
+            done = n + 256 + len(args.special_tokens) if args.kind == "bpe" else n
+            bar.update(max(0, min(done, args.vocab_size) - bar.n))
+
+    try:
+        tok = tk.train(args.input, args.vocab_size, args.special_tokens, kind=args.kind,
+                       num_workers=args.workers, progress=progress)
+        if bar is not None:
+            bar.update(max(0, tok.vocab_size - bar.n))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if bar is not None:
+            bar.close()
+    out = tok.save(args.out)
+    print(f"{args.kind} tokenizer with {tok.vocab_size} tokens saved to {out / 'tokenizer.json'} "
+          f"({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def cmd_stats(args) -> int:
+    import archlab.tokenizer as tk
+    from archlab.tokenizer.pretokenize import resolve_inputs
+    try:
+        tok = tk.load(args.dir)
+        files = resolve_inputs(args.input)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    counts: Counter = Counter()
+    n_bytes = 0
+    start = time.perf_counter()
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace", newline="") as fh:
+            text = fh.read()
+        n_bytes += len(text.encode("utf-8"))
+        counts.update(tok.encode(text))
+    seconds = time.perf_counter() - start
+    n_tokens = sum(counts.values())
+    result = {
+        "tokenizer": str(Path(args.dir)), "kind": tok.kind, "vocab_size": tok.vocab_size,
+        "files": len(files), "bytes": n_bytes, "tokens": n_tokens,
+        "bytes_per_token": n_bytes / n_tokens if n_tokens else 0.0,
+        "vocab_used": len(counts), "vocab_used_fraction": len(counts) / tok.vocab_size,
+        "encode_mb_per_s": n_bytes / 1e6 / seconds if seconds > 0 else 0.0,
+        "top_tokens": [[tok.decode([i]), c] for i, c in counts.most_common(args.top)],
+    }
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+        return 0
+    print(f"{result['kind']} tokenizer, {tok.vocab_size} tokens: {n_bytes:,} bytes -> {n_tokens:,} tokens "
+          f"= {result['bytes_per_token']:.3f} bytes/token")
+    print(f"vocabulary used: {len(counts):,} / {tok.vocab_size:,} ({100 * result['vocab_used_fraction']:.1f}%)")
+    print(f"encoding speed: {result['encode_mb_per_s']:.2f} MB/s")
+    for text, c in result["top_tokens"]:
+        print(f"  {c:>10,}  {text!r}")
+    return 0

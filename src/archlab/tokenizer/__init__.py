@@ -1,0 +1,37 @@
+"""Tokenizers trained from scratch: byte-level BPE (GPT-2 rules, compiled merge loop with a pure-Python
+fallback), WordPiece and Unigram, all saved as an HF-style tokenizer.json folder.
+
+    vocab, merges = train_bpe("corpus.txt", 10_000, ["<|endoftext|>"])
+    tok = Tokenizer(vocab, merges, ["<|endoftext|>"])
+    tok.save("out/tok"); tok = load("out/tok")       # also loads HF byte-level BPE tokenizer.json folders
+"""
+from archlab.tokenizer.base import BaseTokenizer
+from archlab.tokenizer.bpe import Tokenizer
+from archlab.tokenizer.bpe_train import bpe_from_counts, c_backend_available, train_bpe
+from archlab.tokenizer.hf_json import load_tokenizer
+from archlab.tokenizer.pretokenize import GPT2_PATTERN
+from archlab.tokenizer.unigram import UnigramTokenizer, train_unigram
+from archlab.tokenizer.wordpiece import WordPieceTokenizer, train_wordpiece
+
+load = load_tokenizer
+from_pretrained = load_tokenizer
+
+__all__ = [
+    "BaseTokenizer", "GPT2_PATTERN", "Tokenizer", "UnigramTokenizer", "WordPieceTokenizer",
+    "bpe_from_counts", "c_backend_available", "from_pretrained", "load", "load_tokenizer",
+    "train", "train_bpe", "train_unigram", "train_wordpiece",
+]
+
+
+def train(input_path, vocab_size: int, special_tokens=(), *, kind: str = "bpe", num_workers=None,
+          progress=None) -> BaseTokenizer:
+    """Train a tokenizer of `kind` ("bpe", "wordpiece", "unigram") and return it ready to encode/save."""
+    special = list(special_tokens)
+    if kind == "bpe":
+        vocab, merges = train_bpe(input_path, vocab_size, special, num_workers=num_workers, progress=progress)
+        return Tokenizer(vocab, merges, special)
+    if kind == "wordpiece":
+        return train_wordpiece(input_path, vocab_size, special, num_workers=num_workers, progress=progress)
+    if kind == "unigram":
+        return train_unigram(input_path, vocab_size, special, num_workers=num_workers, progress=progress)
+    raise ValueError(f"kind={kind!r} must be 'bpe', 'wordpiece' or 'unigram'")

@@ -1,0 +1,183 @@
+"""What every archlab tokenizer shares: special-token handling, lazy `encode_iterable`, decoding of
+byte tokens, the vocabulary look-ups, and saving as a folder holding an HF-style tokenizer.json.
+
+Subclasses (BPE in bpe.py, WordPiece, Unigram) implement `_encode_ordinary(text) -> list[int]` for text
+free of special tokens, `token_bytes` for decoding, and `to_json() -> dict`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from archlab.tokenizer.pretokenize import GPT2_PATTERN, compile_pattern, safe_cut, split_special
+
+EOT_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+
+class BaseTokenizer:
+    kind = "base"
+    pattern: str = GPT2_PATTERN
+    add_prefix_space: bool = False
+
+    def __init__(self, id_to_bytes: list[bytes], special_tokens: Iterable[str] | None = None):
+        self.id_to_bytes = id_to_bytes
+        specials = list(dict.fromkeys(special_tokens or ()))
+        self.special_to_id: dict[str, int] = {}
+        by_bytes: dict[bytes, int] = {}
+        for i, b in enumerate(id_to_bytes):
+            by_bytes.setdefault(b, i)
+        for s in specials:
+            sb = s.encode("utf-8")
+            if sb not in by_bytes:  # a special token missing from the vocabulary is appended to it
+                id_to_bytes.append(sb)
+                by_bytes[sb] = len(id_to_bytes) - 1
+            self.special_to_id[s] = by_bytes[sb]
+        self.special_tokens = specials
+        self._special_tuple = tuple(specials)
+        self._special_ids = frozenset(self.special_to_id.values())
+
+    # ------------------------------------------------------------------ vocabulary
+    @property
+    def vocab_size(self) -> int:
+        return len(self.id_to_bytes)
+
+    @property
+    def vocab(self) -> dict[int, bytes]:
+        return dict(enumerate(self.id_to_bytes))
+
+    def token_to_id(self, token: bytes | str) -> int | None:
+        """Id of a special token (str) or of a token given as bytes or text; None if absent."""
+        if isinstance(token, str):
+            if token in self.special_to_id:
+                return self.special_to_id[token]
+            token = token.encode("utf-8")
+        return self._bytes_lookup().get(token)
+
+    def _bytes_lookup(self) -> dict[bytes, int]:
+        if getattr(self, "_by_bytes", None) is None:
+            table: dict[bytes, int] = {}
+            for i, b in enumerate(self.id_to_bytes):
+                if i not in self._special_ids:
+                    table.setdefault(b, i)
+            for i in sorted(self._special_ids):  # special bytes that no ordinary token has
+                table.setdefault(self.id_to_bytes[i], i)
+            self._by_bytes = table
+        return self._by_bytes
+
+    def id_to_token(self, i: int) -> bytes:
+        return self.id_to_bytes[i]
+
+    def special_token_id(self, token: str) -> int:
+        return self.special_to_id[token]
+
+    @property
+    def eot_id(self) -> int | None:
+        """The end-of-text id: a conventional name if present, else the first special token, else None."""
+        for name in EOT_NAMES:
+            if name in self.special_to_id:
+                return self.special_to_id[name]
+        return self.special_to_id[self.special_tokens[0]] if self.special_tokens else None
+
+    # ------------------------------------------------------------------ encoding
+    def _encode_ordinary(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece, is_special in split_special(text, self._special_tuple):
+            if is_special:
+                ids.append(self.special_to_id[piece])
+            else:
+                if self.add_prefix_space and not piece.startswith(" "):
+                    piece = " " + piece
+                ids.extend(self._encode_ordinary(piece))
+        return ids
+
+    def _safe_cut(self, text: str) -> int:
+        """A position where `text` may be cut so that encode(a) + encode(b) == encode(a + b), or 0."""
+        if self.pattern == GPT2_PATTERN and not self.add_prefix_space:
+            return safe_cut(text, self._special_tuple)
+        # Generic pattern: cut just after the last complete special token, or at the start of the last
+        # pre-token match (earlier matches cannot change when more text arrives).
+        longest = max((len(s) for s in self._special_tuple), default=1)
+        limit = len(text) - (longest - 1)
+        last_end = 0
+        for piece_start, (piece, is_special) in _with_offsets(split_special(text, self._special_tuple)):
+            end = piece_start + len(piece)
+            if is_special and end <= limit:
+                last_end = end
+        if self.add_prefix_space:
+            return last_end
+        start = None
+        for m in compile_pattern(self.pattern).finditer(text, last_end, limit):
+            start = m.start()
+        cut = max(last_end, start or 0)
+        return cut
+
+    def encode_iterable(self, iterable: Iterable[str], *, buffer_chars: int = 1 << 14) -> Iterator[int]:
+        """Lazily encode an iterable of strings (e.g. an open file): memory stays bounded by the buffer
+        plus one pre-token; pre-tokens and special tokens are never split across chunk boundaries, so the
+        ids equal encode("".join(iterable))."""
+        buf = ""
+        for chunk in iterable:
+            buf += chunk
+            if len(buf) < buffer_chars:
+                continue
+            cut = self._safe_cut(buf)
+            if cut > 0:
+                yield from self.encode(buf[:cut])
+                buf = buf[cut:]
+        if buf:
+            yield from self.encode(buf)
+
+    def __call__(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    # ------------------------------------------------------------------ decoding
+    def token_bytes(self, i: int) -> bytes:
+        return self.id_to_bytes[i]
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        table = self.id_to_bytes
+        return b"".join([table[i] for i in ids])
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of the ids; byte sequences that are not valid UTF-8 become U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    # ------------------------------------------------------------------ saving
+    def to_json(self) -> dict:
+        raise NotImplementedError
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write `directory/tokenizer.json` (the canonical on-disk form; HF `tokenizers` loads it)."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / "tokenizer.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_json(), ensure_ascii=False, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+        return d
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> BaseTokenizer:
+        """Load a folder holding tokenizer.json (or the file itself); the class follows the model type."""
+        from archlab.tokenizer.hf_json import load_tokenizer
+        return load_tokenizer(path)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, special_tokens={self.special_tokens})"
+
+
+def _with_offsets(pieces):
+    pos = 0
+    for piece, is_special in pieces:
+        yield pos, (piece, is_special)
+        pos += len(piece)
+
+
+def added_tokens_json(tok: BaseTokenizer) -> list[dict]:
+    return [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True} for s, i in sorted(tok.special_to_id.items(), key=lambda x: x[1])]

@@ -1,0 +1,227 @@
+"""WordPiece (Schuster & Nakajima 2012; as used by BERT, Devlin et al. 2019).
+
+Training starts from single characters (the first character of a word as is, the others with the `##`
+continuation prefix) and repeatedly adds the pair with the highest score
+
+    score(a, b) = freq(ab) / (freq(a) * freq(b))
+
+i.e. the merge that most raises the likelihood of the corpus under a unigram model, rather than the most
+frequent pair (BPE). Encoding is greedy longest-match-first from the start of each word.
+
+Words here are GPT-2 pre-tokens written in GPT-2's byte-level alphabet (leading space included), so all
+256 bytes are in the base vocabulary: any text encodes without [UNK] and decodes back exactly.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+
+from archlab.tokenizer.base import BaseTokenizer, added_tokens_json
+from archlab.tokenizer.pretokenize import GPT2_PATTERN, bytes_to_str, bytes_to_unicode, compile_pattern, str_to_bytes
+
+__all__ = ["WordPieceTokenizer", "train_wordpiece", "wordpiece_from_counts"]
+
+PREFIX = "##"
+_CACHE_LIMIT = 1 << 17
+
+
+class WordPieceTokenizer(BaseTokenizer):
+    """`WordPieceTokenizer(tokens, special_tokens)`: tokens in id order, continuation pieces prefixed `##`."""
+    kind = "wordpiece"
+
+    def __init__(self, tokens: list[str], special_tokens: Iterable[str] | None = None, *,
+                 unk_token: str = "[UNK]", pattern: str = GPT2_PATTERN):
+        specials = list(dict.fromkeys(special_tokens or ()))
+        if unk_token not in specials:
+            specials.insert(0, unk_token)
+        special_set = set(specials)
+        self.tokens = list(tokens)
+        id_to_bytes = []
+        for t in self.tokens:
+            if t in special_set:
+                id_to_bytes.append(t.encode("utf-8"))
+            elif t.startswith(PREFIX) and len(t) > len(PREFIX):
+                id_to_bytes.append(str_to_bytes(t[len(PREFIX):]))
+            else:
+                id_to_bytes.append(str_to_bytes(t))
+        super().__init__(id_to_bytes, specials)
+        for s in specials:  # specials appended by the base class
+            if self.special_to_id[s] >= len(self.tokens):
+                self.tokens.append(s)
+        self.unk_token = unk_token
+        self.pattern = pattern
+        self._pat = compile_pattern(pattern)
+        self._ids = {t: i for i, t in enumerate(self.tokens) if i not in self._special_ids}
+        self._max_len = max((len(t) - (len(PREFIX) if t.startswith(PREFIX) else 0) for t in self._ids), default=1)
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    def _word(self, word: str) -> tuple[int, ...]:
+        ids = []
+        start, n, table = 0, len(word), self._ids
+        while start < n:
+            end = min(n, start + self._max_len)
+            while end > start:
+                piece = word[start:end] if start == 0 else PREFIX + word[start:end]
+                i = table.get(piece)
+                if i is not None:
+                    break
+                end -= 1
+            else:
+                return (self.special_to_id[self.unk_token],)
+            ids.append(i)
+            start = end
+        return tuple(ids)
+
+    def _encode_ordinary(self, text: str) -> list[int]:
+        ids: list[int] = []
+        cache = self._cache
+        for tok in self._pat.findall(text):
+            hit = cache.get(tok)
+            if hit is None:
+                hit = self._word(bytes_to_str(tok.encode("utf-8")))
+                if len(cache) >= _CACHE_LIMIT:
+                    cache.clear()
+                cache[tok] = hit
+            ids.extend(hit)
+        return ids
+
+    def to_json(self) -> dict:
+        return {
+            "version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": added_tokens_json(self), "normalizer": None,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                              "use_regex": True} if self.pattern == GPT2_PATTERN else
+            {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": self.pattern}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
+            "post_processor": None,
+            "decoder": {"type": "WordPiece", "prefix": PREFIX, "cleanup": False},
+            "model": {"type": "WordPiece", "unk_token": self.unk_token, "continuing_subword_prefix": PREFIX,
+                      "max_input_chars_per_word": 1_000_000,
+                      "vocab": {t: i for i, t in enumerate(self.tokens)}},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict, specials: list[str], pattern: str) -> WordPieceTokenizer:
+        model = data["model"]
+        if model.get("continuing_subword_prefix", PREFIX) != PREFIX:
+            raise ValueError("only the '##' continuation prefix is supported")
+        vocab = model["vocab"]
+        tokens = [None] * len(vocab)
+        for t, i in vocab.items():
+            tokens[i] = t
+        return cls(tokens, specials, unk_token=model.get("unk_token", "[UNK]"), pattern=pattern)
+
+
+def wordpiece_from_counts(word_counts: dict[str, int], vocab_size: int, special_tokens: Iterable[str] = (), *,
+                          unk_token: str = "[UNK]", progress: Callable[[int], None] | None = None
+                          ) -> WordPieceTokenizer:
+    """Train on byte-level word strings -> counts."""
+    specials = list(dict.fromkeys([unk_token, *special_tokens]))
+    alphabet = [bytes_to_unicode()[b] for b in range(256)]
+    tokens: list[str] = specials + alphabet + [PREFIX + c for c in alphabet]
+    if vocab_size < len(tokens):
+        raise ValueError(f"vocab_size={vocab_size} is below the {len(tokens)} special and base tokens")
+    ids = {t: i for i, t in enumerate(tokens)}
+    words = [w for w, c in word_counts.items() if c > 0]
+    counts = [word_counts[w] for w in words]
+    seqs = [[ids[w[0]]] + [ids[PREFIX + ch] for ch in w[1:]] for w in words]
+    freq: dict[int, int] = {}
+    pair_counts: dict[tuple[int, int], int] = {}
+    where: dict[tuple[int, int], set[int]] = {}
+    partners: dict[int, set[tuple[int, int]]] = {}
+    for wi, seq in enumerate(seqs):
+        n = counts[wi]
+        for t in seq:
+            freq[t] = freq.get(t, 0) + n
+        for pair in zip(seq, seq[1:]):
+            pair_counts[pair] = pair_counts.get(pair, 0) + n
+            where.setdefault(pair, set()).add(wi)
+
+    def merged_name(pair: tuple[int, int]) -> str | None:
+        a, b = tokens[pair[0]], tokens[pair[1]]
+        name = a + b[len(PREFIX):]
+        # A word-initial piece spelled "##..." would read back as a continuation piece: never create one.
+        if not a.startswith(PREFIX) and name.startswith(PREFIX):
+            return None
+        return name
+
+    def entry(pair):
+        pc = pair_counts[pair]
+        return (-pc / (freq[pair[0]] * freq[pair[1]]), -pc, tokens[pair[0]], tokens[pair[1]], pair)
+
+    heap = []
+    for pair in pair_counts:
+        partners.setdefault(pair[0], set()).add(pair)
+        partners.setdefault(pair[1], set()).add(pair)
+        if merged_name(pair) is not None:
+            heap.append(entry(pair))
+    heapq.heapify(heap)
+    n_merges = 0
+    while len(tokens) < vocab_size and heap:
+        item = heapq.heappop(heap)
+        pair = item[-1]
+        if pair_counts.get(pair, 0) <= 0:
+            continue
+        current = entry(pair)
+        if current[:2] != item[:2]:
+            heapq.heappush(heap, current)  # stale: scores move as token frequencies change
+            continue
+        a, b = pair
+        name = merged_name(pair)
+        c = ids.get(name)
+        if c is None:
+            c = len(tokens)
+            tokens.append(name)
+            ids[name] = c
+            freq[c] = 0
+        changed: set[tuple[int, int]] = set()
+        for wi in where.pop(pair, ()):
+            seq, n = seqs[wi], counts[wi]
+            out: list[int] = []
+            i, found = 0, False
+            while i < len(seq):
+                if i + 1 < len(seq) and seq[i] == a and seq[i + 1] == b:
+                    out.append(c)
+                    freq[a] -= n
+                    freq[b] -= n
+                    freq[c] += n
+                    i += 2
+                    found = True
+                else:
+                    out.append(seq[i])
+                    i += 1
+            if not found:
+                continue
+            for p in zip(seq, seq[1:]):
+                pair_counts[p] -= n
+                changed.add(p)
+            for p in zip(out, out[1:]):
+                pair_counts[p] = pair_counts.get(p, 0) + n
+                where.setdefault(p, set()).add(wi)
+                partners.setdefault(p[0], set()).add(p)
+                partners.setdefault(p[1], set()).add(p)
+                changed.add(p)
+            seqs[wi] = out
+        pair_counts[pair] = 0
+        # Scores of pairs touching a or b rise as freq(a), freq(b) fall: re-queue them.
+        changed |= partners.get(a, set()) | partners.get(b, set())
+        for p in changed:
+            if pair_counts.get(p, 0) > 0 and merged_name(p) is not None:
+                heapq.heappush(heap, entry(p))
+        for t in (a, b):
+            partners[t] = {p for p in partners.get(t, ()) if pair_counts.get(p, 0) > 0}
+        n_merges += 1
+        if progress and n_merges % 256 == 0:
+            progress(len(tokens))
+    return WordPieceTokenizer(tokens, specials, unk_token=unk_token)
+
+
+def train_wordpiece(input_path, vocab_size: int, special_tokens: Iterable[str] = (), *,
+                    unk_token: str = "[UNK]", num_workers: int | None = None,
+                    progress: Callable[[int], None] | None = None) -> WordPieceTokenizer:
+    """Train WordPiece on a file, a folder or a list of them (special tokens first in the vocabulary)."""
+    from archlab.tokenizer.bpe_train import count_file_pretokens
+    counts = count_file_pretokens(input_path, special_tokens, num_workers=num_workers)
+    words = {bytes_to_str(w): c for w, c in counts.items()}
+    return wordpiece_from_counts(words, vocab_size, special_tokens, unk_token=unk_token, progress=progress)

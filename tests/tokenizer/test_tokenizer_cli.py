@@ -1,0 +1,49 @@
+"""`archlab tokenizer train|stats` end to end on a tiny corpus."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from archlab.cli import build_parser, main
+from archlab.tokenizer import load
+
+TEXT = "to be or not to be, that is the question.\nwhether 'tis nobler in the mind to suffer\n" * 50
+
+
+@pytest.mark.parametrize("kind,vocab", [("bpe", 300), ("wordpiece", 540), ("unigram", 300)])
+def test_train_then_stats(tmp_path, capsys, kind, vocab):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(TEXT)
+    (tmp_path / "b.txt").write_text(TEXT.upper())
+    out = tmp_path / "tok"
+    rc = main(["tokenizer", "train", "--input", str(tmp_path / "corpus"), str(tmp_path / "b.txt"),
+               "--vocab-size", str(vocab), "--kind", kind, "--out", str(out), "--workers", "1", "--no-progress"])
+    assert rc == 0
+    tok = load(out)
+    assert tok.kind == kind and tok.vocab_size <= vocab
+    assert tok.decode(tok.encode(TEXT)) == TEXT
+    capsys.readouterr()
+    assert main(["tokenizer", "stats", str(out), "--input", str(tmp_path / "b.txt"), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["bytes"] == len(TEXT.encode())
+    assert stats["tokens"] == len(tok.encode(TEXT.upper()))
+    assert 1.0 < stats["bytes_per_token"] and 0 < stats["vocab_used_fraction"] <= 1
+
+
+def test_every_option_has_help_and_commands_have_examples():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    tok_parser = sub.choices["tokenizer"]
+    tok_sub = next(a for a in tok_parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    for name in ("train", "stats"):
+        p = tok_sub.choices[name]
+        assert "example" in p.description.lower()
+        for action in p._actions:
+            assert action.help, f"{name} {action.dest} has no help"
+
+
+def test_missing_input_is_an_error(tmp_path, capsys):
+    rc = main(["tokenizer", "train", "--input", str(tmp_path / "nope"), "--vocab-size", "300",
+               "--out", str(tmp_path / "o"), "--no-progress"])
+    assert rc == 2 and "no such file" in capsys.readouterr().err

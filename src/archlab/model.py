@@ -51,6 +51,8 @@ class TransformerLM(nn.Module):
     def reset_parameters(self) -> None:
         """Normal(0, std) for matrices and embeddings, zero biases; residual outputs scaled by
         1/sqrt(2 n_layers) when init.scaled_residual (GPT-2). Seeded by config.seed alone."""
+        if self.embed.weight.is_meta:  # built on the meta device: weights come from a checkpoint
+            return
         init = self.config.init
         gen = torch.Generator().manual_seed(self.config.seed)
         residual_std = init.std / math.sqrt(2 * self.config.n_layers)

@@ -104,8 +104,10 @@ def load_hf(folder: str | Path, dtype: torch.dtype | None = torch.float32,
     if dtype is None:
         dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    model = TransformerLM(cfg).to(dtype)
-    load_our_state(model, tensors)
+    with torch.device("meta"):  # no random init, no second copy of the weights in memory
+        model = TransformerLM(cfg)
+    load_our_state(model, {k: v.to(dtype) if v.is_floating_point() else v
+                           for k, v in tensors.items()})
     return model.eval()
 
 
@@ -124,7 +126,10 @@ def load_our_state(model: TransformerLM, tensors: dict[str, torch.Tensor]) -> No
         if own[name].shape != value.shape:
             raise WeightsError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape "
                                f"{tuple(own[name].shape)}")
-    model.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()})
+    if next(iter(own.values())).is_meta:  # adopt the tensors themselves (see load_hf)
+        model.load_state_dict(tensors, assign=True)
+    else:
+        model.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()})
 
 
 def _prefix_fix(fam: Family, names: list[str]) -> dict[str, str]:

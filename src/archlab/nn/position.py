@@ -53,7 +53,10 @@ class InputPosition(NoPosition):
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Frequencies theta^(-2i/r), i < r/2, after optional context-extension scaling."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    # tables are built on the CPU explicitly, so a model built on the meta device (fast loading of
+    # checkpoints, see interop.load_hf) still gets real buffers
+    steps = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu")
+    inv_freq = 1.0 / theta ** (steps / rotary_dim)
     if scaling is None:
         return inv_freq.float()
     if scaling.kind == "linear":
@@ -110,7 +113,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     slopes = power_of_two(closest)
     if closest < n_heads:
         slopes += power_of_two(2 * closest)[0::2][: n_heads - closest]
-    return torch.tensor(slopes)
+    return torch.tensor(slopes, device="cpu")
 
 
 @ATTENTION_POSITIONS.register("alibi")
@@ -176,7 +179,8 @@ class AbsolutePosition(nn.Module):
         if self.kind == "learned":
             self.embedding = nn.Embedding(cfg.max_seq_len + self.offset, cfg.d_model)
         elif self.kind == "sinusoidal":
-            inv = 1.0 / 10_000 ** (torch.arange(0, cfg.d_model, 2).float() / cfg.d_model)
+            steps = torch.arange(0, cfg.d_model, 2, device="cpu").float()
+            inv = 1.0 / 10_000 ** (steps / cfg.d_model)
             self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor | None:  # (b, t) -> (b, t, d)

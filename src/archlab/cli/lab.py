@@ -1,0 +1,117 @@
+"""`archlab ablate SUITE_OR_YAML` (run a suite of training runs) and `archlab report DIR`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+ABLATE_EXAMPLE = """\
+examples:
+  archlab ablate --list
+  archlab ablate activation --out sweeps/activation                 # small scale: 2 CPU cores, <= 15 min
+  archlab ablate norm_position --scale large --out sweeps/norms     # GPU budget
+  archlab ablate my_suite.yaml --budget 2e6 --budget-unit tokens --seeds 3 --data data/shakespeare-bytes
+  archlab report sweeps/activation
+
+Each variant x seed is one training run under OUT/runs/; rows go to OUT/results.sqlite. Re-running the
+same command resumes: finished (done / diverged) runs are skipped, crashed ones are run again.
+Without --data the Shakespeare corpus is prepared once with the byte tokenizer into OUT/data.
+"""
+
+REPORT_EXAMPLE = """\
+examples:
+  archlab report sweeps/activation          # one sweep folder (holds results.sqlite)
+  archlab report sweeps                     # every sweep folder below sweeps/
+writes DIR/report/report.md, report.html (open from disk), verdicts.json and img/*.png.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    ablate = subparsers.add_parser(
+        "ablate", help="run an ablation suite (variants x seeds) into a results table",
+        description="Run a built-in suite (one per claim of the architecture lecture) or a YAML suite: "
+        "a base config times axes of dotted overrides, optionally matched in parameters or FLOPs. "
+        "Example: archlab ablate activation --out sweeps/activation",
+        epilog=ABLATE_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ablate.add_argument("suite", nargs="?", metavar="SUITE_OR_YAML", help="built-in suite name or a YAML file")
+    ablate.add_argument("--list", action="store_true", help="list the built-in suites and exit")
+    ablate.add_argument("--out", metavar="DIR", help="sweep folder (default sweeps/<suite>)")
+    ablate.add_argument("--scale", default="small", help="budget preset: small (CPU) or large (GPU)")
+    ablate.add_argument("--budget", type=float, help="override the scale's budget per run")
+    ablate.add_argument("--budget-unit", choices=["steps", "tokens", "minutes"], help="unit of --budget")
+    ablate.add_argument("--seeds", type=int, help="seeds per variant (default: the suite's)")
+    ablate.add_argument("--data", metavar="DIR", help="a prepared data folder (archlab data prepare)")
+    ablate.add_argument("--corpus", default="shakespeare", help="corpus when --data is not given")
+    ablate.add_argument("--tokenizer", default="bytes", help="tokenizer when --data is not given")
+    ablate.add_argument("--set", action="append", default=[], metavar="train.KEY=VALUE",
+                        help="extra TrainConfig override for every run (repeatable)")
+    ablate.add_argument("--device", choices=["auto", "cpu", "cuda"], help="training device")
+    ablate.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; 0 = torch default)")
+    ablate.add_argument("--report", action="store_true", help="write the report when the sweep ends")
+    ablate.add_argument("--quiet", action="store_true", help="no progress bar")
+    ablate.set_defaults(func=run_ablate)
+
+    report = subparsers.add_parser(
+        "report", help="Markdown/HTML report with plots and computed verdicts of sweeps",
+        description="Build the report of one or more sweep folders. Example: archlab report sweeps/activation",
+        epilog=REPORT_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    report.add_argument("dir", metavar="DIR", help="a sweep folder, or a folder of sweep folders")
+    report.add_argument("--out", metavar="DIR", help="report folder (default DIR/report)")
+    report.set_defaults(func=run_report)
+
+
+def run_ablate(args: argparse.Namespace) -> int:
+    from archlab.config import ConfigError
+    from archlab.lab import runner, suites
+    from archlab.lab.report import build_report
+
+    if args.list:
+        for s in suites.BUILTIN.values():
+            n = len(s.expand())
+            sc = s.scale("small")
+            print(f"{s.name:15s} {n:2d} variants x {s.seeds} seeds, small: {sc['budget']:g} {sc['unit']}  {s.claim}")
+        return 0
+    if not args.suite:
+        print("archlab ablate: give a SUITE_OR_YAML (see --list)", file=sys.stderr)
+        return 2
+    try:
+        suite = suites.load(args.suite)
+        overrides = {}
+        for item in args.set:
+            if "=" not in item:
+                raise ConfigError(f"--set {item!r} must be KEY=VALUE")
+            key, value = item.split("=", 1)
+            overrides[key[len("train."):] if key.startswith("train.") else key] = value
+        if overrides:
+            from archlab.train import TrainConfig
+            TrainConfig().with_overrides(overrides)  # validate names and values early
+            hints = TrainConfig().with_overrides(overrides).to_dict()
+            overrides = {k: hints[k] for k in overrides}
+        out = args.out or f"sweeps/{suite.name}"
+        rows = runner.run_suite(
+            suite, out, scale=args.scale, seeds=args.seeds, budget=args.budget, budget_unit=args.budget_unit,
+            data_dir=args.data, corpus=args.corpus, tokenizer=args.tokenizer, train_overrides=overrides,
+            device=args.device, progress=not args.quiet, threads=args.threads or None,
+        )
+    except (ConfigError, runner.LabError, FileNotFoundError, ValueError) as exc:
+        print(f"archlab ablate: {exc}", file=sys.stderr)
+        return 2
+    counts = {s: sum(r.status == s for r in rows) for s in ("done", "diverged", "failed")}
+    print(f"{suite.name}: {len(rows)} runs ({', '.join(f'{v} {k}' for k, v in counts.items())}) -> {out}/results.sqlite")
+    if args.report:
+        paths = build_report(out)
+        print(f"report: {paths['md']} and {paths['html']}")
+    return 1 if counts["failed"] else 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from archlab.lab.report import build_report
+
+    try:
+        paths = build_report(args.dir, args.out)
+    except FileNotFoundError as exc:
+        print(f"archlab report: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {paths['md']}, {paths['html']}, {paths['json']}")
+    return 0

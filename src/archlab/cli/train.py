@@ -1,0 +1,175 @@
+"""`archlab train` and `archlab eval`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+TRAIN_EXAMPLE = """example:
+  archlab train --preset tiny:llama2-7b --data data/shakespeare --out runs/exp1 \\
+      --set n_layers=4 --set train.lr=1e-3 --set train.budget=5 --set train.budget_unit=minutes
+  torchrun --nproc_per_node=2 -m archlab.cli train --config runs/exp1/config.yaml --data ... --out ...
+  (model keys as ModelConfig.with_overrides, train keys prefixed `train.`; --resume continues a run)"""
+
+EVAL_EXAMPLE = """example:
+  archlab eval runs/exp1                       # validation loss / perplexity / bits per byte
+  archlab eval runs/exp1 --data data/other --batches 50"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a model on a prepared data folder",
+                              description="Train a model; writes a self-describing run folder.",
+                              epilog=TRAIN_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", help="model preset name (archlab presets); `tiny:NAME` for a test-sized one")
+    p.add_argument("--config", help="YAML with `model` and/or `train` sections (e.g. a run's config.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override: model key (norm.kind=layernorm) or train key (train.lr=1e-3)")
+    p.add_argument("--data", required=True, help="prepared data folder (archlab data prepare)")
+    p.add_argument("--out", required=True, help="run folder to write")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_train)
+
+    e = subparsers.add_parser("eval", help="evaluate a run's latest checkpoint",
+                              description="Validation loss, perplexity and bits per byte of a run.",
+                              epilog=EVAL_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("run_dir")
+    e.add_argument("--data", help="data folder (default: the one in the run's config.yaml)")
+    e.add_argument("--split", default="val")
+    e.add_argument("--batches", type=int, default=None, help="max batches (default: the whole split)")
+    e.add_argument("--batch-size", type=int, default=None)
+    e.add_argument("--checkpoint", help="a checkpoint folder (default: the latest)")
+    e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    e.add_argument("--json", action="store_true", help="print JSON")
+    e.set_defaults(func=run_eval)
+
+
+def resolve_preset(name: str):
+    """A ModelConfig from a preset name: `NAME`, or `tiny:NAME` / `tiny-NAME` for archlab.presets.tiny."""
+    from archlab.config import ConfigError
+
+    try:
+        from archlab import presets
+    except ImportError as exc:
+        raise ConfigError(f"presets are unavailable ({exc}); pass --config instead") from exc
+    for prefix in ("tiny:", "tiny-", "tiny/"):
+        if name.startswith(prefix):
+            return presets.tiny(name[len(prefix):])
+    try:
+        return presets.get(name)
+    except (KeyError, ValueError, ConfigError) as first:
+        if hasattr(presets, "tiny"):
+            try:
+                return presets.tiny(name)
+            except Exception:
+                pass
+        raise ConfigError(f"unknown preset {name!r}: {first}") from first
+
+
+def parse_sets(pairs: list[str]) -> tuple[dict, dict]:
+    """Split `--set` pairs into (model overrides, train overrides)."""
+    from archlab.config import ConfigError
+
+    model, train = {}, {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--set {pair!r} must look like key=value")
+        key, value = pair.split("=", 1)
+        key = key.strip()
+        if key.startswith("train."):
+            train[key[len("train."):]] = value
+        else:
+            model[key.removeprefix("model.")] = value
+    return model, train
+
+
+def build_configs(args):
+    import yaml
+
+    from archlab.config import ConfigError, ModelConfig
+    from archlab.train import TrainConfig, fit_vocab
+
+    file_data = {}
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: no such file")
+        file_data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(file_data, dict):
+            raise ConfigError(f"--config {path} must hold a mapping with `model` / `train` sections")
+    model_over, train_over = parse_sets(args.set)
+    if "model" in file_data:
+        if args.preset:
+            raise ConfigError("both --preset and a `model` section in --config: give one")
+        model_cfg = ModelConfig.from_dict(file_data["model"])
+    elif args.preset:
+        model_cfg = resolve_preset(args.preset)
+    else:
+        raise ConfigError("no model: pass --preset NAME or --config FILE with a `model` section")
+    if "vocab_size" not in model_over and "model" not in file_data:
+        model_cfg = fit_vocab(model_cfg, args.data)   # a preset's vocab -> the data's tokenizer
+    if model_over:
+        model_cfg = model_cfg.with_overrides(model_over)
+    train_cfg = TrainConfig.from_dict(file_data["train"]) if "train" in file_data else TrainConfig()
+    if train_over:
+        train_cfg = train_cfg.with_overrides(train_over)
+    return model_cfg, train_cfg
+
+
+def run_train(args) -> int:
+    from archlab.config import ConfigError
+    from archlab.data import DataError
+    from archlab.train import Diverged, train
+
+    try:
+        model_cfg, train_cfg = build_configs(args)
+        result = train(model_cfg, train_cfg, args.data, args.out, resume=args.resume,
+                       progress=not args.no_progress)
+    except Diverged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    except (ConfigError, DataError, FileExistsError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import os
+    if int(os.environ.get("RANK", "0")) == 0:
+        val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
+        print(f"done: {result.steps} steps, {result.tokens_seen:,} tokens, val loss {val}, "
+              f"{result.tokens_per_s:,.0f} tokens/s; run folder {result.run_dir}")
+    return 0
+
+
+def run_eval(args) -> int:
+    import torch
+
+    from archlab.checkpoint import CheckpointError, load_run, read_run_config
+    from archlab.data import DataError, TokenDataset
+    from archlab.evaluate import evaluate
+
+    try:
+        cfg = read_run_config(args.run_dir)
+        data_dir = args.data or (cfg.get("data") or {}).get("dir")
+        if not data_dir:
+            raise DataError(f"{args.run_dir}/config.yaml names no data folder; pass --data")
+        device = args.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        model, _ = load_run(args.run_dir, checkpoint=args.checkpoint, device=device)
+        train_cfg = cfg.get("train") or {}
+        dataset = TokenDataset(data_dir, args.split)
+        if model.config.vocab_size < dataset.vocab_size:
+            raise DataError(f"{data_dir} has vocab_size={dataset.vocab_size}, the model "
+                            f"{model.config.vocab_size}: a different tokenizer?")
+        result = evaluate(model, dataset, batch_size=args.batch_size or train_cfg.get("batch_size", 16),
+                          seq_len=train_cfg.get("seq_len", 256), max_batches=args.batches, device=device,
+                          dtype=train_cfg.get("dtype", "float32"), progress=True)
+    except (CheckpointError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(f"{args.split}: loss {result.loss:.4f} nats, perplexity {result.ppl:.2f}, "
+              f"{result.bpb:.4f} bits/byte over {result.tokens:,} tokens")
+    return 0

@@ -1,0 +1,238 @@
+"""Attention sinks, massive activations and attention entropy of a trained model on some text.
+
+- Attention sinks (Xiao et al. 2023, arXiv 2309.17453, StreamingLLM): the share of attention each head
+  puts on the first token, averaged over queries 1..t-1 (query 0 can only see token 0, so it is left out).
+- Massive activations (Sun et al. 2024, arXiv 2402.17762): per layer, the largest |hidden state| and the
+  (token, dimension) where it occurs, against the median |hidden state|; a ratio of 1e3-1e5 is "massive".
+  Hidden states are the residual stream after each block (forward hooks on model.blocks).
+- Attention entropy per head, in nats, averaged over queries 1..t-1 (uniform over n keys = ln n).
+- Max attention logit per layer (Wortsman et al. 2023, arXiv 2309.14322): the largest raw q.k * scale
+  before soft-capping, over the causal (and window) mask; growth past ~1e4 precedes divergence.
+
+Attention probabilities come from the model's own eager path: `record_probs = True` on every
+`model.blocks[i].attn` keeps `last_probs` (b, h, t, s). Gated attention (Qiu et al. 2025) scales the
+output after the softmax, so the probabilities measured here are before the gate.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["diagnose", "max_attention_logits", "attention_scores", "save_report", "load_model_and_tokenizer"]
+
+
+def _attn_modules(model) -> list:
+    return [block.attn for block in model.blocks]
+
+
+@torch.no_grad()
+def diagnose(model, input_ids: torch.Tensor, tokens: Sequence[str] | None = None, top_k: int = 5) -> dict:
+    """Sinks, massive activations and entropies of `model` on `input_ids` (b, t) or (t,).
+
+    Returns a JSON-ready dict: per layer `first_token_mass` and `entropy` per head, `max_abs`,
+    `median_abs`, `ratio`, and the `top` activations (batch row, token index, token, dim, value); and a
+    `summary` (first_token_mass averaged over layers and heads, max_ratio and its layer, max_activation,
+    mean_entropy).
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    b, t = input_ids.shape
+    if t < 2:
+        raise ValueError("diagnose needs at least 2 tokens")
+    model.eval()
+    attns = _attn_modules(model)
+    hidden: list[torch.Tensor] = []
+    hooks = [blk.register_forward_hook(lambda _m, _i, out: hidden.append(out.detach().float()))
+             for blk in model.blocks]
+    old = [a.record_probs for a in attns]
+    try:
+        for a in attns:
+            a.record_probs = True
+        device = next(model.parameters()).device
+        model(input_ids.to(device))
+        probs = [a.last_probs.float() for a in attns]                 # each (b, h, t, s)
+    finally:
+        for h in hooks:
+            h.remove()
+        for a, o in zip(attns, old):
+            a.record_probs = o
+            a.last_probs = None
+    layers = []
+    for i, (p, hs) in enumerate(zip(probs, hidden)):
+        p = p[:, :, 1:, :]                                            # queries 1..t-1
+        first = p[..., 0].mean(dim=(0, 2))                            # (h,)
+        ent = -(p * p.clamp_min(1e-30).log()).sum(-1).mean(dim=(0, 2))  # (h,)
+        mag = hs.abs()                                                # (b, t, d)
+        flat = mag.flatten()
+        median = float(flat.median())
+        vals, idx = flat.topk(min(top_k, flat.numel()))
+        top = []
+        for v, j in zip(vals.tolist(), idx.tolist()):
+            row, rest = divmod(j, t * hs.shape[-1])
+            pos, dim = divmod(rest, hs.shape[-1])
+            top.append({"row": row, "token_index": pos, "dim": dim, "value": float(hs[row, pos, dim]),
+                        "token": tokens[pos] if tokens is not None and pos < len(tokens) else None})
+        max_abs = float(vals[0])
+        layers.append({
+            "layer": i, "first_token_mass": first.tolist(), "entropy": ent.tolist(),
+            "max_abs": max_abs, "median_abs": median,
+            "ratio": max_abs / median if median > 0 else float("inf"), "top": top,
+        })
+    ratios = [layer["ratio"] for layer in layers]
+    worst = max(range(len(layers)), key=lambda i: ratios[i])
+    summary = {
+        "n_tokens": t, "batch": b, "n_layers": len(layers),
+        "first_token_mass": float(torch.tensor([layer["first_token_mass"] for layer in layers]).mean()),
+        "max_ratio": ratios[worst], "max_ratio_layer": worst,
+        "max_activation": max(layer["max_abs"] for layer in layers),
+        "mean_entropy": float(torch.tensor([layer["entropy"] for layer in layers]).mean()),
+        "uniform_entropy": float(sum(math.log(i + 1) for i in range(1, t)) / (t - 1)),
+    }
+    return {"summary": summary, "layers": layers,
+            "tokens": list(tokens[:t]) if tokens is not None else None}
+
+
+@torch.no_grad()
+def attention_scores(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """Raw attention logits q.k * scale per layer, (b, h, t, s), -inf where masked; before soft-cap and
+    before position biases (ALiBi/T5), i.e. the quantity whose growth Wortsman et al. track.
+
+    Recomputed from each attention module's own projections, norms and rotary step on the input the
+    module receives (a forward pre-hook), so it follows the model's configuration.
+    """
+    from archlab.nn.attention import allowed_keys
+
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    model.eval()
+    scores: list[torch.Tensor] = []
+
+    def hook(attn, args, kwargs):
+        x, positions = args[0], args[1] if len(args) > 1 else kwargs["positions"]
+        b, t, _ = x.shape
+        q, k = attn.q_proj(x), attn.k_proj(x)
+        if attn.qk_norm == "full":
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q.view(b, t, attn.n_heads, attn.head_dim).transpose(1, 2)        # (b, h, t, e)
+        k = k.view(b, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)     # (b, k, t, e)
+        if attn.qk_norm == "per_head":
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = attn.position.rotate(q, positions), attn.position.rotate(k, positions)
+        k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)    # (b, h, t, e)
+        s = (q @ k.transpose(-1, -2)).float() * attn.scale                   # (b, h, t, t)
+        mask = allowed_keys(positions, positions, attn.window)               # (b, 1, t, t)
+        scores.append(s.masked_fill(~mask, float("-inf")))
+
+    hooks = [a.register_forward_pre_hook(hook, with_kwargs=True) for a in _attn_modules(model)]
+    try:
+        device = next(model.parameters()).device
+        model(input_ids.to(device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return scores
+
+
+def max_attention_logits(model, input_ids: torch.Tensor) -> list[float]:
+    """Largest |raw attention logit| per layer over the allowed (causal/window) positions."""
+    out = []
+    for s in attention_scores(model, input_ids):
+        finite = s[torch.isfinite(s)]
+        out.append(float(finite.abs().max()) if finite.numel() else float("nan"))
+    return out
+
+
+# --------------------------------------------------------------------------- plots and files
+def save_report(result: dict, out_dir: str | Path) -> dict[str, Path]:
+    """summary.json and heatmap PNGs (first-token mass and entropy per layer x head; max/median ratio
+    per layer) into out_dir; returns the paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "summary.json"}
+    paths["json"].write_text(json.dumps(result, indent=2, default=_json_default) + "\n")
+    layers = result["layers"]
+    for key, title, fname, cmap in (
+        ("first_token_mass", "attention mass on the first token", "sinks.png", "viridis"),
+        ("entropy", "attention entropy (nats)", "entropy.png", "magma"),
+    ):
+        grid = [layer[key] for layer in layers]
+        fig, ax = plt.subplots(figsize=(1.2 + 0.5 * len(grid[0]), 1.2 + 0.4 * len(grid)), dpi=110)
+        im = ax.imshow(grid, cmap=cmap, aspect="auto", vmin=0 if key == "first_token_mass" else None,
+                       vmax=1 if key == "first_token_mass" else None)
+        for li, row in enumerate(grid):
+            for hi, v in enumerate(row):
+                ax.text(hi, li, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if (key == "first_token_mass" and v < 0.5) else "black")
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_title(title, fontsize=9)
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        paths[key] = out / fname
+        fig.savefig(paths[key])
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    ax.semilogy([layer["layer"] for layer in layers], [layer["ratio"] for layer in layers], "o-")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("max |h| / median |h|")
+    ax.set_title("massive activations per layer", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths["massive"] = out / "massive_activations.png"
+    fig.savefig(paths["massive"])
+    plt.close(fig)
+    return paths
+
+
+def _json_default(obj: Any):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    return str(obj)
+
+
+def load_model_and_tokenizer(path: str | Path):
+    """(model, tokenizer or None) from an archlab run folder (config.yaml) or an HF folder (config.json)."""
+    path = Path(path)
+    if (path / "config.yaml").is_file():
+        from archlab.checkpoint import load_run
+        return load_run(path)
+    if (path / "config.json").is_file():
+        from archlab import interop
+        model = interop.load_hf(path)
+        tokenizer = None
+        if (path / "tokenizer.json").is_file():
+            try:
+                from tokenizers import Tokenizer as HFTokenizer
+                tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))
+            except ImportError:
+                tokenizer = None
+        return model.eval(), tokenizer
+    raise FileNotFoundError(f"{path} is neither an archlab run folder (config.yaml) nor an HF folder (config.json)")
+
+
+def encode_text(tokenizer, text: str, max_tokens: int) -> tuple[list[int], list[str]]:
+    """Token ids (at most max_tokens) and a printable string per token."""
+    if tokenizer is None:
+        raise ValueError("this model folder has no tokenizer: cannot encode --text")
+    enc = tokenizer.encode(text)
+    ids = list(enc.ids) if hasattr(enc, "ids") else list(enc)
+    ids = ids[:max_tokens]
+    pieces = []
+    for i in ids:
+        try:
+            if hasattr(tokenizer, "id_to_token") and not hasattr(tokenizer, "eot_id"):
+                piece = tokenizer.id_to_token(i)
+            else:
+                piece = tokenizer.decode([i])
+        except Exception:  # noqa: BLE001 - a label only
+            piece = str(i)
+        pieces.append(piece if piece is not None else str(i))
+    return ids, pieces

@@ -1,0 +1,140 @@
+"""Evaluation: validation loss, perplexity and bits per byte; and a small sampler for progress samples.
+
+Bits per byte (bpb) makes losses comparable across tokenizers: the model's total code length in bits
+divided by the UTF-8 bytes it encodes,  bpb = loss_nats * tokens / (bytes * ln 2)  (e.g. Gao et al.
+2020, "The Pile"). `bytes` is the split's bytes per token (meta.json) times the tokens scored.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["EvalResult", "evaluate", "autocast", "sample_ids", "bits_per_byte"]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float        # mean next-token cross-entropy, nats
+    ppl: float         # exp(loss)
+    bpb: float         # bits per UTF-8 byte
+    tokens: int        # tokens scored
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def bits_per_byte(loss_nats: float, tokens: int, n_bytes: float) -> float:
+    return loss_nats * tokens / (n_bytes * math.log(2)) if n_bytes else float("nan")
+
+
+def autocast(device: torch.device, dtype: str):
+    """bf16 autocast where the device supports it, else a no-op (fp32)."""
+    if dtype != "bfloat16":
+        return contextlib.nullcontext()
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
+             max_batches: int | None = None, device: str | torch.device = "cpu",
+             dtype: str = "float32", dist_info=None, progress: bool = False) -> EvalResult:
+    """Cross-entropy over the first `max_batches` deterministic validation batches of `dataset`
+    (archlab.data.eval_batches). Under data parallelism every rank runs the same number of forwards
+    (FSDP needs all ranks in each all-gather); the sums are all-reduced."""
+    from archlab.data import eval_batches
+
+    device = torch.device(device)
+    rank, world = (dist_info.rank, dist_info.world_size) if dist_info is not None else (0, 1)
+    batches = list(eval_batches(dataset, batch_size, seq_len, max_batches))
+    mine = batches[rank::world]
+    rounds = -(-len(batches) // world)
+    was_training = model.training
+    model.eval()
+    total_nats, total_tokens = 0.0, 0
+    try:
+        iterator = range(rounds)
+        if progress:
+            from tqdm.auto import tqdm
+            iterator = tqdm(iterator, desc="eval", leave=False, dynamic_ncols=True)
+        for i in iterator:
+            x, y = mine[i] if i < len(mine) else batches[0]   # a filler forward, weight 0
+            weight = 1 if i < len(mine) else 0
+            x, y = x.to(device), y.to(device)
+            with autocast(device, dtype):
+                logits = model(x)                                            # (b, t, v)
+            nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            total_nats += weight * float(nats)
+            total_tokens += weight * y.numel()
+    finally:
+        model.train(was_training)
+    if dist_info is not None and dist_info.enabled:
+        from archlab.distributed import all_reduce_sum
+        total_nats, total_tokens = all_reduce_sum([total_nats, float(total_tokens)], dist_info)
+        total_tokens = int(total_tokens)
+    if total_tokens == 0:
+        raise ValueError("evaluation scored no tokens")
+    loss = total_nats / total_tokens
+    n_bytes = dataset.bytes_per_token * total_tokens
+    return EvalResult(loss=loss, ppl=math.exp(min(loss, 700.0)), bpb=bits_per_byte(loss, total_tokens, n_bytes),
+                      tokens=total_tokens)
+
+
+@torch.no_grad()
+def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.8,
+               top_k: int | None = 50, seed: int = 0, device: str | torch.device = "cpu",
+               use_generate: bool = True) -> list[int]:
+    """New token ids after `prompt`: archlab.generate when it is available, else a plain loop
+    (full forward per token, no cache). Temperature 0 is greedy. Draws from a private generator,
+    so the caller's RNG stream (and hence a resumed run) is untouched."""
+    device = torch.device(device)
+    was_training = model.training
+    model.eval()
+    try:
+        if use_generate:
+            ids = _try_archlab_generate(model, prompt, max_new_tokens, temperature, top_k, seed, device)
+            if ids is not None:
+                return ids
+        gen = torch.Generator(device=device).manual_seed(seed)
+        x = torch.tensor([prompt], dtype=torch.long, device=device)
+        limit = model.config.max_seq_len if hasattr(model, "config") else None
+        out = []
+        for _ in range(max_new_tokens):
+            window = x if limit is None else x[:, -limit:]
+            logits = model(window)[:, -1].float()                            # (1, v)
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None and top_k < logits.shape[-1]:
+                    kth = torch.topk(logits, top_k).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(logits.softmax(-1), 1, generator=gen)
+            x = torch.cat([x, nxt], dim=1)
+            out.append(int(nxt))
+        return out
+    finally:
+        model.train(was_training)
+
+
+def _try_archlab_generate(model, prompt, max_new_tokens, temperature, top_k, seed, device):
+    """archlab.generation.generate (KV cache): prompt (t,) -> prompt + new ids (t + n,)."""
+    try:
+        from archlab.generation import generate
+    except ImportError:
+        return None
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            out = generate(model, torch.tensor(prompt, dtype=torch.long, device=device),
+                           max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    except Exception as exc:  # a sample must never stop a training run
+        warnings.warn(f"archlab.generate failed ({exc}); sampling with the plain loop")
+        return None
+    return [int(t) for t in out.reshape(-1)[len(prompt):].tolist()]

@@ -1,0 +1,127 @@
+"""Matching variants to a base at equal parameters or equal FLOPs per token.
+
+A gated MLP has three matrices where a plain one has two, so "SwiGLU beats ReLU" only means something
+at equal size (Shazeer 2020 sets d_ff to 2/3 of the plain width). `match` solves one integer knob of a
+variant (by default `mlp.d_ff`; `d_model` for aspect-ratio sweeps) so that the variant's parameter
+count (or forward FLOPs per token) lands within a relative tolerance of the base's.
+
+Counts come from `archlab.accounting` (analytic, from the config alone); when that module is absent
+the parameter count falls back to building the model on the meta device, which allocates nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from archlab.config import ConfigError, ModelConfig
+
+
+class MatchError(ConfigError):
+    """No value of the knob brings the variant within tolerance of the target."""
+
+
+def param_count(cfg: ModelConfig) -> int:
+    try:
+        from archlab.accounting import param_count as analytic
+    except ImportError:
+        analytic = None
+    if analytic is not None:
+        return int(analytic(cfg))
+    import torch
+
+    from archlab.model import TransformerLM
+
+    with torch.device("meta"):
+        return TransformerLM(cfg).num_params()
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    try:
+        from archlab.accounting import flops_per_token as analytic
+    except ImportError:
+        analytic = None
+    if analytic is not None:
+        return float(analytic(cfg, seq_len))
+    # Fallback (Kaplan et al. 2020, Table 1): 2 FLOPs per non-embedding weight + causal attention
+    # scores and weighted sum (2 * 2 * n_layers * seq_len/2 * n_heads * head_dim), forward only.
+    non_embed = param_count(cfg) - cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    attn = 2 * cfg.n_layers * seq_len * cfg.attention.n_heads * cfg.head_dim
+    return float(2 * non_embed + attn + 2 * cfg.vocab_size * cfg.d_model)
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    config: ModelConfig
+    knob: str
+    value: int
+    measure: float      # the variant's params (or FLOPs/token) after matching
+    target: float       # the base's
+    rel_error: float    # (measure - target) / target
+
+
+def _knob_value(cfg: ModelConfig, knob: str) -> int:
+    if knob == "mlp.d_ff":
+        return cfg.d_ff
+    node = cfg
+    for part in knob.split("."):
+        node = getattr(node, part)
+    return int(node)
+
+
+def match(
+    cfg: ModelConfig,
+    target: float,
+    *,
+    by: str = "params",
+    knob: str = "mlp.d_ff",
+    multiple: int = 1,
+    tolerance: float = 0.02,
+    seq_len: int = 128,
+    extra_overrides: dict | None = None,
+) -> MatchResult:
+    """Smallest-error integer `knob` (a multiple of `multiple`) so that the measure hits `target`.
+
+    by: "params" or "flops". The measure grows monotonically with d_ff and with d_model, so a
+    doubling search for an upper bound and a bisection find the crossing; the closer of the two
+    neighbours wins. Raises MatchError when even that one misses by more than `tolerance`.
+    """
+    if by not in ("params", "flops"):
+        raise ConfigError(f"match by={by!r} must be 'params' or 'flops'")
+    if target <= 0:
+        raise ConfigError(f"match target={target} must be positive")
+    measure: Callable[[ModelConfig], float] = (
+        param_count if by == "params" else (lambda c: flops_per_token(c, seq_len))
+    )
+    extra = dict(extra_overrides or {})
+
+    def build(units: int) -> ModelConfig:
+        return cfg.with_overrides({knob: units * multiple, **extra})
+
+    def value(units: int) -> float:
+        try:
+            return measure(build(units))
+        except ConfigError:
+            return float("nan")
+
+    lo, hi = 1, max(1, _knob_value(cfg, knob) // multiple)
+    while not value(hi) >= target:
+        if hi > 1 << 24:
+            raise MatchError(f"{knob} cannot reach {by}={target:.4g}")
+        lo, hi = hi, hi * 2
+    if value(lo) >= target:  # the knob's current value overshoots: search down from 1
+        lo = 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if value(mid) >= target:
+            hi = mid
+        else:
+            lo = mid
+    best = min((lo, hi), key=lambda u: abs(value(u) - target) if value(u) == value(u) else float("inf"))
+    got = value(best)
+    rel = (got - target) / target
+    if not abs(rel) <= tolerance:
+        raise MatchError(
+            f"matching {knob} by {by}: best {knob}={best * multiple} gives {got:.6g}, "
+            f"{rel:+.2%} from the target {target:.6g} (tolerance {tolerance:.1%})"
+        )
+    return MatchResult(build(best), knob, best * multiple, got, float(target), rel)

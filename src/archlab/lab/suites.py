@@ -1,0 +1,506 @@
+"""Ablation suites as data: a base config, variants (an explicit list and/or a product of axes of
+dotted overrides), optional parameter/FLOP matching, budgets per scale, and the claim as rules.
+
+One built-in suite per claim of the architecture lecture (reference notes 000/001/003; published
+figures in CLAIMS.md). A suite can also come from YAML with the same fields::
+
+    name: my-norms
+    claim: RMSNorm matches LayerNorm
+    base: {model: {norm.position: pre}, train: {lr: 3.0e-3}}
+    axes:
+      - {name: norm, key: norm.kind, values: [layernorm, rmsnorm]}
+      - name: lr                                    # or values with labels and several keys
+        values:
+          - {label: "lr=1e-3", set: {train.lr: 1.0e-3}}
+          - {label: "lr=1e-2", set: {train.lr: 1.0e-2}}
+    variants:                                       # appended after the axes' product
+      - {label: "norm=rmsnorm,lr=3e-3", set: {norm.kind: rmsnorm}, labels: {norm: rmsnorm}}
+    match: {by: params, knob: mlp.d_ff, tolerance: 0.02}
+    seeds: 3
+    scales: {small: {budget: 300, unit: steps}, large: {budget: 4000, unit: steps}}
+    measure: [val_loss_2x]
+    rules:
+      - {kind: parity, metric: final_val_loss, a: {norm: rmsnorm}, b: {norm: layernorm}, tol: 0.02,
+         statement: "RMSNorm's loss within 2% of LayerNorm's"}
+
+Keys starting with `train.` go to TrainConfig, all others to ModelConfig.with_overrides. Variant names
+are the axis labels joined with "," (e.g. "norm=post,lr=1e-2"); each run also records its labels per
+axis, which is what rules select on.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from archlab.config import ConfigError, ModelConfig
+from archlab.lab.verdicts import Rule
+
+MEASUREMENTS = ("val_loss_2x", "max_attn_logit", "sinks", "kv_cache_bytes")
+
+# The tiny model every built-in suite starts from (~0.23M parameters with the byte vocabulary).
+BASE_MODEL: dict[str, Any] = {
+    "name": "lab-tiny", "vocab_size": 257, "d_model": 64, "n_layers": 4, "max_seq_len": 64,
+    "attention.n_heads": 4, "mlp.activation": "swiglu", "mlp.d_ff": 172, "position.kind": "rope",
+    "norm.kind": "rmsnorm", "norm.position": "pre",
+}
+BASE_TRAIN: dict[str, Any] = {
+    "lr": 3e-3, "warmup_steps": 20, "schedule": "cosine", "min_lr_ratio": 0.1, "weight_decay": 0.1,
+    "grad_clip": 1.0, "batch_size": 16, "seq_len": 64, "eval_every": 100, "eval_batches": 8,
+    "dtype": "float32", "nan_policy": "stop",
+}
+# small: 2 CPU cores, a whole suite (variants x seeds) in <= 15 minutes; large: one GPU.
+DEFAULT_SCALES: dict[str, dict[str, Any]] = {
+    "small": {"budget": 300, "unit": "steps"},
+    "large": {"budget": 4000, "unit": "steps",
+              "train": {"batch_size": 64, "seq_len": 256, "eval_every": 500, "eval_batches": 32,
+                        "warmup_steps": 200, "dtype": "bfloat16"},
+              "model": {"d_model": 256, "n_layers": 8, "attention.n_heads": 8, "mlp.d_ff": 688}},
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    model: dict[str, Any]          # dotted ModelConfig overrides
+    train: dict[str, Any]          # TrainConfig overrides (without the `train.` prefix)
+    labels: dict[str, str]         # axis name -> label
+
+
+@dataclass
+class Suite:
+    name: str
+    claim: str
+    variants: list[dict] = field(default_factory=list)    # [{label, set, labels}]
+    axes: list[dict] = field(default_factory=list)        # [{name, key?, values}]
+    base: dict = field(default_factory=dict)              # {model: {...}, train: {...}}
+    match: dict | None = None                              # {by, knob, multiple, tolerance}
+    seeds: int = 2
+    scales: dict = field(default_factory=dict)             # merged over DEFAULT_SCALES
+    measure: list[str] = field(default_factory=list)
+    rules: list[Rule] = field(default_factory=list)
+    published: str = ""
+    lr_axis: str | None = None                             # axis plotted as "loss vs learning rate"
+    notes: str = ""
+
+    def __post_init__(self):
+        self.rules = [r if isinstance(r, Rule) else Rule(**r) for r in self.rules]
+        unknown = set(self.measure) - set(MEASUREMENTS)
+        if unknown:
+            raise ConfigError(f"suite {self.name}: unknown measurement(s) {sorted(unknown)}; "
+                              f"known: {', '.join(MEASUREMENTS)}")
+        if not self.variants and not self.axes:
+            raise ConfigError(f"suite {self.name} has neither variants nor axes")
+        if self.match is not None and self.match.get("by", "params") not in ("params", "flops"):
+            raise ConfigError(f"suite {self.name}: match.by must be 'params' or 'flops'")
+        if self.seeds < 1:
+            raise ConfigError(f"suite {self.name}: seeds={self.seeds} must be >= 1")
+
+    # ---- expansion ---------------------------------------------------------------------------
+    def expand(self) -> list[Variant]:
+        """The variants to run: the axes' product, then the explicit list; names must be unique."""
+        out: list[Variant] = []
+        if self.axes:
+            options = [_axis_options(axis, self.name) for axis in self.axes]
+            for combo in itertools.product(*options):
+                sets: dict[str, Any] = {}
+                for _, _, s in combo:
+                    sets.update(s)
+                labels = {axis_name: label for axis_name, label, _ in combo}
+                name = ",".join(_label_text(a, l) for a, l in labels.items())
+                out.append(_variant(name, sets, labels))
+        for v in self.variants:
+            if "label" not in v:
+                raise ConfigError(f"suite {self.name}: every entry of `variants` needs a label")
+            labels = {k: str(x) for k, x in (v.get("labels") or {"variant": v["label"]}).items()}
+            out.append(_variant(str(v["label"]), dict(v.get("set") or {}), labels))
+        names = [v.name for v in out]
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            raise ConfigError(f"suite {self.name}: duplicate variant names {sorted(dupes)}")
+        return out
+
+    def scale(self, name: str) -> dict[str, Any]:
+        """Budget and overrides of a scale: DEFAULT_SCALES merged with the suite's own."""
+        if name not in DEFAULT_SCALES and name not in self.scales:
+            raise ConfigError(f"unknown scale {name!r}; known: {sorted(set(DEFAULT_SCALES) | set(self.scales))}")
+        base = DEFAULT_SCALES.get(name, {})
+        own = self.scales.get(name, {})
+        return {
+            "budget": own.get("budget", base.get("budget")),
+            "unit": own.get("unit", base.get("unit", "steps")),
+            "model": {**base.get("model", {}), **own.get("model", {})},
+            "train": {**base.get("train", {}), **own.get("train", {})},
+        }
+
+    def base_overrides(self, scale: str) -> tuple[dict, dict]:
+        """(model overrides, train overrides) of the suite base at a scale, before any variant."""
+        sc = self.scale(scale)
+        model = {**BASE_MODEL, **sc["model"], **(self.base.get("model") or {})}
+        train = {**BASE_TRAIN, **sc["train"], **(self.base.get("train") or {})}
+        return model, train
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["rules"] = [asdict(r) for r in self.rules]
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Suite":
+        if not isinstance(data, dict):
+            raise ConfigError("a suite must be a mapping")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown suite field(s): {', '.join(sorted(unknown))}")
+        if "name" not in data or "claim" not in data:
+            raise ConfigError("a suite needs `name` and `claim`")
+        return cls(**data)
+
+
+def _label_text(axis: str, label: str) -> str:
+    return label if axis == "variant" or "=" in label else f"{axis}={label}"
+
+
+def _axis_options(axis: dict, suite: str) -> list[tuple[str, str, dict]]:
+    if "name" not in axis or "values" not in axis:
+        raise ConfigError(f"suite {suite}: an axis needs `name` and `values`")
+    out = []
+    for value in axis["values"]:
+        if isinstance(value, dict):
+            if "label" not in value or "set" not in value:
+                raise ConfigError(f"suite {suite}, axis {axis['name']}: a value mapping needs label and set")
+            out.append((axis["name"], str(value["label"]), dict(value["set"])))
+        else:
+            if "key" not in axis:
+                raise ConfigError(f"suite {suite}, axis {axis['name']}: plain values need the axis `key`")
+            out.append((axis["name"], _fmt(value), {axis["key"]: value}))
+    return out
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _variant(name: str, sets: dict, labels: dict) -> Variant:
+    model = {k: v for k, v in sets.items() if not k.startswith("train.")}
+    train = {k[len("train."):]: v for k, v in sets.items() if k.startswith("train.")}
+    return Variant(name=name, model=model, train=train, labels=labels)
+
+
+def build_model_config(model_overrides: dict) -> ModelConfig:
+    return ModelConfig().with_overrides(model_overrides)
+
+
+# --------------------------------------------------------------------------- built-in suites
+def _lr_axis(values: list[float]) -> dict:
+    return {"name": "lr", "values": [{"label": f"{v:g}", "set": {"train.lr": v}} for v in values]}
+
+
+def _suites() -> list[Suite]:
+    lrs = [3e-3, 1e-2, 3e-2]
+    return [
+        Suite(
+            name="norm_position",
+            claim="Pre-norm trains stably without warmup where post-norm does not: lower LR sensitivity "
+                  "and no more divergences across learning rates",
+            axes=[{"name": "norm", "key": "norm.position", "values": ["pre", "post", "sandwich", "post_sublayer"]},
+                  _lr_axis(lrs)],
+            base={"train": {"warmup_steps": 0}},
+            seeds=2, lr_axis="lr",
+            scales={"small": {"budget": 150, "unit": "steps"}},
+            rules=[
+                Rule(kind="less", metric="lr_sensitivity", over="lr", a={"norm": "pre"}, b={"norm": "post"},
+                     statement="LR sensitivity (Wortsman et al. 2023) of pre-norm below post-norm's"),
+                Rule(kind="less", metric="final_val_loss", a={"norm": "pre", "lr": "0.01"},
+                     b={"norm": "post", "lr": "0.01"},
+                     statement="at LR 1e-2 without warmup, pre-norm ends below post-norm"),
+            ],
+            published="Xiong et al. 2020: Post-LN gradients at init grow ~20x from layer 1 to 6, Pre-LN flat; "
+                      "Pre-LN without warmup reaches Post-LN-with-warmup loss ~3 epochs earlier",
+            notes="sandwich = pre+post (Gemma 2); post_sublayer = OLMo 2's norm after each sublayer. Warmup 0.",
+        ),
+        Suite(
+            name="norm_kind",
+            claim="RMSNorm matches LayerNorm's loss and is faster",
+            axes=[{"name": "norm", "key": "norm.kind", "values": ["layernorm", "rmsnorm"]}],
+            base={"model": {"bias.norm": True}},
+            seeds=3,
+            rules=[
+                Rule(kind="parity", metric="final_val_loss", a={"norm": "rmsnorm"}, b={"norm": "layernorm"},
+                     tol=0.02, statement="RMSNorm's final loss within 2% of LayerNorm's"),
+                Rule(kind="less", metric="step_time_s", a={"norm": "rmsnorm"}, b={"norm": "layernorm"},
+                     statement="RMSNorm's step time below LayerNorm's"),
+            ],
+            published="Zhang & Sennrich 2019: comparable quality, running time -7% to -64%; Narang et al. 2021: "
+                      "RMSNorm 1.821 vs vanilla 1.838, 3.68 vs 3.50 steps/s",
+            notes="LayerNorm keeps its bias (beta) here, as in the original; RMSNorm has none.",
+        ),
+        Suite(
+            name="bias",
+            claim="Dropping bias terms costs no quality",
+            variants=[
+                {"label": "none", "set": {}, "labels": {"bias": "none"}},
+                {"label": "all", "set": {"bias.qkv": True, "bias.attn_out": True, "bias.mlp": True,
+                                         "bias.norm": True, "norm.kind": "layernorm"}, "labels": {"bias": "all"}},
+                {"label": "none-layernorm", "set": {"norm.kind": "layernorm"}, "labels": {"bias": "none-ln"}},
+            ],
+            seeds=3,
+            rules=[Rule(kind="parity", metric="final_val_loss", a={"bias": "none-ln"}, b={"bias": "all"},
+                        tol=0.02, statement="no biases within 2% of biases everywhere (both LayerNorm)")],
+            published="Lecture: modern LMs drop biases for memory and stability (no loss figure given)",
+        ),
+        Suite(
+            name="activation",
+            claim="Gated FFNs (ReGLU, GeGLU, SwiGLU) beat ungated ones (ReLU, GeLU, ReLU^2) at matched parameters",
+            axes=[{"name": "act", "key": "mlp.activation",
+                   "values": ["relu", "gelu", "relu2", "reglu", "geglu", "swiglu"]}],
+            base={"model": {"mlp.activation": "relu", "mlp.d_ff": 256}},
+            match={"by": "params", "knob": "mlp.d_ff", "tolerance": 0.02},
+            seeds=3,
+            scales={"small": {"budget": 250, "unit": "steps"}},
+            rules=[
+                Rule(kind="less", metric="final_val_loss", a={"act": ["reglu", "geglu", "swiglu"]},
+                     b={"act": ["relu", "gelu", "relu2"]},
+                     statement="mean loss of the gated group below the ungated group"),
+                Rule(kind="less", metric="final_val_loss", a={"act": "swiglu"}, b={"act": "relu"},
+                     statement="SwiGLU below ReLU"),
+            ],
+            published="Shazeer 2020 Table 1 (log-ppl, T5-base 65k steps): ReLU 1.997, GELU 1.983, ReGLU 1.953, "
+                      "GEGLU 1.942, SwiGLU 1.944 (std 0.003-0.010); Narang et al. 2021: vanilla 1.838, "
+                      "SwiGLU 1.789",
+            notes="Base is a plain ReLU MLP with d_ff = 4 d_model; every variant's d_ff is solved so its "
+                  "parameter count is within 2% of the base's (gated ~ 2/3 of the width).",
+        ),
+        Suite(
+            name="ffn_ratio",
+            claim="Loss is flat for d_ff/d_model in 1-4 at fixed parameters and rises slowly beyond",
+            axes=[{"name": "ratio", "values": [
+                {"label": f"{r:g}", "set": {"mlp.d_ff_ratio": float(r), "mlp.d_ff": None}}
+                for r in (1, 2, 4, 8, 16, 32)]}],
+            base={"model": {"mlp.activation": "relu", "mlp.d_ff": None, "mlp.d_ff_ratio": 4.0,
+                            "attention.head_dim": 16}},
+            match={"by": "params", "knob": "d_model", "tolerance": 0.03},
+            seeds=2,
+            rules=[
+                Rule(kind="flat", metric="final_val_loss", a={"ratio": ["1", "2", "4"]}, tol=0.03,
+                     statement="final losses for ratios 1, 2, 4 within 3% of each other"),
+                Rule(kind="less", metric="final_val_loss", a={"ratio": "4"}, b={"ratio": "32"},
+                     statement="ratio 4 below ratio 32"),
+            ],
+            published="Kaplan et al. 2020 Fig. 5: d_ff/d_model 1-4 ~ flat, ~+1.5% at 8, ~+8% at ~45",
+            notes="Parameters held fixed by solving d_model (head_dim fixed at 16, 4 heads); ReLU MLP.",
+        ),
+        Suite(
+            name="heads",
+            claim="Head count at fixed d_model barely matters; GQA matches MHA and MQA is close, "
+                  "with the KV cache divided by the group size",
+            variants=[
+                *({"label": f"h{h}", "set": {"attention.n_heads": h}, "labels": {"heads": str(h), "kv": "mha"}}
+                  for h in (1, 2, 4, 8, 16)),
+                {"label": "h8-gqa2", "set": {"attention.n_heads": 8, "attention.n_kv_heads": 2},
+                 "labels": {"heads": "8", "kv": "gqa"}},
+                {"label": "h8-mqa", "set": {"attention.n_heads": 8, "attention.n_kv_heads": 1},
+                 "labels": {"heads": "8", "kv": "mqa"}},
+            ],
+            seeds=2, measure=["kv_cache_bytes"],
+            rules=[
+                Rule(kind="flat", metric="final_val_loss", a={"kv": "mha", "heads": ["2", "4", "8"]}, tol=0.03,
+                     statement="MHA with 2, 4, 8 heads within 3% of each other"),
+                Rule(kind="parity", metric="final_val_loss", a={"kv": "gqa"}, b={"kv": "mha", "heads": "8"},
+                     tol=0.02, statement="GQA (8 heads, 2 KV heads) within 2% of MHA"),
+                Rule(kind="parity", metric="final_val_loss", a={"kv": "mqa"}, b={"kv": "mha", "heads": "8"},
+                     tol=0.03, statement="MQA within 3% of MHA"),
+                Rule(kind="ratio", metric="kv_cache_bytes", a={"kv": "mqa"}, b={"kv": "mha", "heads": "8"},
+                     expected=1 / 8, statement="MQA's KV cache is 1/8 of MHA's (8 heads)"),
+                Rule(kind="ratio", metric="kv_cache_bytes", a={"kv": "gqa"}, b={"kv": "mha", "heads": "8"},
+                     expected=1 / 4, statement="GQA-2's KV cache is 1/4 of MHA's (8 heads)"),
+            ],
+            published="Ainslie et al. 2023: T5-XXL avg 47.2 (MHA) vs 47.1 (GQA-8) vs 46.6 (MQA); KV cache / G",
+            notes="d_model 64: h16 has head_dim 4. GQA/MQA have fewer K/V parameters (not matched).",
+        ),
+        Suite(
+            name="aspect_ratio",
+            claim="At fixed parameters, loss is insensitive to depth vs width over a wide range",
+            axes=[{"name": "layers", "key": "n_layers", "values": [1, 2, 4, 8, 12]}],
+            base={"model": {"mlp.d_ff": None, "mlp.d_ff_ratio": 2.6667, "attention.head_dim": 16}},
+            match={"by": "params", "knob": "d_model", "tolerance": 0.03},
+            seeds=2,
+            rules=[Rule(kind="flat", metric="final_val_loss", a={"layers": ["2", "4", "8"]}, tol=0.03,
+                        statement="2, 4 and 8 layers (same parameters) within 3% of each other")],
+            published="Kaplan et al. 2020 Fig. 5: loss within a few % across aspect ratios ~10-300",
+            notes="d_model solved per depth for equal parameters; 4 heads of dim 16 at every width.",
+        ),
+        Suite(
+            name="parallel",
+            claim="Parallel attention+MLP blocks match serial blocks' loss and run faster",
+            axes=[{"name": "block", "values": [
+                {"label": "serial", "set": {"block.parallel": False}},
+                {"label": "parallel", "set": {"block.parallel": True}}]}],
+            seeds=3,
+            rules=[
+                Rule(kind="parity", metric="final_val_loss", a={"block": "parallel"}, b={"block": "serial"},
+                     tol=0.02, statement="parallel's final loss within 2% of serial's"),
+                Rule(kind="less", metric="step_time_s", a={"block": "parallel"}, b={"block": "serial"},
+                     statement="parallel's step time below serial's"),
+            ],
+            published="PaLM/GPT-J: ~15% faster training at large scale, small quality cost at 8B, none at 62B",
+            notes="Our parallel block runs the two branches as separate matmuls (no fused projection), so "
+                  "a speed-up is not expected here.",
+        ),
+        Suite(
+            name="position",
+            claim="Relative positions (RoPE, ALiBi) beat absolute ones, and ALiBi extrapolates past the "
+                  "training length where absolute positions do not",
+            axes=[{"name": "pos", "key": "position.kind",
+                   "values": ["sinusoidal", "learned", "rope", "alibi", "none"]}],
+            seeds=2, measure=["val_loss_2x"],
+            rules=[
+                Rule(kind="less", metric="final_val_loss", a={"pos": "rope"}, b={"pos": "sinusoidal"},
+                     statement="RoPE's loss below sinusoidal's at the training length"),
+                Rule(kind="less", metric="val_loss_2x", a={"pos": "alibi"}, b={"pos": "sinusoidal"},
+                     statement="at 2x the training length ALiBi's loss below sinusoidal's"),
+                Rule(kind="less", metric="val_loss_2x", a={"pos": "rope"}, b={"pos": "sinusoidal"},
+                     statement="at 2x the training length RoPE's loss below sinusoidal's"),
+            ],
+            published="Press et al. 2021 (ALiBi): extrapolates to 2x+ length at no loss; sinusoidal degrades "
+                      "quickly past the training length",
+            notes="max_seq_len = training length, so learned positions have no rows at 2x: recorded n/a.",
+        ),
+        Suite(
+            name="stability",
+            claim="QK-norm, z-loss and attention-logit soft-capping widen the usable learning-rate range",
+            axes=[{"name": "trick", "values": [
+                {"label": "none", "set": {}},
+                {"label": "z_loss", "set": {"z_loss": 1e-4}},
+                {"label": "qk_norm", "set": {"attention.qk_norm": "per_head"}},
+                {"label": "softcap", "set": {"attention.logit_softcap": 50.0}}]},
+                _lr_axis([3e-3, 1e-2, 3e-2, 1e-1])],
+            base={"train": {"warmup_steps": 10, "weight_decay": 0.0}},
+            seeds=2, lr_axis="lr", measure=["max_attn_logit"],
+            scales={"small": {"budget": 120, "unit": "steps"}},
+            rules=[
+                Rule(kind="less", metric="lr_sensitivity", over="lr", a={"trick": "qk_norm"}, b={"trick": "none"},
+                     statement="QK-norm's LR sensitivity below the baseline's"),
+                Rule(kind="less", metric="lr_sensitivity", over="lr", a={"trick": "z_loss"}, b={"trick": "none"},
+                     statement="z-loss's LR sensitivity below the baseline's"),
+                Rule(kind="less", metric="lr_sensitivity", over="lr", a={"trick": "softcap"}, b={"trick": "none"},
+                     statement="soft-capping's LR sensitivity below the baseline's"),
+                Rule(kind="less", metric="max_attn_logit", a={"trick": "qk_norm", "lr": "0.1"},
+                     b={"trick": "none", "lr": "0.1"},
+                     statement="at LR 0.1 QK-norm's max attention logit below the baseline's"),
+            ],
+            published="Wortsman et al. 2023: LR sensitivity = mean over a log LR grid of min(loss, initial) "
+                      "- best; QK-norm and z-loss (1e-4) reduce it; attention logits > 1e4 precede divergence; "
+                      "Gemma 2 caps attention logits at 50",
+            notes="Weight decay 0 (Wortsman's output-logit divergence needs it off). Max attention logit is the "
+                  "largest raw q.k/sqrt(e) before any cap, over 4 validation windows.",
+        ),
+        Suite(
+            name="regularization",
+            claim="Weight decay acts through the LR schedule: with a constant LR it does not help, after "
+                  "the LR decays it ends lowest; dropout does not help single-epoch pretraining",
+            axes=[{"name": "schedule", "key": "train.schedule", "values": ["constant", "cosine"]},
+                  {"name": "wd", "key": "train.weight_decay", "values": [0.0, 0.1, 0.5]}],
+            variants=[{"label": "schedule=cosine,wd=0.1,dropout=0.1",
+                       "set": {"train.schedule": "cosine", "train.weight_decay": 0.1,
+                               "attention.dropout": 0.1, "block.residual_dropout": 0.1},
+                       "labels": {"schedule": "cosine", "wd": "0.1", "dropout": "0.1"}}],
+            seeds=2,
+            rules=[
+                Rule(kind="less", metric="final_val_loss", a={"schedule": "cosine", "wd": "0.1", "dropout": None},
+                     b={"schedule": "cosine", "wd": "0"},
+                     statement="with cosine decay, WD 0.1 ends below WD 0"),
+                Rule(kind="less", metric="final_val_loss", a={"schedule": "constant", "wd": "0"},
+                     b={"schedule": "constant", "wd": "0.5"},
+                     statement="with a constant LR, WD 0 ends below WD 0.5"),
+                Rule(kind="less", metric="final_val_loss", a={"schedule": "cosine", "wd": "0.1", "dropout": None},
+                     b={"dropout": "0.1"}, statement="no dropout ends below dropout 0.1"),
+            ],
+            published="Andriushchenko et al. 2023: constant LR: higher WD -> higher loss; after LR decay WD "
+                      "0.1-0.3 ends lowest (~3.24 vs 3.27)",
+        ),
+        Suite(
+            name="local_global",
+            claim="Sliding-window and interleaved local/global attention keep the quality of full attention "
+                  "and shrink the KV cache",
+            variants=[
+                {"label": "full", "set": {}, "labels": {"attn": "full"}},
+                {"label": "local-w32", "set": {"attention.window": 32}, "labels": {"attn": "local"}},
+                {"label": "LLLG-w32", "set": {"attention.window": 32, "attention.layer_pattern": "LLLG"},
+                 "labels": {"attn": "interleaved"}},
+            ],
+            seeds=3, measure=["kv_cache_bytes"],
+            rules=[
+                Rule(kind="parity", metric="final_val_loss", a={"attn": "interleaved"}, b={"attn": "full"},
+                     tol=0.02, statement="interleaved 3 local : 1 global within 2% of full attention"),
+                Rule(kind="parity", metric="final_val_loss", a={"attn": "local"}, b={"attn": "full"},
+                     tol=0.02, statement="sliding window (32) within 2% of full attention"),
+                Rule(kind="less", metric="kv_cache_bytes", a={"attn": "interleaved"}, b={"attn": "full"},
+                     statement="interleaved attention's KV cache (at 4x the training length) below full's"),
+            ],
+            published="Gemma 2 9B: window 4096/2048/1024 -> PPL 1.63/1.63/1.64; Gemma 3 local:global 1:1..7:1 "
+                      "within ~0.1 PPL; KV-cache overhead at 32k ~60% global-only vs <15% at 1:3",
+            notes="At the small scale the window (32) is half the training length (64); KV-cache bytes are "
+                  "computed at 4x the training length.",
+        ),
+        Suite(
+            name="sinks",
+            claim="Gated attention (and learned sink logits) remove the first-token attention sink and "
+                  "shrink massive activations without hurting loss",
+            variants=[
+                {"label": "baseline", "set": {}, "labels": {"attn": "baseline"}},
+                {"label": "gated", "set": {"attention.gated": True}, "labels": {"attn": "gated"}},
+                {"label": "learned_sinks", "set": {"attention.learned_sinks": True}, "labels": {"attn": "sinks"}},
+            ],
+            seeds=2, measure=["sinks"],
+            rules=[
+                Rule(kind="less", metric="first_token_mass", a={"attn": "gated"}, b={"attn": "baseline"},
+                     statement="gated attention's first-token attention share below the baseline's"),
+                Rule(kind="less", metric="first_token_mass", a={"attn": "sinks"}, b={"attn": "baseline"},
+                     statement="learned sinks' first-token attention share below the baseline's"),
+                Rule(kind="less", metric="massive_ratio", a={"attn": "gated"}, b={"attn": "baseline"},
+                     statement="gated attention's max/median hidden-state ratio below the baseline's"),
+                Rule(kind="parity", metric="final_val_loss", a={"attn": "gated"}, b={"attn": "baseline"}, tol=0.02,
+                     statement="gated attention's loss within 2% of the baseline's"),
+            ],
+            published="Qiu et al. 2025: first-token share 46.7% -> 4.8%, max activation 1053 -> 94, PPL 6.03 -> "
+                      "5.76; Xiao et al. 2023: sinks form in from-scratch 160M models; Sun et al. 2024: massive "
+                      "activations up to ~1e4-1e5x the median",
+            notes="first_token_mass: attention on position 0 averaged over layers, heads and queries 1..t-1 of "
+                  "4 validation windows (archlab.diagnostics).",
+        ),
+    ]
+
+
+BUILTIN: dict[str, Suite] = {s.name: s for s in _suites()}
+
+
+def names() -> list[str]:
+    return list(BUILTIN)
+
+
+def load(name_or_path: str | Path) -> Suite:
+    """A built-in suite by name, or a suite from a YAML file."""
+    key = str(name_or_path)
+    if key in BUILTIN:
+        return BUILTIN[key]
+    path = Path(key).expanduser()
+    if path.is_file():
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
+        return Suite.from_dict(data)
+    raise ConfigError(f"{key!r} is neither a built-in suite ({', '.join(BUILTIN)}) nor a YAML file")
+
+
+def initial_loss(vocab_size: int) -> float:
+    """Loss of a uniform prediction, ln V: what a diverged run is scored as in LR sensitivity."""
+    return math.log(vocab_size)

@@ -1,0 +1,256 @@
+"""Claims as rules over recorded results, and the verdict each rule computes.
+
+Nothing here is written by hand per suite: a suite lists `Rule`s, the report calls `judge(rule, rows)`
+and prints what comes back. Kinds:
+
+  less    mean(metric | a) < mean(metric | b) by more than the spread over seeds   -> held
+          mean(a) > mean(b) by more than the spread                               -> did not hold
+          otherwise                                                               -> inconclusive
+  parity  |mean(a) - mean(b)| <= tol * |mean(b)|                                  -> held
+          |mean(a) - mean(b)| >  tol * |mean(b)| + spread                         -> did not hold
+  flat    the variants selected by `a`: (max mean - min mean) <= tol * min mean   -> held
+          range > tol * min mean + spread (of the two extreme variants)            -> did not hold
+  ratio   mean(a) / mean(b) == expected within tol (relative; deterministic metrics like KV bytes)
+
+The spread is sqrt(std_a^2 + std_b^2), the standard deviation over seeds of one run of each side (so a
+gap smaller than the seed-to-seed noise of a single comparison is "inconclusive"). A side with fewer
+than two seeds is "inconclusive" for less / parity / flat: one seed has no spread.
+
+Selectors: {axis: label} or {axis: [labels]}; {axis: None} means "the run has no label on that axis".
+Per seed, the rows a side selects are averaged, so a side may be a group of variants (e.g. all gated
+MLPs). The derived metric "lr_sensitivity" (Wortsman et al. 2023, arXiv 2309.14322) is computed per
+seed over the `over` axis: mean over learning rates of min(loss, L0) - min over learning rates of loss,
+with L0 = ln(vocab) the loss at initialization and a diverged run scored L0.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal
+
+HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: Literal["less", "parity", "flat", "ratio"]
+    statement: str
+    metric: str = "final_val_loss"
+    a: dict = field(default_factory=dict)
+    b: dict | None = None
+    tol: float = 0.0
+    expected: float | None = None
+    over: str | None = None          # axis for lr_sensitivity
+
+    def __post_init__(self):
+        if self.kind not in ("less", "parity", "flat", "ratio"):
+            raise ValueError(f"rule kind {self.kind!r} must be less, parity, flat or ratio")
+        if self.kind in ("less", "parity", "ratio") and self.b is None:
+            raise ValueError(f"rule {self.statement!r}: kind {self.kind} needs a `b` selector")
+        if self.kind == "ratio" and self.expected is None:
+            raise ValueError(f"rule {self.statement!r}: kind ratio needs `expected`")
+        if self.metric == "lr_sensitivity" and not self.over:
+            raise ValueError(f"rule {self.statement!r}: lr_sensitivity needs `over` (the LR axis)")
+
+
+@dataclass
+class Side:
+    """Per-seed values of one side of a rule and their summary."""
+
+    label: str
+    values: dict[int, float]
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.values.values()) if self.values else float("nan")
+
+    @property
+    def std(self) -> float:
+        return statistics.stdev(self.values.values()) if self.n > 1 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "n": self.n, "mean": self.mean, "std": self.std,
+                "values": dict(sorted(self.values.items()))}
+
+
+@dataclass
+class Verdict:
+    rule: Rule
+    verdict: str
+    reason: str
+    sides: list[Side] = field(default_factory=list)
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"statement": self.rule.statement, "kind": self.rule.kind, "metric": self.rule.metric,
+                "verdict": self.verdict, "reason": self.reason,
+                "sides": [s.to_dict() for s in self.sides], "numbers": self.numbers}
+
+
+# --------------------------------------------------------------------------- selection
+def _labels(row) -> dict:
+    return row.extra.get("labels", {}) if hasattr(row, "extra") else row.get("labels", {})
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    for axis, want in selector.items():
+        if want is None:
+            if axis in labels:
+                return False
+            continue
+        wants = [str(w) for w in want] if isinstance(want, (list, tuple)) else [str(want)]
+        if str(labels.get(axis)) not in wants:
+            return False
+    return True
+
+
+def describe(selector: dict) -> str:
+    parts = []
+    for axis, want in selector.items():
+        if want is None:
+            continue
+        parts.append(f"{axis}={'|'.join(map(str, want)) if isinstance(want, (list, tuple)) else want}")
+    return ",".join(parts) or "all"
+
+
+def _usable(row) -> bool:
+    return row.status in ("done", "diverged")
+
+
+def _row_metric(row, metric: str) -> float | None:
+    if metric == "diverged":
+        return float(bool(row.diverged))
+    value = row.metric(metric)
+    if value is None or not math.isfinite(value):
+        return None
+    return value
+
+
+def lr_sensitivity(losses: Iterable[float | None], initial: float) -> float:
+    """Wortsman et al. 2023: E_lr[min(loss(lr), L0)] - min_lr loss(lr); None (diverged) counts as L0."""
+    capped = [initial if (x is None or not math.isfinite(x)) else min(x, initial) for x in losses]
+    if not capped:
+        return float("nan")
+    return statistics.fmean(capped) - min(capped)
+
+
+def side_values(rows: list, selector: dict, metric: str, over: str | None = None) -> dict[int, float]:
+    """Per-seed value of one side: the mean over the selected variants, or the LR sensitivity."""
+    picked = [r for r in rows if _usable(r) and selects(selector, _labels(r))]
+    by_seed: dict[int, list] = {}
+    for r in picked:
+        by_seed.setdefault(r.seed, []).append(r)
+    out: dict[int, float] = {}
+    for seed, group in by_seed.items():
+        if metric == "lr_sensitivity":
+            # one sensitivity per other-axes combination, averaged (usually exactly one)
+            combos: dict[tuple, list] = {}
+            for r in group:
+                key = tuple(sorted((k, v) for k, v in _labels(r).items() if k != over))
+                combos.setdefault(key, []).append(r)
+            sens = []
+            for members in combos.values():
+                vocab = members[0].config.get("model", {}).get("vocab_size")
+                initial = math.log(vocab) if vocab else max(
+                    (m.final_val_loss for m in members if m.final_val_loss is not None), default=float("nan"))
+                losses = [None if m.diverged else m.final_val_loss for m in members]
+                sens.append(lr_sensitivity(losses, initial))
+            out[seed] = statistics.fmean(sens)
+        else:
+            vals = [v for v in (_row_metric(r, metric) for r in group) if v is not None]
+            if vals:
+                out[seed] = statistics.fmean(vals)
+    return out
+
+
+# --------------------------------------------------------------------------- judging
+def judge(rule: Rule, rows: list) -> Verdict:
+    if rule.kind == "flat":
+        return _judge_flat(rule, rows)
+    a = Side(describe(rule.a), side_values(rows, rule.a, rule.metric, rule.over))
+    b = Side(describe(rule.b), side_values(rows, rule.b, rule.metric, rule.over))
+    sides = [a, b]
+    if a.n == 0 or b.n == 0:
+        missing = ", ".join(s.label for s in sides if s.n == 0)
+        return Verdict(rule, INCONCLUSIVE, f"no finished runs with a value of {rule.metric} for {missing}", sides)
+    if rule.kind == "ratio":
+        ratio = a.mean / b.mean if b.mean else float("nan")
+        ok = math.isfinite(ratio) and abs(ratio - rule.expected) <= max(rule.tol, 1e-9) * abs(rule.expected)
+        return Verdict(rule, HELD if ok else NOT_HELD,
+                       f"ratio {ratio:.6g} vs expected {rule.expected:.6g}", sides,
+                       {"ratio": ratio, "expected": rule.expected})
+    if a.n < 2 or b.n < 2:
+        return Verdict(rule, INCONCLUSIVE, "fewer than 2 seeds on a side: no spread to compare against",
+                       sides, {"diff": a.mean - b.mean})
+    diff = a.mean - b.mean
+    spread = math.sqrt(a.std ** 2 + b.std ** 2)
+    numbers = {"diff": diff, "spread": spread}
+    if rule.kind == "less":
+        if -diff > spread:
+            verdict = HELD
+        elif diff > spread:
+            verdict = NOT_HELD
+        else:
+            verdict = INCONCLUSIVE
+        reason = f"{a.label} - {b.label} = {diff:+.4g} (spread {spread:.3g})"
+        return Verdict(rule, verdict, reason, sides, numbers)
+    # parity
+    allowed = rule.tol * abs(b.mean)
+    numbers["allowed"] = allowed
+    if abs(diff) <= allowed:
+        verdict = HELD
+    elif abs(diff) > allowed + spread:
+        verdict = NOT_HELD
+    else:
+        verdict = INCONCLUSIVE
+    reason = f"|{diff:+.4g}| vs tolerance {allowed:.3g} ({rule.tol:.0%}) + spread {spread:.3g}"
+    return Verdict(rule, verdict, reason, sides, numbers)
+
+
+def _judge_flat(rule: Rule, rows: list) -> Verdict:
+    groups: dict[str, list] = {}
+    for r in rows:
+        if _usable(r) and selects(rule.a, _labels(r)):
+            groups.setdefault(r.variant, []).append(r)
+    sides = [Side(name, side_values(members, {}, rule.metric, rule.over)) for name, members in groups.items()]
+    sides = [s for s in sides if s.n]
+    if len(sides) < 2:
+        return Verdict(rule, INCONCLUSIVE, "fewer than two variants with results", sides)
+    if any(s.n < 2 for s in sides):
+        return Verdict(rule, INCONCLUSIVE, "fewer than 2 seeds for some variant: no spread", sides)
+    lo = min(sides, key=lambda s: s.mean)
+    hi = max(sides, key=lambda s: s.mean)
+    gap = hi.mean - lo.mean
+    allowed = rule.tol * abs(lo.mean)
+    spread = math.sqrt(lo.std ** 2 + hi.std ** 2)
+    if gap <= allowed:
+        verdict = HELD
+    elif gap > allowed + spread:
+        verdict = NOT_HELD
+    else:
+        verdict = INCONCLUSIVE
+    reason = (f"range {gap:.4g} ({hi.label} {hi.mean:.4g} - {lo.label} {lo.mean:.4g}) vs tolerance "
+              f"{allowed:.3g} ({rule.tol:.0%}) + spread {spread:.3g}")
+    return Verdict(rule, verdict, reason, sides,
+                   {"range": gap, "allowed": allowed, "spread": spread, "best": lo.label, "worst": hi.label})
+
+
+def judge_all(rules: list[Rule], rows: list) -> list[Verdict]:
+    return [judge(rule, rows) for rule in rules]
+
+
+def overall(verdicts: list[Verdict]) -> str:
+    """One word per suite: held if every rule held, did not hold if any did not, else inconclusive."""
+    kinds = {v.verdict for v in verdicts}
+    if not kinds:
+        return INCONCLUSIVE
+    if kinds == {HELD}:
+        return HELD
+    if NOT_HELD in kinds:
+        return NOT_HELD if HELD not in kinds else "mixed"
+    return INCONCLUSIVE if HELD not in kinds else "mixed"

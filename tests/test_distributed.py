@@ -1,0 +1,86 @@
+"""Data parallelism under torchrun (2 CPU processes, gloo): DDP and FSDP2 give the single-process losses
+for the same global batch, and every rank ends with the same parameters."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from archlab.config import ModelConfig
+from archlab.data import prepare
+from archlab.train import TrainConfig, read_metrics, train
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
+
+WORKER = textwrap.dedent('''
+    import os, sys, torch
+    from archlab import distributed as du
+    from archlab.config import ModelConfig
+    from archlab.train import TrainConfig, train
+
+    data, out, model_yaml, train_yaml = sys.argv[1:5]
+    original = du.full_model_state
+
+    def capture(model, info):   # every rank: its own (gathered) parameters at each checkpoint
+        raw = du.unwrap(model)
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+                  for n, p in raw.named_parameters()}
+        torch.save(params, os.path.join(out + "-ranks", f"rank{info.rank}.pt"))
+        return original(model, info)
+
+    du.full_model_state = capture
+    os.makedirs(out + "-ranks", exist_ok=True)
+    train(ModelConfig.from_yaml(open(model_yaml).read()), TrainConfig.from_yaml(open(train_yaml).read()),
+          data, out, progress=False)
+''')
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    rng = random.Random(0)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(200)) for _ in range(30)]
+    prepare(docs, "bytes", root / "data", num_workers=0, progress=False)
+    model = ModelConfig(vocab_size=257, d_model=32, n_layers=2, max_seq_len=64, attention={"n_heads": 4})
+    cfg = TrainConfig(batch_size=8, seq_len=16, grad_accum=2, budget=6, warmup_steps=2, lr=3e-3,
+                      eval_every=3, eval_batches=3, log_every=1, sample_every=-1, checkpoint_every=3,
+                      device="cpu")
+    torch.set_num_threads(1)
+    try:
+        single = train(model, cfg, root / "data", root / "single", progress=False)
+    finally:
+        torch.set_num_threads(os.cpu_count() or 1)
+    (root / "model.yaml").write_text(model.to_yaml())
+    (root / "worker.py").write_text(WORKER)
+    return root, cfg, read_metrics(single.metrics_path)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_process_run_matches_single_process(setup, strategy):
+    root, cfg, reference = setup
+    (root / f"{strategy}.yaml").write_text(cfg.with_overrides({"dist_strategy": strategy}).to_yaml())
+    out = root / strategy
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(root / "worker.py"), str(root / "data"), str(out), str(root / "model.yaml"),
+         str(root / f"{strategy}.yaml")],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in reference]
+    for a, b in zip(got, reference):
+        key = "loss" if "loss" in b else "val_loss"
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a, b)
+    ranks = [torch.load(out.parent / f"{strategy}-ranks" / f"rank{r}.pt") for r in (0, 1)]
+    assert ranks[0].keys() == ranks[1].keys()
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+    from archlab.checkpoint import latest_checkpoint, load_checkpoint, list_checkpoints
+    assert len(list_checkpoints(out)) == 2          # rank 0 alone wrote them
+    saved, _ = load_checkpoint(latest_checkpoint(out))
+    assert all(torch.equal(saved[k], ranks[0][k]) for k in ranks[0])

@@ -1,0 +1,272 @@
+"""The lab: suite expansion, parameter matching, verdict rules, the resumable runner (with a fake
+trainer) and the results store."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from archlab.config import ConfigError, ModelConfig
+from archlab.lab import matching, runner, suites
+from archlab.lab.store import ResultStore, RunRecord
+from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Rule, judge, lr_sensitivity
+
+
+# --------------------------------------------------------------------------- suites
+@pytest.mark.parametrize("name", suites.names())
+def test_every_builtin_suite_expands_to_valid_configs(name):
+    suite = suites.BUILTIN[name]
+    planned = runner.plan(suite, Path("/nonexistent"), vocab_size=257)
+    variants = suite.expand()
+    assert len(planned) == len(variants) * suite.seeds
+    assert len({(p.variant.name, p.seed) for p in planned}) == len(planned)
+    for p in planned:
+        assert p.model.max_seq_len == p.train.seq_len   # learned positions sized to the training length
+        assert p.model.vocab_size == 257 and p.model.seed == p.seed == p.train.seed
+    # every rule selects at least one variant on each side
+    for rule in suite.rules:
+        for sel in (rule.a, rule.b):
+            if sel is not None:
+                from archlab.lab.verdicts import selects
+                assert any(selects(sel, v.labels) for v in variants), (rule.statement, sel)
+
+
+def test_axes_product_and_explicit_variants():
+    suite = suites.Suite(
+        name="t", claim="c",
+        axes=[{"name": "norm", "key": "norm.kind", "values": ["layernorm", "rmsnorm"]},
+              {"name": "lr", "values": [{"label": "1e-3", "set": {"train.lr": 1e-3}},
+                                        {"label": "1e-2", "set": {"train.lr": 1e-2}}]}],
+        variants=[{"label": "extra", "set": {"block.parallel": True, "train.weight_decay": 0.0}}],
+    )
+    vs = suite.expand()
+    assert [v.name for v in vs] == ["norm=layernorm,lr=1e-3", "norm=layernorm,lr=1e-2",
+                                    "norm=rmsnorm,lr=1e-3", "norm=rmsnorm,lr=1e-2", "extra"]
+    assert vs[1].model == {"norm.kind": "layernorm"} and vs[1].train == {"lr": 1e-2}
+    assert vs[1].labels == {"norm": "layernorm", "lr": "1e-2"}
+    assert vs[-1].model == {"block.parallel": True} and vs[-1].train == {"weight_decay": 0.0}
+
+
+def test_suite_yaml_roundtrip_and_errors(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("""
+name: mine
+claim: rmsnorm is as good
+axes:
+  - {name: norm, key: norm.kind, values: [layernorm, rmsnorm]}
+seeds: 3
+rules:
+  - {kind: parity, a: {norm: rmsnorm}, b: {norm: layernorm}, tol: 0.02, statement: parity}
+""")
+    suite = suites.load(path)
+    assert suite.seeds == 3 and suite.rules[0].kind == "parity" and len(suite.expand()) == 2
+    assert suites.Suite.from_dict(suite.to_dict()).expand() == suite.expand()
+    with pytest.raises(ConfigError, match="neither a built-in suite"):
+        suites.load("no-such-suite")
+    with pytest.raises(ConfigError, match="unknown suite field"):
+        suites.Suite.from_dict({"name": "x", "claim": "y", "axes": [], "colour": 1})
+    bad = suites.Suite(name="b", claim="c", axes=[{"name": "x", "key": "norm.kind", "values": ["nope"]}])
+    with pytest.raises(ConfigError, match="variant norm=nope.*norm.kind='nope'|norm.kind"):
+        runner.plan(bad, tmp_path, vocab_size=257)
+
+
+# --------------------------------------------------------------------------- matching
+def test_gated_mlp_matched_to_plain_by_params_has_two_thirds_width():
+    base = ModelConfig(vocab_size=257, d_model=64, n_layers=4, attention={"n_heads": 4},
+                       mlp={"activation": "relu", "d_ff": 256})
+    target = matching.param_count(base)
+    gated = base.with_overrides({"mlp.activation": "swiglu"})
+    res = matching.match(gated, target, by="params", tolerance=0.01)
+    assert abs(res.measure - target) / target <= 0.01
+    assert res.value == pytest.approx(256 * 2 / 3, abs=2)           # Shazeer 2020's 2/3 rule
+    # the count it matched is the built model's
+    from archlab.model import TransformerLM
+    assert TransformerLM(res.config).num_params() == res.measure
+
+
+def test_match_d_model_for_depth_and_by_flops():
+    base = ModelConfig(vocab_size=257, d_model=64, n_layers=4, attention={"n_heads": 4, "head_dim": 16},
+                       mlp={"d_ff": None, "d_ff_ratio": 4.0})
+    target = matching.param_count(base)
+    deep = base.with_overrides({"n_layers": 8})
+    res = matching.match(deep, target, knob="d_model", tolerance=0.02)
+    assert res.config.d_model < 64 and abs(res.rel_error) <= 0.02
+    flops = matching.flops_per_token(base, 64)
+    res_f = matching.match(base.with_overrides({"mlp.activation": "relu"}), flops, by="flops", seq_len=64,
+                           tolerance=0.02)
+    assert abs(matching.flops_per_token(res_f.config, 64) - flops) / flops <= 0.02
+
+
+def test_match_reports_an_unreachable_tolerance():
+    base = ModelConfig(vocab_size=257, d_model=64, n_layers=2, attention={"n_heads": 4}, mlp={"d_ff": 128})
+    target = matching.param_count(base) + 7          # off by 7 params, knob moves in steps of 64 * 3
+    with pytest.raises(matching.MatchError, match="tolerance"):
+        matching.match(base, target, multiple=64, tolerance=1e-9)
+
+
+# --------------------------------------------------------------------------- verdicts
+def _rows(values: dict[str, list[float]], metric="final_val_loss", axis="v", diverged=()):
+    rows = []
+    for variant, vals in values.items():
+        for seed, x in enumerate(vals):
+            r = RunRecord(suite="s", variant=variant, seed=seed, status="done",
+                          config={"model": {"vocab_size": 257}}, extra={"labels": {axis: variant}})
+            if metric in ("final_val_loss", "step_time_s"):
+                setattr(r, metric, x)
+            else:
+                r.extra[metric] = x
+            if (variant, seed) in diverged:
+                r.status, r.diverged, r.final_val_loss = "diverged", True, None
+            rows.append(r)
+    return rows
+
+
+def test_less_rule_held_not_held_inconclusive():
+    rule = Rule(kind="less", statement="A below B", a={"v": "A"}, b={"v": "B"})
+    assert judge(rule, _rows({"A": [2.00, 2.02, 2.01], "B": [2.10, 2.12, 2.11]})).verdict == HELD
+    assert judge(rule, _rows({"A": [2.10, 2.12, 2.11], "B": [2.00, 2.02, 2.01]})).verdict == NOT_HELD
+    # gap 0.02, spread sqrt(0.1^2 + 0.1^2) = 0.14: the seeds cover the gap
+    v = judge(rule, _rows({"A": [1.9, 2.0, 2.1], "B": [1.92, 2.02, 2.12]}))
+    assert v.verdict == INCONCLUSIVE and v.numbers["spread"] == pytest.approx(math.sqrt(0.02), rel=1e-6)
+    assert judge(rule, _rows({"A": [2.0], "B": [3.0]})).verdict == INCONCLUSIVE   # one seed: no spread
+    assert judge(rule, _rows({"A": [2.0, 2.1]})).verdict == INCONCLUSIVE          # no B at all
+
+
+def test_group_side_averages_variants_per_seed():
+    rule = Rule(kind="less", statement="gated below plain", a={"v": ["g1", "g2"]}, b={"v": ["p1", "p2"]})
+    v = judge(rule, _rows({"g1": [1.0, 1.1], "g2": [1.2, 1.3], "p1": [1.5, 1.6], "p2": [1.7, 1.8]}))
+    assert v.sides[0].values == {0: pytest.approx(1.1), 1: pytest.approx(1.2)}
+    assert v.sides[1].values == {0: pytest.approx(1.6), 1: pytest.approx(1.7)}
+    assert v.verdict == HELD
+
+
+def test_parity_flat_and_ratio_rules():
+    parity = Rule(kind="parity", statement="A ~ B", a={"v": "A"}, b={"v": "B"}, tol=0.02)
+    assert judge(parity, _rows({"A": [2.00, 2.01], "B": [2.02, 2.03]})).verdict == HELD
+    assert judge(parity, _rows({"A": [2.50, 2.51], "B": [2.00, 2.01]})).verdict == NOT_HELD
+    # gap 0.06 > tol 0.04 but within tol + spread (0.14)
+    assert judge(parity, _rows({"A": [1.96, 2.16], "B": [1.90, 2.10]})).verdict == INCONCLUSIVE
+    flat = Rule(kind="flat", statement="flat", a={"v": ["1", "2", "4"]}, tol=0.03)
+    assert judge(flat, _rows({"1": [2.0, 2.01], "2": [2.02, 2.03], "4": [2.01, 2.0], "32": [3.0, 3.0]})).verdict == HELD
+    v = judge(flat, _rows({"1": [2.0, 2.01], "2": [2.5, 2.51], "4": [2.01, 2.0]}))
+    assert v.verdict == NOT_HELD and v.numbers["worst"] == "2"
+    ratio = Rule(kind="ratio", statement="1/8", metric="kv_cache_bytes", a={"v": "mqa"}, b={"v": "mha"}, expected=1 / 8)
+    assert judge(ratio, _rows({"mqa": [128, 128], "mha": [1024, 1024]}, metric="kv_cache_bytes")).verdict == HELD
+    assert judge(ratio, _rows({"mqa": [256, 256], "mha": [1024, 1024]}, metric="kv_cache_bytes")).verdict == NOT_HELD
+
+
+def test_lr_sensitivity_matches_wortsman_definition():
+    l0 = math.log(257)
+    # losses over an LR grid, a diverged run counts as L0
+    assert lr_sensitivity([2.0, 2.5, None], l0) == pytest.approx((2.0 + 2.5 + l0) / 3 - 2.0)
+    assert lr_sensitivity([2.0, 9.0], l0) == pytest.approx((2.0 + l0) / 2 - 2.0)   # capped at L0
+    rows = []
+    for trick, losses in {"none": [2.0, 2.4, None], "qk": [2.0, 2.05, 2.1]}.items():
+        for seed, jitter in enumerate((0.0, 0.01)):
+            for lr, loss in zip(("0.001", "0.01", "0.1"), losses):
+                r = RunRecord(suite="s", variant=f"{trick},{lr}", seed=seed, status="done",
+                              config={"model": {"vocab_size": 257}}, final_val_loss=None if loss is None else loss + jitter,
+                              extra={"labels": {"trick": trick, "lr": lr}})
+                if loss is None:
+                    r.status, r.diverged = "diverged", True
+                rows.append(r)
+    rule = Rule(kind="less", statement="qk less sensitive", metric="lr_sensitivity", over="lr",
+                a={"trick": "qk"}, b={"trick": "none"})
+    v = judge(rule, rows)
+    assert v.sides[0].values[0] == pytest.approx(0.05)
+    assert v.sides[1].values[0] == pytest.approx((2.0 + 2.4 + l0) / 3 - 2.0)
+    assert v.verdict == HELD
+
+
+# --------------------------------------------------------------------------- store + runner (fake trainer)
+def test_store_roundtrip(tmp_path):
+    with ResultStore(tmp_path) as store:
+        store.put(RunRecord(suite="s", variant="a", seed=0, status="done", config={"x": 1}, params=10,
+                            final_val_loss=2.5, extra={"labels": {"v": "a"}, "val_loss_2x": 3.0}))
+        store.set_meta("k", {"a": [1, 2]})
+    with ResultStore(tmp_path / "results.sqlite") as store:
+        (row,) = store.runs("s")
+        assert row.params == 10 and row.config == {"x": 1} and row.metric("val_loss_2x") == 3.0
+        assert row.metric("final_val_loss") == 2.5 and store.get_meta("k") == {"a": [1, 2]}
+        with pytest.raises(ValueError, match="status"):
+            store.put(RunRecord(suite="s", variant="a", seed=0, status="weird"))
+
+
+def _tiny_data(tmp_path) -> Path:
+    from archlab.data import prepare
+    docs = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 20 for i in range(12)]
+    return Path(prepare(docs, "bytes", tmp_path / "data", progress=False, num_workers=0)["splits"] and tmp_path / "data")
+
+
+class FakeTrainer:
+    """Stands in for archlab.train.train: writes metrics.jsonl; crashes or diverges on request."""
+
+    def __init__(self, crash=(), diverge=()):
+        self.calls, self.crash, self.diverge = [], set(crash), set(diverge)
+
+    def __call__(self, model_cfg, train_cfg, data_dir, out_dir, *, resume=False, progress=True):
+        from archlab.train import Diverged, TrainResult
+        key = (model_cfg.norm.kind, train_cfg.seed)
+        self.calls.append(key)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if key in self.crash:
+            raise RuntimeError("boom")
+        loss = 2.0 + 0.1 * (model_cfg.norm.kind == "layernorm") + 0.01 * train_cfg.seed
+        lines = [{"step": s, "tokens": s * 64, "loss": loss + 1.0 / s} for s in (1, 2, 3)]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        result = TrainResult(steps=3, tokens_seen=192, final_val_loss=loss, best_val_loss=loss,
+                             final_train_loss=loss, tokens_per_s=1000.0, peak_memory_bytes=1,
+                             diverged=False, run_dir=out, metrics_path=out / "metrics.jsonl")
+        if key in self.diverge:
+            result.diverged, result.final_val_loss = True, None
+            raise Diverged("nan", 2, None, result)
+        return result
+
+
+def test_resume_skips_finished_runs_and_records_crashes(tmp_path):
+    data = _tiny_data(tmp_path)
+    suite = suites.Suite(name="norms", claim="c",
+                         axes=[{"name": "norm", "key": "norm.kind", "values": ["layernorm", "rmsnorm"]}], seeds=2,
+                         rules=[Rule(kind="less", statement="rms below", a={"norm": "rmsnorm"}, b={"norm": "layernorm"})])
+    kw = dict(data_dir=data, budget=3, progress=False, measure=False)
+    fake = FakeTrainer(crash={("rmsnorm", 0)}, diverge={("layernorm", 1)})
+    rows = runner.run_suite(suite, tmp_path / "sweep", train_fn=fake, **kw)
+    status = {(r.variant, r.seed): r.status for r in rows}
+    assert status == {("norm=layernorm", 0): "done", ("norm=layernorm", 1): "diverged",
+                      ("norm=rmsnorm", 0): "failed", ("norm=rmsnorm", 1): "done"}
+    assert len(fake.calls) == 4                                    # the crash did not stop the sweep
+    failed = next(r for r in rows if r.status == "failed")
+    assert "boom" in failed.error
+    done = next(r for r in rows if r.variant == "norm=rmsnorm" and r.seed == 1)
+    assert done.final_val_loss == pytest.approx(2.01) and done.step_time_s == pytest.approx(64 * 16 / 1000.0)
+    assert done.params == matching.param_count(ModelConfig.from_dict(done.config["model"]))
+    assert done.extra["labels"] == {"norm": "rmsnorm"}
+    # resume: only the crashed run trains again
+    fake2 = FakeTrainer()
+    rows = runner.run_suite(suite, tmp_path / "sweep", train_fn=fake2, **kw)
+    assert fake2.calls == [("rmsnorm", 0)]
+    assert {r.status for r in rows} == {"done", "diverged"}
+    # a different budget in the same folder is refused rather than mixed in
+    with pytest.raises(runner.LabError, match="different config"):
+        runner.run_suite(suite, tmp_path / "sweep", train_fn=FakeTrainer(), **{**kw, "budget": 5})
+
+
+def test_report_from_synthetic_sweep_has_verdicts_and_plots(tmp_path):
+    from archlab.lab.report import build_report
+    data = _tiny_data(tmp_path)
+    suite = suites.Suite(name="norms", claim="c",
+                         axes=[{"name": "norm", "key": "norm.kind", "values": ["layernorm", "rmsnorm"]}], seeds=3,
+                         rules=[Rule(kind="less", statement="rms below", a={"norm": "rmsnorm"}, b={"norm": "layernorm"})])
+    runner.run_suite(suite, tmp_path / "sweep", train_fn=FakeTrainer(), data_dir=data, budget=3,
+                     progress=False, measure=False)
+    paths = build_report(tmp_path / "sweep")
+    verdicts = json.loads(paths["json"].read_text())
+    assert verdicts["norms"][0]["verdict"] == HELD                 # 2.0x vs 2.1x, spread 0.014
+    md = paths["md"].read_text()
+    assert "rms below" in md and "**held**" in md
+    html = paths["html"].read_text()
+    for img in ("img/norms_curves.png", "img/norms_final_loss.png", "img/norms_step_time.png"):
+        assert img in html and (paths["html"].parent / img).stat().st_size > 1000

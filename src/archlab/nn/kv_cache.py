@@ -1,17 +1,39 @@
-"""The simplest KV cache: keys and values grow by concatenation, one entry per layer.
+"""KV caches for incremental decoding.
 
 Protocol every cache follows (the model and attention know nothing else about caches):
     k_all, v_all, k_pos = cache.update(layer, k, v, positions)
       k, v:       (b, k, t, e) the new keys (already rotated for RoPE) and values
       positions:  (b, t) their positions (-1 = padding)
-      returns     (b, k, s, e), (b, k, s, e), (b, s) everything the queries may look at
+      returns     (b, k, s, e), (b, k, s, e), (b, s) everything the queries may look at;
+                  k_pos holds each returned key's position, -1 for an empty or padded slot.
+Attention builds masks (causal, window, padding) and relative biases (ALiBi, T5) from the query
+positions and the returned key positions, so a cache only has to return correct positions: slot
+order does not matter. That is what lets a sliding-window layer use a rolling buffer.
+
+A cache with `rotates_keys = True` (StreamingLLM) instead gets un-rotated keys and a `rotate`
+callable, and returns rotated keys plus the queries' positions inside the cache:
+    k_all, v_all, k_pos, q_pos = cache.update(layer, k, v, positions, rotate=rotate)
+
+Caches here:
+  KVCache          grows by concatenation; the simplest reference.
+  StaticKVCache    preallocated buffers (no torch.cat per step); global layers keep every token,
+                   local (sliding-window) layers a rolling buffer of `window` slots.
+  SinkKVCache      StreamingLLM (Xiao et al. 2023, arXiv 2309.17453): the first `sink_tokens`
+                   tokens plus a recent window, positions assigned inside the cache, so decoding
+                   continues past max_seq_len.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+from archlab.config import ModelConfig
 
 
 class KVCache:
+    """Keys and values grow by concatenation, one entry per layer."""
+
     def __init__(self):
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
@@ -25,5 +47,167 @@ class KVCache:
         self.keys[layer], self.values[layer], self.positions[layer] = k, v, positions
         return k, v, positions
 
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select batch rows (beam search): row i becomes old row index[i]."""
+        for store in (self.keys, self.values, self.positions):
+            for layer in store:
+                store[layer] = store[layer].index_select(0, index)
+
     def __len__(self) -> int:
         return next(iter(self.positions.values())).shape[1] if self.positions else 0
+
+
+class _Buffers:
+    """Preallocated k, v (b, k, cap, e) and positions (b, cap) for one layer."""
+
+    def __init__(self, batch, kv_heads, capacity, head_dim, dtype, device):
+        self.k = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
+        self.capacity = capacity
+        self.count = 0   # tokens written so far (the same for every row: padding takes slots too)
+        self.rolling = False  # a sliding-window layer's ring buffer of `window` slots
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.k = self.k.index_select(0, index)
+        self.v = self.v.index_select(0, index)
+        self.pos = self.pos.index_select(0, index)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def _model_dims(config: ModelConfig) -> tuple[int, int]:
+    return config.n_kv_heads, config.head_dim
+
+
+class StaticKVCache:
+    """Preallocated per-layer buffers. Global layers hold `max_len` slots; local layers (from
+    `config.is_local(layer)`) hold a rolling buffer of `window` slots, written at count % window.
+
+    GQA/MQA store only the kv heads (attention repeats them after the cache).
+    """
+
+    def __init__(self, config: ModelConfig, batch: int, max_len: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        if max_len < 1:
+            raise ValueError(f"max_len={max_len} must be >= 1")
+        kv_heads, head_dim = _model_dims(config)
+        self.max_len = max_len
+        self.layers = []
+        for layer in range(config.n_layers):
+            window = config.attention.window if config.is_local(layer) else None
+            rolling = window is not None and window < max_len
+            buf = _Buffers(batch, kv_heads, window if rolling else max_len, head_dim, dtype, device)
+            buf.rolling = rolling
+            self.layers.append(buf)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        buf = self.layers[layer]
+        t, n, cap = k.shape[2], buf.count, buf.capacity
+        if n + t <= cap:                          # no wrap: contiguous write, return a view
+            buf.k[:, :, n:n + t] = k
+            buf.v[:, :, n:n + t] = v
+            buf.pos[:, n:n + t] = positions
+            buf.count = n + t
+            return buf.k[:, :, :n + t], buf.v[:, :, :n + t], buf.pos[:, :n + t]
+        if not buf.rolling:
+            raise ValueError(
+                f"KV cache full: layer {layer} holds {cap} slots, {n} used, {t} more given "
+                "(build the cache with a larger max_len)"
+            )
+        if t == 1:                                # rolling buffer: overwrite the oldest slot
+            slot = n % cap
+            buf.k[:, :, slot] = k[:, :, 0]
+            buf.v[:, :, slot] = v[:, :, 0]
+            buf.pos[:, slot] = positions[:, 0]
+            buf.count = n + 1
+            return buf.k, buf.v, buf.pos
+        # several new tokens wrapping around: this step's queries still need the keys about to be
+        # overwritten, so attend over (old slots + new) and then keep the newest `cap`
+        filled = min(n, cap)
+        k_all = torch.cat((buf.k[:, :, :filled], k), dim=2)
+        v_all = torch.cat((buf.v[:, :, :filled], v), dim=2)
+        pos_all = torch.cat((buf.pos[:, :filled], positions), dim=1)
+        keep = min(t, cap)
+        slots = (torch.arange(n + t - keep, n + t, device=k.device)) % cap
+        buf.k.index_copy_(2, slots, k[:, :, t - keep:])
+        buf.v.index_copy_(2, slots, v[:, :, t - keep:])
+        buf.pos.index_copy_(1, slots, positions[:, t - keep:])
+        buf.count = n + t
+        return k_all, v_all, pos_all
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select batch rows (beam search): row i becomes old row index[i]."""
+        for buf in self.layers:
+            buf.reorder(index)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by keys and values (positions excluded), as the analytic estimate counts."""
+        return sum(buf.nbytes for buf in self.layers)
+
+    def __len__(self) -> int:
+        return self.layers[0].count
+
+
+class SinkKVCache:
+    """StreamingLLM (Xiao et al. 2023, arXiv 2309.17453): keep the first `sink_tokens` tokens (the
+    attention sinks) and the most recent `window` tokens; positions are assigned inside the cache
+    (0 .. sink_tokens + window - 1), so decoding goes on past max_seq_len without ever showing the
+    model a distance it was not trained on.
+
+    Keys are stored un-rotated and rotated with their current in-cache positions at every step
+    (their positions shift as the window slides); the queries get in-cache positions too. With
+    sink_tokens=0 this is plain window attention, the baseline the paper shows collapsing once the
+    first tokens are evicted. Rows must not be padded (every row's first tokens are its sinks).
+    """
+
+    rotates_keys = True
+
+    def __init__(self, config: ModelConfig, batch: int, *, sink_tokens: int = 4, window: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        if sink_tokens < 0 or window < 1:
+            raise ValueError(f"sink_tokens={sink_tokens} must be >= 0 and window={window} >= 1")
+        kv_heads, head_dim = _model_dims(config)
+        self.sink_tokens, self.window = sink_tokens, window
+        capacity = sink_tokens + window
+        self.layers = [_Buffers(batch, kv_heads, capacity, head_dim, dtype, device)
+                       for _ in range(config.n_layers)]
+        self._arange = torch.arange(capacity, device=device)[None].expand(batch, capacity)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        buf = self.layers[layer]
+        t, n, cap, sinks = k.shape[2], buf.count, buf.capacity, self.sink_tokens
+        if n + t <= cap:
+            buf.k[:, :, n:n + t], buf.v[:, :, n:n + t] = k, v
+            filled = n + t
+        elif t == 1:
+            # evict the oldest non-sink token: shift the recent part one slot left (time order kept)
+            if cap - 1 > sinks:
+                buf.k[:, :, sinks:cap - 1] = buf.k[:, :, sinks + 1:].clone()
+                buf.v[:, :, sinks:cap - 1] = buf.v[:, :, sinks + 1:].clone()
+            buf.k[:, :, cap - 1], buf.v[:, :, cap - 1] = k[:, :, 0], v[:, :, 0]
+            filled = cap
+        else:
+            raise ValueError(
+                f"SinkKVCache holds {cap} slots ({n} used); once it would overflow, feed tokens one "
+                f"at a time (got {t})"
+            )
+        buf.count = n + t
+        k_pos = self._arange[:k.shape[0], :filled]                       # (b, s) in-cache positions
+        keys = rotate(buf.k[:, :, :filled], k_pos)                       # (b, k, s, e)
+        return keys, buf.v[:, :, :filled], k_pos, k_pos[:, filled - t:]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        for buf in self.layers:
+            buf.reorder(index)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buf.nbytes for buf in self.layers)
+
+    def __len__(self) -> int:
+        return self.layers[0].count

@@ -1,0 +1,135 @@
+"""`archlab generate`: load a run folder or an HF folder and decode text from a prompt."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXAMPLE = """example:
+  archlab generate runs/demo --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95 --seed 0
+  archlab generate path/to/hf_llama --prompt "Once upon a time" --num-beams 4 --no-stream
+  archlab generate runs/demo --prompt "..." --sink-window 252 --max-new-tokens 5000   # StreamingLLM
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate text from a run folder or an HF folder",
+        description="Decode text from a trained run folder (config.yaml + checkpoints/ + tokenizer/) "
+        "or a Hugging Face folder (config.json + *.safetensors + tokenizer.json), streaming tokens "
+        "to the terminal as they come.",
+        epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("path", help="run folder or HF model folder")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--num-beams", type=int, default=1, help="beam search when > 1 (not streamed)")
+    p.add_argument("--length-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--sink-window", type=int, default=None,
+                   help="StreamingLLM: keep --sink-tokens first tokens + this many recent ones, "
+                   "so generation can run past the context")
+    p.add_argument("--sink-tokens", type=int, default=4)
+    p.add_argument("--stream", dest="stream", action="store_true", default=True,
+                   help="print tokens as they are decoded (default)")
+    p.add_argument("--no-stream", dest="stream", action="store_false")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=run)
+
+
+def load_model_and_tokenizer(path: str | Path, device: str = "cpu"):
+    """(TransformerLM in eval mode, tokenizer) from a run folder or an HF folder."""
+    path = Path(path)
+    if (path / "config.yaml").is_file():
+        from archlab.checkpoint import latest_checkpoint, load_run, load_run_tokenizer
+        if latest_checkpoint(path) is not None:
+            model, tok = load_run(path, device=device)
+        elif (path / "model.safetensors").is_file():   # `archlab convert` output
+            from archlab.interop.run import load_run_model
+            model, tok = load_run_model(path).to(device), load_run_tokenizer(path)
+        else:
+            raise SystemExit(f"error: {path} has config.yaml but no checkpoints/ or model.safetensors")
+        if tok is None:
+            raise SystemExit(f"error: {path} has no tokenizer/ folder to encode the prompt")
+        return model, tok
+    if (path / "config.json").is_file():
+        from archlab.interop import load_hf
+        from archlab.tokenizer import load as load_tokenizer
+        model = load_hf(path).to(device)
+        if not (path / "tokenizer.json").is_file():
+            raise SystemExit(f"error: {path} has no tokenizer.json")
+        return model, load_tokenizer(path)
+    raise SystemExit(f"error: {path} is neither a run folder (config.yaml) nor an HF folder (config.json)")
+
+
+class _TextPrinter:
+    """Decode the growing token list and print only the new text (holds back a partial UTF-8 char)."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.printed:])
+        self.out.flush()
+        self.printed = len(text)
+
+    def finish(self) -> None:
+        text = self.tokenizer.decode(self.ids)
+        self.out.write(text[self.printed:] + "\n")
+        self.out.flush()
+
+
+def run(args) -> int:
+    import archlab
+    from archlab.generation import stream
+
+    model, tok = load_model_and_tokenizer(args.path, args.device)
+    prompt = tok.encode(args.prompt)
+    if not prompt:
+        print("error: the prompt encodes to no tokens", file=sys.stderr)
+        return 2
+    eos = getattr(tok, "eot_id", None)
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+              repetition_penalty=args.repetition_penalty, seed=args.seed, eos_token_id=eos,
+              stop_strings=args.stop, tokenizer=tok if args.stop else None,
+              sink_window=args.sink_window,
+              sink_tokens=args.sink_tokens if args.sink_window is not None else None)
+    try:
+        if args.num_beams > 1:
+            kw = {k: v for k, v in kw.items() if k in ("eos_token_id",)}
+            ids = archlab.generate(model, prompt, args.max_new_tokens, num_beams=args.num_beams,
+                                   length_penalty=args.length_penalty, **kw)
+            print(args.prompt + tok.decode(_strip(ids[len(prompt):].tolist(), eos)))
+            return 0
+        sys.stdout.write(args.prompt)
+        printer = _TextPrinter(tok)
+        if args.stream:
+            for tokens in stream(model, prompt, args.max_new_tokens, **kw):
+                if eos is not None and int(tokens[0]) == eos:
+                    break
+                printer.add(int(tokens[0]))
+            printer.finish()
+        else:
+            ids = archlab.generate(model, prompt, args.max_new_tokens, **kw)
+            printer.ids = _strip(ids[len(prompt):].tolist(), eos)
+            printer.finish()
+    except ValueError as exc:  # context too long, bad sampling arguments: say it plainly
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _strip(ids: list[int], eos: int | None) -> list[int]:
+    return ids[:ids.index(eos)] if eos is not None and eos in ids else ids

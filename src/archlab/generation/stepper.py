@@ -1,0 +1,169 @@
+"""Prompt preparation and the model step shared by sampling and beam search.
+
+A `Stepper` owns the running state of one batch: the KV cache (or, uncached, the whole sequence so
+far) and the next positions. `prefill()` runs the prompt, `step(tokens)` feeds one token per row;
+both return the next-token logits (b, v). `reorder(index)` selects rows (beam search).
+
+Batched prompts of different lengths are left-padded: positions = cumsum(mask) - 1 and padded
+slots get position -1, which attention masks out; every row's newest token is then in the last
+column, so decoding appends one column for all rows.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from archlab.config import ABSOLUTE_POSITIONS
+from archlab.nn.kv_cache import SinkKVCache, StaticKVCache
+
+
+def prepare_prompts(prompt_ids, attention_mask=None, pad_token_id: int = 0):
+    """-> ids (b, t) long, mask (b, t) bool, single (True when one 1-D prompt was given).
+
+    Accepts a list of ints, a list of lists (left-padded here), a 1-D tensor, or a 2-D tensor with
+    an optional left-padding attention mask (1 = token, 0 = padding).
+    """
+    single = False
+    if isinstance(prompt_ids, torch.Tensor):
+        ids = prompt_ids.long()
+        if ids.dim() == 1:
+            ids, single = ids[None], True
+        if ids.dim() != 2:
+            raise ValueError(f"prompt_ids must be 1-D or 2-D, got shape {tuple(prompt_ids.shape)}")
+        mask = (torch.ones_like(ids, dtype=torch.bool) if attention_mask is None
+                else torch.as_tensor(attention_mask, device=ids.device).bool())
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(mask.shape)} != prompt shape {tuple(ids.shape)}")
+    else:
+        rows: Sequence = list(prompt_ids)
+        if rows and all(isinstance(x, int) for x in rows):
+            rows, single = [rows], True
+        if not rows or any(len(r) == 0 for r in rows):
+            raise ValueError("every prompt needs at least one token")
+        if attention_mask is not None:
+            raise ValueError("attention_mask is only accepted with a tensor prompt; lists are padded here")
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.as_tensor(list(r), dtype=torch.long)
+            mask[i, width - len(r):] = True
+    if ids.shape[1] == 0:
+        raise ValueError("prompt_ids is empty: give at least one token (e.g. a BOS token)")
+    if not mask[:, -1].all() or (mask[:, 1:].long() < mask[:, :-1].long()).any():
+        raise ValueError("attention_mask must be left padding (zeros, then ones, ending in a token)")
+    return ids, mask, single
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """(b, t) bool -> (b, t) long: cumsum(mask) - 1, padded slots -1."""
+    return torch.where(mask, mask.long().cumsum(-1) - 1, -1)
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    p = next(model.parameters(), None)
+    return p.dtype if p is not None else torch.float32
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+class Stepper:
+    """Runs the model over a batch, cached (StaticKVCache or StreamingLLM's SinkKVCache) or not."""
+
+    def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, *,
+                 use_cache: bool = True, sink_tokens: int | None = None,
+                 sink_window: int | None = None):
+        self.model = model
+        self.config = config = getattr(model, "config", None)
+        device = model_device(model)
+        self.mask = mask.to(device)
+        self.ids = ids.to(device).masked_fill(~self.mask, 0)  # pad ids may be anything (e.g. -1)
+        self.positions = positions_from_mask(self.mask)
+        self.sink = sink_window is not None
+        b, t = ids.shape
+        if self.sink:
+            self._check_sink_mode(sink_tokens, sink_window)
+            self.cache = SinkKVCache(config, b, sink_tokens=sink_tokens or 0, window=sink_window,
+                                     dtype=model_dtype(model), device=device)
+        elif use_cache:
+            if config is None:
+                raise ValueError("a KV cache needs model.config; pass use_cache=False for this model")
+            self._check_context(max_new_tokens)
+            self.cache = StaticKVCache(config, b, t + max_new_tokens, dtype=model_dtype(model),
+                                       device=device)
+        else:
+            if config is not None:
+                self._check_context(max_new_tokens)
+            self.cache = None
+        self._hidden_head = hasattr(model, "head") and config is not None
+
+    # ---- checks ------------------------------------------------------------------------------
+    def _check_context(self, max_new_tokens: int) -> None:
+        ctx = self.config.max_seq_len
+        longest = int(self.mask.sum(-1).max())
+        hint = ("shorten the prompt, or decode in StreamingLLM mode (sink_window=..., "
+                "sink_tokens=4; CLI: --sink-window N) which keeps attention sinks + a recent window")
+        if longest > ctx:
+            raise ValueError(f"prompt has {longest} tokens, longer than the model's context "
+                             f"max_seq_len={ctx}: {hint}")
+        if longest + max_new_tokens > ctx:
+            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens={max_new_tokens} exceeds "
+                             f"the model's context max_seq_len={ctx}: lower max_new_tokens or {hint}")
+
+    def _check_sink_mode(self, sink_tokens, sink_window) -> None:
+        if self.config is None:
+            raise ValueError("StreamingLLM mode needs a TransformerLM (model.config)")
+        if self.config.position.kind in ABSOLUTE_POSITIONS:
+            raise ValueError(
+                f"StreamingLLM mode needs positions inside attention (rope, alibi, t5, none); "
+                f"position.kind={self.config.position.kind!r} is added at the input"
+            )
+        if not self.mask.all():
+            raise ValueError("StreamingLLM mode does not take padded prompts (each row's first "
+                             "tokens are its sinks): decode rows of different lengths separately")
+        if (sink_tokens or 0) + sink_window > self.config.max_seq_len:
+            raise ValueError(f"sink_tokens + sink_window = {(sink_tokens or 0) + sink_window} must "
+                             f"fit the context max_seq_len={self.config.max_seq_len}")
+
+    # ---- running the model ---------------------------------------------------------------------
+    def _logits(self, ids, positions, cache) -> torch.Tensor:        # -> (b, v), last position
+        if self._hidden_head:  # the head over the last position only (the prompt can be long)
+            hidden = self.model(ids, positions=positions, cache=cache, return_hidden=True)
+            return self.model.head(hidden[:, -1:])[:, 0]
+        return self.model(ids, positions=positions, cache=cache)[:, -1]
+
+    def prefill(self) -> torch.Tensor:
+        if self.cache is None:
+            return self._logits(self.ids, self.positions, None)
+        if self.sink:  # fill the cache in one call, then token by token (evicting) past it
+            cap = self.cache.sink_tokens + self.cache.window
+            logits = self._logits(self.ids[:, :cap], self.positions[:, :cap], self.cache)
+            for i in range(cap, self.ids.shape[1]):
+                logits = self._logits(self.ids[:, i:i + 1], self.positions[:, i:i + 1], self.cache)
+        else:
+            logits = self._logits(self.ids, self.positions, self.cache)
+        self.next_pos = self.positions[:, -1:] + 1                   # (b, 1)
+        return logits
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:            # (b,) -> (b, v)
+        tokens = tokens[:, None]
+        if self.cache is None:
+            next_pos = self.positions[:, -1:] + 1
+            self.ids = torch.cat((self.ids, tokens), dim=1)
+            self.positions = torch.cat((self.positions, next_pos), dim=1)
+            return self._logits(self.ids, self.positions, None)
+        logits = self._logits(tokens, self.next_pos, self.cache)
+        self.next_pos = self.next_pos + 1
+        return logits
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (beam search)."""
+        if self.cache is None:
+            self.ids, self.positions = self.ids[index], self.positions[index]
+        else:
+            self.cache.reorder(index)
+            self.next_pos = self.next_pos[index]

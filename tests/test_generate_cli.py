@@ -1,0 +1,58 @@
+"""`archlab generate` on a run folder built here (config.yaml, checkpoints/, tokenizer/)."""
+import pytest
+import torch
+from variants import BASE
+
+import archlab
+from archlab.checkpoint import save_checkpoint, write_run_config
+from archlab.cli import main
+from archlab.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    cfg = BASE.with_overrides({"vocab_size": 257, "init.std": 0.2, "max_seq_len": 48})
+    model = archlab.TransformerLM(cfg).eval()
+    write_run_config(root, cfg.to_dict(), {}, {})
+    save_checkpoint(root / "checkpoints", 5, model.state_dict(), {})
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    tok.save(root / "tokenizer")
+    return root, model, tok
+
+
+def test_cli_streams_the_greedy_continuation(run_dir, capsys):
+    root, model, tok = run_dir
+    prompt = "hello"
+    expected = archlab.generate(model, tok.encode(prompt), max_new_tokens=12,
+                                eos_token_id=tok.eot_id)[len(prompt):].tolist()
+    if tok.eot_id in expected:
+        expected = expected[:expected.index(tok.eot_id)]
+    assert main(["generate", str(root), "--prompt", prompt, "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert out == prompt + tok.decode(expected) + "\n"
+    assert main(["generate", str(root), "--prompt", prompt, "--max-new-tokens", "12", "--no-stream"]) == 0
+    assert capsys.readouterr().out == out
+
+
+def test_cli_seeded_sampling_is_reproducible(run_dir, capsys):
+    root, _, _ = run_dir
+    args = ["generate", str(root), "--prompt", "ab", "--max-new-tokens", "10", "--temperature", "1",
+            "--top-k", "50", "--seed", "3"]
+    main(args)
+    first = capsys.readouterr().out
+    main(args)
+    assert capsys.readouterr().out == first
+
+
+def test_cli_prompt_longer_than_context_is_a_clear_error(run_dir, capsys):
+    root, _, _ = run_dir
+    assert main(["generate", str(root), "--prompt", "x" * 60, "--max-new-tokens", "4"]) == 2
+    assert "longer than the model's context max_seq_len=48" in capsys.readouterr().err
+    assert main(["generate", str(root), "--prompt", "x" * 60, "--max-new-tokens", "4",
+                 "--sink-window", "20"]) == 0
+
+
+def test_cli_rejects_a_folder_that_is_not_a_model(tmp_path):
+    with pytest.raises(SystemExit, match="neither a run folder"):
+        main(["generate", str(tmp_path), "--prompt", "x"])

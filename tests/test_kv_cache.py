@@ -1,0 +1,129 @@
+"""KV caches: rolling buffers hold exactly the window, GQA stores kv heads only, sizes match the
+analytic estimate, and the StreamingLLM cache keeps sinks + recent tokens with in-cache positions."""
+import pytest
+import torch
+from variants import BASE, variant
+
+import archlab
+from archlab import TransformerLM
+from archlab.nn.kv_cache import KVCache, SinkKVCache, StaticKVCache
+from archlab.nn.position import RotaryEmbedding
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _kv(b, k, t, e, start=0):
+    x = torch.arange(start, start + t, dtype=torch.float32)[None, None, :, None]
+    return x.expand(b, k, t, e).clone()
+
+
+def test_rolling_buffer_keeps_the_last_window_and_global_layer_everything():
+    cfg = BASE.with_overrides({"attention.window": 3, "attention.layer_pattern": "LG",
+                               "attention.n_kv_heads": 2})
+    cache = StaticKVCache(cfg, batch=1, max_len=10)
+    local, glob = cache.layers
+    assert local.k.shape == (1, 2, 3, cfg.head_dim)        # kv heads only, window slots
+    assert glob.k.shape == (1, 2, 10, cfg.head_dim)
+    for p in range(7):
+        k = _kv(1, 2, 1, cfg.head_dim, p)
+        pos = torch.tensor([[p]])
+        _, _, kpos_local = cache.update(0, k, k, pos)
+        ks, _, kpos_global = cache.update(1, k, k, pos)
+    assert sorted(kpos_local[0].tolist()) == [4, 5, 6]
+    assert kpos_global[0].tolist() == list(range(7))
+    assert sorted(local.k[0, 0, :, 0].tolist()) == [4.0, 5.0, 6.0]  # slot values follow positions
+    assert len(cache) == 7
+
+
+def test_rolling_buffer_chunk_that_wraps_returns_old_and_new_keys():
+    cfg = BASE.with_overrides({"attention.window": 4})
+    cache = StaticKVCache(cfg, batch=1, max_len=20)
+    cache.update(0, _kv(1, 4, 3, 8), _kv(1, 4, 3, 8), torch.arange(3)[None])
+    k_all, _, k_pos = cache.update(0, _kv(1, 4, 5, 8, 3), _kv(1, 4, 5, 8, 3), torch.arange(3, 8)[None])
+    assert k_pos[0].tolist() == list(range(8))                 # this chunk's queries need them all
+    assert sorted(cache.layers[0].pos[0].tolist()) == [4, 5, 6, 7]
+
+
+def test_full_cache_overflow_is_a_clear_error():
+    cache = StaticKVCache(BASE, batch=1, max_len=4)
+    cache.update(0, _kv(1, 4, 4, 8), _kv(1, 4, 4, 8), torch.arange(4)[None])
+    with pytest.raises(ValueError, match="KV cache full"):
+        cache.update(0, _kv(1, 4, 1, 8), _kv(1, 4, 1, 8), torch.tensor([[4]]))
+
+
+@pytest.mark.parametrize("name", ["base", "gqa", "mqa", "local-global", "window", "head-dim"])
+def test_cache_bytes_match_analytic_estimate(name):
+    from archlab.accounting import kv_cache_bytes
+    cfg = variant(name)
+    model = TransformerLM(cfg).eval()
+    cache = StaticKVCache(cfg, batch=3, max_len=20)
+    with torch.inference_mode():
+        model(torch.randint(0, 97, (3, 20)), cache=cache)
+    assert cache.nbytes == kv_cache_bytes(cfg, 20, batch=3, dtype="float32")
+
+
+def test_static_cache_logits_equal_concat_cache():
+    model = TransformerLM(variant("gqa")).eval()
+    ids = torch.randint(0, 97, (2, 12))
+    outs = []
+    for cache in (KVCache(), StaticKVCache(model.config, 2, 12)):
+        outs.append(torch.cat([model(ids[:, :5], cache=cache)] +
+                              [model(ids[:, i:i + 1], cache=cache) for i in range(5, 12)], dim=1))
+    torch.testing.assert_close(outs[0], outs[1])
+    torch.testing.assert_close(outs[1], model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_reorder_selects_rows():
+    cache = StaticKVCache(BASE, batch=3, max_len=5)
+    k = torch.arange(3.0)[:, None, None, None].expand(3, 4, 2, 8)
+    cache.update(0, k, k, torch.arange(2).expand(3, 2))
+    cache.reorder(torch.tensor([2, 2, 0]))
+    assert cache.layers[0].k[:, 0, 0, 0].tolist() == [2.0, 2.0, 0.0]
+
+
+def test_sink_cache_keeps_sinks_and_recent_tokens_with_in_cache_positions():
+    cfg = BASE.with_overrides({"attention.n_kv_heads": 2})
+    cache = SinkKVCache(cfg, batch=1, sink_tokens=2, window=3)
+    rope = RotaryEmbedding(cfg, 0, {})
+    identity = lambda x, pos: x  # noqa: E731
+    for p in range(9):
+        k = _kv(1, 2, 1, cfg.head_dim, p)
+        keys, values, k_pos, q_pos = cache.update(0, k, k, torch.tensor([[p]]), rotate=identity)
+    assert values[0, 0, :, 0].tolist() == [0.0, 1.0, 6.0, 7.0, 8.0]   # 2 sinks + last 3, in order
+    assert k_pos[0].tolist() == [0, 1, 2, 3, 4] and q_pos[0].tolist() == [4]
+    # keys come back rotated with their in-cache positions
+    raw = torch.randn(1, 2, 1, cfg.head_dim)
+    keys, _, k_pos, _ = cache.update(0, raw, raw, torch.tensor([[9]]), rotate=rope.rotate)
+    torch.testing.assert_close(keys[:, :, -1:], rope.rotate(raw, torch.tensor([[4]])))
+
+
+def test_sink_mode_equals_normal_decoding_while_nothing_is_evicted():
+    model = TransformerLM(BASE.with_overrides({"init.std": 0.2})).eval()
+    prompt = list(range(1, 9))
+    normal = archlab.generate(model, prompt, max_new_tokens=20)
+    sink = archlab.generate(model, prompt, max_new_tokens=20, sink_tokens=4, sink_window=40)
+    assert torch.equal(normal, sink)
+
+
+@pytest.mark.parametrize("kind", ["rope", "alibi", "t5", "none"])
+def test_sink_mode_decodes_past_max_seq_len(kind):
+    model = TransformerLM(BASE.with_overrides({"position.kind": kind, "max_seq_len": 16})).eval()
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        archlab.generate(model, [1, 2, 3], max_new_tokens=40)
+    out = archlab.generate(model, list(range(20)), max_new_tokens=40, sink_tokens=4, sink_window=8)
+    assert out.shape == (60,)
+
+
+def test_sink_mode_rejects_absolute_positions_and_padding():
+    model = TransformerLM(BASE.with_overrides({"position.kind": "learned"})).eval()
+    with pytest.raises(ValueError, match="StreamingLLM mode needs positions inside attention"):
+        archlab.generate(model, [1, 2], sink_window=8)
+    model = TransformerLM(BASE).eval()
+    with pytest.raises(ValueError, match="padded"):
+        archlab.generate(model, [[1, 2], [3]], sink_window=8)

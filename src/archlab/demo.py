@@ -45,8 +45,8 @@ def demo_configs(*, quick: bool, vocab_size: int, minutes: float) -> tuple[Model
                         attention={"n_heads": 6}, mlp={"activation": "swiglu", "d_ff": 512},
                         norm={"kind": "rmsnorm"}, position={"kind": "rope"})
     train = TrainConfig(lr=2e-3, warmup_steps=30, schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1,
-                        batch_size=16, seq_len=128, budget=minutes, budget_unit="minutes", eval_every=100,
-                        eval_batches=8, log_every=10, checkpoint_every=200, keep_last=1, sample_every=-1,
+                        batch_size=16, seq_len=128, budget=minutes, budget_unit="minutes", eval_every=40,
+                        eval_batches=8, log_every=5, checkpoint_every=200, keep_last=1, sample_every=-1,
                         device="cpu")
     return model, train
 

@@ -17,13 +17,7 @@ EXTRA = {  # switches whose interaction with the cache is worth its own case
 ALL = {**VARIANTS, **EXTRA}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models decode ~100x faster on one thread than on two busy shared cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _config(name):

@@ -10,12 +10,7 @@ from archlab.nn.kv_cache import KVCache, SinkKVCache, StaticKVCache
 from archlab.nn.position import RotaryEmbedding
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _kv(b, k, t, e, start=0):

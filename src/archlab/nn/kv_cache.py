@@ -82,7 +82,26 @@ def _model_dims(config: ModelConfig) -> tuple[int, int]:
     return config.n_kv_heads, config.head_dim
 
 
-class StaticKVCache:
+class _BufferedCache:
+    """What the preallocated caches share: `self.layers`, one `_Buffers` per layer."""
+
+    layers: list[_Buffers]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select batch rows (beam search): row i becomes old row index[i]."""
+        for buf in self.layers:
+            buf.reorder(index)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by keys and values (positions excluded), as the analytic estimate counts."""
+        return sum(buf.nbytes for buf in self.layers)
+
+    def __len__(self) -> int:
+        return self.layers[0].count
+
+
+class StaticKVCache(_BufferedCache):
     """Preallocated per-layer buffers. Global layers hold `max_len` slots; local layers (from
     `config.is_local(layer)`) hold a rolling buffer of `window` slots, written at count % window.
 
@@ -138,21 +157,8 @@ class StaticKVCache:
         buf.count = n + t
         return k_all, v_all, pos_all
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Select batch rows (beam search): row i becomes old row index[i]."""
-        for buf in self.layers:
-            buf.reorder(index)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by keys and values (positions excluded), as the analytic estimate counts."""
-        return sum(buf.nbytes for buf in self.layers)
-
-    def __len__(self) -> int:
-        return self.layers[0].count
-
-
-class SinkKVCache:
+class SinkKVCache(_BufferedCache):
     """StreamingLLM (Xiao et al. 2023, arXiv 2309.17453): keep the first `sink_tokens` tokens (the
     attention sinks) and the most recent `window` tokens; positions are assigned inside the cache
     (0 .. sink_tokens + window - 1), so decoding goes on past max_seq_len without ever showing the
@@ -200,14 +206,3 @@ class SinkKVCache:
         k_pos = self._arange[:k.shape[0], :filled]                       # (b, s) in-cache positions
         keys = rotate(buf.k[:, :, :filled], k_pos)                       # (b, k, s, e)
         return keys, buf.v[:, :, :filled], k_pos, k_pos[:, filled - t:]
-
-    def reorder(self, index: torch.Tensor) -> None:
-        for buf in self.layers:
-            buf.reorder(index)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(buf.nbytes for buf in self.layers)
-
-    def __len__(self) -> int:
-        return self.layers[0].count

@@ -2,7 +2,8 @@
 byte tokens, the vocabulary look-ups, and saving as a folder holding an HF-style tokenizer.json.
 
 Subclasses (BPE in bpe.py, WordPiece, Unigram) implement `_encode_ordinary(text) -> list[int]` for text
-free of special tokens, `token_bytes` for decoding, and `to_json() -> dict`.
+free of special tokens, `token_bytes` for decoding, and `to_json() -> dict`. `WordTokenizer` is the
+`_encode_ordinary` of the tokenizers that segment one pre-token at a time (WordPiece, Unigram).
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from archlab.tokenizer.pretokenize import GPT2_PATTERN, compile_pattern, safe_cut, split_special
+from archlab.tokenizer.pretokenize import (
+    GPT2_PATTERN, bytes_to_str, compile_pattern, safe_cut, split_special,
+)
 
 EOT_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 
@@ -169,6 +172,56 @@ class BaseTokenizer:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, special_tokens={self.special_tokens})"
+
+
+class WordTokenizer(BaseTokenizer):
+    """A tokenizer that segments each pre-token on its own (WordPiece, Unigram): `_word` maps one
+    pre-token, written in GPT-2's byte-level alphabet, to ids. Subclasses set `self._pat` (the
+    compiled pre-tokenizer pattern) and `self._cache` (an empty dict) in __init__."""
+
+    CACHE_LIMIT = 1 << 17   # pre-tokens memoized before the cache is cleared (bounded memory)
+
+    def _word(self, word: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _encode_ordinary(self, text: str) -> list[int]:
+        ids: list[int] = []
+        cache = self._cache
+        for tok in self._pat.findall(text):
+            hit = cache.get(tok)
+            if hit is None:
+                hit = self._word(bytes_to_str(tok.encode("utf-8")))
+                if len(cache) >= self.CACHE_LIMIT:
+                    cache.clear()
+                cache[tok] = hit
+            ids.extend(hit)
+        return ids
+
+
+def byte_level_pre_tokenizer_json(pattern: str, add_prefix_space: bool = False) -> dict:
+    """tokenizer.json `pre_tokenizer` of a byte-level tokenizer: HF's ByteLevel (GPT-2 regex
+    built in) for the GPT-2 pattern, else a Split on `pattern` followed by a regex-free ByteLevel."""
+    if pattern == GPT2_PATTERN:
+        return {"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": True,
+                "use_regex": True}
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": False,
+         "use_regex": False}]}
+
+
+def tokenizer_json(tok: BaseTokenizer, *, decoder: dict, model: dict,
+                   add_prefix_space: bool = False) -> dict:
+    """A byte-level tokenizer's tokenizer.json: the fields every one writes the same way around its
+    own `decoder` and `model` sections."""
+    return {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": added_tokens_json(tok), "normalizer": None,
+        "pre_tokenizer": byte_level_pre_tokenizer_json(tok.pattern, add_prefix_space),
+        "post_processor": None,
+        "decoder": decoder,
+        "model": model,
+    }
 
 
 def _with_offsets(pieces):

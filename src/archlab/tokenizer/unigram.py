@@ -18,13 +18,12 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from archlab.tokenizer.base import BaseTokenizer, added_tokens_json
+from archlab.tokenizer.base import WordTokenizer, tokenizer_json
 from archlab.tokenizer.pretokenize import GPT2_PATTERN, bytes_to_str, bytes_to_unicode, compile_pattern, str_to_bytes
 
 __all__ = ["UnigramTokenizer", "train_unigram", "unigram_from_counts"]
 
 _NEG = float("-inf")
-_CACHE_LIMIT = 1 << 17
 
 
 def _viterbi(word: str, scores: dict[str, float], max_len: int, exclude: str | None = None
@@ -67,7 +66,7 @@ def _logaddexp(x: float, y: float) -> float:
     return y + math.log1p(math.exp(x - y))
 
 
-class UnigramTokenizer(BaseTokenizer):
+class UnigramTokenizer(WordTokenizer):
     """`UnigramTokenizer(pieces, special_tokens)`: (byte-level piece, log-probability) in id order."""
     kind = "unigram"
 
@@ -95,33 +94,13 @@ class UnigramTokenizer(BaseTokenizer):
         _, pieces = _viterbi(word, self._scores, self._max_len)
         return tuple(self._ids[p] for p in pieces)
 
-    def _encode_ordinary(self, text: str) -> list[int]:
-        ids: list[int] = []
-        cache = self._cache
-        for tok in self._pat.findall(text):
-            hit = cache.get(tok)
-            if hit is None:
-                hit = self._word(bytes_to_str(tok.encode("utf-8")))
-                if len(cache) >= _CACHE_LIMIT:
-                    cache.clear()
-                cache[tok] = hit
-            ids.extend(hit)
-        return ids
-
     def to_json(self) -> dict:
-        return {
-            "version": "1.0", "truncation": None, "padding": None,
-            "added_tokens": added_tokens_json(self), "normalizer": None,
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                              "use_regex": True} if self.pattern == GPT2_PATTERN else
-            {"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": self.pattern}, "behavior": "Isolated", "invert": False},
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
-            "post_processor": None,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-            "model": {"type": "Unigram", "unk_id": None, "byte_fallback": False,
-                      "vocab": [[p, s] for p, s in self.pieces]},
-        }
+        return tokenizer_json(
+            self,
+            decoder={"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+            model={"type": "Unigram", "unk_id": None, "byte_fallback": False,
+                   "vocab": [[p, s] for p, s in self.pieces]},
+        )
 
     @classmethod
     def from_json(cls, data: dict, specials: list[str], pattern: str) -> UnigramTokenizer:

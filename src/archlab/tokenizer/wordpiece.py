@@ -16,16 +16,15 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable
 
-from archlab.tokenizer.base import BaseTokenizer, added_tokens_json
+from archlab.tokenizer.base import WordTokenizer, tokenizer_json
 from archlab.tokenizer.pretokenize import GPT2_PATTERN, bytes_to_str, bytes_to_unicode, compile_pattern, str_to_bytes
 
 __all__ = ["WordPieceTokenizer", "train_wordpiece", "wordpiece_from_counts"]
 
 PREFIX = "##"
-_CACHE_LIMIT = 1 << 17
 
 
-class WordPieceTokenizer(BaseTokenizer):
+class WordPieceTokenizer(WordTokenizer):
     """`WordPieceTokenizer(tokens, special_tokens)`: tokens in id order, continuation pieces prefixed `##`."""
     kind = "wordpiece"
 
@@ -72,34 +71,14 @@ class WordPieceTokenizer(BaseTokenizer):
             start = end
         return tuple(ids)
 
-    def _encode_ordinary(self, text: str) -> list[int]:
-        ids: list[int] = []
-        cache = self._cache
-        for tok in self._pat.findall(text):
-            hit = cache.get(tok)
-            if hit is None:
-                hit = self._word(bytes_to_str(tok.encode("utf-8")))
-                if len(cache) >= _CACHE_LIMIT:
-                    cache.clear()
-                cache[tok] = hit
-            ids.extend(hit)
-        return ids
-
     def to_json(self) -> dict:
-        return {
-            "version": "1.0", "truncation": None, "padding": None,
-            "added_tokens": added_tokens_json(self), "normalizer": None,
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                              "use_regex": True} if self.pattern == GPT2_PATTERN else
-            {"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": self.pattern}, "behavior": "Isolated", "invert": False},
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
-            "post_processor": None,
-            "decoder": {"type": "WordPiece", "prefix": PREFIX, "cleanup": False},
-            "model": {"type": "WordPiece", "unk_token": self.unk_token, "continuing_subword_prefix": PREFIX,
-                      "max_input_chars_per_word": 1_000_000,
-                      "vocab": {t: i for i, t in enumerate(self.tokens)}},
-        }
+        return tokenizer_json(
+            self,
+            decoder={"type": "WordPiece", "prefix": PREFIX, "cleanup": False},
+            model={"type": "WordPiece", "unk_token": self.unk_token, "continuing_subword_prefix": PREFIX,
+                   "max_input_chars_per_word": 1_000_000,
+                   "vocab": {t: i for i, t in enumerate(self.tokens)}},
+        )
 
     @classmethod
     def from_json(cls, data: dict, specials: list[str], pattern: str) -> WordPieceTokenizer:

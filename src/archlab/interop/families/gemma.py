@@ -20,6 +20,7 @@ from archlab.interop.families.base import (
 )
 from archlab.interop.families.llama import (
     GATED_ACT, GATED_ACT_BACK, PRE_NORMS, layer_types, llama_rules, pattern_from_types,
+    require_serial_full_rope,
 )
 
 SANDWICH_NORMS = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
@@ -110,13 +111,7 @@ class GemmaLike(Family):
         req = self.require
         req(cfg, "norm.kind", "rmsnorm_1p")
         req(cfg, "norm.position", "sandwich" if self.version >= 2 else "pre")
-        req(cfg, "norm.final_norm", True)
-        req(cfg, "norm.embedding_norm", False)
-        req(cfg, "block.parallel", False)
-        req(cfg, "position.kind", "rope")
-        req(cfg, "position.rope_layout", "half")
-        req(cfg, "position.rotary_fraction", 1.0)
-        req(cfg, "position.global_kind", [None, "rope"])
+        require_serial_full_rope(self, cfg)
         req(cfg, "mlp.activation", list(GATED_ACT_BACK))
         req(cfg, "mlp.moe", None)
         req(cfg, "scale_embeddings", True)

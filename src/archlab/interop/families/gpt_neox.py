@@ -40,6 +40,14 @@ def partial_rotary(c: HFConfig, legacy_key: str, default: float) -> float:
     return float(params.get("partial_rotary_factor") or c.get(legacy_key, default))
 
 
+def write_partial_rope(cfg: ModelConfig) -> dict:
+    """The inverse of `partial_rotary`: HF rope fields (`write_rope`) with the rotary fraction in
+    `rope_parameters.partial_rotary_factor` (each family writes its own legacy top-level field)."""
+    rope = write_rope(cfg.position.rope_theta, cfg.position.rope_scaling)
+    rope["rope_parameters"]["partial_rotary_factor"] = cfg.position.rotary_fraction
+    return rope
+
+
 def per_head_qkv(ours: list[str], hf: str, n_heads: int, head_dim: int) -> Rule:
     """A fused qkv stored per head, rows [q_0, k_0, v_0, q_1, ...] (GPT-NeoX, BLOOM, Falcon MHA)
     <-> our separate q, k, v projections (weight (3*h*e, d) or bias (3*h*e,))."""
@@ -110,8 +118,7 @@ class GPTNeoXFamily(Family):
         req(cfg, "attention.n_kv_heads", [None, cfg.attention.n_heads])
         req(cfg, "mlp.activation", list(PLAIN_ACT_BACK))
         hf = self.base_hf(cfg)
-        rope = write_rope(cfg.position.rope_theta, cfg.position.rope_scaling)
-        rope["rope_parameters"]["partial_rotary_factor"] = cfg.position.rotary_fraction
+        rope = write_partial_rope(cfg)
         hf.update(
             hidden_size=cfg.d_model, num_attention_heads=cfg.attention.n_heads,
             num_hidden_layers=cfg.n_layers, intermediate_size=cfg.d_ff,

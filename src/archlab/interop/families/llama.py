@@ -86,6 +86,19 @@ def llama_rules(cfg: ModelConfig, prefix: str = "model.", qk_norm: bool = False,
     return rules
 
 
+def require_serial_full_rope(fam: Family, cfg: ModelConfig) -> None:
+    """The block and position switches of the LLaMA-style layouts (LLaMA, Gemma) that must hold to
+    save: a serial block with a final norm and no embedding norm, rotate-half RoPE over every dim."""
+    req = fam.require
+    req(cfg, "norm.final_norm", True)
+    req(cfg, "norm.embedding_norm", False)
+    req(cfg, "block.parallel", False)
+    req(cfg, "position.kind", "rope")
+    req(cfg, "position.rope_layout", "half")
+    req(cfg, "position.rotary_fraction", 1.0)
+    req(cfg, "position.global_kind", [None, "rope"])
+
+
 class LlamaLike(Family):
     """Shared reading/writing of the LLaMA-style config.json fields."""
 
@@ -189,13 +202,7 @@ class LlamaLike(Family):
             req(cfg, "norm.eps", 1e-5)
         if not self.clip_qkv:
             req(cfg, "attention.clip_qkv", None)
-        req(cfg, "norm.final_norm", True)
-        req(cfg, "norm.embedding_norm", False)
-        req(cfg, "block.parallel", False)
-        req(cfg, "position.kind", "rope")
-        req(cfg, "position.rope_layout", "half")
-        req(cfg, "position.rotary_fraction", 1.0)
-        req(cfg, "position.global_kind", [None, "rope"])
+        require_serial_full_rope(self, cfg)
         req(cfg, "position.local_rope_theta", None)
         req(cfg, "mlp.activation", list(GATED_ACT_BACK))
         for key in ("attention.prefix_lm", "attention.gated", "attention.learned_sinks",

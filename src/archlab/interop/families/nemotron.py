@@ -7,11 +7,10 @@ from __future__ import annotations
 from archlab.config import (
     AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
 )
-from archlab.interop.families.base import (
-    Family, HFConfig, Rule, read_rope, register_family, rename, write_rope,
-)
+from archlab.interop.families.base import Family, HFConfig, Rule, read_rope, register_family, rename
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK, partial_rotary, plain_activation, require_plain_transformer, weight_bias,
+    write_partial_rope,
 )
 
 
@@ -52,8 +51,7 @@ class NemotronFamily(Family):
         self.require(cfg, "mlp.activation", list(PLAIN_ACT_BACK))
         self.require(cfg, "position.kind", "rope")
         hf = self.base_hf(cfg)
-        rope = write_rope(cfg.position.rope_theta, cfg.position.rope_scaling)
-        rope["rope_parameters"]["partial_rotary_factor"] = cfg.position.rotary_fraction
+        rope = write_partial_rope(cfg)
         hf.update(
             hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
             num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,

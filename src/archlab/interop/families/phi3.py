@@ -8,9 +8,11 @@ from archlab.config import (
     AttentionConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
 )
 from archlab.interop.families.base import (
-    Family, HFConfig, Rule, fused, read_rope, register_family, rename, write_rope,
+    Family, HFConfig, Rule, fused, read_rope, register_family, rename,
 )
-from archlab.interop.families.gpt_neox import partial_rotary, require_plain_transformer
+from archlab.interop.families.gpt_neox import (
+    partial_rotary, require_plain_transformer, write_partial_rope,
+)
 from archlab.interop.families.llama import GATED_ACT_BACK, gated_activation
 
 
@@ -49,8 +51,7 @@ class Phi3Family(Family):
         self.require(cfg, "attention.layer_pattern", [None, "L"])
         self.require(cfg, "position.kind", "rope")
         hf = self.base_hf(cfg)
-        rope = write_rope(cfg.position.rope_theta, cfg.position.rope_scaling)
-        rope["rope_parameters"]["partial_rotary_factor"] = cfg.position.rotary_fraction
+        rope = write_partial_rope(cfg)
         hf.update(
             hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
             num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,

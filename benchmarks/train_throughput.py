@@ -1,23 +1,29 @@
 """Training throughput of archlab's step against transformers' LlamaForCausalLM, same run, same config.
 
-    .venv/bin/python benchmarks/train_throughput.py [--steps 5] [--batch 8] [--seq 256] [--device cpu]
+    .venv/bin/python benchmarks/train_throughput.py [--rounds 7] [--batch 8] [--seq 256] [--threads 2]
 
-For fp32 and bf16 autocast, each of (archlab, transformers) trains in a fresh subprocess (so peak RSS is
-its own): AdamW, grad clip 1.0, a ~14M-parameter LLaMA-style model (d 320, 8 layers, 5 heads, SwiGLU 768,
-vocab 8192, untied). Reported: tokens/s and the ratio archlab / transformers, peak memory (CUDA: max
-allocated; CPU: peak RSS of the process), achieved FLOP/s = training FLOPs per token x tokens/s against
-the matmul peak measured in the same worker for that dtype (MFU), and bf16 / fp32 speedup.
+A ~14M-parameter LLaMA-style model (d 320, 8 layers, 5 heads, SwiGLU 768, vocab 8192, untied), AdamW,
+grad clip 1.0, fp32 and bf16 autocast. The machine may be shared, so throughput is measured
+*interleaved*: one process holds a model per (implementation, dtype) and runs one training step of
+each per round, in rotating order; each round gives ratios of steps taken moments apart
+(archlab / transformers per dtype, bf16 / fp32 per implementation), and the reported ratios are
+medians over rounds. tokens/s is from the median step,
+best-case tokens/s from the fastest; MFU = training FLOPs per token x best tokens/s over the best-of
+matmul FLOP/s measured in the same process for that dtype (both best-case, so load cancels).
+Peak memory (CPU: peak RSS; CUDA: max allocated) is measured per (impl, dtype) in a fresh subprocess.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 D_MODEL, N_LAYERS, N_HEADS, D_FF, VOCAB = 320, 8, 5, 768, 8192
+IMPLS = ("archlab", "transformers")
 
 
 def model_config():
@@ -47,92 +53,150 @@ def build(impl: str):
     return model, lambda x: model(input_ids=x, use_cache=False).logits
 
 
-def worker(impl: str, dtype: str, steps: int, warmup: int, batch: int, seq: int, device: str) -> dict:
+def make_step(impl: str, dtype: str, batch: int, seq: int, device):
+    """A closure running one optimizer step (the same loop for both implementations), and the model."""
     import torch
     import torch.nn.functional as F
 
     from archlab.evaluate import autocast
-    from archlab.train import _peak_memory, matmul_peak_flops, train_flops_per_token
 
-    dev = torch.device(device)
     model, forward = build(impl)
-    model.to(dev).train()
-    n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    model.to(device).train()
+    # fused AdamW on both sides, as archlab.train uses it (CPU and CUDA)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, VOCAB, (batch, seq + 1), generator=gen).to(dev)
+    x = torch.randint(0, VOCAB, (batch, seq + 1), generator=gen).to(device)
     inputs, targets = x[:, :-1], x[:, 1:]
 
     def step():
-        with autocast(dev, dtype):
+        with autocast(device, dtype):
             logits = forward(inputs)                                          # (b, t, v)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
+    return step, model
+
+
+def speed_worker(dtypes: list[str], rounds: int, warmup: int, batch: int, seq: int, device: str) -> dict:
+    """Every (implementation, dtype) in one process, steps interleaved; see the module docstring."""
+    import torch
+
+    from archlab.train import matmul_peak_flops, train_flops_per_token
+
+    dev = torch.device(device)
+    keys = [(impl, dtype) for dtype in dtypes for impl in IMPLS]
+    steps = {key: make_step(*key, batch, seq, dev) for key in keys}
     for _ in range(warmup):
+        for key in keys:
+            steps[key][0]()
+    times = {key: [] for key in keys}
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[: r % len(keys)]:   # rotate: no fixed neighbour
+            t0 = time.perf_counter()
+            steps[key][0]()
+            times[key].append(time.perf_counter() - t0)
+    out = {"rounds": rounds}
+    for dtype in dtypes:
+        peak = matmul_peak_flops(dev, dtype, seconds=1.0, n=1024 if dev.type == "cpu" else None)
+        ratios = [t / o for o, t in zip(times[("archlab", dtype)], times[("transformers", dtype)])]
+        out[dtype] = {"matmul_peak": peak, "ratio": statistics.median(ratios), "ratios": ratios}
+        for impl in IMPLS:
+            n_params = sum(p.numel() for p in steps[(impl, dtype)][1].parameters())
+            flops = train_flops_per_token(model_config(), seq, n_params)
+            med, best = statistics.median(times[(impl, dtype)]), min(times[(impl, dtype)])
+            out[dtype][impl] = {"params": n_params, "step_s": med, "tokens_per_s": batch * seq / med,
+                                "best_tokens_per_s": batch * seq / best,
+                                "mfu": flops * batch * seq / best / peak}
+    if "float32" in dtypes and "bfloat16" in dtypes:
+        for impl in IMPLS:   # bf16 speed-up, per round (adjacent steps)
+            ratios = [f / b for f, b in zip(times[(impl, "float32")], times[(impl, "bfloat16")])]
+            out[f"{impl}_bf16_speedup"] = statistics.median(ratios)
+    return out
+
+
+def memory_worker(impl: str, dtype: str, batch: int, seq: int, device: str) -> dict:
+    import torch
+
+    from archlab.train import _peak_memory
+
+    dev = torch.device(device)
+    step, _ = make_step(impl, dtype, batch, seq, dev)
+    for _ in range(2):
         step()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    best = sorted(times)[len(times) // 2]   # median step: robust to other processes on a shared machine
-    tps = batch * seq / best
-    flops = train_flops_per_token(model_config(), seq, n_params)
-    peak = matmul_peak_flops(dev, dtype, seconds=1.0, n=1024 if dev.type == "cpu" else None)
-    return {"impl": impl, "dtype": dtype, "params": n_params, "tokens_per_s": tps, "step_s": best,
-            "peak_memory_bytes": _peak_memory(dev), "flops_per_s": flops * tps, "matmul_peak": peak,
-            "mfu": flops * tps / peak}
+    return {"peak_memory_bytes": _peak_memory(dev)}
+
+
+def _run_worker(args, *worker_args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", *worker_args, "--rounds", str(args.rounds),
+           "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
+           "--device", args.device, "--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {worker_args} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7, help="timed steps per implementation")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--worker", nargs=2, metavar=("IMPL", "DTYPE"), help=argparse.SUPPRESS)
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.steps, args.warmup, args.batch, args.seq, args.device)))
+        kind, *rest = args.worker
+        if kind == "speed":
+            result = speed_worker(rest, args.rounds, args.warmup, args.batch, args.seq, args.device)
+        else:
+            result = memory_worker(rest[0], rest[1], args.batch, args.seq, args.device)
+        print(json.dumps(result))
         return 0
 
-    results = {}
-    for dtype in args.dtypes.split(","):
-        for impl in ("archlab", "transformers"):
-            cmd = [sys.executable, __file__, "--worker", impl, dtype, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-                   "--device", args.device]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-            if proc.returncode != 0:
-                print(proc.stderr[-3000:], file=sys.stderr)
-                return 1
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
-            results[(impl, dtype)] = r
-            print(f"{impl:>12} {dtype:>8}: {r['tokens_per_s']:9,.0f} tok/s  step {r['step_s']:.3f}s  "
-                  f"peak mem {r['peak_memory_bytes'] / 2**20:7,.0f} MiB  {r['flops_per_s'] / 1e9:7.1f} GFLOP/s  "
-                  f"(matmul peak {r['matmul_peak'] / 1e9:.1f}, MFU {r['mfu']:.2f})  params {r['params']:,}",
-                  flush=True)
-    print(f"\nbatch {args.batch} x seq {args.seq}, {args.steps} timed steps (median), device {args.device}, "
-          f"torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}")
-    for dtype in args.dtypes.split(","):
-        ours, ref = results[("archlab", dtype)], results[("transformers", dtype)]
-        print(f"{dtype}: archlab / transformers tokens/s = {ours['tokens_per_s'] / ref['tokens_per_s']:.2f}x "
-              f"(target >= 1.1); peak memory ratio {ours['peak_memory_bytes'] / ref['peak_memory_bytes']:.2f} "
-              f"(target <= 1); MFU {ours['mfu']:.2f} (target >= 0.85)")
-    if ("archlab", "bfloat16") in results and ("archlab", "float32") in results:
-        speed = results[("archlab", "bfloat16")]["tokens_per_s"] / results[("archlab", "float32")]["tokens_per_s"]
-        print(f"archlab bf16 autocast / fp32 tokens/s = {speed:.2f}x (target >= 1.8)")
+    import torch
+    dtypes = args.dtypes.split(",")
+    speed = _run_worker(args, "speed", *dtypes)
+    for dtype in dtypes:
+        r = speed[dtype]
+        for impl in IMPLS:
+            s = r[impl]
+            print(f"{impl:>12} {dtype:>8}: {s['tokens_per_s']:9,.0f} tok/s median (best {s['best_tokens_per_s']:,.0f})"
+                  f"  step {s['step_s']:.3f}s  MFU {s['mfu']:.2f}  params {s['params']:,}")
+        print(f"{'':>12} {dtype:>8}: matmul peak {r['matmul_peak'] / 1e9:.1f} GFLOP/s; per-round ratios "
+              + " ".join(f"{x:.2f}" for x in r["ratios"]), flush=True)
+    memory = {}
+    if not args.no_memory:
+        for dtype in dtypes:
+            for impl in IMPLS:
+                memory[(impl, dtype)] = _run_worker(args, "memory", impl, dtype)["peak_memory_bytes"]
+    threads = args.threads or torch.get_num_threads()
+    print(f"\nbatch {args.batch} x seq {args.seq}, {args.rounds} interleaved rounds, device {args.device}, "
+          f"torch threads {threads}")
+    for dtype in dtypes:
+        r = speed[dtype]
+        line = (f"{dtype}: archlab / transformers tokens/s = {r['ratio']:.2f}x (median of rounds; target >= 1.1); "
+                f"MFU {r['archlab']['mfu']:.2f} vs {r['transformers']['mfu']:.2f} (target >= 0.85); "
+                f"matmul peak {r['matmul_peak'] / 1e9:.1f} GFLOP/s")
+        if memory:
+            ours, ref = memory[("archlab", dtype)], memory[("transformers", dtype)]
+            line += f"; peak memory {ours / 2**20:,.0f} vs {ref / 2**20:,.0f} MiB = {ours / ref:.2f} (target <= 1)"
+        print(line)
+    for impl in IMPLS:
+        if f"{impl}_bf16_speedup" in speed:
+            print(f"{impl} bf16 autocast / fp32 tokens/s = {speed[impl + '_bf16_speedup']:.2f}x (median of rounds)"
+                  + (" (target >= 1.8)" if impl == "archlab" else ""))
     return 0
 
 

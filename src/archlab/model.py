@@ -87,7 +87,11 @@ class TransformerLM(nn.Module):
         plain = positions is None and cache is None
         if positions is None:
             start = len(cache) if cache is not None else 0
-            positions = torch.arange(start, start + t, device=input_ids.device).expand(b, t)
+            # plain causal: one (1, t) row that RoPE tables, biases and masks broadcast over the batch
+            # (b x less table work); the KV cache keeps positions per row, so it gets (b, t)
+            positions = torch.arange(start, start + t, device=input_ids.device)[None]
+            if not plain:
+                positions = positions.expand(b, t)
         if self.config.position.kind == "learned" and int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(
                 f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}: "

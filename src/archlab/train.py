@@ -541,9 +541,11 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, BatchSampl
     groups = param_groups(raw, cfg.weight_decay, cfg.no_decay_set)  # after FSDP: its DTensor params
     for g in groups:
         g.pop("names")
-    fused = device.type == "cuda"
+    # fused AdamW (one kernel over all parameters, CPU and CUDA): ~4x less optimizer time on CPU than
+    # the per-parameter loop torch picks by default there; FSDP's DTensor parameters keep the default
+    fused = device.type in ("cpu", "cuda") and info.strategy != "fsdp"
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                  **({"fused": True} if fused and info.strategy != "fsdp" else {}))
+                                  **({"fused": True} if fused else {}))
     step_model = torch.compile(model) if cfg.compile else model
     sampler = BatchSampler(train_data, local_batch, cfg.seq_len, seed=cfg.seed, rank=info.rank,
                            world_size=info.world_size)
@@ -640,7 +642,7 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, BatchSampl
             mult = lr_multiplier(cfg, step, _progress(cfg, step, total_steps, elapsed))
             for g in optimizer.param_groups:
                 g["lr"] = cfg.lr * mult
-            sums = torch.zeros(3, dtype=torch.float64)  # ce, total, count
+            sums = torch.zeros(2, dtype=torch.float64, device=device)  # ce, total: summed on device
             for micro in range(cfg.grad_accum):
                 x, y = next(sampler)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -649,8 +651,8 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, BatchSampl
                         logits = step_model(x)                                   # (b, t, v)
                     out = raw.loss_from_logits(logits, y)
                     (out.total / cfg.grad_accum).backward()
-                sums += torch.tensor([out.ce.item(), out.total.item(), 1.0], dtype=torch.float64)
-            ce, total_loss = (sums[:2] / sums[2]).tolist()
+                sums += torch.stack((out.ce.detach(), out.total.detach()))
+            ce, total_loss = (sums / cfg.grad_accum).tolist()   # one host sync per optimizer step
             ce, total_loss = dist_util.all_reduce_mean([ce, total_loss], info)
             if cfg.grad_clip:
                 grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)

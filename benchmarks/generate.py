@@ -1,29 +1,43 @@
 """Decode throughput of archlab.generate against transformers' generate on the same weights, and
 against archlab's own uncached loop; measured KV-cache bytes against the analytic estimate.
 
-    .venv/bin/python benchmarks/generate.py [--threads 1] [--new 128] [--prompt 32] [--repeats 3]
+    .venv/bin/python benchmarks/generate.py [--threads 1] [--new 128] [--prompt 32] [--rounds 7]
 
-A ~15M-parameter LLaMA config (random weights) is built in transformers, saved, and loaded into
+A ~8.5M-parameter LLaMA config (random weights) is built in transformers, saved, and loaded into
 archlab through archlab.interop.load_hf. Both sides run greedy decoding with EOS disabled, so both
 produce exactly --new tokens; tokens/s counts batch x new tokens over the whole call (prefill
-included, as a user sees it). Ratios come from the same run; the best of --repeats is kept.
+included, as a user sees it). The machine may be shared, so the calls are *interleaved*: each
+round runs archlab then transformers (order alternating between rounds) moments apart, and the
+reported ratio is the median of the per-round ratios; tokens/s is from the median call. The
+greedy tokens of both are compared on the full --new tokens.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 
 import torch
 
 
-def _best(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved(fns: dict, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each fn, one call of each per round, the order rotating every round."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(_timed(fns[name]))
+    return times
 
 
 def main() -> None:
@@ -31,8 +45,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--uncached-new", type=int, default=64, help="tokens for the (slow) uncached loop")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per batch size")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--uncached-new", type=int, default=32, help="tokens for the (slow) uncached loop")
+    ap.add_argument("--uncached-rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -54,9 +70,10 @@ def main() -> None:
         ours = load_hf(folder)
     n_params = ours.num_params()
     print(f"model: LLaMA-like {n_params / 1e6:.1f}M params, 6 layers, d=256, GQA 8/4; "
-          f"torch threads={args.threads}; prompt {args.prompt}, new {args.new} tokens")
+          f"torch threads={torch.get_num_threads()}; prompt {args.prompt}, new {args.new} tokens; "
+          f"{args.rounds} interleaved rounds")
 
-    for batch in (1, 8):
+    for batch in (int(b) for b in args.batches.split(",")):
         prompt = torch.randint(0, hf_cfg.vocab_size, (batch, args.prompt))
         mask = torch.ones_like(prompt)
 
@@ -68,16 +85,20 @@ def main() -> None:
         def run_ours(new=args.new, use_cache=True):
             return archlab.generate(ours, prompt, max_new_tokens=new, use_cache=use_cache)
 
-        same = torch.equal(run_hf(16), run_ours(16))
-        t_hf, t_ours = float("inf"), float("inf")
-        for _ in range(args.repeats):  # interleaved: load changes on a shared machine hit both
-            t_hf, t_ours = min(t_hf, _best(run_hf, 1)), min(t_ours, _best(run_ours, 1))
-        t_unc = _best(lambda: run_ours(args.uncached_new, use_cache=False), 1)
-        tps = lambda t, n=args.new: batch * n / t  # noqa: E731
-        print(f"batch {batch}: archlab {tps(t_ours):8.1f} tok/s | transformers {tps(t_hf):8.1f} tok/s"
-              f" | archlab uncached {tps(t_unc, args.uncached_new):8.1f} tok/s ({args.uncached_new} new)"
-              f" | ratio vs transformers {t_hf / t_ours:.2f}x, vs uncached "
-              f"{tps(t_ours) / tps(t_unc, args.uncached_new):.2f}x | greedy tokens equal: {same}")
+        same = torch.equal(run_hf(), run_ours())
+        times = interleaved({"archlab": run_ours, "transformers": run_hf}, args.rounds)
+        ratios = [t / o for o, t in zip(times["archlab"], times["transformers"])]
+        unc = interleaved({"cached": lambda: run_ours(args.uncached_new),
+                           "uncached": lambda: run_ours(args.uncached_new, use_cache=False)},
+                          args.uncached_rounds, warmup=0)
+        unc_ratio = statistics.median(u / c for c, u in zip(unc["cached"], unc["uncached"]))
+        tps = lambda ts, n=args.new: batch * n / statistics.median(ts)  # noqa: E731
+        print(f"batch {batch}: archlab {tps(times['archlab']):8.1f} tok/s | transformers "
+              f"{tps(times['transformers']):8.1f} tok/s | ratio vs transformers "
+              f"{statistics.median(ratios):.2f}x (median; rounds "
+              + " ".join(f"{r:.2f}" for r in ratios) + ")"
+              f" | uncached {tps(unc['uncached'], args.uncached_new):7.1f} tok/s, cached/uncached "
+              f"{unc_ratio:.2f}x ({args.uncached_new} new) | greedy tokens equal: {same}", flush=True)
 
     seq = args.prompt + args.new
     for name, cfg in (("llama (global)", ours.config),

@@ -24,6 +24,7 @@ import time
 
 D_MODEL, N_LAYERS, N_HEADS, D_FF, VOCAB = 320, 8, 5, 768, 8192
 IMPLS = ("archlab", "transformers")
+COMPILED: set[str] = set()   # implementations run under torch.compile (--compile)
 
 
 def model_config():
@@ -62,6 +63,8 @@ def make_step(impl: str, dtype: str, batch: int, seq: int, device):
 
     model, forward = build(impl)
     model.to(device).train()
+    if impl in COMPILED:  # torch.compile (inductor); the first steps pay the compilation
+        model.compile()
     # fused AdamW on both sides, as archlab.train uses it (CPU and CUDA)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     gen = torch.Generator().manual_seed(0)
@@ -134,7 +137,7 @@ def memory_worker(impl: str, dtype: str, batch: int, seq: int, device: str) -> d
 def _run_worker(args, *worker_args) -> dict:
     cmd = [sys.executable, __file__, "--worker", *worker_args, "--rounds", str(args.rounds),
            "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-           "--device", args.device, "--threads", str(args.threads)]
+           "--device", args.device, "--threads", str(args.threads), "--compile", args.compile]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"worker {worker_args} failed:\n{proc.stderr[-3000:]}")
@@ -151,8 +154,12 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--compile", default="none", choices=["none", "archlab", "both"],
+                        help="torch.compile ours (the trainer's `train.compile=true`) or both models; "
+                        "use --warmup 3 or more so compilation is not timed")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    COMPILED.update({"none": [], "archlab": ["archlab"], "both": list(IMPLS)}[args.compile])
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
@@ -183,7 +190,7 @@ def main() -> int:
                 memory[(impl, dtype)] = _run_worker(args, "memory", impl, dtype)["peak_memory_bytes"]
     threads = args.threads or torch.get_num_threads()
     print(f"\nbatch {args.batch} x seq {args.seq}, {args.rounds} interleaved rounds, device {args.device}, "
-          f"torch threads {threads}")
+          f"torch threads {threads}, compiled: {args.compile}")
     for dtype in dtypes:
         r = speed[dtype]
         line = (f"{dtype}: archlab / transformers tokens/s = {r['ratio']:.2f}x (median of rounds; target >= 1.1); "

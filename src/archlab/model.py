@@ -109,8 +109,11 @@ class TransformerLM(nn.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         x = self.embed_drop(x)
+        # with a cache (decoding), layers share RoPE tables and masks built once per forward
+        memo = {} if cache is not None else None
         for block in self.blocks:
-            x = block(x, positions, cache=cache, prefix_lengths=prefix_lengths, plain_causal=plain)
+            x = block(x, positions, cache=cache, prefix_lengths=prefix_lengths, plain_causal=plain,
+                      memo=memo)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if return_hidden:

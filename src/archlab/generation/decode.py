@@ -57,7 +57,8 @@ def stream(model, prompt_ids, max_new_tokens: int = 32, *, attention_mask=None,
            eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
            stop_strings: Sequence[str] | None = None, tokenizer=None, seed: int | None = None,
            generator: torch.Generator | None = None, use_cache: bool = True,
-           sink_tokens: int | None = None, sink_window: int | None = None) -> Iterator[torch.Tensor]:
+           sink_tokens: int | None = None, sink_window: int | None = None,
+           fast_decode: bool = True) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (b,) long, as each is decoded.
 
     Arguments as for `generate` (which collects this iterator). Bad arguments raise here, before
@@ -72,7 +73,7 @@ def stream(model, prompt_ids, max_new_tokens: int = 32, *, attention_mask=None,
     ids, mask, _ = prepare_prompts(prompt_ids, attention_mask, pad)
     stepper = Stepper(model, ids, mask, max_new_tokens, use_cache=use_cache,
                       sink_tokens=4 if sink_tokens is None and sink_window is not None else sink_tokens,
-                      sink_window=sink_window)
+                      sink_window=sink_window, fast=fast_decode)
     if generator is None and seed is not None:
         generator = torch.Generator(stepper.ids.device).manual_seed(seed)
     stops = _StopStrings(stop_strings, tokenizer, ids.shape[0]) if stop_strings else None
@@ -127,6 +128,9 @@ def generate(model, prompt_ids, max_new_tokens: int = 32, *, num_beams: int = 1,
     sink_window (+ sink_tokens, default 4): StreamingLLM decoding past the context.
     callback(tokens) is called with each step's (b,) tokens as they come (a streaming variant;
     `stream` is the iterator form). use_cache=False recomputes the whole sequence each step.
+    fast_decode=True runs cached decode steps of LLaMA-style models through
+    archlab.generation.fast_decode (tested equal to the model; it keeps one extra copy of the
+    weights, fused and transposed): pass False to save that memory on large models.
     """
     if num_beams > 1:
         return _beam(model, prompt_ids, max_new_tokens, num_beams, length_penalty, callback, **kwargs)

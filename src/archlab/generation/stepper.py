@@ -2,7 +2,9 @@
 
 A `Stepper` owns the running state of one batch: the KV cache (or, uncached, the whole sequence so
 far) and the next positions. `prefill()` runs the prompt, `step(tokens)` feeds one token per row;
-both return the next-token logits (b, v). `reorder(index)` selects rows (beam search).
+both return the next-token logits (b, v). `reorder(index)` selects rows (beam search). Cached
+decode steps of the models it covers run through fast_decode.FastDecoder (fast=False: the model's
+own forward every step).
 
 Batched prompts of different lengths are left-padded: positions = cumsum(mask) - 1 and padded
 slots get position -1, which attention masks out; every row's newest token is then in the last
@@ -15,6 +17,7 @@ from typing import Sequence
 import torch
 
 from archlab.config import ABSOLUTE_POSITIONS
+from archlab.generation.fast_decode import FastDecoder
 from archlab.nn.kv_cache import SinkKVCache, StaticKVCache
 
 
@@ -76,7 +79,7 @@ class Stepper:
 
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, *,
                  use_cache: bool = True, sink_tokens: int | None = None,
-                 sink_window: int | None = None):
+                 sink_window: int | None = None, fast: bool = True):
         self.model = model
         self.config = config = getattr(model, "config", None)
         device = model_device(model)
@@ -100,6 +103,9 @@ class Stepper:
                 self._check_context(max_new_tokens)
             self.cache = None
         self._hidden_head = hasattr(model, "head") and config is not None
+        self.fast = (FastDecoder(model, self.cache)
+                     if fast and self.cache is not None and FastDecoder.supports(model, self.cache) is None
+                     else None)
 
     # ---- checks ------------------------------------------------------------------------------
     def _check_context(self, max_new_tokens: int) -> None:
@@ -150,6 +156,10 @@ class Stepper:
         return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:            # (b,) -> (b, v)
+        if self.fast is not None:
+            logits = self.fast.step(tokens, self.next_pos)
+            self.next_pos = self.next_pos + 1
+            return logits
         tokens = tokens[:, None]
         if self.cache is None:
             next_pos = self.positions[:, -1:] + 1

@@ -86,6 +86,7 @@ class Attention(nn.Module):
         cache=None,
         prefix_lengths: torch.Tensor | None = None,
         plain_causal: bool = False,      # positions are 0..t-1 in every row, no padding, no cache
+        memo: dict | None = None,        # one forward's RoPE tables and masks, shared by its layers
     ) -> torch.Tensor:                   # (b, t, d)
         b, t, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -105,14 +106,20 @@ class Attention(nn.Module):
                                                   rotate=self.position.rotate)
             q = self.position.rotate(q, positions)
         else:
-            q, k = self.position.rotate(q, positions), self.position.rotate(k, positions)
+            rope = self._shared_tables(positions, q.dtype, memo)            # RoPE cos/sin | None
+            q, k = self.position.rotate(q, positions, rope), self.position.rotate(k, positions, rope)
             k_pos = positions
             if cache is not None:
                 k, v, k_pos = cache.update(self.layer, k, v, positions)     # (b, k, s, e), (b, s)
 
         bias = self.position.bias(positions, k_pos)                          # (b, h, t, s) | None
         simple = plain_causal and cache is None and self.window is None and prefix_lengths is None
-        mask = None if simple else allowed_keys(positions, k_pos, self.window, prefix_lengths)
+        if simple:
+            mask = None
+        elif memo is not None:
+            mask = self._shared_mask(positions, k_pos, prefix_lengths, memo)
+        else:
+            mask = allowed_keys(positions, k_pos, self.window, prefix_lengths)
         if self.softcap is not None or self.sinks is not None or self.record_probs:
             out = self._eager(q, k, v, mask, bias)
         else:
@@ -121,6 +128,26 @@ class Attention(nn.Module):
         if self.gate_proj is not None:
             out = out * torch.sigmoid(self.gate_proj(x))
         return self.o_proj(out)
+
+    def _shared_tables(self, positions, dtype, memo):
+        """RoPE tables once per forward for layers with equal frequencies (None: rotate builds them)."""
+        key = getattr(self.position, "table_key", None)
+        if memo is None or key is None:
+            return None
+        if (key, dtype) not in memo:
+            memo[key, dtype] = self.position.tables(positions, dtype)
+        return memo[key, dtype]
+
+    def _shared_mask(self, positions, k_pos, prefix_lengths, memo):
+        """allowed_keys once per forward for each (window, number of keys): a cache returns the
+        same key positions to every layer whose keys are equally many (kv_cache protocol). A single
+        query that may see every key (a decode step without padding or a binding window) gets no
+        mask at all, so SDPA skips masking; the check costs one host sync per forward."""
+        key = ("mask", self.window, k_pos.shape[1])
+        if key not in memo:
+            mask = allowed_keys(positions, k_pos, self.window, prefix_lengths)
+            memo[key] = None if positions.shape[1] == 1 and bool(mask.all()) else mask
+        return memo[key]
 
     def _sdpa(self, q, k, v, mask, bias, is_causal):
         if bias is not None:

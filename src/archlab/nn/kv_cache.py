@@ -9,6 +9,8 @@ Protocol every cache follows (the model and attention know nothing else about ca
 Attention builds masks (causal, window, padding) and relative biases (ALiBi, T5) from the query
 positions and the returned key positions, so a cache only has to return correct positions: slot
 order does not matter. That is what lets a sliding-window layer use a rolling buffer.
+Within one forward, layers that get the same number of keys back must get the same key positions:
+attention builds each mask once per forward per (window, number of keys) and shares it.
 
 A cache with `rotates_keys = True` (StreamingLLM) instead gets un-rotated keys and a `rotate`
 callable, and returns rotated keys plus the queries' positions inside the cache:

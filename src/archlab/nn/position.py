@@ -30,8 +30,8 @@ ATTENTION_POSITIONS: Registry[type[nn.Module]] = Registry("position kind")
 class AttentionPosition(nn.Module):
     """Base: does nothing. Subclasses rotate q/k or return an additive logit bias."""
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return x  # x: (b, h, t, e), positions: (b, t)
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, tables=None) -> torch.Tensor:
+        return x  # x: (b, h, t, e), positions: (b, t); tables: precomputed by RoPE's `tables`
 
     def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         return None  # -> (b, h, tq, tk) or None
@@ -88,12 +88,23 @@ class RotaryEmbedding(AttentionPosition):
         self.interleaved = pos.rope_layout == "interleaved"
         self.register_buffer("inv_freq", rope_inv_freq(self.rotary_dim, theta, scaling),
                              persistent=False)
+        # layers with equal keys have equal tables: a decode step builds them once (Attention memo)
+        self.table_key = ("rope", theta, scaling, self.rotary_dim, self.interleaved)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        r = self.rotary_dim
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for `positions` (b, t), each (b, 1, t, r/2); "half" layout: ([cos, cos], [-sin, sin])
+        over r dims, so `rotate` needs two multiplies and one add."""
         # positions (b, t), or (1, t) shared by all rows on the plain causal path: tables built once
         angles = positions.clamp(min=0)[:, None, :, None].float() * self.inv_freq  # (b|1, 1, t, r/2)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        if self.interleaved:
+            return cos, sin
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor,
+               tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        r = self.rotary_dim
+        cos, sin = self.tables(positions, x.dtype) if tables is None else tables
         x_rot, x_pass = x[..., :r], x[..., r:]
         if self.interleaved:
             x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
@@ -103,8 +114,7 @@ class RotaryEmbedding(AttentionPosition):
             # the same products and sums bit for bit, in two multiplies and one add (fewer passes)
             x_rot = x if x_pass.shape[-1] == 0 else x_rot
             x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
-            rotated = (x_rot * torch.cat((cos, cos), dim=-1)
-                       + torch.cat((x2, x1), dim=-1) * torch.cat((-sin, sin), dim=-1))
+            rotated = x_rot * cos + torch.cat((x2, x1), dim=-1) * sin
         return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated
 
 

@@ -1,0 +1,103 @@
+"""FastDecoder (archlab.generation.fast_decode): every variant is either covered, with decode-step
+logits equal to the model's own cached forward (padding, windows, GQA, biases included), or
+refused with a reason; prepared weights follow in-place weight changes; hooks turn it off."""
+import pytest
+import torch
+from variants import VARIANTS, variant
+
+import archlab
+from archlab import TransformerLM
+from archlab.generation.fast_decode import FastDecoder
+from archlab.generation.stepper import Stepper
+from archlab.nn.kv_cache import StaticKVCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+# the LLaMA-like family the fast path exists for: these must not silently fall back
+COVERED = {"base", "gqa", "mqa", "head-dim", "window", "local-global", "rope-local-theta",
+           "rope-local-nope-global", "rope-linear-scaling", "rope-llama3-scaling", "pos-none",
+           "all-biases", "tied", "query-scalar", "norm-rmsnorm", "norm-rmsnorm_1p",
+           "norm-layernorm", "act-swiglu", "act-geglu", "act-gelu", "no-final-norm", "d-ff-ratio"}
+
+
+def _prompt(cfg, b=2, t=7):
+    torch.manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (b, t))
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[1, :3] = False                       # row 1 left-padded: masks are needed
+    return ids, mask
+
+
+def _decode_logits(model, ids, mask, fast, steps=12):
+    with torch.inference_mode():
+        st = Stepper(model, ids, mask, steps, fast=fast)
+        logits, out = st.prefill(), []
+        for i in range(steps):
+            tokens = (torch.arange(ids.shape[0]) * 7 + i * 3) % model.config.vocab_size
+            logits = st.step(tokens)
+            out.append(logits)
+    return st, torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_fast_step_equals_model_forward_or_refuses(name):
+    model = TransformerLM(variant(name)).eval()
+    cache = StaticKVCache(model.config, 2, 8)
+    reason = FastDecoder.supports(model, cache)
+    if name in COVERED:
+        assert reason is None, f"{name} fell back: {reason}"
+    if reason is not None:
+        with pytest.raises(ValueError, match="does not cover"):
+            FastDecoder(model, cache)
+        return
+    ids, mask = _prompt(model.config)
+    ref_stepper, ref = _decode_logits(model, ids, mask, fast=False)
+    fast_stepper, got = _decode_logits(model, ids, mask, fast=True)
+    assert ref_stepper.fast is None and fast_stepper.fast is not None
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_generate_matches_model_path_with_padding_and_window():
+    model = TransformerLM(variant("local-global").with_overrides({"attention.n_kv_heads": 2})).eval()
+    ids, mask = _prompt(model.config)
+    outs = []
+    for fast in (False, True):
+        with torch.inference_mode():
+            st = Stepper(model, ids, mask, 20, fast=fast)
+            logits, toks = st.prefill(), []
+            for _ in range(20):
+                toks.append(logits.argmax(-1))
+                logits = st.step(toks[-1])
+        outs.append(torch.stack(toks, 1))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_prepared_weights_follow_in_place_changes():
+    model = TransformerLM(variant("gqa")).eval()
+    ids, mask = _prompt(model.config)
+    _decode_logits(model, ids, mask, fast=True)          # prepares (and keeps) fused weights
+    with torch.no_grad():
+        model.blocks[0].attn.k_proj.weight.mul_(3.0)
+        model.blocks[1].mlp.down_proj.weight.add_(0.05)
+    _, ref = _decode_logits(model, ids, mask, fast=False)
+    _, got = _decode_logits(model, ids, mask, fast=True)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_hooks_and_training_mode_fall_back_to_the_model():
+    model = TransformerLM(variant("base"))
+    cache = StaticKVCache(model.config, 1, 8)
+    assert "training" in FastDecoder.supports(model, cache)
+    model.eval()
+    handle = model.blocks[0].register_forward_hook(lambda *a: None)
+    assert "hooks" in FastDecoder.supports(model, cache)
+    handle.remove()
+    assert FastDecoder.supports(model, cache) is None
+
+
+def test_generate_uses_fast_path_and_agrees_with_uncached():
+    model = TransformerLM(variant("gqa")).eval()
+    prompt = torch.randint(0, 97, (3, 5))
+    cached = archlab.generate(model, prompt, max_new_tokens=10)
+    uncached = archlab.generate(model, prompt, max_new_tokens=10, use_cache=False)
+    assert torch.equal(cached, uncached)

@@ -1,0 +1,148 @@
+"""TrainConfig: every knob of a training run, validated on construction, with dotted overrides and YAML
+like ModelConfig. Kept apart from the loop so the CLI and the lab can build and check configs without
+importing it."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_type_hints
+
+import yaml
+
+from archlab.config import ConfigError, _check_literals, _parse_value
+
+__all__ = ["TrainConfig", "NO_DECAY_CATEGORIES"]
+
+NO_DECAY_CATEGORIES = ("norms", "biases", "embeddings")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Every knob of a training run; dotted overrides and YAML as ModelConfig (no nesting here)."""
+
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1              # final LR = lr * min_lr_ratio (cosine, wsd)
+    warmup_steps: int = 100
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_fraction: float = 0.2            # wsd: the cooldown's share of the budget
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0          # None / 0: no clipping
+    batch_size: int = 32                   # global sequences per micro-step (all ranks together)
+    seq_len: int = 256
+    grad_accum: int = 1
+    budget: float = 1000.0
+    budget_unit: Literal["steps", "tokens", "minutes"] = "steps"
+    eval_every: int = 200                  # optimizer steps; 0: only at the end
+    eval_batches: int = 20
+    sample_every: int = 0                  # 0: only at the end; -1: never
+    sample_tokens: int = 64
+    sample_prompt: str = ""                # "" : start from the end-of-text token
+    sample_temperature: float = 0.8
+    log_every: int = 10
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    compile: bool = False
+    seed: int = 0                          # data order and dropout (init: ModelConfig.seed)
+    checkpoint_every: int = 500            # 0: only at the end
+    keep_last: int = 3
+    nan_policy: Literal["stop", "skip"] = "stop"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    no_decay: str = "norms,biases,embeddings"   # comma list of norms, biases, embeddings; or "none"
+    dist_strategy: Literal["ddp", "fsdp"] = "ddp"
+
+    def __post_init__(self):
+        if isinstance(self.betas, list):
+            object.__setattr__(self, "betas", tuple(self.betas))
+        _check_literals(self, "train")
+        for name in ("lr", "eps", "batch_size", "seq_len", "grad_accum", "budget", "eval_batches",
+                     "log_every"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"train.{name}={getattr(self, name)!r} must be positive")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "sample_tokens", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name}={getattr(self, name)!r} must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not 0.0 <= self.decay_fraction <= 1.0:
+            raise ConfigError(f"train.decay_fraction={self.decay_fraction} must be in [0, 1]")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"train.betas={self.betas!r} must be two numbers in [0, 1)")
+        if self.grad_clip is not None and self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip={self.grad_clip} must be >= 0 (or None)")
+        parts = self.no_decay_set  # validates
+        del parts
+
+    @property
+    def no_decay_set(self) -> frozenset[str]:
+        text = self.no_decay.strip().lower()
+        if text in ("", "none"):
+            return frozenset()
+        parts = frozenset(p.strip() for p in text.split(",") if p.strip())
+        unknown = parts - set(NO_DECAY_CATEGORIES)
+        if unknown:
+            raise ConfigError(f"train.no_decay has unknown categories {sorted(unknown)}; "
+                              f"use a comma list of {', '.join(NO_DECAY_CATEGORIES)} or 'none'")
+        return parts
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.grad_accum * self.seq_len
+
+    def total_steps(self) -> int | None:
+        """Optimizer steps in the budget (None for a minutes budget)."""
+        if self.budget_unit == "steps":
+            return max(1, int(round(self.budget)))
+        if self.budget_unit == "tokens":
+            return max(1, math.ceil(self.budget / self.tokens_per_step))
+        return None
+
+    # serialization, as ModelConfig
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"train config must be a mapping, got {type(data).__name__}")
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown field(s) in train: {', '.join(sorted(unknown))}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"train: {exc}") from exc
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "TrainConfig":
+        data = yaml.safe_load(text)
+        if not isinstance(data, dict):
+            raise ConfigError("a train config YAML must be a mapping")
+        return cls.from_dict(data.get("train", data))
+
+    def with_overrides(self, overrides: dict[str, Any]) -> "TrainConfig":
+        """New config from {"lr": "1e-3", "betas": "0.9,0.99"}; a leading "train." is accepted."""
+        data = self.to_dict()
+        hints = get_type_hints(TrainConfig)
+        for key, value in overrides.items():
+            name = key[len("train."):] if key.startswith("train.") else key
+            if name not in hints:
+                raise ConfigError(f"unknown train config key {key!r}")
+            if name == "betas" and isinstance(value, str):
+                text = value.strip().strip("[]()")
+                try:
+                    value = [float(v) for v in text.split(",")]
+                except ValueError as exc:
+                    raise ConfigError(f"{key}={value!r} must be two comma-separated numbers") from exc
+            elif name == "grad_clip" and isinstance(value, str) and value.strip().lower() in ("none", "off", "0"):
+                value = None
+            else:
+                value = _parse_value(hints[name], value, key)
+            data[name] = value
+        return TrainConfig.from_dict(data)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -54,7 +55,7 @@ def _check_literals(obj: Any, owner: str) -> None:
 def _literal_values(tp: Any) -> tuple:
     if get_origin(tp) is Literal:
         return get_args(tp)
-    if get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if get_origin(tp) in (typing.Union, types.UnionType):
         values = tuple(v for arg in get_args(tp) for v in _literal_values(arg))
         return values + ((None,) if type(None) in get_args(tp) and values else ())
     return ()

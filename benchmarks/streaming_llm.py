@@ -2,7 +2,7 @@
 training length with attention sinks stays flat; plain window attention (sinks evicted) and dense
 attention past the trained context do worse.
 
-    .venv/bin/python benchmarks/streaming_llm.py [--train-seconds 60] [--eval-len 768]
+    .venv/bin/python benchmarks/streaming_llm.py [--train-seconds 60] [--eval-len 768] [--bos]
 
 Trains a small RoPE model on bytes of the local Python standard library for --train-seconds at
 context --ctx, then decodes held-out files token by token with three caches and reports
@@ -34,7 +34,22 @@ def corpus_bytes() -> tuple[bytes, bytes]:
     return train, held
 
 
-def train(cfg, data: torch.Tensor, seconds: float, batch: int, seed: int = 0):
+BOS = 256  # a start-of-sequence id outside the bytes (--bos)
+
+
+def windows(data: torch.Tensor, starts: torch.Tensor, ctx: int, bos: bool):
+    """(x, y) training windows; with bos every window starts with BOS, as documents do for LLMs."""
+    n = ctx - 1 if bos else ctx
+    x = torch.stack([data[i:i + n] for i in starts])
+    y = torch.stack([data[i + 1:i + n + 1] for i in starts])
+    if bos:
+        first = torch.full((len(starts), 1), BOS)
+        x = torch.cat((first, x), 1)
+        y = torch.cat((data[starts][:, None], y), 1)
+    return x, y
+
+
+def train(cfg, data: torch.Tensor, seconds: float, batch: int, seed: int = 0, bos: bool = False):
     torch.manual_seed(seed)
     model = archlab.TransformerLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=4e-3, weight_decay=0.1, betas=(0.9, 0.95))
@@ -43,8 +58,7 @@ def train(cfg, data: torch.Tensor, seconds: float, batch: int, seed: int = 0):
     bar = tqdm(desc="train", unit="step")
     while time.time() - start < seconds:
         idx = torch.randint(0, len(data) - ctx - 1, (batch,))
-        x = torch.stack([data[i:i + ctx] for i in idx])
-        y = torch.stack([data[i + 1:i + ctx + 1] for i in idx])
+        x, y = windows(data, idx, ctx, bos)
         loss = model.loss(x, y).total
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -76,20 +90,25 @@ def main() -> None:
     ap.add_argument("--eval-len", type=int, default=384)
     ap.add_argument("--eval-rows", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bos", action="store_true",
+                    help="start every training window and eval text with a BOS token (as LLM documents do); "
+                    "without it windows start at arbitrary bytes and a first-token sink has less reason to form")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     train_bytes, held = corpus_bytes()
     data = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8).long()
-    cfg = archlab.ModelConfig(vocab_size=256, d_model=96, n_layers=3, max_seq_len=args.ctx,
+    cfg = archlab.ModelConfig(vocab_size=257 if args.bos else 256, d_model=96, n_layers=3, max_seq_len=args.ctx,
                               attention={"n_heads": 4}, mlp={"d_ff": 256})
-    model, steps, loss = train(cfg, data, args.train_seconds, batch=16)
+    model, steps, loss = train(cfg, data, args.train_seconds, batch=16, bos=args.bos)
     print(f"trained {steps} steps in {args.train_seconds:.0f}s, last train loss {loss:.3f} nats/byte "
           f"(ctx {args.ctx}, {model.num_params() / 1e6:.2f}M params)")
 
     held_t = torch.frombuffer(bytearray(held), dtype=torch.uint8).long()
     gap = (len(held_t) - args.eval_len) // args.eval_rows
     ids = torch.stack([held_t[i * gap:i * gap + args.eval_len] for i in range(args.eval_rows)])
+    if args.bos:
+        ids = torch.cat((torch.full((len(ids), 1), BOS), ids[:, :-1]), 1)
     b, ctx = ids.shape[0], args.ctx
     caches = {
         "dense": StaticKVCache(cfg, b, args.eval_len),

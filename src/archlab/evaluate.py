@@ -62,8 +62,8 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
     try:
         iterator = range(rounds)
         if progress:
-            from tqdm.auto import tqdm
-            iterator = tqdm(iterator, desc="eval", leave=False, dynamic_ncols=True)
+            from archlab.progress import progress_bar
+            iterator = progress_bar(iterator, desc="eval", leave=False)
         for i in iterator:
             x, y = mine[i] if i < len(mine) else batches[0]   # a filler forward, weight 0
             weight = 1 if i < len(mine) else 0

@@ -183,9 +183,8 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, BatchSampl
 
     bar = None
     if progress and info.is_main:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                   file=sys.stderr)
+        from archlab.progress import progress_bar
+        bar = progress_bar(total=total_steps, initial=step, desc="train", unit="step", file=sys.stderr)
 
     def log(record: dict) -> None:
         if info.is_main:

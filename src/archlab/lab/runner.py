@@ -160,8 +160,8 @@ def run_suite(
                                                "budget": budget, "budget_unit": budget_unit})
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(runs), desc=f"ablate {suite.name}", unit="run", dynamic_ncols=True)
+            from archlab.progress import progress_bar
+            bar = progress_bar(total=len(runs), desc=f"ablate {suite.name}", unit="run")
         for run in runs:
             if bar is not None:
                 bar.set_postfix_str(f"{run.variant.name} seed{run.seed}", refresh=True)

@@ -209,10 +209,10 @@ def load_model_and_tokenizer(path: str | Path):
         model = interop.load_hf(path)
         tokenizer = None
         if (path / "tokenizer.json").is_file():
-            try:
-                from tokenizers import Tokenizer as HFTokenizer
-                tokenizer = HFTokenizer.from_file(str(path / "tokenizer.json"))
-            except ImportError:
+            from archlab.tokenizer import load as load_tokenizer
+            try:  # native reader, else the `tokenizers` library (HFTokenizer)
+                tokenizer = load_tokenizer(path)
+            except ValueError:  # unreadable without `tokenizers`: weights-only diagnostics still work
                 tokenizer = None
         return model.eval(), tokenizer
     raise FileNotFoundError(f"{path} is neither an archlab run folder (config.yaml) nor an HF folder (config.json)")

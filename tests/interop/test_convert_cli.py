@@ -26,8 +26,30 @@ def hf_folder(tmp_path, tiny_kwargs):
     return folder, model
 
 
-def test_unreadable_tokenizer_goes_aside(tmp_path, hf_folder, capsys):
-    """A tokenizer archlab cannot read is kept in tokenizer_hf/, so the run folder still loads."""
+def test_non_byte_level_tokenizer_is_copied_to_tokenizer(tmp_path, hf_folder):
+    """A tokenizer.json archlab's own readers refuse (WordLevel) still becomes tokenizer/: load_run reads
+    it through the `tokenizers` library, with the same ids."""
+    import tokenizers
+
+    from archlab.checkpoint import load_run
+
+    folder, _ = hf_folder
+    word = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
+    word.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    word.save(str(folder / "tokenizer.json"))
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(folder), "--out", str(run)]) == 0
+    assert (run / "tokenizer" / "tokenizer.json").is_file() and not (run / "tokenizer_hf").exists()
+    model, tok = load_run(run)
+    assert type(tok).__name__ == "HFTokenizer" and model.config.vocab_size == 256
+    assert tok.encode("a b c a") == word.encode("a b c a").ids == [0, 1, 2, 0]
+
+
+def test_unreadable_tokenizer_goes_aside(tmp_path, hf_folder, capsys, monkeypatch):
+    """Without `tokenizers`, a tokenizer archlab cannot read is kept in tokenizer_hf/, so the run folder
+    still loads."""
+    import sys
+
     import tokenizers
 
     from archlab.checkpoint import load_run
@@ -35,6 +57,7 @@ def test_unreadable_tokenizer_goes_aside(tmp_path, hf_folder, capsys):
     folder, _ = hf_folder
     word = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
     word.save(str(folder / "tokenizer.json"))
+    monkeypatch.setitem(sys.modules, "tokenizers", None)   # `import tokenizers` now raises ImportError
     run = tmp_path / "run"
     assert main(["convert", "--from-hf", str(folder), "--out", str(run)]) == 0
     assert (run / "tokenizer_hf" / "tokenizer.json").is_file() and not (run / "tokenizer").exists()

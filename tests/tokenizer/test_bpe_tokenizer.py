@@ -233,8 +233,9 @@ def test_unsupported_tokenizer_json_is_rejected(tmp_path):
     hf.normalizer = normalizers.Lowercase()
     hf.pre_tokenizer = pre_tokenizers.ByteLevel()
     hf.save(str(tmp_path / "tokenizer.json"))
-    with pytest.raises(ValueError, match="normalizer"):
-        load(tmp_path)
+    with pytest.raises(ValueError, match="normalizer"):   # archlab's own reader refuses it ...
+        load(tmp_path, hf_fallback=False)
+    assert type(load(tmp_path)).__name__ == "HFTokenizer"  # ... and `tokenizers` reads it instead
 
 
 def test_vocab_lookups(tok):

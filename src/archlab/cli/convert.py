@@ -1,7 +1,8 @@
 """`archlab convert` (HF folder <-> archlab run folder) and `archlab verify` (archlab vs transformers).
 
 A converted run folder is an ordinary run folder (archlab.checkpoint): config.yaml with the model
-under `model`, tokenizer/ (copied when the HF folder has tokenizer.json) and one checkpoint
+under `model`, tokenizer/ (copied when the HF folder has a tokenizer.json that archlab.tokenizer.load
+reads: natively, or through the `tokenizers` library; otherwise put aside in tokenizer_hf/) and one checkpoint
 `checkpoints/step_0000000/model.safetensors` holding our parameter names, so `archlab generate`,
 `archlab eval` and `archlab diagnose` read it like a trained run.
 """

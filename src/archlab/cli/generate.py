@@ -69,12 +69,15 @@ def load_model_and_tokenizer(path: str | Path, device: str = "cpu"):
 
 
 class _TextPrinter:
-    """Decode the growing token list and print only the new text (holds back a partial UTF-8 char)."""
+    """Decode the growing token list and print only the new text (holds back a partial UTF-8 char).
 
-    def __init__(self, tokenizer, out=None):
+    The prompt ids are decoded with it but not printed: SentencePiece-style decoders drop the leading
+    space of the first token, so the continuation alone would lose the space after the prompt."""
+
+    def __init__(self, tokenizer, out=None, prefix: list[int] | None = None):
         self.tokenizer, self.out = tokenizer, out or sys.stdout
-        self.ids: list[int] = []
-        self.printed = 0
+        self.ids: list[int] = list(prefix or [])
+        self.printed = len(tokenizer.decode(self.ids)) if self.ids else 0
 
     def add(self, token: int) -> None:
         self.ids.append(token)
@@ -111,10 +114,10 @@ def run(args) -> int:
             kw = {k: v for k, v in kw.items() if k in ("eos_token_id",)}
             ids = archlab.generate(model, prompt, args.max_new_tokens, num_beams=args.num_beams,
                                    length_penalty=args.length_penalty, **kw)
-            print(args.prompt + tok.decode(_strip(ids[len(prompt):].tolist(), eos)))
+            print(args.prompt + _continuation(tok, prompt, _strip(ids[len(prompt):].tolist(), eos)))
             return 0
         sys.stdout.write(args.prompt)
-        printer = _TextPrinter(tok)
+        printer = _TextPrinter(tok, prefix=prompt)
         if args.stream:
             for tokens in stream(model, prompt, args.max_new_tokens, **kw):
                 if eos is not None and int(tokens[0]) == eos:
@@ -123,12 +126,18 @@ def run(args) -> int:
             printer.finish()
         else:
             ids = archlab.generate(model, prompt, args.max_new_tokens, **kw)
-            printer.ids = _strip(ids[len(prompt):].tolist(), eos)
+            printer.ids = prompt + _strip(ids[len(prompt):].tolist(), eos)
             printer.finish()
     except ValueError as exc:  # context too long, bad sampling arguments: say it plainly
         print(f"\nerror: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _continuation(tok, prompt: list[int], new: list[int]) -> str:
+    """Text that `new` adds after `prompt` (decoded together, so a leading space is kept)."""
+    head, whole = tok.decode(prompt), tok.decode(prompt + new)
+    return whole[len(head):] if whole.startswith(head) else tok.decode(new)
 
 
 def _strip(ids: list[int], eos: int | None) -> list[int]:

@@ -4,11 +4,15 @@ fallback), WordPiece and Unigram, all saved as an HF-style tokenizer.json folder
     vocab, merges = train_bpe("corpus.txt", 10_000, ["<|endoftext|>"])
     tok = Tokenizer(vocab, merges, ["<|endoftext|>"])
     tok.save("out/tok"); tok = load("out/tok")       # also loads HF byte-level BPE tokenizer.json folders
+
+Any other HF tokenizer.json (SentencePiece-style: Llama 2, Gemma, Mistral) loads as an `HFTokenizer`
+wrapping the `tokenizers` library, when it is installed (archlab[hf]).
 """
 from archlab.tokenizer.base import BaseTokenizer
 from archlab.tokenizer.bpe import Tokenizer
 from archlab.tokenizer.bpe_train import bpe_from_counts, c_backend_available, train_bpe
 from archlab.tokenizer.hf_json import load_tokenizer
+from archlab.tokenizer.hf_wrapper import HFTokenizer
 from archlab.tokenizer.pretokenize import GPT2_PATTERN
 from archlab.tokenizer.unigram import UnigramTokenizer, train_unigram
 from archlab.tokenizer.wordpiece import WordPieceTokenizer, train_wordpiece
@@ -17,7 +21,7 @@ load = load_tokenizer
 from_pretrained = load_tokenizer
 
 __all__ = [
-    "BaseTokenizer", "GPT2_PATTERN", "Tokenizer", "UnigramTokenizer", "WordPieceTokenizer",
+    "BaseTokenizer", "GPT2_PATTERN", "HFTokenizer", "Tokenizer", "UnigramTokenizer", "WordPieceTokenizer",
     "bpe_from_counts", "c_backend_available", "from_pretrained", "load", "load_tokenizer",
     "train", "train_bpe", "train_unigram", "train_wordpiece",
 ]

@@ -3,8 +3,9 @@
 Supported: byte-level BPE (GPT-2, RoBERTa, Llama-3/Qwen style: a `ByteLevel` pre-tokenizer, alone or
 after a regex `Split`; merges stored as "a b" strings or as [a, b] pairs; `ignore_merges`), and the
 WordPiece / Unigram files that archlab itself writes (byte-level pre-tokens). Anything else (normalizers,
-byte fallback, other pre-tokenizers) raises ValueError naming the unsupported part, rather than encoding
-differently from `tokenizers`.
+byte fallback, other pre-tokenizers) is rejected by these readers, naming the unsupported part, rather than
+encoded differently from `tokenizers`; `load_tokenizer` then falls back to the `tokenizers` library
+(hf_wrapper.HFTokenizer) when it is installed, else raises that ValueError.
 """
 from __future__ import annotations
 
@@ -58,10 +59,32 @@ def _pre_tokenizer(data: dict) -> tuple[str, bool]:
     return pattern or GPT2_PATTERN, prefix
 
 
-def load_tokenizer(path: str | os.PathLike, *, fast: bool = True):
+def load_tokenizer(path: str | os.PathLike, *, fast: bool = True, hf_fallback: bool = True):
     """Load a folder holding tokenizer.json (or the file itself) as Tokenizer / WordPieceTokenizer /
-    UnigramTokenizer, following `model.type`."""
+    UnigramTokenizer, following `model.type`; a file those readers reject loads as an HFTokenizer
+    (the `tokenizers` library, hf_wrapper.py) when hf_fallback and `tokenizers` is installed."""
     data = read_tokenizer_json(path)
+    try:
+        return _native_tokenizer(data, fast=fast)
+    except (ValueError, KeyError, TypeError) as exc:
+        if not hf_fallback:
+            raise
+        reason = str(exc) if isinstance(exc, ValueError) else f"malformed {type(exc).__name__}: {exc}"
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        raise ValueError(f"archlab cannot read {_json_path(path)}: {reason}; installing `tokenizers` "
+                         f"(pip install 'archlab[hf]') would load it through that library") from None
+    from archlab.tokenizer.hf_wrapper import HFTokenizer
+    try:
+        return HFTokenizer.from_file(path)
+    except Exception as exc:  # tokenizers raises its own Exception type on files it cannot parse
+        raise ValueError(f"neither archlab ({reason}) nor `tokenizers` ({exc}) can read "
+                         f"{_json_path(path)}") from exc
+
+
+def _native_tokenizer(data: dict, *, fast: bool = True):
+    """archlab's own reader of a parsed tokenizer.json; ValueError names the unsupported part."""
     if data.get("normalizer") is not None:
         raise ValueError(f"unsupported normalizer {data['normalizer'].get('type')!r}")
     model = data["model"]

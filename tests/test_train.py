@@ -199,3 +199,27 @@ def test_cli_train_then_eval(data_dir, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["tokens"] == 2 * 4 * 16 and result["loss"] > 0
     assert cli_main(["train", "--data", str(data_dir), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_bf16_autocast_trains_with_float32_master_weights(data_dir, tmp_path):
+    """dtype=bfloat16 autocasts the matmuls; parameters and optimizer state stay float32."""
+    from archlab.checkpoint import load_run
+
+    cfg = TrainConfig(**FAST, budget=30, eval_every=30, checkpoint_every=30, dtype="bfloat16")
+    result = train(tiny(), cfg, data_dir, tmp_path / "run", progress=False)
+    assert result.final_val_loss < math.log(257) - 1.0
+    model, _ = load_run(tmp_path / "run")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager_losses(data_dir, tmp_path):
+    """train.compile=true (torch.compile) gives the eager run's losses up to float rounding."""
+    cfg = TrainConfig(**FAST, budget=6, eval_every=6, checkpoint_every=6)
+    eager = train(tiny(), cfg, data_dir, tmp_path / "eager", progress=False)
+    compiled = train(tiny(), TrainConfig(**FAST, budget=6, eval_every=6, checkpoint_every=6, compile=True),
+                     data_dir, tmp_path / "compiled", progress=False)
+    a = [r["loss"] for r in read_metrics(eager.metrics_path) if "loss" in r]
+    b = [r["loss"] for r in read_metrics(compiled.metrics_path) if "loss" in r]
+    assert len(a) == len(b) == 6
+    assert b == pytest.approx(a, rel=1e-3)

@@ -113,11 +113,7 @@ class _FSDPNoSync:
 def all_reduce_mean(values: list[float], info: DistInfo) -> list[float]:
     if not info.enabled:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t)
-    return (t / info.world_size).tolist()
+    return [v / info.world_size for v in all_reduce_sum(values, info)]
 
 
 def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:

@@ -134,7 +134,7 @@ class TransformerLM(nn.Module):
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
              **forward_kw) -> LossOutput:
         """Next-token cross-entropy (targets already shifted) + z-loss + MoE auxiliary losses."""
-        logits = self(input_ids, **forward_kw).float()                       # (b, t, v)
+        logits = self(input_ids, **forward_kw)                               # (b, t, v)
         return self.loss_from_logits(logits, targets, ignore_index)
 
     def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor,

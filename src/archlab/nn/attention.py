@@ -45,6 +45,10 @@ def allowed_keys(
     return ok[:, None]
 
 
+def _causal_mask(t: int, s: int, device) -> torch.Tensor:  # (1, 1, t, s): the last t of s keys are queries
+    return torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)[None, None]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, shared: dict):
         super().__init__()
@@ -152,8 +156,7 @@ class Attention(nn.Module):
     def _sdpa(self, q, k, v, mask, bias, is_causal):
         if bias is not None:
             if mask is None:  # bias needs an explicit causal mask beside it
-                t, s = q.shape[2], k.shape[2]
-                mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)[None, None]
+                mask = _causal_mask(q.shape[2], k.shape[2], q.device)
             attn_mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
         else:
             attn_mask = mask
@@ -174,7 +177,7 @@ class Attention(nn.Module):
             scores = scores + bias
         t, s = scores.shape[-2:]
         if mask is None:
-            mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)[None, None]
+            mask = _causal_mask(t, s, q.device)
         scores = scores.masked_fill(~mask, float("-inf"))
         if self.sinks is not None:
             sink = self.sinks.float()[None, :, None, None].expand(scores.shape[0], -1, t, 1)

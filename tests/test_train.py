@@ -140,17 +140,17 @@ def test_minutes_budget_stops_on_time(data_dir, tmp_path):
 
 
 def _nan_after(monkeypatch, n_ok: int):
-    original = TransformerLM.loss_from_logits
+    original = TransformerLM.loss_from_hidden
     calls = {"n": 0}
 
-    def patched(self, logits, targets, ignore_index=-100):
+    def patched(self, hidden, targets, ignore_index=-100):
         calls["n"] += 1
-        out = original(self, logits, targets, ignore_index)
+        out = original(self, hidden, targets, ignore_index)
         if calls["n"] > n_ok:
             out.total = out.total * float("nan")
         return out
 
-    monkeypatch.setattr(TransformerLM, "loss_from_logits", patched)
+    monkeypatch.setattr(TransformerLM, "loss_from_hidden", patched)
 
 
 def test_nan_loss_stops_naming_step_and_last_checkpoint(data_dir, tmp_path, monkeypatch):
@@ -162,17 +162,17 @@ def test_nan_loss_stops_naming_step_and_last_checkpoint(data_dir, tmp_path, monk
 
 
 def test_nan_policy_skip_keeps_weights_finite(data_dir, tmp_path, monkeypatch):
-    original = TransformerLM.loss_from_logits
+    original = TransformerLM.loss_from_hidden
     calls = {"n": 0}
 
-    def patched(self, logits, targets, ignore_index=-100):   # only micro-step 3 is poisoned
+    def patched(self, hidden, targets, ignore_index=-100):   # only micro-step 3 is poisoned
         calls["n"] += 1
-        out = original(self, logits, targets, ignore_index)
+        out = original(self, hidden, targets, ignore_index)
         if calls["n"] == 3:
             out.total = out.total * float("nan")
         return out
 
-    monkeypatch.setattr(TransformerLM, "loss_from_logits", patched)
+    monkeypatch.setattr(TransformerLM, "loss_from_hidden", patched)
     cfg = TrainConfig(**FAST, budget=6, nan_policy="skip")
     with pytest.warns(UserWarning, match="skipping the update"):
         result = train(tiny(), cfg, data_dir, tmp_path / "run", progress=False)

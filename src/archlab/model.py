@@ -15,6 +15,7 @@ from torch import nn
 
 from archlab.config import ModelConfig
 from archlab.nn.block import Block
+from archlab.nn.fused_loss import linear_cross_entropy
 from archlab.nn.mlp import MoEMLP
 from archlab.nn.norms import build_norm
 from archlab.nn.position import AbsolutePosition, T5RelativeBias
@@ -23,7 +24,7 @@ from archlab.nn.position import AbsolutePosition, T5RelativeBias
 @dataclass
 class LossOutput:
     total: torch.Tensor     # what to backpropagate
-    ce: torch.Tensor        # mean next-token cross-entropy (nats)
+    ce: torch.Tensor        # mean next-token cross-entropy (nats); no gradient on the fused path
     z_loss: torch.Tensor    # z_loss * mean(log Z)^2 (PaLM), already weighted
     aux_loss: torch.Tensor  # MoE load-balancing + router z-loss, already weighted
 
@@ -82,7 +83,8 @@ class TransformerLM(nn.Module):
         cache=None,                                   # see archlab.nn.kv_cache for the protocol
         prefix_lengths: torch.Tensor | None = None,   # (b,) for attention.prefix_lm
         return_hidden: bool = False,
-    ) -> torch.Tensor:                                # (b, t, v) logits, or (b, t, d) hidden
+        targets: torch.Tensor | None = None,          # (b, t) int: return the LossOutput instead
+    ) -> torch.Tensor | LossOutput:                   # (b, t, v) logits, or (b, t, d) hidden
         b, t = input_ids.shape
         plain = positions is None and cache is None
         if positions is None:
@@ -118,6 +120,8 @@ class TransformerLM(nn.Module):
             x = self.final_norm(x)
         if return_hidden:
             return x
+        if targets is not None:  # through forward, so DDP/FSDP/compile wrappers see the whole step
+            return self.loss_from_hidden(x, targets)
         return self.head(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, t, v)
@@ -134,8 +138,22 @@ class TransformerLM(nn.Module):
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
              **forward_kw) -> LossOutput:
         """Next-token cross-entropy (targets already shifted) + z-loss + MoE auxiliary losses."""
-        logits = self(input_ids, **forward_kw)                               # (b, t, v)
-        return self.loss_from_logits(logits, targets, ignore_index)
+        hidden = self(input_ids, return_hidden=True, **forward_kw)          # (b, t, d)
+        return self.loss_from_hidden(hidden, targets, ignore_index)
+
+    def loss_from_hidden(self, hidden: torch.Tensor, targets: torch.Tensor,
+                         ignore_index: int = -100) -> LossOutput:
+        """The loss from the final hidden states: the head and the cross-entropy fused in row chunks
+        (nn/fused_loss.py: no (b, t, v) logits in memory) unless the head soft-caps or has a bias."""
+        if self.config.final_logit_softcap is not None or self.head_bias is not None:
+            return self.loss_from_logits(self.head(hidden), targets, ignore_index)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        if self.config.logit_scale is not None:       # Cohere: scaling the logits = scaling W
+            weight = weight * self.config.logit_scale
+        total, ce, z_loss = linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(),
+                                                 ignore_index, self.config.z_loss or 0.0)
+        aux = sum((m.aux_loss for m in self.modules() if isinstance(m, MoEMLP)), ce.new_zeros(()))
+        return LossOutput(total=total + aux, ce=ce, z_loss=z_loss, aux_loss=aux)
 
     def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = -100) -> LossOutput:

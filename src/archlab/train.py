@@ -253,8 +253,7 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, BatchSampl
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with dist_util.no_grad_sync(model, info, sync=micro == cfg.grad_accum - 1):
                     with autocast(device, cfg.dtype):
-                        logits = step_model(x)                                   # (b, t, v)
-                    out = raw.loss_from_logits(logits, y)
+                        out = step_model(x, targets=y)                           # LossOutput
                     (out.total / cfg.grad_accum).backward()
                 sums += torch.stack((out.ce.detach(), out.total.detach()))
             ce, total_loss = (sums / cfg.grad_accum).tolist()   # one host sync per optimizer step

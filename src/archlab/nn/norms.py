@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from archlab.nn.fused import rms_norm
 from archlab.nn.registry import Registry
 
 NORMS: Registry[type[nn.Module]] = Registry("norm kind")
@@ -65,11 +66,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - self.weight_offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         # Gemma multiplies by (1 + w) in float32 before casting; LLaMA casts first then scales.
         # The difference is below bf16 resolution, so one float32 path serves both.
-        return (y * (self.weight.float() + self.weight_offset)).to(x.dtype)
+        weight = self.weight + self.weight_offset if self.weight_offset else self.weight
+        return rms_norm(x, weight, self.eps)      # nn/fused.py: the same math, fewer passes
 
 
 @NORMS.register("rmsnorm_1p")

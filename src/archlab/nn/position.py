@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from archlab.config import ModelConfig, RopeScaling
+from archlab.nn.fused import rope_half
 from archlab.nn.registry import Registry
 
 ATTENTION_POSITIONS: Registry[type[nn.Module]] = Registry("position kind")
@@ -111,10 +112,8 @@ class RotaryEmbedding(AttentionPosition):
             rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         else:
             # (x1 cos - x2 sin, x2 cos + x1 sin) written as x [cos, cos] + [x2, x1] [-sin, sin]:
-            # the same products and sums bit for bit, in two multiplies and one add (fewer passes)
-            x_rot = x if x_pass.shape[-1] == 0 else x_rot
-            x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
-            rotated = x_rot * cos + torch.cat((x2, x1), dim=-1) * sin
+            # one multiply and one multiply-add, with a hand-written backward (nn/fused.py)
+            rotated = rope_half(x_rot, cos, sin)
         return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated
 
 

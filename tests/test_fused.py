@@ -1,0 +1,56 @@
+"""The hand-written backward passes of nn/fused.py equal autograd through the composite formulas."""
+import pytest
+import torch
+
+from archlab.nn.fused import rms_norm, rope_half
+
+
+def _rms_norm_reference(x, w, eps):
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.to(xf.dtype)).to(x.dtype)
+
+
+def _rope_reference(x, cos, sin):  # (x1 cos - x2 sin, x2 cos + x1 sin), written out by halves
+    h = x.shape[-1] // 2
+    x1, x2, c, s = x[..., :h], x[..., h:], cos[..., :h], sin[..., h:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def test_rms_norm_values_and_gradients_match_autograd():
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-5), (x, w))
+    g = torch.randn(3, 7, 16, dtype=torch.float64)
+    rms_norm(x, w, 1e-5).backward(g)
+    got = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    _rms_norm_reference(x, w, 1e-5).backward(g)
+    torch.testing.assert_close(got[0], x.grad)
+    torch.testing.assert_close(got[1], w.grad)
+
+
+def test_rms_norm_keeps_input_dtype_and_float32_weight_grads():
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    y = rms_norm(x, w, 1e-6)
+    y.sum().backward()
+    assert y.dtype == x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    torch.testing.assert_close(y, _rms_norm_reference(x, w, 1e-6), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_rope_half_values_and_gradients_match_autograd(contiguous):
+    torch.manual_seed(0)
+    b, h, t, e = 2, 3, 5, 8
+    x = torch.randn(b, t, h, e, dtype=torch.float64).transpose(1, 2)   # (b, h, t, e) as attention has it
+    x = (x.contiguous() if contiguous else x).requires_grad_()
+    angles = torch.randn(1, 1, t, e // 2, dtype=torch.float64)
+    cos = torch.cat((angles.cos(), angles.cos()), -1)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)
+    assert torch.autograd.gradcheck(lambda a: rope_half(a, cos, sin), (x,))
+    torch.testing.assert_close(rope_half(x, cos, sin), _rope_reference(x, cos, sin))
+    # a rotation keeps norms: the backward (its transpose) must too
+    g = torch.randn(b, h, t, e, dtype=torch.float64)
+    (dx,) = torch.autograd.grad(rope_half(x, cos, sin), x, g)
+    torch.testing.assert_close(dx.norm(dim=-1), g.norm(dim=-1))

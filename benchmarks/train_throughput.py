@@ -13,6 +13,12 @@ medians over rounds. tokens/s is from the median step,
 best-case tokens/s from the fastest; MFU = training FLOPs per token x best tokens/s over the best-of
 matmul FLOP/s measured in the same process for that dtype (both best-case, so load cancels).
 Peak memory (CPU: peak RSS; CUDA: max allocated) is measured per (impl, dtype) in a fresh subprocess.
+
+On CPU the allocator matters: glibc serves buffers over its mmap threshold (at most 32 MB) with fresh
+pages, so a step that allocates (b*t) x v float32 logits page-faults them in on every step, while
+archlab's chunked loss never allocates them. `--allocator no-mmap` removes that cost for both sides
+(what jemalloc/tcmalloc or MALLOC_MMAP_MAX_=0 give); run both to see how much of a ratio is memory
+behaviour and how much is arithmetic.
 """
 from __future__ import annotations
 
@@ -115,7 +121,7 @@ def speed_worker(dtypes: list[str], rounds: int, warmup: int, batch: int, seq: i
             times[key].append(time.perf_counter() - t0)
     out = {"rounds": rounds}
     for dtype in dtypes:
-        peak = matmul_peak_flops(dev, dtype, seconds=1.0, n=1024 if dev.type == "cpu" else None)
+        peak = matmul_peak_flops(dev, dtype, seconds=3.0)
         ratios = [t / o for o, t in zip(times[("archlab", dtype)], times[("transformers", dtype)])]
         out[dtype] = {"matmul_peak": peak, "ratio": statistics.median(ratios), "ratios": ratios}
         for impl in IMPLS:
@@ -149,7 +155,10 @@ def _run_worker(args, *worker_args) -> dict:
     cmd = [sys.executable, __file__, "--worker", *worker_args, "--rounds", str(args.rounds),
            "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
            "--device", args.device, "--threads", str(args.threads), "--compile", args.compile]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    env = os.environ.copy()
+    if args.allocator == "no-mmap":   # glibc keeps freed memory for reuse: no page faults on big buffers
+        env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 40))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {worker_args} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -168,6 +177,10 @@ def main() -> int:
     parser.add_argument("--compile", default="none", choices=["none", "archlab", "both"],
                         help="torch.compile ours (the trainer's `train.compile=true`) or both models; "
                         "use --warmup 3 or more so compilation is not timed")
+    parser.add_argument("--allocator", default="default", choices=["default", "no-mmap"],
+                        help="glibc malloc as the process gets it, or with mmap off and no trimming "
+                        "(MALLOC_MMAP_MAX_=0): big short-lived buffers then reuse memory instead of "
+                        "page-faulting fresh pages on every step")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     COMPILED.update({"none": [], "archlab": ["archlab"], "both": list(IMPLS)}[args.compile])
@@ -201,7 +214,7 @@ def main() -> int:
                 memory[(impl, dtype)] = _run_worker(args, "memory", impl, dtype)["peak_memory_bytes"]
     threads = args.threads or torch.get_num_threads()
     print(f"\nbatch {args.batch} x seq {args.seq}, {args.rounds} interleaved rounds, device {args.device}, "
-          f"torch threads {threads}, compiled: {args.compile}")
+          f"torch threads {threads}, compiled: {args.compile}, allocator: {args.allocator}")
     for dtype in dtypes:
         r = speed[dtype]
         line = (f"{dtype}: archlab / transformers tokens/s = {r['ratio']:.2f}x (median of rounds; target >= 1.1); "

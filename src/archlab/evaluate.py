@@ -12,7 +12,6 @@ import warnings
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["EvalResult", "evaluate", "autocast", "sample_ids", "bits_per_byte"]
@@ -68,10 +67,9 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
             x, y = mine[i] if i < len(mine) else batches[0]   # a filler forward, weight 0
             weight = 1 if i < len(mine) else 0
             x, y = x.to(device), y.to(device)
-            with autocast(device, dtype):
-                logits = model(x)                                            # (b, t, v)
-            nats = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-            total_nats += weight * float(nats)
+            with autocast(device, dtype):   # the fused head + loss: no (b, t, v) logits in memory
+                mean_nats = model(x, targets=y).ce
+            total_nats += weight * float(mean_nats) * y.numel()
             total_tokens += weight * y.numel()
     finally:
         model.train(was_training)

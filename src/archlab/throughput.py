@@ -28,8 +28,10 @@ _KNOWN_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A
 
 def matmul_peak_flops(device: torch.device, dtype: str = "float32", *, seconds: float = 0.3,
                       n: int | None = None) -> float:
-    """Achievable matmul FLOP/s on this device and dtype, measured (square matmuls, best of several
-    timings); on known GPUs in bf16 the datasheet dense peak. Cached per process."""
+    """Achievable matmul FLOP/s on this device and dtype: the best of timed square matmuls (sizes 512,
+    1,024 and 2,048 on CPU, 4,096 on GPU, or `n`), a peak being a maximum; on known GPUs in bf16 the
+    datasheet dense peak. Cached per process. On CPU the bf16 (AMX) figure varies run to run by up to
+    2x at a single size, which is why several sizes are timed."""
     device = torch.device(device)
     key = (device.type, dtype, n)
     if key in _PEAK_CACHE:
@@ -40,29 +42,34 @@ def matmul_peak_flops(device: torch.device, dtype: str = "float32", *, seconds: 
             if tag in name:
                 _PEAK_CACHE[key] = peak
                 return peak
-    size = n or (512 if device.type == "cpu" else 4096)
+    sizes = [n] if n else ([512, 1024, 2048] if device.type == "cpu" else [4096])
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    peak = max(_timed_matmul(device, torch_dtype, size, seconds / len(sizes)) for size in sizes)
+    _PEAK_CACHE[key] = peak
+    return peak
+
+
+def _timed_matmul(device: torch.device, dtype: torch.dtype, size: int, seconds: float) -> float:
     gen = torch.Generator(device=device).manual_seed(0)  # private: the caller's RNG is untouched
-    a = torch.randn(size, size, device=device, generator=gen).to(torch_dtype)
-    b = torch.randn(size, size, device=device, generator=gen).to(torch_dtype)
+    a = torch.randn(size, size, device=device, generator=gen).to(dtype)
+    b = torch.randn(size, size, device=device, generator=gen).to(dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)   # reused: no allocation is timed
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    a @ b
+    torch.mm(a, b, out=out)
     sync()
     best, deadline = float("inf"), time.perf_counter() + seconds
     while True:
         t0 = time.perf_counter()
-        a @ b
+        torch.mm(a, b, out=out)
         sync()
         best = min(best, time.perf_counter() - t0)
         if time.perf_counter() > deadline:
             break
-    peak = 2.0 * size**3 / best
-    _PEAK_CACHE[key] = peak
-    return peak
+    return 2.0 * size**3 / best
 
 
 def peak_memory(device: torch.device) -> int:

@@ -10,8 +10,29 @@ values and gradients against the composite formulas.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-__all__ = ["rms_norm", "rope_half"]
+__all__ = ["rms_norm", "rope_half", "project"]
+
+
+def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """(l(x) for l in linears) as one matmul over their concatenated weights (q/k/v; gate/up).
+
+    One wide matmul runs closer to the matmul peak than several narrow ones, and its backward
+    gives dL/dx in one matmul instead of several plus their sum (under autocast: one cast of x,
+    not one per projection). The parameters stay separate Linears, as checkpoints name them. The
+    weights are concatenated on every call, so this pays only when the activations outweigh the
+    weights (training, prefill); a decode step of a few tokens runs the projections one by one.
+    """
+    biases = [linear.bias for linear in linears]
+    mixed = len({bias is None for bias in biases}) > 1
+    if mixed or x.shape[:-1].numel() < x.shape[-1]:         # fewer tokens than d: the copy dominates
+        return tuple(linear(x) for linear in linears)
+    weight = torch.cat([linear.weight for linear in linears])            # (sum of outs, d)
+    bias = None if biases[0] is None else torch.cat(biases)
+    out = F.linear(x, weight, bias)                                      # (..., sum of outs)
+    return out.split([linear.out_features for linear in linears], dim=-1)
 
 
 class _RMSNorm(torch.autograd.Function):

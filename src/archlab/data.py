@@ -341,7 +341,7 @@ def prepare(
 
 def _write_splits(docs: Iterable[str], tok: Any, tmp: Path, *, dtype: np.dtype, eot_id: int, seed: int,
                   val_fraction: float, workers: int, progress: bool) -> dict:
-    from tqdm.auto import tqdm
+    from archlab.progress import progress_bar
 
     eot = np.array([eot_id], dtype=dtype)
     writers = {s: _SplitWriter(tmp / f"{s}.bin", eot) for s in SPLITS}
@@ -349,7 +349,7 @@ def _write_splits(docs: Iterable[str], tok: Any, tmp: Path, *, dtype: np.dtype, 
     # if a split ends up empty. (score, start, end, n_bytes)
     lowest_train: tuple | None = None
     highest_val: tuple | None = None
-    bar = tqdm(desc="tokenizing", unit=" docs", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(desc="tokenizing", unit=" docs", disable=not progress, file=sys.stderr)
     try:
         for batch in _encoded(docs, tok, seed, dtype, workers):
             for ids, score, n_bytes in batch:

@@ -63,14 +63,14 @@ def register(subparsers) -> None:
 
 
 def cmd_train(args) -> int:
-    from tqdm import tqdm
+    from archlab.progress import progress_bar
 
     import archlab.tokenizer as tk
     if args.vocab_size <= 0:
         print("error: --vocab-size must be positive", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    bar = None if args.no_progress else tqdm(total=args.vocab_size, desc=f"train {args.kind}", unit="tok")
+    bar = None if args.no_progress else progress_bar(total=args.vocab_size, desc=f"train {args.kind}", unit="tok")
 
     def progress(n: int) -> None:
         if bar is not None:

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
+from archlab.progress import progress_bar
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families import FAMILIES, Family
@@ -159,7 +159,7 @@ def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder) -> dic
                            f"{', '.join(leftover[:10])}"
                            + (f" (+{len(leftover) - 10} more)" if len(leftover) > 10 else ""))
     out: dict[str, torch.Tensor] = {}
-    for rule in tqdm(rules, desc=f"loading {fam.model_type} tensors", unit="tensor",
+    for rule in progress_bar(rules, desc=f"loading {fam.model_type} tensors", unit="tensor",
                      disable=len(rules) < 200, leave=False):
         values = rule.to_ours([source.get(stored[n]) for n in rule.hf])
         if len(values) != len(rule.ours):
@@ -216,7 +216,7 @@ def save_hf(model: TransformerLM, folder: str | Path, family: str | None = None)
     tensors: dict[str, torch.Tensor] = {}
     covered: set[str] = set()
     rules = fam.weight_rules(cfg)
-    for rule in tqdm(rules, desc=f"mapping to {fam.model_type}", unit="tensor",
+    for rule in progress_bar(rules, desc=f"mapping to {fam.model_type}", unit="tensor",
                      disable=len(rules) < 200, leave=False):
         values = rule.to_hf([own[n] for n in rule.ours])
         covered.update(rule.ours)

@@ -9,8 +9,12 @@ from archlab.nn.fused_loss import linear_cross_entropy
 from archlab.presets import tiny
 
 
-def _plain(hidden, weight, targets, z_coef, ignore_index=-100):
+def _plain(hidden, weight, targets, z_coef, ignore_index=-100, bias=None, softcap=None):
     logits = (hidden @ weight.t()).float()                                   # (n, v)
+    if bias is not None:
+        logits = logits + bias
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     ce = F.cross_entropy(logits, targets, ignore_index=ignore_index)
     valid = targets != ignore_index
     z = z_coef * torch.logsumexp(logits, -1)[valid].square().mean()
@@ -19,23 +23,26 @@ def _plain(hidden, weight, targets, z_coef, ignore_index=-100):
 
 @pytest.mark.parametrize("chunk", [7, 64, 1000])       # uneven last chunk, several, one
 @pytest.mark.parametrize("z_coef", [0.0, 1e-2])
-def test_fused_loss_and_grads_equal_plain_path(chunk, z_coef):
+@pytest.mark.parametrize("head", ["plain", "bias", "softcap", "bias+softcap"])
+def test_fused_loss_and_grads_equal_plain_path(chunk, z_coef, head):
     torch.manual_seed(0)
     n, d, v = 50, 16, 97
     hidden = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(v, d, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(v, dtype=torch.float64, requires_grad=True) if "bias" in head else None
+    softcap = 3.0 if "softcap" in head else None                             # binding: |logits| ~ 4
     targets = torch.randint(0, v, (n,))
     targets[::5] = -100                                                      # ignored rows
-    total, ce, z = linear_cross_entropy(hidden, weight, targets, z_loss=z_coef, chunk=chunk)
-    (3.0 * total).backward()
-    got = hidden.grad.clone(), weight.grad.clone()
-    hidden.grad = weight.grad = None
-    ref_total, ref_ce, ref_z = _plain(hidden, weight, targets, z_coef)
-    (3.0 * ref_total).backward()
+    leaves = [t for t in (hidden, weight, bias) if t is not None]
+    total, ce, z = linear_cross_entropy(hidden, weight, targets, z_loss=z_coef, chunk=chunk,
+                                        bias=bias, softcap=softcap)
+    got = torch.autograd.grad(3.0 * total, leaves)
+    ref_total, ref_ce, ref_z = _plain(hidden, weight, targets, z_coef, bias=bias, softcap=softcap)
+    want = torch.autograd.grad(3.0 * ref_total, leaves)
     torch.testing.assert_close(ce.double(), ref_ce.double(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(z.double(), ref_z.double(), rtol=1e-6, atol=1e-9)
-    torch.testing.assert_close(got[0], hidden.grad, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(got[1], weight.grad, rtol=1e-5, atol=1e-7)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
     assert not ce.requires_grad and total.requires_grad
 
 

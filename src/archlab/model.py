@@ -143,15 +143,16 @@ class TransformerLM(nn.Module):
 
     def loss_from_hidden(self, hidden: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = -100) -> LossOutput:
-        """The loss from the final hidden states: the head and the cross-entropy fused in row chunks
-        (nn/fused_loss.py: no (b, t, v) logits in memory) unless the head soft-caps or has a bias."""
-        if self.config.final_logit_softcap is not None or self.head_bias is not None:
-            return self.loss_from_logits(self.head(hidden), targets, ignore_index)
+        """The loss from the final hidden states: the head (bias, logit scale, soft-cap as in `head`)
+        and the cross-entropy fused in row chunks (nn/fused_loss.py: no (b, t, v) logits in memory)."""
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        if self.config.logit_scale is not None:       # Cohere: scaling the logits = scaling W
+        bias = self.head_bias
+        if self.config.logit_scale is not None:       # Cohere: scaling the logits = scaling W (and b)
             weight = weight * self.config.logit_scale
+            bias = None if bias is None else bias * self.config.logit_scale
         total, ce, z_loss = linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(),
-                                                 ignore_index, self.config.z_loss or 0.0)
+                                                 ignore_index, self.config.z_loss or 0.0, bias=bias,
+                                                 softcap=self.config.final_logit_softcap)
         aux = sum((m.aux_loss for m in self.modules() if isinstance(m, MoEMLP)), ce.new_zeros(()))
         return LossOutput(total=total + aux, ce=ce, z_loss=z_loss, aux_loss=aux)
 

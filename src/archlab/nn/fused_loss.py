@@ -35,23 +35,32 @@ def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index: int, z_coef: float, chunk: int):
-        # hidden (n, d), weight (v, d), targets (n,) -> (ce mean, z-loss) over rows with a target
+    def forward(ctx, hidden, weight, bias, targets, ignore_index: int, z_coef: float,
+                softcap: float | None, chunk: int):
+        # hidden (n, d), weight (v, d), bias (v,) | None, targets (n,) -> (total, ce, z) over the
+        # rows with a target
         n = hidden.shape[0]
         dtype = _compute_dtype(hidden.dtype, hidden.device)
         h, w = hidden.to(dtype), weight.to(dtype)
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = torch.promote_types(dtype, torch.float32)              # softmax dtype: float32 (or 64)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         valid = targets != ignore_index
         count = valid.sum()
-        scale = 1.0 / count.clamp(min=1).to(torch.float32)          # mean over valid rows
-        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        z_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        scale = 1.0 / count.clamp(min=1).to(acc)                    # mean over valid rows
+        ce_sum = torch.zeros((), dtype=acc, device=hidden.device)
+        z_sum = torch.zeros((), dtype=acc, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
             hc, tgt, ok = h[rows], targets[rows].clamp(min=0)[:, None], valid[rows]
-            logits = (hc @ w.t()).float()                           # (c, v)
+            logits = (hc @ w.t()).to(acc)                           # (c, v)
+            if bias is not None:
+                logits += bias.to(acc)
+            if softcap is not None:                                 # Gemma 2: cap * tanh(z / cap)
+                tanh = logits.div_(softcap).tanh_()
+                logits = tanh * softcap
             logp = torch.log_softmax(logits, dim=-1)                # (c, v): one fused kernel per row
             logp_t = logp.gather(1, tgt)[:, 0]                      # (c,) log p(target)
             ce_sum -= torch.where(ok, logp_t, 0.0).sum()
@@ -59,35 +68,55 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del logits
             if z_coef:
                 z_sum += torch.where(ok, lse.square(), 0.0).sum()
-            if not (need_h or need_w):
+            if not (need_h or need_w or need_b):
                 continue
             # d/dlogits of (ce + z lse^2) for row i: a_i softmax_i - b_i one_hot(target_i), with
-            # a_i = (1 + 2 z lse_i) / count, b_i = 1 / count (0 on ignored rows). The row scales go
-            # on the (c, d) sides of the two matmuls, never over the (c, v) probabilities.
+            # a_i = (1 + 2 z lse_i) / count, b_i = 1 / count (0 on ignored rows)
             b = torch.where(ok, scale, 0.0)[:, None]                # (c, 1)
             a = b * (1.0 + 2.0 * z_coef * lse[:, None]) if z_coef else b
-            probs = logp.exp_().to(dtype)                           # (c, v) softmax, in place
-            if need_h:                                              # (c, d) = (c, v) @ (v, d)
-                grad_h[rows] = ((probs @ w).float() * a - w[tgt[:, 0]].float() * b).to(grad_h.dtype)
-            if need_w:                                              # (v, d) += (v, c) @ (c, d)
-                if dtype == torch.float32:
-                    grad_w.addmm_(probs.t(), hc * a)
-                else:                                               # bf16 matmul, float32 sum
-                    grad_w += probs.t() @ (hc.float() * a).to(dtype)
-                grad_w.index_add_(0, tgt[:, 0], hc.float() * -b)
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
+            probs = logp.exp_()                                     # (c, v) softmax, in place
+            if softcap is None and bias is None:
+                # the row scales go on the (c, d) sides of the two matmuls, never over (c, v)
+                probs = probs.to(dtype)
+                if need_h:                                          # (c, d) = (c, v) @ (v, d)
+                    grad_h[rows] = ((probs @ w).to(acc) * a - w[tgt[:, 0]].to(acc) * b).to(grad_h.dtype)
+                if need_w:                                          # (v, d) += (v, c) @ (c, d)
+                    _add_matmul(grad_w, probs.t(), (hc.to(acc) * a).to(dtype))
+                    grad_w.index_add_(0, tgt[:, 0], hc.to(acc) * -b)
+                continue
+            # soft-cap or bias: the (c, v) gradient itself, through d(cap tanh(z / cap))/dz = 1 - tanh^2
+            grad = probs.mul_(a).scatter_add_(1, tgt, -b)           # (c, v) dL/dlogits
+            if softcap is not None:
+                grad.mul_(1.0 - tanh.square_())
+            if need_b:
+                grad_b += grad.sum(0)
+            grad = grad.to(dtype)
+            if need_h:
+                grad_h[rows] = (grad @ w).to(grad_h.dtype)
+            if need_w:
+                _add_matmul(grad_w, grad.t(), hc)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = weight.dtype, None if bias is None else bias.dtype
         ce, z = ce_sum * scale, z_coef * z_sum * scale
         ctx.mark_non_differentiable(ce, z)   # the chunks computed d(ce + z): only the sum has a gradient
         return ce + z, ce, z
 
     @staticmethod
     def backward(ctx, grad_total, _grad_ce, _grad_z):
-        grad_h, grad_w = ctx.saved_tensors
-        g = grad_total.to(torch.float32)
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        g = grad_total
         dh = None if grad_h is None else grad_h * g.to(grad_h.dtype)
-        dw = None if grad_w is None else (grad_w * g).to(ctx.weight_dtype)
-        return dh, dw, None, None, None, None
+        dw = None if grad_w is None else (grad_w * g).to(ctx.dtypes[0])
+        db = None if grad_b is None else (grad_b * g).to(ctx.dtypes[1])
+        return dh, dw, db, None, None, None, None, None
+
+
+def _add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b; a bf16 matmul is summed in out's float32."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    else:
+        out += a @ b
 
 
 def linear_cross_entropy(
@@ -97,9 +126,13 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     z_loss: float = 0.0,
     chunk: int | None = None,    # rows per chunk; None: chunk_rows(device, vocab)
+    *,
+    bias: torch.Tensor | None = None,     # (v,) logit bias
+    softcap: float | None = None,         # logits = softcap * tanh(logits / softcap) (Gemma 2)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(total, ce, z): ce = mean cross-entropy of softmax(hidden @ weight.T) against targets over the
-    rows whose target is not ignore_index, z = z_loss * mean(log Z)^2 over the same rows (PaLM),
-    total = ce + z. Only `total` carries a gradient (ce and z are for logging)."""
+    """(total, ce, z): ce = mean cross-entropy of softmax(hidden @ weight.T + bias), soft-capped,
+    against targets over the rows whose target is not ignore_index, z = z_loss * mean(log Z)^2 over
+    the same rows (PaLM), total = ce + z. Only `total` carries a gradient (ce and z are for logging)."""
     chunk = chunk or chunk_rows(hidden.device, weight.shape[0])
-    return _LinearCrossEntropy.apply(hidden, weight, targets, ignore_index, float(z_loss), chunk)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, float(z_loss),
+                                     softcap, chunk)

@@ -28,6 +28,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -106,24 +107,47 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.Pat
     FileExistsError when out_dir already holds a run and resume is False.
     Under torchrun (WORLD_SIZE > 1) it runs data-parallel (train_cfg.dist_strategy); rank 0 writes.
     """
-    from archlab.data import BatchSampler, TokenDataset
-
     cfg = train_cfg
     data_dir, run_dir = Path(data_dir), Path(out_dir)
     info = dist_util.setup("cuda" if (cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()))
                            else "cpu", cfg.dist_strategy)
     try:
-        return _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, BatchSampler, TokenDataset)
+        return _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info)
     finally:
         dist_util.teardown(info)
 
 
-def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, BatchSampler, TokenDataset):
-    from archlab.model import TransformerLM
+def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info) -> TrainResult:
+    from archlab.data import TokenDataset
 
+    # 1. data, checked against the settings
     device = _resolve_device(cfg, info)
-    train_data = TokenDataset(data_dir, "train")
-    val_data = TokenDataset(data_dir, "val")
+    train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
+    can_eval = _check_data(model_cfg, cfg, data_dir, train_data, val_data, info)
+    # 2. run folder: rank 0 writes it, the others wait
+    latest = _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info)
+    if info.enabled:
+        torch.distributed.barrier()
+    # 3. model, optimizer, sampler
+    run = _Run(model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval)
+    # 4. resume
+    if latest is not None:
+        run.resume_from(latest)
+    # 5. the loop
+    run.open_reporting(progress)
+    try:
+        run.loop()
+    except Diverged as exc:
+        exc.result = run.result(diverged=True)
+        raise
+    finally:
+        run.close()
+    return run.result(diverged=False)
+
+
+def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
+    """Raises ConfigError for settings this data cannot train. Returns whether the val split is long
+    enough to evaluate (warning when it is not)."""
     if model_cfg.vocab_size < train_data.vocab_size:
         raise ConfigError(f"model vocab_size={model_cfg.vocab_size} is smaller than the data's "
                           f"vocab_size={train_data.vocab_size} ({data_dir}); set vocab_size "
@@ -133,205 +157,278 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, BatchSampl
     if cfg.batch_size % info.world_size:
         raise ConfigError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the "
                           f"world size {info.world_size}")
-    local_batch = cfg.batch_size // info.world_size
     can_eval = val_data.n_tokens >= cfg.seq_len + 1
     if not can_eval and info.is_main:
         warnings.warn(f"validation split has {val_data.n_tokens} tokens < seq_len + 1: no evaluation")
+    return can_eval
 
-    # ---- run folder -------------------------------------------------------------------------
-    ckpt_root = run_dir / ckpt_io.CHECKPOINT_DIR
-    metrics_path = run_dir / "metrics.jsonl"
-    latest = _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info)
-    if info.enabled:
-        torch.distributed.barrier()
 
-    # ---- model, optimizer, data -----------------------------------------------------------------
-    seed_everything(cfg.seed + info.rank)
-    model = TransformerLM(model_cfg).to(device)
-    raw = model
-    n_params = raw.num_params()
-    model = dist_util.wrap(model, info, device)           # FSDP shards in place; DDP wraps
-    optimizer = build_optimizer(raw, cfg, device, info.strategy)  # after FSDP: its DTensor params
-    step_model = torch.compile(model) if cfg.compile else model
-    sampler = BatchSampler(train_data, local_batch, cfg.seq_len, seed=cfg.seed, rank=info.rank,
-                           world_size=info.world_size)
-    total_steps = cfg.total_steps()
-    step, tokens, elapsed, best_val, last_val, skipped = 0, 0, 0.0, None, None, 0
+class _StepStats(NamedTuple):
+    ce: float              # mean over micro-batches and ranks
+    total: float           # ce + z-loss + aux losses, likewise
+    grad_norm: float
+    finite: bool           # False: the update was skipped
 
-    if latest is not None:
-        model_state, state = ckpt_io.load_checkpoint(latest)        # on CPU first
-        dist_util.load_full_model_state(model, model_state, info)
-        dist_util.load_full_optimizer_state(model, optimizer, state["optimizer"], info)
-        sampler.load_state_dict(state["sampler"])
-        step, tokens, elapsed = state["step"], state["tokens"], state["elapsed_s"]
-        best_val, last_val, skipped = state.get("best_val"), state.get("last_val"), state.get("skipped", 0)
+
+@dataclass
+class _Meter:
+    """Tokens and seconds of training steps (eval, samples and saves are not counted)."""
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Run:
+    """One training run: the built objects, the counters a checkpoint saves, and one method per stage
+    of the loop. Every rank holds one; methods that write files do so on rank 0 only."""
+
+    def __init__(self, model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval):
+        from archlab.data import BatchSampler
+        from archlab.model import TransformerLM
+
+        self.cfg, self.info, self.device = cfg, info, device
+        self.data_dir, self.run_dir = data_dir, run_dir
+        self.ckpt_root = run_dir / ckpt_io.CHECKPOINT_DIR
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.train_data, self.val_data, self.can_eval = train_data, val_data, can_eval
+
+        seed_everything(cfg.seed + info.rank)
+        self.raw = TransformerLM(model_cfg).to(device)
+        n_params = self.raw.num_params()
+        self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len, n_params)
+        self.model = dist_util.wrap(self.raw, info, device)             # FSDP shards in place; DDP wraps
+        self.optimizer = build_optimizer(self.raw, cfg, device, info.strategy)  # after FSDP: its DTensor params
+        self.step_model = torch.compile(self.model) if cfg.compile else self.model
+        local_batch = cfg.batch_size // info.world_size                 # batch_size is global
+        self.sampler = BatchSampler(train_data, local_batch, cfg.seq_len, seed=cfg.seed, rank=info.rank,
+                                    world_size=info.world_size)
+        self.total_steps = cfg.total_steps()
+
+        # saved in checkpoints, restored by resume_from
+        self.step, self.tokens, self.elapsed = 0, 0, 0.0
+        self.best_val, self.last_val, self.skipped = None, None, 0
+        # this process only
+        self.last_good: Path | None = None      # the checkpoint Diverged names
+        self.last_train_loss = None
+        self.window, self.session = _Meter(), _Meter()   # since the last log line; since this process began
+        # set by open_reporting
+        self.tokenizer, self.tb, self.bar, self.peak = None, None, None, 0.0
+
+    # ---- before the loop
+    def resume_from(self, checkpoint: Path) -> None:
+        """Continue from `checkpoint` exactly: weights, optimizer, sampler position, counters, RNG
+        states; metrics.jsonl drops the lines past its step (the loop writes them again)."""
+        info = self.info
+        model_state, state = ckpt_io.load_checkpoint(checkpoint)        # on CPU first
+        dist_util.load_full_model_state(self.model, model_state, info)
+        dist_util.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"], info)
+        self.sampler.load_state_dict(state["sampler"])
+        self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["elapsed_s"]
+        self.best_val, self.last_val = state.get("best_val"), state.get("last_val")
+        self.skipped = state.get("skipped", 0)
         rngs = state["rng"]
         set_rng_state(rngs[info.rank] if len(rngs) == info.world_size else rngs[0])
         if info.is_main:
-            truncate_metrics(metrics_path, step)
-        del model_state, state
-    last_good = latest
+            truncate_metrics(self.metrics_path, self.step)
+        self.last_good = checkpoint
 
-    tokenizer = None
-    if info.is_main or info.strategy == "fsdp":
-        tokenizer = ckpt_io.load_run_tokenizer(data_dir) if (data_dir / "tokenizer").is_dir() else None
-    flops_token = train_flops_per_token(model_cfg, cfg.seq_len, n_params)
-    peak = matmul_peak_flops(device, cfg.dtype) if info.is_main else 0.0
-    tb = TensorBoardLogger(run_dir, info.is_main)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    def open_reporting(self, progress: bool) -> None:
+        """Tokenizer (for samples), peak FLOP/s (for MFU), TensorBoard, progress bar. After resume_from,
+        so that the bar starts at the resumed step and peak memory counts training only."""
+        info = self.info
+        if (info.is_main or info.strategy == "fsdp") and (self.data_dir / "tokenizer").is_dir():
+            self.tokenizer = ckpt_io.load_run_tokenizer(self.data_dir)
+        self.peak = matmul_peak_flops(self.device, self.cfg.dtype) if info.is_main else 0.0
+        self.tb = TensorBoardLogger(self.run_dir, info.is_main)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if progress and info.is_main:
+            from archlab.progress import progress_bar
+            self.bar = progress_bar(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                                    file=sys.stderr)
 
-    bar = None
-    if progress and info.is_main:
-        from archlab.progress import progress_bar
-        bar = progress_bar(total=total_steps, initial=step, desc="train", unit="step", file=sys.stderr)
+    # ---- the loop
+    def loop(self) -> None:
+        """Optimizer steps until the budget is spent; log, eval, sample and checkpoint on their schedules."""
+        cfg = self.cfg
+        self.model.train()
+        t_prev = time.perf_counter()
+        while not self.budget_spent():
+            lr = cfg.lr * lr_multiplier(cfg, self.step, schedule_progress(cfg, self.step, self.total_steps,
+                                                                          self.elapsed))
+            stats = self.optimizer_step(lr)
+            self.step += 1
+            self.tokens += cfg.tokens_per_step
+            now = time.perf_counter()
+            self.elapsed += now - t_prev
+            self.window.add(cfg.tokens_per_step, now - t_prev)
+            self.session.add(cfg.tokens_per_step, now - t_prev)
+            t_prev = now
+            if not stats.finite:
+                self.stop_or_skip(stats)                # raises Diverged, or warns and moves on
+                continue
+            self.last_train_loss = stats.ce
+            if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                self.log_step(stats, lr)
+            if self.bar is not None:
+                self.bar.update(1)
+            end = self.budget_spent()
+            if (cfg.eval_every and self.step % cfg.eval_every == 0) or end:
+                self.validate()
+            if (cfg.sample_every > 0 and self.step % cfg.sample_every == 0) or (end and cfg.sample_every >= 0):
+                self.sample()
+            if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or end:
+                self.last_good = self.save() or self.last_good
+            t_prev = time.perf_counter()   # eval / sample / checkpoint time is not training time...
+            if self.total_steps is None:   # ...except for a minutes budget, which is wall time
+                self.elapsed += t_prev - now
 
-    def log(record: dict) -> None:
-        if info.is_main:
-            append_jsonl(metrics_path, record)
-            tb.log(record)
+    def budget_spent(self) -> bool:
+        """A minutes budget is rank 0's clock, broadcast: every rank stops at the same step."""
+        if self.total_steps is not None:
+            return self.step >= self.total_steps
+        return dist_util.broadcast_flag(self.elapsed >= self.cfg.budget * 60.0, self.info)
 
-    def run_eval() -> float | None:
-        if not can_eval:
-            return None
-        result = evaluate(model, val_data, batch_size=cfg.batch_size,   # whole batches split over ranks
-                          seq_len=cfg.seq_len, max_batches=cfg.eval_batches, device=device,
-                          dtype=cfg.dtype, dist_info=info)
-        log({"step": step, "tokens": tokens, "val_loss": result.loss, "val_ppl": result.ppl,
-             "val_bpb": result.bpb})
-        return result.loss
+    def optimizer_step(self, lr: float) -> _StepStats:
+        """Forward/backward over grad_accum micro-batches, clip, and update unless the loss or the
+        gradient norm is NaN/Inf."""
+        cfg, info, device = self.cfg, self.info, self.device
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # ce, total: summed on device
+        for micro in range(cfg.grad_accum):
+            x, y = next(self.sampler)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            # gradients are all-reduced across ranks once, on the last micro-step
+            with dist_util.no_grad_sync(self.model, info, sync=micro == cfg.grad_accum - 1):
+                with autocast(device, cfg.dtype):
+                    out = self.step_model(x, targets=y)                           # LossOutput
+                (out.total / cfg.grad_accum).backward()
+            sums += torch.stack((out.ce.detach(), out.total.detach()))
+        ce, total_loss = (sums / cfg.grad_accum).tolist()   # one host sync per optimizer step
+        ce, total_loss = dist_util.all_reduce_mean([ce, total_loss], info)
+        grad_norm = self._grad_norm()
+        finite = math.isfinite(total_loss) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.skipped = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        return _StepStats(ce, total_loss, grad_norm, finite)
 
-    def run_sample() -> None:
-        if cfg.sample_every < 0 or tokenizer is None:
+    def _grad_norm(self) -> float:
+        """Global gradient norm, after clipping to cfg.grad_clip when set."""
+        if self.cfg.grad_clip:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.grad_clip)
+        else:
+            grads = [p.grad for p in self.raw.parameters() if p.grad is not None]
+            grad_norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(grad_norm, "full_tensor"):     # FSDP: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        return float(grad_norm)
+
+    def stop_or_skip(self, stats: _StepStats) -> None:
+        """After a NaN/Inf step: raise Diverged (nan_policy="stop", or MAX_CONSECUTIVE_SKIPS in a row),
+        else warn; optimizer_step has already skipped the update."""
+        where = f"last good checkpoint: {self.last_good}" if self.last_good else "no checkpoint saved yet"
+        msg = f"loss {stats.total} / grad norm {stats.grad_norm} at step {self.step}; {where}"
+        self.log({"step": self.step, "tokens": self.tokens, "loss": stats.ce, "nonfinite": True})
+        self.skipped += 1
+        if self.cfg.nan_policy == "stop" or self.skipped >= MAX_CONSECUTIVE_SKIPS:
+            if self.cfg.nan_policy == "skip":
+                msg += f" ({self.skipped} non-finite steps in a row)"
+            raise Diverged("training diverged: " + msg, self.step, self.last_good)
+        warnings.warn("skipping the update: " + msg)
+
+    # ---- outputs
+    def log(self, record: dict) -> None:
+        if self.info.is_main:
+            append_jsonl(self.metrics_path, record)
+            self.tb.log(record)
+
+    def log_step(self, stats: _StepStats, lr: float) -> None:
+        """A training line (throughput since the last one) to metrics.jsonl and the progress bar."""
+        tps = self.window.tokens_per_s()
+        mfu = self.flops_token * tps / self.peak if self.peak else 0.0
+        record = {"step": self.step, "tokens": self.tokens, "loss": stats.ce, "lr": lr,
+                  "grad_norm": stats.grad_norm, "tokens_per_s": tps, "mfu": mfu}
+        if stats.total != stats.ce:
+            record["loss_total"] = stats.total
+        self.log(record)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{stats.ce:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.1%}", refresh=False)
+        self.window = _Meter()
+
+    def validate(self) -> None:
+        """Validation loss now, logged; sets last_val (None without a usable val split) and best_val."""
+        cfg = self.cfg
+        self.last_val = None
+        if self.can_eval:
+            result = evaluate(self.model, self.val_data, batch_size=cfg.batch_size,  # whole batches split over ranks
+                              seq_len=cfg.seq_len, max_batches=cfg.eval_batches, device=self.device,
+                              dtype=cfg.dtype, dist_info=self.info)
+            self.log({"step": self.step, "tokens": self.tokens, "val_loss": result.loss, "val_ppl": result.ppl,
+                      "val_bpb": result.bpb})
+            self.last_val = result.loss
+        if self.last_val is not None and (self.best_val is None or self.last_val < self.best_val):
+            self.best_val = self.last_val
+
+    def sample(self) -> None:
+        """Append a sampled continuation to samples.txt. DDP: rank 0 alone samples; FSDP: every rank
+        takes part in the sharded forward passes (no KV-cache generate); rank 0 writes."""
+        cfg, info = self.cfg, self.info
+        if cfg.sample_every < 0 or self.tokenizer is None:
             return
         if info.strategy == "ddp" and not info.is_main:
             return
-        prompt = tokenizer.encode(cfg.sample_prompt) if cfg.sample_prompt else [train_data.eot_id]
-        module = raw if info.strategy != "fsdp" else model
+        prompt = self.tokenizer.encode(cfg.sample_prompt) if cfg.sample_prompt else [self.train_data.eot_id]
+        module = self.raw if info.strategy != "fsdp" else self.model
         ids = sample_ids(module, prompt, cfg.sample_tokens, temperature=cfg.sample_temperature,
-                         seed=cfg.seed + step, device=device, use_generate=info.strategy != "fsdp")
+                         seed=cfg.seed + self.step, device=self.device, use_generate=info.strategy != "fsdp")
         if info.is_main:
-            text = tokenizer.decode(ids)
-            with open(run_dir / "samples.txt", "a") as f:
-                f.write(f"=== step {step} (tokens {tokens}) ===\n{cfg.sample_prompt}{text}\n\n")
+            text = self.tokenizer.decode(ids)
+            with open(self.run_dir / "samples.txt", "a") as f:
+                f.write(f"=== step {self.step} (tokens {self.tokens}) ===\n{cfg.sample_prompt}{text}\n\n")
 
-    def save() -> Path | None:
-        model_state = dist_util.full_model_state(model, info)
-        optim_state = dist_util.full_optimizer_state(model, optimizer, info)
+    def save(self) -> Path | None:
+        """A checkpoint of everything resume_from restores (collective: every rank calls it). Returns its
+        path (on other ranks, the latest one on disk)."""
+        info = self.info
+        model_state = dist_util.full_model_state(self.model, info)
+        optim_state = dist_util.full_optimizer_state(self.model, self.optimizer, info)
         rngs = dist_util.gather_objects(rng_state(), info)
         path = None
         if info.is_main:
-            state = {"step": step, "tokens": tokens, "elapsed_s": elapsed, "best_val": best_val,
-                     "last_val": last_val, "skipped": skipped, "optimizer": optim_state,
-                     "sampler": sampler.state_dict(), "rng": rngs, "world_size": info.world_size,
-                     "train_config": cfg.to_dict()}
-            path = ckpt_io.save_checkpoint(ckpt_root, step, model_state, state, keep_last=cfg.keep_last,
-                                           extra_meta={"tokens": tokens})
+            state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed,
+                     "best_val": self.best_val, "last_val": self.last_val, "skipped": self.skipped,
+                     "optimizer": optim_state, "sampler": self.sampler.state_dict(), "rng": rngs,
+                     "world_size": info.world_size, "train_config": self.cfg.to_dict()}
+            path = ckpt_io.save_checkpoint(self.ckpt_root, self.step, model_state, state,
+                                           keep_last=self.cfg.keep_last, extra_meta={"tokens": self.tokens})
         if info.enabled:
             torch.distributed.barrier()
-        return path if info.is_main else ckpt_io.latest_checkpoint(run_dir)
+        return path if info.is_main else ckpt_io.latest_checkpoint(self.run_dir)
 
-    def budget_spent() -> bool:
-        if total_steps is not None:
-            return step >= total_steps
-        return dist_util.broadcast_flag(elapsed >= cfg.budget * 60.0, info)
-
-    model.train()
-    window_tokens, window_s = 0, 0.0      # throughput counts training steps only, not eval/saves
-    run_tokens, run_s = 0, 0.0
-    last_train_loss = None
-    diverged = False
-    t_prev = time.perf_counter()
-    try:
-        while not budget_spent():
-            mult = lr_multiplier(cfg, step, schedule_progress(cfg, step, total_steps, elapsed))
-            for g in optimizer.param_groups:
-                g["lr"] = cfg.lr * mult
-            sums = torch.zeros(2, dtype=torch.float64, device=device)  # ce, total: summed on device
-            for micro in range(cfg.grad_accum):
-                x, y = next(sampler)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with dist_util.no_grad_sync(model, info, sync=micro == cfg.grad_accum - 1):
-                    with autocast(device, cfg.dtype):
-                        out = step_model(x, targets=y)                           # LossOutput
-                    (out.total / cfg.grad_accum).backward()
-                sums += torch.stack((out.ce.detach(), out.total.detach()))
-            ce, total_loss = (sums / cfg.grad_accum).tolist()   # one host sync per optimizer step
-            ce, total_loss = dist_util.all_reduce_mean([ce, total_loss], info)
-            if cfg.grad_clip:
-                grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip)
-            else:
-                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in raw.parameters() if p.grad is not None])
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            grad_norm = float(grad_norm)
-            finite = math.isfinite(total_loss) and math.isfinite(grad_norm)
-            if finite:
-                optimizer.step()
-                skipped = 0
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            tokens += cfg.tokens_per_step
-            now = time.perf_counter()
-            elapsed += now - t_prev
-            window_s += now - t_prev
-            run_s += now - t_prev
-            t_prev = now
-            window_tokens += cfg.tokens_per_step
-            run_tokens += cfg.tokens_per_step
-            if not finite:
-                where = f"last good checkpoint: {last_good}" if last_good else "no checkpoint saved yet"
-                msg = f"loss {total_loss} / grad norm {grad_norm} at step {step}; {where}"
-                log({"step": step, "tokens": tokens, "loss": ce, "nonfinite": True})
-                skipped += 1
-                if cfg.nan_policy == "stop" or skipped >= MAX_CONSECUTIVE_SKIPS:
-                    diverged = True
-                    if cfg.nan_policy == "skip":
-                        msg += f" ({skipped} non-finite steps in a row)"
-                    raise Diverged("training diverged: " + msg, step, last_good)
-                warnings.warn("skipping the update: " + msg)
-                continue
-            last_train_loss = ce
-            if step % cfg.log_every == 0 or step == total_steps:
-                tps = window_tokens / window_s if window_s > 0 else 0.0
-                mfu = flops_token * tps / peak if peak else 0.0
-                record = {"step": step, "tokens": tokens, "loss": ce, "lr": cfg.lr * mult,
-                          "grad_norm": grad_norm, "tokens_per_s": tps, "mfu": mfu}
-                if total_loss != ce:
-                    record["loss_total"] = total_loss
-                log(record)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{ce:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.1%}", refresh=False)
-                window_tokens, window_s = 0, 0.0
-            if bar is not None:
-                bar.update(1)
-            end = budget_spent()
-            if (cfg.eval_every and step % cfg.eval_every == 0) or end:
-                last_val = run_eval()
-                if last_val is not None and (best_val is None or last_val < best_val):
-                    best_val = last_val
-            if (cfg.sample_every > 0 and step % cfg.sample_every == 0) or (end and cfg.sample_every >= 0):
-                run_sample()
-            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or end:
-                last_good = save() or last_good
-            t_prev = time.perf_counter()   # eval / sample / checkpoint time is not training time...
-            if total_steps is None:        # ...except for a minutes budget, which is wall time
-                elapsed += t_prev - now
-    except Diverged as exc:
-        exc.result = _result(step, tokens, last_val, best_val, last_train_loss, run_tokens, run_s,
-                             device, True, run_dir, metrics_path)
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-        tb.close()
-        if info.is_main:
+    # ---- after the loop
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.tb.close()
+        if self.info.is_main:
             try:
-                plot_loss_curve(run_dir)
+                plot_loss_curve(self.run_dir)
             except Exception as exc:  # a plot must never lose a finished run
                 warnings.warn(f"could not draw loss_curve.png: {exc}")
-    return _result(step, tokens, last_val, best_val, last_train_loss, run_tokens, run_s, device, diverged,
-                   run_dir, metrics_path)
+
+    def result(self, diverged: bool) -> TrainResult:
+        return _result(self.step, self.tokens, self.last_val, self.best_val, self.last_train_loss,
+                       self.session.tokens, self.session.seconds, self.device, diverged, self.run_dir,
+                       self.metrics_path)
 
 
 def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info) -> Path | None:

@@ -209,9 +209,10 @@ def activation_elements_per_token(cfg: ModelConfig) -> int:
     """Activations saved for backward per token, all layers (no recomputation, flash attention:
     no t x t probabilities stored). Per layer: the inputs of both norms and of the projections they
     feed (4d, sandwich +2d), q/k/v ((h + 2k) e), the attention output (h e), and in the MLP the
-    pre-activations and the down-projection input ((2 or 3) f, times top_k for MoE). Plus the
-    logits (v) for the loss. A simplification of Korthikanti et al. 2022 (arXiv 2205.05198)
-    without dropout masks."""
+    pre-activations and the down-projection input ((2 or 3) f, times top_k for MoE). Plus the final
+    norm's input and the dL/dh the chunked loss keeps (2d): no logits are kept (model.loss_from_hidden,
+    see `training_memory` for its workspace). A simplification of Korthikanti et al. 2022
+    (arXiv 2205.05198) without dropout masks."""
     att, d, e, f = cfg.attention, cfg.d_model, cfg.head_dim, cfg.d_ff
     per_layer = 4 * d + (2 * d if cfg.norm.position == "sandwich" else 0)
     per_layer += (att.n_heads + 2 * cfg.n_kv_heads) * e + att.n_heads * e
@@ -221,7 +222,12 @@ def activation_elements_per_token(cfg: ModelConfig) -> int:
             (3 if cfg.mlp.gated else 2) * cfg.mlp.moe.shared_expert_d_ff
             if cfg.mlp.moe.shared_expert_d_ff else 0)
     per_layer += mlp
-    return cfg.n_layers * per_layer + cfg.vocab_size + d
+    return cfg.n_layers * per_layer + 2 * d
+
+
+def _loss_chunk_rows(device_type: str, vocab: int) -> int:
+    from archlab.nn.fused_loss import chunk_rows   # imports torch: only when asked for memory
+    return chunk_rows(device_type, vocab)
 
 
 def training_memory(cfg: ModelConfig, batch: int, seq_len: int, dtype: Any = "bfloat16",
@@ -230,8 +236,10 @@ def training_memory(cfg: ModelConfig, batch: int, seq_len: int, dtype: Any = "bf
 
     weights: P x bytes(dtype); grads: P x bytes(dtype); optimizer: P x 4 x n_states (fp32 moments,
     AdamW 2) plus an fp32 master copy P x 4 when dtype is narrower than fp32 (mixed precision);
-    activations: batch x seq_len x activation_elements_per_token x bytes(dtype), plus the fp32
-    logits the loss upcasts. Ignores allocator fragmentation, temporary buffers and the CUDA context.
+    activations: batch x seq_len x activation_elements_per_token x bytes(dtype); loss: the chunked
+    head + cross-entropy's workspace, two float32 chunks of logits (on GPU up to 256 MB each) and the
+    float32 dL/dW of the head, v x d x 4. Ignores allocator fragmentation, temporary buffers and the
+    CUDA context.
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ConfigError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATES)}")
@@ -240,12 +248,15 @@ def training_memory(cfg: ModelConfig, batch: int, seq_len: int, dtype: Any = "bf
     p, nbytes = param_count(cfg), dtype_bytes(dtype)
     optimizer_bytes = p * 4 * OPTIMIZER_STATES[optimizer] + (p * 4 if nbytes < 4 else 0)
     tokens = batch * seq_len
-    activations = tokens * activation_elements_per_token(cfg) * nbytes + tokens * cfg.vocab_size * 4
+    activations = tokens * activation_elements_per_token(cfg) * nbytes
+    rows = min(tokens, _loss_chunk_rows("cuda", cfg.vocab_size))   # the larger (GPU) chunks
+    loss = 2 * rows * cfg.vocab_size * 4 + cfg.vocab_size * cfg.d_model * 4
     return {
         "weights": int(p * nbytes),
         "grads": int(p * nbytes),
         "optimizer": int(optimizer_bytes),
         "activations": int(activations),
+        "loss": int(loss),
     }
 
 

@@ -89,4 +89,3 @@ class _RopeHalf(torch.autograd.Function):
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate all of x's last dim; cos = [cos, cos] and sin = [-sin, sin] (RotaryEmbedding.tables)."""
     return _RopeHalf.apply(x, cos, sin)
-

@@ -21,8 +21,8 @@ CPU_CHUNK_ROWS = 256        # 256 x 8,192 float32 logits = 8 MB: measured fastes
 GPU_CHUNK_BYTES = 256 << 20  # on GPU, fewer and larger chunks keep the kernels busy
 
 
-def chunk_rows(device: torch.device, vocab: int) -> int:
-    if device.type == "cpu":
+def chunk_rows(device_type: str, vocab: int) -> int:
+    if device_type == "cpu":
         return CPU_CHUNK_ROWS
     return max(CPU_CHUNK_ROWS, GPU_CHUNK_BYTES // (4 * vocab))
 
@@ -125,7 +125,7 @@ def linear_cross_entropy(
     targets: torch.Tensor,       # (n,) int; ignore_index rows count nowhere
     ignore_index: int = -100,
     z_loss: float = 0.0,
-    chunk: int | None = None,    # rows per chunk; None: chunk_rows(device, vocab)
+    chunk: int | None = None,    # rows per chunk; None: chunk_rows(device type, vocab)
     *,
     bias: torch.Tensor | None = None,     # (v,) logit bias
     softcap: float | None = None,         # logits = softcap * tanh(logits / softcap) (Gemma 2)
@@ -133,6 +133,6 @@ def linear_cross_entropy(
     """(total, ce, z): ce = mean cross-entropy of softmax(hidden @ weight.T + bias), soft-capped,
     against targets over the rows whose target is not ignore_index, z = z_loss * mean(log Z)^2 over
     the same rows (PaLM), total = ce + z. Only `total` carries a gradient (ce and z are for logging)."""
-    chunk = chunk or chunk_rows(hidden.device, weight.shape[0])
+    chunk = chunk or chunk_rows(hidden.device.type, weight.shape[0])
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, float(z_loss),
                                      softcap, chunk)

@@ -60,10 +60,14 @@ def setup(tmp_path_factory):
     return root, cfg, read_metrics(single.metrics_path)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_process_run_matches_single_process(setup, strategy):
+@pytest.mark.parametrize("strategy,overrides", [
+    ("ddp", {"dist_strategy": "ddp"}),
+    ("fsdp", {"dist_strategy": "fsdp"}),
+    ("fsdp-recompute", {"dist_strategy": "fsdp", "activation_checkpointing": True}),
+])
+def test_two_process_run_matches_single_process(setup, strategy, overrides):
     root, cfg, reference = setup
-    (root / f"{strategy}.yaml").write_text(cfg.with_overrides({"dist_strategy": strategy}).to_yaml())
+    (root / f"{strategy}.yaml").write_text(cfg.with_overrides(overrides).to_yaml())
     out = root / strategy
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(

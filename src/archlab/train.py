@@ -38,6 +38,7 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.evaluate import autocast, evaluate, sample_ids
 from archlab.metrics import TensorBoardLogger, append_jsonl, plot_loss_curve, read_metrics, truncate_metrics
 from archlab.optim import build_optimizer, lr_multiplier, param_groups, schedule_progress
+from archlab.recompute import checkpoint_blocks
 from archlab.rng import rng_state, seed_everything, set_rng_state
 from archlab.throughput import matmul_peak_flops, peak_memory, train_flops_per_token
 from archlab.train_config import TrainConfig
@@ -200,6 +201,8 @@ class _Run:
 
         seed_everything(cfg.seed + info.rank)
         self.raw = TransformerLM(model_cfg).to(device)
+        if cfg.activation_checkpointing:                                # before DDP/FSDP wrap it
+            checkpoint_blocks(self.raw)
         n_params = self.raw.num_params()
         self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len, n_params)
         self.model = dist_util.wrap(self.raw, info, device)             # FSDP shards in place; DDP wraps

@@ -44,6 +44,7 @@ class TrainConfig:
     log_every: int = 10
     dtype: Literal["float32", "bfloat16"] = "float32"
     compile: bool = False
+    activation_checkpointing: bool = False # recompute each block's activations in backward (recompute.py)
     seed: int = 0                          # data order and dropout (init: ModelConfig.seed)
     checkpoint_every: int = 500            # 0: only at the end
     keep_last: int = 3

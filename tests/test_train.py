@@ -201,6 +201,22 @@ def test_cli_train_then_eval(data_dir, tmp_path, capsys):
     assert cli_main(["train", "--data", str(data_dir), "--out", str(tmp_path / "x")]) == 2
 
 
+def test_train_states_its_plan_and_expected_memory_then_the_peak(data_dir, tmp_path, capsys):
+    from archlab.accounting import training_memory_bytes
+    from archlab.cli.presets import human_bytes
+    args = ["train", "--preset", "tiny:llama2-7b", "--data", str(data_dir), "--out", str(tmp_path / "run"),
+            "--set", "train.batch_size=4", "--set", "train.seq_len=16", "--set", "train.budget=2",
+            "--set", "train.eval_batches=1", "--set", "train.sample_every=-1"]
+    assert cli_main(args) == 0
+    captured = capsys.readouterr()
+    from archlab.cli.train import resolve_preset
+    cfg = resolve_preset("tiny:llama2-7b").with_overrides({"vocab_size": 257})
+    expected = human_bytes(training_memory_bytes(cfg, 4, 16, "float32"))
+    assert f"expected memory per device {expected}" in captured.err
+    assert "4 x 16 tokens per step, 2 steps" in captured.err
+    assert "peak memory" in captured.out and "done: 2 steps" in captured.out
+
+
 def test_bf16_autocast_trains_with_float32_master_weights(data_dir, tmp_path):
     """dtype=bfloat16 autocasts the matmuls; parameters and optimizer state stay float32."""
     from archlab.checkpoint import load_run

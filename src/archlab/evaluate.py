@@ -89,20 +89,21 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
 def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.8,
                top_k: int | None = 50, seed: int = 0, device: str | torch.device = "cpu",
                use_generate: bool = True) -> list[int]:
-    """New token ids after `prompt`: archlab.generate when it is available, else a plain loop
-    (full forward per token, no cache). Temperature 0 is greedy. Draws from a private generator,
+    """New token ids after `prompt`: archlab.generate when it is available and the sample fits the
+    context, else a plain loop (full forward per token, no cache, a window sliding past the context). Temperature 0 is greedy. Draws from a private generator,
     so the caller's RNG stream (and hence a resumed run) is untouched."""
     device = torch.device(device)
     was_training = model.training
     model.eval()
     try:
-        if use_generate:
+        limit = model.config.max_seq_len if hasattr(model, "config") else None
+        fits = limit is None or len(prompt) + max_new_tokens <= limit   # else: the sliding loop below
+        if use_generate and fits:
             ids = _try_archlab_generate(model, prompt, max_new_tokens, temperature, top_k, seed, device)
             if ids is not None:
                 return ids
         gen = torch.Generator(device=device).manual_seed(seed)
         x = torch.tensor([prompt], dtype=torch.long, device=device)
-        limit = model.config.max_seq_len if hasattr(model, "config") else None
         out = []
         for _ in range(max_new_tokens):
             window = x if limit is None else x[:, -limit:]

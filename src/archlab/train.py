@@ -253,8 +253,33 @@ class _Run:
             torch.cuda.reset_peak_memory_stats(self.device)
         if progress and info.is_main:
             from archlab.progress import progress_bar
+            print(self.describe(), file=sys.stderr)
             self.bar = progress_bar(total=self.total_steps, initial=self.step, desc="train", unit="step",
                                     file=sys.stderr)
+
+    def describe(self) -> str:
+        """What is about to run: model size, batch, budget, device, and the memory the accounting
+        module expects (so a run that cannot fit says so before it starts)."""
+        from archlab.accounting import training_memory
+        from archlab.cli.presets import human_bytes, human_count
+
+        cfg, mc, info = self.cfg, self.raw.config, self.info
+        local = cfg.batch_size // info.world_size
+        memory = training_memory(mc, local, cfg.seq_len, cfg.dtype)
+        if info.strategy == "fsdp":        # weights, grads and optimizer state are sharded
+            memory = {k: v // info.world_size if k in ("weights", "grads", "optimizer") else v
+                      for k, v in memory.items()}
+        budget = f"{self.total_steps:,} steps" if self.total_steps is not None else f"{cfg.budget:g} minutes"
+        parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in memory.items())
+        extras = [x for x, on in (("compiled", cfg.compile), ("recompute", cfg.activation_checkpointing)) if on]
+        return (f"model {mc.name or 'custom'}: {human_count(self.raw.num_params())} params, "
+                f"{mc.n_layers} layers x d {mc.d_model}; {cfg.batch_size} x {cfg.seq_len} tokens"
+                f"{f' x {cfg.grad_accum} accum' if cfg.grad_accum > 1 else ''} per step, {budget}\n"
+                f"device {self.device.type} {cfg.dtype}"
+                f"{f' x {info.world_size} ({info.strategy})' if info.enabled else ''}"
+                f"{''.join(', ' + x for x in extras)}; expected memory per device "
+                f"{human_bytes(sum(memory.values()))} ({parts}"
+                f"{'; activations before recompute: an upper bound' if cfg.activation_checkpointing else ''})")
 
     # ---- the loop
     def loop(self) -> None:

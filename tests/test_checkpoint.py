@@ -1,7 +1,6 @@
 """Checkpoints: atomic, keep-last-K, corrupt files named, and kill -9 + resume == uninterrupted run."""
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal

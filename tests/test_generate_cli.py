@@ -1,6 +1,5 @@
 """`archlab generate` on a run folder built here (config.yaml, checkpoints/, tokenizer/)."""
 import pytest
-import torch
 from variants import BASE
 
 import archlab

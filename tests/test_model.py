@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from archlab import ModelConfig, TransformerLM
-from archlab.config import AttentionConfig
+
 from archlab.nn.attention import allowed_keys
 from archlab.nn.position import RotaryEmbedding, T5RelativeBias, alibi_slopes
 from variants import BASE, VARIANTS, variant

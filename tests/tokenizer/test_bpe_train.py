@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import random
-import sys
 from collections import Counter
 
 import pytest

@@ -25,7 +25,7 @@ from torch.nn.modules import module as _module
 
 from archlab.nn.attention import allowed_keys
 from archlab.nn.kv_cache import StaticKVCache
-from archlab.nn.mlp import ACTIVATIONS, DenseMLP
+from archlab.nn.mlp import DenseMLP
 from archlab.nn.norms import RMSNorm
 from archlab.nn.position import NoPosition, RotaryEmbedding
 

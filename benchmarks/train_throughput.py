@@ -105,7 +105,7 @@ def speed_worker(dtypes: list[str], rounds: int, warmup: int, batch: int, seq: i
     """Every (implementation, dtype) in one process, steps interleaved; see the module docstring."""
     import torch
 
-    from archlab.train import matmul_peak_flops, train_flops_per_token
+    from archlab.throughput import matmul_peak_flops, train_flops_per_token
 
     dev = torch.device(device)
     keys = [(impl, dtype) for dtype in dtypes for impl in IMPLS]
@@ -142,13 +142,13 @@ def speed_worker(dtypes: list[str], rounds: int, warmup: int, batch: int, seq: i
 def memory_worker(impl: str, dtype: str, batch: int, seq: int, device: str) -> dict:
     import torch
 
-    from archlab.train import _peak_memory
+    from archlab.throughput import peak_memory
 
     dev = torch.device(device)
     step, _ = make_step(impl, dtype, batch, seq, dev)
     for _ in range(2):
         step()
-    return {"peak_memory_bytes": _peak_memory(dev)}
+    return {"peak_memory_bytes": peak_memory(dev)}
 
 
 def _run_worker(args, *worker_args) -> dict:

@@ -47,7 +47,6 @@ from archlab.train_config import TrainConfig
 __all__ = ["TrainConfig", "TrainResult", "Diverged", "train", "param_groups", "lr_multiplier",
            "matmul_peak_flops", "train_flops_per_token", "plot_loss_curve", "read_metrics", "fit_vocab"]
 
-_peak_memory = peak_memory   # the name benchmarks/train_throughput.py imports
 MAX_CONSECUTIVE_SKIPS = 10
 
 

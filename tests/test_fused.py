@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from archlab.nn.fused import project, rms_norm, rope_half
+from archlab.nn.fused import rms_norm, rope_half
 
 
 def _rms_norm_reference(x, w, eps):
@@ -55,19 +55,3 @@ def test_rope_half_values_and_gradients_match_autograd(contiguous):
     (dx,) = torch.autograd.grad(rope_half(x, cos, sin), x, g)
     torch.testing.assert_close(dx.norm(dim=-1), g.norm(dim=-1))
 
-
-def test_fused_projection_equals_separate_linears_with_gradients():
-    torch.manual_seed(0)
-    linears = tuple(torch.nn.Linear(8, n, bias=True).double() for n in (8, 4, 4))
-    x = torch.randn(3, 6, 8, dtype=torch.float64, requires_grad=True)     # 18 tokens >= d: fused
-    params = [x] + [p for lin in linears for p in lin.parameters()]
-    fused = project(x, linears)
-    got = torch.autograd.grad(sum((o * o).sum() for o in fused), params)
-    separate = [lin(x) for lin in linears]
-    want = torch.autograd.grad(sum((o * o).sum() for o in separate), params)
-    for a, b in zip(fused, separate):
-        torch.testing.assert_close(a, b)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
-    few = x[:, :1]                                                        # 3 tokens < d: one by one
-    assert all(torch.equal(a, lin(few)) for a, lin in zip(project(few, linears), linears))

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import GATED_ACTIVATIONS, MLPConfig
-from archlab.nn.fused import project
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -45,8 +44,7 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, t, d)
         if self.gated:
-            gate, up = project(x, (self.gate_proj, self.up_proj))       # (b, t, f) each
-            h = self.act(gate) * up
+            h = self.act(self.gate_proj(x)) * self.up_proj(x)
         else:
             h = self.act(self.up_proj(x))
         return self.down_proj(h)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from archlab.nn.fused import rms_norm, rope_half
+from archlab.nn.fused import project, rms_norm, rope_half
 
 
 def _rms_norm_reference(x, w, eps):
@@ -55,3 +55,35 @@ def test_rope_half_values_and_gradients_match_autograd(contiguous):
     (dx,) = torch.autograd.grad(rope_half(x, cos, sin), x, g)
     torch.testing.assert_close(dx.norm(dim=-1), g.norm(dim=-1))
 
+
+
+class _CountLinear(torch.overrides.TorchFunctionMode):
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            self.calls.append(args[1].shape)
+        return func(*args, **(kwargs or {}))
+
+
+def test_projection_under_autocast_is_one_matmul_equal_to_separate_linears():
+    torch.manual_seed(0)
+    linears = tuple(torch.nn.Linear(8, n, bias=True) for n in (8, 4, 4))
+    x = torch.randn(3, 6, 8, requires_grad=True)                         # 18 tokens >= d
+    params = [x] + [p for lin in linears for p in lin.parameters()]
+    calls = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _CountLinear(calls):
+            fused = project(x, linears)
+        separate = [lin(x) for lin in linears]
+    assert len(calls) == 1                                                # one matmul for the three
+    got = torch.autograd.grad(sum((o.float() ** 2).sum() for o in fused), params)
+    want = torch.autograd.grad(sum((o.float() ** 2).sum() for o in separate), params)
+    for a, b in zip(fused, separate):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    plain = project(x, linears)                                           # no autocast: one by one
+    assert all(torch.equal(a, lin(x)) for a, lin in zip(plain, linears))

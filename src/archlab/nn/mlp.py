@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import GATED_ACTIVATIONS, MLPConfig
+from archlab.nn.fused import project
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -44,7 +45,8 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, t, d)
         if self.gated:
-            h = self.act(self.gate_proj(x)) * self.up_proj(x)
+            gate, up = project(x, (self.gate_proj, self.up_proj))       # (b, t, f) each
+            h = self.act(gate) * up
         else:
             h = self.act(self.up_proj(x))
         return self.down_proj(h)

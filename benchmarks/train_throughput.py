@@ -167,7 +167,7 @@ def _run_worker(args, *worker_args) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15, help="timed steps per implementation "
-                        "(the ratios drift a few % with fewer on a shared machine)")
+                        "(the ratios drift a few %% with fewer on a shared machine)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)

@@ -219,7 +219,7 @@ class FakeTrainer:
         (out / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
         result = TrainResult(steps=3, tokens_seen=192, final_val_loss=loss, best_val_loss=loss,
                              final_train_loss=loss, tokens_per_s=1000.0, peak_memory_bytes=1,
-                             diverged=False, run_dir=out, metrics_path=out / "metrics.jsonl")
+                             device="cpu", diverged=False, run_dir=out, metrics_path=out / "metrics.jsonl")
         if key in self.diverge:
             result.diverged, result.final_val_loss = True, None
             raise Diverged("nan", 2, None, result)

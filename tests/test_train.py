@@ -203,7 +203,7 @@ def test_cli_train_then_eval(data_dir, tmp_path, capsys):
 
 def test_train_states_its_plan_and_expected_memory_then_the_peak(data_dir, tmp_path, capsys):
     from archlab.accounting import training_memory_bytes
-    from archlab.cli.presets import human_bytes
+    from archlab.units import human_bytes
     args = ["train", "--preset", "tiny:llama2-7b", "--data", str(data_dir), "--out", str(tmp_path / "run"),
             "--set", "train.batch_size=4", "--set", "train.seq_len=16", "--set", "train.budget=2",
             "--set", "train.eval_batches=1", "--set", "train.sample_every=-1"]

@@ -225,11 +225,6 @@ def activation_elements_per_token(cfg: ModelConfig) -> int:
     return cfg.n_layers * per_layer + 2 * d
 
 
-def _loss_chunk_rows(device_type: str, vocab: int) -> int:
-    from archlab.nn.fused_loss import chunk_rows   # imports torch: only when asked for memory
-    return chunk_rows(device_type, vocab)
-
-
 def training_memory(cfg: ModelConfig, batch: int, seq_len: int, dtype: Any = "bfloat16",
                     optimizer: str = "adamw") -> dict[str, int]:
     """Estimated bytes by part for one training step on one device (no sharding).
@@ -249,7 +244,8 @@ def training_memory(cfg: ModelConfig, batch: int, seq_len: int, dtype: Any = "bf
     optimizer_bytes = p * 4 * OPTIMIZER_STATES[optimizer] + (p * 4 if nbytes < 4 else 0)
     tokens = batch * seq_len
     activations = tokens * activation_elements_per_token(cfg) * nbytes
-    rows = min(tokens, _loss_chunk_rows("cuda", cfg.vocab_size))   # the larger (GPU) chunks
+    from archlab.nn.fused_loss import chunk_rows   # imports torch: only when asked for memory
+    rows = min(tokens, chunk_rows("cuda", cfg.vocab_size))       # the larger (GPU) chunks
     loss = 2 * rows * cfg.vocab_size * 4 + cfg.vocab_size * cfg.d_model * 4
     return {
         "weights": int(p * nbytes),

@@ -90,8 +90,9 @@ def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temp
                top_k: int | None = 50, seed: int = 0, device: str | torch.device = "cpu",
                use_generate: bool = True) -> list[int]:
     """New token ids after `prompt`: archlab.generate when it is available and the sample fits the
-    context, else a plain loop (full forward per token, no cache, a window sliding past the context). Temperature 0 is greedy. Draws from a private generator,
-    so the caller's RNG stream (and hence a resumed run) is untouched."""
+    context, else a plain loop (full forward per token, no cache, a window sliding past the context).
+    Temperature 0 is greedy. Draws from a private generator, so the caller's RNG stream (and hence a
+    resumed run) is untouched."""
     device = torch.device(device)
     was_training = model.training
     model.eval()

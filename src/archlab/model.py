@@ -124,9 +124,12 @@ class TransformerLM(nn.Module):
             return self.loss_from_hidden(x, targets)
         return self.head(x)
 
+    @property
+    def head_weight(self) -> torch.Tensor:  # (v, d): the LM head, or the embedding when tied
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
     def head(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, t, v)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, weight, self.head_bias)
+        logits = F.linear(x, self.head_weight, self.head_bias)
         if self.config.logit_scale is not None:       # Cohere
             logits = logits * self.config.logit_scale
         cap = self.config.final_logit_softcap         # Gemma 2: cap * tanh(logits / cap)
@@ -145,15 +148,14 @@ class TransformerLM(nn.Module):
                          ignore_index: int = -100) -> LossOutput:
         """The loss from the final hidden states: the head (bias, logit scale, soft-cap as in `head`)
         and the cross-entropy fused in row chunks (nn/fused_loss.py: no (b, t, v) logits in memory)."""
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        bias = self.head_bias
+        weight, bias = self.head_weight, self.head_bias
         if self.config.logit_scale is not None:       # Cohere: scaling the logits = scaling W (and b)
             weight = weight * self.config.logit_scale
             bias = None if bias is None else bias * self.config.logit_scale
         total, ce, z_loss = linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(),
                                                  ignore_index, self.config.z_loss or 0.0, bias=bias,
                                                  softcap=self.config.final_logit_softcap)
-        aux = sum((m.aux_loss for m in self.modules() if isinstance(m, MoEMLP)), ce.new_zeros(()))
+        aux = self._aux_loss(ce.new_zeros(()))
         return LossOutput(total=total + aux, ce=ce, z_loss=z_loss, aux_loss=aux)
 
     def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor,
@@ -166,8 +168,12 @@ class TransformerLM(nn.Module):
             valid = targets != ignore_index
             log_z = torch.logsumexp(logits, dim=-1)[valid]
             z_loss = self.config.z_loss * log_z.square().mean()
-        aux = sum((m.aux_loss for m in self.modules() if isinstance(m, MoEMLP)), zero)
+        aux = self._aux_loss(zero)
         return LossOutput(total=ce + z_loss + aux, ce=ce, z_loss=z_loss, aux_loss=aux)
+
+    def _aux_loss(self, zero: torch.Tensor) -> torch.Tensor:
+        """The MoE layers' weighted auxiliary losses of the last forward (zero without MoE)."""
+        return sum((m.aux_loss for m in self.modules() if isinstance(m, MoEMLP)), zero)
 
     def num_params(self) -> int:
         """Unique parameters (tied embeddings count once)."""

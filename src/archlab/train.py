@@ -68,6 +68,7 @@ class TrainResult:
     final_train_loss: float | None
     tokens_per_s: float
     peak_memory_bytes: int          # CUDA: max allocated; CPU: the process's peak RSS
+    device: str                     # the device type trained on: "cuda" or "cpu"
     diverged: bool
     run_dir: Path
     metrics_path: Path
@@ -260,7 +261,7 @@ class _Run:
         """What is about to run: model size, batch, budget, device, and the memory the accounting
         module expects (so a run that cannot fit says so before it starts)."""
         from archlab.accounting import training_memory
-        from archlab.cli.presets import human_bytes, human_count
+        from archlab.units import human_bytes, human_count
 
         cfg, mc, info = self.cfg, self.raw.config, self.info
         local = cfg.batch_size // info.world_size
@@ -268,17 +269,20 @@ class _Run:
         if info.strategy == "fsdp":        # weights, grads and optimizer state are sharded
             memory = {k: v // info.world_size if k in ("weights", "grads", "optimizer") else v
                       for k, v in memory.items()}
-        budget = f"{self.total_steps:,} steps" if self.total_steps is not None else f"{cfg.budget:g} minutes"
+        total = human_bytes(sum(memory.values()))
         parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in memory.items())
-        extras = [x for x, on in (("compiled", cfg.compile), ("recompute", cfg.activation_checkpointing)) if on]
+        if cfg.activation_checkpointing:
+            parts += "; activations before recompute: an upper bound"
+        batch = f"{cfg.batch_size} x {cfg.seq_len} tokens"
+        batch += f" x {cfg.grad_accum} accum" if cfg.grad_accum > 1 else ""
+        budget = f"{self.total_steps:,} steps" if self.total_steps is not None else f"{cfg.budget:g} minutes"
+        device = f"{self.device.type} {cfg.dtype}"
+        device += f" x {info.world_size} ({info.strategy})" if info.enabled else ""
+        device += "".join(f", {name}" for name, on in (("compiled", cfg.compile),
+                                                      ("recompute", cfg.activation_checkpointing)) if on)
         return (f"model {mc.name or 'custom'}: {human_count(self.raw.num_params())} params, "
-                f"{mc.n_layers} layers x d {mc.d_model}; {cfg.batch_size} x {cfg.seq_len} tokens"
-                f"{f' x {cfg.grad_accum} accum' if cfg.grad_accum > 1 else ''} per step, {budget}\n"
-                f"device {self.device.type} {cfg.dtype}"
-                f"{f' x {info.world_size} ({info.strategy})' if info.enabled else ''}"
-                f"{''.join(', ' + x for x in extras)}; expected memory per device "
-                f"{human_bytes(sum(memory.values()))} ({parts}"
-                f"{'; activations before recompute: an upper bound' if cfg.activation_checkpointing else ''})")
+                f"{mc.n_layers} layers x d {mc.d_model}; {batch} per step, {budget}\n"
+                f"device {device}; expected memory per device {total} ({parts})")
 
     # ---- the loop
     def loop(self) -> None:
@@ -453,9 +457,11 @@ class _Run:
                 warnings.warn(f"could not draw loss_curve.png: {exc}")
 
     def result(self, diverged: bool) -> TrainResult:
-        return _result(self.step, self.tokens, self.last_val, self.best_val, self.last_train_loss,
-                       self.session.tokens, self.session.seconds, self.device, diverged, self.run_dir,
-                       self.metrics_path)
+        return TrainResult(steps=self.step, tokens_seen=self.tokens, final_val_loss=self.last_val,
+                           best_val_loss=self.best_val, final_train_loss=self.last_train_loss,
+                           tokens_per_s=self.session.tokens_per_s(), peak_memory_bytes=peak_memory(self.device),
+                           device=self.device.type, diverged=diverged, run_dir=self.run_dir,
+                           metrics_path=self.metrics_path)
 
 
 def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info) -> Path | None:
@@ -484,10 +490,3 @@ def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, re
         metrics_path.unlink()
     return latest
 
-
-def _result(step, tokens, last_val, best_val, last_train, run_tokens, dt, device, diverged, run_dir,
-            metrics_path) -> TrainResult:
-    return TrainResult(steps=step, tokens_seen=tokens, final_val_loss=last_val, best_val_loss=best_val,
-                       final_train_loss=last_train, tokens_per_s=run_tokens / dt if dt > 0 else 0.0,
-                       peak_memory_bytes=peak_memory(device), diverged=diverged, run_dir=run_dir,
-                       metrics_path=metrics_path)

@@ -5,6 +5,7 @@ import argparse
 
 from archlab import accounting, presets
 from archlab.config import ConfigError, ModelConfig
+from archlab.units import human_bytes, human_count, human_flops
 
 PRESETS_EXAMPLE = """\
 examples:
@@ -26,26 +27,6 @@ examples:
 
 
 # ---- formatting ----------------------------------------------------------------------------------
-def human_count(n: float, units=(("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3))) -> str:
-    """6738415616 -> '6.74B', 68976648192 -> '69.0B', 540e9 -> '540.0B'."""
-    for unit, scale in units:
-        if abs(n) >= scale:
-            v = n / scale
-            return f"{v:.2f}{unit}" if abs(v) < 10 else f"{v:.1f}{unit}"
-    return f"{n:g}"
-
-
-def human_flops(n: float) -> str:
-    return human_count(n, (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3))) + "FLOP"
-
-
-def human_bytes(n: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
-
-
 def format_table(header: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
 

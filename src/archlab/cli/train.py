@@ -135,18 +135,12 @@ def run_train(args) -> int:
     import os
     if int(os.environ.get("RANK", "0")) == 0:
         val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
-        from archlab.cli.presets import human_bytes
-        on_gpu = train_cfg.device == "cuda" or (train_cfg.device == "auto" and _cuda())
+        from archlab.units import human_bytes
         print(f"done: {result.steps} steps, {result.tokens_seen:,} tokens, val loss {val}, "
               f"{result.tokens_per_s:,.0f} tokens/s, peak memory {human_bytes(result.peak_memory_bytes)}"
-              f"{'' if on_gpu else ' (process RSS)'}; "
+              f"{' (process RSS)' if result.device == 'cpu' else ''}; "
               f"run folder {result.run_dir}")
     return 0
-
-
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
 
 
 def run_eval(args) -> int:

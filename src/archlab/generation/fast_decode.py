@@ -126,8 +126,7 @@ class _Prepared:
         with torch.no_grad():
             self.layers = [_Layer(block) for block in model.blocks]
             self.final_norm = None if model.final_norm is None else _Norm(model.final_norm)
-            weight = model.embed.weight if model.lm_head is None else model.lm_head.weight
-            self.head_t, self.head_bias = _t(weight), model.head_bias               # (d, v)
+            self.head_t, self.head_bias = _t(model.head_weight), model.head_bias    # (d, v)
 
 
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> (signature, _Prepared)

@@ -15,12 +15,12 @@ import re
 from pathlib import Path
 
 import torch
-from archlab.progress import progress_bar
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families import FAMILIES, Family
 from archlab.interop.families.base import Rule, config_diff
 from archlab.model import TransformerLM
+from archlab.progress import progress_bar
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -160,7 +160,7 @@ def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder) -> dic
                            + (f" (+{len(leftover) - 10} more)" if len(leftover) > 10 else ""))
     out: dict[str, torch.Tensor] = {}
     for rule in progress_bar(rules, desc=f"loading {fam.model_type} tensors", unit="tensor",
-                     disable=len(rules) < 200, leave=False):
+                             disable=len(rules) < 200, leave=False):
         values = rule.to_ours([source.get(stored[n]) for n in rule.hf])
         if len(values) != len(rule.ours):
             raise WeightsError(f"rule for {rule.hf} produced {len(values)} tensors for {rule.ours}")
@@ -217,7 +217,7 @@ def save_hf(model: TransformerLM, folder: str | Path, family: str | None = None)
     covered: set[str] = set()
     rules = fam.weight_rules(cfg)
     for rule in progress_bar(rules, desc=f"mapping to {fam.model_type}", unit="tensor",
-                     disable=len(rules) < 200, leave=False):
+                             disable=len(rules) < 200, leave=False):
         values = rule.to_hf([own[n] for n in rule.ours])
         covered.update(rule.ours)
         for name, value in zip(rule.hf, values):

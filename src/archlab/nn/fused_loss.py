@@ -104,7 +104,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_ce, _grad_z):
         grad_h, grad_w, grad_b = ctx.saved_tensors
-        g = grad_total
+        g = grad_total                                              # d(outer loss)/d(total), a scalar
         dh = None if grad_h is None else grad_h * g.to(grad_h.dtype)
         dw = None if grad_w is None else (grad_w * g).to(ctx.dtypes[0])
         db = None if grad_b is None else (grad_b * g).to(ctx.dtypes[1])

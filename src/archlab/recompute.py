@@ -14,7 +14,9 @@ __all__ = ["checkpoint_blocks"]
 
 
 def checkpoint_blocks(model: nn.Module) -> nn.Module:
-    """Make every block of `model` (a TransformerLM) recompute its activations in backward."""
+    """Make every block of `model` (a TransformerLM) recompute its activations in backward.
+    Example: model = checkpoint_blocks(TransformerLM(cfg)); the trainer does it for
+    `archlab train ... --set train.activation_checkpointing=true`."""
     for block in model.blocks:
         # an instance attribute shadows the class's forward; nn.Module.__call__ (and its hooks) still run
         block.forward = functools.partial(_checkpointed, block.forward)

@@ -14,10 +14,12 @@ def human_count(n: float, units=(("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)
 
 
 def human_flops(n: float) -> str:
+    """2.5e12 -> '2.50TFLOP'."""
     return human_count(n, (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3))) + "FLOP"
 
 
 def human_bytes(n: float) -> str:
+    """Binary units: 8.5 * 2**20 -> '8.5 MiB', 512 -> '512 B'."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.1f} {unit}"

@@ -26,6 +26,7 @@ def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tens
     faster). Without autocast the concatenation and the split's backward cost what they save, so
     the projections run one by one; likewise for a few tokens (decoding), where copying the weights
     would dominate. The parameters stay separate Linears, as checkpoints and the lecture name them.
+    Example: q, k, v = project(x, (attn.q_proj, attn.k_proj, attn.v_proj))
     """
     biases = [linear.bias for linear in linears]
     fuse = (torch.is_autocast_enabled(x.device.type) and x.shape[:-1].numel() >= x.shape[-1]
@@ -64,6 +65,7 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # (..., d) -> same
+    """x / rms(x) * weight in float32, returned in x's dtype. Example: y = rms_norm(x, norm.weight, 1e-5)"""
     return _RMSNorm.apply(x, weight, eps)
 
 
@@ -90,5 +92,6 @@ class _RopeHalf(torch.autograd.Function):
 
 
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate all of x's last dim; cos = [cos, cos] and sin = [-sin, sin] (RotaryEmbedding.tables)."""
+    """Rotate all of x's last dim; cos = [cos, cos] and sin = [-sin, sin] (RotaryEmbedding.tables).
+    Example: cos, sin = rope.tables(positions, q.dtype); q = rope_half(q, cos, sin)"""
     return _RopeHalf.apply(x, cos, sin)

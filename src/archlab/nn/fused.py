@@ -5,7 +5,7 @@ Eager PyTorch runs every op of a composite layer as its own pass over memory. Fo
 ~3 passes forward and ~9 backward, and autograd keeps x, x^2's mean and the normalized x; here the
 forward keeps only the normalized x and 1/rms, and the backward is 5 passes (forward + backward measured
 1.6x faster on CPU, about 5% of a LLaMA-style training step). RoPE's backward is the transposed
-rotation, one multiply and one multiply-add (1.6x faster in isolation, ~2% of a step).
+rotation, one multiply and one multiply-add (1.6x faster in isolation; within the noise of a step).
 tests/test_fused.py checks values and gradients against the composite formulas.
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tens
 
     Autocast casts a float32 input once per matmul, and backward casts each projection's dL/dx back
     and sums them: for q/k/v that is three casts and two adds each way, for gate/up two and one. One
-    matmul over the concatenated weights casts once and needs no sum (bf16 steps measured up to 9%
-    faster). Without autocast the concatenation and the split's backward cost what they save, so
-    the projections run one by one; likewise for a few tokens (decoding), where copying the weights
-    would dominate. The parameters stay separate Linears, as checkpoints and the lecture name them.
+    matmul over the concatenated weights casts once and needs no sum (bf16 steps measured 1-9%
+    faster over three runs). Without autocast the concatenation and the split's backward cost what
+    they save, so the projections run one by one; likewise for a few tokens (decoding), where
+    copying the weights would dominate. The parameters stay separate Linears, as checkpoints and the lecture name them.
     Example: q, k, v = project(x, (attn.q_proj, attn.k_proj, attn.v_proj))
     """
     biases = [linear.bias for linear in linears]

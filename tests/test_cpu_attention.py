@@ -65,13 +65,16 @@ def test_bf16_gradients_as_accurate_as_sdpa(heads, kv_heads):
         assert _rel(mine, exact) < 1.5 * _rel(theirs, exact) + 1e-3
 
 
-def test_slices_give_the_same_gradients(monkeypatch):
-    q, k, v, g = _inputs(3, 4, 2, 16, 8, torch.float64, seed=2)
-    whole = _run(lambda *a: causal_attention(*a, 0.35), q, k, v, g)
-    monkeypatch.setattr(cpu_attention, "SLICE_BYTES", 4 * 16 * 16 * 5)   # 5 rows of 24 per slice
-    sliced = _run(lambda *a: causal_attention(*a, 0.35), q, k, v, g)
-    for a, b in zip(whole, sliced):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+@pytest.mark.parametrize("block,slice_rows", [(4, 24), (5, 5), (16, 7)])
+def test_blocks_and_slices_give_the_same_gradients(monkeypatch, block, slice_rows):
+    """Query blocks (uneven last one) and (batch x head) slices (uneven too) change no result."""
+    q, k, v, g = _inputs(3, 4, 2, 18, 8, torch.float64, seed=2)
+    whole = _reference(q, k, v, g, 0.35)
+    monkeypatch.setattr(cpu_attention, "QUERY_BLOCK", block)
+    monkeypatch.setattr(cpu_attention, "SLICE_BYTES", 4 * block * 18 * slice_rows)
+    parts = _run(lambda *a: causal_attention(*a, 0.35), q, k, v, g)
+    for a, b in zip(parts, whole):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 def test_used_only_for_bf16_training_on_cpu():
@@ -81,6 +84,8 @@ def test_used_only_for_bf16_training_on_cpu():
     assert use_cpu_attention(xb, 0.0)
     assert not use_cpu_attention(xb, 0.1)                              # dropout: SDPA
     assert not use_cpu_attention(xb.detach(), 0.0)                     # nothing to differentiate
+    long = torch.zeros(1, 1, cpu_attention.MAX_LEN + 1, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert not use_cpu_attention(long, 0.0)                            # SDPA is as fast there
     with torch.no_grad():
         assert not use_cpu_attention(xb, 0.0)
 

@@ -101,22 +101,71 @@ class BiasConfig:
     head: bool = False   # LM-head bias (Phi-1/2)
 
 
+RopeScalingKind = Literal["linear", "llama3", "yarn", "longrope", "dynamic"]
+# the fields each kind reads (the others keep their defaults; nn/position.py holds the math)
+ROPE_SCALING_FIELDS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"),
+    "yarn": ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "truncate",
+             "attention_factor"),
+    "longrope": ("factor", "original_max_seq_len", "attention_factor", "short_factor",
+                 "long_factor"),
+    "dynamic": ("factor", "original_max_seq_len"),
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Context extension of RoPE frequencies: 'linear' (position interpolation) or 'llama3'."""
+    """Context extension of RoPE frequencies: 'linear' (position interpolation), 'llama3',
+    'yarn', 'longrope' (Phi-3) or 'dynamic' (NTK by call length). Math in nn/position.py;
+    ROPE_SCALING_FIELDS lists the fields each kind reads."""
 
-    kind: Literal["linear", "llama3"] = "linear"
-    factor: float = 1.0
+    kind: RopeScalingKind = "linear"
+    factor: float = 1.0                # context multiple (longrope: sets only the attention factor)
     low_freq_factor: float = 1.0       # llama3 only
     high_freq_factor: float = 4.0      # llama3 only
-    original_max_seq_len: int = 8192   # llama3 only
+    original_max_seq_len: int = 8192   # pretraining context (all kinds but linear)
+    beta_fast: float = 32.0            # yarn: dims turning more often than this are kept
+    beta_slow: float = 1.0             # yarn: dims turning less often are divided by factor
+    truncate: bool = True              # yarn: round the ramp's ends to whole dims (gpt-oss: False)
+    attention_factor: float | None = None  # yarn, longrope: cos/sin multiplier; None: the default
+    short_factor: tuple[float, ...] | None = None  # longrope: per-frequency divisors, short calls
+    long_factor: tuple[float, ...] | None = None   # longrope: the same past original_max_seq_len
 
     def __post_init__(self):
         _check_literals(self, "position.rope_scaling")
-        _positive("position.rope_scaling", factor=self.factor,
-                  original_max_seq_len=self.original_max_seq_len)
+        owner = "position.rope_scaling"
+        _positive(owner, factor=self.factor, original_max_seq_len=self.original_max_seq_len,
+                  beta_fast=self.beta_fast, beta_slow=self.beta_slow,
+                  attention_factor=self.attention_factor)
         if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ConfigError("position.rope_scaling.high_freq_factor must exceed low_freq_factor")
+        if self.kind == "yarn" and self.beta_fast <= self.beta_slow:
+            raise ConfigError(f"{owner}.beta_fast={self.beta_fast} must exceed "
+                              f"beta_slow={self.beta_slow}")
+        for name in ("attention_factor", "short_factor", "long_factor"):
+            if getattr(self, name) is not None and name not in ROPE_SCALING_FIELDS[self.kind]:
+                raise ConfigError(f"{owner}.{name} is not read by kind {self.kind!r} "
+                                  f"(it reads {', '.join(ROPE_SCALING_FIELDS[self.kind])})")
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if value is None:
+                if self.kind == "longrope":
+                    raise ConfigError(f"{owner}.{name} is required by kind 'longrope' "
+                                      "(one divisor per rotary frequency)")
+                continue
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+                raise ConfigError(f"{owner}.{name}={value!r} must be a list of numbers")
+            try:
+                value = tuple(float(v) for v in value)  # a tuple: configs stay hashable
+            except (TypeError, ValueError):
+                raise ConfigError(f"{owner}.{name}={list(value)!r} must be a list of numbers") from None
+            if not value or not all(v > 0 for v in value):
+                raise ConfigError(f"{owner}.{name} must be a non-empty list of positive numbers")
+            object.__setattr__(self, name, value)
+        if self.kind == "longrope" and len(self.short_factor) != len(self.long_factor):
+            raise ConfigError(f"{owner}.short_factor has {len(self.short_factor)} entries and "
+                              f"long_factor {len(self.long_factor)}: both need one per frequency")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -322,6 +371,18 @@ class ModelConfig:
                     f"rotary dim {rot} (head_dim={self.head_dim} x position.rotary_fraction="
                     f"{pos.rotary_fraction}) must be even and >= 2"
                 )
+            scaling = pos.rope_scaling
+            for name in ("short_factor", "long_factor"):
+                value = getattr(scaling, name, None)
+                if value is not None and len(value) != rot // 2:
+                    raise ConfigError(
+                        f"position.rope_scaling.{name} has {len(value)} entries; rotary dim {rot} "
+                        f"(head_dim={self.head_dim} x position.rotary_fraction="
+                        f"{pos.rotary_fraction}) needs {rot // 2}, one per frequency"
+                    )
+            if scaling is not None and scaling.kind == "dynamic" and rot < 4:
+                raise ConfigError(f"position.rope_scaling.kind='dynamic' needs a rotary dim >= 4 "
+                                  f"(its base exponent is r/(r-2)), got {rot}")
         if self.block.parallel and self.norm.position != "pre":
             raise ConfigError(
                 f"block.parallel=True needs norm.position='pre', got {self.norm.position!r}"

@@ -92,9 +92,9 @@ def test_no_weights_file(llama_folder):
 def test_unsupported_hf_switch_is_named(llama_folder):
     folder, _ = llama_folder
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "proportional", "rope_theta": 10000.0}
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="yarn"):
+    with pytest.raises(ConfigError, match="proportional"):
         load_hf(folder)
 
 

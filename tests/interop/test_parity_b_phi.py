@@ -30,12 +30,13 @@ def test_phi3_logits_match_transformers(hf_parity, hf_roundtrip):
     hf_roundtrip(ours, expect_family="phi3")
 
 
-def test_phi3_longrope_is_refused():
+def test_phi3_refuses_rope_types_its_hf_config_refuses():
+    """Phi3Config accepts only default and longrope (su, yarn renamed); longrope parity lives in
+    test_rope_scaling.py."""
     from archlab.interop.families import FAMILIES
 
-    hf = {**BASE, "model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
-                                                         "long_factor": [2.0] * 8}}
-    with pytest.raises(ConfigError, match="longrope"):
+    hf = {**BASE, "model_type": "phi3", "rope_scaling": {"type": "linear", "factor": 2.0}}
+    with pytest.raises(ConfigError, match="linear"):
         FAMILIES.get("phi3").to_config(hf)
 
 

@@ -87,7 +87,7 @@ def test_gemma3_1b_legacy_rope_fields():
 
 
 @pytest.mark.parametrize("hf,field", [
-    ({**LLAMA31_8B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({**LLAMA31_8B, "rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "proportional"),
     ({**LLAMA31_8B, "pretraining_tp": 2}, "pretraining_tp"),
     ({**LLAMA31_8B, "hidden_act": "tanh"}, "hidden_act"),
     ({**MISTRAL_7B, "mlp_bias": True}, "mlp_bias"),

@@ -179,7 +179,7 @@ def infer_family(cfg: ModelConfig) -> Family:
     for name in FAMILIES.names():
         fam = FAMILIES.get(name)
         try:
-            back = fam.to_config(fam.from_config(cfg))
+            back = fam.to_config(fam.to_hf(cfg))
         except NotImplementedError:
             continue
         except ConfigError as exc:
@@ -205,10 +205,10 @@ def save_hf(model: TransformerLM, folder: str | Path, family: str | None = None)
     cfg = model.config
     if family is None:
         fam = infer_family(cfg)
-        hf = fam.from_config(cfg)
+        hf = fam.to_hf(cfg)
     else:
         fam = FAMILIES.get(family)
-        hf = fam.from_config(cfg)
+        hf = fam.to_hf(cfg)
         diff = config_diff(cfg, fam.to_config(hf))
         if diff:
             raise ConfigError(f"HF family {family!r} cannot express {', '.join(diff)} of this config")

@@ -7,7 +7,9 @@ Inside attention (one object per layer, so layers can differ: Command A, Gemma 3
   rope        Su et al. 2021 (RoFormer): rotate pairs of q/k dims by p * theta^(-2i/r). Layouts:
               "half" pairs dim i with i + r/2 (HF LLaMA, GPT-NeoX); "interleaved" pairs 2i with
               2i+1 (GPT-J, Cohere, Meta's original). Partial rotary rotates the first r dims.
-              Scaling: linear (Chen et al. 2023, position interpolation) and Llama 3's.
+              Context extension (ROPE_SCALINGS): linear (Chen et al. 2023, position
+              interpolation), Llama 3's, YaRN (Peng et al. 2023), LongRoPE (Ding et al. 2024;
+              Phi-3) and dynamic NTK; the last two pick frequencies by each call's length.
   alibi       Press et al. 2021: logits - slope_h * (p_q - p_k)
   t5          Raffel et al. 2020: a learned scalar per (log-bucketed distance, head), shared
               across layers
@@ -17,6 +19,7 @@ Positions are (b, t) integer tensors; -1 marks a padding slot (masked out by att
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -52,27 +55,120 @@ class InputPosition(NoPosition):
     """Absolute encodings act at the input (see AbsolutePosition); nothing in attention."""
 
 
-def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Frequencies theta^(-2i/r), i < r/2, after optional context-extension scaling."""
+# ---- RoPE context extension ----------------------------------------------------------------------
+# kind -> fn(exponents, theta, scaling, seq_len) -> (inv_freq, attention_factor). `exponents` are
+# 2i/r for i < r/2 (unscaled frequencies theta^-exponents); `seq_len` is None when the module is
+# built and, for CALL_LENGTH_KINDS, the 0-d tensor max(position) + 1 of each call. The attention
+# factor multiplies cos and sin (so q.k logits by its square), as transformers does.
+ROPE_SCALINGS: Registry[Callable[..., tuple[torch.Tensor, float]]] = Registry("rope scaling kind")
+# frequencies follow the length of each call, as transformers' `dynamic_rope_update` does
+CALL_LENGTH_KINDS = ("longrope", "dynamic")
+
+
+@ROPE_SCALINGS.register("linear")
+def _linear_scaling(exponents, theta, s: RopeScaling, seq_len=None):
+    """Position interpolation (Chen et al. 2023): every frequency divided by `factor`."""
+    return 1.0 / theta ** exponents / s.factor, 1.0
+
+
+@ROPE_SCALINGS.register("llama3")
+def _llama3_scaling(exponents, theta, s: RopeScaling, seq_len=None):
+    """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between."""
+    inv_freq = 1.0 / theta ** exponents
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = s.original_max_seq_len / s.low_freq_factor
+    high_wavelen = s.original_max_seq_len / s.high_freq_factor
+    smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    ramp = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(medium, ramp, scaled), 1.0
+
+
+@ROPE_SCALINGS.register("yarn")
+def _yarn_scaling(exponents, theta, s: RopeScaling, seq_len=None):
+    """YaRN (Peng et al. 2023, arXiv 2309.00071), "NTK-by-parts": dims that turn more than
+    beta_fast times within the original context keep their frequency, dims turning fewer than
+    beta_slow times are interpolated by `factor`, a linear ramp between; cos/sin scaled by
+    0.1 ln(factor) + 1 (the paper's sqrt(1/t)) unless attention_factor is given."""
+    r = 2 * exponents.shape[0]
+    inv_freq = 1.0 / theta ** exponents
+
+    def dim_turning(turns: float) -> float:  # the dim whose wavelength fits `turns` times
+        return r * math.log(s.original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(s.beta_fast), dim_turning(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, r - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a zero-width ramp
+    steps = torch.arange(r // 2, dtype=exponents.dtype, device=exponents.device)
+    interpolate = ((steps - low) / (high - low)).clamp(0, 1)          # 0: keep, 1: divide by factor
+    scaled = inv_freq / s.factor * interpolate + inv_freq * (1 - interpolate)
+    if s.attention_factor is not None:
+        return scaled, s.attention_factor
+    return scaled, 0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0
+
+
+@ROPE_SCALINGS.register("longrope")
+def _longrope_scaling(exponents, theta, s: RopeScaling, seq_len=None):
+    """LongRoPE (Ding et al. 2024, arXiv 2402.13753; Phi-3 "su"): a searched divisor per
+    frequency, `short_factor` while the call's max position + 1 <= original_max_seq_len and
+    `long_factor` past it (transformers' rule: one choice per forward call, by its positions);
+    cos/sin scaled by sqrt(1 + ln(factor) / ln(original_max_seq_len)) unless attention_factor."""
+    inv_freq = 1.0 / theta ** exponents
+    short = inv_freq / inv_freq.new_tensor(s.short_factor)
+    if s.attention_factor is not None:
+        attention = s.attention_factor
+    elif s.factor <= 1:
+        attention = 1.0
+    else:
+        attention = math.sqrt(1 + math.log(s.factor) / math.log(s.original_max_seq_len))
+    if seq_len is None:
+        return short, attention
+    long = inv_freq / inv_freq.new_tensor(s.long_factor)
+    return torch.where(seq_len > s.original_max_seq_len, long, short), attention
+
+
+@ROPE_SCALINGS.register("dynamic")
+def _dynamic_scaling(exponents, theta, s: RopeScaling, seq_len=None):
+    """Dynamic NTK scaling (bloc97/emozilla 2023, as in transformers): for a call of length
+    L > original_max_seq_len the base grows to theta (factor L / original - factor + 1)^(r/(r-2));
+    shorter calls are unscaled. Stateless: transformers caches the longest call's frequencies
+    until a call shorter than the original context, so a shorter-but-long call after a longer
+    one differs there (fresh models, growing decodes and short calls agree)."""
+    if seq_len is None:
+        return 1.0 / theta ** exponents, 1.0
+    r = 2 * exponents.shape[0]
+    length = seq_len.to(exponents.dtype).clamp(min=s.original_max_seq_len)
+    base = theta * (s.factor * length / s.original_max_seq_len - (s.factor - 1)) ** (r / (r - 2))
+    return 1.0 / base ** exponents, 1.0
+
+
+def rope_exponents(rotary_dim: int) -> torch.Tensor:
+    """2i/r for i < r/2, float64: frequencies are theta^-exponents."""
     # tables are built on the CPU explicitly, so a model built on the meta device (fast loading of
     # checkpoints, see interop.load_hf) still gets real buffers
-    steps = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu")
-    inv_freq = 1.0 / theta ** (steps / rotary_dim)
+    return torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim
+
+
+def rope_frequencies(rotary_dim: int, theta: float,
+                     scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies (r/2,) float32, attention factor) at build time (calls up to
+    original_max_seq_len for the CALL_LENGTH_KINDS)."""
+    exponents = rope_exponents(rotary_dim)
     if scaling is None:
-        return inv_freq.float()
-    if scaling.kind == "linear":
-        return (inv_freq / scaling.factor).float()
-    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between
-    wavelen = 2 * math.pi / inv_freq
-    low_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
-    smooth = (scaling.original_max_seq_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    ramp = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    return torch.where(medium, ramp, scaled).float()
+        return (1.0 / theta ** exponents).float(), 1.0
+    inv_freq, attention = ROPE_SCALINGS.get(scaling.kind)(exponents, theta, scaling)
+    return inv_freq.float(), float(attention)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Frequencies theta^(-2i/r), i < r/2, after optional context-extension scaling."""
+    return rope_frequencies(rotary_dim, theta, scaling)[0]
 
 
 @ATTENTION_POSITIONS.register("rope")
@@ -87,17 +183,29 @@ class RotaryEmbedding(AttentionPosition):
         scaling = None if local else pos.rope_scaling  # Gemma 3: local layers are unscaled
         self.rotary_dim = cfg.rotary_dim
         self.interleaved = pos.rope_layout == "interleaved"
-        self.register_buffer("inv_freq", rope_inv_freq(self.rotary_dim, theta, scaling),
-                             persistent=False)
+        inv_freq, self.attention_factor = rope_frequencies(self.rotary_dim, theta, scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.theta, self.scaling = theta, scaling
         # layers with equal keys have equal tables: a decode step builds them once (Attention memo)
         self.table_key = ("rope", theta, scaling, self.rotary_dim, self.interleaved)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) for `positions` (b, t), each (b, 1, t, r/2); "half" layout: ([cos, cos], [-sin, sin])
         over r dims, so `rotate` needs two multiplies and one add."""
+        inv_freq = self.inv_freq
+        if self.scaling is not None and self.scaling.kind in CALL_LENGTH_KINDS:
+            # longrope, dynamic: frequencies from this call's max position, as tensor ops (no
+            # host sync, traceable); q and k of a call share them through the Attention memo
+            r, seq_len = self.rotary_dim, positions.max() + 1
+            exponents = torch.arange(0, r, 2, dtype=torch.float32, device=positions.device) / r
+            inv_freq, _ = ROPE_SCALINGS.get(self.scaling.kind)(exponents, self.theta, self.scaling,
+                                                               seq_len)
         # positions (b, t), or (1, t) shared by all rows on the plain causal path: tables built once
-        angles = positions.clamp(min=0)[:, None, :, None].float() * self.inv_freq  # (b|1, 1, t, r/2)
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        angles = positions.clamp(min=0)[:, None, :, None].float() * inv_freq  # (b|1, 1, t, r/2)
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:  # YaRN, LongRoPE: q.k logits times attention_factor^2
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        cos, sin = cos.to(dtype), sin.to(dtype)
         if self.interleaved:
             return cos, sin
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)

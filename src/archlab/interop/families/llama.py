@@ -2,12 +2,14 @@
 
 All are pre-norm RMSNorm, rotate-half RoPE, gated MLP, untied (or tied) head, and share one weight
 layout (`model.layers.N.self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`). They differ in:
-  llama    attention_bias (q, k, v and o), mlp_bias, rope scaling (linear, llama3)
+  llama    attention_bias (q, k, v and o), mlp_bias
   mistral  sliding_window on every layer
   mixtral  mistral + top-k MoE (`block_sparse_moe.gate`, `experts.E.w1/w3/w2`): softmax over all
            experts, top-k, renormalize the k weights (same order of operations as archlab's MoEMLP)
   qwen2    q/k/v bias (not o); sliding window on layers >= max_window_layers (or `layer_types`)
   qwen3    per-head RMSNorm on q and k (`q_norm`, `k_norm`), attention_bias like llama
+All read the rope scaling types linear, llama3, yarn (Qwen2.5/Qwen3 long context), longrope and
+dynamic (read_rope); other types (e.g. proportional) raise ConfigError.
 """
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """Phi-3 / Phi-4-mini (Microsoft 2024): LLaMA-like (RMSNorm pre-norm, SwiGLU, no biases) with a
 fused `qkv_proj` [q; k; v] and a fused `gate_up_proj` [gate; up], optional partial rotary
 (`partial_rotary_factor`) and a sliding window on every layer (`sliding_window`).
-Not supported: longrope / su / yarn `rope_scaling` (the 128k variants) -- read_rope names it."""
+RoPE: default or LongRoPE (the 128k variants; transformers' Phi3Config renames "su" and "yarn"
+to "longrope" and gives the top-level `original_max_position_embeddings`, default 4096, priority).
+Short vs long factors: transformers picks per forward call, long when max(position_ids) + 1 >
+original_max_position_embeddings (not by max_position_embeddings); archlab's RotaryEmbedding
+does the same. Other rope types are refused, as Phi3Config refuses them."""
 from __future__ import annotations
 
 from archlab.config import (
@@ -16,6 +20,9 @@ from archlab.interop.families.gpt_neox import (
 from archlab.interop.families.llama import GATED_ACT_BACK, gated_activation
 
 
+LONGROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # as Phi3Config renames them
+
+
 @register_family
 class Phi3Family(Family):
     model_type = "phi3"
@@ -24,9 +31,10 @@ class Phi3Family(Family):
     save_priority = 60
 
     def to_config(self, hf: dict) -> ModelConfig:
-        c = HFConfig(hf, self.model_type)
+        # Phi3Config: a top-level original_max_position_embeddings (default 4096) wins
+        c = HFConfig({"original_max_position_embeddings": 4096, **hf}, self.model_type)
         d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
-        theta, scaling = read_rope(c)
+        theta, scaling = read_rope(c, aliases=LONGROPE_ALIASES, kinds=("default", "longrope"))
         return ModelConfig(
             name="hf-phi3",
             vocab_size=c.require("vocab_size"),
@@ -50,6 +58,8 @@ class Phi3Family(Family):
         self.require(cfg, "mlp.activation", list(GATED_ACT_BACK))
         self.require(cfg, "attention.layer_pattern", [None, "L"])
         self.require(cfg, "position.kind", "rope")
+        self.require(cfg, "position.rope_scaling.kind", [None, "longrope"])
+        scaling = cfg.position.rope_scaling
         hf = self.base_hf(cfg)
         rope = write_partial_rope(cfg)
         hf.update(
@@ -57,7 +67,9 @@ class Phi3Family(Family):
             num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,
             head_dim=cfg.head_dim, hidden_act=GATED_ACT_BACK[cfg.mlp.activation],
             rms_norm_eps=cfg.norm.eps, max_position_embeddings=cfg.max_seq_len,
-            original_max_position_embeddings=cfg.max_seq_len, sliding_window=cfg.attention.window,
+            original_max_position_embeddings=(scaling.original_max_seq_len if scaling
+                                              else cfg.max_seq_len),
+            sliding_window=cfg.attention.window,
             partial_rotary_factor=cfg.position.rotary_fraction, pad_token_id=None,
             attention_dropout=cfg.attention.dropout, resid_pdrop=0.0, embd_pdrop=0.0, **rope,
         )

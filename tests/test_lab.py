@@ -270,3 +270,38 @@ def test_report_from_synthetic_sweep_has_verdicts_and_plots(tmp_path):
     html = paths["html"].read_text()
     for img in ("img/norms_curves.png", "img/norms_final_loss.png", "img/norms_step_time.png"):
         assert img in html and (paths["html"].parent / img).stat().st_size > 1000
+
+
+def _timing_suite(**kw):
+    return suites.Suite(name="depth", claim="c", seeds=2,
+                        axes=[{"name": "layers", "key": "n_layers", "values": [1, 8]}],
+                        base={"model": {"d_model": 32, "attention.n_heads": 2, "mlp.d_ff": 64},
+                              "train": {"batch_size": 4, "seq_len": 32}}, **kw)
+
+
+def test_paired_step_times_rank_the_slower_variant_per_seed(tmp_path):
+    from archlab.lab import timing
+    runs = runner.plan(_timing_suite(), tmp_path, budget=3, vocab_size=64)
+    times = timing.paired_step_times(runs, rounds_per_seed=3, warmup=1)
+    assert set(times) == {("layers=1", 0), ("layers=1", 1), ("layers=8", 0), ("layers=8", 1)}
+    assert all(t > 0 for t in times.values())
+    for seed in (0, 1):                                           # 8 blocks do ~8x the work of 1
+        assert times[("layers=8", seed)] > 2 * times[("layers=1", seed)]
+
+
+def test_sweep_records_paired_step_times_once(tmp_path, monkeypatch):
+    from archlab.lab import timing
+    data = _tiny_data(tmp_path)
+    calls = []
+    monkeypatch.setattr(timing, "paired_step_times",
+                        lambda runs, progress=False: calls.append(len(runs)) or
+                        {(r.variant.name, r.seed): 0.01 * r.model.n_layers for r in runs})
+    suite = _timing_suite(measure=["paired_step_time"],
+                          rules=[Rule(kind="less", metric=timing.METRIC, statement="shallow faster",
+                                      a={"layers": 1}, b={"layers": 8})])
+    kw = dict(data_dir=data, budget=3, progress=False)
+    rows = runner.run_suite(suite, tmp_path / "sweep", train_fn=FakeTrainer(), **kw)
+    assert calls == [4]
+    assert {(r.variant, r.extra[timing.METRIC]) for r in rows} == {("layers=1", 0.01), ("layers=8", 0.08)}
+    runner.run_suite(suite, tmp_path / "sweep", train_fn=FakeTrainer(), **kw)   # resumed: kept
+    assert calls == [4]

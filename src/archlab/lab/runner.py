@@ -170,9 +170,26 @@ def run_suite(
                 bar.update(1)
         if bar is not None:
             bar.close()
+        if measure and "paired_step_time" in suite.measure:
+            _record_paired_step_times(store, suite, runs, progress)
         return store.runs(suite.name)
     finally:
         store.close()
+
+
+def _record_paired_step_times(store: ResultStore, suite: Suite, runs: list[PlannedRun], progress: bool) -> None:
+    """Time the variants' steps side by side (lab/timing.py) once every run has a row, unless every
+    finished run already has its time (a resumed sweep keeps the times it measured)."""
+    from archlab.lab import timing
+
+    records = {(run.variant.name, run.seed): store.get(suite.name, run.variant.name, run.seed) for run in runs}
+    done = {key: rec for key, rec in records.items() if rec is not None and rec.status == "done"}
+    if not done or all(timing.METRIC in rec.extra for rec in done.values()):
+        return
+    times = timing.paired_step_times(runs, progress=progress)
+    for key, rec in done.items():
+        rec.extra[timing.METRIC] = times[key]
+        store.put(rec)
 
 
 def _same_config(a: dict, b: dict) -> bool:
@@ -262,7 +279,7 @@ def kv_bytes(cfg: ModelConfig, seq_len: int) -> int:
 
 def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
     """Post-training measurements the suite asks for, on the run's final checkpoint."""
-    wanted = [m for m in suite.measure if m != "kv_cache_bytes"]
+    wanted = [m for m in suite.measure if m not in ("kv_cache_bytes", "paired_step_time")]  # not per run
     if not wanted:
         return {}
     import torch

@@ -59,9 +59,9 @@ def _attention_params(cfg: ModelConfig) -> int:
     if att.learned_sinks:
         n += att.n_heads
     if att.qk_norm == "per_head":
-        n += 2 * _norm_params(cfg, e, False)
+        n += 2 * _norm_params(cfg, e, cfg.bias.qk_norm)
     elif att.qk_norm in ("full", "per_head_untied"):  # untied: one weight per head (Cohere)
-        n += _norm_params(cfg, he, False) + _norm_params(cfg, ke, False)
+        n += _norm_params(cfg, he, cfg.bias.qk_norm) + _norm_params(cfg, ke, cfg.bias.qk_norm)
     return n
 
 

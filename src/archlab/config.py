@@ -99,6 +99,7 @@ class BiasConfig:
     mlp: bool = False
     norm: bool = False   # LayerNorm's additive beta (ignored by RMSNorm kinds)
     head: bool = False   # LM-head bias (Phi-1/2)
+    qk_norm: bool = False  # a beta on the QK-norm too (Phi-1/2 `qk_layernorm`; LayerNorm kinds)
 
 
 RopeScalingKind = Literal["linear", "llama3", "yarn", "longrope", "dynamic"]
@@ -217,6 +218,8 @@ class AttentionConfig:
                                            # per_head_untied: own weight per head (Command R+)
     logit_softcap: float | None = None     # Gemma 2: 50.0  (cap * tanh(s / cap))
     query_pre_attn_scalar: float | None = None  # scale = scalar**-0.5 (Gemma 2); None: head_dim
+    scale_by_inverse_layer: bool = False   # scale also / (layer + 1): GPT-2's fp16-stability
+                                           # `scale_attn_by_inverse_layer_idx` (Stanford CRFM)
     clip_qkv: float | None = None          # OLMo: clamp q, k, v projections to [-c, c]
     gated: bool = False                    # sigmoid(x W_g) * attn_out, before o_proj (Qiu et al. 2025)
     learned_sinks: bool = False            # per-head logit in the softmax denominator
@@ -390,6 +393,11 @@ class ModelConfig:
         if att.qk_norm == "per_head_untied" and self.norm.kind == "nonparametric":
             raise ConfigError("attention.qk_norm='per_head_untied' needs a norm with a weight; "
                               "norm.kind='nonparametric' has none")
+        if self.bias.qk_norm and (att.qk_norm not in ("per_head", "full")
+                                  or self.norm.kind not in ("layernorm", "layernorm_1p")):
+            raise ConfigError(
+                f"bias.qk_norm=True needs attention.qk_norm 'per_head' or 'full' with a LayerNorm "
+                f"norm.kind, got qk_norm={att.qk_norm!r}, norm.kind={self.norm.kind!r}")
         if self.mlp.width(self.d_model) < 1:
             raise ConfigError("mlp width must be >= 1")
 

@@ -71,14 +71,14 @@ class Attention(nn.Module):
             self.q_norm = HeadwiseNorm(cfg.norm.kind, self.n_heads, self.head_dim, cfg.norm.eps)
             self.k_norm = HeadwiseNorm(cfg.norm.kind, self.n_kv_heads, self.head_dim, cfg.norm.eps)
         elif att.qk_norm != "none":
-            per_head = att.qk_norm == "per_head"
-            self.q_norm = build_norm(cfg.norm.kind, self.head_dim if per_head else h_e, cfg.norm.eps, False)
-            self.k_norm = build_norm(cfg.norm.kind, self.head_dim if per_head else k_e, cfg.norm.eps, False)
+            per_head, bias = att.qk_norm == "per_head", cfg.bias.qk_norm
+            self.q_norm = build_norm(cfg.norm.kind, self.head_dim if per_head else h_e, cfg.norm.eps, bias)
+            self.k_norm = build_norm(cfg.norm.kind, self.head_dim if per_head else k_e, cfg.norm.eps, bias)
 
         self.window = att.window if cfg.is_local(layer) else None
         self.position = build_attention_position(cfg, layer, shared)
         scale_dim = att.query_pre_attn_scalar or self.head_dim
-        self.scale = scale_dim ** -0.5
+        self.scale = scale_dim ** -0.5 / (layer + 1 if att.scale_by_inverse_layer else 1)
         self.softcap = att.logit_softcap
         self.clip_qkv = att.clip_qkv
         self.dropout = att.dropout

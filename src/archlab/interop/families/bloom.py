@@ -4,6 +4,11 @@ everywhere, tanh-approximated GeLU, MLP width 4d, tied head.
 
 HF adds slope_h * key_position to the logits; archlab's ALiBi adds -slope_h * (q - k). They differ
 by slope_h * q, constant along each softmax row, so the attention probabilities are identical.
+
+Not supported: `apply_residual_connection_post_layernorm=True`, where each sublayer computes
+n(x) + f(n(x)) (the residual taken after the LayerNorm). No archlab norm.position computes that:
+post-norm is n(x + f(x)), and re-reading it as a shifted post-norm would need an extra norm
+before the first layer and weights moved between layers.
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ class BloomFamily(Family):
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
         c.unsupported("apply_residual_connection_post_layernorm",
-                      why="the residual taken after the LayerNorm")
+                      why="the residual taken after the LayerNorm, n(x) + f(n(x)), "
+                          "is no archlab norm.position")
         d = c.get("hidden_size") or c.require("n_embed")
         return ModelConfig(
             name="hf-bloom",

@@ -5,6 +5,8 @@ shared LayerNorm without bias, interleaved RoPE, SwiGLU, tied head, logits * `lo
            head, weight (heads, head_dim) -> attention.qk_norm="per_head_untied".
   cohere2  sliding window on 3 of every 4 layers (`sliding_window_pattern`, or `layer_types`);
            RoPE only on the sliding layers, no position signal on the global ones (NoPE).
+           Not supported: `use_qk_norm=True`; transformers' Cohere2Config has no such field and
+           its model no q/k norm, so a checkpoint that sets it has no defined meaning there.
 """
 from __future__ import annotations
 
@@ -111,7 +113,7 @@ class Cohere2Family(CohereFamily):
         return default   # Cohere2Config always sets head_dim = hidden_size // num_attention_heads
 
     def read_window(self, c: HFConfig) -> tuple[int | None, str | None, str | None]:
-        c.unsupported("use_qk_norm", why="cohere2 has no QK-norm")
+        c.unsupported("use_qk_norm", why="transformers' Cohere2 model has no QK-norm")
         n = c.require("num_hidden_layers")
         types = c.get("layer_types") or [
             "sliding_attention" if (i + 1) % c.get("sliding_window_pattern", 4) else "full_attention"

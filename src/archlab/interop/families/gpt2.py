@@ -4,6 +4,11 @@ plain GeLU MLP (tanh approximation, HF's "gelu_new"), tied head.
 Weights are stored by HF's Conv1D as (in, out), the transpose of nn.Linear, and q/k/v are one
 fused `c_attn` of width 3d: both are undone here. Old checkpoints also store the causal-mask
 buffers `attn.bias` / `attn.masked_bias`; they are ignored.
+
+Attention-scale switches: `scale_attn_weights=False` (no 1/sqrt(e)) is query_pre_attn_scalar=1;
+`scale_attn_by_inverse_layer_idx` (logits also / (layer + 1), Stanford CRFM's fp16 runs) is
+attention.scale_by_inverse_layer; `reorder_and_upcast_attn` only moves the scale onto q @ k in
+float32 (an fp16/bf16 overflow guard) and is read as a no-op. Not supported: `add_cross_attention`.
 """
 from __future__ import annotations
 
@@ -34,9 +39,8 @@ class GPT2Family(Family):
         c = HFConfig(hf, self.model_type)
         d = c.require("n_embd")
         act = c.only("activation_function", ACT, "gelu_new")
-        c.unsupported("scale_attn_weights", lambda v: v is False, "unscaled attention logits")
-        c.unsupported("scale_attn_by_inverse_layer_idx", why="per-layer 1/(layer+1) logit scale")
         c.unsupported("add_cross_attention", why="encoder-decoder cross-attention")
+        scaled = bool(c.get("scale_attn_weights", True))
         n_positions = c.get("n_positions", c.get("n_ctx", 1024))
         return ModelConfig(
             name="hf-gpt2",
@@ -44,8 +48,10 @@ class GPT2Family(Family):
             d_model=d,
             n_layers=c.require("n_layer"),
             max_seq_len=n_positions,
-            attention=AttentionConfig(n_heads=c.require("n_head"),
-                                      dropout=float(c.get("attn_pdrop", 0.0))),
+            attention=AttentionConfig(
+                n_heads=c.require("n_head"), query_pre_attn_scalar=None if scaled else 1.0,
+                scale_by_inverse_layer=bool(c.get("scale_attn_by_inverse_layer_idx", False)),
+                dropout=float(c.get("attn_pdrop", 0.0))),
             mlp=MLPConfig(activation=ACT[act], d_ff=c.get("n_inner") or 4 * d),
             norm=NormConfig(kind="layernorm", eps=c.get("layer_norm_epsilon", 1e-5), position="pre"),
             block={"residual_dropout": float(c.get("resid_pdrop", 0.0))},
@@ -72,9 +78,12 @@ class GPT2Family(Family):
         for key in ("bias.head", "scale_embeddings", "attention.prefix_lm", "attention.gated",
                     "attention.learned_sinks"):
             req(cfg, key, False)
-        for key in ("attention.window", "attention.logit_softcap", "attention.query_pre_attn_scalar",
-                    "logit_scale", "final_logit_softcap", "position.global_kind"):
+        for key in ("attention.window", "attention.logit_softcap", "logit_scale",
+                    "final_logit_softcap", "position.global_kind"):
             req(cfg, key, None)
+        # 1/sqrt(head_dim) (None spells it too) or no scale at all (scale_attn_weights=False)
+        req(cfg, "attention.query_pre_attn_scalar", [None, float(cfg.head_dim), 1.0])
+        scaled = cfg.attention.query_pre_attn_scalar != 1.0 or cfg.head_dim == 1
         req(cfg, "attention.qk_norm", "none")
         req(cfg, "attention.n_kv_heads", [None, cfg.attention.n_heads])
         req(cfg, "attention.head_dim", [None, cfg.d_model // cfg.attention.n_heads])
@@ -84,7 +93,9 @@ class GPT2Family(Family):
             n_inner=cfg.d_ff, n_positions=cfg.max_seq_len, n_ctx=cfg.max_seq_len,
             activation_function=ACT_BACK[cfg.mlp.activation], layer_norm_epsilon=float(cfg.norm.eps),
             attn_pdrop=float(cfg.attention.dropout), resid_pdrop=float(cfg.block.residual_dropout),
-            embd_pdrop=float(cfg.embedding_dropout), scale_attn_weights=True,
+            embd_pdrop=float(cfg.embedding_dropout), scale_attn_weights=scaled,
+            scale_attn_by_inverse_layer_idx=cfg.attention.scale_by_inverse_layer,
+            reorder_and_upcast_attn=False,
         )
         return hf
 

@@ -3,7 +3,11 @@
 All are pre-norm RMSNorm, rotate-half RoPE, gated MLP, untied (or tied) head, and share one weight
 layout (`model.layers.N.self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`). They differ in:
   llama    attention_bias (q, k, v and o), mlp_bias
-  mistral  sliding_window on every layer
+  mistral  sliding_window on every layer. transformers' Mistral and Mixtral classes ignore
+           `layer_types` and window every layer: a `layer_types` list that agrees is read, a mixed
+           one is refused (interleaved Mistral models are model_type 'ministral')
+  ministral mistral with per-layer `layer_types` (sliding_attention / full_attention), e.g.
+           Ministral-8B
   mixtral  mistral + top-k MoE (`block_sparse_moe.gate`, `experts.E.w1/w3/w2`): softmax over all
            experts, top-k, renormalize the k weights (same order of operations as archlab's MoEMLP)
   qwen2    q/k/v bias (not o); sliding window on layers >= max_window_layers (or `layer_types`)
@@ -108,7 +112,8 @@ class LlamaLike(Family):
     has_attention_bias_field = True   # llama/qwen3: attention_bias -> q, k, v, o biases
     qkv_bias = False                  # qwen2: q/k/v biases always
     qk_norm = "none"                  # qwen3: per_head; olmo2: full
-    window_style = "none"             # none | all (mistral) | qwen (max_window_layers/layer_types)
+    window_style = "none"             # none | all (mistral) | types (ministral: layer_types) |
+                                      # qwen (max_window_layers/layer_types)
     norm_kind = "rmsnorm"             # olmo: nonparametric (LayerNorm, eps fixed at 1e-5)
     norm_position = "pre"             # olmo2: post_sublayer
     norms = PRE_NORMS                 # our block norm name -> HF name
@@ -152,13 +157,30 @@ class LlamaLike(Family):
     def read_window(self, c: HFConfig) -> tuple[int | None, str | None]:
         if self.window_style == "none":
             return None, None
+        n = c.require("num_hidden_layers")
         if self.window_style == "all":
-            c.unsupported("layer_types", why=f"{self.model_type} applies sliding_window to every layer")
-            return c.get("sliding_window"), None
+            window = c.get("sliding_window")
+            kind = "full_attention" if window is None else "sliding_attention"
+            types = c.get("layer_types")
+            if types is not None and list(types) != [kind] * n:
+                raise c.error(
+                    f"layer_types={types!r} is not supported by archlab: transformers' "
+                    f"{self.architecture} ignores layer_types and makes every layer {kind} "
+                    f"(sliding_window={window!r}); per-layer patterns are model_type 'ministral'")
+            return window, None
+        if self.window_style == "types":   # ministral: HF's defaults when layer_types is absent
+            window = c.data["sliding_window"] if "sliding_window" in c.data else 4096
+            types = c.get("layer_types") or [
+                "sliding_attention" if window is not None else "full_attention"] * n
+            if len(types) != n:
+                raise c.error(f"layer_types has {len(types)} entries for {n} layers")
+            pattern = pattern_from_types(types, c)
+            if pattern and window is None:
+                raise c.error("layer_types has sliding layers but sliding_window is null")
+            return (window, pattern) if pattern else (None, None)
         # qwen: the window applies only when use_sliding_window, to layers >= max_window_layers
         if not c.get("use_sliding_window", False) or c.get("sliding_window") is None:
             return None, None
-        n = c.require("num_hidden_layers")
         types = c.get("layer_types") or [
             "sliding_attention" if i >= c.get("max_window_layers", 28) else "full_attention"
             for i in range(n)
@@ -237,6 +259,8 @@ class LlamaLike(Family):
         local = [cfg.is_local(i) for i in range(cfg.n_layers)]
         if self.window_style == "all":
             return {"sliding_window": cfg.attention.window if all(local) else None}
+        if self.window_style == "types":
+            return {"sliding_window": cfg.attention.window, "layer_types": layer_types(cfg)}
         if not any(local):
             return {"use_sliding_window": False, "sliding_window": None,
                     "max_window_layers": cfg.n_layers}
@@ -262,6 +286,15 @@ class MistralFamily(LlamaLike):
     has_attention_bias_field = False
     window_style = "all"
     save_priority = 20
+
+
+@register_family
+class MinistralFamily(LlamaLike):
+    model_type = "ministral"
+    architecture = "MinistralForCausalLM"
+    has_attention_bias_field = False
+    window_style = "types"
+    save_priority = 25
 
 
 @register_family

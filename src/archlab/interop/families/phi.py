@@ -1,7 +1,8 @@
 """Phi-1/1.5/2 (Microsoft 2023): parallel block with one shared LayerNorm, partial rotate-half RoPE
 (`partial_rotary_factor`, 0.4 in phi-2), biases on every linear layer and on the LM head,
-gelu_new. Not supported: `qk_layernorm` (a LayerNorm with bias on q and k; no released Phi
-checkpoint sets it)."""
+gelu_new. `qk_layernorm` (no released Phi checkpoint sets it) is a LayerNorm with bias over each
+head's dims, one weight shared by all heads, before RoPE: attention.qk_norm='per_head' with
+bias.qk_norm."""
 from __future__ import annotations
 
 from archlab.config import (
@@ -23,7 +24,7 @@ class PhiFamily(Family):
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
-        c.unsupported("qk_layernorm", why="per-head LayerNorm with bias on q and k")
+        qk_norm = bool(c.get("qk_layernorm", False))
         d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
         theta, scaling = read_rope(c)
         return ModelConfig(
@@ -33,6 +34,7 @@ class PhiFamily(Family):
             n_layers=c.require("num_hidden_layers"),
             max_seq_len=c.get("max_position_embeddings", 2048),
             attention=AttentionConfig(n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
+                                      qk_norm="per_head" if qk_norm else "none",
                                       dropout=float(c.get("attention_dropout", 0.0))),
             mlp=MLPConfig(activation=plain_activation(c, "hidden_act", "gelu_new"),
                           d_ff=c.require("intermediate_size")),
@@ -40,7 +42,7 @@ class PhiFamily(Family):
             block=BlockConfig(parallel=True, parallel_norms=1),
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling,
                                     rotary_fraction=partial_rotary(c, "partial_rotary_factor", 0.5)),
-            bias=BiasConfig(qkv=True, attn_out=True, mlp=True, norm=True, head=True),
+            bias=BiasConfig(qkv=True, attn_out=True, mlp=True, norm=True, head=True, qk_norm=qk_norm),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             init={"std": c.get("initializer_range", 0.02)},
         )
@@ -50,6 +52,9 @@ class PhiFamily(Family):
         self.require(cfg, "mlp.activation", list(PLAIN_ACT_BACK))
         self.require(cfg, "position.kind", "rope")
         self.require(cfg, "attention.head_dim", [None, cfg.d_model // cfg.attention.n_heads])
+        self.require(cfg, "attention.qk_norm", ["none", "per_head"])
+        qk_norm = cfg.attention.qk_norm == "per_head"
+        self.require(cfg, "bias.qk_norm", qk_norm)   # HF's qk_layernorm always has a bias
         hf = self.base_hf(cfg)
         rope = write_partial_rope(cfg)
         hf.update(
@@ -57,7 +62,7 @@ class PhiFamily(Family):
             num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,
             hidden_act=PLAIN_ACT_BACK[cfg.mlp.activation], layer_norm_eps=cfg.norm.eps,
             max_position_embeddings=cfg.max_seq_len, partial_rotary_factor=cfg.position.rotary_fraction,
-            qk_layernorm=False, attention_dropout=cfg.attention.dropout, resid_pdrop=0.0,
+            qk_layernorm=qk_norm, attention_dropout=cfg.attention.dropout, resid_pdrop=0.0,
             embd_pdrop=0.0, **rope,
         )
         return hf
@@ -74,6 +79,9 @@ class PhiFamily(Family):
             rules += weight_bias(f"{o}mlp.up_proj", f"{h}mlp.fc1", True)
             rules += weight_bias(f"{o}mlp.down_proj", f"{h}mlp.fc2", True)
             rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
+            if cfg.attention.qk_norm == "per_head":
+                for x in "qk":
+                    rules += weight_bias(f"{o}attn.{x}_norm", f"{h}self_attn.{x}_layernorm", True)
         if not cfg.tie_embeddings:
             rules.append(rename("lm_head.weight", "lm_head.weight"))
         return rules

@@ -101,6 +101,21 @@ def test_mistral_mixed_layer_types_are_refused(model_type, tiny_kwargs):
         FAMILIES.get(model_type).to_config(hf)
 
 
+@pytest.mark.parametrize("model_type,head_dim", [("mistral", None), ("mixtral", None), ("ministral", 16)])
+def test_absent_sliding_window_takes_the_hf_config_default(model_type, head_dim, tiny_kwargs):
+    """config.json without `sliding_window`: transformers' config class fills in its default
+    (Mistral, Ministral 4096; Mixtral none), and so do we."""
+    import transformers
+    hf = {**tiny_kwargs(), "model_type": model_type, "num_local_experts": 4}
+    hf.pop("sliding_window", None)
+    classes = {"mistral": "MistralConfig", "mixtral": "MixtralConfig", "ministral": "MinistralConfig"}
+    extra = {"head_dim": head_dim} if head_dim else {}
+    expected = getattr(transformers, classes[model_type])(**extra).sliding_window
+    cfg = FAMILIES.get(model_type).to_config(hf)
+    windows = {cfg.attention.window if cfg.is_local(i) else None for i in range(cfg.n_layers)}
+    assert windows == {expected}
+
+
 def test_interleaved_window_config_saves_as_ministral(hf_roundtrip):
     from archlab.model import TransformerLM
 

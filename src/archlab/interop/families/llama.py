@@ -114,6 +114,7 @@ class LlamaLike(Family):
     qk_norm = "none"                  # qwen3: per_head; olmo2: full
     window_style = "none"             # none | all (mistral) | types (ministral: layer_types) |
                                       # qwen (max_window_layers/layer_types)
+    default_window: int | None = None  # the HF config class's sliding_window when config.json omits it
     norm_kind = "rmsnorm"             # olmo: nonparametric (LayerNorm, eps fixed at 1e-5)
     norm_position = "pre"             # olmo2: post_sublayer
     norms = PRE_NORMS                 # our block norm name -> HF name
@@ -159,7 +160,7 @@ class LlamaLike(Family):
             return None, None
         n = c.require("num_hidden_layers")
         if self.window_style == "all":
-            window = c.get("sliding_window")
+            window = c.data["sliding_window"] if "sliding_window" in c.data else self.default_window
             kind = "full_attention" if window is None else "sliding_attention"
             types = c.get("layer_types")
             if types is not None and list(types) != [kind] * n:
@@ -169,7 +170,7 @@ class LlamaLike(Family):
                     f"(sliding_window={window!r}); per-layer patterns are model_type 'ministral'")
             return window, None
         if self.window_style == "types":   # ministral: HF's defaults when layer_types is absent
-            window = c.data["sliding_window"] if "sliding_window" in c.data else 4096
+            window = c.data["sliding_window"] if "sliding_window" in c.data else self.default_window
             types = c.get("layer_types") or [
                 "sliding_attention" if window is not None else "full_attention"] * n
             if len(types) != n:
@@ -285,6 +286,7 @@ class MistralFamily(LlamaLike):
     architecture = "MistralForCausalLM"
     has_attention_bias_field = False
     window_style = "all"
+    default_window = 4096             # MistralConfig's default (MixtralConfig's is None)
     save_priority = 20
 
 
@@ -294,6 +296,7 @@ class MinistralFamily(LlamaLike):
     architecture = "MinistralForCausalLM"
     has_attention_bias_field = False
     window_style = "types"
+    default_window = 4096             # MinistralConfig's default
     save_priority = 25
 
 

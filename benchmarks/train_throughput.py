@@ -14,6 +14,14 @@ best-case tokens/s from the fastest; MFU = training FLOPs per token x best token
 matmul FLOP/s measured in the same process for that dtype (both best-case, so load cancels).
 Peak memory (CPU: peak RSS; CUDA: max allocated) is measured per (impl, dtype) in a fresh subprocess.
 
+MFU has a ceiling below 1 that depends on the model, not the implementation: the weight matmuls of
+this model (K = 320 or 768, M = batch x seq) run below the big square matmuls that set the peak.
+The benchmark times them alone, with the layouts of a Linear's forward and backward, and prints the
+MFU a step could reach if nothing else cost time (attention's FLOPs counted at the peak).
+
+bf16 runs only where the device has bf16 matmul units (`--dtypes auto`, archlab.precision): a CPU
+with AVX2 alone emulates bf16 at ~1/100 of its float32 matmul rate.
+
 On CPU the allocator matters: glibc serves buffers over its mmap threshold (at most 32 MB) with fresh
 pages, so a step that allocates (b*t) x v float32 logits page-faults them in on every step, while
 archlab's chunked loss never allocates them. `--allocator no-mmap` removes that cost for both sides
@@ -123,7 +131,8 @@ def speed_worker(dtypes: list[str], rounds: int, warmup: int, batch: int, seq: i
     for dtype in dtypes:
         peak = matmul_peak_flops(dev, dtype, seconds=3.0)
         ratios = [t / o for o, t in zip(times[("archlab", dtype)], times[("transformers", dtype)])]
-        out[dtype] = {"matmul_peak": peak, "ratio": statistics.median(ratios), "ratios": ratios}
+        out[dtype] = {"matmul_peak": peak, "ratio": statistics.median(ratios), "ratios": ratios,
+                      **mfu_ceiling(steps[("archlab", dtype)][1], batch * seq, seq, dev, dtype, peak)}
         for impl in IMPLS:
             n_params = sum(p.numel() for p in steps[(impl, dtype)][1].parameters())
             flops = train_flops_per_token(model_config(), seq, n_params)
@@ -137,6 +146,34 @@ def speed_worker(dtypes: list[str], rounds: int, warmup: int, batch: int, seq: i
             ratios = [f / b for f, b in zip(times[(impl, "float32")], times[(impl, "bfloat16")])]
             out[f"{impl}_bf16_speedup"] = statistics.median(ratios)
     return out
+
+
+def mfu_ceiling(model, tokens: int, seq: int, device, dtype: str, peak: float) -> dict:
+    """The MFU a step of this model could reach if only its weight matmuls cost time ("matmuls"), and
+    if attention's FLOPs also ran at the peak ("step"): upper bounds that the measured MFU sits under."""
+    from archlab.throughput import matmul_ceiling, matmul_weight_shapes, train_flops_per_token
+
+    mm_flops, mm_seconds = matmul_ceiling(matmul_weight_shapes(model), tokens, device, dtype)
+    step_flops = train_flops_per_token(model_config(), seq, 0) * tokens
+    return {"ceiling_matmuls": mm_flops / mm_seconds / peak,
+            "ceiling_step": step_flops / (mm_seconds + (step_flops - mm_flops) / peak) / peak}
+
+
+def device_name(device: str) -> str:
+    """What the ratios were measured on: GPU name, or CPU model and the SIMD level torch dispatches to."""
+    import platform
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    model = platform.processor() or "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def memory_worker(impl: str, dtype: str, batch: int, seq: int, device: str) -> dict:
@@ -173,7 +210,8 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default="auto", help="comma list of float32, bfloat16; 'auto': float32, "
+                        "and bfloat16 where the device has bf16 matmul units (emulated bf16 is ~100x slower)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--compile", default="none", choices=["none", "archlab", "both"],
                         help="torch.compile ours (the trainer's `train.compile=true`) or both models; "
@@ -198,7 +236,18 @@ def main() -> int:
         return 0
 
     import torch
+
+    from archlab.precision import has_native_bf16
+
+    print(f"device: {device_name(args.device)}", flush=True)
     dtypes = args.dtypes.split(",")
+    if args.dtypes == "auto":
+        dtypes = ["float32"]
+        if has_native_bf16(args.device):
+            dtypes.append("bfloat16")
+        else:
+            print("bfloat16 skipped: this device has no bf16 matmul units, so bf16 autocast is emulated "
+                  "(pass --dtypes float32,bfloat16 to time it anyway)", flush=True)
     speed = _run_worker(args, "speed", *dtypes)
     for dtype in dtypes:
         r = speed[dtype]
@@ -221,7 +270,8 @@ def main() -> int:
         line = (f"{dtype}: archlab / transformers tokens/s = {r['ratio']:.2f}x (median of rounds; target >= 1.1); "
                 f"MFU {r['archlab']['mfu']:.2f} vs {r['transformers']['mfu']:.2f} (target >= 0.85; "
                 f"6N+12LdT estimate {r['archlab']['mfu_6n']:.2f} vs {r['transformers']['mfu_6n']:.2f}); "
-                f"matmul peak {r['matmul_peak'] / 1e9:.1f} GFLOP/s")
+                f"matmul peak {r['matmul_peak'] / 1e9:.1f} GFLOP/s; MFU ceiling {r['ceiling_step']:.2f} "
+                f"(this model's weight matmuls alone reach {r['ceiling_matmuls']:.2f} of the peak)")
         if memory:
             ours, ref = memory[("archlab", dtype)], memory[("transformers", dtype)]
             line += f"; peak memory {ours / 2**20:,.0f} vs {ref / 2**20:,.0f} MiB = {ours / ref:.2f} (target <= 1)"

@@ -62,7 +62,7 @@ def setup(tmp_path_factory):
 
 @pytest.mark.parametrize("strategy,overrides", [
     ("ddp", {"dist_strategy": "ddp"}),
-    ("fsdp", {"dist_strategy": "fsdp"}),
+    ("fsdp", {"dist.strategy": "fsdp"}),            # the spelling of `--set dist.strategy=fsdp`
     ("fsdp-recompute", {"dist_strategy": "fsdp", "activation_checkpointing": True}),
 ])
 def test_two_process_run_matches_single_process(setup, strategy, overrides):

@@ -47,7 +47,7 @@ def demo_configs(*, quick: bool, vocab_size: int, minutes: float) -> tuple[Model
     train = TrainConfig(lr=2e-3, warmup_steps=30, schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1,
                         batch_size=16, seq_len=128, budget=minutes, budget_unit="minutes", eval_every=40,
                         eval_batches=8, log_every=5, checkpoint_every=200, keep_last=1, sample_every=-1,
-                        device="cpu")
+                        device="cpu", dtype="auto")   # bf16 on CPUs with bf16 units (AMX): ~1.3x the steps
     return model, train
 
 
@@ -63,12 +63,15 @@ def _prepare_out(out: Path) -> None:
 def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: float = 2.5,
              corpus: str = "shakespeare", vocab_size: int | None = None, prompt: str = "ROMEO:",
              progress: bool = True, log=print) -> DemoResult:
+    import torch
+
     import archlab.tokenizer as tokenizers
     from archlab import corpora
     from archlab.checkpoint import load_run
     from archlab.data import EOT_TOKEN, TokenDataset, prepare
     from archlab.evaluate import evaluate, sample_ids
     from archlab.model import TransformerLM
+    from archlab.precision import resolve_dtype
     from archlab.train import train
 
     t0 = time.perf_counter()
@@ -106,7 +109,8 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
     budget = (f"{train_cfg.budget:g} minutes" if train_cfg.budget_unit == "minutes"
               else f"{train_cfg.budget:g} {train_cfg.budget_unit}")
     log(f"[4/5] training a LLaMA-style model ({n_params / 1e6:.2f}M params, {model_cfg.n_layers} layers, "
-        f"d_model {model_cfg.d_model}, seq {train_cfg.seq_len}) for {budget}")
+        f"d_model {model_cfg.d_model}, seq {train_cfg.seq_len}) for {budget}, "
+        f"{resolve_dtype(train_cfg.dtype, torch.device(train_cfg.device))}")
     log(f"      validation perplexity before training: {before.ppl:,.1f}")
     result = train(model_cfg, train_cfg, data_dir, out, progress=progress)
 

@@ -6,13 +6,14 @@ divided by the UTF-8 bytes it encodes,  bpb = loss_nats * tokens / (bytes * ln 2
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+
+from archlab.precision import autocast  # re-exported: the step's bf16 / float32 context
 
 __all__ = ["EvalResult", "evaluate", "autocast", "sample_ids", "bits_per_byte"]
 
@@ -30,15 +31,6 @@ class EvalResult:
 
 def bits_per_byte(loss_nats: float, tokens: int, n_bytes: float) -> float:
     return loss_nats * tokens / (n_bytes * math.log(2)) if n_bytes else float("nan")
-
-
-def autocast(device: torch.device, dtype: str):
-    """bf16 autocast where the device supports it, else a no-op (fp32)."""
-    if dtype != "bfloat16":
-        return contextlib.nullcontext()
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 @torch.no_grad()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 
 import torch
 
 from archlab.config import ModelConfig
 
-__all__ = ["train_flops_per_token", "matmul_peak_flops", "peak_memory"]
+__all__ = ["train_flops_per_token", "matmul_peak_flops", "matmul_weight_shapes", "matmul_ceiling", "peak_memory"]
 
 
 def train_flops_per_token(model_cfg: ModelConfig, seq_len: int, n_params: int) -> float:
@@ -44,7 +45,11 @@ def matmul_peak_flops(device: torch.device, dtype: str = "float32", *, seconds: 
                 return peak
     sizes = [n] if n else ([512, 1024, 2048] if device.type == "cpu" else [4096])
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    peak = max(_timed_matmul(device, torch_dtype, size, seconds / len(sizes)) for size in sizes)
+    peak = 0.0
+    for size in sizes:
+        peak = max(peak, _timed_matmul(device, torch_dtype, size, seconds / len(sizes)))
+        if 2.0 * (2 * size) ** 3 / peak > seconds:   # the next size's one matmul alone would overrun
+            break                                     # (emulated bf16 on CPU: ~1 GFLOP/s)
     _PEAK_CACHE[key] = peak
     return peak
 
@@ -70,6 +75,51 @@ def _timed_matmul(device: torch.device, dtype: torch.dtype, size: int, seconds: 
         if time.perf_counter() > deadline:
             break
     return 2.0 * size**3 / best
+
+
+def matmul_weight_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """(out, in) of every weight a forward multiplies the tokens by: each nn.Linear, and the LM head
+    when it is not one (tied to the embedding). MoE experts see a share of the tokens each, so they
+    are not listed: the ceiling is for dense models."""
+    shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = getattr(model, "head_weight", None)
+    if isinstance(head, torch.Tensor) and getattr(model, "lm_head", None) is None:
+        shapes.append(tuple(head.shape))
+    return shapes
+
+
+def matmul_ceiling(weight_shapes: list[tuple[int, int]], tokens: int, device: torch.device,
+                   dtype: str = "float32", *, repeats: int = 5) -> tuple[float, float]:
+    """(FLOPs, seconds) of a training step's weight matmuls run alone: per (out, in) weight the
+    forward x W^T, the input gradient dy W and the weight gradient dy^T x, on `tokens` rows, each the
+    best of `repeats`. FLOPs / seconds / matmul_peak_flops is the MFU this step could reach if
+    everything else (attention, norms, activations, optimizer) were free: on CPU the model's own
+    shapes (K = d_model = 320, say) run below the big square matmuls that set the peak."""
+    device = torch.device(device)
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+    flops = seconds = 0.0
+    for (n_out, n_in), count in Counter(weight_shapes).items():
+        w = torch.randn(n_out, n_in, device=device, generator=gen).to(torch_dtype)
+        x = torch.randn(tokens, n_in, device=device, generator=gen).to(torch_dtype)
+        dy = torch.randn(tokens, n_out, device=device, generator=gen).to(torch_dtype)
+        # (rows x inner x cols) of each product, with the layouts a Linear's forward and backward use
+        for a, b in ((x, w.t()), (dy, w), (dy.t(), x)):
+            out = torch.empty(a.shape[0], b.shape[1], device=device, dtype=torch_dtype)
+            best = min(_time_once(lambda: torch.mm(a, b, out=out), device) for _ in range(repeats + 1))
+            flops += count * 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+            seconds += count * best
+    return flops, seconds
+
+
+def _time_once(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def peak_memory(device: torch.device) -> int:

@@ -38,6 +38,7 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.evaluate import autocast, evaluate, sample_ids
 from archlab.metrics import TensorBoardLogger, append_jsonl, plot_loss_curve, read_metrics, truncate_metrics
 from archlab.optim import build_optimizer, lr_multiplier, param_groups, schedule_progress
+from archlab.precision import bf16_warning, resolve_dtype
 from archlab.recompute import checkpoint_blocks
 from archlab.rng import rng_state, seed_everything, set_rng_state
 from archlab.throughput import matmul_peak_flops, peak_memory, train_flops_per_token
@@ -129,7 +130,8 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info) -> TrainRe
     latest = _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info)
     if info.enabled:
         torch.distributed.barrier()
-    # 3. model, optimizer, sampler
+    # 3. model, optimizer, sampler; config.yaml keeps dtype "auto", the run uses what it resolves to
+    cfg = _resolve_precision(cfg, device, info)
     run = _Run(model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval)
     # 4. resume
     if latest is not None:
@@ -144,6 +146,14 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info) -> TrainRe
     finally:
         run.close()
     return run.result(diverged=False)
+
+
+def _resolve_precision(cfg: TrainConfig, device: torch.device, info) -> TrainConfig:
+    """cfg with dtype "auto" resolved for `device`; a warning for bf16 on hardware that emulates it."""
+    message = bf16_warning(cfg.dtype, device)
+    if message and info.is_main:
+        warnings.warn(message, stacklevel=3)
+    return dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device))
 
 
 def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:

@@ -15,6 +15,7 @@ from archlab.config import ConfigError, _check_literals, _parse_value
 __all__ = ["TrainConfig", "NO_DECAY_CATEGORIES"]
 
 NO_DECAY_CATEGORIES = ("norms", "biases", "embeddings")
+ALIASES = {"dist.strategy": "dist_strategy"}   # --set dist.strategy=fsdp, as torchrun users write it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +43,7 @@ class TrainConfig:
     sample_prompt: str = ""                # "" : start from the end-of-text token
     sample_temperature: float = 0.8
     log_every: int = 10
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"   # auto: bf16 where the hardware has it (precision.py)
     compile: bool = False
     activation_checkpointing: bool = False # recompute each block's activations in backward (recompute.py)
     seed: int = 0                          # data order and dropout (init: ModelConfig.seed)
@@ -128,11 +129,13 @@ class TrainConfig:
         return cls.from_dict(data.get("train", data))
 
     def with_overrides(self, overrides: dict[str, Any]) -> "TrainConfig":
-        """New config from {"lr": "1e-3", "betas": "0.9,0.99"}; a leading "train." is accepted."""
+        """New config from {"lr": "1e-3", "betas": "0.9,0.99"}; a leading "train." is accepted, and
+        "dist.strategy" for dist_strategy."""
         data = self.to_dict()
         hints = get_type_hints(TrainConfig)
         for key, value in overrides.items():
             name = key[len("train."):] if key.startswith("train.") else key
+            name = ALIASES.get(name, name)
             if name not in hints:
                 raise ConfigError(f"unknown train config key {key!r}")
             if name == "betas" and isinstance(value, str):

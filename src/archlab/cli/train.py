@@ -79,6 +79,8 @@ def parse_sets(pairs: list[str]) -> tuple[dict, dict]:
         key = key.strip()
         if key.startswith("train."):
             train[key[len("train."):]] = value
+        elif key.startswith("dist."):          # dist.strategy=fsdp: train.dist_strategy's other spelling
+            train[key] = value
         else:
             model[key.removeprefix("model.")] = value
     return model, train

@@ -58,7 +58,7 @@ DEFAULT_SCALES: dict[str, dict[str, Any]] = {
     "small": {"budget": 300, "unit": "steps"},
     "large": {"budget": 4000, "unit": "steps",
               "train": {"batch_size": 64, "seq_len": 256, "eval_every": 500, "eval_batches": 32,
-                        "warmup_steps": 200, "dtype": "bfloat16"},
+                        "warmup_steps": 200, "dtype": "auto"},
               "model": {"d_model": 256, "n_layers": 8, "attention.n_heads": 8, "mlp.d_ff": 688}},
 }
 

@@ -77,6 +77,18 @@ def test_blocks_and_slices_give_the_same_gradients(monkeypatch, block, slice_row
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@pytest.fixture(autouse=True)
+def bf16_units(monkeypatch):
+    """Test the path on any CPU: pretend it has bf16 matmul units (AMX), where the path is used."""
+    monkeypatch.setattr(cpu_attention, "has_native_bf16", lambda device: True)
+
+
+def test_not_used_where_bf16_is_emulated(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "has_native_bf16", lambda device: False)
+    xb = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert not use_cpu_attention(xb, 0.0)                              # AVX2: SDPA's backward is faster
+
+
 def test_used_only_for_bf16_training_on_cpu():
     x = torch.randn(1, 2, 4, 8, requires_grad=True)
     assert not use_cpu_attention(x, 0.0)                               # float32: SDPA's backward

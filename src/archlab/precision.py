@@ -13,6 +13,7 @@ honoured with a warning that names the cost.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -34,12 +35,17 @@ def has_native_bf16(device: torch.device | str) -> bool:
         except TypeError:                              # torch < 2.4: no emulation flag
             return torch.cuda.get_device_capability(device)[0] >= 8
     if device.type == "cpu":
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):      # a build without oneDNN: ask the CPU flags
-            cpu = getattr(torch, "cpu", None)
-            return bool(cpu and (cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()))
+        return _cpu_has_native_bf16()
     return False
+
+
+@functools.cache
+def _cpu_has_native_bf16() -> bool:       # cached: attention asks on every call
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: ask the CPU flags
+        cpu = getattr(torch, "cpu", None)
+        return bool(cpu and (cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()))
 
 
 def resolve_dtype(dtype: str, device: torch.device | str) -> str:

@@ -24,8 +24,8 @@ DTYPES = ("float32", "bfloat16", "auto")
 
 def has_native_bf16(device: torch.device | str) -> bool:
     """Whether bf16 matmuls on `device` run on hardware built for them (not emulated).
-    CUDA: compute capability 8.0+ (Ampere), as torch reports. CPU: oneDNN's own bf16 check
-    (AVX512-BF16, AMX, or AVX512 cores where it converts in registers at near-fp32 speed)."""
+    CUDA: compute capability 8.0+ (Ampere), as torch reports. CPU: AVX512-BF16 or AMX instructions
+    (plain AVX512 converts bf16 in registers: no faster than float32, so not counted)."""
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -41,11 +41,13 @@ def has_native_bf16(device: torch.device | str) -> bool:
 
 @functools.cache
 def _cpu_has_native_bf16() -> bool:       # cached: attention asks on every call
-    try:
+    cpu = torch.cpu
+    if hasattr(cpu, "_is_avx512_bf16_supported") and hasattr(cpu, "_is_amx_tile_supported"):
+        return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+    try:                                    # older torch: oneDNN's check (also true on plain AVX512)
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN: ask the CPU flags
-        cpu = getattr(torch, "cpu", None)
-        return bool(cpu and (cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()))
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def resolve_dtype(dtype: str, device: torch.device | str) -> str:
@@ -72,12 +74,11 @@ def bf16_warning(dtype: str, device: torch.device | str) -> str | None:
             f"step ~20x slower. Use train.dtype=auto or float32 unless bf16 numerics are the point.")
 
 
-def autocast(device: torch.device, dtype: str):
+def autocast(device: torch.device | str, dtype: str):
     """The context a training or eval step runs under: bf16 autocast for "bfloat16" (and for "auto"
-    where native), else a no-op (float32). CUDA without bf16 support stays float32."""
+    where native), else a no-op (float32). A GPU without bf16 tensor cores stays float32."""
+    device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
-    if dtype != "bfloat16":
-        return contextlib.nullcontext()
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if dtype != "bfloat16" or (device.type == "cuda" and not has_native_bf16(device)):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

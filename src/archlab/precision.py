@@ -1,7 +1,7 @@
 """Which floating-point type a device trains fastest in: bf16 autocast where the hardware has bf16
 matrix units, float32 where it would only emulate them.
 
-Why it matters: a CPU without AVX512-BF16 or AMX has no bf16 matmul kernel in oneDNN, so torch falls
+Why it matters: a CPU with AVX2 alone has no bf16 matmul kernel in oneDNN, so torch falls
 back to a scalar one. Measured on a 2-core AVX2 EPYC (torch 2.13): bf16 matmul 1.3 GFLOP/s against
 184 GFLOP/s in float32, and a training step of the 14M benchmark model 24x slower under bf16
 autocast. On a Sapphire Rapids CPU (AMX) the same step runs ~2x faster in bf16. So `train.dtype`

@@ -25,7 +25,8 @@ DTYPES = ("float32", "bfloat16", "auto")
 def has_native_bf16(device: torch.device | str) -> bool:
     """Whether bf16 matmuls on `device` run on hardware built for them (not emulated).
     CUDA: compute capability 8.0+ (Ampere), as torch reports. CPU: AVX512-BF16 or AMX instructions
-    (plain AVX512 converts bf16 in registers: no faster than float32, so not counted)."""
+    (plain AVX512 converts bf16 in registers: no faster than float32, so not counted).
+    Example: has_native_bf16("cpu")   # False on an AVX2-only EPYC, True on Sapphire Rapids"""
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -52,7 +53,8 @@ def _cpu_has_native_bf16() -> bool:       # cached: attention asks on every call
 
 def resolve_dtype(dtype: str, device: torch.device | str) -> str:
     """"auto" -> "bfloat16" where the device has native bf16 matmuls, else "float32"; an explicit
-    "float32" / "bfloat16" is returned as given."""
+    "float32" / "bfloat16" is returned as given.
+    Example: resolve_dtype("auto", "cuda")   # "bfloat16" on an A100 or H100, "float32" on a V100"""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     if dtype != "auto":
@@ -61,7 +63,8 @@ def resolve_dtype(dtype: str, device: torch.device | str) -> str:
 
 
 def bf16_warning(dtype: str, device: torch.device | str) -> str | None:
-    """The warning for training in bf16 on a device that emulates it, or None."""
+    """The warning for training in bf16 on a device that emulates it, or None.
+    Example: if (msg := bf16_warning(cfg.dtype, device)): warnings.warn(msg)"""
     device = torch.device(device)
     if dtype != "bfloat16" or has_native_bf16(device):
         return None
@@ -76,7 +79,8 @@ def bf16_warning(dtype: str, device: torch.device | str) -> str | None:
 
 def autocast(device: torch.device | str, dtype: str):
     """The context a training or eval step runs under: bf16 autocast for "bfloat16" (and for "auto"
-    where native), else a no-op (float32). A GPU without bf16 tensor cores stays float32."""
+    where native), else a no-op (float32). A GPU without bf16 tensor cores stays float32.
+    Example: with autocast(device, "auto"): loss = model(x, targets=y).total"""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     if dtype != "bfloat16" or (device.type == "cuda" and not has_native_bf16(device)):

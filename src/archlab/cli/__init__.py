@@ -2,6 +2,10 @@
 
 A command module defines `register(subparsers)`, which adds its parsers and sets
 `func=<callable taking the parsed args and returning an exit code>` on each.
+
+Errors go one way (archlab.errors): a `UserError` (or an OS error such as a missing file or a full
+disk) prints one line `archlab COMMAND: error: ...` and exits 2; anything else is a bug and prints its
+traceback with a request to report it. `ARCHLAB_DEBUG=1` shows tracebacks always.
 """
 from __future__ import annotations
 
@@ -37,7 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    prog = f"archlab {args.command}"
+    try:
+        return int(args.func(args) or 0)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the CLI's one error path (archlab.errors)
+        from archlab.errors import report
+        return report(exc, prog)
 
 
 if __name__ == "__main__":

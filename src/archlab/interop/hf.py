@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from archlab.config import ConfigError, ModelConfig
+from archlab.errors import UserError
 from archlab.interop.families import FAMILIES, Family
 from archlab.interop.families.base import Rule, config_diff
 from archlab.model import TransformerLM
@@ -26,7 +27,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class WeightsError(ValueError):
+class WeightsError(UserError, ValueError):
     """A checkpoint whose tensors do not match the family's mapping (missing, extra, wrong shape)."""
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from archlab.config import ConfigError, ModelConfig
+from archlab.errors import UserError
 from archlab.lab import matching
 from archlab.lab.store import FINISHED, ResultStore, RunRecord
 from archlab.lab.suites import Suite, Variant, build_model_config
@@ -32,7 +33,7 @@ DATA_SUBDIR = "data"
 LAB_TRAIN_DEFAULTS = {"sample_every": -1, "checkpoint_every": 0, "keep_last": 1, "log_every": 10}
 
 
-class LabError(RuntimeError):
+class LabError(UserError, RuntimeError):
     """A sweep that cannot proceed (e.g. its folder holds results for a different config)."""
 
 

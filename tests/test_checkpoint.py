@@ -56,7 +56,7 @@ def test_half_written_checkpoint_is_invisible(tmp_path):
     assert latest_checkpoint(tmp_path) == good
 
 
-@pytest.mark.parametrize("victim", ["model.safetensors", "trainer.pt"])
+@pytest.mark.parametrize("victim", ["model.safetensors", "trainer.safetensors"])
 def test_corrupt_checkpoint_error_names_the_file(tmp_path, victim):
     model = TransformerLM(tiny_model())
     path = save_checkpoint(tmp_path, 1, model.state_dict(), {"step": 1, "x": torch.zeros(100)})
@@ -66,7 +66,7 @@ def test_corrupt_checkpoint_error_names_the_file(tmp_path, victim):
         load_checkpoint(path)
     # same size, garbled content: still a clear error naming the file
     (path / victim).write_bytes(b"\x00" * len(data))
-    if victim == "trainer.pt":
+    if victim == "trainer.safetensors":
         with pytest.raises(CheckpointError, match=victim):
             load_checkpoint(path)
 

@@ -10,20 +10,29 @@ A run folder describes itself (DESIGN.md)::
       loss_curve.png       train / val loss against tokens
       checkpoints/
         step_0000100/
-          model.safetensors  weights under our parameter names (TransformerLM.state_dict())
-          trainer.pt         optimizer, schedule counters, RNG states, data-sampler position
-          meta.json          step, tokens, file sizes; written last
+          model.safetensors    weights under our parameter names (TransformerLM.state_dict())
+          trainer.safetensors  optimizer, schedule counters, RNG states, data-sampler position
+                               (archlab.statefile: tensors + a JSON tree, no pickle)
+          meta.json            format version, step, tokens, size and sha256 of each file; written last
 
 A checkpoint is written into `checkpoints/.tmp-step_XXXXXXX-PID/`, flushed to disk, then renamed to
 `step_XXXXXXX` in one `os.rename`: a folder named `step_*` is always complete, and older checkpoints are
 deleted only after the new one is in place, so the last good checkpoint always survives a crash.
+
+Nothing in a checkpoint can run code when loaded: weights and trainer state are safetensors, metadata
+JSON. Every load checks each file's size against meta.json; `verify_checkpoint(..., full=True)` also
+checks the sha256 (resume does; a damaged newest checkpoint is skipped for the previous good one).
+Checkpoints of format 1 (trainer.pt, a pickle) load through an explicit allow-list of tensors,
+containers and NumPy arrays (`statefile.load_legacy_pickle`); the resumed run saves format 2.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +41,20 @@ import yaml
 
 from archlab.config import ModelConfig
 from archlab.errors import UserError
+from archlab.statefile import load_legacy_pickle, load_state, save_state
 
 __all__ = [
     "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint",
     "write_run_config", "read_run_config", "load_run", "MODEL_FILE", "TRAINER_FILE", "META_FILE",
+    "verify_checkpoint", "resumable_checkpoint", "FORMAT_VERSION",
 ]
 
+FORMAT_VERSION = 2                 # 1: trainer.pt (pickle); 2: trainer.safetensors + sha256 in meta.json
 MODEL_FILE = "model.safetensors"
-TRAINER_FILE = "trainer.pt"
+TRAINER_FILE = "trainer.safetensors"
+LEGACY_TRAINER_FILE = "trainer.pt"
 META_FILE = "meta.json"
+FILE_MODE = 0o644                  # checkpoints and exports are shared: readable by others, as usual
 CHECKPOINT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -90,6 +104,22 @@ def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike) -> Non
 
     unique, aliases = _dedupe_aliases(state)
     save_file(unique, str(path), metadata={"format": "pt", "aliases": json.dumps(aliases)})
+    make_readable(path)
+
+
+def make_readable(path: str | os.PathLike) -> None:
+    """Mode 0644 less the umask: safetensors writes 0600 through a temporary file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, FILE_MODE & ~umask)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -149,9 +179,12 @@ def save_checkpoint(root: str | os.PathLike, step: int, model_state: dict[str, t
     tmp.mkdir()
     try:
         save_weights(model_state, tmp / MODEL_FILE)
-        torch.save(trainer_state, tmp / TRAINER_FILE)
-        files = {name: (tmp / name).stat().st_size for name in (MODEL_FILE, TRAINER_FILE)}
-        meta = {"step": int(step), "files": files, **(extra_meta or {})}
+        save_state(trainer_state, tmp / TRAINER_FILE)
+        make_readable(tmp / TRAINER_FILE)
+        names = (MODEL_FILE, TRAINER_FILE)
+        meta = {"format": FORMAT_VERSION, "step": int(step),
+                "files": {name: (tmp / name).stat().st_size for name in names},
+                "sha256": {name: sha256_file(tmp / name) for name in names}, **(extra_meta or {})}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         for name in (MODEL_FILE, TRAINER_FILE, META_FILE):
             _fsync_file(tmp / name)
@@ -170,25 +203,42 @@ def save_checkpoint(root: str | os.PathLike, step: int, model_state: dict[str, t
     if keep_last > 0:
         for stale in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(stale, ignore_errors=True)
-    for leftover in root.glob(".tmp-step_*"):  # from runs killed mid-save
-        if leftover != tmp:
+    for leftover in root.glob(".tmp-step_*"):  # from runs killed mid-save, never a live process's
+        pid = leftover.name.rsplit("-", 1)[-1]
+        if leftover != tmp and pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(leftover, ignore_errors=True)
     return final
 
 
-def load_checkpoint(path: str | os.PathLike, *, weights_only_model: bool = False
-                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """(model state dict, trainer state) from a checkpoint folder, both on CPU.
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
-    Raises CheckpointError naming the file when a file is missing, truncated or unreadable."""
-    path = Path(path)
-    meta_path = path / META_FILE
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """meta.json of a checkpoint folder; CheckpointError if it is missing or not JSON."""
+    meta_path = Path(path) / META_FILE
     if not meta_path.is_file():
         raise CheckpointError(f"incomplete checkpoint {path}: no {META_FILE}")
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"corrupt checkpoint metadata {meta_path}: {exc}") from exc
+    if not isinstance(meta, dict) or not isinstance(meta.get("files", {}), dict):
+        raise CheckpointError(f"corrupt checkpoint metadata {meta_path}: not an archlab meta.json")
+    return meta
+
+
+def verify_checkpoint(path: str | os.PathLike, *, full: bool = False) -> dict:
+    """Check every file meta.json lists: present and of its recorded size; with `full`, also its
+    sha256 (format 2). Returns the meta; raises CheckpointError naming the first damaged file."""
+    path = Path(path)
+    meta = read_meta(path)
     for name, size in meta.get("files", {}).items():
         file = path / name
         if not file.is_file():
@@ -196,16 +246,66 @@ def load_checkpoint(path: str | os.PathLike, *, weights_only_model: bool = False
         if file.stat().st_size != size:
             raise CheckpointError(f"checkpoint file {file} is corrupt: {file.stat().st_size} bytes, "
                                   f"{META_FILE} says {size}")
+        expected = meta.get("sha256", {}).get(name)
+        if full and expected is not None and sha256_file(file) != expected:
+            raise CheckpointError(f"checkpoint file {file} is corrupt: its sha256 differs from {META_FILE}'s")
+    return meta
+
+
+def load_checkpoint(path: str | os.PathLike, *, weights_only_model: bool = False, full_verify: bool = False
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """(model state dict, trainer state) from a checkpoint folder, both on CPU. Sizes are always
+    checked against meta.json, sha256 hashes with `full_verify`.
+
+    Raises CheckpointError naming the file when a file is missing, truncated or unreadable."""
+    path = Path(path)
+    verify_checkpoint(path, full=full_verify)
     model_state = load_weights(path / MODEL_FILE)
     if weights_only_model:
         return model_state, None
-    trainer_path = path / TRAINER_FILE
+    return model_state, load_trainer_state(path)
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state of a checkpoint folder: format 2's safetensors, or format 1's pickle through
+    an allow-list that admits tensors, containers and NumPy arrays only."""
+    if (path / TRAINER_FILE).is_file():
+        try:
+            return load_state(path / TRAINER_FILE)
+        except Exception as exc:  # safetensors raises its own error types for garbled files
+            raise CheckpointError(f"corrupt or unreadable trainer state {path / TRAINER_FILE}: {exc}") from exc
+    legacy = path / LEGACY_TRAINER_FILE
+    if not legacy.is_file():
+        raise CheckpointError(f"checkpoint {path} has no {TRAINER_FILE}")
     try:
-        # weights_only=False: the state holds numpy RNG state (a tuple with an ndarray); the file is ours
-        trainer_state = torch.load(trainer_path, map_location="cpu", weights_only=False)
+        return load_legacy_pickle(legacy)
     except Exception as exc:
-        raise CheckpointError(f"corrupt or unreadable trainer state {trainer_path}: {exc}") from exc
-    return model_state, trainer_state
+        raise CheckpointError(
+            f"{legacy} (checkpoint format 1) holds objects outside the allow-list of tensors, containers and "
+            f"NumPy arrays, so it is not loaded ({type(exc).__name__}); retrain from {path / MODEL_FILE} "
+            "or rewrite it with a trusted archlab <= 0.1 install") from exc
+
+
+def resumable_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest checkpoint whose files all match their sha256 (None: there is none at all). A damaged
+    one is skipped with a warning naming it; only damaged ones -> CheckpointError."""
+    found = list_checkpoints(root)
+    damage: list[str] = []
+    for ckpt in reversed(found):
+        try:
+            verify_checkpoint(ckpt, full=True)
+            load_trainer_state(ckpt)
+        except CheckpointError as exc:
+            warnings.warn(f"skipping damaged checkpoint {ckpt.name}: {exc}", stacklevel=2)
+            damage.append(str(exc))
+            continue
+        if damage:
+            warnings.warn(f"resuming from {ckpt.name}, the newest checkpoint that verifies", stacklevel=2)
+        return ckpt
+    if found:
+        raise CheckpointError(f"no checkpoint under {Path(root)} verifies, nothing to resume from "
+                              f"(newest: {damage[0]})")
+    return None
 
 
 # --------------------------------------------------------------------------- run folders

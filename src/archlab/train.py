@@ -478,7 +478,7 @@ def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, re
     """Rank 0 checks the run folder can take this run and writes its config and tokenizer.
     Returns the checkpoint to resume from (None: a fresh start)."""
     metrics_path = run_dir / "metrics.jsonl"
-    latest = ckpt_io.latest_checkpoint(run_dir) if resume else None
+    latest = ckpt_io.resumable_checkpoint(run_dir) if resume else None
     if not info.is_main:
         return latest
     if not resume and (metrics_path.exists() or ckpt_io.list_checkpoints(run_dir)):

@@ -13,6 +13,7 @@ import argparse
 import importlib
 import importlib.util
 import sys
+import warnings
 
 # In the order `archlab --help` lists them.
 COMMAND_MODULES = [
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     prog = f"archlab {args.command}"
+    warnings.formatwarning = lambda message, *_, **__: f"{prog}: warning: {message}\n"
     try:
         return int(args.func(args) or 0)
     except SystemExit:

@@ -159,23 +159,6 @@ def mfu_ceiling(model, tokens: int, seq: int, device, dtype: str, peak: float) -
             "ceiling_step": step_flops / (mm_seconds + (step_flops - mm_flops) / peak) / peak}
 
 
-def device_name(device: str) -> str:
-    """What the ratios were measured on: GPU name, or CPU model and the SIMD level torch dispatches to."""
-    import platform
-
-    import torch
-
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    model = platform.processor() or "CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
-
-
 def memory_worker(impl: str, dtype: str, batch: int, seq: int, device: str) -> dict:
     import torch
 
@@ -238,8 +221,11 @@ def main() -> int:
     import torch
 
     from archlab.precision import has_native_bf16
+    from archlab.provenance import provenance
 
-    print(f"device: {device_name(args.device)}", flush=True)
+    record = provenance(device=args.device)
+    print(f"device: {record['device']}", flush=True)
+    print("provenance: " + json.dumps({k: v for k, v in record.items() if k != "attention_backends"}), flush=True)
     dtypes = args.dtypes.split(",")
     if args.dtypes == "auto":
         dtypes = ["float32"]

@@ -19,6 +19,7 @@ schedules (optim.py), metrics.jsonl and the loss curve (metrics.py), FLOPs and p
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -41,6 +42,8 @@ from archlab.optim import build_optimizer, lr_multiplier, param_groups, schedule
 from archlab.precision import bf16_warning, resolve_dtype
 from archlab.recompute import checkpoint_blocks
 from archlab.rng import rng_state, seed_everything, set_rng_state
+from archlab.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
+from archlab.runlock import RunLock
 from archlab.throughput import matmul_peak_flops, peak_memory, train_flops_per_token
 from archlab.train_config import TrainConfig
 
@@ -101,10 +104,14 @@ def fit_vocab(model_cfg: ModelConfig, data_dir: str | os.PathLike) -> ModelConfi
 
 # --------------------------------------------------------------------------- the loop
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.PathLike,
-          out_dir: str | os.PathLike, *, resume: bool = False, progress: bool = True) -> TrainResult:
+          out_dir: str | os.PathLike, *, resume: bool = False, progress: bool = True,
+          allow_new_data: bool = False) -> TrainResult:
     """Train `model_cfg` on the prepared data in `data_dir`; write the run folder `out_dir`.
 
-    resume=True continues from the latest checkpoint in out_dir (a fresh start if there is none).
+    resume=True continues from the newest checkpoint in out_dir that verifies (a fresh start if there is
+    none); the model config, tokenizer and data are compared with the run's before anything is written,
+    and other data is refused unless allow_new_data. One process writes a run folder at a time
+    (runlock.RunLock: a second writer gets LockedError).
     Raises Diverged on a NaN/Inf loss with nan_policy="stop"; ConfigError for impossible settings;
     FileExistsError when out_dir already holds a run and resume is False.
     Under torchrun (WORLD_SIZE > 1) it runs data-parallel (train_cfg.dist_strategy); rank 0 writes.
@@ -114,25 +121,36 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.Pat
     info = dist_util.setup("cuda" if (cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()))
                            else "cpu", cfg.dist_strategy)
     try:
-        return _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info)
+        return _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data)
     finally:
         dist_util.teardown(info)
 
 
-def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info) -> TrainResult:
+def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data=False) -> TrainResult:
     from archlab.data import TokenDataset
 
     # 1. data, checked against the settings
     device = _resolve_device(cfg, info)
     train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
     can_eval = _check_data(model_cfg, cfg, data_dir, train_data, val_data, info)
-    # 2. run folder: rank 0 writes it, the others wait
-    latest = _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info)
+    # 2. run folder: rank 0 locks and writes it, the others wait
+    with RunLock(run_dir) if info.is_main else contextlib.nullcontext():
+        latest = _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info,
+                                  allow_new_data)
+        return _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
+                         (train_data, val_data, can_eval))
+
+
+def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device, data) -> TrainResult:
+    """Steps 3-5 of `_train`, with the run folder locked."""
+    train_data, val_data, can_eval = data
     if info.enabled:
         torch.distributed.barrier()
     # 3. model, optimizer, sampler; config.yaml keeps dtype "auto", the run uses what it resolves to
     cfg = _resolve_precision(cfg, device, info)
     run = _Run(model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval)
+    if info.is_main:
+        write_provenance(run_dir, provenance(device=device, dtype=cfg.dtype, model=run.raw))
     # 4. resume
     if latest is not None:
         run.resume_from(latest)
@@ -474,9 +492,11 @@ class _Run:
                            metrics_path=self.metrics_path)
 
 
-def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info) -> Path | None:
-    """Rank 0 checks the run folder can take this run and writes its config and tokenizer.
-    Returns the checkpoint to resume from (None: a fresh start)."""
+def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info,
+                     allow_new_data=False) -> Path | None:
+    """Rank 0 checks the run folder can take this run, then writes its config and tokenizer: nothing in
+    the folder changes before every check has passed. Returns the checkpoint to resume from (None: a
+    fresh start)."""
     metrics_path = run_dir / "metrics.jsonl"
     latest = ckpt_io.resumable_checkpoint(run_dir) if resume else None
     if not info.is_main:
@@ -484,16 +504,14 @@ def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, re
     if not resume and (metrics_path.exists() or ckpt_io.list_checkpoints(run_dir)):
         raise FileExistsError(f"{run_dir} already holds a run; pass resume=True (--resume) to "
                               "continue it or choose another --out")
-    if latest is not None:
-        saved = ckpt_io.read_run_config(run_dir)
-        if saved["model"] != model_cfg.to_dict():
-            raise ConfigError(f"cannot resume {run_dir}: its config.yaml has a different model config")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    tok_src = data_dir / train_data.meta.get("tokenizer", "tokenizer")
     data_info = {"dir": str(data_dir.resolve()), "corpus": train_data.meta.get("corpus"),
                  "vocab_size": train_data.vocab_size, "train_tokens": train_data.n_tokens,
-                 "val_tokens": val_data.n_tokens, "bytes_per_token": train_data.bytes_per_token}
+                 "val_tokens": val_data.n_tokens, "bytes_per_token": train_data.bytes_per_token,
+                 "fingerprint": data_fingerprint(data_dir)}
+    if latest is not None:
+        check_resume_matches(run_dir, model_cfg, data_info, tok_src, allow_new_data)
     ckpt_io.write_run_config(run_dir, model_cfg.to_dict(), cfg.to_dict(), data_info)
-    tok_src = data_dir / train_data.meta.get("tokenizer", "tokenizer")
     if tok_src.is_dir() and not (run_dir / "tokenizer").exists():
         shutil.copytree(tok_src, run_dir / "tokenizer")
     if latest is None and metrics_path.exists():

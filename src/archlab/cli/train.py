@@ -27,7 +27,10 @@ def register(subparsers) -> None:
                    help="override: model key (norm.kind=layernorm) or train key (train.lr=1e-3)")
     p.add_argument("--data", required=True, help="prepared data folder (archlab data prepare)")
     p.add_argument("--out", required=True, help="run folder to write")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --out that verifies (sha256)")
+    p.add_argument("--allow-new-data", action="store_true",
+                   help="with --resume: continue on a --data other than the run's (refused by default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_train)
 
@@ -127,7 +130,7 @@ def run_train(args) -> int:
     try:
         model_cfg, train_cfg = build_configs(args)
         result = train(model_cfg, train_cfg, args.data, args.out, resume=args.resume,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, allow_new_data=args.allow_new_data)
     except Diverged as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3

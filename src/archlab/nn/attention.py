@@ -135,6 +135,12 @@ class Attention(nn.Module):
             out = out * torch.sigmoid(self.gate_proj(x))
         return self.o_proj(out)
 
+    def attention_backend(self) -> str:
+        """The implementation this layer's full-sequence forward runs (recorded in provenance.json)."""
+        if self.softcap is not None or self.sinks is not None or self.record_probs:
+            return "eager"
+        return "sdpa"
+
     def _shared_tables(self, positions, dtype, memo):
         """RoPE tables once per forward for layers with equal frequencies (None: rotate builds them)."""
         key = getattr(self.position, "table_key", None)

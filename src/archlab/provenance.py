@@ -1,0 +1,163 @@
+"""What produced a run folder, and what it was trained on.
+
+- `provenance(...)`: archlab version (and git sha where the package sits in a checkout), torch version,
+  device name and CPU flags, resolved dtype, attention backend per layer. Written to each run folder
+  (`provenance.json`) and printed by each benchmark, so figures from different machines can be told
+  apart.
+- `data_fingerprint(data_dir)`: a cheap identity of a prepared data folder (its meta.json and the first
+  and last MiB of each split), recorded in config.yaml and compared on resume.
+- `check_resume_matches(...)`: a resume continues the same model on the same tokenizer and data; checked
+  before anything in the run folder changes.
+
+>>> sorted(provenance(device="cpu"))[:3]
+['archlab', 'attention_backends', 'cpu_capability']
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from archlab.data import DataError
+
+__all__ = ["provenance", "device_name", "data_fingerprint", "tokenizer_fingerprint", "check_resume_matches",
+           "PROVENANCE_FILE"]
+
+PROVENANCE_FILE = "provenance.json"
+_EDGE = 1 << 20
+
+
+@functools.cache
+def _git_sha() -> str | None:
+    """The commit of the archlab checkout this package is imported from (None for an installed wheel)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "CPU"
+
+
+def _cpu_flags() -> list[str]:
+    """The CPU flags that decide kernel speed (SIMD width, bf16/AMX units)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "fma")
+    return [flag for flag in wanted if flag in flags]
+
+
+def device_name(device: str | torch.device) -> str:
+    """What figures were measured on: GPU name, or CPU model and the SIMD level torch dispatches to."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{_cpu_model()}, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def attention_backends(model: torch.nn.Module) -> list[str]:
+    """The attention implementation each layer runs (as the layer reports it), in layer order."""
+    found = []
+    for module in model.modules():
+        describe = getattr(module, "attention_backend", None)
+        if callable(describe):
+            found.append(describe())
+    return found
+
+
+def provenance(*, device: str | torch.device = "cpu", dtype: str | None = None,
+               model: torch.nn.Module | None = None) -> dict:
+    """Everything that makes a figure from this process differ from another machine's."""
+    from archlab import __version__
+
+    return {
+        "archlab": __version__, "git_sha": _git_sha(), "torch": torch.__version__,
+        "python": platform.python_version(), "device": device_name(device),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": _cpu_flags(),
+        "threads": torch.get_num_threads(), "dtype": dtype,
+        "attention_backends": attention_backends(model) if model is not None else [],
+    }
+
+
+def write_provenance(run_dir: str | os.PathLike, record: dict) -> None:
+    """Append this process's record to the run folder's history (a resume adds one)."""
+    path = Path(run_dir) / PROVENANCE_FILE
+    history = []
+    if path.is_file():
+        try:
+            history = json.loads(path.read_text()).get("sessions", [])
+        except (ValueError, AttributeError):
+            history = []
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"sessions": [*history, record]}, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# ---- identity of the inputs --------------------------------------------------------------------
+def _hash_edges(digest, path: Path) -> None:
+    size = path.stat().st_size
+    digest.update(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(_EDGE))
+        if size > 2 * _EDGE:
+            f.seek(size - _EDGE)
+            digest.update(f.read(_EDGE))
+
+
+def data_fingerprint(data_dir: str | os.PathLike) -> str:
+    """sha256 (16 hex digits) of a data folder's meta.json and the edges of each split file."""
+    data_dir = Path(data_dir)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for split in sorted(meta.get("splits", {})):
+        _hash_edges(digest, data_dir / meta["splits"][split]["file"])
+    return digest.hexdigest()[:16]
+
+
+def tokenizer_fingerprint(tok_dir: str | os.PathLike) -> str | None:
+    tok_dir = Path(tok_dir)
+    if not tok_dir.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(p for p in tok_dir.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(tok_dir).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def check_resume_matches(run_dir: Path, model_cfg, data_info: dict, tok_src: Path, allow_new_data: bool) -> None:
+    """Raise (ConfigError / DataError) when a resume would continue a different model, tokenizer or data."""
+    from archlab.checkpoint import read_run_config
+    from archlab.config import ConfigError
+
+    saved = read_run_config(run_dir)
+    if saved["model"] != model_cfg.to_dict():
+        raise ConfigError(f"cannot resume {run_dir}: its config.yaml has a different model config")
+    ours, theirs = tokenizer_fingerprint(tok_src), tokenizer_fingerprint(run_dir / "tokenizer")
+    if ours is not None and theirs is not None and ours != theirs:
+        raise DataError(f"cannot resume {run_dir}: --data {data_info['dir']} has a different tokenizer than the "
+                        "one the run was trained with")
+    before = saved.get("data") or {}
+    same = before.get("fingerprint", data_info["fingerprint"]) == data_info["fingerprint"]
+    if not same and not allow_new_data:
+        raise DataError(f"cannot resume {run_dir}: it was trained on {before.get('dir')}, and --data "
+                        f"{data_info['dir']} holds other data; pass --allow-new-data to continue on it")

@@ -41,6 +41,7 @@ import yaml
 
 from archlab.config import ModelConfig
 from archlab.errors import UserError
+from archlab.runlock import pid_alive
 from archlab.statefile import load_legacy_pickle, load_state, save_state
 
 __all__ = [
@@ -205,19 +206,9 @@ def save_checkpoint(root: str | os.PathLike, step: int, model_state: dict[str, t
             shutil.rmtree(stale, ignore_errors=True)
     for leftover in root.glob(".tmp-step_*"):  # from runs killed mid-save, never a live process's
         pid = leftover.name.rsplit("-", 1)[-1]
-        if leftover != tmp and pid.isdigit() and not _pid_alive(int(pid)):
+        if leftover != tmp and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(leftover, ignore_errors=True)
     return final
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 def read_meta(path: str | os.PathLike) -> dict:

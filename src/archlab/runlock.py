@@ -23,7 +23,7 @@ from pathlib import Path
 
 from archlab.errors import UserError
 
-__all__ = ["RunLock", "LockedError", "LOCK_FILE"]
+__all__ = ["RunLock", "LockedError", "LOCK_FILE", "pid_alive"]
 
 LOCK_FILE = ".lock"
 
@@ -32,7 +32,8 @@ class LockedError(UserError):
     """Another live process writes this folder."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -119,7 +120,7 @@ class RunLock:
 
     def _is_stale(self, holder: dict) -> bool:
         if holder.get("host") == self.me["host"] and isinstance(holder.get("pid"), int):
-            return not _pid_alive(holder["pid"])
+            return not pid_alive(holder["pid"])
         return time.time() - float(holder.get("heartbeat", 0)) > self.lease_s
 
     def _why_stale(self, holder: dict) -> str:

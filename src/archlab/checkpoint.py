@@ -41,6 +41,7 @@ import yaml
 
 from archlab.config import ModelConfig
 from archlab.errors import UserError
+from archlab.faults import fault_point
 from archlab.runlock import pid_alive
 from archlab.statefile import load_legacy_pickle, load_state, save_state
 
@@ -142,6 +143,21 @@ def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- checkpoints
+def check_free_space(root: Path, model_state: dict[str, torch.Tensor], margin: float = 1.2) -> None:
+    """Refuse a save that cannot fit before writing a byte: the newest checkpoint's size (or, for the
+    first, the weights times 3 for AdamW's two moments), with a margin, against the free space."""
+    newest = latest_checkpoint(root)
+    if newest is not None:
+        need = sum(f.stat().st_size for f in newest.iterdir() if f.is_file())
+    else:
+        need = 3 * sum(t.numel() * t.element_size() for t in model_state.values())
+    free = shutil.disk_usage(root).free
+    if free < need * margin:
+        raise CheckpointError(f"not enough disk space to save a checkpoint under {root}: about "
+                              f"{need * margin / 2**20:,.0f} MiB needed, {free / 2**20:,.0f} MiB free; "
+                              "the previous checkpoint is kept")
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:07d}"
 
@@ -173,6 +189,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model_state: dict[str, t
     `keep_last` (0 or less: keep all). Returns the checkpoint folder."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    check_free_space(root, model_state)
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
     if tmp.exists():
@@ -180,22 +197,27 @@ def save_checkpoint(root: str | os.PathLike, step: int, model_state: dict[str, t
     tmp.mkdir()
     try:
         save_weights(model_state, tmp / MODEL_FILE)
+        fault_point("save:weights")
         save_state(trainer_state, tmp / TRAINER_FILE)
         make_readable(tmp / TRAINER_FILE)
+        fault_point("save:trainer")
         names = (MODEL_FILE, TRAINER_FILE)
         meta = {"format": FORMAT_VERSION, "step": int(step),
                 "files": {name: (tmp / name).stat().st_size for name in names},
                 "sha256": {name: sha256_file(tmp / name) for name in names}, **(extra_meta or {})}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        fault_point("save:meta")
         for name in (MODEL_FILE, TRAINER_FILE, META_FILE):
             _fsync_file(tmp / name)
         _fsync_dir(tmp)
+        fault_point("save:fsync")
         old = None
         if final.exists():  # same step saved again (e.g. after a resume): swap, then drop the old one
             old = root / f".old-{step_dir_name(step)}-{os.getpid()}"
             os.rename(final, old)
         os.rename(tmp, final)
         _fsync_dir(root)
+        fault_point("save:rename")
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -204,6 +226,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model_state: dict[str, t
     if keep_last > 0:
         for stale in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(stale, ignore_errors=True)
+    fault_point("save:prune")
     for leftover in root.glob(".tmp-step_*"):  # from runs killed mid-save, never a live process's
         pid = leftover.name.rsplit("-", 1)[-1]
         if leftover != tmp and pid.isdigit() and not pid_alive(int(pid)):

@@ -22,6 +22,7 @@ the step counter.
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -37,6 +38,7 @@ import torch
 
 from archlab import corpora
 from archlab.errors import UserError
+from archlab.faults import fault_point
 
 __all__ = [
     "EOT_TOKEN", "TokenizerLike", "ByteTokenizer", "load_tokenizer", "prepare", "load_meta",
@@ -321,6 +323,7 @@ def prepare(
     workers = _default_workers() if num_workers is None else max(0, int(num_workers))
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -328,6 +331,7 @@ def prepare(
     try:
         meta = _write_splits(docs, tok, tmp, dtype=dtype, eot_id=eot_id, seed=seed,
                              val_fraction=val_fraction, workers=workers, progress=progress)
+        fault_point("prepare:split")
         meta.update(corpus=name, seed=seed, val_fraction=val_fraction, eot_token=eot_token,
                     vocab_size=vocab_size, text_field=text_field)
         (tmp / "tokenizer").mkdir()
@@ -393,6 +397,18 @@ def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Delete `.NAME.partial-PID` / `.NAME.old-PID` folders of earlier runs that were killed (their
+    process is gone); a live process's are left alone."""
+    from archlab.runlock import pid_alive
+
+    for kind in ("partial", "old"):
+        for leftover in out.parent.glob(f".{glob.escape(out.name)}.{kind}-*"):
+            pid = leftover.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _is_empty_dir(path: Path) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 __all__ = ["append_jsonl", "truncate_metrics", "read_metrics", "plot_loss_curve", "TensorBoardLogger"]
@@ -30,6 +31,25 @@ def truncate_metrics(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
+
+
+def truncate_samples(path: Path, step: int) -> None:
+    """Keep only the samples.txt entries of steps up to `step`, so a resume writes each step's once."""
+    if not path.is_file():
+        return
+    kept, keep = [], True
+    for line in path.read_text().splitlines(keepends=True):
+        match = _SAMPLE_HEADER.match(line)
+        if match:
+            keep = int(match.group(1)) <= step
+        if keep:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+_SAMPLE_HEADER = re.compile(r"^=== step (\d+) ")
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

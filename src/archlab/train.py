@@ -24,7 +24,9 @@ import dataclasses
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -37,7 +39,8 @@ from archlab import checkpoint as ckpt_io
 from archlab import distributed as dist_util
 from archlab.config import ConfigError, ModelConfig
 from archlab.evaluate import autocast, evaluate, sample_ids
-from archlab.metrics import TensorBoardLogger, append_jsonl, plot_loss_curve, read_metrics, truncate_metrics
+from archlab.metrics import (TensorBoardLogger, append_jsonl, plot_loss_curve, read_metrics, truncate_metrics,
+                             truncate_samples)
 from archlab.optim import build_optimizer, lr_multiplier, param_groups, schedule_progress
 from archlab.precision import bf16_warning, resolve_dtype
 from archlab.recompute import checkpoint_blocks
@@ -48,7 +51,7 @@ from archlab.throughput import matmul_peak_flops, peak_memory, train_flops_per_t
 from archlab.train_config import TrainConfig
 
 # re-exported: callers import these from archlab.train
-__all__ = ["TrainConfig", "TrainResult", "Diverged", "train", "param_groups", "lr_multiplier",
+__all__ = ["TrainConfig", "TrainResult", "Diverged", "Stopped", "train", "param_groups", "lr_multiplier",
            "matmul_peak_flops", "train_flops_per_token", "plot_loss_curve", "read_metrics", "fit_vocab"]
 
 MAX_CONSECUTIVE_SKIPS = 10
@@ -61,6 +64,40 @@ class Diverged(RuntimeError):
     def __init__(self, message: str, step: int, checkpoint: Path | None, result: "TrainResult | None" = None):
         super().__init__(message)
         self.step, self.checkpoint, self.result = step, checkpoint, result
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT arrived (cluster preemption, Ray cancel, Ctrl-C): the loop finished its step,
+    saved a checkpoint and stopped. `.signal_name`, `.step`, `.checkpoint` say where; `--resume` continues."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint: Path | None):
+        super().__init__(f"stopped by {signal_name} at step {step}; checkpoint {checkpoint} saved: continue with "
+                         "--resume")
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+
+
+class _StopSignals:
+    """While active (main thread only), SIGTERM / SIGINT set `received` instead of killing the process;
+    the loop checks it after each step. A second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclass
@@ -157,7 +194,8 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
     # 5. the loop
     run.open_reporting(progress)
     try:
-        run.loop()
+        with run.signals:
+            run.loop()
     except Diverged as exc:
         exc.result = run.result(diverged=True)
         raise
@@ -192,11 +230,16 @@ def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
     return can_eval
 
 
+def _finite(*losses: float | None) -> bool:
+    return all(loss is None or math.isfinite(loss) for loss in losses)
+
+
 class _StepStats(NamedTuple):
     ce: float              # mean over micro-batches and ranks
     total: float           # ce + z-loss + aux losses, likewise
     grad_norm: float
     finite: bool           # False: the update was skipped
+    stop_requested: bool   # SIGTERM / SIGINT on some rank: checkpoint and stop after this step
 
 
 @dataclass
@@ -248,6 +291,7 @@ class _Run:
         self.last_good: Path | None = None      # the checkpoint Diverged names
         self.last_train_loss = None
         self.window, self.session = _Meter(), _Meter()   # since the last log line; since this process began
+        self.signals = _StopSignals()                     # entered around the loop: SIGTERM / SIGINT stop cleanly
         # set by open_reporting
         self.tokenizer, self.tb, self.bar, self.peak = None, None, None, 0.0
 
@@ -267,7 +311,8 @@ class _Run:
         set_rng_state(rngs[info.rank] if len(rngs) == info.world_size else rngs[0])
         if info.is_main:
             truncate_metrics(self.metrics_path, self.step)
-        self.last_good = checkpoint
+            truncate_samples(self.run_dir / "samples.txt", self.step)
+        self.last_good = checkpoint if _finite(self.last_val) else None
 
     def open_reporting(self, progress: bool) -> None:
         """Tokenizer (for samples), peak FLOP/s (for MFU), TensorBoard, progress bar. After resume_from,
@@ -342,11 +387,27 @@ class _Run:
                 self.validate()
             if (cfg.sample_every > 0 and self.step % cfg.sample_every == 0) or (end and cfg.sample_every >= 0):
                 self.sample()
-            if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or end:
-                self.last_good = self.save() or self.last_good
+            saved = (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or end
+            if saved:
+                self.checkpoint()
+            if stats.stop_requested:
+                self.stop(saved)
             t_prev = time.perf_counter()   # eval / sample / checkpoint time is not training time...
             if self.total_steps is None:   # ...except for a minutes budget, which is wall time
                 self.elapsed += t_prev - now
+
+    def checkpoint(self) -> None:
+        """Save; the NaN guard names the checkpoint only when its recorded losses are finite."""
+        path = self.save()
+        if path is not None and _finite(self.last_val, self.last_train_loss):
+            self.last_good = path
+
+    def stop(self, saved: bool) -> None:
+        """After SIGTERM / SIGINT: checkpoint (unless this step just did) and raise Stopped."""
+        if not saved:
+            self.checkpoint()
+        name = signal.Signals(self.signals.received or signal.SIGTERM).name
+        raise Stopped(name, self.step, ckpt_io.latest_checkpoint(self.run_dir))
 
     def budget_spent(self) -> bool:
         """A minutes budget is rank 0's clock, broadcast: every rank stops at the same step."""
@@ -371,14 +432,16 @@ class _Run:
                 (out.total / cfg.grad_accum).backward()
             sums += torch.stack((out.ce.detach(), out.total.detach()))
         ce, total_loss = (sums / cfg.grad_accum).tolist()   # one host sync per optimizer step
-        ce, total_loss = dist_util.all_reduce_mean([ce, total_loss], info)
+        # a SIGTERM / SIGINT on any rank rides on the one all-reduce of the step: every rank stops together
+        ce, total_loss, stop = dist_util.all_reduce_mean([ce, total_loss, float(self.signals.received is not None)],
+                                                         info)
         grad_norm = self._grad_norm()
         finite = math.isfinite(total_loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
             self.skipped = 0
         self.optimizer.zero_grad(set_to_none=True)
-        return _StepStats(ce, total_loss, grad_norm, finite)
+        return _StepStats(ce, total_loss, grad_norm, finite, stop > 0)
 
     def _grad_norm(self) -> float:
         """Global gradient norm, after clipping to cfg.grad_clip when set."""

@@ -123,20 +123,23 @@ def build_configs(args):
 
 
 def run_train(args) -> int:
-    from archlab.config import ConfigError
-    from archlab.data import DataError
-    from archlab.train import Diverged, train
+    import signal
 
+    from archlab.train import Diverged, Stopped, train
+
+    model_cfg, train_cfg = build_configs(args)
     try:
-        model_cfg, train_cfg = build_configs(args)
         result = train(model_cfg, train_cfg, args.data, args.out, resume=args.resume,
                        progress=not args.no_progress, allow_new_data=args.allow_new_data)
     except Diverged as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"archlab train: error: {exc}", file=sys.stderr)
         return 3
-    except (ConfigError, DataError, FileExistsError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except FileExistsError as exc:
+        from archlab.errors import UserError
+        raise UserError(str(exc)) from exc
+    except Stopped as exc:                     # SIGTERM / SIGINT: checkpoint saved, exit as the signal would
+        print(f"archlab train: {exc}", file=sys.stderr)
+        return 128 + int(signal.Signals[exc.signal_name])
     import os
     if int(os.environ.get("RANK", "0")) == 0:
         val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"

@@ -305,3 +305,34 @@ def test_sweep_records_paired_step_times_once(tmp_path, monkeypatch):
     assert {(r.variant, r.extra[timing.METRIC]) for r in rows} == {("layers=1", 0.01), ("layers=8", 0.08)}
     runner.run_suite(suite, tmp_path / "sweep", train_fn=FakeTrainer(), **kw)   # resumed: kept
     assert calls == [4]
+
+
+def test_report_reads_the_results_table_without_writing_to_it(tmp_path):
+    import os
+    import stat
+
+    from archlab.lab.report import build_report
+    from archlab.lab.store import DB_FILE
+    data = _tiny_data(tmp_path)
+    suite = suites.Suite(name="norms", claim="c", seeds=1,
+                         axes=[{"name": "norm", "key": "norm.kind", "values": ["layernorm", "rmsnorm"]}])
+    runner.run_suite(suite, tmp_path / "sweep", train_fn=FakeTrainer(), data_dir=data, budget=3,
+                     progress=False, measure=False)
+    db = tmp_path / "sweep" / DB_FILE
+    before = db.read_bytes()
+    os.chmod(db, stat.S_IRUSR | stat.S_IRGRP)               # a read-only table still reports
+    try:
+        paths = build_report(tmp_path / "sweep")
+    finally:
+        os.chmod(db, 0o644)
+    assert db.read_bytes() == before and paths["md"].parent == tmp_path / "sweep" / "report"
+
+
+def test_report_on_a_corrupt_table_is_one_line(tmp_path, capsys):
+    from archlab.cli import main
+    from archlab.lab.store import DB_FILE
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / DB_FILE).write_bytes(b"this is not sqlite" * 100)
+    assert main(["report", str(tmp_path / "sweep")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a readable archlab results table" in err

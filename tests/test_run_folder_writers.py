@@ -162,3 +162,11 @@ def test_check_on_a_folder_that_is_no_run_is_one_line(tmp_path, capsys):
     assert cli_main(["check", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a run folder" in err
+
+
+def test_a_resume_past_the_budget_still_reports_the_final_train_loss(run):
+    data, run_dir = run
+    result = train(tiny_model(), CFG, data, run_dir, resume=True, progress=False)   # nothing left to run
+    from archlab.train import read_metrics
+    last = [m["loss"] for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m][-1]
+    assert result.steps == 2 and result.final_train_loss == last

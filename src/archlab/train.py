@@ -307,6 +307,7 @@ class _Run:
         self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["elapsed_s"]
         self.best_val, self.last_val = state.get("best_val"), state.get("last_val")
         self.skipped = state.get("skipped", 0)
+        self.last_train_loss = state.get("last_train_loss")     # a resume past the budget still reports it
         rngs = state["rng"]
         set_rng_state(rngs[info.rank] if len(rngs) == info.world_size else rngs[0])
         if info.is_main:
@@ -528,6 +529,7 @@ class _Run:
         if info.is_main:
             state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed,
                      "best_val": self.best_val, "last_val": self.last_val, "skipped": self.skipped,
+                     "last_train_loss": self.last_train_loss,
                      "optimizer": optim_state, "sampler": self.sampler.state_dict(), "rng": rngs,
                      "world_size": info.world_size, "train_config": self.cfg.to_dict()}
             path = ckpt_io.save_checkpoint(self.ckpt_root, self.step, model_state, state,

@@ -365,7 +365,7 @@ def build_report(path: str | Path, out_dir: str | Path | None = None) -> dict[st
     blocks = [Block("h1", "archlab ablation report")]
     summary_rows, all_verdicts, sections = [], {}, []
     for db in stores:
-        with ResultStore(db) as store:
+        with ResultStore(db, readonly=True) as store:
             for name in store.suites():
                 suite = _suite_for(store, name)
                 rows = store.runs(name)

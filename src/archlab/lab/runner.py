@@ -28,6 +28,7 @@ from archlab.errors import UserError
 from archlab.lab import matching
 from archlab.lab.store import FINISHED, ResultStore, RunRecord
 from archlab.lab.suites import Suite, Variant, build_model_config
+from archlab.runlock import LockedError
 
 DATA_SUBDIR = "data"
 LAB_TRAIN_DEFAULTS = {"sample_every": -1, "checkpoint_every": 0, "keep_last": 1, "log_every": 10}
@@ -228,6 +229,8 @@ def _one(store: ResultStore, suite: Suite, run: PlannedRun, data: Path, train_fn
         result = exc.result
         record.status = "diverged"
         record.error = str(exc)
+    except LockedError:  # another worker runs this row right now: its result will land, not ours
+        raise
     except KeyboardInterrupt:
         record.status = "failed"
         record.error = "interrupted"

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from archlab.errors import UserError
+
 DB_FILE = "results.sqlite"
 STATUSES = ("running", "done", "diverged", "failed")
 FINISHED = ("done", "diverged")
@@ -84,20 +86,35 @@ class RunRecord:
         return None if value is None else float(value)
 
 
+class StoreError(UserError):
+    """A results table that cannot be opened (missing, corrupt, not archlab's)."""
+
+
 class ResultStore:
     """Open (creating if needed) the results table of a sweep folder or a .sqlite path."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, readonly: bool = False):
+        """readonly: open an existing table without writing a byte to it (reports)."""
         path = Path(path)
         if path.suffix != ".sqlite":
-            path.mkdir(parents=True, exist_ok=True)
+            if not readonly:
+                path.mkdir(parents=True, exist_ok=True)
             path = path / DB_FILE
         self.path = path
-        self._db = sqlite3.connect(str(path), timeout=30)
-        cols = ", ".join(f"{k} {v}" for k, v in _COLUMNS.items())
-        with self._db:
-            self._db.execute(f"CREATE TABLE IF NOT EXISTS runs ({cols}, PRIMARY KEY (suite, variant, seed))")
-            self._db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
+        if readonly and not path.is_file():
+            raise StoreError(f"no results table at {path}")
+        try:
+            if readonly:
+                self._db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+            else:
+                self._db = sqlite3.connect(str(path), timeout=30)
+                cols = ", ".join(f"{k} {v}" for k, v in _COLUMNS.items())
+                with self._db:
+                    self._db.execute(f"CREATE TABLE IF NOT EXISTS runs ({cols}, PRIMARY KEY (suite, variant, seed))")
+                    self._db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
+            self._db.execute("SELECT count(*) FROM runs").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{path} is not a readable archlab results table: {exc}") from exc
 
     # ---- rows ---------------------------------------------------------------------------------
     def put(self, record: RunRecord) -> None:

@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--uncached-new", type=int, default=32, help="tokens for the (slow) uncached loop")
     ap.add_argument("--uncached-rounds", type=int, default=3)
     args = ap.parse_args()
+    from archlab.provenance import provenance_line
+    print(provenance_line(threads=getattr(args, 'threads', None)), flush=True)
     torch.set_num_threads(args.threads)
 
     import transformers

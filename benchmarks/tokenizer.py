@@ -185,6 +185,8 @@ def main() -> int:
                         help="encode at most this many MB of the corpus text (default 10)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON, e.g. --json bench.json")
     args = parser.parse_args()
+    from archlab.provenance import provenance_line
+    print(provenance_line(threads=getattr(args, 'threads', None)), flush=True)
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     rows = []
     for spec in args.corpora:

@@ -221,11 +221,10 @@ def main() -> int:
     import torch
 
     from archlab.precision import has_native_bf16
-    from archlab.provenance import provenance
+    from archlab.provenance import device_name, provenance_line
 
-    record = provenance(device=args.device)
-    print(f"device: {record['device']}", flush=True)
-    print("provenance: " + json.dumps({k: v for k, v in record.items() if k != "attention_backends"}), flush=True)
+    print(f"device: {device_name(args.device)}", flush=True)
+    print(provenance_line(args.device), flush=True)
     dtypes = args.dtypes.split(",")
     if args.dtypes == "auto":
         dtypes = ["float32"]

@@ -170,3 +170,12 @@ def test_a_resume_past_the_budget_still_reports_the_final_train_loss(run):
     from archlab.train import read_metrics
     last = [m["loss"] for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m][-1]
     assert result.steps == 2 and result.final_train_loss == last
+
+
+def test_benchmark_provenance_line_is_json_with_versions():
+    import torch
+
+    from archlab.provenance import provenance_line
+    line = provenance_line("cpu", threads=3)
+    record = json.loads(line.removeprefix("provenance: "))
+    assert record["torch"] == torch.__version__ and record["threads"] == 3 and record["cpu_capability"]

@@ -26,7 +26,7 @@ import torch
 
 from archlab.data import DataError
 
-__all__ = ["provenance", "device_name", "data_fingerprint", "tokenizer_fingerprint", "check_resume_matches",
+__all__ = ["provenance", "provenance_line", "write_provenance", "device_name", "data_fingerprint", "tokenizer_fingerprint", "check_resume_matches",
            "PROVENANCE_FILE"]
 
 PROVENANCE_FILE = "provenance.json"
@@ -96,6 +96,12 @@ def provenance(*, device: str | torch.device = "cpu", dtype: str | None = None,
         "threads": torch.get_num_threads(), "dtype": dtype,
         "attention_backends": attention_backends(model) if model is not None else [],
     }
+
+
+def provenance_line(device: str | torch.device = "cpu", **extra) -> str:
+    """One line for a benchmark's output: `provenance: {...}` (JSON), so its figures say where they came from."""
+    record = {k: v for k, v in provenance(device=device).items() if k != "attention_backends"}
+    return "provenance: " + json.dumps({**record, **{k: v for k, v in extra.items() if v is not None}})
 
 
 def write_provenance(run_dir: str | os.PathLike, record: dict) -> None:

@@ -145,3 +145,25 @@ def test_resume_refuses_a_corrupt_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="model.safetensors"):
         train(tiny_model(), cfg.with_overrides({"budget": 4}), data, tmp_path / "run", resume=True,
               progress=False)
+
+
+@pytest.mark.slow
+def test_three_random_kills_then_resume_match_the_uninterrupted_run(tmp_path):
+    """SIGKILL at random moments (mid-step, mid-save, mid-eval), three times in one run."""
+    data = make_data(tmp_path / "data")
+    train_cfg = TrainConfig(batch_size=8, seq_len=32, budget=60, warmup_steps=5, lr=3e-3, eval_every=10,
+                            eval_batches=2, checkpoint_every=5, log_every=1, sample_every=-1, keep_last=2)
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump({"model": tiny_model().to_dict(), "train": train_cfg.to_dict()}))
+    full = _run_cli(cfg_path, data, tmp_path / "full")
+    assert full.wait(timeout=300) == 0
+    rng = random.Random(1)
+    for attempt in range(3):
+        victim = _run_cli(cfg_path, data, tmp_path / "killed", resume=attempt > 0)
+        time.sleep(2.0 + rng.random() * 2.0)         # past start-up, somewhere in the loop
+        victim.send_signal(signal.SIGKILL)
+        victim.communicate(timeout=60)
+    resumed = _run_cli(cfg_path, data, tmp_path / "killed", resume=True)
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert _losses(tmp_path / "killed" / "metrics.jsonl") == _losses(tmp_path / "full" / "metrics.jsonl")

@@ -22,11 +22,9 @@ the step counter.
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
-import shutil
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -39,6 +37,7 @@ import torch
 from archlab import corpora
 from archlab.errors import UserError
 from archlab.faults import fault_point
+from archlab.outputs import fresh_output, refuse_existing
 
 __all__ = [
     "EOT_TOKEN", "TokenizerLike", "ByteTokenizer", "load_tokenizer", "prepare", "load_meta",
@@ -307,8 +306,7 @@ def prepare(
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
     out = Path(out_dir).expanduser()
-    if out.exists() and not overwrite and not _is_empty_dir(out):
-        raise FileExistsError(f"{out} already exists (pass overwrite=True / --overwrite to replace it)")
+    refuse_existing(out, overwrite)
     tok = load_tokenizer(tokenizer)
     if not callable(getattr(tok, "save", None)):
         raise DataError(f"{type(tok).__name__} has no save(dir): the data folder must carry its tokenizer")
@@ -322,13 +320,8 @@ def prepare(
         name, docs = corpus_name or "<iterable>", corpus
     workers = _default_workers() if num_workers is None else max(0, int(num_workers))
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(out)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    # built beside `out` and renamed into place: a crash never leaves a folder that looks complete
+    with fresh_output(out, overwrite=overwrite) as tmp:
         meta = _write_splits(docs, tok, tmp, dtype=dtype, eot_id=eot_id, seed=seed,
                              val_fraction=val_fraction, workers=workers, progress=progress)
         fault_point("prepare:split")
@@ -337,10 +330,6 @@ def prepare(
         (tmp / "tokenizer").mkdir()
         tok.save(tmp / "tokenizer")
         _write_json(tmp / META_FILE, _ordered_meta(meta))  # written last: its presence marks completeness
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return load_meta(out)
 
 
@@ -397,35 +386,6 @@ def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
-
-
-def _remove_leftovers(out: Path) -> None:
-    """Delete `.NAME.partial-PID` / `.NAME.old-PID` folders of earlier runs that were killed (their
-    process is gone); a live process's are left alone."""
-    from archlab.runlock import pid_alive
-
-    for kind in ("partial", "old"):
-        for leftover in out.parent.glob(f".{glob.escape(out.name)}.{kind}-*"):
-            pid = leftover.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-                shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _is_empty_dir(path: Path) -> bool:
-    return path.is_dir() and not any(path.iterdir())
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Rename `new` to `target`; an existing target is moved aside first and deleted after."""
-    old = None
-    if _is_empty_dir(target):
-        target.rmdir()
-    elif target.exists():
-        old = target.parent / f".{target.name}.old-{os.getpid()}"
-        os.rename(target, old)
-    os.rename(new, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- reading

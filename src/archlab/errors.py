@@ -38,8 +38,9 @@ _USER_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOS
 
 def is_user_error(exc: BaseException) -> bool:
     """True for errors a user caused or can fix, which deserve one line and no traceback."""
-    if isinstance(exc, UserError):
-        return True
+    if isinstance(exc, (UserError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError,
+                        IsADirectoryError)):
+        return True       # about the user's paths, whether the OS or archlab raised them
     if isinstance(exc, OSError) and exc.errno in _USER_ERRNOS:
         return True
     return isinstance(exc, MemoryError)

@@ -47,3 +47,25 @@ def test_missing_input_is_an_error(tmp_path, capsys):
     rc = main(["tokenizer", "train", "--input", str(tmp_path / "nope"), "--vocab-size", "300",
                "--out", str(tmp_path / "o"), "--no-progress"])
     assert rc == 2 and "no such file" in capsys.readouterr().err
+
+
+def test_train_refuses_an_existing_folder_before_any_work(tmp_path, capsys):
+    (tmp_path / "c.txt").write_text("hello world " * 20)
+    out = tmp_path / "tok"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("precious")
+    rc = main(["tokenizer", "train", "--input", str(tmp_path / "c.txt"), "--vocab-size", "300", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 2 and "--overwrite" in captured.err and "train bpe" not in captured.err   # no bar drawn
+    assert (out / "tokenizer.json").read_text() == "precious"
+    rc = main(["tokenizer", "train", "--input", str(tmp_path / "c.txt"), "--vocab-size", "300", "--out", str(out),
+               "--overwrite", "--no-progress"])
+    assert rc == 0 and (out / "tokenizer.json").read_text().startswith("{")
+
+
+def test_an_empty_special_token_is_one_line(tmp_path, capsys):
+    (tmp_path / "c.txt").write_text("hello world " * 20)
+    rc = main(["tokenizer", "train", "--input", str(tmp_path / "c.txt"), "--vocab-size", "300",
+               "--special-tokens", "", "--out", str(tmp_path / "tok")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "empty string" in err and not (tmp_path / "tok").exists()

@@ -53,26 +53,32 @@ def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
     return copied
 
 
-def convert_from_hf(hf_dir: str | Path, run_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """HF folder -> run folder (config.yaml, tokenizer/, checkpoints/step_0000000/)."""
+def convert_from_hf(hf_dir: str | Path, run_dir: str | Path, dtype: torch.dtype | None = None,
+                    overwrite: bool = False) -> Path:
+    """HF folder -> run folder (config.yaml, tokenizer/, checkpoints/step_0000000/). An existing non-empty
+    run_dir is refused unless `overwrite`, which replaces it atomically (archlab.outputs)."""
     from archlab.checkpoint import CHECKPOINT_DIR, save_checkpoint, write_run_config
     from archlab.interop.hf import load_hf, read_hf_config
+    from archlab.outputs import fresh_output, refuse_existing
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
+    refuse_existing(run_dir, overwrite)                      # before the (long) load
     model = load_hf(hf_dir, dtype=dtype)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    source = {"hf_folder": str(hf_dir.resolve()), "model_type": read_hf_config(hf_dir)["model_type"]}
-    write_run_config(run_dir, model=model.config.to_dict(), train={}, data={"converted_from": source})
-    save_checkpoint(run_dir / CHECKPOINT_DIR, 0, model.state_dict(), {}, keep_last=0,
-                    extra_meta={"converted_from": source})
-    if (hf_dir / "tokenizer.json").is_file():
-        problem = _tokenizer_problem(hf_dir)
-        if problem is None:
-            _copy_tokenizer(hf_dir, run_dir / "tokenizer")
-        else:  # keep it, but where load_run does not trip over it
-            _copy_tokenizer(hf_dir, run_dir / "tokenizer_hf")
-            print(f"note: archlab's tokenizer cannot read {hf_dir / 'tokenizer.json'} ({problem}); "
-                  f"copied to {run_dir / 'tokenizer_hf'} instead of tokenizer/", file=sys.stderr)
+    hf_cfg = read_hf_config(hf_dir)
+    source = {"hf_folder": str(hf_dir.resolve()), "model_type": hf_cfg["model_type"]}
+    with fresh_output(run_dir, overwrite=overwrite) as tmp:
+        write_run_config(tmp, model=model.config.to_dict(), train={"seq_len": model.config.max_seq_len},
+                         data={"converted_from": source})
+        save_checkpoint(tmp / CHECKPOINT_DIR, 0, model.state_dict(), {}, keep_last=0,
+                        extra_meta={"converted_from": source})
+        if (hf_dir / "tokenizer.json").is_file():
+            problem = _tokenizer_problem(hf_dir)
+            if problem is None:
+                _copy_tokenizer(hf_dir, tmp / "tokenizer")
+            else:  # keep it, but where load_run does not trip over it
+                _copy_tokenizer(hf_dir, tmp / "tokenizer_hf")
+                print(f"note: archlab's tokenizer cannot read {hf_dir / 'tokenizer.json'} ({problem}); "
+                      f"copied to {run_dir / 'tokenizer_hf'} instead of tokenizer/", file=sys.stderr)
     return run_dir
 
 
@@ -89,17 +95,24 @@ def _tokenizer_problem(folder: Path) -> str | None:
     return None
 
 
-def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None = None) -> str:
-    """Run folder (latest checkpoint) -> HF folder; returns the HF model_type used."""
+def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None = None,
+                  overwrite: bool = False) -> str:
+    """Run folder (latest checkpoint) -> HF folder with the tokenizer files transformers reads
+    (tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json); returns
+    the HF model_type used. An existing non-empty out_dir is replaced only with `overwrite` (atomically)."""
     from archlab.checkpoint import load_run
-    from archlab.interop.hf import save_hf
+    from archlab.interop.hf import save_hf, write_tokenizer_files
+    from archlab.outputs import fresh_output, refuse_existing
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    refuse_existing(out_dir, overwrite)
     model, _ = load_run(run_dir)
-    fam = save_hf(model, out_dir, family=family)
-    tok = run_dir / "tokenizer"
-    if (tok / "tokenizer.json").is_file():
-        _copy_tokenizer(tok, out_dir)
+    with fresh_output(out_dir, overwrite=overwrite) as tmp:
+        fam = save_hf(model, tmp, family=family)
+        tok = run_dir / "tokenizer"
+        if (tok / "tokenizer.json").is_file():
+            _copy_tokenizer(tok, tmp)
+            write_tokenizer_files(tmp, model.config.max_seq_len)
     return fam.model_type
 
 
@@ -133,11 +146,11 @@ def run_convert(args: argparse.Namespace) -> int:
     try:
         if args.from_hf:
             dtype = DTYPES[args.dtype] if args.dtype else None
-            out = convert_from_hf(args.from_hf, args.out, dtype=dtype)
+            out = convert_from_hf(args.from_hf, args.out, dtype=dtype, overwrite=args.overwrite)
             print(f"wrote run folder {out} (config.yaml, checkpoints/step_0000000"
                   + (", tokenizer/" if (out / "tokenizer").is_dir() else "") + ")")
         else:
-            model_type = convert_to_hf(args.to_hf, args.out, family=args.family)
+            model_type = convert_to_hf(args.to_hf, args.out, family=args.family, overwrite=args.overwrite)
             print(f"wrote Hugging Face folder {args.out} (model_type {model_type!r})")
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"archlab convert: error: {exc}", file=sys.stderr)
@@ -173,7 +186,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="HF_DIR", help="Hugging Face folder to import")
     src.add_argument("--to-hf", metavar="RUN_DIR", help="archlab run folder to export (latest checkpoint)")
-    c.add_argument("--out", required=True, metavar="DIR", help="folder to write")
+    c.add_argument("--out", required=True, metavar="DIR", help="folder to write (must be new or empty)")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out folder (atomically: a failure leaves the old one intact)")
     c.add_argument("--family", default=None, metavar="MODEL_TYPE",
                    help="with --to-hf: HF model_type to write (default: inferred from the config)")
     c.add_argument("--dtype", default=None, choices=sorted(DTYPES),

@@ -41,7 +41,9 @@ def register(subparsers) -> None:
                        help="special tokens, never merged across (default: <|endoftext|>), "
                        "e.g. --special-tokens '<|endoftext|>' '<|pad|>'")
     train.add_argument("--out", required=True, metavar="DIR",
-                       help="output folder for tokenizer.json, e.g. --out runs/tok-10k")
+                       help="output folder for tokenizer.json (new or empty), e.g. --out runs/tok-10k")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace an existing --out folder (atomically: a failure leaves the old one intact)")
     train.add_argument("--workers", type=int, default=None, metavar="N",
                        help="pre-tokenization processes (default: all CPUs), e.g. --workers 4")
     train.add_argument("--no-progress", action="store_true", help="hide the progress bar, e.g. in CI logs")
@@ -63,12 +65,20 @@ def register(subparsers) -> None:
 
 
 def cmd_train(args) -> int:
-    from archlab.progress import progress_bar
-
     import archlab.tokenizer as tk
+    from archlab.errors import UserError
+    from archlab.outputs import fresh_output, refuse_existing
+    from archlab.progress import progress_bar
+    from archlab.tokenizer.pretokenize import resolve_inputs
+
+    # every check before any work (and before the progress bar)
     if args.vocab_size <= 0:
-        print("error: --vocab-size must be positive", file=sys.stderr)
-        return 2
+        raise UserError(f"--vocab-size {args.vocab_size} must be positive")
+    for token in args.special_tokens:
+        if not token:
+            raise UserError("--special-tokens: an empty string is not a token")
+    refuse_existing(args.out, args.overwrite)
+    files = resolve_inputs(args.input)
     start = time.perf_counter()
     bar = None if args.no_progress else progress_bar(total=args.vocab_size, desc=f"train {args.kind}", unit="tok")
 
@@ -78,17 +88,18 @@ def cmd_train(args) -> int:
             bar.update(max(0, min(done, args.vocab_size) - bar.n))
 
     try:
-        tok = tk.train(args.input, args.vocab_size, args.special_tokens, kind=args.kind,
+        tok = tk.train(files, args.vocab_size, args.special_tokens, kind=args.kind,
                        num_workers=args.workers, progress=progress)
         if bar is not None:
             bar.update(max(0, tok.vocab_size - bar.n))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:   # the trainers' argument checks (vocab too small for the alphabet, ...)
+        raise UserError(str(e)) from e
     finally:
         if bar is not None:
             bar.close()
-    out = tok.save(args.out)
+    with fresh_output(args.out, overwrite=args.overwrite) as tmp:
+        tok.save(tmp)
+    out = Path(args.out)
     print(f"{args.kind} tokenizer with {tok.vocab_size} tokens saved to {out / 'tokenizer.json'} "
           f"({time.perf_counter() - start:.1f} s)")
     return 0

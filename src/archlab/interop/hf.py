@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from archlab.checkpoint import make_readable
 from archlab.config import ConfigError, ModelConfig
 from archlab.errors import UserError
 from archlab.interop.families import FAMILIES, Family
@@ -231,9 +232,39 @@ def save_hf(model: TransformerLM, folder: str | Path, family: str | None = None)
         hf["torch_dtype"] = hf["dtype"] = str(dtypes.pop()).removeprefix("torch.")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    for stale in [*folder.glob("model-*-of-*.safetensors"), folder / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)     # an earlier sharded export would shadow the new single file
     (folder / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    make_readable(folder / SINGLE_FILE)
     return fam
+
+
+def write_tokenizer_files(folder: str | Path, max_length: int) -> dict:
+    """Beside an exported tokenizer.json: tokenizer_config.json, special_tokens_map.json and
+    generation_config.json, so transformers' AutoTokenizer knows the end-of-text token and `generate`
+    stops at it (and config.json carries the ids too). archlab's convention: one special token,
+    `<|endoftext|>`, ends a document and serves as bos, eos and pad. Returns the special tokens written."""
+    from archlab.data import EOT_TOKEN
+
+    folder = Path(folder)
+    vocab = json.loads((folder / "tokenizer.json").read_text())
+    added = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
+    model_vocab = vocab.get("model", {}).get("vocab", {})
+    eot_id = added.get(EOT_TOKEN, model_vocab.get(EOT_TOKEN) if isinstance(model_vocab, dict) else None)
+    special = {} if eot_id is None else {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "pad_token": EOT_TOKEN}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False, **special}
+    ids = {} if eot_id is None else {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": eot_id}
+    files = {"tokenizer_config.json": config, "special_tokens_map.json": special,
+             "generation_config.json": {"_from_model_config": False, **ids}}
+    for name, content in files.items():
+        (folder / name).write_text(json.dumps(content, indent=2) + "\n")
+    if ids and (folder / "config.json").is_file():
+        hf = json.loads((folder / "config.json").read_text())
+        hf.update(ids)
+        (folder / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return special
 
 
 def rules_for(model_type: str, cfg: ModelConfig) -> list[Rule]:

@@ -32,13 +32,25 @@ def unigram(corpus):
     return train_unigram(corpus, 420, ["<|endoftext|>"], num_workers=1)
 
 
-def test_wordpiece_merges_by_likelihood_score_not_frequency():
+def test_wordpiece_likelihood_score_prefers_parts_that_occur_only_together():
     # ("x","##y") is less frequent than ("a","##b") but its parts occur only together: higher score.
     counts = {"ab": 50, "ac": 50, "db": 50, "xy": 10}
-    tok = wordpiece_from_counts(counts, 1 + 512 + 1)  # [UNK] + 512 base tokens + one merge
+    tok = wordpiece_from_counts(counts, 1 + 512 + 1, score="likelihood")  # [UNK] + 512 base tokens + 1 merge
     assert tok.tokens[-1] == "xy"
     # frequency alone (BPE) would pick a pair from the frequent words
     assert tok.encode("ab") == [tok.tokens.index("a"), tok.tokens.index("##b")]
+
+
+def test_wordpiece_likelihood_skips_pairs_below_the_minimum_frequency():
+    counts = {"ab": 50, "ac": 50, "db": 50, "xy": 1}     # a name seen once: the raw score's favourite
+    tok = wordpiece_from_counts(counts, 1 + 512 + 1, score="likelihood", min_pair_frequency=2)
+    assert tok.tokens[-1] != "xy"
+
+
+def test_wordpiece_default_merges_the_most_frequent_pair_as_tokenizers_does():
+    counts = {"ab": 50, "ac": 50, "db": 50, "xy": 10}
+    tok = wordpiece_from_counts(counts, 1 + 512 + 1)
+    assert tok.tokens[-1] == "ab"          # 50 times; ties go to the lexicographically first pair
 
 
 def test_wordpiece_greedy_longest_match_first():

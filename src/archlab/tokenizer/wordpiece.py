@@ -1,12 +1,19 @@
 """WordPiece (Schuster & Nakajima 2012; as used by BERT, Devlin et al. 2019).
 
 Training starts from single characters (the first character of a word as is, the others with the `##`
-continuation prefix) and repeatedly adds the pair with the highest score
+continuation prefix) and repeatedly adds the best pair. Two scores:
 
-    score(a, b) = freq(ab) / (freq(a) * freq(b))
+- "frequency" (the default, as HF `tokenizers`' WordPieceTrainer does): the most frequent pair, i.e. BPE
+  merges written with `##` continuations.
+- "likelihood" (the objective of Schuster & Nakajima): freq(ab) / (freq(a) * freq(b)), the merge that most
+  raises the corpus likelihood under a unigram model. Unchecked it is maximal for pairs seen once
+  together, so rare names fill the vocabulary (on Shakespeare: 1.06 bytes/token, 399 of 10,000 entries
+  ever used); pairs seen fewer than `min_pair_frequency` times are not merged, which helps little.
 
-i.e. the merge that most raises the likelihood of the corpus under a unigram model, rather than the most
-frequent pair (BPE). Encoding is greedy longest-match-first from the start of each word.
+Measured on 150 KB of held-out Python standard-library text after training on 300 KB, vocabulary 2,000
+(tests/tokenizer/test_compression.py): "frequency" 2.36 bytes/token against 2.20 for `tokenizers`'
+trainer; "likelihood" 1.05 / 1.09 / 1.15 with a minimum pair frequency of 1 / 2 / 5. Encoding is greedy
+longest-match-first from the start of each word.
 
 Words here are GPT-2 pre-tokens written in GPT-2's byte-level alphabet (leading space included), so all
 256 bytes are in the base vocabulary: any text encodes without [UNK] and decodes back exactly.
@@ -92,10 +99,16 @@ class WordPieceTokenizer(WordTokenizer):
         return cls(tokens, specials, unk_token=model.get("unk_token", "[UNK]"), pattern=pattern)
 
 
+SCORES = ("frequency", "likelihood")
+
+
 def wordpiece_from_counts(word_counts: dict[str, int], vocab_size: int, special_tokens: Iterable[str] = (), *,
-                          unk_token: str = "[UNK]", progress: Callable[[int], None] | None = None
-                          ) -> WordPieceTokenizer:
-    """Train on byte-level word strings -> counts."""
+                          unk_token: str = "[UNK]", progress: Callable[[int], None] | None = None,
+                          score: str = "frequency", min_pair_frequency: int = 2) -> WordPieceTokenizer:
+    """Train on byte-level word strings -> counts; `score` as in the module docstring."""
+    if score not in SCORES:
+        raise ValueError(f"score={score!r} must be one of {', '.join(SCORES)}")
+    likelihood = score == "likelihood"
     specials = list(dict.fromkeys([unk_token, *special_tokens]))
     alphabet = [bytes_to_unicode()[b] for b in range(256)]
     tokens: list[str] = specials + alphabet + [PREFIX + c for c in alphabet]
@@ -127,13 +140,19 @@ def wordpiece_from_counts(word_counts: dict[str, int], vocab_size: int, special_
 
     def entry(pair):
         pc = pair_counts[pair]
+        if not likelihood:
+            return (-pc, -pc, tokens[pair[0]], tokens[pair[1]], pair)
         return (-pc / (freq[pair[0]] * freq[pair[1]]), -pc, tokens[pair[0]], tokens[pair[1]], pair)
+
+    def eligible(pair) -> bool:
+        count = pair_counts.get(pair, 0)
+        return count > 0 and (not likelihood or count >= min_pair_frequency) and merged_name(pair) is not None
 
     heap = []
     for pair in pair_counts:
         partners.setdefault(pair[0], set()).add(pair)
         partners.setdefault(pair[1], set()).add(pair)
-        if merged_name(pair) is not None:
+        if eligible(pair):
             heap.append(entry(pair))
     heapq.heapify(heap)
     n_merges = 0
@@ -183,10 +202,10 @@ def wordpiece_from_counts(word_counts: dict[str, int], vocab_size: int, special_
                 changed.add(p)
             seqs[wi] = out
         pair_counts[pair] = 0
-        # Scores of pairs touching a or b rise as freq(a), freq(b) fall: re-queue them.
-        changed |= partners.get(a, set()) | partners.get(b, set())
+        if likelihood:  # scores of pairs touching a or b rise as freq(a), freq(b) fall: re-queue them
+            changed |= partners.get(a, set()) | partners.get(b, set())
         for p in changed:
-            if pair_counts.get(p, 0) > 0 and merged_name(p) is not None:
+            if eligible(p):
                 heapq.heappush(heap, entry(p))
         for t in (a, b):
             partners[t] = {p for p in partners.get(t, ()) if pair_counts.get(p, 0) > 0}
@@ -198,9 +217,12 @@ def wordpiece_from_counts(word_counts: dict[str, int], vocab_size: int, special_
 
 def train_wordpiece(input_path, vocab_size: int, special_tokens: Iterable[str] = (), *,
                     unk_token: str = "[UNK]", num_workers: int | None = None,
-                    progress: Callable[[int], None] | None = None) -> WordPieceTokenizer:
-    """Train WordPiece on a file, a folder or a list of them (special tokens first in the vocabulary)."""
+                    progress: Callable[[int], None] | None = None, score: str = "frequency",
+                    min_pair_frequency: int = 2) -> WordPieceTokenizer:
+    """Train WordPiece on a file, a folder or a list of them (special tokens first in the vocabulary).
+    Example: train_wordpiece("corpus/", 10_000, ["<|endoftext|>"])            # frequency merges"""
     from archlab.tokenizer.bpe_train import count_file_pretokens
     counts = count_file_pretokens(input_path, special_tokens, num_workers=num_workers)
     words = {bytes_to_str(w): c for w, c in counts.items()}
-    return wordpiece_from_counts(words, vocab_size, special_tokens, unk_token=unk_token, progress=progress)
+    return wordpiece_from_counts(words, vocab_size, special_tokens, unk_token=unk_token, progress=progress,
+                                 score=score, min_pair_frequency=min_pair_frequency)

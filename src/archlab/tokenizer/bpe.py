@@ -8,6 +8,8 @@ ids, and each token's own bytes encode to that token), and the tests compare ids
 """
 from __future__ import annotations
 
+import heapq
+
 import json
 import os
 from collections.abc import Iterable
@@ -61,6 +63,8 @@ class Tokenizer(BaseTokenizer):
         by_bytes = self._bytes_lookup()
         if self.ignore_merges and word in by_bytes:
             return (by_bytes[word],)
+        if len(word) > _LONG_WORD:
+            return tuple(by_bytes[p] for p in _bpe_heap(word, self._ranks))
         parts = [word[i:i + 1] for i in range(len(word))]
         ranks = self._ranks
         while len(parts) > 1:
@@ -85,6 +89,8 @@ class Tokenizer(BaseTokenizer):
         return tuple(by_bytes[p] for p in parts)
 
     def _encode_python(self, text: str) -> list[int]:
+        """Pre-tokens through the BPE merges; O(n log n) in a pre-token's length (`_bpe_heap` past
+        _LONG_WORD bytes), so one 1 MB word takes seconds, not minutes."""
         ids: list[int] = []
         cache = self._cache
         for tok in self._pat.findall(text):
@@ -222,3 +228,35 @@ class Tokenizer(BaseTokenizer):
             a, b = line.split(" ")
             merges.append((str_to_bytes(a), str_to_bytes(b)))
         return cls(vocab, merges, specials, **kwargs)
+
+
+_LONG_WORD = 128  # bytes: past this a pre-token merges through the heap (the pass loop is O(n * merges))
+
+
+def _bpe_heap(word: bytes, ranks: dict[tuple[bytes, bytes], int]) -> list[bytes]:
+    """The same merges as the pass-per-merge loop in `_bpe`, in O(n log n): a linked list of parts and a
+    heap of (rank, position) for adjacent pairs. Equal ranks merge left to right, as the loop's pass does,
+    and a merge made from token `ab` always ranks after the merge that made `ab`, so popping by
+    (rank, position) reproduces the loop exactly (tested against it)."""
+    parts: list[bytes | None] = [word[i:i + 1] for i in range(len(word))]
+    nxt = list(range(1, len(word) + 1))      # len(word): no next part
+    prv = list(range(-1, len(word) - 1))
+    heap = [(r, i) for i in range(len(word) - 1) if (r := ranks.get((parts[i], parts[i + 1]))) is not None]
+    heapq.heapify(heap)
+    while heap:
+        rank, i = heapq.heappop(heap)
+        j = nxt[i]
+        if parts[i] is None or j >= len(word) or ranks.get((parts[i], parts[j])) != rank:
+            continue                          # stale: one side was merged away or changed
+        parts[i] += parts[j]
+        parts[j] = None
+        nxt[i] = nxt[j]
+        if nxt[i] < len(word):
+            prv[nxt[i]] = i
+        for left in (prv[i], i):              # the two pairs the merge created
+            right = nxt[left] if left >= 0 else len(word)
+            if left >= 0 and right < len(word):
+                r = ranks.get((parts[left], parts[right]))
+                if r is not None:
+                    heapq.heappush(heap, (r, left))
+    return [p for p in parts if p is not None]

@@ -215,3 +215,28 @@ def test_hf_dataset_route_on_a_local_folder(tmp_path, monkeypatch):
     assert list(iter_documents(f"hf:{folder}")) == ["first", "second"]
     with pytest.raises(CorpusError, match="files"):
         corpus_files(f"hf:{folder}")
+
+
+def test_empty_files_and_undecodable_bytes_are_counted_and_reported(tmp_path, capsys):
+    import warnings
+
+    from archlab.cli import main
+    from archlab.corpora import scan_files
+    from archlab.data import load_meta, prepare
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("good text " * 50)
+    (corpus / "b.txt").write_bytes(b"bad \xff\xfe bytes and a cut \xe2\x82" + b" more" * 40)
+    (corpus / "c.txt").write_text("  \n")
+    report = scan_files(sorted(corpus.iterdir()))
+    assert report.files == 3 and report.empty_files == [str(corpus / "c.txt")]
+    assert report.undecodable == {str(corpus / "b.txt"): 4}
+    assert "1 of 3 files empty" in report.summary() and "4 bytes that are not UTF-8" in report.summary()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepare(str(corpus), "bytes", tmp_path / "data", num_workers=0, progress=False)
+    assert any("not UTF-8" in str(w.message) for w in caught)
+    assert load_meta(tmp_path / "data")["corpus_report"]["undecodable_bytes"] == 4
+    assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "300", "--no-progress",
+                 "--out", str(tmp_path / "tok")]) == 0
+    assert "warning: corpus: 1 of 3 files empty" in capsys.readouterr().err

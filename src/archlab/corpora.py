@@ -24,6 +24,7 @@ fetch never leaves a half corpus behind.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -35,13 +36,14 @@ import tarfile
 import tempfile
 import zipfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from archlab.errors import UserError
 
 __all__ = [
     "BUILTIN_CORPORA", "CorpusError", "cache_dir", "corpus_files", "iter_documents",
-    "fetch_shakespeare",
+    "fetch_shakespeare", "CorpusReport", "scan_files",
 ]
 
 BUILTIN_CORPORA = ("shakespeare", "shakespeare-folio", "pystdlib", "pystdlib-full")
@@ -204,6 +206,68 @@ def corpus_files(name_or_path: str | os.PathLike) -> list[Path]:
 
 
 # --------------------------------------------------------------------------- documents
+@dataclass
+class CorpusReport:
+    """What a corpus's files hold that the pipeline papers over: empty files (they add no document) and
+    bytes that are not UTF-8 (replaced by U+FFFD). Counted, so a user hears of them once."""
+    files: int = 0
+    empty_files: list[str] = field(default_factory=list)
+    undecodable: dict[str, int] = field(default_factory=dict)     # file -> bytes replaced
+
+    @property
+    def clean(self) -> bool:
+        return not self.empty_files and not self.undecodable
+
+    def summary(self) -> str:
+        """One line, e.g. `corpus: 2 of 40 files empty (e.g. a.txt); 1 file with 37 undecodable bytes ...`."""
+        parts = []
+        if self.empty_files:
+            parts.append(f"{len(self.empty_files)} of {self.files} files empty (e.g. {self.empty_files[0]})")
+        if self.undecodable:
+            example, count = next(iter(self.undecodable.items()))
+            parts.append(f"{len(self.undecodable)} file(s) with {sum(self.undecodable.values()):,} bytes that are "
+                         f"not UTF-8, replaced by U+FFFD (e.g. {example}: {count:,})")
+        return "corpus: " + ("; ".join(parts) if parts else f"{self.files} files, all UTF-8 and non-empty")
+
+    def to_dict(self) -> dict:
+        return {"files": self.files, "empty_files": len(self.empty_files),
+                "files_with_undecodable_bytes": len(self.undecodable),
+                "undecodable_bytes": sum(self.undecodable.values())}
+
+
+def scan_files(files: list[Path], chunk: int = 1 << 22) -> CorpusReport:
+    """Count empty files and non-UTF-8 bytes in text files (.jsonl/.parquet are checked by their readers)."""
+    report = CorpusReport(files=len(files))
+    for path in files:
+        if path.suffix.lower() == ".parquet":
+            continue
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
+        bad, nonblank = 0, False
+        with open(path, "rb") as f:
+            while block := f.read(chunk):
+                nonblank = nonblank or bool(block.strip())
+                bad += _count_invalid(decoder, block)
+        bad += _count_invalid(decoder, b"", final=True)
+        if not nonblank:
+            report.empty_files.append(str(path))
+        if bad:
+            report.undecodable[str(path)] = bad
+    return report
+
+
+def _count_invalid(decoder, data: bytes, final: bool = False) -> int:
+    """Decode `data` strictly, counting (and skipping past) each invalid byte run's length."""
+    bad = 0
+    while True:
+        try:
+            decoder.decode(data, final)
+            return bad
+        except UnicodeDecodeError as err:
+            bad += err.end - err.start
+            data = data[err.end:]
+            decoder.reset()
+
+
 def read_text(path: Path) -> str:
     """A text file as str: UTF-8, undecodable bytes replaced (so odd files never stop a long run)."""
     return path.read_bytes().decode("utf-8", errors="replace")

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -313,9 +314,14 @@ def prepare(
     vocab_size = _vocab_size(tok)
     eot_id = _special_token_id(tok, eot_token)
     dtype = _token_dtype(vocab_size)
+    report = None
     if isinstance(corpus, (str, os.PathLike)):
         name = corpus_name or os.fspath(corpus)
         docs: Iterable[str] = corpora.iter_documents(corpus, text_field=text_field)
+        if not name.startswith("hf:"):
+            report = corpora.scan_files(corpora.corpus_files(corpus))
+            if not report.clean:
+                warnings.warn(report.summary(), stacklevel=2)
     else:
         name, docs = corpus_name or "<iterable>", corpus
     workers = _default_workers() if num_workers is None else max(0, int(num_workers))
@@ -326,7 +332,8 @@ def prepare(
                              val_fraction=val_fraction, workers=workers, progress=progress)
         fault_point("prepare:split")
         meta.update(corpus=name, seed=seed, val_fraction=val_fraction, eot_token=eot_token,
-                    vocab_size=vocab_size, text_field=text_field)
+                    vocab_size=vocab_size, text_field=text_field,
+                    corpus_report=report.to_dict() if report is not None else None)
         (tmp / "tokenizer").mkdir()
         tok.save(tmp / "tokenizer")
         _write_json(tmp / META_FILE, _ordered_meta(meta))  # written last: its presence marks completeness
@@ -379,7 +386,8 @@ def _ordered_meta(meta: dict) -> dict:
     head = {"format": "archlab-tokens", "version": FORMAT_VERSION}
     keys = ["corpus", "dtype", "vocab_size", "eot_token", "eot_id", "seed", "val_fraction", "text_field",
             "splits"]
-    return {**head, **{k: meta[k] for k in keys}, "tokenizer": "tokenizer"}
+    extra = {"corpus_report": meta["corpus_report"]} if meta.get("corpus_report") else {}
+    return {**head, **{k: meta[k] for k in keys}, **extra, "tokenizer": "tokenizer"}
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -69,6 +69,7 @@ def cmd_train(args) -> int:
     from archlab.errors import UserError
     from archlab.outputs import fresh_output, refuse_existing
     from archlab.progress import progress_bar
+    from archlab.corpora import scan_files
     from archlab.tokenizer.pretokenize import resolve_inputs
 
     # every check before any work (and before the progress bar)
@@ -79,6 +80,9 @@ def cmd_train(args) -> int:
             raise UserError("--special-tokens: an empty string is not a token")
     refuse_existing(args.out, args.overwrite)
     files = resolve_inputs(args.input)
+    report = scan_files(files)
+    if not report.clean:
+        print(f"warning: {report.summary()}", file=sys.stderr)
     start = time.perf_counter()
     bar = None if args.no_progress else progress_bar(total=args.vocab_size, desc=f"train {args.kind}", unit="tok")
 

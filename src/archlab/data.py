@@ -75,9 +75,14 @@ class ByteTokenizer:
     eot_id = 256
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        from archlab.tokenizer.base import clean_surrogates
+        return list(clean_surrogates(text).encode("utf-8"))
 
     def decode(self, ids: Iterable[int]) -> str:
+        """Bytes back to text; the end-of-text id decodes to nothing, an id outside 0..256 is an error."""
+        from archlab.tokenizer.base import check_ids
+        ids = list(ids)
+        check_ids(ids, self.vocab_size)
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def token_to_id(self, token: str) -> int | None:

@@ -9,14 +9,35 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from archlab.errors import UserError
 from archlab.tokenizer.pretokenize import (
     GPT2_PATTERN, bytes_to_str, compile_pattern, safe_cut, split_special,
 )
 
 EOT_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+
+class TokenIdError(UserError, ValueError):
+    """An id that is not in the vocabulary (negative, too large, not an int): the same error in every kind."""
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def clean_surrogates(text: str) -> str:
+    """`text` with each lone surrogate (which UTF-8 cannot encode) replaced by one U+FFFD, as tiktoken does."""
+    return _SURROGATE.sub("\ufffd", text) if not text.isascii() else text
+
+
+def check_ids(ids: list[int], vocab_size: int) -> None:
+    """Raise TokenIdError naming the first id outside 0..vocab_size-1 (the same message in every kind)."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(i for i in ids if not 0 <= i < vocab_size)
+        raise TokenIdError(f"token id {bad} is outside this tokenizer's vocabulary (0..{vocab_size - 1})")
 
 
 class BaseTokenizer:
@@ -88,6 +109,9 @@ class BaseTokenizer:
         raise NotImplementedError
 
     def encode(self, text: str) -> list[int]:
+        """Ids of `text`. A lone surrogate (not encodable as UTF-8) becomes U+FFFD, in every kind, as
+        tiktoken does; special tokens match whole, before pre-tokenization."""
+        text = clean_surrogates(text)
         ids: list[int] = []
         for piece, is_special in split_special(text, self._special_tuple):
             if is_special:
@@ -143,7 +167,8 @@ class BaseTokenizer:
         return self.id_to_bytes[i]
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        table = self.id_to_bytes
+        table, ids = self.id_to_bytes, list(ids)
+        check_ids(ids, len(table))
         return b"".join([table[i] for i in ids])
 
     def decode(self, ids: Iterable[int]) -> str:

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from archlab.tokenizer.base import EOT_NAMES
+from archlab.tokenizer.base import EOT_NAMES, check_ids, clean_surrogates
 
 __all__ = ["HFTokenizer"]
 
@@ -90,14 +90,16 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Ids of `text`; special tokens written in the text map to their ids; BOS/EOS of the
         post-processor only with add_special_tokens=True."""
-        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.hf.encode(clean_surrogates(text), add_special_tokens=add_special_tokens).ids
 
     def __call__(self, text: str) -> list[int]:
         return self.encode(text)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of the ids through the tokenizer's decoder; special tokens are kept (as BaseTokenizer)."""
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        check_ids(ids, self.vocab_size)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def encode_iterable(self, iterable: Iterable[str], *, buffer_chars: int = 1 << 14) -> Iterator[int]:
         """Lazily encode an iterable of strings; the ids equal encode("".join(iterable)).

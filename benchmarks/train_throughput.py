@@ -220,19 +220,18 @@ def main() -> int:
 
     import torch
 
-    from archlab.precision import has_native_bf16
+    from archlab.precision import auto_dtype
     from archlab.provenance import device_name, provenance_line
 
     print(f"device: {device_name(args.device)}", flush=True)
     print(provenance_line(args.device), flush=True)
     dtypes = args.dtypes.split(",")
     if args.dtypes == "auto":
-        dtypes = ["float32"]
-        if has_native_bf16(args.device):
-            dtypes.append("bfloat16")
-        else:
-            print("bfloat16 skipped: this device has no bf16 matmul units, so bf16 autocast is emulated "
-                  "(pass --dtypes float32,bfloat16 to time it anyway)", flush=True)
+        chosen, why = auto_dtype(args.device)
+        print(f"train.dtype=auto chooses {chosen} here: {why}", flush=True)
+        dtypes = ["float32"] + (["bfloat16"] if chosen == "bfloat16" else [])
+        if chosen != "bfloat16":
+            print("bfloat16 skipped (pass --dtypes float32,bfloat16 to time it anyway)", flush=True)
     speed = _run_worker(args, "speed", *dtypes)
     for dtype in dtypes:
         r = speed[dtype]

@@ -2,6 +2,7 @@
 be emulated; a warning that names the cost when bf16 is asked for on such hardware."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import warnings
@@ -22,9 +23,11 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def native(monkeypatch):
-    """Pretend the CPU does (True) or does not (False) have bf16 matmul units."""
+    """Pretend the CPU does (True: bf16 units, bf16 matmuls measured 2x float32) or does not (False) have
+    bf16 matmul units."""
     def set_native(value: bool) -> None:
         monkeypatch.setattr(precision, "has_native_bf16", lambda device: value)
+        monkeypatch.setattr(precision, "measured_bf16_speedup", lambda: 2.0 if value else 0.02)
     return set_native
 
 
@@ -115,3 +118,40 @@ def test_auto_under_native_bf16_runs_the_model_in_bf16(native):
     x = torch.randint(0, 257, (1, 8))
     with autocast(CPU, resolve_dtype("auto", CPU)):
         assert model(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("speedup, expected", [(2.4, "bfloat16"), (0.52, "float32")])
+def test_auto_on_a_bf16_cpu_follows_the_measured_matmul_not_the_flags(monkeypatch, speedup, expected):
+    """An EPYC with AVX512-BF16 ran bf16 2.4x faster; a Xeon with the same flag at 0.52x: flags alone mislead."""
+    monkeypatch.setattr(precision, "has_native_bf16", lambda device: True)
+    monkeypatch.setattr(precision, "measured_bf16_speedup", lambda: speedup)
+    dtype, reason = precision.auto_dtype(CPU)
+    assert dtype == expected and f"{speedup:.2f}x" in reason
+
+
+def test_the_measurement_is_cached_per_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("ARCHLAB_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_seconds(dtype, size, seconds):
+        calls.append(dtype)
+        return 1.0 if dtype == torch.float32 else 0.5
+    monkeypatch.setattr(precision, "_matmul_seconds", fake_seconds)
+    assert precision.measured_bf16_speedup() == 2.0
+    assert precision.measured_bf16_speedup() == 2.0
+    assert len(calls) == 2                                   # measured once (fp32 + bf16), then read
+    cached = json.loads((tmp_path / "precision.json").read_text())
+    (key, value), = cached.items()
+    assert value == 2.0 and torch.__version__ in key and precision.cpu_model() in key
+
+
+def test_a_resume_keeps_the_dtype_the_run_began_with(native, data_dir, tmp_path):
+    native(True)
+    cfg = TrainConfig(batch_size=2, seq_len=16, warmup_steps=1, eval_batches=1, sample_every=-1, budget=2,
+                      eval_every=2, checkpoint_every=2, dtype="auto")
+    train(_tiny(), cfg, data_dir, tmp_path / "run", progress=False)
+    recorded = json.loads((tmp_path / "run" / "precision.json").read_text())
+    assert recorded["requested"] == "auto" and recorded["dtype"] == "bfloat16" and "2.00x" in recorded["reason"]
+    native(False)                                            # the measurement would now say float32
+    train(_tiny(), cfg.with_overrides({"budget": 3}), data_dir, tmp_path / "run", resume=True, progress=False)
+    assert json.loads((tmp_path / "run" / "precision.json").read_text())["dtype"] == "bfloat16"

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from archlab.errors import UserError
+from archlab.paths import cache_dir
 
 __all__ = [
     "BUILTIN_CORPORA", "CorpusError", "cache_dir", "corpus_files", "iter_documents",
@@ -64,15 +65,6 @@ _STDLIB_TEST_DIRS = re.compile(r"^(tests?|idle_test|.*_tests?)$")
 
 class CorpusError(UserError, ValueError):
     """A corpus name or path that cannot be resolved or read."""
-
-
-def cache_dir() -> Path:
-    """The archlab cache root: $ARCHLAB_CACHE, else $XDG_CACHE_HOME/archlab, else ~/.cache/archlab."""
-    if os.environ.get("ARCHLAB_CACHE"):
-        return Path(os.environ["ARCHLAB_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "archlab"
-
 
 # --------------------------------------------------------------------------- shakespeare
 def fetch_shakespeare(*, force: bool = False) -> Path:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from archlab.data import DataError
+from archlab.precision import cpu_model
 
 __all__ = ["provenance", "provenance_line", "write_provenance", "device_name", "data_fingerprint", "tokenizer_fingerprint", "check_resume_matches",
            "PROVENANCE_FILE"]
@@ -47,14 +48,6 @@ def _git_sha() -> str | None:
     return out.stdout.strip() or None
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "CPU"
-
-
 def _cpu_flags() -> list[str]:
     """The CPU flags that decide kernel speed (SIMD width, bf16/AMX units)."""
     try:
@@ -71,7 +64,7 @@ def device_name(device: str | torch.device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{_cpu_model()}, {torch.backends.cpu.get_cpu_capability()}"
+    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def attention_backends(model: torch.nn.Module) -> list[str]:

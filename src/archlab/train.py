@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -42,7 +43,7 @@ from archlab.evaluate import autocast, evaluate, sample_ids
 from archlab.metrics import (TensorBoardLogger, append_jsonl, plot_loss_curve, read_metrics, truncate_metrics,
                              truncate_samples)
 from archlab.optim import build_optimizer, lr_multiplier, param_groups, schedule_progress
-from archlab.precision import bf16_warning, resolve_dtype
+from archlab.precision import auto_dtype, bf16_warning
 from archlab.recompute import checkpoint_blocks
 from archlab.rng import rng_state, seed_everything, set_rng_state
 from archlab.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
@@ -183,8 +184,8 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
     train_data, val_data, can_eval = data
     if info.enabled:
         torch.distributed.barrier()
-    # 3. model, optimizer, sampler; config.yaml keeps dtype "auto", the run uses what it resolves to
-    cfg = _resolve_precision(cfg, device, info)
+    # 3. model, optimizer, sampler; config.yaml keeps dtype "auto", precision.json what it resolved to
+    cfg = _resolve_precision(cfg, device, info, run_dir, resuming=latest is not None)
     run = _Run(model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval)
     if info.is_main:
         write_provenance(run_dir, provenance(device=device, dtype=cfg.dtype, model=run.raw))
@@ -204,12 +205,36 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
     return run.result(diverged=False)
 
 
-def _resolve_precision(cfg: TrainConfig, device: torch.device, info) -> TrainConfig:
-    """cfg with dtype "auto" resolved for `device`; a warning for bf16 on hardware that emulates it."""
-    message = bf16_warning(cfg.dtype, device)
+PRECISION_FILE = "precision.json"
+
+
+def _resolve_precision(cfg: TrainConfig, device: torch.device, info, run_dir: Path, resuming: bool
+                       ) -> TrainConfig:
+    """cfg with dtype "auto" resolved: on a resume, to what the run recorded in precision.json (so a resumed
+    run or a lab rerun trains as it began); else measured for `device` (precision.auto_dtype). A warning
+    for bf16 on hardware that emulates it."""
+    recorded = _read_json(run_dir / PRECISION_FILE) if resuming else {}
+    if cfg.dtype == "auto" and recorded.get("requested") == "auto" and recorded.get("dtype") in ("float32", "bfloat16"):
+        dtype, reason = recorded["dtype"], recorded.get("reason", "")
+    elif cfg.dtype == "auto":
+        dtype, reason = auto_dtype(device)
+    else:
+        dtype, reason = cfg.dtype, "train.dtype"
+    message = bf16_warning(dtype, device)
     if message and info.is_main:
         warnings.warn(message, stacklevel=3)
-    return dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device))
+    if info.is_main:
+        (run_dir / PRECISION_FILE).write_text(json.dumps({"requested": cfg.dtype, "dtype": dtype,
+                                                          "reason": reason}, indent=2) + "\n")
+    return dataclasses.replace(cfg, dtype=dtype)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:

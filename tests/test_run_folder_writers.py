@@ -179,3 +179,28 @@ def test_benchmark_provenance_line_is_json_with_versions():
     line = provenance_line("cpu", threads=3)
     record = json.loads(line.removeprefix("provenance: "))
     assert record["torch"] == torch.__version__ and record["threads"] == 3 and record["cpu_capability"]
+
+
+def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(tmp_path, capsys, monkeypatch):
+    """llama2-7b on this machine: one line naming what it needs, before any allocation or folder."""
+    import archlab.train as train_mod
+    from archlab.cli import main
+    data = make_data(tmp_path / "data", n_docs=10, words=100)
+    monkeypatch.setattr(train_mod, "available_memory", lambda device: 24 * 2**30)
+    built = []
+    monkeypatch.setattr(train_mod, "_Run", lambda *a, **k: built.append(1))
+    rc = main(["train", "--preset", "llama2-7b", "--data", str(data), "--out", str(tmp_path / "big"),
+               "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and not built and not (tmp_path / "big").exists()
+    assert "this run needs about" in err and "GiB" in err and "train.memory_check=false" in err
+
+
+def test_the_memory_check_can_be_overridden(tmp_path, monkeypatch):
+    import archlab.train as train_mod
+    data = make_data(tmp_path / "data", n_docs=10, words=100)
+    monkeypatch.setattr(train_mod, "available_memory", lambda device: 1024)     # "1 KiB free"
+    with pytest.raises(train_mod.MemoryCheckError):
+        train(tiny_model(), CFG, data, tmp_path / "a", progress=False)
+    result = train(tiny_model(), CFG.with_overrides({"memory_check": False}), data, tmp_path / "b", progress=False)
+    assert result.steps == 2

@@ -39,6 +39,7 @@ import torch
 from archlab import checkpoint as ckpt_io
 from archlab import distributed as dist_util
 from archlab.config import ConfigError, ModelConfig
+from archlab.errors import UserError
 from archlab.evaluate import autocast, evaluate, sample_ids
 from archlab.metrics import (TensorBoardLogger, append_jsonl, plot_loss_curve, read_metrics, truncate_metrics,
                              truncate_samples)
@@ -52,7 +53,7 @@ from archlab.throughput import matmul_peak_flops, peak_memory, train_flops_per_t
 from archlab.train_config import TrainConfig
 
 # re-exported: callers import these from archlab.train
-__all__ = ["TrainConfig", "TrainResult", "Diverged", "Stopped", "train", "param_groups", "lr_multiplier",
+__all__ = ["TrainConfig", "TrainResult", "Diverged", "Stopped", "MemoryCheckError", "train", "param_groups", "lr_multiplier",
            "matmul_peak_flops", "train_flops_per_token", "plot_loss_curve", "read_metrics", "fit_vocab"]
 
 MAX_CONSECUTIVE_SKIPS = 10
@@ -171,6 +172,8 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_
     device = _resolve_device(cfg, info)
     train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
     can_eval = _check_data(model_cfg, cfg, data_dir, train_data, val_data, info)
+    if cfg.memory_check:
+        check_memory_fits(model_cfg, cfg, device, info)
     # 2. run folder: rank 0 locks and writes it, the others wait
     with RunLock(run_dir) if info.is_main else contextlib.nullcontext():
         latest = _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info,
@@ -235,6 +238,46 @@ def _read_json(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+class MemoryCheckError(UserError):
+    """The accounting's training-memory estimate exceeds the memory this device has free."""
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for a new run: CUDA's free memory, or the kernel's MemAvailable (None where unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory_fits(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, info) -> None:
+    """Refuse, before a byte is allocated, a run whose estimated memory per device (accounting.training_memory,
+    as `archlab inspect` prints it) exceeds what the device has free. `train.memory_check=false` skips it."""
+    from archlab.accounting import training_memory
+    from archlab.units import human_bytes
+
+    local_batch = max(1, cfg.batch_size // info.world_size)
+    parts = training_memory(model_cfg, local_batch, cfg.seq_len, "bfloat16" if cfg.dtype == "bfloat16" else "float32")
+    if info.strategy == "fsdp":
+        parts = {k: v // info.world_size if k in ("weights", "grads", "optimizer") else v for k, v in parts.items()}
+    need, free = sum(parts.values()), available_memory(device)
+    if free is not None and need > free:
+        raise MemoryCheckError(
+            f"this run needs about {human_bytes(need)} per device (weights {human_bytes(parts['weights'])}, "
+            f"optimizer {human_bytes(parts['optimizer'])}, activations {human_bytes(parts['activations'])}) and "
+            f"{device.type} has {human_bytes(free)} free: use a smaller model, train.batch_size or train.seq_len, "
+            "or --set train.memory_check=false to try anyway")
 
 
 def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:

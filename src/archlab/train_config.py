@@ -53,6 +53,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     no_decay: str = "norms,biases,embeddings"   # comma list of norms, biases, embeddings; or "none"
     dist_strategy: Literal["ddp", "fsdp"] = "ddp"
+    memory_check: bool = True              # refuse before building when the estimate exceeds free memory
 
     def __post_init__(self):
         if isinstance(self.betas, list):

@@ -198,7 +198,12 @@ def test_cli_train_then_eval(data_dir, tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["eval", str(out), "--batches", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["tokens"] == 2 * 4 * 16 and result["loss"] > 0
+    assert result["tokens"] == 2 * 4 * 16 and result["loss"] > 0 and result["seq_len"] == 16   # the run's length
+    assert cli_main(["eval", str(out), "--batches", "2", "--seq-len", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tokens"] == 2 * 4 * 8 and result["seq_len"] == 8
+    assert cli_main(["eval", str(out), "--seq-len", "0"]) == 2
+    assert "--seq-len 0 must be at least 1" in capsys.readouterr().err
     assert cli_main(["train", "--data", str(data_dir), "--out", str(tmp_path / "x")]) == 2
 
 

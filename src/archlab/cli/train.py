@@ -12,6 +12,13 @@ TRAIN_EXAMPLE = """example:
   torchrun --nproc_per_node=2 -m archlab.cli train --config runs/exp1/config.yaml --data ... --out ...
   (model keys as ModelConfig.with_overrides, train keys prefixed `train.`; --resume continues a run)"""
 
+PERPLEXITY_DEFINITION = """\
+perplexity = exp(mean next-token cross-entropy, in nats) over the predicted tokens of non-overlapping
+windows of --seq-len tokens taken in order from the split (each token sees only its window's earlier
+tokens); bits/byte = total nats / ln 2 / the bytes those tokens decode to. `archlab demo` and train's
+validation lines use the same windows, but only the first train.eval_batches batches of them; `eval`
+uses the whole split unless --batches: so figures on the same model differ by that sample."""
+
 EVAL_EXAMPLE = """example:
   archlab eval runs/exp1                       # validation loss / perplexity / bits per byte
   archlab eval runs/exp1 --data data/other --batches 50"""
@@ -35,16 +42,19 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_train)
 
     e = subparsers.add_parser("eval", help="evaluate a run's latest checkpoint",
-                              description="Validation loss, perplexity and bits per byte of a run.",
+                              description="Validation loss, perplexity and bits per byte of a run.\n\n"
+                              + PERPLEXITY_DEFINITION,
                               epilog=EVAL_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    e.add_argument("run_dir")
+    e.add_argument("run_dir", help="a run folder (archlab train --out, or archlab convert --from-hf --out)")
     e.add_argument("--data", help="data folder (default: the one in the run's config.yaml)")
-    e.add_argument("--split", default="val")
+    e.add_argument("--split", default="val", choices=["train", "val"], help="which split (default val)")
     e.add_argument("--batches", type=int, default=None, help="max batches (default: the whole split)")
-    e.add_argument("--batch-size", type=int, default=None)
+    e.add_argument("--batch-size", type=int, default=None, help="windows per batch (default: the run's)")
+    e.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per window (default: the run's training length; a converted run: max_seq_len)")
     e.add_argument("--checkpoint", help="a checkpoint folder (default: the latest)")
-    e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    e.add_argument("--json", action="store_true", help="print JSON")
+    e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (default auto)")
+    e.add_argument("--json", action="store_true", help="print the result as one JSON object")
     e.set_defaults(func=run_eval)
 
 
@@ -154,33 +164,39 @@ def run_train(args) -> int:
 def run_eval(args) -> int:
     import torch
 
-    from archlab.checkpoint import CheckpointError, load_run, read_run_config
+    from archlab.checkpoint import load_run, read_run_config
     from archlab.data import DataError, TokenDataset
+    from archlab.errors import UserError
     from archlab.evaluate import evaluate
 
-    try:
-        cfg = read_run_config(args.run_dir)
-        data_dir = args.data or (cfg.get("data") or {}).get("dir")
-        if not data_dir:
-            raise DataError(f"{args.run_dir}/config.yaml names no data folder; pass --data")
-        device = args.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        model, _ = load_run(args.run_dir, checkpoint=args.checkpoint, device=device)
-        train_cfg = cfg.get("train") or {}
-        dataset = TokenDataset(data_dir, args.split)
-        if model.config.vocab_size < dataset.vocab_size:
-            raise DataError(f"{data_dir} has vocab_size={dataset.vocab_size}, the model "
-                            f"{model.config.vocab_size}: a different tokenizer?")
-        result = evaluate(model, dataset, batch_size=args.batch_size or train_cfg.get("batch_size", 16),
-                          seq_len=train_cfg.get("seq_len", 256), max_batches=args.batches, device=device,
-                          dtype=train_cfg.get("dtype", "float32"), progress=True)
-    except (CheckpointError, DataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value} must be at least 1")
+    cfg = read_run_config(args.run_dir)
+    data_dir = args.data or (cfg.get("data") or {}).get("dir")
+    if not data_dir:
+        raise DataError(f"{args.run_dir}/config.yaml names no data folder; pass --data")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dataset = TokenDataset(data_dir, args.split)
+    model, _ = load_run(args.run_dir, checkpoint=args.checkpoint, device=device)
+    train_cfg = cfg.get("train") or {}
+    if model.config.vocab_size < dataset.vocab_size:
+        raise DataError(f"{data_dir} has vocab_size={dataset.vocab_size}, the model "
+                        f"{model.config.vocab_size}: a different tokenizer?")
+    seq_len = args.seq_len or train_cfg.get("seq_len") or model.config.max_seq_len
+    if model.config.position.kind == "learned" and seq_len > model.config.max_seq_len:
+        raise UserError(f"--seq-len {seq_len} is past the model's max_seq_len={model.config.max_seq_len}")
+    if dataset.n_tokens < seq_len + 1:
+        raise DataError(f"the {args.split} split of {data_dir} has {dataset.n_tokens} tokens, fewer than one "
+                        f"window of --seq-len {seq_len} + 1: nothing to evaluate")
+    result = evaluate(model, dataset, batch_size=args.batch_size or train_cfg.get("batch_size", 16),
+                      seq_len=seq_len, max_batches=args.batches, device=device,
+                      dtype=train_cfg.get("dtype", "float32"), progress=True)
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps({**result.to_dict(), "seq_len": seq_len}))
     else:
         print(f"{args.split}: loss {result.loss:.4f} nats, perplexity {result.ppl:.2f}, "
-              f"{result.bpb:.4f} bits/byte over {result.tokens:,} tokens")
+              f"{result.bpb:.4f} bits/byte over {result.tokens:,} tokens in windows of {seq_len}")
     return 0

@@ -52,6 +52,21 @@ def test_cli_prompt_longer_than_context_is_a_clear_error(run_dir, capsys):
                  "--sink-window", "20"]) == 0
 
 
-def test_cli_rejects_a_folder_that_is_not_a_model(tmp_path):
-    with pytest.raises(SystemExit, match="neither a run folder"):
-        main(["generate", str(tmp_path), "--prompt", "x"])
+def test_cli_rejects_a_folder_that_is_not_a_model(tmp_path, capsys):
+    assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "neither a run folder" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--temperature", "nan", "--temperature nan must be a finite number >= 0"),
+    ("--num-beams", "0", "--num-beams 0 must be at least 1"),
+    ("--top-p", "1.5", "--top-p 1.5 must be in (0, 1]"),
+    ("--device", "tpu", "--device tpu"),
+    ("--sink-window", "256", "must fit the model's context max_seq_len=64: use --sink-window 60"),
+])
+def test_cli_bad_arguments_are_one_line_and_print_no_prompt(run_dir, capsys, flag, value, message):
+    root = run_dir[0] if isinstance(run_dir, tuple) else run_dir
+    assert main(["generate", str(root), "--prompt", "ROMEO:", flag, value]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.err.count("\n") == 1 and "ROMEO" not in captured.out

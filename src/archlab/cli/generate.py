@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 EXAMPLE = """example:
   archlab generate runs/demo --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95 --seed 0
   archlab generate path/to/hf_llama --prompt "Once upon a time" --num-beams 4 --no-stream
-  archlab generate runs/demo --prompt "..." --sink-window 252 --max-new-tokens 5000   # StreamingLLM
+  archlab generate runs/demo --prompt "..." --sink-window 252 --max-new-tokens 5000   # StreamingLLM:
+      4 sink tokens + 252 recent ones fill a 256-token context; decoding goes on past it
 """
 
 
@@ -22,20 +24,20 @@ def register(subparsers) -> None:
     )
     p.add_argument("path", help="run folder or HF model folder")
     p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default 100)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this much probability mass")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the top probability")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats (CTRL)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--num-beams", type=int, default=1, help="beam search when > 1 (not streamed)")
-    p.add_argument("--length-penalty", type=float, default=1.0)
+    p.add_argument("--length-penalty", type=float, default=1.0, help="beam score / length**penalty")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--sink-window", type=int, default=None,
                    help="StreamingLLM: keep --sink-tokens first tokens + this many recent ones, "
-                   "so generation can run past the context")
-    p.add_argument("--sink-tokens", type=int, default=4)
+                   "so generation can run past the context (the two must fit max_seq_len)")
+    p.add_argument("--sink-tokens", type=int, default=4, help="with --sink-window: first tokens kept (default 4)")
     p.add_argument("--stream", dest="stream", action="store_true", default=True,
                    help="print tokens as they are decoded (default)")
     p.add_argument("--no-stream", dest="stream", action="store_false")
@@ -45,6 +47,8 @@ def register(subparsers) -> None:
 
 def load_model_and_tokenizer(path: str | Path, device: str = "cpu"):
     """(TransformerLM in eval mode, tokenizer) from a run folder or an HF folder."""
+    from archlab.errors import UserError
+
     path = Path(path)
     if (path / "config.yaml").is_file():
         from archlab.checkpoint import latest_checkpoint, load_run, load_run_tokenizer
@@ -54,18 +58,18 @@ def load_model_and_tokenizer(path: str | Path, device: str = "cpu"):
             from archlab.interop.run import load_run_model
             model, tok = load_run_model(path).to(device), load_run_tokenizer(path)
         else:
-            raise SystemExit(f"error: {path} has config.yaml but no checkpoints/ or model.safetensors")
+            raise UserError(f"{path} has config.yaml but no checkpoints/ or model.safetensors")
         if tok is None:
-            raise SystemExit(f"error: {path} has no tokenizer/ folder to encode the prompt")
+            raise UserError(f"{path} has no tokenizer/ folder to encode the prompt")
         return model, tok
     if (path / "config.json").is_file():
         from archlab.interop import load_hf
         from archlab.tokenizer import load as load_tokenizer
         model = load_hf(path).to(device)
         if not (path / "tokenizer.json").is_file():
-            raise SystemExit(f"error: {path} has no tokenizer.json")
+            raise UserError(f"{path} has no tokenizer.json")
         return model, load_tokenizer(path)
-    raise SystemExit(f"error: {path} is neither a run folder (config.yaml) nor an HF folder (config.json)")
+    raise UserError(f"{path} is neither a run folder (config.yaml) nor an HF folder (config.json)")
 
 
 class _TextPrinter:
@@ -94,15 +98,57 @@ class _TextPrinter:
         self.out.flush()
 
 
+_POSITIVE_INT = (lambda v: v >= 1, "at least 1")
+_CHECKS = {   # flag -> (test, what it must be); None values are "not given"
+    "max_new_tokens": _POSITIVE_INT, "num_beams": _POSITIVE_INT, "top_k": _POSITIVE_INT, "sink_window": _POSITIVE_INT,
+    "sink_tokens": (lambda v: v >= 0, "at least 0"),
+    "temperature": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "repetition_penalty": (lambda v: 0 < v < math.inf, "a finite number > 0"),
+    "length_penalty": (lambda v: math.isfinite(v), "a finite number"),
+}
+
+
+def check_args(args) -> None:
+    """Every argument checked before the model loads: a mistake costs nothing and prints nothing else."""
+    from archlab.errors import UserError
+
+    for name, (ok, what) in _CHECKS.items():
+        value = getattr(args, name)
+        if value is not None and not ok(value):
+            raise UserError(f"--{name.replace('_', '-')} {value} must be {what}")
+    check_device(args.device)
+
+
+def check_device(device: str) -> None:
+    """A device torch knows and this machine has (one line otherwise)."""
+    import torch
+
+    from archlab.errors import UserError
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device} is not a device (cpu, cuda, cuda:N)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available on this machine")
+    if kind not in ("cpu", "cuda"):
+        raise UserError(f"--device {device}: archlab runs on cpu or cuda")
+
+
 def run(args) -> int:
     import archlab
+    from archlab.errors import UserError
     from archlab.generation import stream
 
+    check_args(args)
     model, tok = load_model_and_tokenizer(args.path, args.device)
     prompt = tok.encode(args.prompt)
     if not prompt:
-        print("error: the prompt encodes to no tokens", file=sys.stderr)
-        return 2
+        raise UserError("--prompt encodes to no tokens")
+    context = model.config.max_seq_len
+    if args.sink_window is not None and args.sink_tokens + args.sink_window > context:
+        raise UserError(f"--sink-tokens {args.sink_tokens} + --sink-window {args.sink_window} must fit the model's "
+                        f"context max_seq_len={context}: use --sink-window {context - args.sink_tokens}")
     eos = getattr(tok, "eot_id", None)
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
               repetition_penalty=args.repetition_penalty, seed=args.seed, eos_token_id=eos,
@@ -128,9 +174,9 @@ def run(args) -> int:
             ids = archlab.generate(model, prompt, args.max_new_tokens, **kw)
             printer.ids = prompt + _strip(ids[len(prompt):].tolist(), eos)
             printer.finish()
-    except ValueError as exc:  # context too long, bad sampling arguments: say it plainly
-        print(f"\nerror: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # a prompt past the context: say it plainly
+        print(file=sys.stderr)
+        raise UserError(str(exc)) from exc
     return 0
 
 

@@ -17,6 +17,8 @@ Shapes: b batch (rows), v vocab.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -31,15 +33,15 @@ class SamplingParams:
     repetition_penalty: float | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if not self.temperature >= 0 or math.isinf(self.temperature):   # NaN fails `>= 0`
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 means greedy)")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k={self.top_k} must be >= 1 (or None for no top-k)")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+        if self.repetition_penalty is not None and not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0")
 
     @property

@@ -63,7 +63,7 @@ def test_cli_rejects_a_folder_that_is_not_a_model(tmp_path, capsys):
     ("--num-beams", "0", "--num-beams 0 must be at least 1"),
     ("--top-p", "1.5", "--top-p 1.5 must be in (0, 1]"),
     ("--device", "tpu", "--device tpu"),
-    ("--sink-window", "256", "must fit the model's context max_seq_len=64: use --sink-window 60"),
+    ("--sink-window", "256", "must fit the model's context max_seq_len=48: use --sink-window 44"),
 ])
 def test_cli_bad_arguments_are_one_line_and_print_no_prompt(run_dir, capsys, flag, value, message):
     root = run_dir[0] if isinstance(run_dir, tuple) else run_dir

@@ -128,13 +128,14 @@ def test_token_budget_rounds_up_to_whole_steps(data_dir, tmp_path):
     assert result.steps == 4 and result.tokens_seen == 4 * 64
 
 
-def test_minutes_budget_stops_on_time(data_dir, tmp_path):
+def test_minutes_budget_stops_on_time(data_dir, tmp_path, capsys):
     import time
 
     cfg = TrainConfig(**{**FAST, "warmup_steps": 0}, budget=0.03, budget_unit="minutes", eval_every=0)
     t0 = time.perf_counter()
-    result = train(tiny(), cfg, data_dir, tmp_path / "run", progress=False)
+    result = train(tiny(), cfg, data_dir, tmp_path / "run", progress=True)
     assert time.perf_counter() - t0 >= 1.8
+    assert "left=0:0" in capsys.readouterr().err          # the bar says how much of the budget is left
     rows = [r for r in read_metrics(result.metrics_path) if "lr" in r]
     assert len(rows) == result.steps >= 2
     assert rows[-1]["lr"] < rows[0]["lr"]     # the cosine followed the clock toward its end

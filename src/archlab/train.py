@@ -552,7 +552,11 @@ class _Run:
             record["loss_total"] = stats.total
         self.log(record)
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{stats.ce:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.1%}", refresh=False)
+            left = {}
+            if self.total_steps is None:          # a minutes budget: the bar has no total, so say what is left
+                seconds = max(0.0, self.cfg.budget * 60.0 - self.elapsed)
+                left = {"left": f"{int(seconds // 60)}:{int(seconds % 60):02d}"}
+            self.bar.set_postfix(loss=f"{stats.ce:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.1%}", **left, refresh=False)
         self.window = _Meter()
 
     def validate(self) -> None:

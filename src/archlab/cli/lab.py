@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 ABLATE_EXAMPLE = """\
 examples:
@@ -63,6 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_ablate(args: argparse.Namespace) -> int:
     from archlab.config import ConfigError
+    from archlab.errors import UserError
     from archlab.lab import runner, suites
     from archlab.lab.report import build_report
 
@@ -73,10 +73,10 @@ def run_ablate(args: argparse.Namespace) -> int:
             print(f"{s.name:15s} {n:2d} variants x {s.seeds} seeds, small: {sc['budget']:g} {sc['unit']}  {s.claim}")
         return 0
     if not args.suite:
-        print("archlab ablate: give a SUITE_OR_YAML (see --list)", file=sys.stderr)
-        return 2
+        raise UserError("give a SUITE_OR_YAML (see --list)")
     try:
         suite = suites.load(args.suite)
+        suite.scale(args.scale)                  # an unknown scale fails now, before any data work
         overrides = {}
         for item in args.set:
             if "=" not in item:
@@ -94,9 +94,8 @@ def run_ablate(args: argparse.Namespace) -> int:
             data_dir=args.data, corpus=args.corpus, tokenizer=args.tokenizer, train_overrides=overrides,
             device=args.device, progress=not args.quiet, threads=args.threads or None,
         )
-    except (ConfigError, runner.LabError, FileNotFoundError, ValueError) as exc:
-        print(f"archlab ablate: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:                    # ConfigError / LabError are UserErrors already
+        raise exc if isinstance(exc, UserError) else UserError(str(exc)) from exc
     counts = {s: sum(r.status == s for r in rows) for s in ("done", "diverged", "failed")}
     print(f"{suite.name}: {len(rows)} runs ({', '.join(f'{v} {k}' for k, v in counts.items())}) -> {out}/results.sqlite")
     if args.report:
@@ -108,10 +107,6 @@ def run_ablate(args: argparse.Namespace) -> int:
 def run_report(args: argparse.Namespace) -> int:
     from archlab.lab.report import build_report
 
-    try:
-        paths = build_report(args.dir, args.out)
-    except FileNotFoundError as exc:
-        print(f"archlab report: {exc}", file=sys.stderr)
-        return 2
+    paths = build_report(args.dir, args.out)
     print(f"wrote {paths['md']}, {paths['html']}, {paths['json']}")
     return 0

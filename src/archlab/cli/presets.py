@@ -21,7 +21,8 @@ INSPECT_EXAMPLE = """\
 examples:
   archlab inspect llama2-7b --seq-len 4096
   archlab inspect llama3-8b --vs llama2-7b
-  archlab inspect mistral-7b --vs mistral-7b --set attention.window=none     # what the window saves
+  archlab inspect mistral-7b --seq-len 32768 --vs mistral-7b --set attention.window=none
+      # what the 4,096-token window saves at 32k (at or below 4,096 tokens it saves nothing)
   archlab inspect gemma2-9b --tiny                                           # the test-sized twin
 """
 

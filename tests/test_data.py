@@ -325,5 +325,5 @@ def test_cli_prepare_writes_a_data_folder(tmp_path, capsys):
                                                                                    for i in range(4))
     rc = main(["data", "prepare", "--corpus", str(tmp_path / "missing"), "--tokenizer", "bytes",
                "--out", str(tmp_path / "x"), "--quiet"])
-    assert rc == 1 and "missing" in capsys.readouterr().err
+    assert rc == 2 and "missing" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

@@ -21,8 +21,15 @@ COMMAND_MODULES = [
 ]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its usage errors as one line (`archlab train: error: ... (see --help)`), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="archlab",
         description="Build, train, compare and explain LM architectures. "
         "Example: archlab inspect llama2-7b --seq-len 4096",

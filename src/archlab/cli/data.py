@@ -49,19 +49,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    import sys
+    from archlab import data
 
-    from archlab import corpora, data
-
-    try:
-        meta = data.prepare(
-            args.corpus, args.tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed,
-            num_workers=args.workers, eot_token=args.eot_token, text_field=args.text_field,
-            overwrite=args.overwrite, progress=not args.quiet,
-        )
-    except (corpora.CorpusError, data.DataError, FileExistsError) as err:
-        print(f"archlab data prepare: error: {err}", file=sys.stderr)
-        return 1
+    if args.workers is not None and args.workers < 0:
+        raise data.DataError(f"--workers {args.workers} must be >= 0")
+    meta = data.prepare(
+        args.corpus, args.tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed,
+        num_workers=args.workers, eot_token=args.eot_token, text_field=args.text_field,
+        overwrite=args.overwrite, progress=not args.quiet,
+    )
     print(f"wrote {args.out}: vocab_size={meta['vocab_size']} dtype={meta['dtype']} eot_id={meta['eot_id']}")
     for split, info in meta["splits"].items():
         per = info["bytes"] / info["tokens"] if info["tokens"] else 0.0

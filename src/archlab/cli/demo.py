@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import math
 
 EXAMPLE = """example:
   archlab demo                      # ~3-4 minutes on 2 CPU cores; run folder ./runs/demo
@@ -26,17 +26,10 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from archlab.config import ConfigError
-    from archlab.corpora import CorpusError
-    from archlab.data import DataError
     from archlab.demo import run_demo
 
-    if args.minutes <= 0:
-        print("error: --minutes must be positive", file=sys.stderr)
-        return 2
-    try:
-        run_demo(args.out, quick=args.quick, minutes=args.minutes, corpus=args.corpus, prompt=args.prompt,
-                 progress=not args.no_progress)
-    except (CorpusError, DataError, ConfigError, FileExistsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if not 0 < args.minutes < math.inf:
+        raise ConfigError(f"--minutes {args.minutes} must be a positive number")
+    run_demo(args.out, quick=args.quick, minutes=args.minutes, corpus=args.corpus, prompt=args.prompt,
+             progress=not args.no_progress)
     return 0

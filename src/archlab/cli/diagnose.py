@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 EXAMPLE = """\
 examples:
@@ -36,19 +35,20 @@ def run(args: argparse.Namespace) -> int:
 
     from archlab import diagnostics
 
-    try:
-        text = Path(args.text).read_text(encoding="utf-8")
-        model, tokenizer = diagnostics.load_model_and_tokenizer(args.model)
-        limit = min(args.max_tokens, model.config.max_seq_len)
-        ids, pieces = diagnostics.encode_text(tokenizer, text, limit)
-        if len(ids) < 2:
-            raise ValueError(f"{args.text} encodes to {len(ids)} token(s); need at least 2")
-        result = diagnostics.diagnose(model, torch.tensor([ids]), pieces, top_k=args.top_k)
-        out = Path(args.out) if args.out else Path(args.model) / "diagnostics"
-        paths = diagnostics.save_report(result, out)
-    except (OSError, ValueError, RuntimeError) as exc:
-        print(f"archlab diagnose: {exc}", file=sys.stderr)
-        return 2
+    from archlab.errors import UserError
+
+    for flag, value in (("--max-tokens", args.max_tokens), ("--top-k", args.top_k)):
+        if value < 1:
+            raise UserError(f"{flag} {value} must be at least 1")
+    text = Path(args.text).read_bytes().decode("utf-8", errors="replace")
+    model, tokenizer = diagnostics.load_model_and_tokenizer(args.model)
+    limit = min(args.max_tokens, model.config.max_seq_len)
+    ids, pieces = diagnostics.encode_text(tokenizer, text, limit)
+    if len(ids) < 2:
+        raise UserError(f"--text {args.text} encodes to {len(ids)} token(s); need at least 2")
+    result = diagnostics.diagnose(model, torch.tensor([ids]), pieces, top_k=args.top_k)
+    out = Path(args.out) if args.out else Path(args.model) / "diagnostics"
+    paths = diagnostics.save_report(result, out)
     s = result["summary"]
     print(f"{s['n_tokens']} tokens, {s['n_layers']} layers: first-token attention mass {s['first_token_mass']:.3f} "
           f"(mean over layers and heads), max |h| {s['max_activation']:.4g}, max/median ratio "

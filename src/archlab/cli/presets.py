@@ -146,16 +146,12 @@ def _fmt(value: float, kind: str) -> str:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    try:
-        cfg = _load(args.preset, args.set, args.tiny)
-        other = presets.tiny(args.vs) if (args.vs and args.tiny) else presets.get(args.vs) if args.vs else None
-        if args.seq_len < 1 or args.batch < 1:
-            raise ConfigError("--seq-len and --batch must be >= 1")
-        rows = inspect_rows(cfg, args.seq_len, args.batch, args.dtype)
-        other_rows = inspect_rows(other, args.seq_len, args.batch, args.dtype) if other else None
-    except ConfigError as exc:
-        print(f"error: {exc}")
-        return 2
+    if args.seq_len < 1 or args.batch < 1:
+        raise ConfigError(f"--seq-len {args.seq_len} and --batch {args.batch} must be >= 1")
+    cfg = _load(args.preset, args.set, args.tiny)
+    other = presets.tiny(args.vs) if (args.vs and args.tiny) else presets.get(args.vs) if args.vs else None
+    rows = inspect_rows(cfg, args.seq_len, args.batch, args.dtype)
+    other_rows = inspect_rows(other, args.seq_len, args.batch, args.dtype) if other else None
     title = cfg.name + (" (with --set)" if args.set else "")
     print(f"{title}: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.attention.n_heads} heads "
           f"(kv {cfg.n_kv_heads}, head_dim {cfg.head_dim}), d_ff {cfg.d_ff}, vocab {cfg.vocab_size}")
@@ -210,10 +206,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _inspect_entry(args: argparse.Namespace) -> int:
     if args.seq_len is None:
-        try:
-            base = presets.tiny(args.preset) if args.tiny else presets.get(args.preset)
-        except ConfigError as exc:
-            print(f"error: {exc}")
-            return 2
+        base = presets.tiny(args.preset) if args.tiny else presets.get(args.preset)
         args.seq_len = min(base.max_seq_len, 4096)
     return run_inspect(args)

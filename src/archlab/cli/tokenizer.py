@@ -112,12 +112,12 @@ def cmd_train(args) -> int:
 def cmd_stats(args) -> int:
     import archlab.tokenizer as tk
     from archlab.tokenizer.pretokenize import resolve_inputs
+    from archlab.errors import UserError
+    files = resolve_inputs(args.input)
     try:
         tok = tk.load(args.dir)
-        files = resolve_inputs(args.input)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, KeyError) as e:   # a tokenizer.json that is not one
+        raise UserError(f"{args.dir}: not a readable tokenizer ({e})") from e
     counts: Counter = Counter()
     n_bytes = 0
     start = time.perf_counter()

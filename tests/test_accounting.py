@@ -186,5 +186,5 @@ def test_inspect_cli_vs_and_set(capsys):
     out = capsys.readouterr().out
     assert "0.0312x" in out                     # MQA: 1/32 of the cache
     assert main(["inspect", "llama2-7b", "--set", "attention.n_kv_heads=3"]) == 2
-    assert "must divide" in capsys.readouterr().out
+    assert "must divide" in capsys.readouterr().err     # errors go to stderr, one line
     assert main(["inspect", "gemma3-27b", "--tiny"]) == 0

@@ -500,13 +500,32 @@ def _build(cls: type, data: dict[str, Any], owner: str):
     kwargs = {}
     for key, value in data.items():
         sub = _dataclass_in(hints[key])
+        where = f"{owner}.{key}" if owner != "model" else key
         if sub is not None and isinstance(value, dict):
-            value = _build(sub, value, f"{owner}.{key}" if owner != "model" else key)
+            value = _build(sub, value, where)
+        else:
+            _check_scalar(hints[key], value, where)
         kwargs[key] = value
     try:
         return cls(**kwargs)
     except TypeError as exc:  # wrong argument types surface as ConfigError too
         raise ConfigError(f"{owner}: {exc}") from exc
+
+
+_SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _check_scalar(tp: Any, value: Any, key: str) -> None:
+    """ConfigError naming the field when a YAML value has the wrong scalar type (e.g. d_model: wide)."""
+    options = [a for a in (get_args(tp) or (tp,)) if a is not type(None)]
+    if value is None or len(options) != 1 or options[0] not in _SCALARS:
+        return
+    kind = options[0]
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        raise ConfigError(f"{key}={value!r} must be {_SCALARS[kind]}")
 
 
 def _parse_value(tp: Any, value: Any, key: str) -> Any:

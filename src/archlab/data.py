@@ -407,7 +407,13 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
     if not path.is_file():
         raise DataError(f"{data_dir} is not a prepared data folder (no {META_FILE}); "
                         "run `archlab data prepare` first")
-    return json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as exc:
+        raise DataError(f"{path} is corrupt (not JSON: {exc}); prepare the data folder again") from exc
+    if not isinstance(meta, dict) or "splits" not in meta:
+        raise DataError(f"{path} is not an archlab data folder's meta.json (no `splits`)")
+    return meta
 
 
 class TokenDataset:

@@ -51,10 +51,14 @@ def demo_configs(*, quick: bool, vocab_size: int, minutes: float) -> tuple[Model
     return model, train
 
 
+def _check_out(out: Path) -> None:
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
+        raise FileExistsError(f"{out} exists and is not an earlier demo run; pass another --out")
+
+
 def _prepare_out(out: Path) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not (out / MARKER).exists():
-            raise FileExistsError(f"{out} exists and is not an earlier demo run; pass another --out")
+    _check_out(out)
+    if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text("written by `archlab demo`; a new demo replaces this folder\n")
@@ -77,10 +81,11 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
     t0 = time.perf_counter()
     out = Path(out)
     vocab_size = vocab_size or (320 if quick else 2048)
+    _check_out(out)                              # every check before the folder is touched
+    files = corpora.corpus_files(corpus)
     _prepare_out(out)
 
     log(f"[1/5] corpus {corpus!r} (downloaded once, then cached under {corpora.cache_dir()})")
-    files = corpora.corpus_files(corpus)
     if quick:
         files = files[:2]
     size = sum(f.stat().st_size for f in files)

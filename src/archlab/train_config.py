@@ -61,8 +61,8 @@ class TrainConfig:
         _check_literals(self, "train")
         for name in ("lr", "eps", "batch_size", "seq_len", "grad_accum", "budget", "eval_batches",
                      "log_every"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"train.{name}={getattr(self, name)!r} must be positive")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"train.{name}={getattr(self, name)!r} must be a positive (finite) number")
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "sample_tokens", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} must be >= 0")

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     prog = f"archlab {args.command}"
+    previous = warnings.formatwarning
     warnings.formatwarning = lambda message, *_, **__: f"{prog}: warning: {message}\n"
     try:
         return int(args.func(args) or 0)
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001 - the CLI's one error path (archlab.errors)
         from archlab.errors import report
         return report(exc, prog)
+    finally:
+        warnings.formatwarning = previous
 
 
 if __name__ == "__main__":

@@ -159,6 +159,11 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    from archlab.errors import UserError
+
+    for flag, value in (("--seq-len", args.seq_len), ("--batch", args.batch)):
+        if value < 1:
+            raise UserError(f"{flag} {value} must be at least 1")
     try:
         stats = compare_with_transformers(args.folder, seq_len=args.seq_len, batch=args.batch,
                                           seed=args.seed, dtype=DTYPES[args.dtype])

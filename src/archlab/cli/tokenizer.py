@@ -113,6 +113,8 @@ def cmd_stats(args) -> int:
     import archlab.tokenizer as tk
     from archlab.tokenizer.pretokenize import resolve_inputs
     from archlab.errors import UserError
+    if args.top < 0:
+        raise UserError(f"--top {args.top} must be >= 0")
     files = resolve_inputs(args.input)
     try:
         tok = tk.load(args.dir)

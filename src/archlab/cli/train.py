@@ -110,7 +110,10 @@ def build_configs(args):
         path = Path(args.config)
         if not path.is_file():
             raise ConfigError(f"--config {path}: no such file")
-        file_data = yaml.safe_load(path.read_text()) or {}
+        try:
+            file_data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {path} is not valid YAML ({' '.join(str(exc).split())})") from exc
         if not isinstance(file_data, dict):
             raise ConfigError(f"--config {path} must hold a mapping with `model` / `train` sections")
     model_over, train_over = parse_sets(args.set)

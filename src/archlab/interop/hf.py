@@ -83,7 +83,10 @@ class SafetensorsFolder:
 
     def _open(self, path: Path):
         if path not in self._handles:
-            self._handles[path] = self._safe_open(str(path), framework="pt", device="cpu")
+            try:
+                self._handles[path] = self._safe_open(str(path), framework="pt", device="cpu")
+            except Exception as exc:  # safetensors raises its own error types for truncated / garbled files
+                raise WeightsError(f"corrupt or unreadable weights file {path}: {exc}") from exc
         return self._handles[path]
 
     def names(self) -> list[str]:

@@ -146,6 +146,9 @@ def run_suite(
         import torch
         torch.set_num_threads(int(threads))
     sweep_dir = Path(sweep_dir)
+    # every variant's config is checked (with a stand-in vocabulary) before any folder or data work
+    plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit, vocab_size=257,
+         train_overrides=train_overrides, device=device)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     data = ensure_data(sweep_dir, data_dir, corpus, tokenizer, progress)
     from archlab.data import load_meta

@@ -71,6 +71,11 @@ class Variant:
     labels: dict[str, str]         # axis name -> label
 
 
+_FIELD_TYPES = {"name": str, "claim": str, "variants": list, "axes": list, "base": dict, "match": dict, "seeds": int,
+                "scales": dict, "measure": list, "rules": list, "published": str, "lr_axis": str, "notes": str}
+_KIND_NAMES = {str: "a string", list: "a list", dict: "a mapping", int: "an integer"}
+
+
 @dataclass
 class Suite:
     name: str
@@ -88,6 +93,13 @@ class Suite:
     notes: str = ""
 
     def __post_init__(self):
+        for name, kind in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+                raise ConfigError(f"suite {self.name}: `{name}` must be {_KIND_NAMES[kind]}, got {value!r}")
+        for rule in self.rules:
+            if not isinstance(rule, (Rule, dict)):
+                raise ConfigError(f"suite {self.name}: each of `rules` must be a mapping, got {rule!r}")
         self.rules = [r if isinstance(r, Rule) else Rule(**r) for r in self.rules]
         unknown = set(self.measure) - set(MEASUREMENTS)
         if unknown:

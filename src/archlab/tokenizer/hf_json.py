@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+from archlab.errors import UserError
 from archlab.tokenizer.pretokenize import GPT2_PATTERN, str_to_bytes
 
 __all__ = ["load_tokenizer", "read_tokenizer_json"]
@@ -28,7 +29,19 @@ def _json_path(path: str | os.PathLike) -> Path:
 
 
 def read_tokenizer_json(path: str | os.PathLike) -> dict:
-    return json.loads(_json_path(path).read_text(encoding="utf-8"))
+    """The parsed tokenizer.json; a file that is not JSON (or not an object) is a TokenizerFileError."""
+    file = _json_path(path)
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise TokenizerFileError(f"{file} is not a readable tokenizer.json ({exc})") from exc
+    if not isinstance(data, dict):
+        raise TokenizerFileError(f"{file} is not a tokenizer.json (a JSON {type(data).__name__}, not an object)")
+    return data
+
+
+class TokenizerFileError(UserError, ValueError):
+    """A tokenizer.json that cannot be read."""
 
 
 def _pre_tokenizer(data: dict) -> tuple[str, bool]:

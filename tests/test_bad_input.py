@@ -1,0 +1,404 @@
+"""Bad input over every subcommand: exit status 2, exactly one stderr line that names the problem, no
+traceback, and nothing on disk changed (issue: "what new users hit").
+
+Each case is (id, argv with {placeholders}, expected text in the message[, setup]). Placeholders:
+{data} a prepared data folder, {run} a trained run folder, {tok} a BPE tokenizer folder, {hf} an HF export,
+{corpus} a text folder, {new} a path that does not exist yet, {tmp} this case's own folder, {bad} a file
+the case's setup writes. The CLI runs in-process (archlab.cli.main), so the whole suite takes seconds."""
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from archlab.cli import main
+from archlab.train import TrainConfig, train
+from test_checkpoint import make_data, tiny_model
+
+
+# ---- shared fixtures: built once, snapshot-checked after every case ----------------------------------
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("world")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"doc{i}.txt").write_text(f"to be or not to be, that is question number {i}. " * 30)
+    data = make_data(root / "data", n_docs=12, words=120)
+    cfg = TrainConfig(batch_size=4, seq_len=16, budget=2, warmup_steps=1, eval_batches=1, sample_every=-1)
+    train(tiny_model(), cfg, data, root / "run", progress=False)
+    assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "300", "--no-progress",
+                 "--out", str(root / "tok")]) == 0
+    bpe_data = root / "bpe_data"
+    assert main(["data", "prepare", "--corpus", str(corpus), "--tokenizer", str(root / "tok"), "--out",
+                 str(bpe_data), "--workers", "0", "--quiet"]) == 0
+    train(tiny_model().with_overrides({"vocab_size": 300}), cfg, bpe_data, root / "bpe_run", progress=False)
+    assert main(["convert", "--to-hf", str(root / "bpe_run"), "--out", str(root / "hf")]) == 0
+    (root / "prompt.txt").write_text("to be or not to be " * 5)
+    (root / "suite.yaml").write_text(yaml.safe_dump({"name": "mini", "claim": "c", "seeds": 1, "axes": [
+        {"name": "norm", "key": "norm.kind", "values": ["layernorm", "rmsnorm"]}]}))
+    return {"data": root / "data", "run": root / "run", "tok": root / "tok", "hf": root / "hf",
+            "corpus": corpus, "bpe_run": root / "bpe_run", "prompt": root / "prompt.txt",
+            "suite": root / "suite.yaml", "root": root}
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ---- setups that make a broken file in the case's own folder ----------------------------------------
+def write(name: str, content: str | bytes):
+    def setup(tmp: Path, w: dict) -> None:
+        path = tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return setup
+
+
+def copy_of(what: str, then=None):
+    """A copy of a shared folder as {tmp}/copy, optionally damaged by `then(copy)`."""
+    def setup(tmp: Path, w: dict) -> None:
+        shutil.copytree(w[what], tmp / "copy")
+        if then is not None:
+            then(tmp / "copy")
+    return setup
+
+
+def truncate(rel: str):
+    def damage(folder: Path) -> None:
+        path = next(folder.glob(rel))
+        path.write_bytes(path.read_bytes()[:64])
+    return damage
+
+
+def replace_text(rel: str, text: str):
+    def damage(folder: Path) -> None:
+        next(folder.glob(rel)).write_text(text)
+    return damage
+
+
+def other_model_config(folder: Path) -> None:
+    cfg = yaml.safe_load((folder / "config.yaml").read_text())
+    cfg["model"]["d_model"] = 64
+    (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def nonempty_dir(tmp: Path, w: dict) -> None:
+    (tmp / "out").mkdir()
+    (tmp / "out" / "keep.txt").write_text("mine")
+
+
+def combine(*setups):
+    def setup(tmp: Path, w: dict) -> None:
+        for s in setups:
+            s(tmp, w)
+    return setup
+
+
+T = ["train", "--data", "{data}", "--out", "{new}", "--no-progress"]
+TP = T + ["--preset", "tiny:llama2-7b"]
+G = ["generate", "{run}", "--prompt", "to be"]
+CKPT = "checkpoints/step_*/model.safetensors"
+
+CASES = [
+    # ---- top level and argparse ---------------------------------------------------------------
+    ("unknown command", ["nosuch"], "invalid choice"),
+    ("train without --out", ["train", "--data", "{data}"], "required: --out"),
+    ("generate without --prompt", ["generate", "{run}"], "required: --prompt"),
+    ("eval bad int", ["eval", "{run}", "--batches", "two"], "invalid int value"),
+    ("eval bad split", ["eval", "{run}", "--split", "test"], "invalid choice"),
+    ("eval bad device", ["eval", "{run}", "--device", "tpu"], "invalid choice"),
+    ("tokenizer bad kind", ["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "300", "--kind", "sp",
+                            "--out", "{new}"], "invalid choice"),
+    ("convert both directions", ["convert", "--from-hf", "{hf}", "--to-hf", "{run}", "--out", "{new}"],
+     "not allowed with"),
+    ("convert bad dtype", ["convert", "--from-hf", "{hf}", "--out", "{new}", "--dtype", "int8"], "invalid choice"),
+    ("inspect bad int", ["inspect", "llama2-7b", "--seq-len", "1k"], "invalid int value"),
+    ("demo bad float", ["demo", "--minutes", "soon"], "invalid float value"),
+    # ---- train ---------------------------------------------------------------------------------
+    ("train no model", T, "no model"),
+    ("train unknown preset", T + ["--preset", "llama9-1t"], "llama9-1t"),
+    ("train set without =", TP + ["--set", "n_layers"], "key=value"),
+    ("train unknown key", TP + ["--set", "n_layerz=2"], "n_layerz"),
+    ("train unknown train key", TP + ["--set", "train.lrr=1"], "lrr"),
+    ("train zero layers", TP + ["--set", "n_layers=0"], "n_layers"),
+    ("train non-numeric", TP + ["--set", "n_layers=abc"], "n_layers"),
+    ("train bad heads", TP + ["--set", "attention.n_kv_heads=3"], "n_kv_heads"),
+    ("train bad norm", TP + ["--set", "norm.kind=batchnorm"], "batchnorm"),
+    ("train negative lr", TP + ["--set", "train.lr=-1"], "train.lr"),
+    ("train zero batch", TP + ["--set", "train.batch_size=0"], "train.batch_size"),
+    ("train infinite budget", TP + ["--set", "train.budget=inf"], "train.budget"),
+    ("train nan budget", TP + ["--set", "train.budget=nan"], "train.budget"),
+    ("train bad dtype", TP + ["--set", "train.dtype=float16"], "float16"),
+    ("train bad device", TP + ["--set", "train.device=tpu"], "tpu"),
+    ("train bad unit", TP + ["--set", "train.budget_unit=hours"], "hours"),
+    ("train bad schedule", TP + ["--set", "train.schedule=linear"], "linear"),
+    ("train bad betas", TP + ["--set", "train.betas=[0.9, 1.5]"], "betas"),
+    ("train bad min_lr_ratio", TP + ["--set", "train.min_lr_ratio=2"], "min_lr_ratio"),
+    ("train bad nan policy", TP + ["--set", "train.nan_policy=ignore"], "ignore"),
+    ("train bad no_decay", TP + ["--set", "train.no_decay=weights"], "weights"),
+    ("train seq past learned positions", TP + ["--set", "position.kind=learned", "--set", "max_seq_len=8",
+                                               "--set", "train.seq_len=16"], "max_seq_len"),
+    ("train batch not divisible", TP + ["--set", "train.grad_accum=0"], "grad_accum"),
+    ("train missing config", T + ["--config", "{tmp}/nope.yaml"], "nope.yaml"),
+    ("train malformed config", T + ["--config", "{bad}"], "bad.yaml", write("bad.yaml", "model: [unclosed\n")),
+    ("train config is a list", T + ["--config", "{bad}"], "mapping", write("bad.yaml", "- a\n- b\n")),
+    ("train config wrong types", T + ["--config", "{bad}"], "d_model",
+     write("bad.yaml", "model: {vocab_size: 257, d_model: wide, n_layers: 2, attention: {n_heads: 2}}\n")),
+    ("train config unknown field", T + ["--config", "{bad}"], "colour",
+     write("bad.yaml", "model: {vocab_size: 257, d_model: 32, n_layers: 2, colour: red, attention: {n_heads: 2}}\n")),
+    ("train preset and config model", TP + ["--config", "{bad}"], "both --preset",
+     write("bad.yaml", "model: {vocab_size: 257, d_model: 32, n_layers: 2, attention: {n_heads: 2}}\n")),
+    ("train missing data", ["train", "--data", "{tmp}/nodata", "--out", "{new}", "--preset", "tiny:llama2-7b"],
+     "nodata"),
+    ("train data is empty dir", ["train", "--data", "{tmp}/empty", "--out", "{new}", "--preset", "tiny:llama2-7b"],
+     "empty", lambda tmp, w: (tmp / "empty").mkdir()),
+    ("train data corrupt meta", ["train", "--data", "{tmp}/copy", "--out", "{new}", "--preset", "tiny:llama2-7b"],
+     "meta.json", copy_of("data", replace_text("meta.json", "{not json"))),
+    ("train into existing run", ["train", "--data", "{data}", "--out", "{run}", "--preset", "tiny:llama2-7b",
+                                 "--no-progress"], "already holds a run"),
+    ("train resume other model", ["train", "--data", "{data}", "--out", "{tmp}/copy", "--resume", "--preset",
+                                  "tiny:llama2-7b", "--set", "vocab_size=257", "--no-progress"],
+     "different model config", copy_of("run")),
+    ("train resume other data", ["train", "--data", "{tmp}/d2", "--out", "{tmp}/copy", "--resume", "--config",
+                                 "{tmp}/copy/config.yaml", "--no-progress"], "--allow-new-data",
+     combine(copy_of("run"), lambda tmp, w: make_data(tmp / "d2", n_docs=9, words=80))),
+    ("train resume damaged", ["train", "--data", "{data}", "--out", "{tmp}/copy", "--resume", "--config",
+                              "{tmp}/copy/config.yaml", "--no-progress"], "verifies", copy_of("run", truncate(CKPT))),
+    ("train cannot fit", T + ["--preset", "llama2-7b", "--set", "train.seq_len=4096"], "needs about"),
+    # ---- eval ----------------------------------------------------------------------------------
+    ("eval missing run", ["eval", "{tmp}/norun"], "norun"),
+    ("eval not a run", ["eval", "{corpus}"], "not a run folder"),
+    ("eval zero batches", ["eval", "{run}", "--batches", "0"], "--batches 0"),
+    ("eval zero batch size", ["eval", "{run}", "--batch-size", "0"], "--batch-size 0"),
+    ("eval zero seq len", ["eval", "{run}", "--seq-len", "0"], "--seq-len 0"),
+    ("eval negative seq len", ["eval", "{run}", "--seq-len", "-4"], "--seq-len -4"),
+    ("eval split too short", ["eval", "{run}", "--seq-len", "100000"], "nothing to evaluate"),
+    ("eval missing data", ["eval", "{run}", "--data", "{tmp}/nodata"], "nodata"),
+    ("eval corrupt config", ["eval", "{tmp}/copy"], "config.yaml", copy_of("run", replace_text("config.yaml",
+                                                                                             "model: [x\n"))),
+    ("eval mismatched checkpoint", ["eval", "{tmp}/copy"], "does not match", copy_of("run", other_model_config)),
+    ("eval truncated weights", ["eval", "{tmp}/copy"], "model.safetensors", copy_of("run", truncate(CKPT))),
+    ("eval missing checkpoint", ["eval", "{run}", "--checkpoint", "{tmp}/nockpt"], "nockpt"),
+    ("eval vocab mismatch", ["eval", "{run}", "--data", "{root}/bpe_data"], "vocab_size"),
+    # ---- generate ------------------------------------------------------------------------------
+    ("generate nan temperature", G + ["--temperature", "nan"], "--temperature nan"),
+    ("generate negative temperature", G + ["--temperature", "-1"], "--temperature -1"),
+    ("generate inf temperature", G + ["--temperature", "inf"], "--temperature inf"),
+    ("generate zero top-k", G + ["--top-k", "0"], "--top-k 0"),
+    ("generate zero top-p", G + ["--top-p", "0"], "--top-p 0"),
+    ("generate big top-p", G + ["--top-p", "1.5"], "--top-p 1.5"),
+    ("generate nan top-p", G + ["--top-p", "nan"], "--top-p nan"),
+    ("generate big min-p", G + ["--min-p", "2"], "--min-p 2"),
+    ("generate zero repetition penalty", G + ["--repetition-penalty", "0"], "--repetition-penalty 0"),
+    ("generate nan repetition penalty", G + ["--repetition-penalty", "nan"], "--repetition-penalty nan"),
+    ("generate zero beams", G + ["--num-beams", "0"], "--num-beams 0"),
+    ("generate negative beams", G + ["--num-beams", "-2"], "--num-beams -2"),
+    ("generate zero new tokens", G + ["--max-new-tokens", "0"], "--max-new-tokens 0"),
+    ("generate nan length penalty", G + ["--num-beams", "2", "--length-penalty", "nan"], "--length-penalty nan"),
+    ("generate zero sink window", G + ["--sink-window", "0"], "--sink-window 0"),
+    ("generate negative sink tokens", G + ["--sink-window", "8", "--sink-tokens", "-1"], "--sink-tokens -1"),
+    ("generate sink past context", G + ["--sink-window", "64"], "must fit the model's context"),
+    ("generate unknown device", G + ["--device", "tpu"], "--device tpu"),
+    ("generate cuda missing", G + ["--device", "cuda"], "CUDA is not available"),
+    ("generate missing path", ["generate", "{tmp}/nothing", "--prompt", "x"], "nothing"),
+    ("generate not a model", ["generate", "{corpus}", "--prompt", "x"], "neither a run folder"),
+    ("generate empty prompt", ["generate", "{run}", "--prompt", ""], "--prompt encodes to no tokens"),
+    ("generate prompt past context", ["generate", "{run}", "--prompt", "x" * 200], "context"),
+    ("generate mismatched checkpoint", ["generate", "{tmp}/copy", "--prompt", "x"], "does not match",
+     copy_of("run", other_model_config)),
+    ("generate truncated weights", ["generate", "{tmp}/copy", "--prompt", "x"], "model.safetensors",
+     copy_of("run", truncate(CKPT))),
+    ("generate no tokenizer", ["generate", "{tmp}/copy", "--prompt", "x"], "no tokenizer",
+     copy_of("run", lambda f: shutil.rmtree(f / "tokenizer"))),
+    ("generate corrupt tokenizer", ["generate", "{tmp}/copy", "--prompt", "x"], "tokenizer",
+     copy_of("bpe_run", replace_text("tokenizer/tokenizer.json", "{broken"))),
+    ("generate hf without tokenizer", ["generate", "{tmp}/copy", "--prompt", "x"], "no tokenizer.json",
+     copy_of("hf", lambda f: (f / "tokenizer.json").unlink())),
+    ("generate hf damaged weights", ["generate", "{tmp}/copy", "--prompt", "x"], "model.safetensors",
+     copy_of("hf", truncate("model.safetensors"))),
+    ("generate hf corrupt config", ["generate", "{tmp}/copy", "--prompt", "x"], "config.json",
+     copy_of("hf", replace_text("config.json", "{oops"))),
+    ("generate hf unknown family", ["generate", "{tmp}/copy", "--prompt", "x"], "model_type",
+     copy_of("hf", lambda f: (f / "config.json").write_text(json.dumps({
+         **json.loads((f / "config.json").read_text()), "model_type": "transformer_xl"})))),
+    # ---- convert and verify --------------------------------------------------------------------
+    ("convert from missing", ["convert", "--from-hf", "{tmp}/nohf", "--out", "{new}"], "nohf"),
+    ("convert from not hf", ["convert", "--from-hf", "{corpus}", "--out", "{new}"], "config.json"),
+    ("convert from corrupt config", ["convert", "--from-hf", "{tmp}/copy", "--out", "{new}"], "config.json",
+     copy_of("hf", replace_text("config.json", "[1, 2"))),
+    ("convert from damaged weights", ["convert", "--from-hf", "{tmp}/copy", "--out", "{new}"], "model.safetensors",
+     copy_of("hf", truncate("model.safetensors"))),
+    ("convert from no weights", ["convert", "--from-hf", "{tmp}/copy", "--out", "{new}"], "safetensors",
+     copy_of("hf", lambda f: (f / "model.safetensors").unlink())),
+    ("convert from into run", ["convert", "--from-hf", "{hf}", "--out", "{run}"], "--overwrite"),
+    ("convert from into nonempty", ["convert", "--from-hf", "{hf}", "--out", "{tmp}/out"], "--overwrite",
+     nonempty_dir),
+    ("convert to into nonempty", ["convert", "--to-hf", "{run}", "--out", "{tmp}/out"], "--overwrite", nonempty_dir),
+    ("convert to from missing", ["convert", "--to-hf", "{tmp}/norun", "--out", "{new}"], "norun"),
+    ("convert to not a run", ["convert", "--to-hf", "{corpus}", "--out", "{new}"], "not a run folder"),
+    ("convert to unknown family", ["convert", "--to-hf", "{run}", "--out", "{new}", "--family", "bert2"], "bert2"),
+    ("convert to damaged run", ["convert", "--to-hf", "{tmp}/copy", "--out", "{new}"], "model.safetensors",
+     copy_of("run", truncate(CKPT))),
+    ("verify missing", ["verify", "{tmp}/nohf"], "nohf"),
+    ("verify not hf", ["verify", "{corpus}"], "config.json"),
+    ("verify damaged", ["verify", "{tmp}/copy"], "model.safetensors", copy_of("hf", truncate("model.safetensors"))),
+    ("verify zero seq len", ["verify", "{hf}", "--seq-len", "0"], "--seq-len 0"),
+    ("verify zero batch", ["verify", "{hf}", "--batch", "0"], "--batch 0"),
+    # ---- tokenizer -----------------------------------------------------------------------------
+    ("tokenizer missing input", ["tokenizer", "train", "--input", "{tmp}/nofile", "--vocab-size", "300", "--out",
+                                 "{new}"], "nofile"),
+    ("tokenizer empty input dir", ["tokenizer", "train", "--input", "{tmp}/empty", "--vocab-size", "300", "--out",
+                                   "{new}"], "no input files", lambda tmp, w: (tmp / "empty").mkdir()),
+    ("tokenizer zero vocab", ["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "0", "--out", "{new}"],
+     "--vocab-size 0"),
+    ("tokenizer negative vocab", ["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "-5", "--out",
+                                  "{new}"], "--vocab-size -5"),
+    ("tokenizer vocab below bytes", ["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "100", "--out",
+                                     "{new}", "--no-progress"], "100"),
+    ("tokenizer wordpiece vocab too small", ["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "300",
+                                             "--kind", "wordpiece", "--out", "{new}", "--no-progress"], "300"),
+    ("tokenizer empty special", ["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "300",
+                                 "--special-tokens", "", "--out", "{new}"], "empty string"),
+    ("tokenizer out exists", ["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "300", "--out",
+                              "{tok}"], "--overwrite"),
+    ("stats missing tokenizer", ["tokenizer", "stats", "{tmp}/notok", "--input", "{corpus}"], "notok"),
+    ("stats corrupt tokenizer", ["tokenizer", "stats", "{tmp}/copy", "--input", "{corpus}"], "tokenizer",
+     copy_of("tok", replace_text("tokenizer.json", "{nope"))),
+    ("stats missing input", ["tokenizer", "stats", "{tok}", "--input", "{tmp}/nofile"], "nofile"),
+    ("stats zero top", ["tokenizer", "stats", "{tok}", "--input", "{corpus}", "--top", "-1"], "--top -1"),
+    # ---- data prepare --------------------------------------------------------------------------
+    ("prepare missing corpus", ["data", "prepare", "--corpus", "{tmp}/nocorpus", "--tokenizer", "bytes", "--out",
+                                "{new}", "--quiet"], "nocorpus"),
+    ("prepare unknown corpus name", ["data", "prepare", "--corpus", "wikipedia-2031", "--tokenizer", "bytes",
+                                     "--out", "{new}", "--quiet"], "wikipedia-2031"),
+    ("prepare missing tokenizer", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "{tmp}/notok",
+                                   "--out", "{new}", "--quiet"], "notok"),
+    ("prepare corrupt tokenizer", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "{tmp}/copy",
+                                   "--out", "{new}", "--quiet"], "tokenizer",
+     copy_of("tok", replace_text("tokenizer.json", "{nope"))),
+    ("prepare out exists", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "bytes", "--out", "{data}",
+                            "--quiet"], "--overwrite"),
+    ("prepare val fraction high", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "bytes", "--out",
+                                   "{new}", "--val-fraction", "1.5", "--quiet"], "val_fraction"),
+    ("prepare val fraction negative", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "bytes", "--out",
+                                       "{new}", "--val-fraction", "-0.1", "--quiet"], "val_fraction"),
+    ("prepare negative workers", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "bytes", "--out",
+                                  "{new}", "--workers", "-1", "--quiet"], "--workers -1"),
+    ("prepare malformed jsonl", ["data", "prepare", "--corpus", "{bad}", "--tokenizer", "bytes", "--out",
+                                 "{new}", "--quiet", "--workers", "0"], "not valid JSON",
+     write("bad.jsonl", '{"text": "ok"}\n{"text": broken\n')),
+    ("prepare jsonl without field", ["data", "prepare", "--corpus", "{bad}", "--tokenizer", "bytes", "--out",
+                                     "{new}", "--quiet", "--workers", "0"], "'text'",
+     write("bad.jsonl", '{"body": "no text field"}\n')),
+    ("prepare jsonl field not text", ["data", "prepare", "--corpus", "{bad}", "--tokenizer", "bytes", "--out",
+                                      "{new}", "--quiet", "--workers", "0"], "not a string",
+     write("bad.jsonl", '{"text": 42}\n')),
+    ("prepare unknown eot", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "{tok}", "--out", "{new}",
+                             "--eot-token", "<eos>", "--quiet", "--workers", "0"], "<eos>"),
+    # ---- lab -----------------------------------------------------------------------------------
+    ("ablate no suite", ["ablate"], "SUITE"),
+    ("ablate unknown suite", ["ablate", "nosuchsuite", "--out", "{new}"], "nosuchsuite"),
+    ("ablate malformed yaml", ["ablate", "{bad}", "--out", "{new}"], "bad.yaml", write("bad.yaml", "name: [x\n")),
+    ("ablate wrong seeds type", ["ablate", "{bad}", "--out", "{new}"], "seeds",
+     write("bad.yaml", "name: s\nclaim: c\nseeds: many\naxes: [{name: n, key: norm.kind, values: [rmsnorm]}]\n")),
+    ("ablate axes not a list", ["ablate", "{bad}", "--out", "{new}"], "axes",
+     write("bad.yaml", "name: s\nclaim: c\nseeds: 1\naxes: norm\n")),
+    ("ablate unknown axis key", ["ablate", "{bad}", "--out", "{new}"], "norm.kindd",
+     write("bad.yaml", "name: s\nclaim: c\nseeds: 1\naxes: [{name: n, key: norm.kindd, values: [rmsnorm]}]\n")),
+    ("ablate unknown scale", ["ablate", "{suite}", "--scale", "huge", "--out", "{new}"], "huge"),
+    ("ablate bad set", ["ablate", "{suite}", "--set", "lr", "--out", "{new}"], "KEY=VALUE"),
+    ("ablate unknown train key", ["ablate", "{suite}", "--set", "train.lrr=1", "--out", "{new}"], "lrr"),
+    ("report missing", ["report", "{tmp}/nosweep"], "nosweep"),
+    ("report no results", ["report", "{corpus}"], "results"),
+    ("report corrupt db", ["report", "{tmp}/sweep"], "not a readable archlab results table",
+     write("sweep/results.sqlite", b"garbage" * 200)),
+    # ---- diagnose, inspect, check, demo ---------------------------------------------------------
+    ("diagnose missing model", ["diagnose", "{tmp}/nomodel", "--text", "{prompt}"], "nomodel"),
+    ("diagnose missing text", ["diagnose", "{run}", "--text", "{tmp}/notext"], "notext"),
+    ("diagnose short text", ["diagnose", "{run}", "--text", "{bad}", "--out", "{new}"], "need at least 2",
+     write("bad.txt", "x")),
+    ("diagnose zero tokens", ["diagnose", "{run}", "--text", "{prompt}", "--max-tokens", "0"], "--max-tokens 0"),
+    ("diagnose zero top-k", ["diagnose", "{run}", "--text", "{prompt}", "--top-k", "0"], "--top-k 0"),
+    ("diagnose not a model", ["diagnose", "{corpus}", "--text", "{prompt}"], "run folder"),
+    ("inspect unknown preset", ["inspect", "llama9-1t"], "llama9-1t"),
+    ("inspect unknown vs", ["inspect", "llama2-7b", "--vs", "gpt-9"], "gpt-9"),
+    ("inspect zero seq len", ["inspect", "llama2-7b", "--seq-len", "0"], "--seq-len 0"),
+    ("inspect zero batch", ["inspect", "llama2-7b", "--batch", "0"], "--batch 0"),
+    ("inspect bad set", ["inspect", "llama2-7b", "--set", "attention.n_kv_heads=5"], "n_kv_heads"),
+    ("inspect bad dtype", ["inspect", "llama2-7b", "--dtype", "float12"], "float12"),
+    ("check missing", ["check", "{tmp}/norun"], "norun"),
+    ("check not a run", ["check", "{corpus}"], "not a run folder"),
+    ("demo zero minutes", ["demo", "--minutes", "0", "--out", "{new}"], "--minutes 0"),
+    ("demo nan minutes", ["demo", "--minutes", "nan", "--out", "{new}"], "--minutes nan"),
+    ("demo unknown corpus", ["demo", "--quick", "--corpus", "{tmp}/nocorpus", "--out", "{new}"], "nocorpus"),
+]
+
+
+def _fill(argv: list[str], w: dict, tmp: Path) -> list[str]:
+    names = {**{k: str(v) for k, v in w.items()}, "new": str(tmp / "new"), "tmp": str(tmp)}
+    bad = next((p for p in sorted(tmp.iterdir()) if p.name.startswith("bad")), None) if tmp.exists() else None
+    names["bad"] = str(bad) if bad is not None else str(tmp / "bad")
+    return [a.format(**names) for a in argv]
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as exc:          # argparse
+        rc = exc.code
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(world, tmp_path, capsys, monkeypatch, case):
+    name, argv, expected, *setup = case
+    monkeypatch.delenv("ARCHLAB_DEBUG", raising=False)
+    if setup:
+        setup[0](tmp_path, world)
+    argv = _fill(argv, world, tmp_path)
+    shared, own = _snapshot(world["root"]), _snapshot(tmp_path)
+    capsys.readouterr()
+    rc, err = _run(argv, capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, f"exit {rc}: {err}"
+    assert "Traceback" not in err, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("archlab") and "error:" in lines[0], lines[0]
+    assert expected in lines[0], lines[0]
+    assert _snapshot(world["root"]) == shared
+    assert _snapshot(tmp_path) == own
+    assert not (tmp_path / "new").exists()
+
+
+# ---- the environment: full disks and read-only folders (root ignores permissions, so simulated) -----
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
+@pytest.mark.parametrize("command", [
+    ["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "300", "--no-progress", "--out", "{new}"],
+    ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "bytes", "--out", "{new}", "--quiet", "--workers", "0"],
+    ["convert", "--to-hf", "{run}", "--out", "{new}"],
+    ["convert", "--from-hf", "{hf}", "--out", "{new}"],
+])
+def test_a_full_or_read_only_output_folder_is_one_line(world, tmp_path, capsys, monkeypatch, code, command):
+    import os
+    real_mkdir = os.mkdir
+
+    def failing_mkdir(path, *args, **kwargs):
+        if str(tmp_path) in os.fspath(path):
+            raise OSError(code, os.strerror(code), os.fspath(path))
+        return real_mkdir(path, *args, **kwargs)
+    monkeypatch.setattr(os, "mkdir", failing_mkdir)
+    shared = _snapshot(world["root"])
+    rc, err = _run(_fill(command, world, tmp_path), capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert os.strerror(code) in lines[0]
+    assert _snapshot(world["root"]) == shared and not (tmp_path / "new").exists()
+
+
+def test_the_suite_is_large():
+    assert len(CASES) + 3 * 4 >= 150

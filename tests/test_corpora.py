@@ -240,3 +240,45 @@ def test_empty_files_and_undecodable_bytes_are_counted_and_reported(tmp_path, ca
     assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "300", "--no-progress",
                  "--out", str(tmp_path / "tok")]) == 0
     assert "warning: corpus: 1 of 3 files empty" in capsys.readouterr().err
+
+
+def test_an_unreachable_hub_is_one_line_without_the_retry_loop(tmp_path, capsys, monkeypatch):
+    """hf: corpora with no network: one line naming the id and HF_HUB_OFFLINE, in about a second."""
+    import time
+
+    pytest.importorskip("datasets")
+    from archlab.cli import main
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")            # no traffic leaves this machine in tests
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    start = time.perf_counter()
+    rc = main(["data", "prepare", "--corpus", "hf:someone/no-such-set", "--tokenizer", "bytes",
+               "--out", str(tmp_path / "d"), "--quiet", "--workers", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "hf:someone/no-such-set" in err and "HF_HUB_OFFLINE" in err
+    assert time.perf_counter() - start < 15 and not (tmp_path / "d").exists()
+
+
+def test_no_source_file_trusts_remote_code():
+    from pathlib import Path
+    src = Path(__file__).resolve().parents[1] / "src"
+    offenders = [str(p) for p in src.rglob("*.py") if "trust_remote_code=True" in p.read_text()]
+    assert not offenders
+
+
+def test_online_the_hub_is_probed_once_before_datasets_retries(monkeypatch):
+    pytest.importorskip("datasets")
+    import datasets
+    import huggingface_hub
+
+    from archlab.corpora import iter_documents
+    from archlab.hub import HubError
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+
+    def unreachable(self, name, timeout=None):
+        raise ConnectionError("[Errno -2] Name or service not known")
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", unreachable)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the retry loop ran"))
+    with pytest.raises(HubError, match="hf:org/set: not available from the Hugging Face hub: .*Name or service"):
+        list(iter_documents("hf:org/set"))

@@ -25,6 +25,7 @@ fetch never leaves a half corpus behind.
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
 import os
 import re
@@ -299,6 +300,9 @@ def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
 
 
 def _iter_hf(spec: str, text_field: str) -> Iterator[str]:
+    """Records of a hub dataset, streamed. `datasets` >= 4 loads data files only (no dataset scripts, so
+    no remote code); an unreachable hub is one line within a second (archlab.hub)."""
+    from archlab.hub import probe_dataset, unreachable
     try:
         import datasets
     except ImportError as err:
@@ -307,8 +311,13 @@ def _iter_hf(spec: str, text_field: str) -> Iterator[str]:
     name, _, config = spec[len("hf:"):].partition(":")
     if not name:
         raise CorpusError(f"{spec!r}: expected hf:NAME[:CONFIG]")
-    ds = datasets.load_dataset(name, config or None, split="train", streaming=True)
-    for i, record in enumerate(ds):
+    probe_dataset(spec, name)
+    try:
+        records = iter(datasets.load_dataset(name, config or None, split="train", streaming=True))
+        first = next(records, None)
+    except Exception as exc:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
+        raise unreachable(spec, exc) from exc
+    for i, record in enumerate(() if first is None else itertools.chain([first], records)):
         if text_field not in record:
             raise CorpusError(f"{spec}: record {i} has no {text_field!r} field (set text_field)")
         if record[text_field] is not None:

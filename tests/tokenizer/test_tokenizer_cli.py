@@ -69,3 +69,13 @@ def test_an_empty_special_token_is_one_line(tmp_path, capsys):
                "--special-tokens", "", "--out", str(tmp_path / "tok")])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "empty string" in err and not (tmp_path / "tok").exists()
+
+
+@pytest.mark.parametrize("kind", ["bpe", "wordpiece", "unigram"])
+def test_a_single_byte_special_token_is_refused_clearly(tmp_path, capsys, kind):
+    (tmp_path / "c.txt").write_text("hello world a b c " * 30)
+    rc = main(["tokenizer", "train", "--input", str(tmp_path / "c.txt"), "--vocab-size", "600", "--kind", kind,
+               "--special-tokens", "a", "--out", str(tmp_path / "tok"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "'a' must be at least two bytes" in err
+    assert not (tmp_path / "tok").exists()

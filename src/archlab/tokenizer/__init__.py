@@ -29,8 +29,14 @@ __all__ = [
 
 def train(input_path, vocab_size: int, special_tokens=(), *, kind: str = "bpe", num_workers=None,
           progress=None) -> BaseTokenizer:
-    """Train a tokenizer of `kind` ("bpe", "wordpiece", "unigram") and return it ready to encode/save."""
+    """Train a tokenizer of `kind` ("bpe", "wordpiece", "unigram") and return it ready to encode/save.
+    A special token must be a non-empty string of more than one byte: a single byte is already a token of
+    every byte-level vocabulary, and tokenizer.json cannot hold the same string twice."""
     special = list(special_tokens)
+    for token in special:
+        if len(token.encode("utf-8")) < 2:
+            raise ValueError(f"special token {token!r} must be at least two bytes long (a single byte is already "
+                             "a token of the byte-level vocabulary): use e.g. '<|...|>'")
     if kind == "bpe":
         vocab, merges = train_bpe(input_path, vocab_size, special, num_workers=num_workers, progress=progress)
         return Tokenizer(vocab, merges, special)

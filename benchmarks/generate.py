@@ -79,12 +79,12 @@ def main() -> None:
         prompt = torch.randint(0, hf_cfg.vocab_size, (batch, args.prompt))
         mask = torch.ones_like(prompt)
 
-        def run_hf(new=args.new):
+        def run_hf(new=args.new, prompt=prompt, mask=mask):
             with torch.inference_mode():
                 return hf.generate(prompt, attention_mask=mask, max_new_tokens=new, do_sample=False,
                                    pad_token_id=0)
 
-        def run_ours(new=args.new, use_cache=True):
+        def run_ours(new=args.new, use_cache=True, prompt=prompt):
             return archlab.generate(ours, prompt, max_new_tokens=new, use_cache=use_cache)
 
         same = torch.equal(run_hf(), run_ours())
@@ -94,7 +94,7 @@ def main() -> None:
                            "uncached": lambda: run_ours(args.uncached_new, use_cache=False)},
                           args.uncached_rounds, warmup=0)
         unc_ratio = statistics.median(u / c for c, u in zip(unc["cached"], unc["uncached"]))
-        tps = lambda ts, n=args.new: batch * n / statistics.median(ts)  # noqa: E731
+        tps = lambda ts, n=args.new, batch=batch: batch * n / statistics.median(ts)  # noqa: E731
         print(f"batch {batch}: archlab {tps(times['archlab']):8.1f} tok/s | transformers "
               f"{tps(times['transformers']):8.1f} tok/s | ratio vs transformers "
               f"{statistics.median(ratios):.2f}x (median; rounds "

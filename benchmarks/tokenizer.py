@@ -194,11 +194,13 @@ def main() -> int:
         rows.append(bench_corpus(name, int(vocab), args))
     print("\nsummary (ratio archlab / tokenizers; < 1 is better for time and memory, > 1 for MB/s):")
     for r in rows:
-        line = (f"  {r['corpus']:>14} {r['mb']:5.1f} MB vocab {r['vocab']:>6}: train time {r['ours_s'] / r['hf_s']:.2f}x, "
+        line = (f"  {r['corpus']:>14} {r['mb']:5.1f} MB vocab {r['vocab']:>6}: "
+                f"train time {r['ours_s'] / r['hf_s']:.2f}x, "
                 f"peak memory {r['ours_peak_mb'] / r['hf_peak_mb']:.2f}x")
         if "enc_hf" in r:
             line += (f", encode one string {r['enc_ours'] / r['enc_hf']:.2f}x (raw tiktoken "
-                     f"{r['enc_tiktoken'] / r['enc_hf']:.2f}x), per line {r['enc_ours_lines'] / r['enc_hf_lines']:.2f}x")
+                     f"{r['enc_tiktoken'] / r['enc_hf']:.2f}x), "
+                     f"per line {r['enc_ours_lines'] / r['enc_hf_lines']:.2f}x")
         print(line + f" (memory above the import: {(r['ours_peak_mb'] - r['ours_import_mb']) / r['hf_peak_mb']:.2f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -4,13 +4,13 @@ import random
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
+from variants import VARIANTS, variant
 
 from archlab import accounting, presets
 from archlab.cli import main
 from archlab.config import AttentionConfig, ConfigError, MLPConfig, ModelConfig
 from archlab.model import TransformerLM
 from archlab.nn.attention import Attention
-from variants import VARIANTS, variant
 
 EXACT = [n for n in presets.names() if presets.info(n).exact]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_checkpoint import make_data, tiny_model
 
 from archlab.cli import main
 from archlab.train import TrainConfig, train
-from test_checkpoint import make_data, tiny_model
 
 
 # ---- shared fixtures: built once, snapshot-checked after every case ----------------------------------

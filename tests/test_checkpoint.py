@@ -13,8 +13,14 @@ import pytest
 import torch
 import yaml
 
-from archlab.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint,
-                                load_run, save_checkpoint)
+from archlab.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_run,
+    save_checkpoint,
+)
 from archlab.config import ModelConfig
 from archlab.data import prepare
 from archlab.model import TransformerLM

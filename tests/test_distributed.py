@@ -84,7 +84,7 @@ def test_two_process_run_matches_single_process(setup, strategy, overrides):
     ranks = [torch.load(out.parent / f"{strategy}-ranks" / f"rank{r}.pt") for r in (0, 1)]
     assert ranks[0].keys() == ranks[1].keys()
     assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
-    from archlab.checkpoint import latest_checkpoint, load_checkpoint, list_checkpoints
+    from archlab.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
     assert len(list_checkpoints(out)) == 2          # rank 0 alone wrote them
     saved, _ = load_checkpoint(latest_checkpoint(out))
     assert all(torch.equal(saved[k], ranks[0][k]) for k in ranks[0])

@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from test_checkpoint import make_data, tiny_model
 
 from archlab.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 from archlab.data import load_meta
 from archlab.faults import FAULT_EXIT, POINTS
 from archlab.train import TrainConfig, read_metrics, train
-from test_checkpoint import make_data, tiny_model
 
 TESTS = Path(__file__).parent
 CFG = dict(batch_size=4, seq_len=16, budget=6, warmup_steps=1, eval_batches=1, sample_every=-1,

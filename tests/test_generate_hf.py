@@ -8,7 +8,6 @@ interop = pytest.importorskip("archlab.interop")
 
 import archlab  # noqa: E402
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 

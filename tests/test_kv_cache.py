@@ -9,7 +9,6 @@ from archlab import TransformerLM
 from archlab.nn.kv_cache import KVCache, SinkKVCache, StaticKVCache
 from archlab.nn.position import RotaryEmbedding
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 

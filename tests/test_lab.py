@@ -167,7 +167,8 @@ def test_lr_sensitivity_matches_wortsman_definition():
         for seed, jitter in enumerate((0.0, 0.01)):
             for lr, loss in zip(("0.001", "0.01", "0.1"), losses):
                 r = RunRecord(suite="s", variant=f"{trick},{lr}", seed=seed, status="done",
-                              config={"model": {"vocab_size": 257}}, final_val_loss=None if loss is None else loss + jitter,
+                              config={"model": {"vocab_size": 257}},
+                              final_val_loss=None if loss is None else loss + jitter,
                               extra={"labels": {"trick": trick, "lr": lr}})
                 if loss is None:
                     r.status, r.diverged = "diverged", True
@@ -197,7 +198,8 @@ def test_store_roundtrip(tmp_path):
 def _tiny_data(tmp_path) -> Path:
     from archlab.data import prepare
     docs = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 20 for i in range(12)]
-    return Path(prepare(docs, "bytes", tmp_path / "data", progress=False, num_workers=0)["splits"] and tmp_path / "data")
+    prepare(docs, "bytes", tmp_path / "data", progress=False, num_workers=0)
+    return tmp_path / "data"
 
 
 class FakeTrainer:
@@ -230,7 +232,8 @@ def test_resume_skips_finished_runs_and_records_crashes(tmp_path):
     data = _tiny_data(tmp_path)
     suite = suites.Suite(name="norms", claim="c",
                          axes=[{"name": "norm", "key": "norm.kind", "values": ["layernorm", "rmsnorm"]}], seeds=2,
-                         rules=[Rule(kind="less", statement="rms below", a={"norm": "rmsnorm"}, b={"norm": "layernorm"})])
+                         rules=[Rule(kind="less", statement="rms below", a={"norm": "rmsnorm"},
+                                     b={"norm": "layernorm"})])
     kw = dict(data_dir=data, budget=3, progress=False, measure=False)
     fake = FakeTrainer(crash={("rmsnorm", 0)}, diverge={("layernorm", 1)})
     rows = runner.run_suite(suite, tmp_path / "sweep", train_fn=fake, **kw)
@@ -259,7 +262,8 @@ def test_report_from_synthetic_sweep_has_verdicts_and_plots(tmp_path):
     data = _tiny_data(tmp_path)
     suite = suites.Suite(name="norms", claim="c",
                          axes=[{"name": "norm", "key": "norm.kind", "values": ["layernorm", "rmsnorm"]}], seeds=3,
-                         rules=[Rule(kind="less", statement="rms below", a={"norm": "rmsnorm"}, b={"norm": "layernorm"})])
+                         rules=[Rule(kind="less", statement="rms below", a={"norm": "rmsnorm"},
+                                     b={"norm": "layernorm"})])
     runner.run_suite(suite, tmp_path / "sweep", train_fn=FakeTrainer(), data_dir=data, budget=3,
                      progress=False, measure=False)
     paths = build_report(tmp_path / "sweep")

@@ -3,12 +3,11 @@ import math
 
 import pytest
 import torch
+from variants import BASE, VARIANTS, variant
 
 from archlab import ModelConfig, TransformerLM
-
 from archlab.nn.attention import allowed_keys
 from archlab.nn.position import RotaryEmbedding, T5RelativeBias, alibi_slopes
-from variants import BASE, VARIANTS, variant
 
 NAMES = sorted(VARIANTS)
 
@@ -17,7 +16,7 @@ def build(cfg: ModelConfig) -> TransformerLM:
     torch.manual_seed(0)
     model = TransformerLM(cfg)
     with torch.no_grad():  # move norms and biases off their init so wiring bugs show
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     return model.eval()

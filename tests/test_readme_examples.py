@@ -11,7 +11,6 @@ import pytest
 from archlab.cli import main
 from archlab.demo import demo_configs
 from archlab.train import train
-from test_checkpoint import make_data
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

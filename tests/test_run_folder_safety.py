@@ -11,15 +11,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_checkpoint import make_data, tiny_model
 
-from archlab.checkpoint import (FORMAT_VERSION, CheckpointError, latest_checkpoint, list_checkpoints,
-                                load_checkpoint, read_meta, resumable_checkpoint, save_checkpoint,
-                                verify_checkpoint)
+from archlab.checkpoint import (
+    FORMAT_VERSION,
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_meta,
+    resumable_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from archlab.model import TransformerLM
 from archlab.rng import rng_state
 from archlab.statefile import load_state, save_state
 from archlab.train import TrainConfig, read_metrics, train
-from test_checkpoint import make_data, tiny_model
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

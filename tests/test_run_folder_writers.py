@@ -9,6 +9,7 @@ import time
 import warnings
 
 import pytest
+from test_checkpoint import make_data, tiny_model
 
 from archlab.checkpoint import latest_checkpoint
 from archlab.cli import main as cli_main
@@ -16,7 +17,6 @@ from archlab.config import ConfigError
 from archlab.data import DataError, prepare
 from archlab.runlock import LOCK_FILE, LockedError, RunLock
 from archlab.train import TrainConfig, train
-from test_checkpoint import make_data, tiny_model
 
 CFG = TrainConfig(batch_size=4, seq_len=16, budget=2, warmup_steps=1, eval_batches=1, sample_every=-1)
 

@@ -15,7 +15,7 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.data import prepare
 from archlab.evaluate import bits_per_byte, evaluate
 from archlab.model import TransformerLM
-from archlab.train import (Diverged, TrainConfig, lr_multiplier, param_groups, read_metrics, train)
+from archlab.train import Diverged, TrainConfig, lr_multiplier, param_groups, read_metrics, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
 
@@ -227,7 +227,6 @@ def test_train_states_its_plan_and_expected_memory_then_the_peak(data_dir, tmp_p
 def test_bf16_autocast_trains_with_float32_master_weights(data_dir, tmp_path):
     """dtype=bfloat16 autocasts the matmuls; parameters and optimizer state stay float32."""
     from archlab.checkpoint import load_run
-
     from archlab.precision import has_native_bf16
 
     cfg = TrainConfig(**FAST, budget=30, eval_every=30, checkpoint_every=30, dtype="bfloat16")

@@ -244,7 +244,7 @@ def training_memory(cfg: ModelConfig, batch: int, seq_len: int, dtype: Any = "bf
     optimizer_bytes = p * 4 * OPTIMIZER_STATES[optimizer] + (p * 4 if nbytes < 4 else 0)
     tokens = batch * seq_len
     activations = tokens * activation_elements_per_token(cfg) * nbytes
-    from archlab.nn.fused_loss import chunk_rows   # imports torch: only when asked for memory
+    from archlab.nn.fused_loss import chunk_rows  # imports torch: only when asked for memory
     rows = min(tokens, chunk_rows("cuda", cfg.vocab_size))       # the larger (GPU) chunks
     loss = 2 * rows * cfg.vocab_size * 4 + cfg.vocab_size * cfg.d_model * 4
     return {

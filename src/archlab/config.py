@@ -166,7 +166,8 @@ class RopeScaling:
             if not value or not all(v > 0 for v in value):
                 raise ConfigError(f"{owner}.{name} must be a non-empty list of positive numbers")
             object.__setattr__(self, name, value)
-        if self.kind == "longrope" and len(self.short_factor) != len(self.long_factor):
+        if (self.kind == "longrope" and self.short_factor is not None and self.long_factor is not None
+                and len(self.short_factor) != len(self.long_factor)):
             raise ConfigError(f"{owner}.short_factor has {len(self.short_factor)} entries and "
                               f"long_factor {len(self.long_factor)}: both need one per frequency")
 
@@ -457,7 +458,8 @@ class ModelConfig:
         data = self.to_dict()
         for key, value in overrides.items():
             parts = key.split(".")
-            node, cls = data, ModelConfig
+            node: dict = data
+            cls: type = ModelConfig
             for i, part in enumerate(parts):
                 hints = get_type_hints(cls)
                 if part not in hints:
@@ -481,11 +483,9 @@ _SUBCONFIGS = {
 
 
 def _dataclass_in(tp: Any) -> type | None:
-    if is_dataclass(tp):
-        return tp
-    for arg in get_args(tp):
-        if is_dataclass(arg):
-            return arg
+    for candidate in (tp, *get_args(tp)):
+        if isinstance(candidate, type) and is_dataclass(candidate):
+            return candidate
     return None
 
 

@@ -71,7 +71,7 @@ def diagnose(model, input_ids: torch.Tensor, tokens: Sequence[str] | None = None
         median = float(flat.median())
         vals, idx = flat.topk(min(top_k, flat.numel()))
         top = []
-        for v, j in zip(vals.tolist(), idx.tolist()):
+        for j in idx.tolist():
             row, rest = divmod(j, t * hs.shape[-1])
             pos, dim = divmod(rest, hs.shape[-1])
             top.append({"row": row, "token_index": pos, "dim": dim, "value": float(hs[row, pos, dim]),

@@ -127,6 +127,6 @@ def _try_archlab_generate(model, prompt, max_new_tokens, temperature, top_k, see
             out = generate(model, torch.tensor(prompt, dtype=torch.long, device=device),
                            max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
     except Exception as exc:  # a sample must never stop a training run
-        warnings.warn(f"archlab.generate failed ({exc}); sampling with the plain loop")
+        warnings.warn(f"archlab.generate failed ({exc}); sampling with the plain loop", stacklevel=2)
         return None
     return [int(t) for t in out.reshape(-1)[len(prompt):].tolist()]

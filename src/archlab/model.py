@@ -112,7 +112,7 @@ class TransformerLM(nn.Module):
             x = self.embed_norm(x)
         x = self.embed_drop(x)
         # with a cache (decoding), layers share RoPE tables and masks built once per forward
-        memo = {} if cache is not None else None
+        memo: dict | None = {} if cache is not None else None
         for block in self.blocks:
             x = block(x, positions, cache=cache, prefix_lengths=prefix_lengths, plain_causal=plain,
                       memo=memo)
@@ -148,7 +148,8 @@ class TransformerLM(nn.Module):
                          ignore_index: int = -100) -> LossOutput:
         """The loss from the final hidden states: the head (bias, logit scale, soft-cap as in `head`)
         and the cross-entropy fused in row chunks (nn/fused_loss.py: no (b, t, v) logits in memory)."""
-        weight, bias = self.head_weight, self.head_bias
+        weight: torch.Tensor = self.head_weight
+        bias: torch.Tensor | None = self.head_bias
         if self.config.logit_scale is not None:       # Cohere: scaling the logits = scaling W (and b)
             weight = weight * self.config.logit_scale
             bias = None if bias is None else bias * self.config.logit_scale

@@ -16,8 +16,17 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from archlab.config import (
-    AttentionConfig, BiasConfig, BlockConfig, ConfigError, InitConfig, MLPConfig, ModelConfig,
-    MoEConfig, NormConfig, PositionConfig, RopeScaling,
+    AttentionConfig,
+    BiasConfig,
+    BlockConfig,
+    ConfigError,
+    InitConfig,
+    MLPConfig,
+    ModelConfig,
+    MoEConfig,
+    NormConfig,
+    PositionConfig,
+    RopeScaling,
 )
 
 

@@ -27,7 +27,8 @@ import torch
 from archlab.data import DataError
 from archlab.precision import cpu_model
 
-__all__ = ["provenance", "provenance_line", "write_provenance", "device_name", "data_fingerprint", "tokenizer_fingerprint", "check_resume_matches",
+__all__ = ["provenance", "provenance_line", "write_provenance", "device_name", "data_fingerprint",
+           "tokenizer_fingerprint", "check_resume_matches",
            "PROVENANCE_FILE"]
 
 PROVENANCE_FILE = "provenance.json"

@@ -100,7 +100,8 @@ def matmul_ceiling(weight_shapes: list[tuple[int, int]], tokens: int, device: to
         # (rows x inner x cols) of each product, with the layouts a Linear's forward and backward use
         for a, b in ((x, w.t()), (dy, w), (dy.t(), x)):
             out = torch.empty(a.shape[0], b.shape[1], device=device, dtype=torch_dtype)
-            best = min(_time_once(lambda: torch.mm(a, b, out=out), device) for _ in range(repeats + 1))
+            best = min(_time_once(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), device)
+                       for _ in range(repeats + 1))
             flops += count * 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
             seconds += count * best
     return flops, seconds

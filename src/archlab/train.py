@@ -41,19 +41,26 @@ from archlab import distributed as dist_util
 from archlab.config import ConfigError, ModelConfig
 from archlab.errors import UserError
 from archlab.evaluate import autocast, evaluate, sample_ids
-from archlab.metrics import (TensorBoardLogger, append_jsonl, plot_loss_curve, read_metrics, truncate_metrics,
-                             truncate_samples)
+from archlab.metrics import (
+    TensorBoardLogger,
+    append_jsonl,
+    plot_loss_curve,
+    read_metrics,
+    truncate_metrics,
+    truncate_samples,
+)
 from archlab.optim import build_optimizer, lr_multiplier, param_groups, schedule_progress
 from archlab.precision import auto_dtype, bf16_warning
+from archlab.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
 from archlab.recompute import checkpoint_blocks
 from archlab.rng import rng_state, seed_everything, set_rng_state
-from archlab.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
 from archlab.runlock import RunLock
 from archlab.throughput import matmul_peak_flops, peak_memory, train_flops_per_token
 from archlab.train_config import TrainConfig
 
 # re-exported: callers import these from archlab.train
-__all__ = ["TrainConfig", "TrainResult", "Diverged", "Stopped", "MemoryCheckError", "train", "param_groups", "lr_multiplier",
+__all__ = ["TrainConfig", "TrainResult", "Diverged", "Stopped", "MemoryCheckError", "train", "param_groups",
+           "lr_multiplier",
            "matmul_peak_flops", "train_flops_per_token", "plot_loss_curve", "read_metrics", "fit_vocab"]
 
 MAX_CONSECUTIVE_SKIPS = 10
@@ -294,7 +301,7 @@ def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
                           f"world size {info.world_size}")
     can_eval = val_data.n_tokens >= cfg.seq_len + 1
     if not can_eval and info.is_main:
-        warnings.warn(f"validation split has {val_data.n_tokens} tokens < seq_len + 1: no evaluation")
+        warnings.warn(f"validation split has {val_data.n_tokens} tokens < seq_len + 1: no evaluation", stacklevel=2)
     return can_eval
 
 
@@ -534,7 +541,7 @@ class _Run:
             if self.cfg.nan_policy == "skip":
                 msg += f" ({self.skipped} non-finite steps in a row)"
             raise Diverged("training diverged: " + msg, self.step, self.last_good)
-        warnings.warn("skipping the update: " + msg)
+        warnings.warn("skipping the update: " + msg, stacklevel=2)
 
     # ---- outputs
     def log(self, record: dict) -> None:
@@ -619,7 +626,7 @@ class _Run:
             try:
                 plot_loss_curve(self.run_dir)
             except Exception as exc:  # a plot must never lose a finished run
-                warnings.warn(f"could not draw loss_curve.png: {exc}")
+                warnings.warn(f"could not draw loss_curve.png: {exc}", stacklevel=2)
 
     def result(self, diverged: bool) -> TrainResult:
         return TrainResult(steps=self.step, tokens_seen=self.tokens, final_val_loss=self.last_val,

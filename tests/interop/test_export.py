@@ -2,7 +2,6 @@
 generation config, readable files; one-shot outputs are never overwritten without --overwrite."""
 from __future__ import annotations
 
-import json
 import os
 import stat
 

@@ -23,7 +23,7 @@ def test_tiny_preset_saves_to_its_family(preset, hf_roundtrip):
     model = TransformerLM(cfg).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
             else:  # larger weights: attention far from uniform, windows and caps matter

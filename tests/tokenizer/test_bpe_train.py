@@ -7,10 +7,13 @@ from collections import Counter
 import pytest
 import regex
 
-from archlab.tokenizer import bpe_from_counts, train_bpe
-from archlab.tokenizer import bpe_train
+from archlab.tokenizer import bpe_from_counts, bpe_train, train_bpe
 from archlab.tokenizer.pretokenize import (
-    GPT2_PATTERN, _SEGMENT_RE, count_pretokens, iter_text_chunks, safe_cut,
+    _SEGMENT_RE,
+    GPT2_PATTERN,
+    count_pretokens,
+    iter_text_chunks,
+    safe_cut,
 )
 
 BACKENDS = ["python"] + (["c"] if bpe_train.c_backend_available() else [])

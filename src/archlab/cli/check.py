@@ -22,8 +22,14 @@ def register(subparsers) -> None:
 
 
 def run_check(args) -> int:
-    from archlab.checkpoint import (CheckpointError, list_checkpoints, load_run_tokenizer, load_trainer_state,
-                                    read_run_config, verify_checkpoint)
+    from archlab.checkpoint import (
+        CheckpointError,
+        list_checkpoints,
+        load_run_tokenizer,
+        load_trainer_state,
+        read_run_config,
+        verify_checkpoint,
+    )
     from archlab.config import ModelConfig
     from archlab.runlock import LOCK_FILE
 

@@ -35,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="built-in corpus name, hf:NAME[:CONFIG], or a file/folder")
     prepare.add_argument("--tokenizer", required=True, metavar="DIR_OR_bytes",
                          help="a saved tokenizer folder, or 'bytes' for the byte-level tokenizer (vocab 257)")
-    prepare.add_argument("--out", required=True, metavar="DATA_DIR", help="output folder (must not exist unless --overwrite)")
+    prepare.add_argument("--out", required=True, metavar="DATA_DIR",
+                         help="output folder (must not exist unless --overwrite)")
     prepare.add_argument("--val-fraction", type=float, default=0.05,
                          help="fraction of documents held out for validation (default 0.05)")
     prepare.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default 0)")

@@ -34,7 +34,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from archlab import diagnostics
-
     from archlab.errors import UserError
 
     for flag, value in (("--max-tokens", args.max_tokens), ("--top-k", args.top_k)):

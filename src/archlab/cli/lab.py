@@ -97,7 +97,8 @@ def run_ablate(args: argparse.Namespace) -> int:
     except ValueError as exc:                    # ConfigError / LabError are UserErrors already
         raise exc if isinstance(exc, UserError) else UserError(str(exc)) from exc
     counts = {s: sum(r.status == s for r in rows) for s in ("done", "diverged", "failed")}
-    print(f"{suite.name}: {len(rows)} runs ({', '.join(f'{v} {k}' for k, v in counts.items())}) -> {out}/results.sqlite")
+    tally = ", ".join(f"{v} {k}" for k, v in counts.items())
+    print(f"{suite.name}: {len(rows)} runs ({tally}) -> {out}/results.sqlite")
     if args.report:
         paths = build_report(out)
         print(f"report: {paths['md']} and {paths['html']}")

@@ -66,10 +66,10 @@ def register(subparsers) -> None:
 
 def cmd_train(args) -> int:
     import archlab.tokenizer as tk
+    from archlab.corpora import scan_files
     from archlab.errors import UserError
     from archlab.outputs import fresh_output, refuse_existing
     from archlab.progress import progress_bar
-    from archlab.corpora import scan_files
     from archlab.tokenizer.pretokenize import resolve_inputs
 
     # every check before any work (and before the progress bar)
@@ -111,8 +111,8 @@ def cmd_train(args) -> int:
 
 def cmd_stats(args) -> int:
     import archlab.tokenizer as tk
-    from archlab.tokenizer.pretokenize import resolve_inputs
     from archlab.errors import UserError
+    from archlab.tokenizer.pretokenize import resolve_inputs
     if args.top < 0:
         raise UserError(f"--top {args.top} must be >= 0")
     files = resolve_inputs(args.input)

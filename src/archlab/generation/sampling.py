@@ -18,7 +18,6 @@ Shapes: b batch (rows), v vocab.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch

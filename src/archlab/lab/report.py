@@ -75,7 +75,8 @@ def to_html(blocks: list[Block], title: str) -> str:
                 for c in r:
                     c = str(c)
                     word = c.strip("*")
-                    cls = f" class='{word.replace(' ', '-')}'" if word in (HELD, NOT_HELD, INCONCLUSIVE, "mixed") else ""
+                    verdict = word in (HELD, NOT_HELD, INCONCLUSIVE, "mixed")
+                    cls = f" class='{word.replace(' ', '-')}'" if verdict else ""
                     cells.append(f"<td{cls}>{_inline(c)}</td>")
                 out.append("<tr>" + "".join(cells) + "</tr>")
             out.append("</table>")
@@ -286,7 +287,8 @@ def plot_lr(rows: list[RunRecord], lr_axis: str, out: Path, title: str) -> Path 
 
 
 # --------------------------------------------------------------------------- the report
-def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path, rel: str) -> tuple[list[Block], list[Verdict]]:
+def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path, rel: str
+                  ) -> tuple[list[Block], list[Verdict]]:
     verdicts = judge_all(suite.rules, rows)
     blocks = [Block("h2", f"{suite.name}: {overall(verdicts)}"), Block("p", f"**Claim.** {suite.claim}")]
     if suite.published:

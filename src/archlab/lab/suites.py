@@ -123,7 +123,7 @@ class Suite:
                 for _, _, s in combo:
                     sets.update(s)
                 labels = {axis_name: label for axis_name, label, _ in combo}
-                name = ",".join(_label_text(a, l) for a, l in labels.items())
+                name = ",".join(_label_text(axis, text) for axis, text in labels.items())
                 out.append(_variant(name, sets, labels))
         for v in self.variants:
             if "label" not in v:

@@ -25,8 +25,9 @@ from torch import nn
 from archlab.config import ModelConfig
 from archlab.nn.cpu_attention import causal_attention, use_cpu_attention
 from archlab.nn.fused import project
+from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
-from archlab.nn.position import build_attention_position
+from archlab.nn.position import AttentionPosition, build_attention_position
 
 
 def allowed_keys(
@@ -61,12 +62,13 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, h_e, bias=cfg.bias.qkv)
         self.k_proj = nn.Linear(d, k_e, bias=cfg.bias.qkv)
         self.v_proj = nn.Linear(d, k_e, bias=cfg.bias.qkv)
-        self.o_proj = nn.Linear(h_e, d, bias=cfg.bias.attn_out)
-        self.o_proj.is_residual_out = True
+        self.o_proj = mark_residual_out(nn.Linear(h_e, d, bias=cfg.bias.attn_out))
         self.gate_proj = nn.Linear(d, h_e, bias=False) if att.gated else None
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if att.learned_sinks else None
 
         self.qk_norm = att.qk_norm
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         if att.qk_norm == "per_head_untied":
             self.q_norm = HeadwiseNorm(cfg.norm.kind, self.n_heads, self.head_dim, cfg.norm.eps)
             self.k_norm = HeadwiseNorm(cfg.norm.kind, self.n_kv_heads, self.head_dim, cfg.norm.eps)
@@ -76,7 +78,7 @@ class Attention(nn.Module):
             self.k_norm = build_norm(cfg.norm.kind, self.head_dim if per_head else k_e, cfg.norm.eps, bias)
 
         self.window = att.window if cfg.is_local(layer) else None
-        self.position = build_attention_position(cfg, layer, shared)
+        self.position: AttentionPosition = build_attention_position(cfg, layer, shared)
         scale_dim = att.query_pre_attn_scalar or self.head_dim
         self.scale = scale_dim ** -0.5 / (layer + 1 if att.scale_by_inverse_layer else 1)
         self.softcap = att.logit_softcap
@@ -98,13 +100,14 @@ class Attention(nn.Module):
         q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))     # (b, t, h*e | k*e)
         if self.clip_qkv is not None:  # OLMo (Groeneveld et al. 2024): tames loss spikes
             q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if self.qk_norm == "full" and q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)      # (b, h, t, e)
         k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (b, k, t, e)
         v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (b, k, t, e)
-        if self.qk_norm in ("per_head", "per_head_untied"):
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm in ("per_head", "per_head_untied") and q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         if cache is not None and getattr(cache, "rotates_keys", False):
             # StreamingLLM cache (kv_cache.SinkKVCache): it keeps un-rotated keys, rotates them
             # with in-cache positions, and hands back the queries' in-cache positions

@@ -45,15 +45,17 @@ class Block(nn.Module):
         if self.parallel:
             y = self.attn_norm(x)
             return x + attn(y) + mlp(self.mlp_norm(x) if self.mlp_norm is not None else y)
+        mlp_norm = self.mlp_norm
+        assert mlp_norm is not None          # a serial block always has its own MLP norm
         if self.position == "pre":
             x = x + attn(self.attn_norm(x))
-            return x + mlp(self.mlp_norm(x))
+            return x + mlp(mlp_norm(x))
         if self.position == "post":
             x = self.attn_norm(x + attn(x))
-            return self.mlp_norm(x + mlp(x))
+            return mlp_norm(x + mlp(x))
         if self.position == "sandwich":
             x = x + self.attn_post_norm(attn(self.attn_norm(x)))
-            return x + self.mlp_post_norm(mlp(self.mlp_norm(x)))
+            return x + self.mlp_post_norm(mlp(mlp_norm(x)))
         # post_sublayer
         x = x + self.attn_norm(attn(x))
-        return x + self.mlp_norm(mlp(x))
+        return x + mlp_norm(mlp(x))

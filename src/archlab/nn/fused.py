@@ -28,13 +28,14 @@ def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tens
     copying the weights would dominate. The parameters stay separate Linears, as checkpoints and the lecture name them.
     Example: q, k, v = project(x, (attn.q_proj, attn.k_proj, attn.v_proj))
     """
-    biases = [linear.bias for linear in linears]
+    biases: list[torch.Tensor | None] = [linear.bias for linear in linears]
     fuse = (torch.is_autocast_enabled(x.device.type) and x.shape[:-1].numel() >= x.shape[-1]
             and len({bias is None for bias in biases}) == 1)
     if not fuse:
         return tuple(linear(x) for linear in linears)
-    weight = torch.cat([linear.weight for linear in linears])            # (sum of outs, d)
-    bias = None if biases[0] is None else torch.cat(biases)
+    weights: list[torch.Tensor] = [linear.weight for linear in linears]
+    weight = torch.cat(weights, dim=0)                                   # (sum of outs, d)
+    bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
     out = F.linear(x, weight, bias)                                      # (..., sum of outs)
     return out.split([linear.out_features for linear in linears], dim=-1)
 

@@ -66,21 +66,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ce_sum -= torch.where(ok, logp_t, 0.0).sum()
             lse = logits.gather(1, tgt)[:, 0] - logp_t if z_coef else None   # (c,) log Z
             del logits
-            if z_coef:
+            if lse is not None:
                 z_sum += torch.where(ok, lse.square(), 0.0).sum()
             if not (need_h or need_w or need_b):
                 continue
             # d/dlogits of (ce + z lse^2) for row i: a_i softmax_i - b_i one_hot(target_i), with
             # a_i = (1 + 2 z lse_i) / count, b_i = 1 / count (0 on ignored rows)
             b = torch.where(ok, scale, 0.0)[:, None]                # (c, 1)
-            a = b * (1.0 + 2.0 * z_coef * lse[:, None]) if z_coef else b
+            a = b * (1.0 + 2.0 * z_coef * lse[:, None]) if lse is not None else b
             probs = logp.exp_()                                     # (c, v) softmax, in place
             if softcap is None and bias is None:
                 # the row scales go on the (c, d) sides of the two matmuls, never over (c, v)
                 probs = probs.to(dtype)
-                if need_h:                                          # (c, d) = (c, v) @ (v, d)
+                if grad_h is not None:                              # (c, d) = (c, v) @ (v, d)
                     grad_h[rows] = ((probs @ w).to(acc) * a - w[tgt[:, 0]].to(acc) * b).to(grad_h.dtype)
-                if need_w:                                          # (v, d) += (v, c) @ (c, d)
+                if grad_w is not None:                              # (v, d) += (v, c) @ (c, d)
                     _add_matmul(grad_w, probs.t(), (hc.to(acc) * a).to(dtype))
                     grad_w.index_add_(0, tgt[:, 0], hc.to(acc) * -b)
                 continue
@@ -88,12 +88,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad = probs.mul_(a).scatter_add_(1, tgt, -b)           # (c, v) dL/dlogits
             if softcap is not None:
                 grad.mul_(1.0 - tanh.square_())
-            if need_b:
+            if grad_b is not None:
                 grad_b += grad.sum(0)
             grad = grad.to(dtype)
-            if need_h:
+            if grad_h is not None:
                 grad_h[rows] = (grad @ w).to(grad_h.dtype)
-            if need_w:
+            if grad_w is not None:
                 _add_matmul(grad_w, grad.t(), hc)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = weight.dtype, None if bias is None else bias.dtype

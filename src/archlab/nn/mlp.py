@@ -10,6 +10,8 @@ Shapes: b batch, t time, d model, f ffn width, n experts.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,7 +19,7 @@ from torch import nn
 from archlab.config import GATED_ACTIVATIONS, MLPConfig
 from archlab.nn.fused import project
 
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -31,20 +33,26 @@ ACTIVATIONS = {
 }
 
 
+def mark_residual_out(linear: nn.Linear) -> nn.Linear:
+    """Flag a Linear that writes into the residual stream: init.scaled_residual (GPT-2) scales its init."""
+    linear.is_residual_out = True  # type: ignore[assignment]  # a plain attribute the init reads
+    return linear
+
+
 class DenseMLP(nn.Module):
     """up -> act -> down, or for GLU kinds: act(gate) * up -> down."""
 
     def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool):
         super().__init__()
-        self.act = ACTIVATIONS[activation]
+        self.act: Callable[[torch.Tensor], torch.Tensor] = ACTIVATIONS[activation]
         self.gated = activation in GATED_ACTIVATIONS
         self.gate_proj = nn.Linear(d_model, d_ff, bias=bias) if self.gated else None
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
-        self.down_proj.is_residual_out = True  # scaled init (GPT-2) applies here
+        mark_residual_out(self.down_proj)  # scaled init (GPT-2) applies here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, t, d)
-        if self.gated:
+        if self.gate_proj is not None:
             gate, up = project(x, (self.gate_proj, self.up_proj))       # (b, t, f) each
             h = self.act(gate) * up
         else:
@@ -62,6 +70,7 @@ class MoEMLP(nn.Module):
     def __init__(self, d_model: int, d_ff: int, cfg: MLPConfig, bias: bool):
         super().__init__()
         moe = cfg.moe
+        assert moe is not None, "MoEMLP needs mlp.moe"
         self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
         self.aux_coef, self.z_coef = moe.aux_loss_coef, moe.router_z_loss_coef
         self.router = nn.Linear(d_model, moe.n_experts, bias=False)

@@ -28,7 +28,7 @@ from archlab.config import ModelConfig, RopeScaling
 from archlab.nn.fused import rope_half
 from archlab.nn.registry import Registry
 
-ATTENTION_POSITIONS: Registry[type[nn.Module]] = Registry("position kind")
+ATTENTION_POSITIONS: Registry[type[AttentionPosition]] = Registry("position kind")
 
 
 class AttentionPosition(nn.Module):
@@ -39,6 +39,9 @@ class AttentionPosition(nn.Module):
 
     def bias(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
         return None  # -> (b, h, tq, tk) or None
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        return None  # RoPE: (cos, sin) built once per forward and shared by layers with equal frequencies
 
 
 @ATTENTION_POSITIONS.register("none")
@@ -173,6 +176,7 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None) ->
 
 @ATTENTION_POSITIONS.register("rope")
 class RotaryEmbedding(AttentionPosition):
+    inv_freq: torch.Tensor       # registered buffers, typed for the checker
     """RoPE; q.k then depends only on the offset p_q - p_k."""
 
     def __init__(self, cfg: ModelConfig, layer: int, shared: dict):
@@ -180,6 +184,7 @@ class RotaryEmbedding(AttentionPosition):
         pos = cfg.position
         local = cfg.is_local(layer) and pos.local_rope_theta is not None
         theta = pos.local_rope_theta if local else pos.rope_theta
+        assert theta is not None, "RoPE needs position.rope_theta"
         scaling = None if local else pos.rope_scaling  # Gemma 3: local layers are unscaled
         self.rotary_dim = cfg.rotary_dim
         self.interleaved = pos.rope_layout == "interleaved"
@@ -240,6 +245,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 @ATTENTION_POSITIONS.register("alibi")
 class ALiBi(AttentionPosition):
+    slopes: torch.Tensor
     def __init__(self, cfg: ModelConfig, layer: int, shared: dict):
         super().__init__()
         self.register_buffer("slopes", alibi_slopes(cfg.attention.n_heads), persistent=False)
@@ -291,6 +297,7 @@ def build_attention_position(cfg: ModelConfig, layer: int, shared: dict) -> Atte
 
 
 class AbsolutePosition(nn.Module):
+    inv_freq: torch.Tensor
     """Sinusoidal or learned vectors added to the token embeddings; nothing for other kinds."""
 
     def __init__(self, cfg: ModelConfig):

@@ -15,7 +15,11 @@ from pathlib import Path
 
 from archlab.errors import UserError
 from archlab.tokenizer.pretokenize import (
-    GPT2_PATTERN, bytes_to_str, compile_pattern, safe_cut, split_special,
+    GPT2_PATTERN,
+    bytes_to_str,
+    compile_pattern,
+    safe_cut,
+    split_special,
 )
 
 EOT_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")

@@ -9,7 +9,6 @@ ids, and each token's own bytes encode to that token), and the tests compare ids
 from __future__ import annotations
 
 import heapq
-
 import json
 import os
 from collections.abc import Iterable

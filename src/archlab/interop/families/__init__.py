@@ -11,7 +11,15 @@ import importlib
 import importlib.util
 
 from archlab.interop.families.base import (  # noqa: F401  (re-exported for family modules)
-    FAMILIES, Family, HFConfig, Rule, fused, read_rope, register_family, rename, transposed,
+    FAMILIES,
+    Family,
+    HFConfig,
+    Rule,
+    fused,
+    read_rope,
+    register_family,
+    rename,
+    transposed,
     write_rope,
 )
 

@@ -49,7 +49,11 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from archlab.config import (
-    ROPE_SCALING_FIELDS, ConfigError, ModelConfig, PositionConfig, RopeScaling,
+    ROPE_SCALING_FIELDS,
+    ConfigError,
+    ModelConfig,
+    PositionConfig,
+    RopeScaling,
 )
 from archlab.nn.registry import Registry
 

@@ -13,7 +13,12 @@ before the first layer and weights moved between layers.
 from __future__ import annotations
 
 from archlab.config import (
-    AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+    AttentionConfig,
+    BiasConfig,
+    MLPConfig,
+    ModelConfig,
+    NormConfig,
+    PositionConfig,
 )
 from archlab.interop.families.base import Family, HFConfig, Rule, register_family, rename
 from archlab.interop.families.gpt_neox import per_head_qkv, require_plain_transformer, weight_bias

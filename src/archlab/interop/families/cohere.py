@@ -11,14 +11,29 @@ shared LayerNorm without bias, interleaved RoPE, SwiGLU, tied head, logits * `lo
 from __future__ import annotations
 
 from archlab.config import (
-    AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+    AttentionConfig,
+    BiasConfig,
+    BlockConfig,
+    MLPConfig,
+    ModelConfig,
+    NormConfig,
+    PositionConfig,
 )
 from archlab.interop.families.base import (
-    Family, HFConfig, Rule, read_rope, register_family, rename, write_rope,
+    Family,
+    HFConfig,
+    Rule,
+    read_rope,
+    register_family,
+    rename,
+    write_rope,
 )
 from archlab.interop.families.gpt_neox import require_plain_transformer
 from archlab.interop.families.llama import (
-    GATED_ACT_BACK, gated_activation, layer_types, pattern_from_types,
+    GATED_ACT_BACK,
+    gated_activation,
+    layer_types,
+    pattern_from_types,
 )
 
 

@@ -14,14 +14,30 @@ from __future__ import annotations
 import torch
 
 from archlab.config import (
-    AttentionConfig, BiasConfig, BlockConfig, ConfigError, MLPConfig, ModelConfig, NormConfig,
+    AttentionConfig,
+    BiasConfig,
+    BlockConfig,
+    ConfigError,
+    MLPConfig,
+    ModelConfig,
+    NormConfig,
     PositionConfig,
 )
 from archlab.interop.families.base import (
-    Family, HFConfig, Rule, fused, read_rope, register_family, rename, write_rope,
+    Family,
+    HFConfig,
+    Rule,
+    fused,
+    read_rope,
+    register_family,
+    rename,
+    write_rope,
 )
 from archlab.interop.families.gpt_neox import (
-    PLAIN_ACT_BACK, plain_activation, require_plain_transformer, weight_bias,
+    PLAIN_ACT_BACK,
+    plain_activation,
+    require_plain_transformer,
+    weight_bias,
 )
 
 

@@ -13,13 +13,29 @@ GeGLU with tanh GeLU, explicit head_dim, tied head.
 from __future__ import annotations
 
 from archlab.config import (
-    AttentionConfig, BiasConfig, ConfigError, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+    AttentionConfig,
+    BiasConfig,
+    ConfigError,
+    MLPConfig,
+    ModelConfig,
+    NormConfig,
+    PositionConfig,
 )
 from archlab.interop.families.base import (
-    Family, HFConfig, Rule, read_rope, register_family, write_rope,
+    Family,
+    HFConfig,
+    Rule,
+    read_rope,
+    register_family,
+    write_rope,
 )
 from archlab.interop.families.llama import (
-    GATED_ACT, GATED_ACT_BACK, PRE_NORMS, layer_types, llama_rules, pattern_from_types,
+    GATED_ACT,
+    GATED_ACT_BACK,
+    PRE_NORMS,
+    layer_types,
+    llama_rules,
+    pattern_from_types,
     require_serial_full_rope,
 )
 

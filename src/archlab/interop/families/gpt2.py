@@ -13,10 +13,21 @@ float32 (an fp16/bf16 overflow guard) and is read as a no-op. Not supported: `ad
 from __future__ import annotations
 
 from archlab.config import (
-    AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+    AttentionConfig,
+    BiasConfig,
+    MLPConfig,
+    ModelConfig,
+    NormConfig,
+    PositionConfig,
 )
 from archlab.interop.families.base import (
-    Family, HFConfig, Rule, fused, register_family, rename, transposed,
+    Family,
+    HFConfig,
+    Rule,
+    fused,
+    register_family,
+    rename,
+    transposed,
 )
 
 ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",

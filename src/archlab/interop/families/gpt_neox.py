@@ -11,10 +11,23 @@ from __future__ import annotations
 import torch
 
 from archlab.config import (
-    AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+    AttentionConfig,
+    BiasConfig,
+    BlockConfig,
+    MLPConfig,
+    ModelConfig,
+    NormConfig,
+    PositionConfig,
 )
 from archlab.interop.families.base import (
-    Family, HFConfig, Rule, fused, read_rope, register_family, rename, write_rope,
+    Family,
+    HFConfig,
+    Rule,
+    fused,
+    read_rope,
+    register_family,
+    rename,
+    write_rope,
 )
 
 # HF hidden_act of a plain (non-gated) MLP -> ours. gelu_new / gelu_fast / bloom's gelu are the

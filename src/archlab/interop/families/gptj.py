@@ -4,11 +4,20 @@ no q/k/v/out biases, MLP biases, and an LM-head bias. Activation gelu_new (tanh 
 from __future__ import annotations
 
 from archlab.config import (
-    AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+    AttentionConfig,
+    BiasConfig,
+    BlockConfig,
+    MLPConfig,
+    ModelConfig,
+    NormConfig,
+    PositionConfig,
 )
 from archlab.interop.families.base import Family, HFConfig, Rule, register_family, rename
 from archlab.interop.families.gpt_neox import (
-    PLAIN_ACT_BACK, plain_activation, require_plain_transformer, weight_bias,
+    PLAIN_ACT_BACK,
+    plain_activation,
+    require_plain_transformer,
+    weight_bias,
 )
 
 

@@ -18,11 +18,23 @@ dynamic (read_rope); other types (e.g. proportional) raise ConfigError.
 from __future__ import annotations
 
 from archlab.config import (
-    AttentionConfig, BiasConfig, ConfigError, MLPConfig, ModelConfig, MoEConfig, NormConfig,
+    AttentionConfig,
+    BiasConfig,
+    ConfigError,
+    MLPConfig,
+    ModelConfig,
+    MoEConfig,
+    NormConfig,
     PositionConfig,
 )
 from archlab.interop.families.base import (
-    Family, HFConfig, Rule, read_rope, register_family, rename, write_rope,
+    Family,
+    HFConfig,
+    Rule,
+    read_rope,
+    register_family,
+    rename,
+    write_rope,
 )
 
 # HF hidden_act of a gated MLP -> our gated activation

@@ -5,11 +5,20 @@ bias; eps `norm_eps`), serial pre-norm, non-gated squared-ReLU MLP (So et al. 20
 from __future__ import annotations
 
 from archlab.config import (
-    AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+    AttentionConfig,
+    BiasConfig,
+    MLPConfig,
+    ModelConfig,
+    NormConfig,
+    PositionConfig,
 )
 from archlab.interop.families.base import Family, HFConfig, Rule, read_rope, register_family, rename
 from archlab.interop.families.gpt_neox import (
-    PLAIN_ACT_BACK, partial_rotary, plain_activation, require_plain_transformer, weight_bias,
+    PLAIN_ACT_BACK,
+    partial_rotary,
+    plain_activation,
+    require_plain_transformer,
+    weight_bias,
     write_partial_rope,
 )
 

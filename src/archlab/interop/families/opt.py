@@ -9,11 +9,19 @@ Not supported: `word_embed_proj_dim != hidden_size` (opt-350m's project_in/proje
 from __future__ import annotations
 
 from archlab.config import (
-    AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+    AttentionConfig,
+    BiasConfig,
+    MLPConfig,
+    ModelConfig,
+    NormConfig,
+    PositionConfig,
 )
 from archlab.interop.families.base import Family, HFConfig, Rule, register_family, rename
 from archlab.interop.families.gpt_neox import (
-    PLAIN_ACT_BACK, plain_activation, require_plain_transformer, weight_bias,
+    PLAIN_ACT_BACK,
+    plain_activation,
+    require_plain_transformer,
+    weight_bias,
 )
 
 OFFSET = 2   # OPTLearnedPositionalEmbedding.offset

@@ -9,16 +9,27 @@ does the same. Other rope types are refused, as Phi3Config refuses them."""
 from __future__ import annotations
 
 from archlab.config import (
-    AttentionConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig,
+    AttentionConfig,
+    MLPConfig,
+    ModelConfig,
+    NormConfig,
+    PositionConfig,
 )
 from archlab.interop.families.base import (
-    Family, HFConfig, Rule, fused, read_rope, register_family, rename,
+    Family,
+    HFConfig,
+    Rule,
+    fused,
+    read_rope,
+    register_family,
+    rename,
 )
 from archlab.interop.families.gpt_neox import (
-    partial_rotary, require_plain_transformer, write_partial_rope,
+    partial_rotary,
+    require_plain_transformer,
+    write_partial_rope,
 )
 from archlab.interop.families.llama import GATED_ACT_BACK, gated_activation
-
 
 LONGROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # as Phi3Config renames them
 

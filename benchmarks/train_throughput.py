@@ -135,7 +135,7 @@ def speed_worker(dtypes: list[str], rounds: int, warmup: int, batch: int, seq: i
                       **mfu_ceiling(steps[("archlab", dtype)][1], batch * seq, seq, dev, dtype, peak)}
         for impl in IMPLS:
             n_params = sum(p.numel() for p in steps[(impl, dtype)][1].parameters())
-            flops = train_flops_per_token(model_config(), seq, n_params)
+            flops = train_flops_per_token(model_config(), seq)
             med, best = statistics.median(times[(impl, dtype)]), min(times[(impl, dtype)])
             out[dtype][impl] = {"params": n_params, "step_s": med, "tokens_per_s": batch * seq / med,
                                 "best_tokens_per_s": batch * seq / best,
@@ -154,7 +154,7 @@ def mfu_ceiling(model, tokens: int, seq: int, device, dtype: str, peak: float) -
     from archlab.throughput import matmul_ceiling, matmul_weight_shapes, train_flops_per_token
 
     mm_flops, mm_seconds = matmul_ceiling(matmul_weight_shapes(model), tokens, device, dtype)
-    step_flops = train_flops_per_token(model_config(), seq, 0) * tokens
+    step_flops = train_flops_per_token(model_config(), seq) * tokens
     return {"ceiling_matmuls": mm_flops / mm_seconds / peak,
             "ceiling_step": step_flops / (mm_seconds + (step_flops - mm_flops) / peak) / peak}
 

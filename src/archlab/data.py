@@ -122,10 +122,7 @@ def load_tokenizer(spec: Any) -> TokenizerLike:
         raise DataError(f"tokenizer {str(spec)!r} is neither 'bytes' nor an existing tokenizer folder")
     if (path / ByteTokenizer.FILE).is_file():
         return ByteTokenizer.load(path)
-    try:
-        from archlab.tokenizer import Tokenizer
-    except ImportError as err:
-        raise DataError(f"cannot load tokenizer {str(path)!r}: archlab.tokenizer is unavailable ({err})") from err
+    from archlab.tokenizer import Tokenizer
     return Tokenizer.load(path)
 
 

@@ -118,10 +118,7 @@ def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temp
 
 def _try_archlab_generate(model, prompt, max_new_tokens, temperature, top_k, seed, device):
     """archlab.generation.generate (KV cache): prompt (t,) -> prompt + new ids (t + n,)."""
-    try:
-        from archlab.generation import generate
-    except ImportError:
-        return None
+    from archlab.generation import generate
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             out = generate(model, torch.tensor(prompt, dtype=torch.long, device=device),

@@ -13,14 +13,11 @@ from archlab.config import ModelConfig
 __all__ = ["train_flops_per_token", "matmul_peak_flops", "matmul_weight_shapes", "matmul_ceiling", "peak_memory"]
 
 
-def train_flops_per_token(model_cfg: ModelConfig, seq_len: int, n_params: int) -> float:
-    """Training FLOPs per token = 3 x forward (backward is ~2x forward). Forward FLOPs from
-    archlab.accounting.flops_per_token when available, else 2 * params (Kaplan et al. 2020: 6N)."""
-    try:
-        from archlab.accounting import flops_per_token
-        return 3.0 * float(flops_per_token(model_cfg, seq_len))
-    except Exception:  # accounting not written yet, or does not know this config
-        return 6.0 * n_params
+def train_flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token = 3 x forward (backward is ~2x forward), the forward counted exactly by
+    archlab.accounting.flops_per_token (matmuls and attention; no 6N shortcut to hide a counting bug)."""
+    from archlab.accounting import flops_per_token
+    return 3.0 * float(flops_per_token(model_cfg, seq_len))
 
 
 _PEAK_CACHE: dict[tuple, float] = {}

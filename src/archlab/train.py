@@ -349,8 +349,7 @@ class _Run:
         self.raw = TransformerLM(model_cfg).to(device)
         if cfg.activation_checkpointing:                                # before DDP/FSDP wrap it
             checkpoint_blocks(self.raw)
-        n_params = self.raw.num_params()
-        self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len, n_params)
+        self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len)
         self.model = dist_util.wrap(self.raw, info, device)             # FSDP shards in place; DDP wraps
         self.optimizer = build_optimizer(self.raw, cfg, device, info.strategy)  # after FSDP: its DTensor params
         self.step_model = torch.compile(self.model) if cfg.compile else self.model

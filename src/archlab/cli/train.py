@@ -60,23 +60,15 @@ def register(subparsers) -> None:
 
 def resolve_preset(name: str):
     """A ModelConfig from a preset name: `NAME`, or `tiny:NAME` / `tiny-NAME` for archlab.presets.tiny."""
+    from archlab import presets
     from archlab.config import ConfigError
 
-    try:
-        from archlab import presets
-    except ImportError as exc:
-        raise ConfigError(f"presets are unavailable ({exc}); pass --config instead") from exc
     for prefix in ("tiny:", "tiny-", "tiny/"):
         if name.startswith(prefix):
             return presets.tiny(name[len(prefix):])
     try:
         return presets.get(name)
     except (KeyError, ValueError, ConfigError) as first:
-        if hasattr(presets, "tiny"):
-            try:
-                return presets.tiny(name)
-            except Exception:
-                pass
         raise ConfigError(f"unknown preset {name!r}: {first}") from first
 
 

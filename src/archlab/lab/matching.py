@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from archlab import accounting
 from archlab.config import ConfigError, ModelConfig
 
 
@@ -21,32 +22,13 @@ class MatchError(ConfigError):
 
 
 def param_count(cfg: ModelConfig) -> int:
-    try:
-        from archlab.accounting import param_count as analytic
-    except ImportError:
-        analytic = None
-    if analytic is not None:
-        return int(analytic(cfg))
-    import torch
-
-    from archlab.model import TransformerLM
-
-    with torch.device("meta"):
-        return TransformerLM(cfg).num_params()
+    """Unique parameters, from the config alone (archlab.accounting; equal to the built model's)."""
+    return int(accounting.param_count(cfg))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    try:
-        from archlab.accounting import flops_per_token as analytic
-    except ImportError:
-        analytic = None
-    if analytic is not None:
-        return float(analytic(cfg, seq_len))
-    # Fallback (Kaplan et al. 2020, Table 1): 2 FLOPs per non-embedding weight + causal attention
-    # scores and weighted sum (2 * 2 * n_layers * seq_len/2 * n_heads * head_dim), forward only.
-    non_embed = param_count(cfg) - cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
-    attn = 2 * cfg.n_layers * seq_len * cfg.attention.n_heads * cfg.head_dim
-    return float(2 * non_embed + attn + 2 * cfg.vocab_size * cfg.d_model)
+    """Forward FLOPs per token (archlab.accounting: matmuls and attention)."""
+    return float(accounting.flops_per_token(cfg, seq_len))
 
 
 @dataclass(frozen=True)

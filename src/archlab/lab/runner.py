@@ -271,17 +271,9 @@ def _finite(x) -> float | None:
 
 
 def kv_bytes(cfg: ModelConfig, seq_len: int) -> int:
-    """KV-cache bytes at `seq_len` (bf16, batch 1): accounting's when present, else full-length K and V
-    for every layer (windowed layers hold at most `window` positions)."""
-    try:
-        from archlab.accounting import kv_cache_bytes
-        return int(kv_cache_bytes(cfg, seq_len, batch=1, dtype="bfloat16"))
-    except ImportError:
-        total = 0
-        for layer in range(cfg.n_layers):
-            held = min(seq_len, cfg.attention.window) if cfg.is_local(layer) else seq_len
-            total += 2 * held * cfg.n_kv_heads * cfg.head_dim * 2
-        return total
+    """KV-cache bytes at `seq_len` (bf16, batch 1), as archlab.accounting counts them."""
+    from archlab.accounting import kv_cache_bytes
+    return int(kv_cache_bytes(cfg, seq_len, batch=1, dtype="bfloat16"))
 
 
 def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DistInfo", "setup", "teardown", "wrap", "unwrap", "no_grad_sync", "all_reduce_mean",
+__all__ = ["DistInfo", "setup", "teardown", "wrap", "prepare_model", "PreparedModel", "unwrap", "no_grad_sync",
+           "all_reduce_mean",
            "broadcast_flag", "full_model_state", "load_full_model_state", "full_optimizer_state",
            "load_full_optimizer_state", "gather_objects"]
 
@@ -76,6 +78,32 @@ def wrap(model: nn.Module, info: DistInfo, device: torch.device) -> nn.Module:
         fully_shard(block)
     fully_shard(model)
     return model
+
+
+@dataclass
+class PreparedModel:
+    model: nn.Module                      # what a step calls: DDP-wrapped, FSDP-sharded, or the model itself
+    optimizer: torch.optim.Optimizer
+    step_model: nn.Module                 # `model`, compiled when asked
+
+
+def prepare_model(raw: nn.Module, info: DistInfo, device: torch.device, *,
+                  build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                  activation_checkpointing: bool = False, compile: bool = False) -> PreparedModel:
+    """Apply everything that acts on a built model from outside, in the one order that works:
+
+    1. activation checkpointing: wraps each block's forward before DDP/FSDP see the blocks;
+    2. wrap: DDP, or FSDP2 sharding the parameters in place into DTensors;
+    3. the optimizer, over those (sharded) parameters, so its state is sharded too;
+    4. torch.compile of the wrapped model, so the graphs include the wrappers' hooks.
+    The raw model keeps its parameter names throughout (checkpoints and HF rules read them).
+    Example: prepared = prepare_model(model, info, device, build_optimizer=lambda m: AdamW(m.parameters()))"""
+    if activation_checkpointing:
+        from archlab.recompute import checkpoint_blocks
+        checkpoint_blocks(raw)
+    model = wrap(raw, info, device)
+    optimizer = build_optimizer(raw)
+    return PreparedModel(model, optimizer, torch.compile(model) if compile else model)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -52,7 +52,6 @@ from archlab.metrics import (
 from archlab.optim import build_optimizer, lr_multiplier, param_groups, schedule_progress
 from archlab.precision import auto_dtype, bf16_warning
 from archlab.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
-from archlab.recompute import checkpoint_blocks
 from archlab.rng import rng_state, seed_everything, set_rng_state
 from archlab.runlock import RunLock
 from archlab.throughput import matmul_peak_flops, peak_memory, train_flops_per_token
@@ -347,12 +346,11 @@ class _Run:
 
         seed_everything(cfg.seed + info.rank)
         self.raw = TransformerLM(model_cfg).to(device)
-        if cfg.activation_checkpointing:                                # before DDP/FSDP wrap it
-            checkpoint_blocks(self.raw)
         self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len)
-        self.model = dist_util.wrap(self.raw, info, device)             # FSDP shards in place; DDP wraps
-        self.optimizer = build_optimizer(self.raw, cfg, device, info.strategy)  # after FSDP: its DTensor params
-        self.step_model = torch.compile(self.model) if cfg.compile else self.model
+        prepared = dist_util.prepare_model(                             # recompute -> wrap -> optimizer -> compile
+            self.raw, info, device, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+            build_optimizer=lambda model: build_optimizer(model, cfg, device, info.strategy))
+        self.model, self.optimizer, self.step_model = prepared.model, prepared.optimizer, prepared.step_model
         local_batch = cfg.batch_size // info.world_size                 # batch_size is global
         self.sampler = BatchSampler(train_data, local_batch, cfg.seq_len, seed=cfg.seed, rank=info.rank,
                                     world_size=info.world_size)

@@ -199,23 +199,9 @@ def _json_default(obj: Any):
 
 
 def load_model_and_tokenizer(path: str | Path):
-    """(model, tokenizer or None) from an archlab run folder (config.yaml) or an HF folder (config.json)."""
-    path = Path(path)
-    if (path / "config.yaml").is_file():
-        from archlab.checkpoint import load_run
-        return load_run(path)
-    if (path / "config.json").is_file():
-        from archlab import interop
-        model = interop.load_hf(path)
-        tokenizer = None
-        if (path / "tokenizer.json").is_file():
-            from archlab.tokenizer import load as load_tokenizer
-            try:  # native reader, else the `tokenizers` library (HFTokenizer)
-                tokenizer = load_tokenizer(path)
-            except ValueError:  # unreadable without `tokenizers`: weights-only diagnostics still work
-                tokenizer = None
-        return model.eval(), tokenizer
-    raise FileNotFoundError(f"{path} is neither an archlab run folder (config.yaml) nor an HF folder (config.json)")
+    """(model, tokenizer or None) from an archlab run folder or an HF folder (archlab.model_folder)."""
+    from archlab.model_folder import load_model_and_tokenizer as load
+    return load(path, need_tokenizer=False)
 
 
 def encode_text(tokenizer, text: str, max_tokens: int) -> tuple[list[int], list[str]]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
+
+from archlab.model_folder import load_model_and_tokenizer  # noqa: F401 - re-exported: the old import path
 
 EXAMPLE = """example:
   archlab generate runs/demo --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95 --seed 0
@@ -43,33 +44,6 @@ def register(subparsers) -> None:
     p.add_argument("--no-stream", dest="stream", action="store_false")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=run)
-
-
-def load_model_and_tokenizer(path: str | Path, device: str = "cpu"):
-    """(TransformerLM in eval mode, tokenizer) from a run folder or an HF folder."""
-    from archlab.errors import UserError
-
-    path = Path(path)
-    if (path / "config.yaml").is_file():
-        from archlab.checkpoint import latest_checkpoint, load_run, load_run_tokenizer
-        if latest_checkpoint(path) is not None:
-            model, tok = load_run(path, device=device)
-        elif (path / "model.safetensors").is_file():   # `archlab convert` output
-            from archlab.interop.run import load_run_model
-            model, tok = load_run_model(path).to(device), load_run_tokenizer(path)
-        else:
-            raise UserError(f"{path} has config.yaml but no checkpoints/ or model.safetensors")
-        if tok is None:
-            raise UserError(f"{path} has no tokenizer/ folder to encode the prompt")
-        return model, tok
-    if (path / "config.json").is_file():
-        from archlab.interop import load_hf
-        from archlab.tokenizer import load as load_tokenizer
-        model = load_hf(path).to(device)
-        if not (path / "tokenizer.json").is_file():
-            raise UserError(f"{path} has no tokenizer.json")
-        return model, load_tokenizer(path)
-    raise UserError(f"{path} is neither a run folder (config.yaml) nor an HF folder (config.json)")
 
 
 class _TextPrinter:

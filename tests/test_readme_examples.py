@@ -23,7 +23,8 @@ def readme_demo_commands() -> list[str]:
             in_bash = line.strip() == "```bash"
             continue
         text = line.split("  #")[0].strip()
-        if in_bash and text.startswith("archlab ") and "runs/demo" in text and "..." not in text:
+        serves = text.startswith("archlab serve")      # runs until stopped: tests/test_serve.py covers it
+        if in_bash and text.startswith("archlab ") and "runs/demo" in text and "..." not in text and not serves:
             commands.append(text)
     return commands
 

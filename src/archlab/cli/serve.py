@@ -1,0 +1,43 @@
+"""`archlab serve`: an OpenAI-compatible HTTP server over a run folder or an HF folder."""
+from __future__ import annotations
+
+import argparse
+
+SERVE_EXAMPLE = """example:
+  archlab serve runs/demo --port 8000
+  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"prompt": "ROMEO:", "max_tokens": 32, "temperature": 0.8}'
+  python -c "from openai import OpenAI; c = OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-'); \\
+             print(c.completions.create(model='demo', prompt='ROMEO:', max_tokens=32).choices[0].text)"
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API (FastAPI + uvicorn)",
+                              description="OpenAI-compatible completions (and chat where the tokenizer has a "
+                              "chat template) over a run folder or an HF folder; streaming as server-sent events.",
+                              epilog=SERVE_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", metavar="RUN_OR_HF_FOLDER", help="a run folder or a Hugging Face model folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from archlab.errors import UserError
+
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port} must be in 0..65535")
+    try:
+        import uvicorn
+    except ImportError:
+        raise UserError("archlab serve needs the serve extra: pip install 'archlab[serve]'") from None
+    from archlab.cli.generate import check_device
+    from archlab.serve import Engine, create_app
+
+    check_device(args.device)
+    engine = Engine.from_folder(args.path, args.device)
+    print(f"serving {engine.name} (context {engine.context}) on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,161 @@
+"""archlab serve: the OpenAI completions API over a tiny model, in-process (httpx's ASGI transport) and
+once over a real socket on 127.0.0.1. Greedy texts equal archlab.generate's."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+import torch
+from variants import BASE
+
+import archlab
+from archlab.tokenizer import Tokenizer
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+from archlab.serve import CompletionRequest, Engine, create_app  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cfg = BASE.with_overrides({"vocab_size": 257, "init.std": 0.2, "max_seq_len": 64})
+    model = archlab.TransformerLM(cfg).eval()
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    return Engine(model, tok, "tiny")
+
+
+def call(engine, method: str, path: str, **kw):
+    async def go():
+        transport = httpx.ASGITransport(app=create_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, path, **kw)
+    return asyncio.run(go())
+
+
+def expected_text(engine, prompt: str, n: int) -> str:
+    ids = engine.tokenizer.encode(prompt)
+    out = archlab.generate(engine.model, torch.tensor(ids), n)[len(ids):].tolist()
+    return engine.tokenizer.decode(ids + out)[len(prompt):]
+
+
+def test_health_and_models(engine):
+    assert call(engine, "GET", "/health").json() == {"status": "ok"}
+    data = call(engine, "GET", "/v1/models").json()
+    assert data["object"] == "list" and data["data"][0]["id"] == "tiny" and data["data"][0]["context_length"] == 64
+
+
+def test_greedy_completion_equals_generate(engine):
+    r = call(engine, "POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 12, "temperature": 0})
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == expected_text(engine, "hello", 12)
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+
+
+def test_streamed_chunks_join_to_the_full_text(engine):
+    r = call(engine, "POST", "/v1/completions",
+             json={"prompt": "hello", "max_tokens": 12, "temperature": 0, "stream": True})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected_text(engine, "hello", 12)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and len(chunks) > 2
+
+
+def test_stop_strings_cut_the_text(engine):
+    full = expected_text(engine, "hello", 12)
+    stop = full[3:5]
+    body = call(engine, "POST", "/v1/completions",
+                json={"prompt": "hello", "max_tokens": 12, "temperature": 0, "stop": [stop]}).json()
+    assert body["choices"][0]["text"] == full[:full.find(stop)]
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_prompt_past_the_context_is_an_openai_400_with_the_numbers(engine):
+    r = call(engine, "POST", "/v1/completions", json={"prompt": "x" * 60, "max_tokens": 10})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "60 tokens" in error["message"] and "64" in error["message"]
+    r = call(engine, "POST", "/v1/completions", content=b"not json")
+    assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+    r = call(engine, "POST", "/v1/completions", json={"prompt": "hi", "temperature": 5})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+
+
+def test_chat_needs_a_template_and_uses_it(engine):
+    messages = [{"role": "user", "content": "hi"}]
+    r = call(engine, "POST", "/v1/chat/completions", json={"messages": messages})
+    assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+    templated = Engine(engine.model, engine.tokenizer, "tiny",
+                       chat_template="{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                                     "{% if add_generation_prompt %}<assistant>{% endif %}")
+    body = call(templated, "POST", "/v1/chat/completions",
+                json={"messages": messages, "max_tokens": 6, "temperature": 0}).json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant",
+                                             "content": expected_text(engine, "<user>hi\n<assistant>", 6)}
+
+
+def test_a_template_cannot_reach_python(engine):
+    evil = Engine(engine.model, engine.tokenizer, "tiny",
+                  chat_template="{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    r = call(evil, "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and "unsafe" in r.json()["error"]["message"]
+
+
+def test_a_long_generation_does_not_block_the_model_list(engine):
+    slow = Engine(engine.model, engine.tokenizer, "tiny")
+    hook = engine.model.register_forward_hook(lambda *args: time.sleep(0.02))    # ~1.2 s for 60 tokens
+
+    async def go():
+        transport = httpx.ASGITransport(app=create_app(slow))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            long = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 60,
+                                                                              "temperature": 0}))
+            await asyncio.sleep(0.05)
+            start = time.perf_counter()
+            models = await client.get("/v1/models")
+            waited = time.perf_counter() - start
+            done_first = long.done()
+            await long
+            return models.status_code, waited, done_first
+    try:
+        status, waited, done_first = asyncio.run(go())
+    finally:
+        hook.remove()
+    assert status == 200 and not done_first and waited < 0.5
+
+
+def test_cancel_stops_the_decode_at_the_next_token(engine):
+    cancel = threading.Event()
+    deltas = []
+    for delta in engine.complete(CompletionRequest("hello", max_tokens=40, temperature=0), cancel):
+        deltas.append(delta)
+        cancel.set()                                # the client went away after the first delta
+    assert len(deltas) == 1 and deltas[0].finish_reason is None
+
+
+def test_a_real_socket_on_localhost(engine):
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 20
+        while not server.started and time.time() < deadline:
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"prompt": "hello", "max_tokens": 5, "temperature": 0}, timeout=30)
+        assert r.json()["choices"][0]["text"] == expected_text(engine, "hello", 5)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert not thread.is_alive()

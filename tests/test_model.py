@@ -6,7 +6,7 @@ import torch
 from variants import BASE, VARIANTS, variant
 
 from archlab import ModelConfig, TransformerLM
-from archlab.nn.attention import allowed_keys
+from archlab.nn.masks import MaskSpec
 from archlab.nn.position import RotaryEmbedding, T5RelativeBias, alibi_slopes
 
 NAMES = sorted(VARIANTS)
@@ -120,7 +120,7 @@ def test_rope_half_layout_hand_computed():
 
 def test_sliding_window_mask_is_exact():
     pos = torch.arange(6)[None]
-    mask = allowed_keys(pos, pos, window=3)[0, 0]
+    mask = MaskSpec().with_window(3).allows(pos, pos)[0, 0]
     expected = torch.tensor([[1 if 0 <= q - k < 3 else 0 for k in range(6)] for q in range(6)]).bool()
     assert torch.equal(mask, expected)
 
@@ -223,3 +223,50 @@ def test_padding_positions_do_not_leak():
     with torch.no_grad():
         torch.testing.assert_close(model(padded, positions=positions)[:, 3:], model(ids),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_t5_buckets_equal_transformers(bidirectional):
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    from archlab.nn.position import T5RelativeBias
+    cfg = BASE.with_overrides({"position.kind": "t5"})
+    table = T5RelativeBias(cfg, bidirectional=bidirectional)
+    q = torch.arange(300)[:, None]
+    k = torch.arange(300)[None, :]
+    ours = table.bucket(q - k)
+    theirs = t5.T5Attention._relative_position_bucket(k - q, bidirectional=bidirectional,
+                                                       num_buckets=table.num_buckets, max_distance=table.max_distance)
+    assert torch.equal(ours, theirs)
+    if bidirectional:
+        assert set(ours[0, 1:].tolist()) & set(ours[1:, 0].tolist()) == set()   # before / after: own halves
+
+
+def test_alibi_is_symmetric_and_equals_the_causal_form_on_the_past():
+    from archlab.nn.position import ALiBi
+    cfg = BASE.with_overrides({"position.kind": "alibi"})
+    alibi = ALiBi(cfg, 0, {})
+    pos = torch.arange(5)[None]
+    bias = alibi.bias(pos, pos)[0]                                     # (h, 5, 5)
+    m = alibi.slopes[:, None, None]
+    distance = (torch.arange(5)[:, None] - torch.arange(5)[None, :]).float()
+    torch.testing.assert_close(bias, -m * distance.abs())             # -m |i - j| (MosaicBERT)
+    past = distance >= 0
+    torch.testing.assert_close(bias[:, past], (-m * distance)[:, past])   # = Press et al.'s causal form
+
+
+def test_mask_spec_compiles_to_no_mask_where_nothing_binds_and_to_the_predicate_elsewhere():
+    pos = torch.arange(6)[None]
+    assert MaskSpec().dense(pos, pos, plain=True) == (None, True)               # SDPA's is_causal
+    assert MaskSpec(causal=False).dense(pos, pos, plain=True) == (None, False)  # full bidirectional
+    mask, is_causal = MaskSpec(causal=False).with_window(3).dense(pos, pos, plain=True)
+    expected = torch.tensor([[abs(q - k) <= 1 for k in range(6)] for q in range(6)])
+    assert not is_causal and torch.equal(mask[0, 0], expected)              # symmetric window (1, 1)
+    padding = torch.tensor([[True, True, True, True, False, False]])
+    mask, _ = MaskSpec(key_padding=padding).dense(pos, pos, plain=True)
+    assert not mask[0, 0, 5, 4] and mask[0, 0, 5, 3]
+    segments = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    mask, _ = MaskSpec(segment_ids=segments).dense(pos, pos, plain=True)
+    assert not mask[0, 0, 4, 2] and mask[0, 0, 4, 3] and not mask[0, 0, 3, 4]
+    prefix = torch.tensor([3])
+    mask, _ = MaskSpec(prefix_lengths=prefix).dense(pos, pos, plain=True)
+    assert mask[0, 0, 0, 2] and not mask[0, 0, 0, 3] and not mask[0, 0, 3, 4]

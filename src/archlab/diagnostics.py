@@ -104,7 +104,7 @@ def attention_scores(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
     Recomputed from each attention module's own projections, norms and rotary step on the input the
     module receives (a forward pre-hook), so it follows the model's configuration.
     """
-    from archlab.nn.attention import allowed_keys
+    from archlab.nn.masks import MaskSpec
 
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -112,7 +112,8 @@ def attention_scores(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
     scores: list[torch.Tensor] = []
 
     def hook(attn, args, kwargs):
-        x, positions = args[0], args[1] if len(args) > 1 else kwargs["positions"]
+        x = args[0]
+        positions = (args[1] if len(args) > 1 else kwargs["inputs"]).positions
         b, t, _ = x.shape
         q, k = attn.q_proj(x), attn.k_proj(x)
         if attn.qk_norm == "full":
@@ -124,7 +125,7 @@ def attention_scores(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
         q, k = attn.position.rotate(q, positions), attn.position.rotate(k, positions)
         k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)    # (b, h, t, e)
         s = (q @ k.transpose(-1, -2)).float() * attn.scale                   # (b, h, t, t)
-        mask = allowed_keys(positions, positions, attn.window)               # (b, 1, t, t)
+        mask = MaskSpec().with_window(attn.window).allows(positions, positions)  # (b, 1, t, t)
         scores.append(s.masked_fill(~mask, float("-inf")))
 
     hooks = [a.register_forward_pre_hook(hook, with_kwargs=True) for a in _attn_modules(model)]

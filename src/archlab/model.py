@@ -16,6 +16,7 @@ from torch import nn
 from archlab.config import ModelConfig
 from archlab.nn.block import Block
 from archlab.nn.fused_loss import linear_cross_entropy
+from archlab.nn.masks import AttnInputs, MaskSpec
 from archlab.nn.mlp import MoEMLP
 from archlab.nn.norms import build_norm
 from archlab.nn.position import AbsolutePosition, T5RelativeBias
@@ -101,6 +102,10 @@ class TransformerLM(nn.Module):
             )
         if prefix_lengths is not None and not self.config.attention.prefix_lm:
             raise ValueError("prefix_lengths given but config.attention.prefix_lm is False")
+        # what attends to what, built once: every block reads it (with a cache, layers also share
+        # RoPE tables and masks through `shared`)
+        inputs = AttnInputs(positions, MaskSpec(causal=True, prefix_lengths=prefix_lengths), cache=cache,
+                            plain=plain, shared={} if cache is not None else None)
 
         x = self.embed(input_ids)                                            # (b, t, d)
         if self.config.scale_embeddings:  # Gemma: sqrt(d) rounded to the activation dtype
@@ -111,11 +116,8 @@ class TransformerLM(nn.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         x = self.embed_drop(x)
-        # with a cache (decoding), layers share RoPE tables and masks built once per forward
-        memo: dict | None = {} if cache is not None else None
         for block in self.blocks:
-            x = block(x, positions, cache=cache, prefix_lengths=prefix_lengths, plain_causal=plain,
-                      memo=memo)
+            x = block(x, inputs)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if return_hidden:

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
-from archlab.nn.attention import allowed_keys
 from archlab.nn.kv_cache import StaticKVCache
+from archlab.nn.masks import MaskSpec
 from archlab.nn.mlp import DenseMLP
 from archlab.nn.norms import RMSNorm
 from archlab.nn.position import NoPosition, RotaryEmbedding
@@ -202,7 +202,7 @@ class FastDecoder:
         keys, values, k_pos = self.cache.update(lay.att.layer, k_new, v, positions)
         mask_key = (lay.att.window, k_pos.shape[1])
         if mask_key not in masks:  # one query that may see every key needs no mask at all
-            mask = allowed_keys(positions, k_pos, lay.att.window)               # (b, 1, 1, s)
+            mask = MaskSpec().with_window(lay.att.window).allows(positions, k_pos)  # (b, 1, 1, s)
             masks[mask_key] = None if bool(mask.all()) else mask
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[mask_key],
                                              scale=lay.att.scale, enable_gqa=h != k)  # (b, h, 1, e)

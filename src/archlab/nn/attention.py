@@ -25,27 +25,10 @@ from torch import nn
 from archlab.config import ModelConfig
 from archlab.nn.cpu_attention import causal_attention, use_cpu_attention
 from archlab.nn.fused import project
+from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
 from archlab.nn.position import AttentionPosition, build_attention_position
-
-
-def allowed_keys(
-    q_pos: torch.Tensor,                 # (b, t)
-    k_pos: torch.Tensor,                 # (b, s); -1 marks an empty or padded slot
-    window: int | None = None,
-    prefix_lengths: torch.Tensor | None = None,  # (b,)
-) -> torch.Tensor:                       # (b, 1, t, s) bool, True = may attend
-    q, k = q_pos[:, :, None], k_pos[:, None, :]
-    ok = (k <= q) & (k >= 0)
-    if window is not None:
-        ok &= (q - k) < window
-    if prefix_lengths is not None:
-        p = prefix_lengths[:, None, None]
-        ok |= (q < p) & (k < p) & (k >= 0)
-    # a padded query (position -1) would see no key at all and give NaN: let it see its row freely
-    ok |= (q < 0)
-    return ok[:, None]
 
 
 def _causal_mask(t: int, s: int, device) -> torch.Tensor:  # (1, 1, t, s): the last t of s keys are queries
@@ -87,16 +70,9 @@ class Attention(nn.Module):
         self.record_probs = False      # diagnostics switch this on to keep `last_probs`
         self.last_probs: torch.Tensor | None = None
 
-    def forward(
-        self,
-        x: torch.Tensor,                 # (b, t, d)
-        positions: torch.Tensor,         # (b, t)
-        cache=None,
-        prefix_lengths: torch.Tensor | None = None,
-        plain_causal: bool = False,      # positions are 0..t-1 in every row, no padding, no cache
-        memo: dict | None = None,        # one forward's RoPE tables and masks, shared by its layers
-    ) -> torch.Tensor:                   # (b, t, d)
+    def forward(self, x: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:   # (b, t, d) -> (b, t, d)
         b, t, _ = x.shape
+        positions, cache = inputs.positions, inputs.cache
         q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))     # (b, t, h*e | k*e)
         if self.clip_qkv is not None:  # OLMo (Groeneveld et al. 2024): tames loss spikes
             q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
@@ -115,24 +91,18 @@ class Attention(nn.Module):
                                                   rotate=self.position.rotate)
             q = self.position.rotate(q, positions)
         else:
-            rope = self._shared_tables(positions, q.dtype, memo)            # RoPE cos/sin | None
+            rope = self._shared_tables(positions, q.dtype, inputs.shared)    # RoPE cos/sin | None
             q, k = self.position.rotate(q, positions, rope), self.position.rotate(k, positions, rope)
             k_pos = positions
             if cache is not None:
                 k, v, k_pos = cache.update(self.layer, k, v, positions)     # (b, k, s, e), (b, s)
 
         bias = self.position.bias(positions, k_pos)                          # (b, h, t, s) | None
-        simple = plain_causal and cache is None and self.window is None and prefix_lengths is None
-        if simple:
-            mask = None
-        elif memo is not None:
-            mask = self._shared_mask(positions, k_pos, prefix_lengths, memo)
-        else:
-            mask = allowed_keys(positions, k_pos, self.window, prefix_lengths)
+        mask, is_causal = inputs.layer_mask(self.window, positions, k_pos)   # (b, 1, t, s) | None
         if self.softcap is not None or self.sinks is not None or self.record_probs:
-            out = self._eager(q, k, v, mask, bias)
+            out = self._eager(q, k, v, mask, bias, is_causal)
         else:
-            out = self._sdpa(q, k, v, mask, bias, is_causal=simple and t > 1)
+            out = self._sdpa(q, k, v, mask, bias, is_causal)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h*e)
         if self.gate_proj is not None:
             out = out * torch.sigmoid(self.gate_proj(x))
@@ -144,31 +114,21 @@ class Attention(nn.Module):
             return "eager"
         return "sdpa"
 
-    def _shared_tables(self, positions, dtype, memo):
+    def _shared_tables(self, positions, dtype, shared: dict | None):
         """RoPE tables once per forward for layers with equal frequencies (None: rotate builds them)."""
         key = getattr(self.position, "table_key", None)
-        if memo is None or key is None:
+        if shared is None or key is None:
             return None
-        if (key, dtype) not in memo:
-            memo[key, dtype] = self.position.tables(positions, dtype)
-        return memo[key, dtype]
-
-    def _shared_mask(self, positions, k_pos, prefix_lengths, memo):
-        """allowed_keys once per forward for each (window, number of keys): a cache returns the
-        same key positions to every layer whose keys are equally many (kv_cache protocol). A single
-        query that may see every key (a decode step without padding or a binding window) gets no
-        mask at all, so SDPA skips masking; the check costs one host sync per forward."""
-        key = ("mask", self.window, k_pos.shape[1])
-        if key not in memo:
-            mask = allowed_keys(positions, k_pos, self.window, prefix_lengths)
-            memo[key] = None if positions.shape[1] == 1 and bool(mask.all()) else mask
-        return memo[key]
+        if (key, dtype) not in shared:
+            shared[key, dtype] = self.position.tables(positions, dtype)
+        return shared[key, dtype]
 
     def _sdpa(self, q, k, v, mask, bias, is_causal):
         if bias is not None:
-            if mask is None:  # bias needs an explicit causal mask beside it
+            if mask is None and is_causal:  # a bias needs the causal mask beside it, explicitly
                 mask = _causal_mask(q.shape[2], k.shape[2], q.device)
-            attn_mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+            attn_mask = bias.to(q.dtype) if mask is None else bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+            is_causal = False
         else:
             attn_mask = mask
         dropout = self.dropout if self.training else 0.0
@@ -180,7 +140,7 @@ class Attention(nn.Module):
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
 
-    def _eager(self, q, k, v, mask, bias):
+    def _eager(self, q, k, v, mask, bias, is_causal):
         groups = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (b, h, s, e)
         # upcast to fp32 before softcap and softmax: bf16 logits lose the tail that matters
@@ -190,9 +150,10 @@ class Attention(nn.Module):
         if bias is not None:
             scores = scores + bias
         t, s = scores.shape[-2:]
-        if mask is None:
+        if mask is None and is_causal:
             mask = _causal_mask(t, s, q.device)
-        scores = scores.masked_fill(~mask, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         if self.sinks is not None:
             sink = self.sinks.float()[None, :, None, None].expand(scores.shape[0], -1, t, 1)
             probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]

@@ -20,6 +20,7 @@ from torch import nn
 
 from archlab.config import ModelConfig
 from archlab.nn.attention import Attention
+from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import build_mlp
 from archlab.nn.norms import build_norm
 
@@ -39,8 +40,8 @@ class Block(nn.Module):
             self.attn_post_norm, self.mlp_post_norm = norm(), norm()
         self.drop = nn.Dropout(cfg.block.residual_dropout)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, **attn_kw) -> torch.Tensor:
-        attn = lambda h: self.drop(self.attn(h, positions, **attn_kw))  # noqa: E731
+    def forward(self, x: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:    # (b, t, d) -> (b, t, d)
+        attn = lambda h: self.drop(self.attn(h, inputs))  # noqa: E731
         mlp = lambda h: self.drop(self.mlp(h))  # noqa: E731
         if self.parallel:
             y = self.attn_norm(x)

@@ -191,7 +191,7 @@ class RotaryEmbedding(AttentionPosition):
         inv_freq, self.attention_factor = rope_frequencies(self.rotary_dim, theta, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.theta, self.scaling = theta, scaling
-        # layers with equal keys have equal tables: a decode step builds them once (Attention memo)
+        # layers with equal keys have equal tables: a decode step builds them once (AttnInputs.shared)
         self.table_key = ("rope", theta, scaling, self.rotary_dim, self.interleaved)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +200,7 @@ class RotaryEmbedding(AttentionPosition):
         inv_freq = self.inv_freq
         if self.scaling is not None and self.scaling.kind in CALL_LENGTH_KINDS:
             # longrope, dynamic: frequencies from this call's max position, as tensor ops (no
-            # host sync, traceable); q and k of a call share them through the Attention memo
+            # host sync, traceable); q and k of a call share them through AttnInputs.shared
             r, seq_len = self.rotary_dim, positions.max() + 1
             exponents = torch.arange(0, r, 2, dtype=torch.float32, device=positions.device) / r
             inv_freq, _ = ROPE_SCALINGS.get(self.scaling.kind)(exponents, self.theta, self.scaling,
@@ -245,35 +245,47 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 @ATTENTION_POSITIONS.register("alibi")
 class ALiBi(AttentionPosition):
+    """Press et al. 2022: a per-head linear penalty on distance, -m |i - j|. Symmetric, as MosaicBERT uses
+    it for bidirectional attention; under a causal mask it equals the original -m (i - j)."""
     slopes: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, layer: int, shared: dict):
         super().__init__()
         self.register_buffer("slopes", alibi_slopes(cfg.attention.n_heads), persistent=False)
 
     def bias(self, q_pos, k_pos):
-        distance = (q_pos[:, None, :, None] - k_pos[:, None, None, :]).float()  # (b, 1, tq, tk)
+        distance = (q_pos[:, None, :, None] - k_pos[:, None, None, :]).float().abs()  # (b, 1, tq, tk)
         return -self.slopes[:, None, None] * distance
 
 
 class T5RelativeBias(nn.Module):
-    """The learned bias table itself (one per model, built by TransformerLM)."""
+    """The learned bias table itself (one per stack, built by TransformerLM). A causal stack (T5's decoder)
+    buckets how far back a key is; a bidirectional one (T5's encoder) gives keys before and after the query
+    half of the buckets each, as HF's `_relative_position_bucket(bidirectional=True)`."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, bidirectional: bool = False):
         super().__init__()
         self.num_buckets = cfg.position.t5_num_buckets
         self.max_distance = cfg.position.t5_max_distance
+        self.bidirectional = bidirectional
         self.embedding = nn.Embedding(self.num_buckets, cfg.attention.n_heads)
 
     def bucket(self, distance: torch.Tensor) -> torch.Tensor:
-        """Causal buckets: exact for small distances, log-spaced up to max_distance."""
-        n = distance.clamp(min=0)
-        exact = self.num_buckets // 2
+        """Bucket of `distance` = query position - key position: exact for small distances, log-spaced up
+        to max_distance; bidirectional: keys after the query in the upper half of the buckets."""
+        buckets, offset = self.num_buckets, torch.zeros((), dtype=torch.long, device=distance.device)
+        if self.bidirectional:
+            buckets //= 2
+            offset = (distance < 0).long() * buckets
+            n = distance.abs()
+        else:
+            n = distance.clamp(min=0)
+        exact = buckets // 2
         large = exact + (
-            torch.log(n.float().clamp(min=1) / exact) / math.log(self.max_distance / exact)
-            * (self.num_buckets - exact)
+            torch.log(n.float().clamp(min=1) / exact) / math.log(self.max_distance / exact) * (buckets - exact)
         ).long()
-        large = large.clamp(max=self.num_buckets - 1)
-        return torch.where(n < exact, n, large)
+        large = large.clamp(max=buckets - 1)
+        return offset + torch.where(n < exact, n, large)
 
     def forward(self, q_pos, k_pos):
         buckets = self.bucket(q_pos[:, :, None] - k_pos[:, None, :])   # (b, tq, tk)

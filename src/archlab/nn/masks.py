@@ -1,0 +1,110 @@
+"""Masks as data: what may attend to what, built once per forward and read by every layer.
+
+A `MaskSpec` holds the structure (causal or not, a window as (left, right), prefix lengths, key padding,
+segment ids, and room for block-sparse kernels: block size, global indices, dilation) and one predicate,
+`allows(q_pos, k_pos)`, that every kernel form is compiled from: "no mask at all" where nothing binds
+(SDPA's is_causal, or a bidirectional encoder's full attention), a dense boolean mask for the eager
+reference and SDPA, and later block lists for sparse kernels. `AttnInputs` carries one forward's
+positions, spec, KV cache and the tables its layers share.
+
+Windows follow OLMo-core: (left, right) counts the positions a query may see before and after itself,
+so Mistral's 4,096-token sliding window (the query and the 4,095 before it) is (4095, 0).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["MaskSpec", "AttnInputs", "window_bounds"]
+
+
+def window_bounds(window: int | None, causal: bool) -> tuple[int | None, int | None]:
+    """(left, right) of a sliding window of `window` tokens (the query included): causal (W-1, 0);
+    bidirectional W // 2 on each side (Longformer's symmetric window)."""
+    if window is None:
+        return None, None
+    return (window - 1, 0) if causal else (window // 2, window // 2)
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    causal: bool = True
+    window: tuple[int | None, int | None] = (None, None)  # (left, right); None: unbounded on that side
+    prefix_lengths: torch.Tensor | None = None            # (b,): a bidirectional prefix (prefix-LM, T5 style)
+    key_padding: torch.Tensor | None = None               # (b, s) bool, True = a real key
+    segment_ids: torch.Tensor | None = None               # (b, t): packed documents attend within their own
+    block_size: int | None = None                         # room for block-local / sparse kernels
+    global_indices: tuple[int, ...] = ()
+    dilation: int = 1
+
+    def with_window(self, window: int | None) -> MaskSpec:
+        """This spec for a layer with a sliding window of `window` tokens (None: the spec as is)."""
+        if window is None:
+            return self
+        return dataclasses.replace(self, window=window_bounds(window, self.causal))
+
+    @property
+    def only_structure(self) -> bool:
+        """Nothing beyond causal-or-not binds: no window, prefix, padding or segments."""
+        return (self.window == (None, None) and self.prefix_lengths is None and self.key_padding is None
+                and self.segment_ids is None)
+
+    def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """The predicate: (b, t) query and (b, s) key positions (-1 = an empty or padded slot) ->
+        (b, 1, t, s) bool, True where the query may attend to the key."""
+        q, k = q_pos[:, :, None], k_pos[:, None, :]
+        distance = q - k                                   # > 0: the key is in the query's past
+        ok = k >= 0
+        if self.causal:
+            ok = ok & (distance >= 0)
+        left, right = self.window
+        if left is not None:
+            ok = ok & (distance <= left)
+        if right is not None:
+            ok = ok & (-distance <= right)
+        if self.prefix_lengths is not None:
+            p = self.prefix_lengths[:, None, None]
+            ok = ok | ((q < p) & (k < p) & (k >= 0))
+        if self.key_padding is not None:
+            ok = ok & self.key_padding[:, None, :]
+        if self.segment_ids is not None:
+            ok = ok & (self.segment_ids[:, :, None] == self.segment_ids[:, None, :])
+        return (ok | (q < 0))[:, None]   # a padded query (position -1) sees its row freely: no NaN
+
+    def dense(self, q_pos: torch.Tensor, k_pos: torch.Tensor, *, plain: bool
+              ) -> tuple[torch.Tensor | None, bool]:
+        """The form SDPA and the eager reference take: (mask or None, is_causal). `plain` says the
+        positions are 0..t-1 in every row with no cache, where a pure causal (or pure bidirectional) spec
+        needs no mask tensor at all."""
+        if plain and self.only_structure:
+            return None, self.causal and q_pos.shape[-1] > 1
+        mask = self.allows(q_pos, k_pos)
+        if q_pos.shape[-1] == 1 and bool(mask.all()):  # one query that may see every key (a decode step)
+            return None, False
+        return mask, False
+
+
+@dataclass
+class AttnInputs:
+    """One forward's attention inputs, built once in the model and handed to every block."""
+    positions: torch.Tensor                  # (b, t), or (1, t) shared by all rows on the plain path
+    spec: MaskSpec = field(default_factory=MaskSpec)
+    cache: Any = None                        # archlab.nn.kv_cache protocol, or None
+    plain: bool = False                      # positions 0..t-1 in every row, no padding, no cache
+    shared: dict | None = None               # RoPE tables and masks built once per forward (decoding)
+
+    def layer_mask(self, window: int | None, q_pos: torch.Tensor, k_pos: torch.Tensor
+                   ) -> tuple[torch.Tensor | None, bool]:
+        """(mask or None, is_causal) for a layer with this sliding window, shared between layers whose
+        (window, number of keys) match when `shared` is on (a cache returns the same key positions to every
+        layer whose keys are equally many)."""
+        spec = self.spec.with_window(window)
+        if self.shared is None:
+            return spec.dense(q_pos, k_pos, plain=self.plain)
+        key = ("mask", spec.window, k_pos.shape[1])
+        if key not in self.shared:
+            self.shared[key] = spec.dense(q_pos, k_pos, plain=self.plain)
+        return self.shared[key]

@@ -1,0 +1,139 @@
+"""Two commits of archlab, timed in one process, interleaved: is a refactor free?
+
+Each commit is checked out into its own git worktree and imported under its own copy of the `archlab`
+modules (sys.modules is swapped between the imports), so both models live side by side and every round
+times one after the other on the same warm machine. Measures a training step (forward + backward +
+AdamW, fp32, the 14M LLaMA of train_throughput.py by default) and cached greedy decoding at batch 1 and 8
+(the model of generate.py). Prints after/before ratios (median over rounds; > 1 = the later commit is
+faster).
+
+    python benchmarks/ab_commits.py --before HEAD~1 --after HEAD --rounds 9
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def checkout(rev: str, into: Path) -> Path:
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(into), rev], check=True,
+                   capture_output=True)
+    return into / "src"
+
+
+def import_archlab(src: Path):
+    """A fresh `archlab` package from `src` with every submodule imported, and its module map: `activate`
+    puts the map back into sys.modules before a copy runs, so its lazy imports find its own modules."""
+    import pkgutil
+
+    for name in [m for m in sys.modules if m == "archlab" or m.startswith("archlab.")]:
+        del sys.modules[name]
+    sys.path.insert(0, str(src))
+    try:
+        module = importlib.import_module("archlab")
+        for info in pkgutil.walk_packages(module.__path__, "archlab."):
+            skip = info.name.startswith(("archlab.cli", "archlab.serve", "archlab.lab")) or "__main__" in info.name
+            if not skip:                        # entry points and optional-extra packages are not imported
+                importlib.import_module(info.name)
+        return module, {m: sys.modules[m] for m in sys.modules if m == "archlab" or m.startswith("archlab.")}
+    finally:
+        sys.path.remove(str(src))
+
+
+def activate(modules: dict) -> None:
+    for name in [m for m in sys.modules if m == "archlab" or m.startswith("archlab.")]:
+        del sys.modules[name]
+    sys.modules.update(modules)
+
+
+def train_step_fn(archlab, torch, batch: int, seq: int):
+    cfg = archlab.ModelConfig(vocab_size=32000, d_model=320, n_layers=8, max_seq_len=seq,
+                              attention={"n_heads": 8}, mlp={"activation": "swiglu", "d_ff": 864})
+    model = archlab.TransformerLM(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 32000, (batch, seq + 1), generator=gen)
+
+    def step():
+        out = model(x[:, :-1], targets=x[:, 1:])
+        out.total.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def decode_fn(archlab, torch, batch: int, new: int):
+    cfg = archlab.ModelConfig(vocab_size=32000, d_model=256, n_layers=6, max_seq_len=512,
+                              attention={"n_heads": 8, "n_kv_heads": 4}, mlp={"activation": "swiglu", "d_ff": 688})
+    torch.manual_seed(0)
+    model = archlab.TransformerLM(cfg).eval()
+    prompt = torch.randint(0, 32000, (batch, 32), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        return archlab.generate(model, prompt, max_new_tokens=new)
+    return run
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", default="HEAD~1")
+    ap.add_argument("--after", default="HEAD")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--new", type=int, default=64, help="decoded tokens per generate call")
+    args = ap.parse_args()
+    import torch
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        workloads: dict[str, dict] = {}
+        copies: dict[str, dict] = {}
+        for label, rev in (("before", args.before), ("after", args.after)):
+            archlab, copies[label] = import_archlab(checkout(rev, Path(tmp) / label))
+            workloads[label] = {"train step": train_step_fn(archlab, torch, args.batch, args.seq),
+                                "decode b=1": decode_fn(archlab, torch, 1, args.new),
+                                "decode b=8": decode_fn(archlab, torch, 8, args.new)}
+        from archlab.provenance import provenance_line  # the "after" copy is the one imported last
+        print(provenance_line(threads=args.threads), flush=True)
+        outputs = {}
+        for label in ("before", "after"):
+            activate(copies[label])
+            outputs[label] = workloads[label]["decode b=1"]()
+        print(f"greedy tokens equal before/after: {torch.equal(outputs['before'], outputs['after'])}")
+        for name in workloads["after"]:
+            for label in ("before", "after"):           # warm-up
+                activate(copies[label])
+                workloads[label][name]()
+            ratios = []
+            for _ in range(args.rounds):
+                activate(copies["before"])
+                t_before = timed(workloads["before"][name])
+                activate(copies["after"])
+                t_after = timed(workloads["after"][name])
+                ratios.append(t_before / t_after)
+            print(f"{name:11s}: after/before speed {statistics.median(ratios):.3f}x "
+                  f"(rounds {min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} interleaved)", flush=True)
+        for label in ("before", "after"):
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(tmp) / label)],
+                           capture_output=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

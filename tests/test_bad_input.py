@@ -206,6 +206,7 @@ CASES = [
     ("generate unknown device", G + ["--device", "tpu"], "--device tpu"),
     ("generate cuda missing", G + ["--device", "cuda"], "CUDA is not available"),
     ("generate missing path", ["generate", "{tmp}/nothing", "--prompt", "x"], "nothing"),
+    ("generate malformed hub id", ["generate", "hf:a/b/c", "--prompt", "x"], "expected hf:ORG/NAME"),
     ("generate not a model", ["generate", "{corpus}", "--prompt", "x"], "neither a run folder"),
     ("generate empty prompt", ["generate", "{run}", "--prompt", ""], "--prompt encodes to no tokens"),
     ("generate prompt past context", ["generate", "{run}", "--prompt", "x" * 200], "context"),

@@ -5,9 +5,12 @@ say the same thing: the id, the reason in one line, and what to do without a net
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from archlab.errors import UserError
 
-__all__ = ["HubError", "hub_offline", "probe_dataset", "unreachable"]
+__all__ = ["HubError", "hub_offline", "probe_dataset", "unreachable", "resolve_model", "parse_model_id"]
 
 
 class HubError(UserError):
@@ -16,7 +19,6 @@ class HubError(UserError):
 
 def hub_offline() -> bool:
     """Whether the user asked for the local cache only (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)."""
-    import os
     return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
                for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
@@ -39,3 +41,37 @@ def probe_dataset(spec: str, name: str, timeout: float = 10.0) -> None:
         HfApi().dataset_info(name, timeout=timeout)
     except Exception as exc:  # connection errors, 404s and auth errors all mean "not from the hub"
         raise unreachable(spec, exc) from exc
+
+
+# ---- model ids ------------------------------------------------------------------------------------
+MODEL_FILES = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
+               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+               "tokenizer.model"]     # never *.py (remote code), *.bin / *.pt (pickles)
+
+
+def parse_model_id(spec: str) -> tuple[str, str | None]:
+    """`hf:ORG/NAME[@REVISION]` -> (repo id, revision or None); HubError for a malformed id."""
+    body = spec[len("hf:"):]
+    repo, _, revision = body.partition("@")
+    if repo.count("/") > 1 or not repo or repo.startswith("/") or repo.endswith("/") or (_ and not revision):
+        raise HubError(f"{spec}: expected hf:ORG/NAME[@REVISION]")
+    return repo, revision or None
+
+
+def resolve_model(path_or_id: str | os.PathLike) -> Path:
+    """A local model folder for `path_or_id`: a path as is, or an `hf:ORG/NAME[@REVISION]` snapshot from the
+    hub (cached by huggingface_hub; with HF_HUB_OFFLINE=1 from the cache only) holding safetensors, configs
+    and tokenizer files only: no code, no pickles.
+    Example: resolve_model("hf:Qwen/Qwen2.5-0.5B@main")"""
+    text = os.fspath(path_or_id)
+    if not text.startswith("hf:"):
+        return Path(text)
+    repo, revision = parse_model_id(text)
+    from huggingface_hub import snapshot_download
+    try:
+        # the environment read now, not when huggingface_hub was first imported
+        folder = snapshot_download(repo, revision=revision, allow_patterns=MODEL_FILES,
+                                   cache_dir=os.environ.get("HF_HUB_CACHE") or None, local_files_only=hub_offline())
+    except Exception as exc:  # offline, missing repo or revision, auth: all "not available"
+        raise unreachable(text, exc) from exc
+    return Path(folder)

@@ -12,9 +12,12 @@ __all__ = ["load_model_and_tokenizer"]
 
 
 def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_tokenizer: bool = True):
-    """(TransformerLM in eval mode, tokenizer or None) from a run folder or an HF folder.
+    """(TransformerLM in eval mode, tokenizer or None) from a run folder, an HF folder, or an
+    `hf:ORG/NAME[@REVISION]` id (archlab.hub: safetensors, configs and tokenizer files only).
     Example: model, tok = load_model_and_tokenizer("runs/demo")"""
-    path = Path(path)
+    from archlab.hub import resolve_model
+
+    path = resolve_model(path)
     if (path / "config.yaml").is_file():
         from archlab.checkpoint import latest_checkpoint, load_run, load_run_tokenizer
         if latest_checkpoint(path) is not None:

@@ -21,6 +21,7 @@ from archlab.config import ConfigError
 CONVERT_EXAMPLE = """\
 examples:
   archlab convert --from-hf ~/models/Qwen2.5-0.5B --out runs/qwen2.5-0.5b
+  archlab convert --from-hf hf:Qwen/Qwen2.5-0.5B@main --out runs/qwen    # a hub id (safetensors only)
   archlab convert --to-hf runs/my-run --out exported/my-run          # family inferred from the config
   archlab convert --to-hf runs/my-run --out exported/my-run --family mistral
 """
@@ -58,14 +59,19 @@ def convert_from_hf(hf_dir: str | Path, run_dir: str | Path, dtype: torch.dtype 
     """HF folder -> run folder (config.yaml, tokenizer/, checkpoints/step_0000000/). An existing non-empty
     run_dir is refused unless `overwrite`, which replaces it atomically (archlab.outputs)."""
     from archlab.checkpoint import CHECKPOINT_DIR, save_checkpoint, write_run_config
+    from archlab.hub import resolve_model
     from archlab.interop.hf import load_hf, read_hf_config
     from archlab.outputs import fresh_output, refuse_existing
 
-    hf_dir, run_dir = Path(hf_dir), Path(run_dir)
-    refuse_existing(run_dir, overwrite)                      # before the (long) load
+    run_dir = Path(run_dir)
+    refuse_existing(run_dir, overwrite)                      # before the (long) load or download
+    source_id = str(hf_dir)
+    hf_dir = resolve_model(hf_dir)
     model = load_hf(hf_dir, dtype=dtype)
     hf_cfg = read_hf_config(hf_dir)
     source = {"hf_folder": str(hf_dir.resolve()), "model_type": hf_cfg["model_type"]}
+    if source_id.startswith("hf:"):
+        source["hub_id"] = source_id
     with fresh_output(run_dir, overwrite=overwrite) as tmp:
         write_run_config(tmp, model=model.config.to_dict(), train={"seq_len": model.config.max_seq_len},
                          data={"converted_from": source})
@@ -119,8 +125,10 @@ def compare_with_transformers(hf_dir: str | Path, seq_len: int = 32, batch: int 
     max_abs, max_rel (max|a-b| / max|b|) and mean_kl = mean over positions of KL(p_hf || p_ours)."""
     import transformers
 
+    from archlab.hub import resolve_model
     from archlab.interop.hf import load_hf
 
+    hf_dir = resolve_model(hf_dir)
     ours = load_hf(hf_dir, dtype=dtype)
     kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     theirs = transformers.AutoModelForCausalLM.from_pretrained(

@@ -46,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
     if len(ids) < 2:
         raise UserError(f"--text {args.text} encodes to {len(ids)} token(s); need at least 2")
     result = diagnostics.diagnose(model, torch.tensor([ids]), pieces, top_k=args.top_k)
-    out = Path(args.out) if args.out else Path(args.model) / "diagnostics"
+    default = Path("diagnostics") / args.model.split("/")[-1] if args.model.startswith("hf:") else \
+        Path(args.model) / "diagnostics"             # never into the hub cache
+    out = Path(args.out) if args.out else default
     paths = diagnostics.save_report(result, out)
     s = result["summary"]
     print(f"{s['n_tokens']} tokens, {s['n_layers']} layers: first-token attention mass {s['first_token_mass']:.3f} "

@@ -32,7 +32,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -90,7 +90,7 @@ class _StopSignals:
 
     def __init__(self) -> None:
         self.received: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -365,7 +365,10 @@ class _Run:
         self.window, self.session = _Meter(), _Meter()   # since the last log line; since this process began
         self.signals = _StopSignals()                     # entered around the loop: SIGTERM / SIGINT stop cleanly
         # set by open_reporting
-        self.tokenizer, self.tb, self.bar, self.peak = None, None, None, 0.0
+        self.tokenizer: Any = None
+        self.tb: TensorBoardLogger | None = None
+        self.bar: Any = None
+        self.peak = 0.0
 
     # ---- before the loop
     def resume_from(self, checkpoint: Path) -> None:
@@ -373,6 +376,8 @@ class _Run:
         states; metrics.jsonl drops the lines past its step (the loop writes them again)."""
         info = self.info
         model_state, state = ckpt_io.load_checkpoint(checkpoint)        # on CPU first
+        if state is None:
+            raise ckpt_io.CheckpointError(f"{checkpoint} has no trainer state to resume from")
         dist_util.load_full_model_state(self.model, model_state, info)
         dist_util.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"], info)
         self.sampler.load_state_dict(state["sampler"])
@@ -544,7 +549,8 @@ class _Run:
     def log(self, record: dict) -> None:
         if self.info.is_main:
             append_jsonl(self.metrics_path, record)
-            self.tb.log(record)
+            if self.tb is not None:
+                self.tb.log(record)
 
     def log_step(self, stats: _StepStats, lr: float) -> None:
         """A training line (throughput since the last one) to metrics.jsonl and the progress bar."""
@@ -618,7 +624,8 @@ class _Run:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        self.tb.close()
+        if self.tb is not None:
+            self.tb.close()
         if self.info.is_main:
             try:
                 plot_loss_curve(self.run_dir)

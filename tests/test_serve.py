@@ -159,3 +159,39 @@ def test_a_real_socket_on_localhost(engine):
         server.should_exit = True
         thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_concurrent_requests_are_decoded_together_with_the_texts_they_get_alone(engine):
+    """Requests of different lengths join one batch (rows_per_step shows steps over several rows), and
+    each greedy text equals the one archlab.generate gives that prompt alone."""
+    batched = Engine(engine.model, engine.tokenizer, "tiny", max_batch=4)
+    prompts = [("hello", 14), ("a much longer prompt", 9), ("x", 20), ("mid size", 12), ("fifth waits", 6)]
+    results: dict[str, str] = {}
+
+    def ask(prompt: str, n: int) -> None:
+        request = CompletionRequest(prompt, max_tokens=n, temperature=0)
+        results[prompt] = "".join(d.text for d in batched.complete(request))
+
+    threads = [threading.Thread(target=ask, args=p) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for prompt, n in prompts:
+        assert results[prompt] == expected_text(engine, prompt, n), prompt
+    assert max(batched.rows_per_step) >= 2                      # steps carried several rows at once
+    assert max(batched.rows_per_step) <= 4                      # never more than the slots
+    assert not batched._active and not batched._waiting        # every row was given back
+
+
+def test_batched_streams_join_to_their_texts(engine):
+    batched = Engine(engine.model, engine.tokenizer, "tiny", max_batch=2)
+
+    async def go():
+        transport = httpx.ASGITransport(app=create_app(batched))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            bodies = [{"prompt": p, "max_tokens": 10, "temperature": 0, "stream": True} for p in ("hello", "yo")]
+            return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+    for response, prompt in zip(asyncio.run(go()), ("hello", "yo")):
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")][:-1]
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events) == expected_text(engine, prompt, 10)

@@ -208,3 +208,55 @@ class SinkKVCache(_BufferedCache):
         k_pos = self._arange[:k.shape[0], :filled]                       # (b, s) in-cache positions
         keys = rotate(buf.k[:, :, :filled], k_pos)                       # (b, k, s, e)
         return keys, buf.v[:, :, :filled], k_pos, k_pos[:, filled - t:]
+
+
+class SlotKVCache:
+    """Continuous batching: `rows` independent slots, each a request's own sequence. Requests join and
+    leave between decode steps; a forward runs over any subset of rows through `view(rows)`, which
+    follows the cache protocol for just those rows (each writes at its own offset; empty slots return
+    position -1, so attention masks them). Every layer keeps `capacity` slots: windows are enforced by
+    the mask, not by a rolling buffer.
+    Example: slots = SlotKVCache(cfg, rows=8, capacity=cfg.max_seq_len); model(ids, positions=pos, cache=slots.view([3]))"""
+
+    def __init__(self, config: ModelConfig, rows: int, capacity: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        kv_heads, head_dim = _model_dims(config)
+        shape = (config.n_layers, rows, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)              # (L, rows, k, cap, e)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.full((rows, capacity), -1, dtype=torch.long, device=device)  # (rows, cap)
+        self.length = [0] * rows                                              # tokens held per row
+        self.capacity = capacity
+
+    def reset(self, row: int) -> None:
+        """Free a row for the next request."""
+        self.pos[row] = -1
+        self.length[row] = 0
+
+    def view(self, rows: list[int]) -> _SlotView:
+        return _SlotView(self, rows)
+
+
+class _SlotView:
+    """The cache protocol over some rows of a SlotKVCache (batch row i = slot rows[i])."""
+
+    def __init__(self, slots: SlotKVCache, rows: list[int]):
+        self.slots, self.rows = slots, rows
+        self.index = torch.tensor(rows, dtype=torch.long, device=slots.pos.device)
+        self.starts = [slots.length[r] for r in rows]   # where this forward writes in each row
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        s, t = self.slots, k.shape[2]
+        if max(self.starts) + t > s.capacity:
+            raise ValueError(f"a request needs more than the cache's {s.capacity} slots")
+        for i, (row, start) in enumerate(zip(self.rows, self.starts)):
+            s.k[layer, row, :, start:start + t] = k[i]
+            s.v[layer, row, :, start:start + t] = v[i]
+            s.pos[row, start:start + t] = positions[i]     # the same for every layer of this forward
+            s.length[row] = start + t
+        keys = s.k[layer].index_select(0, self.index)                        # (b, k, cap, e)
+        values = s.v[layer].index_select(0, self.index)
+        return keys, values, s.pos.index_select(0, self.index)              # ..., (b, cap)
+
+    def __len__(self) -> int:
+        return max(self.starts)

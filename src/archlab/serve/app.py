@@ -8,9 +8,9 @@ tools built for vLLM or `transformers serve` call.
     POST /v1/chat/completions    messages, rendered with the tokenizer's chat template (400 without one)
 
 Errors are OpenAI-shaped JSON: {"error": {"message", "type", "param", "code"}}, status 400 for a request
-the model cannot serve (a prompt past the context says by how much). Decoding runs on a worker thread
-(Engine), so a long generation never blocks /health or /v1/models; a client that disconnects stops its
-decode at the next token.
+the model cannot serve (a prompt past the context says by how much). Decoding runs on the Engine's batching
+thread (concurrent requests share one batched decode), so a long generation never blocks /health or
+/v1/models; a client that disconnects stops its decode at the next step.
 """
 from __future__ import annotations
 

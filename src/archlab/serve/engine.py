@@ -1,12 +1,16 @@
-"""The model behind the server: one request decoded at a time through archlab.generation.stream, on a
-worker thread so the event loop (health, model list, other clients' connections) never waits on it.
+"""The model behind the server, with continuous batching: concurrent requests share one batched decode.
 
-Requests queue on a lock; each yields text deltas as tokens are decoded and stops when its `cancel` event
-is set (a client that disconnected). Continuous batching (rows joining and leaving one KV cache between
-decode steps) is the next slice of issue 16 and replaces `_decode` only.
+Each request gets a row of a `SlotKVCache` (archlab.nn.kv_cache): it joins between decode steps (its prompt
+prefilled into its row), every step runs ONE forward over all active rows (each at its own position), and a
+finished or cancelled request leaves its row to the next one in the queue. Rows of different lengths mask
+their empty slots through the positions the cache returns, so a row's tokens are those it would get alone.
+The scheduler runs on its own thread: the event loop (health, model list, other connections) never waits
+on a forward. `rows_per_step` counts how many rows each decode step carried.
 """
 from __future__ import annotations
 
+import collections
+import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,22 +45,44 @@ class Delta:
     completion_tokens: int = 0
 
 
+@dataclass
+class _Job:
+    ids: list[int]
+    request: CompletionRequest
+    cancel: threading.Event
+    out: queue.Queue = field(default_factory=queue.Queue)
+    row: int = -1
+    new: list[int] = field(default_factory=list)
+    sent: str = ""
+    head: str = ""
+    generator: torch.Generator | None = None
+
+
 class Engine:
-    """A loaded model and tokenizer, serving one decode at a time.
+    """A loaded model and tokenizer serving up to `max_batch` requests at once.
     Example: Engine.from_folder("runs/demo").complete(CompletionRequest("ROMEO:", max_tokens=8))"""
 
-    def __init__(self, model, tokenizer, name: str, chat_template: str | None = None):
+    def __init__(self, model, tokenizer, name: str, chat_template: str | None = None, max_batch: int = 8):
+        from archlab.nn.kv_cache import SlotKVCache
+
         self.model, self.tokenizer, self.name, self.chat_template = model, tokenizer, name, chat_template
         self.context = model.config.max_seq_len
         self.eos = getattr(tokenizer, "eot_id", None)
-        self._lock = threading.Lock()
+        weight = next(model.parameters())
+        self.slots = SlotKVCache(model.config, max_batch, self.context, dtype=weight.dtype, device=weight.device)
+        self.rows_per_step: collections.Counter = collections.Counter()
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._active: dict[int, _Job] = {}
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_folder(cls, path: str | Path, device: str = "cpu") -> Engine:
+    def from_folder(cls, path: str | Path, device: str = "cpu", max_batch: int = 8) -> Engine:
         from archlab.model_folder import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(path, device)
-        return cls(model, tokenizer, Path(path).resolve().name, _chat_template(Path(path)))
+        folder = Path(str(path).split("@")[0])
+        return cls(model, tokenizer, folder.resolve().name, _chat_template(Path(path)), max_batch)
 
     # ---- requests
     def encode(self, request: CompletionRequest) -> list[int]:
@@ -72,36 +98,102 @@ class Engine:
         return ids
 
     def complete(self, request: CompletionRequest, cancel: threading.Event | None = None) -> Iterator[Delta]:
-        """Text deltas of one completion (the last one carries finish_reason and token counts)."""
-        ids = self.encode(request)
-        with self._lock:
-            yield from self._decode(ids, request, cancel or threading.Event())
-
-    def _decode(self, ids: list[int], request: CompletionRequest, cancel: threading.Event) -> Iterator[Delta]:
-        from archlab.generation import stream
-
-        tokens = stream(self.model, torch.tensor(ids), request.max_tokens, temperature=request.temperature,
-                        top_p=request.top_p, seed=request.seed, eos_token_id=self.eos)
-        new: list[int] = []
-        head = self.tokenizer.decode(ids)
-        text, sent, reason = "", "", "length"
-        for step in tokens:
-            if cancel.is_set():
+        """Text deltas of one completion (the last one carries finish_reason and token counts), decoded in
+        the shared batch. Stops early, with no final delta, once `cancel` is set."""
+        job = _Job(self.encode(request), request, cancel or threading.Event())
+        if request.seed is not None:
+            job.generator = torch.Generator(self.slots.pos.device).manual_seed(request.seed)
+        job.head = self.tokenizer.decode(job.ids)
+        with self._wake:
+            self._waiting.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="archlab-batcher", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        while True:
+            item = job.out.get()
+            if item is None:                       # cancelled
                 return
-            token = int(step.reshape(-1)[0])
-            if token == self.eos:
-                reason = "stop"
-                break
-            new.append(token)
-            text = _continuation(self.tokenizer.decode(ids + new), head)
-            cut = _first_stop(text, request.stop)
-            if cut is not None:
-                text, reason = text[:cut], "stop"
-                break
-            if not text.endswith("\ufffd"):                  # hold back a partly decoded character
-                yield Delta(text[len(sent):])
-                sent = text
-        yield Delta(text[len(sent):], reason, len(ids), len(new))   # the rest, and why it ended
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    # ---- the scheduler (its own thread)
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._waiting and not self._active:
+                    self._wake.wait()
+                free = [r for r in range(len(self.slots.length)) if r not in self._active]
+                joining = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+            for row, job in zip(free, joining):
+                self._guarded(job, self._prefill, row)
+            for job in [j for j in self._active.values() if j.cancel.is_set()]:
+                self._leave(job, None)
+            if self._active:
+                self._step()
+
+    def _guarded(self, job: _Job, fn, *args) -> None:
+        try:
+            fn(job, *args)
+        except Exception as exc:  # handed to the request's reader, which raises it there
+            self._leave(job, exc)
+
+    @torch.no_grad()
+    def _prefill(self, job: _Job, row: int) -> None:
+        job.row = row
+        self.slots.reset(row)
+        self._active[row] = job
+        ids = torch.tensor([job.ids], device=self.slots.pos.device)                  # (1, t)
+        logits = self.model(ids, positions=torch.arange(ids.shape[1], device=ids.device)[None],
+                            cache=self.slots.view([row]))                            # (1, t, v)
+        self._advance(job, logits[0, -1])
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        jobs = list(self._active.values())
+        rows = [j.row for j in jobs]
+        device = self.slots.pos.device
+        last = torch.tensor([[j.new[-1]] for j in jobs], device=device)               # (b, 1)
+        positions = torch.tensor([[self.slots.length[r]] for r in rows], device=device)   # (b, 1)
+        logits = self.model(last, positions=positions, cache=self.slots.view(rows))  # (b, 1, v)
+        self.rows_per_step[len(rows)] += 1
+        for i, job in enumerate(jobs):
+            self._guarded(job, self._advance, logits[i, -1])
+
+    def _advance(self, job: _Job, logits: torch.Tensor) -> None:
+        from archlab.generation.sampling import SamplingParams, next_token
+
+        request = job.request
+        params = SamplingParams(temperature=request.temperature, top_p=request.top_p)
+        token = int(next_token(logits[None].float(), params, generator=job.generator)[0])
+        if token == self.eos:
+            return self._finish(job, "stop")
+        job.new.append(token)
+        text = _continuation(self.tokenizer.decode(job.ids + job.new), job.head)
+        cut = _first_stop(text, request.stop)
+        if cut is not None:
+            return self._finish(job, "stop", text[:cut])
+        if len(job.new) >= request.max_tokens:
+            return self._finish(job, "length", text)
+        if not text.endswith("\ufffd"):                  # hold back a partly decoded character
+            job.out.put(Delta(text[len(job.sent):]))
+            job.sent = text
+
+    def _finish(self, job: _Job, reason: str, text: str | None = None) -> None:
+        text = job.sent if text is None else text
+        job.out.put(Delta(text[len(job.sent):], reason, len(job.ids), len(job.new)))
+        self._leave(job, "done")
+
+    def _leave(self, job: _Job, why) -> None:
+        """Free the job's row; tell its reader it was cancelled (None) or failed (the exception)."""
+        if self._active.get(job.row) is job:
+            del self._active[job.row]
+            self.slots.reset(job.row)
+        if why is None or isinstance(why, BaseException):
+            job.out.put(why)
 
 
 def _check(request: CompletionRequest) -> None:

@@ -216,7 +216,8 @@ class SlotKVCache:
     follows the cache protocol for just those rows (each writes at its own offset; empty slots return
     position -1, so attention masks them). Every layer keeps `capacity` slots: windows are enforced by
     the mask, not by a rolling buffer.
-    Example: slots = SlotKVCache(cfg, rows=8, capacity=cfg.max_seq_len); model(ids, positions=pos, cache=slots.view([3]))"""
+    Example: slots = SlotKVCache(cfg, rows=8, capacity=cfg.max_seq_len)
+             logits = model(ids, positions=pos, cache=slots.view([3]))     # row 3 only"""
 
     def __init__(self, config: ModelConfig, rows: int, capacity: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):

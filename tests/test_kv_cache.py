@@ -121,3 +121,32 @@ def test_sink_mode_rejects_absolute_positions_and_padding():
     model = TransformerLM(BASE).eval()
     with pytest.raises(ValueError, match="padded"):
         archlab.generate(model, [[1, 2], [3]], sink_window=8)
+
+
+def test_slot_cache_rows_of_different_lengths_decode_as_each_would_alone():
+    """Continuous batching's cache: two prompts prefilled into their own rows, then decoded together one
+    forward per step, give archlab.generate's greedy tokens for each."""
+    from variants import BASE
+
+    import archlab
+    from archlab.nn.kv_cache import SlotKVCache
+    cfg = BASE.with_overrides({"vocab_size": 257, "init.std": 0.2, "max_seq_len": 64})
+    torch.manual_seed(0)
+    model = archlab.TransformerLM(cfg).eval()
+    prompts = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([40, 41])]
+    expected = [archlab.generate(model, p, 10)[len(p):].tolist() for p in prompts]
+    slots = SlotKVCache(cfg, rows=3, capacity=64)
+    got: list[list[int]] = [[], []]
+    with torch.no_grad():
+        for row, p in enumerate(prompts):                        # rows join one at a time
+            logits = model(p[None], positions=torch.arange(len(p))[None], cache=slots.view([row]))
+            got[row].append(int(logits[0, -1].argmax()))
+        for _ in range(9):                                       # then decode together
+            last = torch.tensor([[got[0][-1]], [got[1][-1]]])
+            positions = torch.tensor([[slots.length[0]], [slots.length[1]]])
+            logits = model(last, positions=positions, cache=slots.view([0, 1]))
+            for row in range(2):
+                got[row].append(int(logits[row, -1].argmax()))
+    assert got == expected
+    slots.reset(0)
+    assert slots.length[0] == 0 and bool((slots.pos[0] == -1).all())

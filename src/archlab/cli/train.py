@@ -21,6 +21,7 @@ uses the whole split unless --batches: so figures on the same model differ by th
 
 EVAL_EXAMPLE = """example:
   archlab eval runs/exp1                       # validation loss / perplexity / bits per byte
+  archlab eval runs/exp1 --tasks my_task --include-path tasks/ --limit 100   # lm-evaluation-harness
   archlab eval runs/exp1 --data data/other --batches 50"""
 
 
@@ -55,6 +56,12 @@ def register(subparsers) -> None:
     e.add_argument("--checkpoint", help="a checkpoint folder (default: the latest)")
     e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (default auto)")
     e.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    e.add_argument("--tasks", default=None, metavar="NAME[,NAME...]",
+                   help="lm-evaluation-harness tasks instead of the split's perplexity (the eval extra); "
+                   "RUN may then also be an HF folder or an hf: id")
+    e.add_argument("--include-path", default=None, metavar="DIR", help="with --tasks: a folder of task YAMLs")
+    e.add_argument("--limit", type=int, default=None, metavar="N", help="with --tasks: at most N examples per task")
+    e.add_argument("--num-fewshot", type=int, default=None, metavar="K", help="with --tasks: K-shot prompts")
     e.set_defaults(func=run_eval)
 
 
@@ -156,6 +163,34 @@ def run_train(args) -> int:
     return 0
 
 
+def run_tasks(args) -> int:
+    """`archlab eval RUN --tasks ...`: the harness's table (or its results as JSON)."""
+    from archlab.errors import UserError
+    from archlab.model_folder import load_model_and_tokenizer
+
+    for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot)):
+        if value is not None and value < (1 if flag == "--limit" else 0):
+            raise UserError(f"{flag} {value} is out of range")
+    try:
+        from lm_eval.utils import make_table
+
+        from archlab.lmeval import run_tasks as run
+    except ImportError:
+        raise UserError("--tasks needs lm-evaluation-harness: pip install 'archlab[eval]'") from None
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    model, tokenizer = load_model_and_tokenizer(args.run_dir, "cuda" if args.device == "cuda" else "cpu")
+    try:
+        results = run(model, tokenizer, tasks, include_path=args.include_path, limit=args.limit,
+                      num_fewshot=args.num_fewshot, batch_size=args.batch_size or 8)
+    except KeyError as exc:                  # the harness's "task not found"
+        raise UserError(f"--tasks: {exc}") from exc
+    if args.json:
+        print(json.dumps(results["results"], default=str))
+    else:
+        print(make_table(results))
+    return 0
+
+
 def run_eval(args) -> int:
     import torch
 
@@ -167,6 +202,8 @@ def run_eval(args) -> int:
     for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
         if value is not None and value < 1:
             raise UserError(f"{flag} {value} must be at least 1")
+    if args.tasks:
+        return run_tasks(args)
     cfg = read_run_config(args.run_dir)
     data_dir = args.data or (cfg.get("data") or {}).get("dir")
     if not data_dir:

@@ -22,7 +22,7 @@ import traceback
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
-REPORT_URL_HINT = "this is a bug in archlab: please report it with the command and the traceback above"
+REPORT_HINT = "this is a bug in archlab: please report it with the command and the traceback above"
 
 
 class UserError(Exception):
@@ -73,5 +73,5 @@ def report(exc: BaseException, prog: str = "archlab") -> int:
         print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USER_ERROR
     traceback.print_exception(exc)
-    print(f"{prog}: {REPORT_URL_HINT}", file=sys.stderr)
+    print(f"{prog}: {REPORT_HINT}", file=sys.stderr)
     return 1

@@ -112,7 +112,7 @@ class Engine:
             self._wake.notify()
         while True:
             item = job.out.get()
-            if item is None:                       # cancelled
+            if item is None or job.cancel.is_set():   # cancelled: the scheduler frees the row at its next step
                 return
             if isinstance(item, BaseException):
                 raise item

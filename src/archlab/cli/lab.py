@@ -9,10 +9,15 @@ examples:
   archlab ablate activation --out sweeps/activation                 # small scale: 2 CPU cores, <= 15 min
   archlab ablate norm_position --scale large --out sweeps/norms     # GPU budget
   archlab ablate my_suite.yaml --budget 2e6 --budget-unit tokens --seeds 3 --data data/shakespeare-bytes
+  archlab ablate activation --executor local --workers 2           # 2 runs at a time on this machine
+  archlab ablate activation --executor ray --workers 8             # Ray tasks on a local Ray instance
+  archlab ablate activation --executor ray --address HEAD:6379     # an existing Ray cluster (shared folder)
   archlab report sweeps/activation
 
 Each variant x seed is one training run under OUT/runs/; rows go to OUT/results.sqlite. Re-running the
 same command resumes: finished (done / diverged) runs are skipped, crashed ones are run again.
+Whatever the executor, every run trains with --threads torch threads (so its losses equal the serial
+run's bit for bit) and the driver alone writes the table; paired timings run on the driver.
 Without --data the Shakespeare corpus is prepared once with the byte tokenizer into OUT/data.
 """
 
@@ -46,6 +51,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="extra TrainConfig override for every run (repeatable)")
     ablate.add_argument("--device", choices=["auto", "cpu", "cuda"], help="training device")
     ablate.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1; 0 = torch default)")
+    ablate.add_argument("--executor", choices=["serial", "local", "ray"], default="serial",
+                        help="where runs execute: here one by one (default), N local processes, or Ray tasks")
+    ablate.add_argument("--workers", type=int, metavar="N",
+                        help="runs at once (local: default cores // threads; ray: what the cluster holds)")
+    ablate.add_argument("--address", metavar="ADDR", help="Ray cluster address (default: start a local Ray)")
     ablate.add_argument("--report", action="store_true", help="write the report when the sweep ends")
     ablate.add_argument("--quiet", action="store_true", help="no progress bar")
     ablate.set_defaults(func=run_ablate)
@@ -93,6 +103,7 @@ def run_ablate(args: argparse.Namespace) -> int:
             suite, out, scale=args.scale, seeds=args.seeds, budget=args.budget, budget_unit=args.budget_unit,
             data_dir=args.data, corpus=args.corpus, tokenizer=args.tokenizer, train_overrides=overrides,
             device=args.device, progress=not args.quiet, threads=args.threads or None,
+            executor=args.executor, workers=args.workers, address=args.address,
         )
     except ValueError as exc:                    # ConfigError / LabError are UserErrors already
         raise exc if isinstance(exc, UserError) else UserError(str(exc)) from exc

@@ -26,11 +26,13 @@ from typing import Any, Callable
 from archlab.config import ConfigError, ModelConfig
 from archlab.errors import UserError
 from archlab.lab import matching
+from archlab.lab.executors import Executor, RunJob, crashed, make_executor
 from archlab.lab.store import FINISHED, ResultStore, RunRecord
 from archlab.lab.suites import Suite, Variant, build_model_config
 from archlab.runlock import LockedError
 
 DATA_SUBDIR = "data"
+INTERRUPTED = "interrupted"   # error prefix of a row whose run a Ctrl-C / SIGTERM stopped
 LAB_TRAIN_DEFAULTS = {"sample_every": -1, "checkpoint_every": 0, "keep_last": 1, "log_every": 10}
 
 
@@ -135,12 +137,17 @@ def run_suite(
     progress: bool = True,
     measure: bool = True,
     threads: int | None = 1,
+    executor: str | Executor = "serial",
+    workers: int | None = None,
+    address: str | None = None,
 ) -> list[RunRecord]:
     """Run (or resume) `suite` into `sweep_dir`; returns the rows of this suite.
 
-    threads: torch CPU threads while training (None: leave torch's default). One thread is the
-    default because these models are tiny: on a shared 2-core machine two threads ran a step 10x slower
-    than one (thread contention), and runs are sequential anyway.
+    threads: torch CPU threads per run (None: leave torch's default). One thread is the default because
+    these models are tiny: on a shared 2-core machine two threads ran a step 10x slower than one (thread
+    contention); parallelism comes from running several runs at once (`executor`, `workers`).
+    executor: "serial" (here, one after another), "local" (`workers` processes on this machine) or "ray"
+    (Ray tasks; `address` of a cluster, else a local Ray instance), see archlab.lab.executors.
     """
     if threads:
         import torch
@@ -149,42 +156,82 @@ def run_suite(
     # every variant's config is checked (with a stand-in vocabulary) before any folder or data work
     plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit, vocab_size=257,
          train_overrides=train_overrides, device=device)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    data = ensure_data(sweep_dir, data_dir, corpus, tokenizer, progress)
-    from archlab.data import load_meta
-
-    vocab = int(load_meta(data)["vocab_size"])
-    runs = plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit,
-                vocab_size=vocab, train_overrides=train_overrides, device=device)
-    if train_fn is None:
-        from archlab.train import train as train_fn
-    store = ResultStore(sweep_dir)
+    pool = executor if isinstance(executor, Executor) else make_executor(
+        executor, workers, address, threads, gpu=_uses_gpu(device, train_overrides))
     try:
-        store.set_meta(f"suite:{suite.name}", suite.to_dict())
-        store.set_meta(f"sweep:{suite.name}", {"scale": scale, "data": str(data), "seeds": seeds or suite.seeds,
-                                               "budget": budget, "budget_unit": budget_unit})
-        bar = None
-        if progress:
-            from archlab.progress import progress_bar
-            bar = progress_bar(total=len(runs), desc=f"ablate {suite.name}", unit="run")
-        for run in runs:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        data = ensure_data(sweep_dir, data_dir, corpus, tokenizer, progress)
+        from archlab.data import load_meta
+
+        vocab = int(load_meta(data)["vocab_size"])
+        runs = plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit,
+                    vocab_size=vocab, train_overrides=train_overrides, device=device)
+        with ResultStore(sweep_dir) as store:
+            store.set_meta(f"suite:{suite.name}", suite.to_dict())
+            store.set_meta(f"sweep:{suite.name}", {"scale": scale, "data": str(data),
+                                                   "seeds": seeds or suite.seeds, "budget": budget,
+                                                   "budget_unit": budget_unit})
+            _drive(store, suite, runs, pool, lambda run, record: RunJob(suite, run, data, record, train_fn,
+                                                                         measure, threads), progress)
+            if measure and "paired_step_time" in suite.measure:
+                _record_paired_step_times(store, suite, runs, progress)
+            return store.runs(suite.name)
+    finally:
+        pool.close()
+
+
+def _uses_gpu(device: str | None, train_overrides: dict | None) -> bool:
+    wanted = device or (train_overrides or {}).get("device") or "auto"
+    if wanted == "cpu":
+        return False
+    import torch
+    return bool(torch.cuda.is_available())
+
+
+def _drive(store: ResultStore, suite: Suite, runs: list[PlannedRun], pool: Executor,
+           make_job: Callable[[PlannedRun, RunRecord], RunJob], progress: bool) -> None:
+    """Submit every due run to `pool`, at most `pool.workers` at once, and write each finished row.
+    The driver is the table's only writer; an interrupted run's row says so and the sweep stops."""
+    due = [run for run in runs if _due(store, suite, run)]
+    bar = None
+    if progress:
+        from archlab.progress import progress_bar
+        bar = progress_bar(total=len(runs), initial=len(runs) - len(due), desc=f"ablate {suite.name}", unit="run")
+        if pool.workers > 1:
+            bar.write(f"ablate {suite.name}: {len(due)} runs on {pool.describe()}")
+    in_flight: dict[Any, RunJob] = {}
+    queue = list(due)
+    try:
+        while queue or in_flight:
+            while queue and len(in_flight) < pool.workers:
+                run = queue.pop(0)
+                job = make_job(run, _start(store, suite, run))
+                store.put(job.record)
+                in_flight[pool.submit(job)] = job
             if bar is not None:
-                bar.set_postfix_str(f"{run.variant.name} seed{run.seed}", refresh=True)
-            _one(store, suite, run, data, train_fn, measure)
-            if bar is not None:
-                bar.update(1)
+                names = sorted(f"{j.run.variant.name} seed{j.run.seed}" for j in in_flight.values())
+                bar.set_postfix_str(", ".join(names)[:80], refresh=True)
+            for handle, record in pool.wait(list(in_flight)):
+                in_flight.pop(handle)
+                store.put(record)
+                if bar is not None:
+                    bar.update(1)
+                if (record.error or "").startswith(INTERRUPTED):
+                    raise KeyboardInterrupt(record.error)
+    except BaseException:
+        pool.cancel(list(in_flight))
+        for job in in_flight.values():             # rows in flight: recorded as interrupted, re-run next time
+            store.put(crashed(job, f"{INTERRUPTED}: the sweep stopped while it ran"))
+        raise
+    finally:
         if bar is not None:
             bar.close()
-        if measure and "paired_step_time" in suite.measure:
-            _record_paired_step_times(store, suite, runs, progress)
-        return store.runs(suite.name)
-    finally:
-        store.close()
 
 
 def _record_paired_step_times(store: ResultStore, suite: Suite, runs: list[PlannedRun], progress: bool) -> None:
     """Time the variants' steps side by side (lab/timing.py) once every run has a row, unless every
-    finished run already has its time (a resumed sweep keeps the times it measured)."""
+    finished run already has its time (a resumed sweep keeps the times it measured). Always on the
+    driver: the pairs interleave in one process, whatever executor trained them."""
     from archlab.lab import timing
 
     records = {(run.variant.name, run.seed): store.get(suite.name, run.variant.name, run.seed) for run in runs}
@@ -201,25 +248,41 @@ def _same_config(a: dict, b: dict) -> bool:
     return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
 
 
-def _one(store: ResultStore, suite: Suite, run: PlannedRun, data: Path, train_fn: Callable, measure: bool) -> None:
-    config = json.loads(json.dumps(run.config, default=str))
-    old = store.get(suite.name, run.variant.name, run.seed)
-    if old is not None and old.status in FINISHED:
-        if _same_config(old.config, config):
-            return
-        raise LabError(
-            f"{store.path} already holds a finished run {suite.name}/{run.variant.name}/seed{run.seed} with a "
-            "different config (budget, scale or suite changed): use another --out folder")
-    from archlab.train import Diverged
+def _config(run: PlannedRun) -> dict:
+    return json.loads(json.dumps(run.config, default=str))
 
-    params = matching.param_count(run.model)
-    flops = matching.flops_per_token(run.model, run.train.seq_len)
+
+def _due(store: ResultStore, suite: Suite, run: PlannedRun) -> bool:
+    """False for a run whose finished row has this config; a finished row of another config is refused."""
+    old = store.get(suite.name, run.variant.name, run.seed)
+    if old is None or old.status not in FINISHED:
+        return True
+    if _same_config(old.config, _config(run)):
+        return False
+    raise LabError(
+        f"{store.path} already holds a finished run {suite.name}/{run.variant.name}/seed{run.seed} with a "
+        "different config (budget, scale or suite changed): use another --out folder")
+
+
+def _start(store: ResultStore, suite: Suite, run: PlannedRun) -> RunRecord:
+    """The `running` row of a run about to start."""
     record = RunRecord(suite=suite.name, variant=run.variant.name, seed=run.seed, status="running",
-                       config=config, params=params, flops_per_token=flops, run_dir=str(run.run_dir),
-                       started_at=time.time(), extra={"labels": run.variant.labels})
+                       config=_config(run), params=matching.param_count(run.model),
+                       flops_per_token=matching.flops_per_token(run.model, run.train.seq_len),
+                       run_dir=str(run.run_dir), started_at=time.time(), extra={"labels": run.variant.labels})
     if run.match_note:
         record.extra["match"] = run.match_note
-    store.put(record)
+    return record
+
+
+def train_and_measure(suite: Suite, run: PlannedRun, data: Path, record: RunRecord, train_fn: Callable | None,
+                      measure: bool) -> RunRecord:
+    """Train one run (continuing from its last checkpoint if it has one) and take the suite's
+    measurements; the finished row. Runs wherever the executor put it; writes nothing to the table."""
+    from archlab.train import Diverged, Stopped
+
+    if train_fn is None:
+        from archlab.train import train as train_fn
     t0 = time.perf_counter()
     resume = run.run_dir.exists() and any((run.run_dir / "checkpoints").glob("step_*"))
     if run.run_dir.exists() and not resume:
@@ -234,26 +297,16 @@ def _one(store: ResultStore, suite: Suite, run: PlannedRun, data: Path, train_fn
         record.error = str(exc)
     except LockedError:  # another worker runs this row right now: its result will land, not ours
         raise
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Stopped) as exc:   # Ctrl-C / SIGTERM: the run saved; the sweep stops
         record.status = "failed"
-        record.error = "interrupted"
+        record.error = f"{INTERRUPTED}: {exc}" if str(exc) else INTERRUPTED
         record.wall_s = time.perf_counter() - t0
-        store.put(record)
-        raise
+        return record
     except Exception as exc:  # noqa: BLE001 - a crashed run is recorded, the sweep goes on
         record.status = "failed"
         record.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
     if result is not None:
-        record.tokens_seen = int(result.tokens_seen)
-        record.steps = int(result.steps)
-        record.final_val_loss = _finite(result.final_val_loss)
-        record.best_val_loss = _finite(result.best_val_loss)
-        record.final_train_loss = _finite(result.final_train_loss)
-        record.tokens_per_s = float(result.tokens_per_s) or None
-        if record.tokens_per_s:
-            record.step_time_s = run.train.tokens_per_step / record.tokens_per_s
-        record.peak_memory_bytes = int(result.peak_memory_bytes)
-        record.diverged = bool(result.diverged) or record.status == "diverged"
+        _fill_result(record, run, result)
     if measure and record.status == "done":
         try:
             record.extra.update(measurements(suite, run, data))
@@ -263,7 +316,20 @@ def _one(store: ResultStore, suite: Suite, run: PlannedRun, data: Path, train_fn
         record.extra["kv_cache_bytes"] = kv_bytes(run.model, 4 * run.train.seq_len)
     record.wall_s = time.perf_counter() - t0
     record.finished_at = time.time()
-    store.put(record)
+    return record
+
+
+def _fill_result(record: RunRecord, run: PlannedRun, result: Any) -> None:
+    record.tokens_seen = int(result.tokens_seen)
+    record.steps = int(result.steps)
+    record.final_val_loss = _finite(result.final_val_loss)
+    record.best_val_loss = _finite(result.best_val_loss)
+    record.final_train_loss = _finite(result.final_train_loss)
+    record.tokens_per_s = float(result.tokens_per_s) or None
+    if record.tokens_per_s:
+        record.step_time_s = run.train.tokens_per_step / record.tokens_per_s
+    record.peak_memory_bytes = int(result.peak_memory_bytes)
+    record.diverged = bool(result.diverged) or record.status == "diverged"
 
 
 def _finite(x) -> float | None:

@@ -179,3 +179,29 @@ def test_ray_driver_killed_mid_sweep_then_rerun_finishes_without_duplicates(data
     serial = tmp_path / "serial"
     runner.run_suite(suites.Suite.from_dict(SUITE), serial, data_dir=data, budget=BUDGET * 4, progress=False)
     assert table == _table(serial)
+
+
+class _StoppedOnSecondRun:
+    """A train_fn whose second run is stopped by SIGTERM (archlab.train.Stopped), as on a preempted node."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, model_cfg, train_cfg, data_dir, out_dir, *, resume=False, progress=True):
+        from archlab.train import Stopped, train
+        self.calls += 1
+        if self.calls == 2:
+            raise Stopped("SIGTERM", 3, None)
+        return train(model_cfg, train_cfg, data_dir, out_dir, resume=resume, progress=progress)
+
+
+def test_a_stopped_run_stops_the_sweep_and_its_row_says_interrupted(data, serial_table, tmp_path):
+    suite, fake = suites.Suite.from_dict(SUITE), _StoppedOnSecondRun()
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_suite(suite, tmp_path / "sweep", data_dir=data, budget=BUDGET, progress=False, train_fn=fake)
+    assert fake.calls == 2                                    # no run started after the stopped one
+    with ResultStore(tmp_path / "sweep", readonly=True) as store:
+        rows = store.runs()
+    assert [r.status for r in rows] == ["done", "failed"] and rows[1].error.startswith(runner.INTERRUPTED)
+    runner.run_suite(suite, tmp_path / "sweep", data_dir=data, budget=BUDGET, progress=False)
+    assert _table(tmp_path / "sweep") == serial_table

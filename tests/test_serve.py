@@ -147,18 +147,52 @@ def test_cancel_stops_the_decode_at_the_next_token(engine):
 
 
 def test_a_real_socket_on_localhost(engine):
+    server, thread, port = _live_server(engine)
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"prompt": "hello", "max_tokens": 5, "temperature": 0}, timeout=30)
+        assert r.json()["choices"][0]["text"] == expected_text(engine, "hello", 5)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def _live_server(engine):
+    """A uvicorn server on 127.0.0.1 (a free port) in a thread: (server, thread, port)."""
     import uvicorn
     server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=0, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    deadline = time.time() + 20
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    return server, thread, server.servers[0].sockets[0].getsockname()[1]
+
+
+def _readme_client_snippet() -> str:
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Serving", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_openai_client_snippet_talks_to_the_server(engine, capsys):
+    """The README's `openai` snippet, as written but for the port, against a live server; then the
+    client's greedy and streamed completions equal archlab.generate's text."""
+    openai = pytest.importorskip("openai")
+    server, thread, port = _live_server(engine)
     try:
-        deadline = time.time() + 20
-        while not server.started and time.time() < deadline:
-            time.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                       json={"prompt": "hello", "max_tokens": 5, "temperature": 0}, timeout=30)
-        assert r.json()["choices"][0]["text"] == expected_text(engine, "hello", 5)
+        code = _readme_client_snippet().replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        assert f"127.0.0.1:{port}" in code
+        exec(compile(code, "README.md", "exec"), {})
+        assert capsys.readouterr().out.strip()               # it printed the completion
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        want = expected_text(engine, "hello", 10)
+        got = client.completions.create(model="tiny", prompt="hello", max_tokens=10, temperature=0)
+        assert got.choices[0].text == want and got.usage.completion_tokens == 10
+        chunks = client.completions.create(model="tiny", prompt="hello", max_tokens=10, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in chunks) == want
     finally:
         server.should_exit = True
         thread.join(timeout=10)

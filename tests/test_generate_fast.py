@@ -101,3 +101,57 @@ def test_generate_uses_fast_path_and_agrees_with_uncached():
     cached = archlab.generate(model, prompt, max_new_tokens=10)
     uncached = archlab.generate(model, prompt, max_new_tokens=10, use_cache=False)
     assert torch.equal(cached, uncached)
+
+
+# ---- the modules' packed decode path (archlab.nn.fused.packing): models FastDecoder does not cover ----
+def _module_decode_logits(model, ids, mask, pack: bool, steps=12):
+    """Cached decode through the model's forward, within packing() or not."""
+    from archlab.nn.fused import packing
+    with torch.inference_mode(), packing(pack):
+        st = Stepper(model, ids, mask, steps, fast=False)
+        logits, out = st.prefill(), []
+        for i in range(steps):
+            tokens = (torch.arange(ids.shape[0]) * 7 + i * 3) % model.config.vocab_size
+            out.append(st._model_logits(tokens[:, None], st.next_pos, st.cache))
+            st.next_pos = st.next_pos + 1
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_module_forward_through_packed_weights_equals_the_plain_forward(name):
+    model = TransformerLM(variant(name)).eval()
+    ids, mask = _prompt(model.config)
+    plain = _module_decode_logits(model, ids, mask, pack=False)
+    packed = _module_decode_logits(model, ids, mask, pack=True)
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_packing_is_off_by_default_and_never_under_gradients():
+    from archlab.nn import fused
+    model = TransformerLM(variant("qk-norm-per-head")).eval()      # not a FastDecoder model: decodes via modules
+    x = torch.randint(0, model.config.vocab_size, (1, 3))
+    fused._PACKED.clear()
+    with torch.no_grad():
+        model(x)                                         # a user's no-grad forward: no weight copies
+    assert len(fused._PACKED) == 0
+    with fused.packing():
+        model(x).sum().backward()                        # gradients: the plain Linears, even here
+        assert len(fused._PACKED) == 0
+        with torch.no_grad():
+            model(x)
+    assert model.blocks[0].attn.q_proj in fused._PACKED
+
+
+def test_module_packed_weights_follow_in_place_changes_and_hooks_see_every_step():
+    model = TransformerLM(variant("qk-norm-per-head")).eval()
+    ids, mask = _prompt(model.config)
+    _module_decode_logits(model, ids, mask, pack=True)
+    with torch.no_grad():
+        model.blocks[0].attn.v_proj.weight.mul_(2.0)
+        model.lm_head.weight.add_(0.1) if model.lm_head is not None else model.embed.weight.add_(0.1)
+    torch.testing.assert_close(_module_decode_logits(model, ids, mask, pack=True),
+                               _module_decode_logits(model, ids, mask, pack=False), rtol=1e-5, atol=1e-5)
+    calls = []
+    model.blocks[0].mlp.down_proj.register_forward_hook(lambda *a: calls.append(1))
+    _module_decode_logits(model, ids, mask, pack=True, steps=4)
+    assert len(calls) == 5                               # a hooked Linear runs as its module: prefill + 4

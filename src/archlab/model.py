@@ -15,6 +15,7 @@ from torch import nn
 
 from archlab.config import ModelConfig
 from archlab.nn.block import Block
+from archlab.nn.fused import head_linear
 from archlab.nn.fused_loss import linear_cross_entropy
 from archlab.nn.masks import AttnInputs, MaskSpec
 from archlab.nn.mlp import MoEMLP
@@ -115,7 +116,8 @@ class TransformerLM(nn.Module):
             x = x + pe.to(x.dtype)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
-        x = self.embed_drop(x)
+        if self.training:
+            x = self.embed_drop(x)
         for block in self.blocks:
             x = block(x, inputs)
         if self.final_norm is not None:
@@ -131,7 +133,8 @@ class TransformerLM(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def head(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, t, v)
-        logits = F.linear(x, self.head_weight, self.head_bias)
+        owner = self if self.lm_head is None else self.lm_head     # hooks on lm_head are honoured
+        logits = head_linear(x, owner, self.head_weight, self.head_bias)
         if self.config.logit_scale is not None:       # Cohere
             logits = logits * self.config.logit_scale
         cap = self.config.final_logit_softcap         # Gemma 2: cap * tanh(logits / cap)

@@ -1,16 +1,15 @@
 """A lean single-token decode step for the common pre-norm RoPE/NoPE dense models (LLaMA-style).
 
-At batch 1 a decode step is dominated by per-op overhead, not arithmetic: every layer is a few
-dozen tiny kernels, each with Python, nn.Module and dispatcher cost. `FastDecoder.step` computes
-what `TransformerLM.forward(tokens, positions, cache)` computes for one new token per row, with:
-  - q/k/v and gate/up projections fused into one matrix each, and every matrix (LM head included)
-    stored transposed, (in, out): at one row, x @ W_t runs MKL's faster gemv layout (~1.3x on the
-    weights that dominate a step). These copies cost one extra copy of the weights; they are kept
-    per model and rebuilt when any parameter changes (data pointer or in-place version);
-  - q and k rotated in one pass, with RoPE tables built once per step (not per layer);
-  - attention of the single query written out (GQA as a batched matmul over kv-head groups) and
-    no mask at all when the query may see every cached key (no padding, no binding window);
-  - RMSNorm computed as its module does (float32, the same op order), weights prepared once.
+At batch 1 a decode step is dominated by per-op and per-call overhead, not arithmetic: the model's
+own forward spends about 1 ms of a 2.8 ms step (the generate benchmark's model, one thread) in
+Python (module calls, attribute lookups, view ops), so `FastDecoder.step` wires the same layers
+without them: it computes what `TransformerLM.forward(tokens, positions, cache)` computes for one new
+token per row, with the package's own pieces and no math of its own:
+  - weights packed by `archlab.nn.fused.packed` (q/k/v and gate/up fused, stored (in, out), the faster
+    gemv layout at one row), the same cache the modules decode through;
+  - norms through `archlab.nn.fused.rms_norm` (RMSNorm) or the norm module itself;
+  - q and k rotated in one pass by `archlab.nn.fused.rope_half`, tables built once per step;
+  - the mask from the model's `MaskSpec`, and no mask at all when the query may see every key.
 It shares the model's StaticKVCache (the prompt is prefilled by the model itself) and is tested
 equal to the model's forward (tests/test_generate_fast.py). Anything it does not cover falls back
 to the model: `FastDecoder.supports(model, cache)` says why not, as a string, or None.
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
+from archlab.nn import fused
 from archlab.nn.kv_cache import StaticKVCache
 from archlab.nn.masks import MaskSpec
 from archlab.nn.mlp import DenseMLP
@@ -69,54 +69,44 @@ def unsupported_reason(model, cache) -> str | None:
     return None
 
 
-def _t(w: torch.Tensor) -> torch.Tensor:
-    return w.t().contiguous()
-
-
-def _cat_bias(*linears) -> torch.Tensor | None:
-    return None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+def _pack(owner, key: str, linears) -> fused._Packed:
+    return fused.packed(owner, key, [m.weight for m in linears], [m.bias for m in linears if m.bias is not None])
 
 
 class _Layer:
-    """One block's tensors, prepared for the decode step: weights fused and transposed (in, out)."""
+    """One block's tensors for the decode step: weights packed (in, out) by archlab.nn.fused.packed."""
 
     def __init__(self, block):
         att, mlp = block.attn, block.mlp
         self.att = att
         self.h, self.k, self.e = att.n_heads, att.n_kv_heads, att.head_dim
-        qkv = (att.q_proj, att.k_proj, att.v_proj)
-        self.w_qkv = _t(torch.cat([m.weight for m in qkv]))                 # (d, (h + 2k) e)
-        self.b_qkv = _cat_bias(*qkv)
-        self.w_o, self.b_o = _t(att.o_proj.weight), att.o_proj.bias
+        self.qkv = _pack(att.q_proj, "project3", (att.q_proj, att.k_proj, att.v_proj))   # (d, (h + 2k) e)
+        self.o = _pack(att.o_proj, "project1", (att.o_proj,))
         self.rope = type(att.position) is RotaryEmbedding
         self.gated, self.act = mlp.gated, mlp.act
         up = (mlp.gate_proj, mlp.up_proj) if mlp.gated else (mlp.up_proj,)
-        self.w_up, self.b_up = _t(torch.cat([m.weight for m in up])), _cat_bias(*up)  # (d, 2f | f)
-        self.w_down, self.b_down = _t(mlp.down_proj.weight), mlp.down_proj.bias
+        self.up = _pack(up[0], f"project{len(up)}", up)                                  # (d, 2f | f)
+        self.down = _pack(mlp.down_proj, "project1", (mlp.down_proj,))
         self.attn_norm, self.mlp_norm = _Norm(block.attn_norm), _Norm(block.mlp_norm)
 
 
-def _linear(x, w_t, b):
-    return x @ w_t if b is None else torch.addmm(b, x, w_t)
+def _linear(x, pack: fused._Packed):                  # (b, in) -> (b, out)
+    return x @ pack.w_t if pack.bias is None else torch.addmm(pack.bias, x, pack.w_t)
 
 
 class _Norm:
-    """RMSNorm exactly as archlab.nn.norms.RMSNorm computes it, weight prepared once; any other
-    norm runs as its module."""
+    """RMSNorm through archlab.nn.fused.rms_norm (the module's formula, its weight resolved once per
+    generate call); any other norm runs as its module."""
 
     def __init__(self, norm: torch.nn.Module):
         self.module = norm
         self.rms = isinstance(norm, RMSNorm)
         if self.rms:
             self.eps = norm.eps
-            self.weight = norm.weight.float() + norm.weight_offset
+            self.weight = norm.weight + norm.weight_offset if norm.weight_offset else norm.weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.rms:
-            return self.module(x)
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight).to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps) if self.rms else self.module(x)
 
 
 class _Prepared:
@@ -126,7 +116,9 @@ class _Prepared:
         with torch.no_grad():
             self.layers = [_Layer(block) for block in model.blocks]
             self.final_norm = None if model.final_norm is None else _Norm(model.final_norm)
-            self.head_t, self.head_bias = _t(model.head_weight), model.head_bias    # (d, v)
+            owner = model if model.lm_head is None else model.lm_head
+            bias = [] if model.head_bias is None else [model.head_bias]
+            self.head = fused.packed(owner, "head", [model.head_weight], bias)            # (d, v)
 
 
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> (signature, _Prepared)
@@ -141,7 +133,8 @@ def _signature(model) -> tuple | None:
 
 
 def prepare(model) -> _Prepared:
-    """The model's prepared weights, reused while its parameters are unchanged."""
+    """The model's prepared weights, reused while its parameters are unchanged (checked once per call
+    of generate, not per step)."""
     sig = _signature(model)
     hit = _PREPARED.get(model)
     if sig is not None and hit is not None and hit[0] == sig:
@@ -176,28 +169,26 @@ class FastDecoder:
         masks: dict = {}
         for lay in prep.layers:
             x = x + self._attention(lay, lay.attn_norm(x), positions, tables, masks, b, dtype)
-            up = _linear(lay.mlp_norm(x), lay.w_up, lay.b_up)                 # (b, 2f) or (b, f)
+            up = _linear(lay.mlp_norm(x), lay.up)                               # (b, 2f) or (b, f)
             if lay.gated:
                 gate, up = up.chunk(2, dim=-1)
                 up = lay.act(gate) * up
             else:
                 up = lay.act(up)
-            x = x + _linear(up, lay.w_down, lay.b_down)
+            x = x + _linear(up, lay.down)
         if prep.final_norm is not None:
             x = prep.final_norm(x)
-        logits = x @ prep.head_t                                               # (b, v)
-        return logits if prep.head_bias is None else logits + prep.head_bias
+        return _linear(x, prep.head)                                           # (b, v)
 
     def _attention(self, lay: _Layer, x, positions, tables, masks, b, dtype) -> torch.Tensor:
         h, k, e = lay.h, lay.k, lay.e
-        qkv = _linear(x, lay.w_qkv, lay.b_qkv).view(b, h + 2 * k, 1, e)       # (b, h+2k, 1, e)
+        qkv = _linear(x, lay.qkv).view(b, h + 2 * k, 1, e)                     # (b, h+2k, 1, e)
         qk, v = qkv[:, :h + k], qkv[:, h + k:]
-        if lay.rope:  # q and k rotated together, "half" layout: x [cos, cos] + [x2, x1] [-sin, sin]
+        if lay.rope:  # q and k rotated together by the model's formula
             rope = lay.att.position
             if rope.table_key not in tables:
                 tables[rope.table_key] = rope.tables(positions, dtype)          # (b, 1, 1, e) each
-            cos, sin = tables[rope.table_key]
-            qk = qk * cos + qk.roll(e // 2, dims=-1) * sin
+            qk = fused.rope_half(qk, *tables[rope.table_key])
         q, k_new = qk.split((h, k), dim=1)                                     # (b, h|k, 1, e)
         keys, values, k_pos = self.cache.update(lay.att.layer, k_new, v, positions)
         mask_key = (lay.att.window, k_pos.shape[1])
@@ -206,4 +197,4 @@ class FastDecoder:
             masks[mask_key] = None if bool(mask.all()) else mask
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[mask_key],
                                              scale=lay.att.scale, enable_gqa=h != k)  # (b, h, 1, e)
-        return _linear(out.view(b, h * e), lay.w_o, lay.b_o)
+        return _linear(out.view(b, h * e), lay.o)

@@ -3,8 +3,9 @@
 A `Stepper` owns the running state of one batch: the KV cache (or, uncached, the whole sequence so
 far) and the next positions. `prefill()` runs the prompt, `step(tokens)` feeds one token per row;
 both return the next-token logits (b, v). `reorder(index)` selects rows (beam search). Cached
-decode steps of the models it covers run through fast_decode.FastDecoder (fast=False: the model's
-own forward every step).
+decode steps of the models it covers run through fast_decode.FastDecoder, the others through the
+model's forward with packed weights (archlab.nn.fused.packing); fast=False: the model's own forward
+every step, without weight copies.
 
 Batched prompts of different lengths are left-padded: positions = cumsum(mask) - 1 and padded
 slots get position -1, which attention masks out; every row's newest token is then in the last
@@ -18,6 +19,7 @@ import torch
 
 from archlab.config import ABSOLUTE_POSITIONS
 from archlab.generation.fast_decode import FastDecoder
+from archlab.nn.fused import packing
 from archlab.nn.kv_cache import SinkKVCache, StaticKVCache
 
 
@@ -103,6 +105,7 @@ class Stepper:
                 self._check_context(max_new_tokens)
             self.cache = None
         self._hidden_head = hasattr(model, "head") and config is not None
+        self.packing = fast
         self.fast = (FastDecoder(model, self.cache)
                      if fast and self.cache is not None and FastDecoder.supports(model, self.cache) is None
                      else None)
@@ -137,6 +140,10 @@ class Stepper:
 
     # ---- running the model ---------------------------------------------------------------------
     def _logits(self, ids, positions, cache) -> torch.Tensor:        # -> (b, v), last position
+        with packing(self.packing):
+            return self._model_logits(ids, positions, cache)
+
+    def _model_logits(self, ids, positions, cache) -> torch.Tensor:
         if self._hidden_head:  # the head over the last position only (the prompt can be long)
             hidden = self.model(ids, positions=positions, cache=cache, return_hidden=True)
             return self.model.head(hidden[:, -1:])[:, 0]

@@ -24,7 +24,7 @@ from torch import nn
 
 from archlab.config import ModelConfig
 from archlab.nn.cpu_attention import causal_attention, use_cpu_attention
-from archlab.nn.fused import project
+from archlab.nn.fused import linear, project
 from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
@@ -33,6 +33,10 @@ from archlab.nn.position import AttentionPosition, build_attention_position
 
 def _causal_mask(t: int, s: int, device) -> torch.Tensor:  # (1, 1, t, s): the last t of s keys are queries
     return torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)[None, None]
+
+
+def _heads(z: torch.Tensor, b: int, t: int, n: int, e: int) -> torch.Tensor:   # (b, t, n*e) -> (b, n, t, e)
+    return z.view(b, n, 1, e) if t == 1 else z.view(b, t, n, e).transpose(1, 2)   # one query: a view suffices
 
 
 class Attention(nn.Module):
@@ -79,9 +83,8 @@ class Attention(nn.Module):
         q_norm, k_norm = self.q_norm, self.k_norm
         if self.qk_norm == "full" and q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
-        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)      # (b, h, t, e)
-        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (b, k, t, e)
-        v = v.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)   # (b, k, t, e)
+        q, k, v = (_heads(z, b, t, n, self.head_dim) for z, n in ((q, self.n_heads), (k, self.n_kv_heads),
+                                                                  (v, self.n_kv_heads)))  # (b, h|k, t, e)
         if self.qk_norm in ("per_head", "per_head_untied") and q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         if cache is not None and getattr(cache, "rotates_keys", False):
@@ -103,10 +106,10 @@ class Attention(nn.Module):
             out = self._eager(q, k, v, mask, bias, is_causal)
         else:
             out = self._sdpa(q, k, v, mask, bias, is_causal)
-        out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (b, t, h*e)
+        out = (out.view(b, t, -1) if t == 1 else out.transpose(1, 2).reshape(b, t, -1))  # (b, t, h*e)
         if self.gate_proj is not None:
             out = out * torch.sigmoid(self.gate_proj(x))
-        return self.o_proj(out)
+        return linear(out, self.o_proj)
 
     def attention_backend(self) -> str:
         """The implementation this layer's full-sequence forward runs (recorded in provenance.json)."""

@@ -25,6 +25,10 @@ from archlab.nn.mlp import build_mlp
 from archlab.nn.norms import build_norm
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, shared: dict):
         super().__init__()
@@ -41,8 +45,9 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.block.residual_dropout)
 
     def forward(self, x: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:    # (b, t, d) -> (b, t, d)
-        attn = lambda h: self.drop(self.attn(h, inputs))  # noqa: E731
-        mlp = lambda h: self.drop(self.mlp(h))  # noqa: E731
+        drop = self.drop if self.training else _identity    # no module call per sublayer when decoding
+        attn = lambda h: drop(self.attn(h, inputs))  # noqa: E731
+        mlp = lambda h: drop(self.mlp(h))  # noqa: E731
         if self.parallel:
             y = self.attn_norm(x)
             return x + attn(y) + mlp(self.mlp_norm(x) if self.mlp_norm is not None else y)

@@ -7,37 +7,180 @@ forward keeps only the normalized x and 1/rms, and the backward is 5 passes (for
 1.6x faster on CPU, about 5% of a LLaMA-style training step). RoPE's backward is the transposed
 rotation, one multiply and one multiply-add (1.6x faster in isolation; within the noise of a step).
 tests/test_fused.py checks values and gradients against the composite formulas.
+
+Decoding is the other end: a step over a few rows is dominated by per-op and per-module overhead, so
+without gradients `rms_norm` and `rope_half` run their forward math directly (no autograd.Function), and
+within `packing()` `project` / `linear` multiply by a packed, transposed copy of the weights: at one row
+`x @ W_t` runs MKL's faster gemv layout (~1.3x on the weights that dominate a step). The copies are built
+once per parameter version (`packed`, shared with generation.fast_decode) and cost one extra copy of the
+weights.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import operator
+import weakref
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module
 
-__all__ = ["rms_norm", "rope_half", "project"]
+__all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed", "packing", "DECODE_ROWS"]
+
+DECODE_ROWS = 32   # at most this many rows without gradients: the packed (decode) path of project/linear
+
+
+def _decoding(x: torch.Tensor, modules: Sequence[nn.Module]) -> bool:
+    """A few rows, no gradients, no autocast, no hooks to honour: the packed path applies."""
+    if torch.is_grad_enabled() or x.shape[:-1].numel() > DECODE_ROWS or not _PACKING.get():
+        return False
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return False
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks:
+            return False
+    return not torch.is_autocast_enabled(x.device.type)
+
+
+_PACKING = contextvars.ContextVar("archlab_packing", default=False)
+
+
+@contextlib.contextmanager
+def packing(enabled: bool = True) -> Iterator[None]:
+    """Within `with packing():` the modules decode a few rows through packed weight copies (generation
+    and the server turn it on; off by default, since the copies cost one more copy of the weights)."""
+    token = _PACKING.set(enabled)
+    try:
+        yield
+    finally:
+        _PACKING.reset(token)
+
+
+class _Packed:
+    """W_t (in, sum of outs) and the concatenated bias of some Linears' tensors, with what they were built
+    from (`sources` and their in-place version counters)."""
+
+    __slots__ = ("sources", "versions", "w_t", "bias", "sizes")
+
+    def __init__(self, sources: list[torch.Tensor], weights: list[torch.Tensor], biases: list[torch.Tensor]):
+        self.sources = sources
+        try:
+            self.versions: list[int] | None = list(map(_VERSION, sources))
+        except RuntimeError:   # tensors created under inference_mode have no version counter: no reuse
+            self.versions = None
+        with torch.no_grad():
+            self.w_t = torch.cat(weights).t().contiguous()                    # (in, sum of outs)
+            self.bias = torch.cat(biases) if biases else None
+        self.sizes = [w.shape[0] for w in weights]
+
+    def fresh(self, sources: list[torch.Tensor]) -> bool:
+        """Built from these very tensors, none changed in place since (C-level loops: this runs per step)."""
+        return (self.versions is not None and len(sources) == len(self.sources)
+                and all(map(operator.is_, sources, self.sources)) and list(map(_VERSION, sources)) == self.versions)
+
+
+_VERSION = operator.attrgetter("_version")
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # first Linear (or owner) -> {key: _Packed}
+
+
+def packed(owner: nn.Module, key: str, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> _Packed:
+    """`weights` (out_i, in) concatenated and transposed to (in, sum out_i), `biases` (all or none of
+    them) concatenated; kept per `owner` and `key`, rebuilt when a tensor is replaced or changed in place."""
+    sources = weights + biases
+    slot = _PACKED.get(owner)
+    if slot is None:
+        slot = _PACKED[owner] = {}
+    hit = slot.get(key)
+    if hit is None or not hit.fresh(sources):
+        slot[key] = hit = _Packed(sources, weights, biases)
+    return hit
+
+
+def _packed_linears(linears: tuple[nn.Linear, ...]) -> _Packed | None:
+    """The packed weights of `linears` (None when some have a bias and some do not)."""
+    weights: list[torch.Tensor] = []
+    biases: list[torch.Tensor] = []
+    for lin in linears:
+        params = lin._parameters                     # not lin.weight: Module.__getattr__ is Python, per step
+        weight, bias = params["weight"], params.get("bias")
+        assert weight is not None
+        weights.append(weight)
+        if bias is not None:
+            biases.append(bias)
+    if biases and len(biases) != len(weights):
+        return None
+    return packed(linears[0], _KEYS[len(linears)], weights, biases)
+
+
+def _packed_matmul(x: torch.Tensor, pack: _Packed) -> torch.Tensor:   # (..., in) -> (..., sum of outs)
+    rows = x.view(-1, x.shape[-1])            # 2-D: one mm / addmm, none of matmul's folding ops
+    out = torch.mm(rows, pack.w_t) if pack.bias is None else torch.addmm(pack.bias, rows, pack.w_t)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
-    """(l(x) for l in linears); under autocast as one matmul over the concatenated weights.
+    """(l(x) for l in linears), as one matmul where that pays.
 
-    Autocast casts a float32 input once per matmul, and backward casts each projection's dL/dx back
-    and sums them: for q/k/v that is three casts and two adds each way, for gate/up two and one. One
-    matmul over the concatenated weights casts once and needs no sum (bf16 steps measured 1-9%
-    faster over three runs). Without autocast the concatenation and the split's backward cost what
-    they save, so the projections run one by one; likewise for a few tokens (decoding), where
-    copying the weights would dominate. The parameters stay separate Linears, as checkpoints and the lecture name them.
+    Under autocast, one matmul over the concatenated weights: autocast casts a float32 input once per
+    matmul, and backward casts each projection's dL/dx back and sums them: for q/k/v that is three casts
+    and two adds each way, for gate/up two and one (bf16 steps measured 1-9% faster over three runs).
+    Decoding (a few rows, no gradients): one matmul over the packed, transposed weights (`packed`).
+    Otherwise the concatenation and the split's backward cost what they save, so the projections run one
+    by one. The parameters stay separate Linears, as checkpoints and the lecture name them.
     Example: q, k, v = project(x, (attn.q_proj, attn.k_proj, attn.v_proj))
     """
-    biases: list[torch.Tensor | None] = [linear.bias for linear in linears]
-    fuse = (torch.is_autocast_enabled(x.device.type) and x.shape[:-1].numel() >= x.shape[-1]
-            and len({bias is None for bias in biases}) == 1)
-    if not fuse:
+    if _decoding(x, linears):
+        pack = _packed_linears(linears)
+        if pack is not None:
+            out = _packed_matmul(x, pack)
+            return out.split_with_sizes(pack.sizes, dim=-1) if len(linears) > 1 else (out,)
+    if not (torch.is_autocast_enabled(x.device.type) and x.shape[:-1].numel() >= x.shape[-1]):
         return tuple(linear(x) for linear in linears)
-    weights: list[torch.Tensor] = [linear.weight for linear in linears]
-    weight = torch.cat(weights, dim=0)                                   # (sum of outs, d)
+    biases = [linear.bias for linear in linears]
+    if len({bias is None for bias in biases}) != 1:
+        return tuple(linear(x) for linear in linears)
+    weight = torch.cat([linear.weight for linear in linears], dim=0)    # (sum of outs, d)
     bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
     out = F.linear(x, weight, bias)                                      # (..., sum of outs)
     return out.split([linear.out_features for linear in linears], dim=-1)
+
+
+_KEYS = {n: f"project{n}" for n in range(1, 9)}
+
+
+def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+    """module(x), through the packed weights when decoding (see `project`)."""
+    if _decoding(x, (module,)):
+        pack = _packed_linears((module,))
+        if pack is not None:
+            return _packed_matmul(x, pack)
+    return module(x)
+
+
+def head_linear(x: torch.Tensor, owner: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None
+                ) -> torch.Tensor:
+    """F.linear(x, weight, bias) for an LM head (a matrix that may be the tied embedding, not a
+    Linear), through a packed transposed copy when decoding."""
+    if _decoding(x, (owner,)):
+        return _packed_matmul(x, packed(owner, "head", [weight], [] if bias is None else [bias]))
+    return F.linear(x, weight, bias)
+
+
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The one RMSNorm formula: (y in x's dtype, xhat and 1/rms in float32) for x (..., d).
+    (Casts only where a dtype differs: a decode step is a few rows, where each no-op call shows.)"""
+    xf = x if x.dtype in _WIDE else x.float()         # float32, or float64 for gradcheck
+    ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(xf.shape[-1])
+    rstd = ms.add_(eps).rsqrt_()                      # (..., 1)
+    xhat = xf * rstd                                  # (..., d) float32
+    y = xhat * (weight if weight.dtype == xf.dtype else weight.to(xf.dtype))
+    return (y if y.dtype == x.dtype else y.to(x.dtype)), xhat, rstd
+
+
+_WIDE = (torch.float32, torch.float64)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -45,13 +188,10 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):          # x (..., d), weight (d,)
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))   # float32, or float64 for gradcheck
-        ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(xf.shape[-1])
-        rstd = ms.add_(eps).rsqrt_()                  # (..., 1)
-        xhat = xf * rstd                              # (..., d) float32
+        y, xhat, rstd = _rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(xhat, rstd, weight)     # xhat, not x: backward needs no recompute
         ctx.in_dtype = x.dtype
-        return (xhat * weight.to(xf.dtype)).to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
@@ -67,13 +207,19 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # (..., d) -> same
     """x / rms(x) * weight in float32, returned in x's dtype. Example: y = rms_norm(x, norm.weight, 1e-5)"""
+    if not torch.is_grad_enabled():                   # no backward to save for: the formula alone
+        return _rms_norm_forward(x, weight, eps)[0]
     return _RMSNorm.apply(x, weight, eps)
 
 
 def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     """[x1, x2] -> [x2, x1] over the last dim: a permutation that is its own inverse (and adjoint)."""
-    half = x.shape[-1] // 2
-    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x.roll(x.shape[-1] // 2, dims=-1)                          # one op, not two slices and a cat
+
+
+def _rope_half_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The one half-layout RoPE formula: x [cos, cos] + [x2, x1] [-sin, sin]."""
+    return torch.addcmul(x * cos, _swap_halves(x), sin)
 
 
 class _RopeHalf(torch.autograd.Function):
@@ -84,7 +230,7 @@ class _RopeHalf(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):                    # x (b, h, t, e); cos, sin broadcast to it
         ctx.save_for_backward(cos, sin)
-        return torch.addcmul(x * cos, _swap_halves(x), sin)
+        return _rope_half_forward(x, cos, sin)
 
     @staticmethod
     def backward(ctx, grad):
@@ -95,4 +241,6 @@ class _RopeHalf(torch.autograd.Function):
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate all of x's last dim; cos = [cos, cos] and sin = [-sin, sin] (RotaryEmbedding.tables).
     Example: cos, sin = rope.tables(positions, q.dtype); q = rope_half(q, cos, sin)"""
+    if not torch.is_grad_enabled():
+        return _rope_half_forward(x, cos, sin)
     return _RopeHalf.apply(x, cos, sin)

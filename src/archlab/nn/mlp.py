@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import GATED_ACTIVATIONS, MLPConfig
-from archlab.nn.fused import project
+from archlab.nn.fused import linear, project
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
@@ -56,8 +56,8 @@ class DenseMLP(nn.Module):
             gate, up = project(x, (self.gate_proj, self.up_proj))       # (b, t, f) each
             h = self.act(gate) * up
         else:
-            h = self.act(self.up_proj(x))
-        return self.down_proj(h)
+            h = self.act(linear(x, self.up_proj))
+        return linear(h, self.down_proj)
 
 
 class MoEMLP(nn.Module):

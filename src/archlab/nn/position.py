@@ -219,6 +219,8 @@ class RotaryEmbedding(AttentionPosition):
                tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         r = self.rotary_dim
         cos, sin = self.tables(positions, x.dtype) if tables is None else tables
+        if r == x.shape[-1] and not self.interleaved:      # the whole head rotates (LLaMA): no slices
+            return rope_half(x, cos, sin)
         x_rot, x_pass = x[..., :r], x[..., r:]
         if self.interleaved:
             x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]

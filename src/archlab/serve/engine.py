@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from archlab.errors import UserError
+from archlab.nn.fused import packing
 
 __all__ = ["Engine", "CompletionRequest", "RequestError"]
 
@@ -158,7 +159,8 @@ class Engine:
         device = self.slots.pos.device
         last = torch.tensor([[j.new[-1]] for j in jobs], device=device)               # (b, 1)
         positions = torch.tensor([[self.slots.length[r]] for r in rows], device=device)   # (b, 1)
-        logits = self.model(last, positions=positions, cache=self.slots.view(rows))  # (b, 1, v)
+        with packing():           # the modules decode through packed weights (archlab.nn.fused)
+            logits = self.model(last, positions=positions, cache=self.slots.view(rows))  # (b, 1, v)
         self.rows_per_step[len(rows)] += 1
         for i, job in enumerate(jobs):
             self._guarded(job, self._advance, logits[i, -1])

@@ -124,7 +124,7 @@ def test_model_step_uses_it_and_matches_sdpa(monkeypatch, kv_heads):
                         lambda *a: calls.append(1) or original(*a))
     ours = _grads(model, x, y)
     assert len(calls) == cfg.n_layers
-    monkeypatch.setattr("archlab.nn.attention.use_cpu_attention", lambda q, dropout: False)
+    monkeypatch.setattr(cpu_attention, "use_cpu_attention", lambda q, dropout: False)   # the seam picks SDPA
     sdpa = _grads(model, x, y)
     assert len(calls) == cfg.n_layers
     for name in ours:   # two bf16 backward passes: equal to bf16 rounding

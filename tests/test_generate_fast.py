@@ -109,7 +109,8 @@ def _module_decode_logits(model, ids, mask, pack: bool, steps=12):
     from archlab.nn.fused import packing
     with torch.inference_mode(), packing(pack):
         st = Stepper(model, ids, mask, steps, fast=False)
-        logits, out = st.prefill(), []
+        st.prefill()
+        out = []
         for i in range(steps):
             tokens = (torch.arange(ids.shape[0]) * 7 + i * 3) % model.config.vocab_size
             out.append(st._model_logits(tokens[:, None], st.next_pos, st.cache))

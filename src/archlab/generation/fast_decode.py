@@ -9,7 +9,8 @@ token per row, with the package's own pieces and no math of its own:
     gemv layout at one row), the same cache the modules decode through;
   - norms through `archlab.nn.fused.rms_norm` (RMSNorm) or the norm module itself;
   - q and k rotated in one pass by `archlab.nn.fused.rope_half`, tables built once per step;
-  - the mask from the model's `MaskSpec`, and no mask at all when the query may see every key.
+  - the mask from the model's `MaskSpec` (no mask at all when the query may see every key), and the
+    attention on the backend archlab.nn.attention_backends chooses.
 It shares the model's StaticKVCache (the prompt is prefilled by the model itself) and is tested
 equal to the model's forward (tests/test_generate_fast.py). Anything it does not cover falls back
 to the model: `FastDecoder.supports(model, cache)` says why not, as a string, or None.
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
+from archlab.nn import attention_backends as backends
 from archlab.nn import fused
 from archlab.nn.kv_cache import StaticKVCache
 from archlab.nn.masks import MaskSpec
@@ -195,6 +197,5 @@ class FastDecoder:
         if mask_key not in masks:  # one query that may see every key needs no mask at all
             mask = MaskSpec().with_window(lay.att.window).allows(positions, k_pos)  # (b, 1, 1, s)
             masks[mask_key] = None if bool(mask.all()) else mask
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[mask_key],
-                                             scale=lay.att.scale, enable_gqa=h != k)  # (b, h, 1, e)
+        out, _ = backends.run(backends.AttnCall(q, keys, values, lay.att.scale, mask=masks[mask_key]))  # (b, h, 1, e)
         return _linear(out.view(b, h * e), lay.o)

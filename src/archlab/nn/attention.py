@@ -12,27 +12,22 @@ Variants (each a field of AttentionConfig):
   logit soft-cap          Gemma 2: s -> cap * tanh(s / cap)
   gated attention         Qiu et al. 2025 (arXiv 2505.06708): sigmoid(x W_g) * attn, before W_o
   learned sinks           a per-head logit in the softmax denominator (Xiao et al. 2023; gpt-oss)
-Attention runs through torch's scaled_dot_product_attention whenever the math allows; the eager
-path (soft-cap, sinks, or when probabilities are recorded for diagnostics) is the readable
-reference and is tested equal to SDPA where both apply.
+The layer computes q, k, v, the positions' bias and the mask; the attention itself runs on the backend
+nn/attention_backends.py chooses (SDPA where the math allows, the eager reference for soft-cap, sinks
+or recorded probabilities, the CPU bf16 kernel where it is faster), each tested equal to the eager one.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import ModelConfig
-from archlab.nn.cpu_attention import causal_attention, use_cpu_attention
+from archlab.nn import attention_backends as backends
 from archlab.nn.fused import linear, project
 from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
 from archlab.nn.position import AttentionPosition, build_attention_position
-
-
-def _causal_mask(t: int, s: int, device) -> torch.Tensor:  # (1, 1, t, s): the last t of s keys are queries
-    return torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)[None, None]
 
 
 def _heads(z: torch.Tensor, b: int, t: int, n: int, e: int) -> torch.Tensor:   # (b, t, n*e) -> (b, n, t, e)
@@ -102,20 +97,24 @@ class Attention(nn.Module):
 
         bias = self.position.bias(positions, k_pos)                          # (b, h, t, s) | None
         mask, is_causal = inputs.layer_mask(self.window, positions, k_pos)   # (b, 1, t, s) | None
-        if self.softcap is not None or self.sinks is not None or self.record_probs:
-            out = self._eager(q, k, v, mask, bias, is_causal)
-        else:
-            out = self._sdpa(q, k, v, mask, bias, is_causal)
+        out, probs = backends.run(self._call(q, k, v, mask, is_causal, bias))  # (b, h, t, e)
+        if self.record_probs:
+            self.last_probs = probs
         out = (out.view(b, t, -1) if t == 1 else out.transpose(1, 2).reshape(b, t, -1))  # (b, t, h*e)
         if self.gate_proj is not None:
             out = out * torch.sigmoid(self.gate_proj(x))
         return linear(out, self.o_proj)
 
+    def _call(self, q, k, v, mask, is_causal, bias) -> backends.AttnCall:
+        return backends.AttnCall(q, k, v, self.scale, mask=mask, is_causal=is_causal, bias=bias,
+                                 softcap=self.softcap, sinks=self.sinks, keep_probs=self.record_probs,
+                                 dropout=self.dropout if self.training else 0.0)
+
     def attention_backend(self) -> str:
-        """The implementation this layer's full-sequence forward runs (recorded in provenance.json)."""
-        if self.softcap is not None or self.sinks is not None or self.record_probs:
-            return "eager"
-        return "sdpa"
+        """The backend this layer's full-sequence forward runs (recorded in provenance.json)."""
+        h, k, e = self.n_heads, self.n_kv_heads, self.head_dim
+        q, kv = torch.empty(1, h, 2, e, device="meta"), torch.empty(1, k, 2, e, device="meta")
+        return backends.choose(self._call(q, kv, kv, None, True, None)).name
 
     def _shared_tables(self, positions, dtype, shared: dict | None):
         """RoPE tables once per forward for layers with equal frequencies (None: rotate builds them)."""
@@ -125,44 +124,3 @@ class Attention(nn.Module):
         if (key, dtype) not in shared:
             shared[key, dtype] = self.position.tables(positions, dtype)
         return shared[key, dtype]
-
-    def _sdpa(self, q, k, v, mask, bias, is_causal):
-        if bias is not None:
-            if mask is None and is_causal:  # a bias needs the causal mask beside it, explicitly
-                mask = _causal_mask(q.shape[2], k.shape[2], q.device)
-            attn_mask = bias.to(q.dtype) if mask is None else bias.to(q.dtype).masked_fill(~mask, float("-inf"))
-            is_causal = False
-        else:
-            attn_mask = mask
-        dropout = self.dropout if self.training else 0.0
-        if is_causal and attn_mask is None and use_cpu_attention(q, dropout):
-            return causal_attention(q, k, v, self.scale)   # bf16 on CPU: a faster backward
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal and attn_mask is None,
-            dropout_p=dropout, scale=self.scale,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
-
-    def _eager(self, q, k, v, mask, bias, is_causal):
-        groups = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (b, h, s, e)
-        # upcast to fp32 before softcap and softmax: bf16 logits lose the tail that matters
-        scores = (q @ k.transpose(-1, -2)).float() * self.scale                     # (b, h, t, s)
-        if self.softcap is not None:
-            scores = self.softcap * torch.tanh(scores / self.softcap)
-        if bias is not None:
-            scores = scores + bias
-        t, s = scores.shape[-2:]
-        if mask is None and is_causal:
-            mask = _causal_mask(t, s, q.device)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        if self.sinks is not None:
-            sink = self.sinks.float()[None, :, None, None].expand(scores.shape[0], -1, t, 1)
-            probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
-        else:
-            probs = scores.softmax(-1)
-        if self.record_probs:
-            self.last_probs = probs.detach()
-        probs = F.dropout(probs, self.dropout, self.training)
-        return probs.to(v.dtype) @ v                                                  # (b, h, t, e)

@@ -1,0 +1,107 @@
+"""One attention seam (archlab.nn.attention_backends): every backend equals the eager reference over
+tests/variants.py, logits and gradients, wherever it declares it supports the call; what it refuses
+it says; the usual choice picks what the lecture expects."""
+import pytest
+import torch
+from variants import VARIANTS, variant
+
+from archlab import TransformerLM
+from archlab.nn import attention_backends as backends
+from archlab.nn.attention_backends import AttnCall, forced
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+OTHERS = [name for name in backends.BACKENDS.names() if name != "eager"]
+
+
+class _Counting:
+    """Records which backend ran each call, and why `wanted` did not where it did not (wraps choose)."""
+
+    def __init__(self, monkeypatch, wanted: str):
+        self.ran: list[str] = []
+        self.refusals: list[str | None] = []
+        choose = backends.choose
+
+        def counted(call):
+            backend = choose(call)
+            self.ran.append(backend.name)
+            self.refusals.append(backends.BACKENDS.get(wanted).supports(call))
+            return backend
+        monkeypatch.setattr(backends, "choose", counted)
+
+
+def _logits_and_grads(model, x, backend):
+    model.zero_grad()
+    with forced(backend):
+        logits = model(x)
+    (logits.float().square().mean()).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("backend", OTHERS)
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_backend_equals_the_eager_reference_with_gradients(name, backend, monkeypatch):
+    cfg = variant(name).with_overrides({"attention.dropout": 0.0})
+    model = TransformerLM(cfg).train()
+    torch.manual_seed(1)
+    x = torch.randint(0, cfg.vocab_size, (2, 9))
+    ref, ref_grads = _logits_and_grads(model, x, "eager")
+    counter = _Counting(monkeypatch, backend)
+    got, grads = _logits_and_grads(model, x, backend)
+    for ran, why in zip(counter.ran, counter.refusals):    # forced wherever it supports the call, never elsewhere
+        assert (ran == backend) == (why is None), (ran, why)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def _call(t=5, s=5, **kw) -> AttnCall:
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, t, 8), torch.randn(2, 2, s, 8), torch.randn(2, 2, s, 8)
+    return AttnCall(q, k, v, 8 ** -0.5, **kw)
+
+
+def test_masks_bias_and_padding_agree_with_eager_in_every_backend_that_takes_them():
+    mask = torch.rand(2, 1, 5, 7) > 0.3
+    mask[..., 0] = True                                       # every query sees at least one key
+    bias = torch.randn(2, 4, 5, 7)
+    cases = ({"mask": mask}, {"bias": bias}, {"mask": mask, "bias": bias}, {"is_causal": True, "bias": bias[..., :5]})
+    for kw in cases:
+        s = 5 if kw.get("is_causal") else 7
+        call = _call(s=s, **kw)
+        ref, _ = backends.BACKENDS.get("eager")(call)
+        for name in OTHERS:
+            backend = backends.BACKENDS.get(name)
+            if backend.supports(call) is None:
+                torch.testing.assert_close(backend(call)[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_refusals_name_what_is_missing_and_the_usual_choice():
+    assert "soft-cap" in backends.BACKENDS.get("sdpa").supports(_call(is_causal=True, softcap=30.0))
+    assert "causal" in backends.BACKENDS.get("cpu_causal").supports(_call(mask=torch.ones(1, 1, 5, 5, dtype=bool)))
+    assert backends.choose(_call(is_causal=True)).name == "sdpa"          # float32: SDPA
+    assert backends.choose(_call(is_causal=True, sinks=torch.zeros(4))).name == "eager"
+    assert backends.choose(_call(is_causal=True, keep_probs=True)).name == "eager"
+    with forced("cpu_causal"):
+        assert backends.choose(_call(is_causal=True)).name == "cpu_causal"
+        assert backends.choose(_call(mask=torch.ones(1, 1, 5, 5, dtype=bool))).name == "sdpa"  # falls back
+    with forced("sdpa", strict=True), pytest.raises(ValueError, match="cannot run this call: no soft-cap"):
+        backends.choose(_call(is_causal=True, softcap=30.0))
+    with pytest.raises(Exception, match="unknown attention backend 'flash9'"):
+        with forced("flash9"):
+            pass
+
+
+def test_kept_probabilities_are_the_softmax_rows():
+    out, probs = backends.run(_call(is_causal=True, keep_probs=True))
+    assert probs.shape == (2, 4, 5, 5)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4, 5))
+    assert torch.all(probs.triu(1) == 0)                                 # causal: nothing above the diagonal
+
+
+def test_provenance_names_each_layers_backend():
+    model = TransformerLM(variant("base"))
+    assert {blk.attn.attention_backend() for blk in model.blocks} == {"sdpa"}
+    capped = TransformerLM(variant("base").with_overrides({"attention.logit_softcap": 50.0}))
+    assert {blk.attn.attention_backend() for blk in capped.blocks} == {"eager"}

@@ -66,3 +66,24 @@ def test_layer_pattern_repeats_over_depth():
                       position=PositionConfig(global_kind="none"))
     assert [cfg.is_local(i) for i in range(8)] == [True, True, True, False] * 2
     assert [cfg.position_kind(i) for i in range(4)] == ["rope", "rope", "rope", "none"]
+
+
+def test_layer_spec_resolves_every_per_layer_decision_once():
+    from archlab import presets
+
+    gemma3 = presets.get("gemma3-27b")
+    local, glob = gemma3.layer_spec(0), gemma3.layer_spec(5)          # pattern LLLLLG
+    assert (local.local, local.window, local.rope_theta, local.rope_scaling) == (True, 1024, 10_000.0, None)
+    assert (glob.local, glob.window, glob.rope_theta) == (False, None, 1_000_000.0)
+    assert glob.rope_scaling is not None and glob.rope_scaling.factor == 8.0     # global layers scaled
+    assert local.attn_scale == glob.attn_scale == 168 ** -0.5                    # query_pre_attn_scalar
+    cmd = presets.get("command-a")
+    assert [cmd.layer_spec(i).position_kind for i in range(4)] == ["rope", "rope", "rope", "none"]
+    gpt2 = ModelConfig().with_overrides({"attention.scale_by_inverse_layer": True, "n_layers": 3})
+    scales = [gpt2.layer_spec(i).attn_scale * gpt2.head_dim ** 0.5 for i in range(3)]
+    assert scales == pytest.approx([1, 1 / 2, 1 / 3])                           # GPT-2: / (layer + 1)
+    assert ModelConfig().layer_spec(0).causal and not ModelConfig().layer_spec(0, "encoder").causal
+    with pytest.raises(ConfigError, match="outside"):
+        ModelConfig().layer_spec(99)
+    with pytest.raises(ConfigError, match="stack role"):
+        ModelConfig().layer_spec(0, "sideways")

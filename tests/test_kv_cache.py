@@ -84,7 +84,7 @@ def test_reorder_selects_rows():
 def test_sink_cache_keeps_sinks_and_recent_tokens_with_in_cache_positions():
     cfg = BASE.with_overrides({"attention.n_kv_heads": 2})
     cache = SinkKVCache(cfg, batch=1, sink_tokens=2, window=3)
-    rope = RotaryEmbedding(cfg, 0, {})
+    rope = RotaryEmbedding(cfg, cfg.layer_spec(0))
     identity = lambda x, pos: x  # noqa: E731
     for p in range(9):
         k = _kv(1, 2, 1, cfg.head_dim, p)

@@ -90,7 +90,7 @@ def test_gqa_equals_mha_with_repeated_kv_weights():
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_rope_scores_depend_only_on_offset(layout, fraction):
     cfg = BASE.with_overrides({"position.rope_layout": layout, "position.rotary_fraction": fraction})
-    rope = RotaryEmbedding(cfg, 0, {})
+    rope = RotaryEmbedding(cfg, cfg.layer_spec(0))
     q, k = torch.randn(1, 1, 1, cfg.head_dim), torch.randn(1, 1, 1, cfg.head_dim)
 
     def score(m, n):
@@ -107,7 +107,7 @@ def test_rope_scores_depend_only_on_offset(layout, fraction):
 
 def test_rope_half_layout_hand_computed():
     cfg = BASE.with_overrides({"d_model": 8, "attention.n_heads": 2, "position.rope_theta": 100.0})
-    rope = RotaryEmbedding(cfg, 0, {})
+    rope = RotaryEmbedding(cfg, cfg.layer_spec(0))
     x = torch.tensor([1.0, 2.0, 3.0, 4.0])[None, None, None]
     out = rope.rotate(x, torch.tensor([[1]]))[0, 0, 0]
     # pairs (0, 2) at angle 1 and (1, 3) at angle 1/10 (theta^(-2/4) = 0.1)
@@ -244,7 +244,7 @@ def test_t5_buckets_equal_transformers(bidirectional):
 def test_alibi_is_symmetric_and_equals_the_causal_form_on_the_past():
     from archlab.nn.position import ALiBi
     cfg = BASE.with_overrides({"position.kind": "alibi"})
-    alibi = ALiBi(cfg, 0, {})
+    alibi = ALiBi(cfg, cfg.layer_spec(0))
     pos = torch.arange(5)[None]
     bias = alibi.bias(pos, pos)[0]                                     # (h, 5, 5)
     m = alibi.slopes[:, None, None]

@@ -326,6 +326,26 @@ class InitConfig:
         _positive("init", std=self.std)
 
 
+StackRole = Literal["decoder", "encoder", "cross_decoder"]
+STACK_ROLES: tuple[str, ...] = get_args(StackRole)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerSpec:
+    """One layer's resolved decisions (ModelConfig.layer_spec): what the lecture's table says for it."""
+
+    index: int
+    stack: str = "decoder"                 # decoder (causal), encoder (bidirectional), cross_decoder
+    causal: bool = True
+    local: bool = False                    # a sliding-window layer of the local/global pattern
+    window: int | None = None              # tokens a query sees (itself included), None: all
+    position_kind: str = "rope"            # the position encoding inside attention at this layer
+    rope_theta: float | None = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    attn_scale: float = 1.0                # the softmax temperature: query_pre_attn_scalar**-0.5 ...
+    cross_attention: bool = False          # room: a decoder layer that also attends to an encoder
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A decoder-only Transformer LM. Every row of the lecture's table is one of these."""
@@ -430,6 +450,26 @@ class ModelConfig:
         if not self.is_local(layer) and pos.global_kind is not None:
             return pos.global_kind
         return pos.kind
+
+    def layer_spec(self, layer: int, stack: StackRole = "decoder") -> LayerSpec:
+        """Every per-layer decision, resolved once: the slice of this config that layer `layer` of a
+        `stack` reads (Attention, its position module and Block take it instead of the whole config and
+        an index)."""
+        if not 0 <= layer < self.n_layers:
+            raise ConfigError(f"layer {layer} is outside 0..{self.n_layers - 1}")
+        if stack not in STACK_ROLES:
+            raise ConfigError(f"unknown stack role {stack!r}: one of {', '.join(STACK_ROLES)}")
+        att, pos = self.attention, self.position
+        local = self.is_local(layer)
+        rope_local = local and pos.local_rope_theta is not None
+        scale = (att.query_pre_attn_scalar or self.head_dim) ** -0.5
+        if att.scale_by_inverse_layer:
+            scale /= layer + 1
+        return LayerSpec(index=layer, stack=stack, causal=stack != "encoder", local=local,
+                         window=att.window if local else None, position_kind=self.position_kind(layer),
+                         rope_theta=pos.local_rope_theta if rope_local else pos.rope_theta,
+                         rope_scaling=None if rope_local else pos.rope_scaling,   # Gemma 3: local layers unscaled
+                         attn_scale=scale, cross_attention=stack == "cross_decoder")
 
     # ---- serialization ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

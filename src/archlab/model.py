@@ -40,10 +40,11 @@ class TransformerLM(nn.Module):
         self.abs_position = AbsolutePosition(cfg)
         self.embed_norm = norm() if cfg.norm.embedding_norm else None
         self.embed_drop = nn.Dropout(cfg.embedding_dropout)
-        shared = {}
-        if any(cfg.position_kind(i) == "t5" for i in range(cfg.n_layers)):
-            self.t5_bias = shared["t5"] = T5RelativeBias(cfg)  # one table for all layers (T5)
-        self.blocks = nn.ModuleList(Block(cfg, i, shared) for i in range(cfg.n_layers))
+        specs = [cfg.layer_spec(i) for i in range(cfg.n_layers)]   # every per-layer decision, resolved once
+        t5_table = None
+        if any(spec.position_kind == "t5" for spec in specs):
+            self.t5_bias = t5_table = T5RelativeBias(cfg)  # one table for all layers (T5)
+        self.blocks = nn.ModuleList(Block(cfg, spec, t5_table) for spec in specs)
         self.final_norm = norm() if cfg.norm.final_norm else None
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.bias.head else None

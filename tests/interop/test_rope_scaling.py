@@ -98,7 +98,7 @@ def test_yarn_default_attention_factor_scales_cos_and_sin():
     cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=1, attention=AttentionConfig(n_heads=2),
                       position=PositionConfig(rope_scaling=RopeScaling(
                           kind="yarn", factor=8.0, original_max_seq_len=ORIGINAL)))
-    cos, sin = RotaryEmbedding(cfg, 0, {}).tables(torch.zeros(1, 1, dtype=torch.long), torch.float32)
+    cos, sin = RotaryEmbedding(cfg, cfg.layer_spec(0)).tables(torch.zeros(1, 1, dtype=torch.long), torch.float32)
     torch.testing.assert_close(cos, torch.full_like(cos, 0.1 * math.log(8.0) + 1))
     assert sin.abs().max() == 0
 

@@ -21,13 +21,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from archlab.config import ModelConfig
+from archlab.config import LayerSpec, ModelConfig
 from archlab.nn import attention_backends as backends
 from archlab.nn.fused import linear, project
 from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
-from archlab.nn.position import AttentionPosition, build_attention_position
+from archlab.nn.position import AttentionPosition, T5RelativeBias, build_attention_position
 
 
 def _heads(z: torch.Tensor, b: int, t: int, n: int, e: int) -> torch.Tensor:   # (b, t, n*e) -> (b, n, t, e)
@@ -35,10 +35,10 @@ def _heads(z: torch.Tensor, b: int, t: int, n: int, e: int) -> torch.Tensor:   #
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, shared: dict):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, t5_table: T5RelativeBias | None = None):
         super().__init__()
         att, d = cfg.attention, cfg.d_model
-        self.layer = layer
+        self.layer = spec.index
         self.n_heads, self.n_kv_heads, self.head_dim = att.n_heads, cfg.n_kv_heads, cfg.head_dim
         h_e, k_e = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(d, h_e, bias=cfg.bias.qkv)
@@ -59,10 +59,9 @@ class Attention(nn.Module):
             self.q_norm = build_norm(cfg.norm.kind, self.head_dim if per_head else h_e, cfg.norm.eps, bias)
             self.k_norm = build_norm(cfg.norm.kind, self.head_dim if per_head else k_e, cfg.norm.eps, bias)
 
-        self.window = att.window if cfg.is_local(layer) else None
-        self.position: AttentionPosition = build_attention_position(cfg, layer, shared)
-        scale_dim = att.query_pre_attn_scalar or self.head_dim
-        self.scale = scale_dim ** -0.5 / (layer + 1 if att.scale_by_inverse_layer else 1)
+        self.window = spec.window
+        self.position: AttentionPosition = build_attention_position(cfg, spec, t5_table)
+        self.scale = spec.attn_scale
         self.softcap = att.logit_softcap
         self.clip_qkv = att.clip_qkv
         self.dropout = att.dropout

@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from archlab.config import ModelConfig
+from archlab.config import LayerSpec, ModelConfig
 from archlab.nn.attention import Attention
 from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import build_mlp
 from archlab.nn.norms import build_norm
+from archlab.nn.position import T5RelativeBias
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -30,12 +31,13 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, shared: dict):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, t5_table: T5RelativeBias | None = None):
+        """spec: this layer's decisions (ModelConfig.layer_spec); t5_table: the stack's T5 bias, if any."""
         super().__init__()
         norm = lambda: build_norm(cfg.norm.kind, cfg.d_model, cfg.norm.eps, cfg.bias.norm)  # noqa: E731
         self.position = cfg.norm.position
         self.parallel = cfg.block.parallel
-        self.attn = Attention(cfg, layer, shared)
+        self.attn = Attention(cfg, spec, t5_table)
         self.mlp = build_mlp(cfg.d_model, cfg.mlp, cfg.bias.mlp)
         self.attn_norm = norm()
         two_norms = not self.parallel or cfg.block.parallel_norms == 2

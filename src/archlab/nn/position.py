@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from archlab.config import ModelConfig, RopeScaling
+from archlab.config import LayerSpec, ModelConfig, RopeScaling
 from archlab.nn.fused import rope_half
 from archlab.nn.registry import Registry
 
@@ -48,7 +48,7 @@ class AttentionPosition(nn.Module):
 class NoPosition(AttentionPosition):
     """NoPE: no explicit position signal."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, shared: dict):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, t5_table: T5RelativeBias | None = None):
         super().__init__()
 
 
@@ -179,13 +179,11 @@ class RotaryEmbedding(AttentionPosition):
     inv_freq: torch.Tensor       # registered buffers, typed for the checker
     """RoPE; q.k then depends only on the offset p_q - p_k."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, shared: dict):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, t5_table: T5RelativeBias | None = None):
         super().__init__()
         pos = cfg.position
-        local = cfg.is_local(layer) and pos.local_rope_theta is not None
-        theta = pos.local_rope_theta if local else pos.rope_theta
+        theta, scaling = spec.rope_theta, spec.rope_scaling
         assert theta is not None, "RoPE needs position.rope_theta"
-        scaling = None if local else pos.rope_scaling  # Gemma 3: local layers are unscaled
         self.rotary_dim = cfg.rotary_dim
         self.interleaved = pos.rope_layout == "interleaved"
         inv_freq, self.attention_factor = rope_frequencies(self.rotary_dim, theta, scaling)
@@ -251,7 +249,7 @@ class ALiBi(AttentionPosition):
     it for bidirectional attention; under a causal mask it equals the original -m (i - j)."""
     slopes: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig, layer: int, shared: dict):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, t5_table: T5RelativeBias | None = None):
         super().__init__()
         self.register_buffer("slopes", alibi_slopes(cfg.attention.n_heads), persistent=False)
 
@@ -296,18 +294,22 @@ class T5RelativeBias(nn.Module):
 
 @ATTENTION_POSITIONS.register("t5")
 class T5Bias(AttentionPosition):
-    """Looks up the model's shared T5RelativeBias (held outside the module tree: no duplicates)."""
+    """Looks up its stack's one T5RelativeBias, given explicitly (held outside the module tree: the
+    stack owns its weights, once)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, shared: dict):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, t5_table: T5RelativeBias | None = None):
         super().__init__()
-        self._table = (shared["t5"],)
+        if t5_table is None:
+            raise ValueError("a T5 position layer needs its stack's T5RelativeBias (t5_table)")
+        self._table = (t5_table,)
 
     def bias(self, q_pos, k_pos):
         return self._table[0](q_pos, k_pos)
 
 
-def build_attention_position(cfg: ModelConfig, layer: int, shared: dict) -> AttentionPosition:
-    return ATTENTION_POSITIONS.get(cfg.position_kind(layer))(cfg, layer, shared)
+def build_attention_position(cfg: ModelConfig, spec: LayerSpec,
+                             t5_table: T5RelativeBias | None = None) -> AttentionPosition:
+    return ATTENTION_POSITIONS.get(spec.position_kind)(cfg, spec, t5_table)
 
 
 class AbsolutePosition(nn.Module):

@@ -270,3 +270,18 @@ def test_mask_spec_compiles_to_no_mask_where_nothing_binds_and_to_the_predicate_
     prefix = torch.tensor([3])
     mask, _ = MaskSpec(prefix_lengths=prefix).dense(pos, pos, plain=True)
     assert mask[0, 0, 0, 2] and not mask[0, 0, 0, 3] and not mask[0, 0, 3, 4]
+
+
+def test_training_and_eval_forwards_trace_as_one_graph():
+    """torch.compile sees the whole float32 step: the mask spec, the attention seam and the packed-weight
+    switch add no graph break (a ContextVar or a data-dependent branch would)."""
+    cfg = ModelConfig().with_overrides({"vocab_size": 97, "d_model": 32, "n_layers": 2, "attention.n_heads": 4,
+                                        "attention.n_kv_heads": 2, "mlp.activation": "swiglu", "max_seq_len": 32})
+    model = TransformerLM(cfg)
+    x, y = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
+    torch._dynamo.reset()
+    train = torch._dynamo.explain(lambda a, b: model(a, targets=b).total)(x, y)
+    model.eval()
+    with torch.no_grad():
+        infer = torch._dynamo.explain(lambda a: model(a))(x)
+    assert (train.graph_break_count, infer.graph_break_count) == (0, 0), (train.break_reasons, infer.break_reasons)

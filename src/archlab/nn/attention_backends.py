@@ -14,7 +14,6 @@ block-sparse, FlexAttention) is one more registered class here; layers never cha
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -146,24 +145,25 @@ for _backend in (Eager(), SDPA(), CPUCausal()):
     BACKENDS.register(_backend.name)(_backend)
 ORDER = ("cpu_causal", "sdpa", "eager")        # the first that supports and prefers a call runs it
 _ORDERED = [BACKENDS.get(name) for name in ORDER]
-_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("archlab_attention_backend", default=None)
+_FORCED: str | None = None   # a plain global, not a ContextVar: torch.compile traces through it (no graph break)
 
 
 @contextlib.contextmanager
 def forced(name: str | None, *, strict: bool = False) -> Iterator[None]:
     """Run every call on backend `name` where it supports the call (strict: raise where it does not);
     the usual choice elsewhere. For tests and diagnostics."""
+    global _FORCED
     BACKENDS.get(name) if name is not None else None      # an unknown name fails here
-    token = _FORCED.set(None if name is None else f"{'!' if strict else ''}{name}")
+    before, _FORCED = _FORCED, None if name is None else f"{'!' if strict else ''}{name}"
     try:
         yield
     finally:
-        _FORCED.reset(token)
+        _FORCED = before
 
 
 def choose(call: AttnCall) -> Backend:
     """The backend that runs `call`."""
-    wanted = _FORCED.get()
+    wanted = _FORCED
     if wanted is not None:
         strict = wanted.startswith("!")
         backend = BACKENDS.get(wanted.lstrip("!"))

@@ -18,7 +18,6 @@ weights.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import operator
 import weakref
 from typing import Iterator, Sequence
@@ -35,7 +34,7 @@ DECODE_ROWS = 32   # at most this many rows without gradients: the packed (decod
 
 def _decoding(x: torch.Tensor, modules: Sequence[nn.Module]) -> bool:
     """A few rows, no gradients, no autocast, no hooks to honour: the packed path applies."""
-    if torch.is_grad_enabled() or x.shape[:-1].numel() > DECODE_ROWS or not _PACKING.get():
+    if torch.is_grad_enabled() or x.shape[:-1].numel() > DECODE_ROWS or not _PACKING:
         return False
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return False
@@ -45,18 +44,19 @@ def _decoding(x: torch.Tensor, modules: Sequence[nn.Module]) -> bool:
     return not torch.is_autocast_enabled(x.device.type)
 
 
-_PACKING = contextvars.ContextVar("archlab_packing", default=False)
+_PACKING = 0   # depth of packing() blocks; a plain global, which torch.compile traces (a ContextVar breaks graphs)
 
 
 @contextlib.contextmanager
 def packing(enabled: bool = True) -> Iterator[None]:
     """Within `with packing():` the modules decode a few rows through packed weight copies (generation
     and the server turn it on; off by default, since the copies cost one more copy of the weights)."""
-    token = _PACKING.set(enabled)
+    global _PACKING
+    before, _PACKING = _PACKING, (_PACKING + 1 if enabled else 0)
     try:
         yield
     finally:
-        _PACKING.reset(token)
+        _PACKING = before
 
 
 class _Packed:

@@ -101,40 +101,25 @@ def attention_scores(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
     """Raw attention logits q.k * scale per layer, (b, h, t, s), -inf where masked; before soft-cap and
     before position biases (ALiBi/T5), i.e. the quantity whose growth Wortsman et al. track.
 
-    Recomputed from each attention module's own projections, norms and rotary step on the input the
-    module receives (a forward pre-hook), so it follows the model's configuration.
+    Read from each layer's own attention call (archlab.nn.attention_backends.observe): the q and k it
+    computed, norms, clipping and rotation included, and its mask.
     """
-    from archlab.nn.masks import MaskSpec
+    from archlab.nn.attention_backends import AttnCall, observe
 
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     model.eval()
     scores: list[torch.Tensor] = []
 
-    def hook(attn, args, kwargs):
-        x = args[0]
-        positions = (args[1] if len(args) > 1 else kwargs["inputs"]).positions
-        b, t, _ = x.shape
-        q, k = attn.q_proj(x), attn.k_proj(x)
-        if attn.qk_norm == "full":
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = q.view(b, t, attn.n_heads, attn.head_dim).transpose(1, 2)        # (b, h, t, e)
-        k = k.view(b, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)     # (b, k, t, e)
-        if attn.qk_norm == "per_head":
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = attn.position.rotate(q, positions), attn.position.rotate(k, positions)
-        k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)    # (b, h, t, e)
-        s = (q @ k.transpose(-1, -2)).float() * attn.scale                   # (b, h, t, t)
-        mask = MaskSpec().with_window(attn.window).allows(positions, positions)  # (b, 1, t, t)
-        scores.append(s.masked_fill(~mask, float("-inf")))
+    def record(call: AttnCall) -> None:
+        k = call.k.repeat_interleave(call.q.shape[1] // call.k.shape[1], dim=1)      # (b, h, s, e)
+        s = (call.q @ k.transpose(-1, -2)).float() * call.scale                       # (b, h, t, s)
+        mask = call.dense_mask()
+        scores.append(s if mask is None else s.masked_fill(~mask, float("-inf")))
 
-    hooks = [a.register_forward_pre_hook(hook, with_kwargs=True) for a in _attn_modules(model)]
-    try:
-        device = next(model.parameters()).device
+    device = next(model.parameters()).device
+    with torch.no_grad(), observe(record):
         model(input_ids.to(device))
-    finally:
-        for h in hooks:
-            h.remove()
     return scores
 
 

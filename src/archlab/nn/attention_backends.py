@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from archlab.nn import cpu_attention
 from archlab.nn.registry import Registry
 
-__all__ = ["AttnCall", "BACKENDS", "ORDER", "choose", "forced", "run"]
+__all__ = ["AttnCall", "BACKENDS", "ORDER", "choose", "forced", "observe", "run"]
 
 
 @dataclass
@@ -178,6 +178,23 @@ def choose(call: AttnCall) -> Backend:
     raise AssertionError("the eager backend supports every call")
 
 
+_OBSERVER: Callable[[AttnCall], None] | None = None   # a plain global: torch.compile traces the check
+
+
+@contextlib.contextmanager
+def observe(fn: Callable[[AttnCall], None]) -> Iterator[None]:
+    """Call fn(call) with every call, in layer order, before it runs: diagnostics read the q and k the
+    layers really computed (norms, clipping, rotation included) instead of recomputing them."""
+    global _OBSERVER
+    before, _OBSERVER = _OBSERVER, fn
+    try:
+        yield
+    finally:
+        _OBSERVER = before
+
+
 def run(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out (b, h, t, e), probabilities or None) of `call` on the backend `choose` picks."""
+    if _OBSERVER is not None:
+        _OBSERVER(call)
     return choose(call)(call)

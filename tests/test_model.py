@@ -285,3 +285,56 @@ def test_training_and_eval_forwards_trace_as_one_graph():
     with torch.no_grad():
         infer = torch._dynamo.explain(lambda a: model(a))(x)
     assert (train.graph_break_count, infer.graph_break_count) == (0, 0), (train.break_reasons, infer.break_reasons)
+
+
+def _stack_outputs(role, cfg, x, positions):
+    from archlab.nn.masks import AttnInputs
+    from archlab.nn.position import T5RelativeBias
+    from archlab.nn.stack import TransformerStack
+
+    torch.manual_seed(0)
+    table = T5RelativeBias(cfg, bidirectional=role == "encoder") if cfg.position.kind == "t5" else None
+    stack = TransformerStack(cfg, role, table).eval()
+    return stack, stack(x, AttnInputs(positions, stack.mask_spec(), plain=True))
+
+
+@pytest.mark.parametrize("pos", ["rope", "alibi", "t5", "none"])
+def test_one_stack_serves_decoder_and_encoder_roles(pos):
+    """The same stack class: as a decoder a token never sees the ones after it; as an encoder every
+    token does; the encoder's SDPA and eager backends agree (a bidirectional call: no mask at all)."""
+    from archlab.nn.attention_backends import forced
+
+    cfg = ModelConfig().with_overrides({"d_model": 32, "n_layers": 2, "attention.n_heads": 4, "position.kind": pos,
+                                        "mlp.d_ff": 64, "max_seq_len": 16})
+    x = torch.randn(2, 6, 32)
+    y = x.clone()
+    y[:, -1] += 1.0                                                      # change only the last token
+    positions = torch.arange(6)[None]
+    with torch.no_grad():
+        dec, a = _stack_outputs("decoder", cfg, x, positions)
+        _, b = _stack_outputs("decoder", cfg, y, positions)
+        enc, c = _stack_outputs("encoder", cfg, x, positions)
+        _, d = _stack_outputs("encoder", cfg, y, positions)
+        with forced("eager"):
+            _, c_eager = _stack_outputs("encoder", cfg, x, positions)
+    assert dec.causal and not enc.causal and [blk.attn.layer for blk in enc] == [0, 1]
+    torch.testing.assert_close(a[:, :-1], b[:, :-1])                   # causal: earlier tokens unchanged
+    assert (c[:, :-1] - d[:, :-1]).abs().max() > 1e-4                   # bidirectional: they change
+    torch.testing.assert_close(c, c_eager, rtol=1e-5, atol=1e-5)
+
+
+def test_the_lm_is_embedder_stack_head_with_its_old_state_dict_keys():
+    from archlab.nn.stack import TransformerStack
+
+    model = TransformerLM(ModelConfig().with_overrides({"d_model": 32, "n_layers": 2, "attention.n_heads": 4,
+                                                        "vocab_size": 50, "max_seq_len": 16}))
+    assert isinstance(model.blocks, TransformerStack) and model.blocks.role == "decoder"
+    keys = set(model.state_dict())
+    assert {"embed.weight", "blocks.0.attn.q_proj.weight", "blocks.1.mlp.down_proj.weight"} <= keys
+    assert not any(k.startswith(("stack.", "embedder.")) for k in keys)
+    x = torch.randint(0, 50, (2, 5))
+    with torch.no_grad():
+        from archlab.nn.masks import AttnInputs
+        hidden = model.blocks(model.embed_tokens(x, torch.arange(5)[None]),
+                              AttnInputs(torch.arange(5)[None], model.blocks.mask_spec(), plain=True))
+        torch.testing.assert_close(model.head(model.final_norm(hidden)), model(x))

@@ -1,4 +1,5 @@
-"""TransformerLM: token embedding -> blocks -> final norm -> LM head, every choice from ModelConfig.
+"""TransformerLM: embedder (embed_tokens) -> TransformerStack("decoder") -> final norm -> LM head, every
+choice from ModelConfig.
 
 Read top to bottom: the variants live in archlab.nn (norms, mlp, position, attention, block);
 this file only wires them. Parallelism, compilation and checkpointing are applied to a built
@@ -14,13 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import ModelConfig
-from archlab.nn.block import Block
 from archlab.nn.fused import head_linear
 from archlab.nn.fused_loss import linear_cross_entropy
-from archlab.nn.masks import AttnInputs, MaskSpec
+from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import MoEMLP
 from archlab.nn.norms import build_norm
 from archlab.nn.position import AbsolutePosition, T5RelativeBias
+from archlab.nn.stack import TransformerStack
 
 
 @dataclass
@@ -40,11 +41,10 @@ class TransformerLM(nn.Module):
         self.abs_position = AbsolutePosition(cfg)
         self.embed_norm = norm() if cfg.norm.embedding_norm else None
         self.embed_drop = nn.Dropout(cfg.embedding_dropout)
-        specs = [cfg.layer_spec(i) for i in range(cfg.n_layers)]   # every per-layer decision, resolved once
         t5_table = None
-        if any(spec.position_kind == "t5" for spec in specs):
+        if any(cfg.position_kind(i) == "t5" for i in range(cfg.n_layers)):
             self.t5_bias = t5_table = T5RelativeBias(cfg)  # one table for all layers (T5)
-        self.blocks = nn.ModuleList(Block(cfg, spec, t5_table) for spec in specs)
+        self.blocks = TransformerStack(cfg, "decoder", t5_table)   # a ModuleList: keys stay blocks.{i}.
         self.final_norm = norm() if cfg.norm.final_norm else None
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.bias.head else None
@@ -106,9 +106,21 @@ class TransformerLM(nn.Module):
             raise ValueError("prefix_lengths given but config.attention.prefix_lm is False")
         # what attends to what, built once: every block reads it (with a cache, layers also share
         # RoPE tables and masks through `shared`)
-        inputs = AttnInputs(positions, MaskSpec(causal=True, prefix_lengths=prefix_lengths), cache=cache,
+        inputs = AttnInputs(positions, self.blocks.mask_spec(prefix_lengths), cache=cache,
                             plain=plain, shared={} if cache is not None else None)
+        x = self.embed_tokens(input_ids, positions)                          # (b, t, d)
+        x = self.blocks(x, inputs)                                           # (b, t, d)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if return_hidden:
+            return x
+        if targets is not None:  # through forward, so DDP/FSDP/compile wrappers see the whole step
+            return self.loss_from_hidden(x, targets)
+        return self.head(x)
 
+    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The embedder: token vectors (scaled as Gemma), absolute positions where the config adds them at
+        the input, the embedding norm and dropout. (b, t) -> (b, t, d)."""
         x = self.embed(input_ids)                                            # (b, t, d)
         if self.config.scale_embeddings:  # Gemma: sqrt(d) rounded to the activation dtype
             x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
@@ -119,15 +131,7 @@ class TransformerLM(nn.Module):
             x = self.embed_norm(x)
         if self.training:
             x = self.embed_drop(x)
-        for block in self.blocks:
-            x = block(x, inputs)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        if return_hidden:
-            return x
-        if targets is not None:  # through forward, so DDP/FSDP/compile wrappers see the whole step
-            return self.loss_from_hidden(x, targets)
-        return self.head(x)
+        return x
 
     @property
     def head_weight(self) -> torch.Tensor:  # (v, d): the LM head, or the embedding when tied

@@ -1,0 +1,44 @@
+"""One stack of Transformer layers whose role is configuration, as HF's one `T5Stack` serves both sides:
+
+    decoder         causal self-attention (GPT, LLaMA; T5's and BART's decoders without their context)
+    encoder         bidirectional self-attention (BERT; T5's and BART's encoders)
+    cross_decoder   room: a decoder whose layers also attend to an encoder's output (next step)
+
+The stack is a ModuleList of Blocks (so `model.blocks[i]` and the checkpoint keys `blocks.{i}.` stay as
+they were) with a forward: it resolves each layer's decisions once (ModelConfig.layer_spec) and says what
+attends to what (`mask_spec`). The decoder-only LM is embedding -> TransformerStack("decoder") -> head.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from archlab.config import STACK_ROLES, ConfigError, ModelConfig, StackRole
+from archlab.nn.block import Block
+from archlab.nn.masks import AttnInputs, MaskSpec
+from archlab.nn.position import T5RelativeBias
+
+__all__ = ["TransformerStack"]
+
+
+class TransformerStack(nn.ModuleList):
+    def __init__(self, cfg: ModelConfig, role: StackRole = "decoder", t5_table: T5RelativeBias | None = None):
+        """t5_table: the stack's one T5 bias table (built by the model that owns its weights), if any."""
+        if role not in STACK_ROLES:
+            raise ConfigError(f"unknown stack role {role!r}: one of {', '.join(STACK_ROLES)}")
+        if role == "cross_decoder":
+            raise ConfigError("cross-attention stacks arrive with the encoder-decoder models (not built yet)")
+        specs = [cfg.layer_spec(i, role) for i in range(cfg.n_layers)]   # every per-layer decision, once
+        super().__init__(Block(cfg, spec, t5_table) for spec in specs)
+        self.role = role
+        self.causal = role != "encoder"
+
+    def mask_spec(self, prefix_lengths: torch.Tensor | None = None,
+                  key_padding: torch.Tensor | None = None) -> MaskSpec:
+        """What attends to what in this stack: causal or not by role, plus a prefix-LM prefix or padding."""
+        return MaskSpec(causal=self.causal, prefix_lengths=prefix_lengths, key_padding=key_padding)
+
+    def forward(self, x: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:   # (b, t, d) -> (b, t, d)
+        for block in self:
+            x = block(x, inputs)
+        return x

@@ -273,18 +273,21 @@ def test_mask_spec_compiles_to_no_mask_where_nothing_binds_and_to_the_predicate_
 
 
 def test_training_and_eval_forwards_trace_as_one_graph():
-    """torch.compile sees the whole float32 step: the mask spec, the attention seam and the packed-weight
-    switch add no graph break (a ContextVar or a data-dependent branch would)."""
+    """torch.compile sees the whole step, float32 and bf16 autocast: the mask spec, the attention seam and
+    the packed-weight switch add no graph break (a ContextVar or a data-dependent branch would)."""
     cfg = ModelConfig().with_overrides({"vocab_size": 97, "d_model": 32, "n_layers": 2, "attention.n_heads": 4,
                                         "attention.n_kv_heads": 2, "mlp.activation": "swiglu", "max_seq_len": 32})
     model = TransformerLM(cfg)
     x, y = torch.randint(0, 97, (2, 16)), torch.randint(0, 97, (2, 16))
     torch._dynamo.reset()
     train = torch._dynamo.explain(lambda a, b: model(a, targets=b).total)(x, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):     # the CPU bf16 kernel's probe stays outside the graph
+        bf16 = torch._dynamo.explain(lambda a, b: model(a, targets=b).total)(x, y)
     model.eval()
     with torch.no_grad():
         infer = torch._dynamo.explain(lambda a: model(a))(x)
-    assert (train.graph_break_count, infer.graph_break_count) == (0, 0), (train.break_reasons, infer.break_reasons)
+    breaks = (train.graph_break_count, bf16.graph_break_count, infer.graph_break_count)
+    assert breaks == (0, 0, 0), (train.break_reasons, bf16.break_reasons, infer.break_reasons)
 
 
 def _stack_outputs(role, cfg, x, positions):

@@ -35,10 +35,10 @@ def use_cpu_attention(q: torch.Tensor, dropout: float) -> bool:
     """Whether causal_attention should replace SDPA: bf16 on a CPU with bf16 matmul units, eager, up
     to MAX_LEN queries, with a backward to run. (Where bf16 is emulated, AVX2 alone, SDPA's backward
     is the faster one: 150 vs 195 ms for the shapes above.)"""
-    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and dropout == 0.0
-            and has_native_bf16(q.device)
+    return (not torch.compiler.is_compiling()       # first: the CPU feature probe below breaks graphs
+            and q.device.type == "cpu" and q.dtype == torch.bfloat16 and dropout == 0.0
             and q.shape[-2] <= MAX_LEN and torch.is_grad_enabled() and q.requires_grad
-            and not torch.compiler.is_compiling())
+            and has_native_bf16(q.device))
 
 
 class _CausalAttention(torch.autograd.Function):

@@ -156,3 +156,14 @@ def test_module_packed_weights_follow_in_place_changes_and_hooks_see_every_step(
     model.blocks[0].mlp.down_proj.register_forward_hook(lambda *a: calls.append(1))
     _module_decode_logits(model, ids, mask, pack=True, steps=4)
     assert len(calls) == 5                               # a hooked Linear runs as its module: prefill + 4
+
+
+def test_forward_hooks_on_a_block_fire_at_every_cached_decode_step():
+    model = TransformerLM(variant("base")).eval()
+    shapes = []
+    model.blocks[0].register_forward_hook(lambda mod, args, out: shapes.append(tuple(out.shape)))
+    prompt = torch.randint(0, model.config.vocab_size, (2, 5))
+    out = archlab.generate(model, prompt, max_new_tokens=6)
+    d = model.config.d_model
+    assert shapes == [(2, 5, d)] + [(2, 1, d)] * 5            # the prefill, then each cached step
+    assert torch.equal(out, archlab.generate(model, prompt, max_new_tokens=6, use_cache=False))

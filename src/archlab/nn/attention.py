@@ -21,13 +21,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from archlab.config import LayerSpec, ModelConfig
+from archlab.config import AttentionConfig, BiasConfig, LayerSpec, NormConfig
 from archlab.nn import attention_backends as backends
 from archlab.nn.fused import linear, project
 from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
-from archlab.nn.position import AttentionPosition, T5RelativeBias, build_attention_position
+from archlab.nn.position import AttentionPosition
 
 
 def _heads(z: torch.Tensor, b: int, t: int, n: int, e: int) -> torch.Tensor:   # (b, t, n*e) -> (b, n, t, e)
@@ -35,16 +35,19 @@ def _heads(z: torch.Tensor, b: int, t: int, n: int, e: int) -> torch.Tensor:   #
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec, t5_table: T5RelativeBias | None = None):
+    def __init__(self, d: int, att: AttentionConfig, spec: LayerSpec, position: AttentionPosition, *,
+                 bias: BiasConfig, norm: NormConfig):
+        """Its own slice of the config, as DenseMLP: the attention axis, this layer's spec, the position
+        module built for it (Block: build_attention_position), and the bias and norm choices it reads."""
         super().__init__()
-        att, d = cfg.attention, cfg.d_model
         self.layer = spec.index
-        self.n_heads, self.n_kv_heads, self.head_dim = att.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads = att.n_heads, att.kv_heads
+        self.head_dim = att.head_dim or d // att.n_heads
         h_e, k_e = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(d, h_e, bias=cfg.bias.qkv)
-        self.k_proj = nn.Linear(d, k_e, bias=cfg.bias.qkv)
-        self.v_proj = nn.Linear(d, k_e, bias=cfg.bias.qkv)
-        self.o_proj = mark_residual_out(nn.Linear(h_e, d, bias=cfg.bias.attn_out))
+        self.q_proj = nn.Linear(d, h_e, bias=bias.qkv)
+        self.k_proj = nn.Linear(d, k_e, bias=bias.qkv)
+        self.v_proj = nn.Linear(d, k_e, bias=bias.qkv)
+        self.o_proj = mark_residual_out(nn.Linear(h_e, d, bias=bias.attn_out))
         self.gate_proj = nn.Linear(d, h_e, bias=False) if att.gated else None
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if att.learned_sinks else None
 
@@ -52,15 +55,15 @@ class Attention(nn.Module):
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         if att.qk_norm == "per_head_untied":
-            self.q_norm = HeadwiseNorm(cfg.norm.kind, self.n_heads, self.head_dim, cfg.norm.eps)
-            self.k_norm = HeadwiseNorm(cfg.norm.kind, self.n_kv_heads, self.head_dim, cfg.norm.eps)
+            self.q_norm = HeadwiseNorm(norm.kind, self.n_heads, self.head_dim, norm.eps)
+            self.k_norm = HeadwiseNorm(norm.kind, self.n_kv_heads, self.head_dim, norm.eps)
         elif att.qk_norm != "none":
-            per_head, bias = att.qk_norm == "per_head", cfg.bias.qk_norm
-            self.q_norm = build_norm(cfg.norm.kind, self.head_dim if per_head else h_e, cfg.norm.eps, bias)
-            self.k_norm = build_norm(cfg.norm.kind, self.head_dim if per_head else k_e, cfg.norm.eps, bias)
+            per_head, qk_bias = att.qk_norm == "per_head", bias.qk_norm
+            self.q_norm = build_norm(norm.kind, self.head_dim if per_head else h_e, norm.eps, qk_bias)
+            self.k_norm = build_norm(norm.kind, self.head_dim if per_head else k_e, norm.eps, qk_bias)
 
         self.window = spec.window
-        self.position: AttentionPosition = build_attention_position(cfg, spec, t5_table)
+        self.position = position
         self.scale = spec.attn_scale
         self.softcap = att.logit_softcap
         self.clip_qkv = att.clip_qkv

@@ -23,7 +23,7 @@ from archlab.nn.attention import Attention
 from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import build_mlp
 from archlab.nn.norms import build_norm
-from archlab.nn.position import T5RelativeBias
+from archlab.nn.position import T5RelativeBias, build_attention_position
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -37,7 +37,8 @@ class Block(nn.Module):
         norm = lambda: build_norm(cfg.norm.kind, cfg.d_model, cfg.norm.eps, cfg.bias.norm)  # noqa: E731
         self.position = cfg.norm.position
         self.parallel = cfg.block.parallel
-        self.attn = Attention(cfg, spec, t5_table)
+        position = build_attention_position(cfg, spec, t5_table)
+        self.attn = Attention(cfg.d_model, cfg.attention, spec, position, bias=cfg.bias, norm=cfg.norm)
         self.mlp = build_mlp(cfg.d_model, cfg.mlp, cfg.bias.mlp)
         self.attn_norm = norm()
         two_norms = not self.parallel or cfg.block.parallel_norms == 2

@@ -70,3 +70,20 @@ def test_cli_bad_arguments_are_one_line_and_print_no_prompt(run_dir, capsys, fla
     assert main(["generate", str(root), "--prompt", "ROMEO:", flag, value]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and captured.err.count("\n") == 1 and "ROMEO" not in captured.out
+
+
+@pytest.mark.parametrize("extra", [[], ["--temperature", "1.5", "--seed", "3"], ["--num-beams", "2"]])
+def test_cli_on_a_model_padded_past_its_tokenizer_prints_only_decodable_text(tmp_path, capsys, extra):
+    """The embedding has 300 rows for a 257-id tokenizer and the padding rows would win every pick:
+    the CLI decodes inside the tokenizer's vocabulary (no TokenIdError, text of 12 bytes at most)."""
+    import torch
+    cfg = BASE.with_overrides({"vocab_size": 300, "bias.head": True, "max_seq_len": 48})
+    model = archlab.TransformerLM(cfg).eval()
+    with torch.no_grad():
+        model.head_bias[257:] = 50.0
+    write_run_config(tmp_path, cfg.to_dict(), {}, {})
+    save_checkpoint(tmp_path / "checkpoints", 5, model.state_dict(), {})
+    Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]).save(tmp_path / "tokenizer")
+    assert main(["generate", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "12", *extra]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("hi") and len(out.encode()) <= len("hi") + 12 * 3 + 1

@@ -148,3 +148,45 @@ def test_sampled_tokens_stay_in_top_k_support_through_generate():
     for row in out.tolist():
         for prev, nxt in zip(row[:-1], row[1:]):
             assert nxt in top2[prev].tolist()
+
+
+def _padded_model():
+    """A model whose embedding (300 ids) is padded past a 257-id byte tokenizer, the padded rows winning."""
+    from variants import BASE
+
+    from archlab import TransformerLM
+    model = TransformerLM(BASE.with_overrides({"vocab_size": 300, "bias.head": True})).eval()
+    with torch.no_grad():
+        model.head_bias[257:] = 50.0                      # untrained padding rows that would win every pick
+    return model
+
+
+def test_vocab_limit_keeps_decoding_inside_the_tokenizers_vocabulary():
+    from archlab.generation.stepper import vocab_limit
+    from archlab.tokenizer import Tokenizer
+
+    model = _padded_model()
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    limit = vocab_limit(model, tok)
+    assert limit == 257 and vocab_limit(_padded_model(), None) is None
+    prompt = torch.tensor([[72, 105], [33, 33]])
+    free = archlab.generate(model, prompt, max_new_tokens=8)
+    assert bool((free[:, 2:] >= 257).all())                 # without the limit the padding wins
+    for kw in ({}, {"temperature": 5.0, "seed": 0}, {"num_beams": 3}):
+        out = archlab.generate(model, prompt, max_new_tokens=8, vocab_limit=limit, **kw)
+        assert bool((out[:, 2:] < 257).all()), kw
+        tok.decode(out[0].tolist())                         # decodable
+
+
+def test_the_server_never_samples_a_padded_id():
+    pytest.importorskip("fastapi")
+    from archlab.serve import CompletionRequest, Engine
+    from archlab.tokenizer import Tokenizer
+
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    engine = Engine(_padded_model(), tok, "padded")
+    for temperature in (0.0, 2.0):
+        deltas = list(engine.complete(CompletionRequest(prompt="Hi", max_tokens=6, temperature=temperature, seed=1)))
+        assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == 6   # no decode error
+        text = "".join(d.text for d in deltas)
+        assert all(t < 257 for t in tok.encode(text))

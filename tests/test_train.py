@@ -261,3 +261,15 @@ def test_dist_strategy_is_set_as_the_issue_spells_it():
     assert TrainConfig().with_overrides({"train.dist_strategy": "fsdp"}).dist_strategy == "fsdp"
     with pytest.raises(ConfigError, match="dist.strategy='zero3' is not one of"):   # named as written
         TrainConfig().with_overrides({"dist.strategy": "zero3"})
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_samples_decodable_text(data_dir, tmp_path):
+    """vocab_size 320 for the 257-id byte tokenizer (padding to a multiple of 64 is common): the sample
+    points draw only ids the tokenizer can decode, so the run does not die at its first sample."""
+    cfg = ModelConfig(vocab_size=320, d_model=32, n_layers=2, max_seq_len=64, attention={"n_heads": 4},
+                      bias={"head": True})
+    result = train(cfg, TrainConfig(**{**FAST, "sample_every": 2, "sample_tokens": 40, "sample_temperature": 1.0},
+                                    budget=4), data_dir, tmp_path / "run", progress=False)
+    assert result.steps == 4
+    samples = (tmp_path / "run" / "samples.txt").read_text()
+    assert samples.count("=== step") >= 2

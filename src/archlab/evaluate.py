@@ -80,11 +80,11 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
 @torch.no_grad()
 def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.8,
                top_k: int | None = 50, seed: int = 0, device: str | torch.device = "cpu",
-               use_generate: bool = True) -> list[int]:
+               use_generate: bool = True, vocab_limit: int | None = None) -> list[int]:
     """New token ids after `prompt`: archlab.generate when it is available and the sample fits the
     context, else a plain loop (full forward per token, no cache, a window sliding past the context).
     Temperature 0 is greedy. Draws from a private generator, so the caller's RNG stream (and hence a
-    resumed run) is untouched."""
+    resumed run) is untouched. vocab_limit: only ids below it (a model padded past its tokenizer)."""
     device = torch.device(device)
     was_training = model.training
     model.eval()
@@ -92,7 +92,8 @@ def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temp
         limit = model.config.max_seq_len if hasattr(model, "config") else None
         fits = limit is None or len(prompt) + max_new_tokens <= limit   # else: the sliding loop below
         if use_generate and fits:
-            ids = _try_archlab_generate(model, prompt, max_new_tokens, temperature, top_k, seed, device)
+            ids = _try_archlab_generate(model, prompt, max_new_tokens, temperature, top_k, seed, device,
+                                        vocab_limit)
             if ids is not None:
                 return ids
         gen = torch.Generator(device=device).manual_seed(seed)
@@ -100,7 +101,7 @@ def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temp
         out = []
         for _ in range(max_new_tokens):
             window = x if limit is None else x[:, -limit:]
-            logits = model(window)[:, -1].float()                            # (1, v)
+            logits = model(window)[:, -1, :vocab_limit].float()              # (1, v)
             if temperature <= 0:
                 nxt = logits.argmax(-1, keepdim=True)
             else:
@@ -116,13 +117,14 @@ def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temp
         model.train(was_training)
 
 
-def _try_archlab_generate(model, prompt, max_new_tokens, temperature, top_k, seed, device):
+def _try_archlab_generate(model, prompt, max_new_tokens, temperature, top_k, seed, device, vocab_limit=None):
     """archlab.generation.generate (KV cache): prompt (t,) -> prompt + new ids (t + n,)."""
     from archlab.generation import generate
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             out = generate(model, torch.tensor(prompt, dtype=torch.long, device=device),
-                           max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+                           max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                           vocab_limit=vocab_limit)
     except Exception as exc:  # a sample must never stop a training run
         warnings.warn(f"archlab.generate failed ({exc}); sampling with the plain loop", stacklevel=2)
         return None

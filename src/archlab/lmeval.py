@@ -87,8 +87,10 @@ class ArchlabLM(LM):
             until = [until] if isinstance(until, str) else list(until)
             prompt = self.tokenizer.encode(context)[-(self.max_length - 1):]
             new = min(int(kwargs.get("max_gen_toks", 256)), self.max_length - len(prompt))
+            from archlab.generation.stepper import vocab_limit
             ids = archlab.generate(self.model, torch.tensor(prompt, device=self._device), new,
-                                   eos_token_id=self.eot)[len(prompt):].tolist()
+                                   eos_token_id=self.eot, vocab_limit=vocab_limit(self.model, self.tokenizer)
+                                   )[len(prompt):].tolist()
             text = self.tokenizer.decode([t for t in ids if t != self.eot])
             for stop in until:
                 if stop and stop in text:

@@ -124,14 +124,16 @@ def run(args) -> int:
         raise UserError(f"--sink-tokens {args.sink_tokens} + --sink-window {args.sink_window} must fit the model's "
                         f"context max_seq_len={context}: use --sink-window {context - args.sink_tokens}")
     eos = getattr(tok, "eot_id", None)
+    from archlab.generation.stepper import vocab_limit
+    limit = vocab_limit(model, tok)
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
               repetition_penalty=args.repetition_penalty, seed=args.seed, eos_token_id=eos,
               stop_strings=args.stop, tokenizer=tok if args.stop else None,
               sink_window=args.sink_window,
-              sink_tokens=args.sink_tokens if args.sink_window is not None else None)
+              sink_tokens=args.sink_tokens if args.sink_window is not None else None, vocab_limit=limit)
     try:
         if args.num_beams > 1:
-            kw = {k: v for k, v in kw.items() if k in ("eos_token_id",)}
+            kw = {k: v for k, v in kw.items() if k in ("eos_token_id", "vocab_limit")}
             ids = archlab.generate(model, prompt, args.max_new_tokens, num_beams=args.num_beams,
                                    length_penalty=args.length_penalty, **kw)
             print(args.prompt + _continuation(tok, prompt, _strip(ids[len(prompt):].tolist(), eos)))
@@ -162,3 +164,4 @@ def _continuation(tok, prompt: list[int], new: list[int]) -> str:
 
 def _strip(ids: list[int], eos: int | None) -> list[int]:
     return ids[:ids.index(eos)] if eos is not None and eos in ids else ids
+

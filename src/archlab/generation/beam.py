@@ -16,14 +16,14 @@ from archlab.generation.stepper import Stepper
 @torch.inference_mode()
 def beam_search(model, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int,
                 num_beams: int, length_penalty: float = 1.0, eos: list[int] = (),
-                pad: int = 0, use_cache: bool = True) -> torch.Tensor:
+                pad: int = 0, use_cache: bool = True, vocab_limit: int | None = None) -> torch.Tensor:
     """ids, mask (b, t) left-padded -> (b, t + n) best sequence per row, padded with `pad`."""
     if max_new_tokens < 1:
         return ids
     b, t = ids.shape
     nb = num_beams
     stepper = Stepper(model, ids.repeat_interleave(nb, 0), mask.repeat_interleave(nb, 0),
-                      max_new_tokens, use_cache=use_cache)
+                      max_new_tokens, use_cache=use_cache, vocab_limit=vocab_limit)
     device = stepper.ids.device
     logits = stepper.prefill()                                           # (b*nb, v)
     vocab = logits.shape[-1]

@@ -58,7 +58,7 @@ def stream(model, prompt_ids, max_new_tokens: int = 32, *, attention_mask=None,
            stop_strings: Sequence[str] | None = None, tokenizer=None, seed: int | None = None,
            generator: torch.Generator | None = None, use_cache: bool = True,
            sink_tokens: int | None = None, sink_window: int | None = None,
-           fast_decode: bool = True) -> Iterator[torch.Tensor]:
+           fast_decode: bool = True, vocab_limit: int | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (b,) long, as each is decoded.
 
     Arguments as for `generate` (which collects this iterator). Bad arguments raise here, before
@@ -73,7 +73,7 @@ def stream(model, prompt_ids, max_new_tokens: int = 32, *, attention_mask=None,
     ids, mask, _ = prepare_prompts(prompt_ids, attention_mask, pad)
     stepper = Stepper(model, ids, mask, max_new_tokens, use_cache=use_cache,
                       sink_tokens=4 if sink_tokens is None and sink_window is not None else sink_tokens,
-                      sink_window=sink_window, fast=fast_decode)
+                      sink_window=sink_window, fast=fast_decode, vocab_limit=vocab_limit)
     if generator is None and seed is not None:
         generator = torch.Generator(stepper.ids.device).manual_seed(seed)
     stops = _StopStrings(stop_strings, tokenizer, ids.shape[0]) if stop_strings else None
@@ -165,5 +165,5 @@ def _beam(model, prompt_ids, max_new_tokens, num_beams, length_penalty, callback
     ids, mask, single = prepare_prompts(prompt_ids, kwargs.get("attention_mask"), pad)
     out = beam_search(model, ids, mask, max_new_tokens=max_new_tokens, num_beams=num_beams,
                       length_penalty=length_penalty, eos=eos, pad=pad,
-                      use_cache=kwargs.get("use_cache", True))
+                      use_cache=kwargs.get("use_cache", True), vocab_limit=kwargs.get("vocab_limit"))
     return out[0] if single else out

@@ -66,6 +66,14 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, mask.long().cumsum(-1) - 1, -1)
 
 
+def vocab_limit(model, tokenizer) -> int | None:
+    """The tokenizer's vocabulary size where the model's embedding is padded past it (else None): the
+    `vocab_limit` that keeps decoding from picking ids the tokenizer cannot decode."""
+    size = getattr(tokenizer, "vocab_size", None)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if size is not None and vocab is not None and size < vocab else None
+
+
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
     p = next(model.parameters(), None)
     return p.dtype if p is not None else torch.float32
@@ -81,7 +89,7 @@ class Stepper:
 
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, *,
                  use_cache: bool = True, sink_tokens: int | None = None,
-                 sink_window: int | None = None, fast: bool = True):
+                 sink_window: int | None = None, fast: bool = True, vocab_limit: int | None = None):
         self.model = model
         self.config = config = getattr(model, "config", None)
         device = model_device(model)
@@ -106,6 +114,11 @@ class Stepper:
             self.cache = None
         self._hidden_head = hasattr(model, "head") and config is not None
         self.packing = fast
+        # a model whose embedding is padded past its tokenizer (e.g. to a multiple of 64) must never pick
+        # an id the tokenizer cannot decode: logits are cut to the first `vocab_limit` ids
+        if vocab_limit is not None and vocab_limit < 1:
+            raise ValueError(f"vocab_limit={vocab_limit} must be >= 1")
+        self.vocab_limit = vocab_limit
         self.fast = (FastDecoder(model, self.cache)
                      if fast and self.cache is not None and FastDecoder.supports(model, self.cache) is None
                      else None)
@@ -141,7 +154,8 @@ class Stepper:
     # ---- running the model ---------------------------------------------------------------------
     def _logits(self, ids, positions, cache) -> torch.Tensor:        # -> (b, v), last position
         with packing(self.packing):
-            return self._model_logits(ids, positions, cache)
+            logits = self._model_logits(ids, positions, cache)
+        return logits if self.vocab_limit is None else logits[:, :self.vocab_limit]
 
     def _model_logits(self, ids, positions, cache) -> torch.Tensor:
         if self._hidden_head:  # the head over the last position only (the prompt can be long)
@@ -166,7 +180,7 @@ class Stepper:
         if self.fast is not None:
             logits = self.fast.step(tokens, self.next_pos)
             self.next_pos = self.next_pos + 1
-            return logits
+            return logits if self.vocab_limit is None else logits[:, :self.vocab_limit]
         tokens = tokens[:, None]
         if self.cache is None:
             next_pos = self.positions[:, -1:] + 1

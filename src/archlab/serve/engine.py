@@ -67,6 +67,8 @@ class Engine:
         from archlab.nn.kv_cache import SlotKVCache
 
         self.model, self.tokenizer, self.name, self.chat_template = model, tokenizer, name, chat_template
+        from archlab.generation.stepper import vocab_limit
+        self.vocab_limit = vocab_limit(model, tokenizer)
         self.context = model.config.max_seq_len
         self.eos = getattr(tokenizer, "eot_id", None)
         weight = next(model.parameters())
@@ -170,6 +172,8 @@ class Engine:
 
         request = job.request
         params = SamplingParams(temperature=request.temperature, top_p=request.top_p)
+        if self.vocab_limit is not None:      # a padded embedding: ids the tokenizer cannot decode never win
+            logits = logits[:self.vocab_limit]
         token = int(next_token(logits[None].float(), params, generator=job.generator)[0])
         if token == self.eos:
             return self._finish(job, "stop")

@@ -129,10 +129,15 @@ class TrainResult:
         return d
 
 
+def device_kind(device: str) -> str:
+    """"cuda" or "cpu" for a TrainConfig.device ("auto": CUDA where it is available)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def _resolve_device(cfg: TrainConfig, info: dist_util.DistInfo) -> torch.device:
-    kind = cfg.device
-    if kind == "auto":
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = device_kind(cfg.device)
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("train.device='cuda' but CUDA is not available")
@@ -164,8 +169,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.Pat
     """
     cfg = train_cfg
     data_dir, run_dir = Path(data_dir), Path(out_dir)
-    info = dist_util.setup("cuda" if (cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()))
-                           else "cpu", cfg.dist_strategy)
+    info = dist_util.setup(device_kind(cfg.device), cfg.dist_strategy)
     try:
         return _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data)
     finally:

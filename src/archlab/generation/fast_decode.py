@@ -71,10 +71,6 @@ def unsupported_reason(model, cache) -> str | None:
     return None
 
 
-def _pack(owner, key: str, linears) -> fused._Packed:
-    return fused.packed(owner, key, [m.weight for m in linears], [m.bias for m in linears if m.bias is not None])
-
-
 class _Layer:
     """One block's tensors for the decode step: weights packed (in, out) by archlab.nn.fused.packed."""
 
@@ -82,18 +78,24 @@ class _Layer:
         att, mlp = block.attn, block.mlp
         self.att = att
         self.h, self.k, self.e = att.n_heads, att.n_kv_heads, att.head_dim
-        self.qkv = _pack(att.q_proj, "project3", (att.q_proj, att.k_proj, att.v_proj))   # (d, (h + 2k) e)
-        self.o = _pack(att.o_proj, "project1", (att.o_proj,))
+        self.qkv = _pack((att.q_proj, att.k_proj, att.v_proj))                 # (d, (h + 2k) e)
+        self.o = _pack((att.o_proj,))
         self.rope = type(att.position) is RotaryEmbedding
         self.gated, self.act = mlp.gated, mlp.act
         up = (mlp.gate_proj, mlp.up_proj) if mlp.gated else (mlp.up_proj,)
-        self.up = _pack(up[0], f"project{len(up)}", up)                                  # (d, 2f | f)
-        self.down = _pack(mlp.down_proj, "project1", (mlp.down_proj,))
+        self.up = _pack(up)                                                      # (d, 2f | f)
+        self.down = _pack((mlp.down_proj,))
         self.attn_norm, self.mlp_norm = _Norm(block.attn_norm), _Norm(block.mlp_norm)
 
 
-def _linear(x, pack: fused._Packed):                  # (b, in) -> (b, out)
-    return x @ pack.w_t if pack.bias is None else torch.addmm(pack.bias, x, pack.w_t)
+def _pack(linears) -> fused._Packed:
+    """The modules' own packed weights (the cache their forward decodes through)."""
+    pack = fused.packed_linears(linears)
+    assert pack is not None, "q/k/v and gate/up share their bias setting (config.bias)"
+    return pack
+
+
+_linear = fused.packed_matmul                          # (b, in) -> (b, out)
 
 
 class _Norm:

@@ -154,7 +154,9 @@ class Stepper:
     # ---- running the model ---------------------------------------------------------------------
     def _logits(self, ids, positions, cache) -> torch.Tensor:        # -> (b, v), last position
         with packing(self.packing):
-            logits = self._model_logits(ids, positions, cache)
+            return self._within_vocab(self._model_logits(ids, positions, cache))
+
+    def _within_vocab(self, logits: torch.Tensor) -> torch.Tensor:    # (b, v) -> (b, vocab_limit | v)
         return logits if self.vocab_limit is None else logits[:, :self.vocab_limit]
 
     def _model_logits(self, ids, positions, cache) -> torch.Tensor:
@@ -180,7 +182,7 @@ class Stepper:
         if self.fast is not None:
             logits = self.fast.step(tokens, self.next_pos)
             self.next_pos = self.next_pos + 1
-            return logits if self.vocab_limit is None else logits[:, :self.vocab_limit]
+            return self._within_vocab(logits)
         tokens = tokens[:, None]
         if self.cache is None:
             next_pos = self.positions[:, -1:] + 1

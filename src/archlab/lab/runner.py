@@ -154,10 +154,12 @@ def run_suite(
         torch.set_num_threads(int(threads))
     sweep_dir = Path(sweep_dir)
     # every variant's config is checked (with a stand-in vocabulary) before any folder or data work
-    plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit, vocab_size=257,
-         train_overrides=train_overrides, device=device)
-    pool = executor if isinstance(executor, Executor) else make_executor(
-        executor, workers, address, threads, gpu=_uses_gpu(device, train_overrides))
+    checked = plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit,
+                   vocab_size=257, train_overrides=train_overrides, device=device)
+    from archlab.train import device_kind
+
+    gpu = any(device_kind(run.train.device) == "cuda" for run in checked)   # one GPU per run where it trains on one
+    pool = executor if isinstance(executor, Executor) else make_executor(executor, workers, address, threads, gpu=gpu)
     try:
         sweep_dir.mkdir(parents=True, exist_ok=True)
         data = ensure_data(sweep_dir, data_dir, corpus, tokenizer, progress)
@@ -178,14 +180,6 @@ def run_suite(
             return store.runs(suite.name)
     finally:
         pool.close()
-
-
-def _uses_gpu(device: str | None, train_overrides: dict | None) -> bool:
-    wanted = device or (train_overrides or {}).get("device") or "auto"
-    if wanted == "cpu":
-        return False
-    import torch
-    return bool(torch.cuda.is_available())
 
 
 def _drive(store: ResultStore, suite: Suite, runs: list[PlannedRun], pool: Executor,

@@ -23,10 +23,10 @@ def _step_fn(run) -> Callable[[], None]:
     """One training step of a fresh model with `run`'s configs, on fixed random tokens."""
     from archlab.evaluate import autocast
     from archlab.model import TransformerLM
+    from archlab.train import device_kind
 
     cfg, train = run.model, run.train
-    device = torch.device("cuda" if train.device == "cuda" or (
-        train.device == "auto" and torch.cuda.is_available()) else "cpu")
+    device = torch.device(device_kind(train.device))
     torch.manual_seed(run.seed)
     model = TransformerLM(cfg).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

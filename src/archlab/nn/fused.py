@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
-__all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed", "packing", "DECODE_ROWS"]
+__all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed", "packed_linears",
+           "packed_matmul", "packing", "DECODE_ROWS"]
 
 DECODE_ROWS = 32   # at most this many rows without gradients: the packed (decode) path of project/linear
 
@@ -99,7 +100,7 @@ def packed(owner: nn.Module, key: str, weights: list[torch.Tensor], biases: list
     return hit
 
 
-def _packed_linears(linears: tuple[nn.Linear, ...]) -> _Packed | None:
+def packed_linears(linears: tuple[nn.Linear, ...]) -> _Packed | None:
     """The packed weights of `linears` (None when some have a bias and some do not)."""
     weights: list[torch.Tensor] = []
     biases: list[torch.Tensor] = []
@@ -115,10 +116,11 @@ def _packed_linears(linears: tuple[nn.Linear, ...]) -> _Packed | None:
     return packed(linears[0], _KEYS[len(linears)], weights, biases)
 
 
-def _packed_matmul(x: torch.Tensor, pack: _Packed) -> torch.Tensor:   # (..., in) -> (..., sum of outs)
-    rows = x.view(-1, x.shape[-1])            # 2-D: one mm / addmm, none of matmul's folding ops
+def packed_matmul(x: torch.Tensor, pack: _Packed) -> torch.Tensor:   # (..., in) -> (..., sum of outs)
+    """x times the packed weights (+ bias): one mm / addmm over 2-D rows, none of matmul's folding ops."""
+    rows = x if x.dim() == 2 else x.view(-1, x.shape[-1])
     out = torch.mm(rows, pack.w_t) if pack.bias is None else torch.addmm(pack.bias, rows, pack.w_t)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
@@ -133,9 +135,9 @@ def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tens
     Example: q, k, v = project(x, (attn.q_proj, attn.k_proj, attn.v_proj))
     """
     if _decoding(x, linears):
-        pack = _packed_linears(linears)
+        pack = packed_linears(linears)
         if pack is not None:
-            out = _packed_matmul(x, pack)
+            out = packed_matmul(x, pack)
             return out.split_with_sizes(pack.sizes, dim=-1) if len(linears) > 1 else (out,)
     if not (torch.is_autocast_enabled(x.device.type) and x.shape[:-1].numel() >= x.shape[-1]):
         return tuple(linear(x) for linear in linears)
@@ -154,9 +156,9 @@ _KEYS = {n: f"project{n}" for n in range(1, 9)}
 def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     """module(x), through the packed weights when decoding (see `project`)."""
     if _decoding(x, (module,)):
-        pack = _packed_linears((module,))
+        pack = packed_linears((module,))
         if pack is not None:
-            return _packed_matmul(x, pack)
+            return packed_matmul(x, pack)
     return module(x)
 
 
@@ -165,7 +167,7 @@ def head_linear(x: torch.Tensor, owner: nn.Module, weight: torch.Tensor, bias: t
     """F.linear(x, weight, bias) for an LM head (a matrix that may be the tied embedding, not a
     Linear), through a packed transposed copy when decoding."""
     if _decoding(x, (owner,)):
-        return _packed_matmul(x, packed(owner, "head", [weight], [] if bias is None else [bias]))
+        return packed_matmul(x, packed(owner, "head", [weight], [] if bias is None else [bias]))
     return F.linear(x, weight, bias)
 
 

@@ -454,7 +454,7 @@ class ModelConfig:
     def layer_spec(self, layer: int, stack: StackRole = "decoder") -> LayerSpec:
         """Every per-layer decision, resolved once: the slice of this config that layer `layer` of a
         `stack` reads (Attention, its position module and Block take it instead of the whole config and
-        an index)."""
+        an index). Example: ModelConfig().layer_spec(0, "encoder").causal -> False"""
         if not 0 <= layer < self.n_layers:
             raise ConfigError(f"layer {layer} is outside 0..{self.n_layers - 1}")
         if stack not in STACK_ROLES:

@@ -68,7 +68,8 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def vocab_limit(model, tokenizer) -> int | None:
     """The tokenizer's vocabulary size where the model's embedding is padded past it (else None): the
-    `vocab_limit` that keeps decoding from picking ids the tokenizer cannot decode."""
+    `vocab_limit` that keeps decoding from picking ids the tokenizer cannot decode.
+    Example: archlab.generate(model, ids, 32, vocab_limit=vocab_limit(model, tokenizer))"""
     size = getattr(tokenizer, "vocab_size", None)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     return size if size is not None and vocab is not None and size < vocab else None

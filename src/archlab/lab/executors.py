@@ -219,7 +219,8 @@ class RayExecutor(Executor):
 def make_executor(kind: str = "serial", workers: int | None = None, address: str | None = None,
                   threads: int | None = 1, gpu: bool = False) -> Executor:
     """The executor named `kind` (one of EXECUTORS). workers: jobs in flight at once (local default:
-    CPU cores // threads, or one per GPU; ray default: what the cluster holds)."""
+    CPU cores // threads, or one per GPU; ray default: what the cluster holds).
+    Example: runner.run_suite(suite, "sweeps/x", executor=make_executor("local", workers=2))"""
     if kind not in EXECUTORS:
         raise UserError(f"unknown executor {kind!r}: choose one of {', '.join(EXECUTORS)}")
     if workers is not None and workers < 1:

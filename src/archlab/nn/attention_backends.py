@@ -194,7 +194,8 @@ def observe(fn: Callable[[AttnCall], None]) -> Iterator[None]:
 
 
 def run(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(out (b, h, t, e), probabilities or None) of `call` on the backend `choose` picks."""
+    """(out (b, h, t, e), probabilities or None) of `call` on the backend `choose` picks.
+    Example: out, _ = run(AttnCall(q, k, v, q.shape[-1] ** -0.5, is_causal=True))"""
     if _OBSERVER is not None:
         _OBSERVER(call)
     return choose(call)(call)

@@ -51,7 +51,8 @@ _PACKING = 0   # depth of packing() blocks; a plain global, which torch.compile 
 @contextlib.contextmanager
 def packing(enabled: bool = True) -> Iterator[None]:
     """Within `with packing():` the modules decode a few rows through packed weight copies (generation
-    and the server turn it on; off by default, since the copies cost one more copy of the weights)."""
+    and the server turn it on; off by default, since the copies cost one more copy of the weights).
+    Example: with torch.no_grad(), packing(): logits = model(tokens, positions=pos, cache=cache)"""
     global _PACKING
     before, _PACKING = _PACKING, (_PACKING + 1 if enabled else 0)
     try:

@@ -23,7 +23,8 @@ __all__ = ["TransformerStack"]
 
 class TransformerStack(nn.ModuleList):
     def __init__(self, cfg: ModelConfig, role: StackRole = "decoder", t5_table: T5RelativeBias | None = None):
-        """t5_table: the stack's one T5 bias table (built by the model that owns its weights), if any."""
+        """t5_table: the stack's one T5 bias table (built by the model that owns its weights), if any.
+        Example: enc = TransformerStack(cfg, "encoder"); y = enc(x, AttnInputs(pos, enc.mask_spec(), plain=True))"""
         if role not in STACK_ROLES:
             raise ConfigError(f"unknown stack role {role!r}: one of {', '.join(STACK_ROLES)}")
         if role == "cross_decoder":

@@ -1,5 +1,6 @@
 """Decode throughput of archlab.generate against transformers' generate on the same weights, and
-against archlab's own uncached loop; measured KV-cache bytes against the analytic estimate.
+against archlab's own uncached loop; measured KV-cache bytes against the analytic estimate; and a model
+FastDecoder does not cover, decoding through its modules with and without the packed weight copies.
 
     .venv/bin/python benchmarks/generate.py [--threads 1] [--new 128] [--prompt 32] [--rounds 7]
 
@@ -113,6 +114,26 @@ def main() -> None:
         analytic = kv_cache_bytes(cfg, seq, batch=8, dtype="float32")
         print(f"KV cache {name}: measured {cache.nbytes:,} B, analytic {analytic:,} B, "
               f"ratio {cache.nbytes / analytic:.3f}")
+    packed_weights(ours.config, args)
+
+
+def packed_weights(cfg, args) -> None:
+    """A model FastDecoder does not cover (per-head QK-norm) decodes through its modules: with the packed
+    weight copies (archlab.nn.fused.packing, the default) against without (fast_decode=False), interleaved."""
+    import archlab
+
+    qk = cfg.with_overrides({"attention.qk_norm": "per_head"})
+    model = archlab.TransformerLM(qk).eval()
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompt = torch.randint(0, qk.vocab_size, (batch, args.prompt))
+        runs = {"packed": lambda p=prompt: archlab.generate(model, p, max_new_tokens=args.new),
+                "plain": lambda p=prompt: archlab.generate(model, p, max_new_tokens=args.new, fast_decode=False)}
+        same = torch.equal(runs["packed"](), runs["plain"]())
+        times = interleaved(runs, args.rounds)
+        ratio = statistics.median(p / q for q, p in zip(times["packed"], times["plain"]))
+        tps = batch * args.new / statistics.median(times["packed"])
+        print(f"QK-norm model through its modules, batch {batch}: packed weights {tps:8.1f} tok/s, "
+              f"{ratio:.2f}x the plain module path (median) | greedy tokens equal: {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -71,11 +71,12 @@ def train_step_fn(archlab, torch, batch: int, seq: int):
 
 
 def decode_fn(archlab, torch, batch: int, new: int):
-    cfg = archlab.ModelConfig(vocab_size=32000, d_model=256, n_layers=6, max_seq_len=512,
+    # benchmarks/generate.py's model: LLaMA-like, 8.5M parameters, 6 layers, d=256, GQA 8/4, untied head
+    cfg = archlab.ModelConfig(vocab_size=8192, d_model=256, n_layers=6, max_seq_len=1024, tie_embeddings=False,
                               attention={"n_heads": 8, "n_kv_heads": 4}, mlp={"activation": "swiglu", "d_ff": 688})
     torch.manual_seed(0)
     model = archlab.TransformerLM(cfg).eval()
-    prompt = torch.randint(0, 32000, (batch, 32), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(0, 8192, (batch, 32), generator=torch.Generator().manual_seed(1))
 
     def run():
         return archlab.generate(model, prompt, max_new_tokens=new)
@@ -97,6 +98,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--new", type=int, default=64, help="decoded tokens per generate call")
+    ap.add_argument("--only", choices=("train", "decode"), help="time one kind of workload")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(args.threads)
@@ -117,6 +119,8 @@ def main() -> int:
             outputs[label] = workloads[label]["decode b=1"]()
         print(f"greedy tokens equal before/after: {torch.equal(outputs['before'], outputs['after'])}")
         for name in workloads["after"]:
+            if args.only is not None and not name.startswith(args.only):
+                continue
             for label in ("before", "after"):           # warm-up
                 activate(copies[label])
                 workloads[label][name]()

@@ -167,3 +167,21 @@ def test_forward_hooks_on_a_block_fire_at_every_cached_decode_step():
     d = model.config.d_model
     assert shapes == [(2, 5, d)] + [(2, 1, d)] * 5            # the prefill, then each cached step
     assert torch.equal(out, archlab.generate(model, prompt, max_new_tokens=6, use_cache=False))
+
+
+@pytest.mark.parametrize("name", ["base", "qk-norm-per-head", "rope-partial"])
+def test_cached_decode_under_bf16_autocast_equals_the_full_forward(name):
+    """RoPE tables follow q's dtype (bf16 under autocast), not the residual stream's (float32)."""
+    model = TransformerLM(variant(name)).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    from archlab.nn import attention_backends
+    dtypes = set()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), \
+            attention_backends.observe(lambda call: dtypes.add(call.q.dtype)):
+        full = model(ids)
+        cache = StaticKVCache(model.config, 2, 8)
+        model(ids[:, :5], cache=cache)
+        step = model(ids[:, 5:], cache=cache)
+    assert dtypes == {torch.bfloat16}                    # queries rotated in bf16, as projected
+    assert step.dtype == full.dtype == torch.bfloat16
+    torch.testing.assert_close(step[:, 0].float(), full[:, 5].float(), rtol=2e-2, atol=2e-2)

@@ -124,9 +124,8 @@ class TransformerLM(nn.Module):
         x = self.embed(input_ids)                                            # (b, t, d)
         if self.config.scale_embeddings:  # Gemma: sqrt(d) rounded to the activation dtype
             x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
-        pe = self.abs_position(positions)
-        if pe is not None:
-            x = x + pe.to(x.dtype)
+        if self.abs_position.at_input:
+            x = x + self.abs_position(positions).to(x.dtype)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         if self.training:

@@ -19,7 +19,7 @@ import torch
 
 from archlab.config import ABSOLUTE_POSITIONS
 from archlab.generation.fast_decode import FastDecoder
-from archlab.nn.fused import packing
+from archlab.nn.fused import DecodeSession, packing
 from archlab.nn.kv_cache import SinkKVCache, StaticKVCache
 
 
@@ -115,6 +115,7 @@ class Stepper:
             self.cache = None
         self._hidden_head = hasattr(model, "head") and config is not None
         self.packing = fast
+        self.session = DecodeSession()    # packed weights checked once per generate call, not per step
         # a model whose embedding is padded past its tokenizer (e.g. to a multiple of 64) must never pick
         # an id the tokenizer cannot decode: logits are cut to the first `vocab_limit` ids
         if vocab_limit is not None and vocab_limit < 1:
@@ -154,7 +155,7 @@ class Stepper:
 
     # ---- running the model ---------------------------------------------------------------------
     def _logits(self, ids, positions, cache) -> torch.Tensor:        # -> (b, v), last position
-        with packing(self.packing):
+        with packing(self.packing, self.session):
             return self._within_vocab(self._model_logits(ids, positions, cache))
 
     def _within_vocab(self, logits: torch.Tensor) -> torch.Tensor:    # (b, v) -> (b, vocab_limit | v)
@@ -162,8 +163,8 @@ class Stepper:
 
     def _model_logits(self, ids, positions, cache) -> torch.Tensor:
         if self._hidden_head:  # the head over the last position only (the prompt can be long)
-            hidden = self.model(ids, positions=positions, cache=cache, return_hidden=True)
-            return self.model.head(hidden[:, -1:])[:, 0]
+            hidden = self.model(ids, positions=positions, cache=cache, return_hidden=True)   # (b, t, d)
+            return self.model.head(hidden[:, -1] if hidden.shape[1] > 1 else hidden.view(hidden.shape[0], -1))
         return self.model(ids, positions=positions, cache=cache)[:, -1]
 
     def prefill(self) -> torch.Tensor:

@@ -23,14 +23,14 @@ from torch import nn
 
 from archlab.config import AttentionConfig, BiasConfig, LayerSpec, NormConfig
 from archlab.nn import attention_backends as backends
-from archlab.nn.fused import linear, project
+from archlab.nn.fused import linear, packed_projection, project
 from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
 from archlab.nn.position import AttentionPosition
 
 
-def _heads(z: torch.Tensor, b: int, t: int, n: int, e: int) -> torch.Tensor:   # (b, t, n*e) -> (b, n, t, e)
+def _split_heads(z: torch.Tensor, b: int, t: int, n: int, e: int) -> torch.Tensor:   # (b, t, n*e) -> (b, n, t, e)
     return z.view(b, n, 1, e) if t == 1 else z.view(b, t, n, e).transpose(1, 2)   # one query: a view suffices
 
 
@@ -74,30 +74,30 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:   # (b, t, d) -> (b, t, d)
         b, t, _ = x.shape
         positions, cache = inputs.positions, inputs.cache
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))     # (b, t, h*e | k*e)
-        if self.clip_qkv is not None:  # OLMo (Groeneveld et al. 2024): tames loss spikes
-            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
-        q_norm, k_norm = self.q_norm, self.k_norm
-        if self.qk_norm == "full" and q_norm is not None and k_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        q, k, v = (_heads(z, b, t, n, self.head_dim) for z, n in ((q, self.n_heads), (k, self.n_kv_heads),
-                                                                  (v, self.n_kv_heads)))  # (b, h|k, t, e)
-        if self.qk_norm in ("per_head", "per_head_untied") and q_norm is not None and k_norm is not None:
-            q, k = q_norm(q), k_norm(k)
+        position = self.position
         if cache is not None and getattr(cache, "rotates_keys", False):
             # StreamingLLM cache (kv_cache.SinkKVCache): it keeps un-rotated keys, rotates them
             # with in-cache positions, and hands back the queries' in-cache positions
-            k, v, k_pos, positions = cache.update(self.layer, k, v, positions,
-                                                  rotate=self.position.rotate)
-            q = self.position.rotate(q, positions)
+            q, k, v = self._heads(x, b, t)                                    # (b, h|k, t, e)
+            k, v, k_pos, positions = cache.update(self.layer, k, v, positions, rotate=position.rotate)
+            q = position.rotate(q, positions)
         else:
-            rope = self._shared_tables(positions, q.dtype, inputs.shared)    # RoPE cos/sin | None
-            q, k = self.position.rotate(q, positions, rope), self.position.rotate(k, positions, rope)
+            qkv = self._decode_heads(x, b) if t == 1 else None
+            if qkv is not None:  # a decode step: q, k, v heads as one view, q and k rotated in one pass
+                h, k_heads = self.n_heads, self.n_kv_heads
+                rope = _shared_tables(position, positions, qkv.dtype, inputs.shared)   # RoPE cos/sin | None
+                qk = position.rotate(qkv[:, :h + k_heads], positions, rope)   # (b, h+k, 1, e)
+                q, k = qk.split_with_sizes((h, k_heads), dim=1)
+                v = qkv[:, h + k_heads:]
+            else:
+                q, k, v = self._heads(x, b, t)                                # (b, h|k, t, e)
+                rope = _shared_tables(position, positions, q.dtype, inputs.shared)
+                q, k = position.rotate(q, positions, rope), position.rotate(k, positions, rope)
             k_pos = positions
             if cache is not None:
                 k, v, k_pos = cache.update(self.layer, k, v, positions)     # (b, k, s, e), (b, s)
 
-        bias = self.position.bias(positions, k_pos)                          # (b, h, t, s) | None
+        bias = position.bias(positions, k_pos) if position.has_bias else None   # (b, h, t, s) | None
         mask, is_causal = inputs.layer_mask(self.window, positions, k_pos)   # (b, 1, t, s) | None
         out, probs = backends.run(self._call(q, k, v, mask, is_causal, bias))  # (b, h, t, e)
         if self.record_probs:
@@ -106,6 +106,34 @@ class Attention(nn.Module):
         if self.gate_proj is not None:
             out = out * torch.sigmoid(self.gate_proj(x))
         return linear(out, self.o_proj)
+
+    def _heads(self, x: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v heads (b, h|k, t, e), clipped and QK-normed as configured, not yet rotated."""
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))     # (b, t, h*e | k*e)
+        if self.clip_qkv is not None:  # OLMo (Groeneveld et al. 2024): tames loss spikes
+            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if self.qk_norm == "full" and q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k, v = (_split_heads(z, b, t, n, self.head_dim)
+                   for z, n in ((q, self.n_heads), (k, self.n_kv_heads), (v, self.n_kv_heads)))
+        if self.qk_norm in ("per_head", "per_head_untied") and q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        return q, k, v
+
+    def _decode_heads(self, x: torch.Tensor, b: int) -> torch.Tensor | None:
+        """One query per row, decoding through packed weights, no QK-norm between: the q, k and v heads
+        as one (b, h+2k, 1, e) view of the packed projection (clipped as configured); else None. The
+        same math as `_heads`, with one view and one rotation instead of three and two."""
+        if self.qk_norm != "none":
+            return None
+        qkv = packed_projection(x, (self.q_proj, self.k_proj, self.v_proj))  # (b, 1, (h+2k) e) | None
+        if qkv is None:
+            return None
+        qkv = qkv.view(b, self.n_heads + 2 * self.n_kv_heads, 1, self.head_dim)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        return qkv
 
     def _call(self, q, k, v, mask, is_causal, bias) -> backends.AttnCall:
         return backends.AttnCall(q, k, v, self.scale, mask=mask, is_causal=is_causal, bias=bias,
@@ -118,11 +146,13 @@ class Attention(nn.Module):
         q, kv = torch.empty(1, h, 2, e, device="meta"), torch.empty(1, k, 2, e, device="meta")
         return backends.choose(self._call(q, kv, kv, None, True, None)).name
 
-    def _shared_tables(self, positions, dtype, shared: dict | None):
-        """RoPE tables once per forward for layers with equal frequencies (None: rotate builds them)."""
-        key = getattr(self.position, "table_key", None)
-        if shared is None or key is None:
-            return None
-        if (key, dtype) not in shared:
-            shared[key, dtype] = self.position.tables(positions, dtype)
-        return shared[key, dtype]
+
+def _shared_tables(position: AttentionPosition, positions: torch.Tensor, dtype: torch.dtype, shared: dict | None):
+    """RoPE tables once per forward for layers with equal frequencies (None: rotate builds them)."""
+    key = getattr(position, "table_key", None)
+    if shared is None or key is None:
+        return None
+    tables = shared.get((key, dtype))
+    if tables is None:
+        tables = shared[key, dtype] = position.tables(positions, dtype)
+    return tables

@@ -20,14 +20,11 @@ from torch import nn
 
 from archlab.config import LayerSpec, ModelConfig
 from archlab.nn.attention import Attention
+from archlab.nn.calls import call
 from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import build_mlp
 from archlab.nn.norms import build_norm
 from archlab.nn.position import T5RelativeBias, build_attention_position
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
 
 
 class Block(nn.Module):
@@ -48,23 +45,29 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.block.residual_dropout)
 
     def forward(self, x: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:    # (b, t, d) -> (b, t, d)
-        drop = self.drop if self.training else _identity    # no module call per sublayer when decoding
-        attn = lambda h: drop(self.attn(h, inputs))  # noqa: E731
-        mlp = lambda h: drop(self.mlp(h))  # noqa: E731
+        # children run through nn.calls.call (hooks honoured, minus __call__'s cost: a decode step pays it ~30x)
+        attn_norm, mlp_norm = self.attn_norm, self.mlp_norm
         if self.parallel:
-            y = self.attn_norm(x)
-            return x + attn(y) + mlp(self.mlp_norm(x) if self.mlp_norm is not None else y)
-        mlp_norm = self.mlp_norm
+            y = call(attn_norm, x)
+            return x + self._attn(y, inputs) + self._mlp(call(mlp_norm, x) if mlp_norm is not None else y)
         assert mlp_norm is not None          # a serial block always has its own MLP norm
         if self.position == "pre":
-            x = x + attn(self.attn_norm(x))
-            return x + mlp(mlp_norm(x))
+            x = x + self._attn(call(attn_norm, x), inputs)
+            return x + self._mlp(call(mlp_norm, x))
         if self.position == "post":
-            x = self.attn_norm(x + attn(x))
-            return mlp_norm(x + mlp(x))
+            x = call(attn_norm, x + self._attn(x, inputs))
+            return call(mlp_norm, x + self._mlp(x))
         if self.position == "sandwich":
-            x = x + self.attn_post_norm(attn(self.attn_norm(x)))
-            return x + self.mlp_post_norm(mlp(mlp_norm(x)))
+            x = x + call(self.attn_post_norm, self._attn(call(attn_norm, x), inputs))
+            return x + call(self.mlp_post_norm, self._mlp(call(mlp_norm, x)))
         # post_sublayer
-        x = x + self.attn_norm(attn(x))
-        return x + mlp_norm(mlp(x))
+        x = x + call(attn_norm, self._attn(x, inputs))
+        return x + call(mlp_norm, self._mlp(x))
+
+    def _attn(self, h: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:    # the sublayer + residual dropout
+        out = call(self.attn, h, inputs)
+        return self.drop(out) if self.training else out
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        out = call(self.mlp, h)
+        return self.drop(out) if self.training else out

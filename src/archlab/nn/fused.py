@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import weakref
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,37 +28,62 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 __all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed", "packed_linears",
-           "packed_matmul", "packing", "DECODE_ROWS"]
+           "packed_matmul", "packed_projection", "packing", "DecodeSession", "DECODE_ROWS"]
 
 DECODE_ROWS = 32   # at most this many rows without gradients: the packed (decode) path of project/linear
 
 
-def _decoding(x: torch.Tensor, modules: Sequence[nn.Module]) -> bool:
-    """A few rows, no gradients, no autocast, no hooks to honour: the packed path applies."""
-    if torch.is_grad_enabled() or x.shape[:-1].numel() > DECODE_ROWS or not _PACKING:
-        return False
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return False
-    for m in modules:
-        if m._forward_hooks or m._forward_pre_hooks:
-            return False
-    return not torch.is_autocast_enabled(x.device.type)
+class DecodeSession:
+    """One decode loop's packed weights (a generate call, a server step): each module's pack is checked
+    once, at its first use in the session (built from the current tensors, no hooks on the module, no
+    autocast), then reused without checks. So a weight changed in place between two generate calls is
+    seen; one changed in the middle of a call is not (nor is a hook registered mid-call)."""
+
+    __slots__ = ("packs",)
+
+    def __init__(self) -> None:
+        self.packs: dict = {}     # linears tuple | ("head", owner) -> _Packed, or None: run the plain module
 
 
-_PACKING = 0   # depth of packing() blocks; a plain global, which torch.compile traces (a ContextVar breaks graphs)
+_SESSION: DecodeSession | None = None   # a plain global, which torch.compile traces (a ContextVar breaks graphs)
 
 
 @contextlib.contextmanager
-def packing(enabled: bool = True) -> Iterator[None]:
+def packing(enabled: bool = True, session: DecodeSession | None = None) -> Iterator[None]:
     """Within `with packing():` the modules decode a few rows through packed weight copies (generation
     and the server turn it on; off by default, since the copies cost one more copy of the weights).
+    `session`: keep one DecodeSession over a decode loop's steps, so its packs are checked only once.
     Example: with torch.no_grad(), packing(): logits = model(tokens, positions=pos, cache=cache)"""
-    global _PACKING
-    before, _PACKING = _PACKING, (_PACKING + 1 if enabled else 0)
+    global _SESSION
+    before, _SESSION = _SESSION, ((session or DecodeSession()) if enabled else None)
     try:
         yield
     finally:
-        _PACKING = before
+        _SESSION = before
+
+
+def _session_pack(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> _Packed | None:
+    """The pack of `linears` when x is a decode input (a few rows, no gradients, within packing()), else
+    None; made at the session's first use (None there too when the modules must run as themselves)."""
+    session = _SESSION
+    if session is None or torch.is_grad_enabled() or x.shape[:-1].numel() > DECODE_ROWS:
+        return None
+    pack = session.packs.get(linears, _MISSING)
+    if pack is _MISSING:
+        pack = session.packs[linears] = None if _unpackable(x, linears) else packed_linears(linears)
+    return pack
+
+
+_MISSING = object()
+
+
+def _unpackable(x: torch.Tensor, modules: tuple[nn.Module, ...]) -> bool:
+    """Hooks to honour (global, or on the modules), or autocast (which casts per matmul): no packing."""
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return True
+    if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
+        return True
+    return torch.is_autocast_enabled(x.device.type)
 
 
 class _Packed:
@@ -79,7 +104,7 @@ class _Packed:
         self.sizes = [w.shape[0] for w in weights]
 
     def fresh(self, sources: list[torch.Tensor]) -> bool:
-        """Built from these very tensors, none changed in place since (C-level loops: this runs per step)."""
+        """Built from these very tensors, none changed in place since."""
         return (self.versions is not None and len(sources) == len(self.sources)
                 and all(map(operator.is_, sources, self.sources)) and list(map(_VERSION, sources)) == self.versions)
 
@@ -90,7 +115,8 @@ _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # first Linea
 
 def packed(owner: nn.Module, key: str, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> _Packed:
     """`weights` (out_i, in) concatenated and transposed to (in, sum out_i), `biases` (all or none of
-    them) concatenated; kept per `owner` and `key`, rebuilt when a tensor is replaced or changed in place."""
+    them) concatenated; kept per `owner` and `key` across sessions, rebuilt when a tensor is replaced or
+    changed in place."""
     sources = weights + biases
     slot = _PACKED.get(owner)
     if slot is None:
@@ -103,25 +129,26 @@ def packed(owner: nn.Module, key: str, weights: list[torch.Tensor], biases: list
 
 def packed_linears(linears: tuple[nn.Linear, ...]) -> _Packed | None:
     """The packed weights of `linears` (None when some have a bias and some do not)."""
-    weights: list[torch.Tensor] = []
-    biases: list[torch.Tensor] = []
-    for lin in linears:
-        params = lin._parameters                     # not lin.weight: Module.__getattr__ is Python, per step
-        weight, bias = params["weight"], params.get("bias")
-        assert weight is not None
-        weights.append(weight)
-        if bias is not None:
-            biases.append(bias)
+    weights: list[torch.Tensor] = [lin.weight for lin in linears]
+    biases: list[torch.Tensor] = [lin.bias for lin in linears if lin.bias is not None]
     if biases and len(biases) != len(weights):
         return None
-    return packed(linears[0], _KEYS[len(linears)], weights, biases)
+    return packed(linears[0], f"project{len(linears)}", weights, biases)
 
 
 def packed_matmul(x: torch.Tensor, pack: _Packed) -> torch.Tensor:   # (..., in) -> (..., sum of outs)
-    """x times the packed weights (+ bias): one mm / addmm over 2-D rows, none of matmul's folding ops."""
-    rows = x if x.dim() == 2 else x.view(-1, x.shape[-1])
-    out = torch.mm(rows, pack.w_t) if pack.bias is None else torch.addmm(pack.bias, rows, pack.w_t)
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+    """x times the packed weights (+ bias)."""
+    if x.dim() == 2:
+        return torch.mm(x, pack.w_t) if pack.bias is None else torch.addmm(pack.bias, x, pack.w_t)
+    out = x @ pack.w_t                                # matmul folds (b, t, in) into one mm in C++: no Python views
+    return out if pack.bias is None else out.add_(pack.bias)
+
+
+def packed_projection(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
+    """torch.cat([l(x) for l in linears], -1) through the packed weights when decoding (see `project`),
+    else None."""
+    pack = _session_pack(x, linears)
+    return None if pack is None else packed_matmul(x, pack)                  # (..., sum of outs)
 
 
 def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
@@ -130,16 +157,14 @@ def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tens
     Under autocast, one matmul over the concatenated weights: autocast casts a float32 input once per
     matmul, and backward casts each projection's dL/dx back and sums them: for q/k/v that is three casts
     and two adds each way, for gate/up two and one (bf16 steps measured 1-9% faster over three runs).
-    Decoding (a few rows, no gradients): one matmul over the packed, transposed weights (`packed`).
+    Decoding (a few rows, no gradients, within packing()): one matmul over the packed, transposed weights.
     Otherwise the concatenation and the split's backward cost what they save, so the projections run one
     by one. The parameters stay separate Linears, as checkpoints and the lecture name them.
     Example: q, k, v = project(x, (attn.q_proj, attn.k_proj, attn.v_proj))
     """
-    if _decoding(x, linears):
-        pack = packed_linears(linears)
-        if pack is not None:
-            out = packed_matmul(x, pack)
-            return out.split_with_sizes(pack.sizes, dim=-1) if len(linears) > 1 else (out,)
+    pack = _session_pack(x, linears)
+    if pack is not None:
+        return packed_matmul(x, pack).split_with_sizes(pack.sizes, dim=-1)
     if not (torch.is_autocast_enabled(x.device.type) and x.shape[:-1].numel() >= x.shape[-1]):
         return tuple(linear(x) for linear in linears)
     biases = [linear.bias for linear in linears]
@@ -151,25 +176,24 @@ def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tens
     return out.split([linear.out_features for linear in linears], dim=-1)
 
 
-_KEYS = {n: f"project{n}" for n in range(1, 9)}
-
-
 def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     """module(x), through the packed weights when decoding (see `project`)."""
-    if _decoding(x, (module,)):
-        pack = packed_linears((module,))
-        if pack is not None:
-            return packed_matmul(x, pack)
-    return module(x)
+    pack = _session_pack(x, (module,))
+    return module(x) if pack is None else packed_matmul(x, pack)
 
 
 def head_linear(x: torch.Tensor, owner: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None
                 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for an LM head (a matrix that may be the tied embedding, not a
     Linear), through a packed transposed copy when decoding."""
-    if _decoding(x, (owner,)):
-        return packed_matmul(x, packed(owner, "head", [weight], [] if bias is None else [bias]))
-    return F.linear(x, weight, bias)
+    session = _SESSION
+    if session is None or torch.is_grad_enabled() or x.shape[:-1].numel() > DECODE_ROWS:
+        return F.linear(x, weight, bias)
+    pack = session.packs.get(owner, _MISSING)                    # keyed by the owner: one head per model
+    if pack is _MISSING:
+        pack = session.packs[owner] = None if _unpackable(x, (owner,)) else \
+            packed(owner, "head", [weight], [] if bias is None else [bias])
+    return F.linear(x, weight, bias) if pack is None else packed_matmul(x, pack)
 
 
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -247,3 +271,4 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     if not torch.is_grad_enabled():
         return _rope_half_forward(x, cos, sin)
     return _RopeHalf.apply(x, cos, sin)
+

@@ -101,10 +101,11 @@ class AttnInputs:
         """(mask or None, is_causal) for a layer with this sliding window, shared between layers whose
         (window, number of keys) match when `shared` is on (a cache returns the same key positions to every
         layer whose keys are equally many)."""
-        spec = self.spec.with_window(window)
-        if self.shared is None:
-            return spec.dense(q_pos, k_pos, plain=self.plain)
-        key = ("mask", spec.window, k_pos.shape[1])
-        if key not in self.shared:
-            self.shared[key] = spec.dense(q_pos, k_pos, plain=self.plain)
-        return self.shared[key]
+        shared = self.shared
+        if shared is None:
+            return self.spec.with_window(window).dense(q_pos, k_pos, plain=self.plain)
+        key = ("mask", window, k_pos.shape[1])
+        hit = shared.get(key)
+        if hit is None:
+            hit = shared[key] = self.spec.with_window(window).dense(q_pos, k_pos, plain=self.plain)
+        return hit

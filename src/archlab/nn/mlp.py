@@ -52,8 +52,9 @@ class DenseMLP(nn.Module):
         mark_residual_out(self.down_proj)  # scaled init (GPT-2) applies here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, t, d)
-        if self.gate_proj is not None:
-            gate, up = project(x, (self.gate_proj, self.up_proj))       # (b, t, f) each
+        gate_proj = self.gate_proj
+        if gate_proj is not None:
+            gate, up = project(x, (gate_proj, self.up_proj))            # (b, t, f) each
             h = self.act(gate) * up
         else:
             h = self.act(linear(x, self.up_proj))

@@ -34,6 +34,12 @@ ATTENTION_POSITIONS: Registry[type[AttentionPosition]] = Registry("position kind
 class AttentionPosition(nn.Module):
     """Base: does nothing. Subclasses rotate q/k or return an additive logit bias."""
 
+    has_bias = False     # set for every class that overrides `bias`: attention skips the call otherwise
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.has_bias = cls.bias is not AttentionPosition.bias
+
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, tables=None) -> torch.Tensor:
         return x  # x: (b, h, t, e), positions: (b, t); tables: precomputed by RoPE's `tables`
 
@@ -321,6 +327,7 @@ class AbsolutePosition(nn.Module):
         self.kind = cfg.position.kind
         self.d_model = cfg.d_model
         self.offset = cfg.position.learned_offset
+        self.at_input = self.kind in ("learned", "sinusoidal")    # else forward returns None
         if self.kind == "learned":
             self.embedding = nn.Embedding(cfg.max_seq_len + self.offset, cfg.d_model)
         elif self.kind == "sinusoidal":

@@ -15,6 +15,7 @@ from torch import nn
 
 from archlab.config import STACK_ROLES, ConfigError, ModelConfig, StackRole
 from archlab.nn.block import Block
+from archlab.nn.calls import call
 from archlab.nn.masks import AttnInputs, MaskSpec
 from archlab.nn.position import T5RelativeBias
 
@@ -33,13 +34,16 @@ class TransformerStack(nn.ModuleList):
         super().__init__(Block(cfg, spec, t5_table) for spec in specs)
         self.role = role
         self.causal = role != "encoder"
+        self._structure_only = MaskSpec(causal=self.causal)   # built once: a decode step counts every call
 
     def mask_spec(self, prefix_lengths: torch.Tensor | None = None,
                   key_padding: torch.Tensor | None = None) -> MaskSpec:
         """What attends to what in this stack: causal or not by role, plus a prefix-LM prefix or padding."""
+        if prefix_lengths is None and key_padding is None:
+            return self._structure_only
         return MaskSpec(causal=self.causal, prefix_lengths=prefix_lengths, key_padding=key_padding)
 
     def forward(self, x: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:   # (b, t, d) -> (b, t, d)
         for block in self:
-            x = block(x, inputs)
+            x = call(block, x, inputs)
         return x

@@ -1,0 +1,29 @@
+"""Calling a child module without nn.Module.__call__'s bookkeeping where nothing can tell the difference.
+
+`module(x)` goes through two Python frames that look for hooks, a compiled wrapper and a JIT trace before
+they call `forward`: about 3 us on a 2-core CPU. A training step does not notice; a decode step makes some
+30 such calls for a 6-layer model and notices (~3% of a step at batch 1). `call(module, *args)` checks the
+same conditions and runs `module.forward(*args)` directly when none holds, so hooks (the module's own and
+global ones), torch.compile and torch.jit.trace see exactly what they would see with `module(*args)`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+
+__all__ = ["call"]
+
+
+def call(module: nn.Module, *args: Any) -> Any:
+    """module(*args), skipping __call__'s bookkeeping when no hook, compiled wrapper or trace is there to see it.
+    Example: x = x + call(self.attn, call(self.attn_norm, x), inputs)"""
+    if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+            or _module._global_forward_hooks or _module._global_forward_pre_hooks
+            or _module._global_backward_hooks or _module._global_backward_pre_hooks
+            or module._compiled_call_impl is not None or torch.compiler.is_compiling()
+            or torch._C._get_tracing_state()):
+        return module(*args)
+    return module.forward(*args)

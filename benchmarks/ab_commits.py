@@ -70,10 +70,12 @@ def train_step_fn(archlab, torch, batch: int, seq: int):
     return step
 
 
-def decode_fn(archlab, torch, batch: int, new: int):
+def decode_fn(archlab, torch, batch: int, new: int, overrides: dict | None = None):
     # benchmarks/generate.py's model: LLaMA-like, 8.5M parameters, 6 layers, d=256, GQA 8/4, untied head
     cfg = archlab.ModelConfig(vocab_size=8192, d_model=256, n_layers=6, max_seq_len=1024, tie_embeddings=False,
                               attention={"n_heads": 8, "n_kv_heads": 4}, mlp={"activation": "swiglu", "d_ff": 688})
+    if overrides:   # e.g. attention.qk_norm=per_head: a model the lean FastDecoder leaves to the modules
+        cfg = cfg.with_overrides(overrides)
     torch.manual_seed(0)
     model = archlab.TransformerLM(cfg).eval()
     prompt = torch.randint(0, 8192, (batch, 32), generator=torch.Generator().manual_seed(1))
@@ -99,6 +101,8 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--new", type=int, default=64, help="decoded tokens per generate call")
     ap.add_argument("--only", choices=("train", "decode"), help="time one kind of workload")
+    ap.add_argument("--decode-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a dotted override of the decode model (repeatable), e.g. attention.qk_norm=per_head")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(args.threads)
@@ -108,9 +112,10 @@ def main() -> int:
         copies: dict[str, dict] = {}
         for label, rev in (("before", args.before), ("after", args.after)):
             archlab, copies[label] = import_archlab(checkout(rev, Path(tmp) / label))
+            overrides = dict(item.split("=", 1) for item in args.decode_set)
             workloads[label] = {"train step": train_step_fn(archlab, torch, args.batch, args.seq),
-                                "decode b=1": decode_fn(archlab, torch, 1, args.new),
-                                "decode b=8": decode_fn(archlab, torch, 8, args.new)}
+                                "decode b=1": decode_fn(archlab, torch, 1, args.new, overrides),
+                                "decode b=8": decode_fn(archlab, torch, 8, args.new, overrides)}
         from archlab.provenance import provenance_line  # the "after" copy is the one imported last
         print(provenance_line(threads=args.threads), flush=True)
         outputs = {}

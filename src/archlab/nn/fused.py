@@ -13,7 +13,7 @@ without gradients `rms_norm` and `rope_half` run their forward math directly (no
 within `packing()` `project` / `linear` multiply by a packed, transposed copy of the weights: at one row
 `x @ W_t` runs MKL's faster gemv layout (~1.3x on the weights that dominate a step). The copies are built
 once per parameter version (`packed`, shared with generation.fast_decode) and cost one extra copy of the
-weights.
+weights; a `DecodeSession` (one per generate call) checks each module's copy once, not at every step.
 """
 from __future__ import annotations
 

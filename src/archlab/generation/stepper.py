@@ -164,7 +164,7 @@ class Stepper:
     def _model_logits(self, ids, positions, cache) -> torch.Tensor:
         if self._hidden_head:  # the head over the last position only (the prompt can be long)
             hidden = self.model(ids, positions=positions, cache=cache, return_hidden=True)   # (b, t, d)
-            return self.model.head(hidden[:, -1] if hidden.shape[1] > 1 else hidden.view(hidden.shape[0], -1))
+            return self.model.head(hidden[:, -1])                                             # (b, v)
         return self.model(ids, positions=positions, cache=cache)[:, -1]
 
     def prefill(self) -> torch.Tensor:

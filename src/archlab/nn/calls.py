@@ -1,8 +1,9 @@
 """Calling a child module without nn.Module.__call__'s bookkeeping where nothing can tell the difference.
 
 `module(x)` goes through two Python frames that look for hooks, a compiled wrapper and a JIT trace before
-they call `forward`: about 3 us on a 2-core CPU. A training step does not notice; a decode step makes some
-30 such calls for a 6-layer model and notices (~3% of a step at batch 1). `call(module, *args)` checks the
+they call `forward`: about 3 us a call measured on a 2-core EPYC (an RMSNorm called as a module against its
+forward). A training step does not notice; a decode step makes some 30 such calls for a 6-layer model,
+where each microsecond of Python shows. `call(module, *args)` checks the
 same conditions and runs `module.forward(*args)` directly when none holds, so hooks (the module's own and
 global ones), torch.compile and torch.jit.trace see exactly what they would see with `module(*args)`.
 """

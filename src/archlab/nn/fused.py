@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import weakref
-from typing import Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -62,16 +62,23 @@ def packing(enabled: bool = True, session: DecodeSession | None = None) -> Itera
         _SESSION = before
 
 
-def _session_pack(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> _Packed | None:
-    """The pack of `linears` when x is a decode input (a few rows, no gradients, within packing()), else
-    None; made at the session's first use (None there too when the modules must run as themselves)."""
+def _session_pack(x: torch.Tensor, key: Hashable, modules: tuple[nn.Module, ...],
+                  build: Callable[..., _Packed | None], *args: Any) -> _Packed | None:
+    """The session's pack under `key` when x is a decode input (a few rows, no gradients, within packing()),
+    else None. At the session's first use it is `build(*args)`, or None when `modules` must run as
+    themselves (hooks, autocast)."""
     session = _SESSION
     if session is None or torch.is_grad_enabled() or x.shape[:-1].numel() > DECODE_ROWS:
         return None
-    pack = session.packs.get(linears, _MISSING)
+    pack = session.packs.get(key, _MISSING)
     if pack is _MISSING:
-        pack = session.packs[linears] = None if _unpackable(x, linears) else packed_linears(linears)
+        pack = session.packs[key] = None if _unpackable(x, modules) else build(*args)
     return pack
+
+
+def _linears_pack(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> _Packed | None:
+    """`_session_pack` for some Linears of the same input, keyed by the Linears themselves."""
+    return _session_pack(x, linears, linears, packed_linears, linears)
 
 
 _MISSING = object()
@@ -147,7 +154,7 @@ def packed_matmul(x: torch.Tensor, pack: _Packed) -> torch.Tensor:   # (..., in)
 def packed_projection(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
     """torch.cat([l(x) for l in linears], -1) through the packed weights when decoding (see `project`),
     else None."""
-    pack = _session_pack(x, linears)
+    pack = _linears_pack(x, linears)
     return None if pack is None else packed_matmul(x, pack)                  # (..., sum of outs)
 
 
@@ -162,7 +169,7 @@ def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tens
     by one. The parameters stay separate Linears, as checkpoints and the lecture name them.
     Example: q, k, v = project(x, (attn.q_proj, attn.k_proj, attn.v_proj))
     """
-    pack = _session_pack(x, linears)
+    pack = _linears_pack(x, linears)
     if pack is not None:
         return packed_matmul(x, pack).split_with_sizes(pack.sizes, dim=-1)
     if not (torch.is_autocast_enabled(x.device.type) and x.shape[:-1].numel() >= x.shape[-1]):
@@ -178,7 +185,7 @@ def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tens
 
 def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     """module(x), through the packed weights when decoding (see `project`)."""
-    pack = _session_pack(x, (module,))
+    pack = _linears_pack(x, (module,))
     return module(x) if pack is None else packed_matmul(x, pack)
 
 
@@ -186,13 +193,8 @@ def head_linear(x: torch.Tensor, owner: nn.Module, weight: torch.Tensor, bias: t
                 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for an LM head (a matrix that may be the tied embedding, not a
     Linear), through a packed transposed copy when decoding."""
-    session = _SESSION
-    if session is None or torch.is_grad_enabled() or x.shape[:-1].numel() > DECODE_ROWS:
-        return F.linear(x, weight, bias)
-    pack = session.packs.get(owner, _MISSING)                    # keyed by the owner: one head per model
-    if pack is _MISSING:
-        pack = session.packs[owner] = None if _unpackable(x, (owner,)) else \
-            packed(owner, "head", [weight], [] if bias is None else [bias])
+    pack = _session_pack(x, ("head", owner), (owner,), packed, owner, "head", [weight],
+                         [] if bias is None else [bias])
     return F.linear(x, weight, bias) if pack is None else packed_matmul(x, pack)
 
 
@@ -271,4 +273,3 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     if not torch.is_grad_enabled():
         return _rope_half_forward(x, cos, sin)
     return _RopeHalf.apply(x, cos, sin)
-

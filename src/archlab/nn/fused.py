@@ -37,7 +37,9 @@ class DecodeSession:
     """One decode loop's packed weights (a generate call, a server step): each module's pack is checked
     once, at its first use in the session (built from the current tensors, no hooks on the module, no
     autocast), then reused without checks. So a weight changed in place between two generate calls is
-    seen; one changed in the middle of a call is not (nor is a hook registered mid-call)."""
+    seen; one changed in the middle of a call is not (nor is a hook registered mid-call).
+    Example: session = DecodeSession()
+             for each step: with torch.no_grad(), packing(session=session): logits = model(tok, positions=p, cache=c)"""
 
     __slots__ = ("packs",)
 
@@ -153,7 +155,7 @@ def packed_matmul(x: torch.Tensor, pack: _Packed) -> torch.Tensor:   # (..., in)
 
 def packed_projection(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
     """torch.cat([l(x) for l in linears], -1) through the packed weights when decoding (see `project`),
-    else None."""
+    else None. Example: qkv = packed_projection(x, (attn.q_proj, attn.k_proj, attn.v_proj))"""
     pack = _linears_pack(x, linears)
     return None if pack is None else packed_matmul(x, pack)                  # (..., sum of outs)
 

@@ -130,12 +130,12 @@ def main() -> int:
                 activate(copies[label])
                 workloads[label][name]()
             ratios = []
-            for _ in range(args.rounds):
-                activate(copies["before"])
-                t_before = timed(workloads["before"][name])
-                activate(copies["after"])
-                t_after = timed(workloads["after"][name])
-                ratios.append(t_before / t_after)
+            for r in range(args.rounds):   # the order alternates: neither copy always runs on a just-warmed cache
+                seconds = {}
+                for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                    activate(copies[label])
+                    seconds[label] = timed(workloads[label][name])
+                ratios.append(seconds["before"] / seconds["after"])
             print(f"{name:11s}: after/before speed {statistics.median(ratios):.3f}x "
                   f"(rounds {min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} interleaved)", flush=True)
         for label in ("before", "after"):

@@ -17,8 +17,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from generate import interleaved  # benchmarks/generate.py: one call each per round, the order rotating
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,12 +86,6 @@ def decode_fn(archlab, torch, batch: int, new: int, overrides: dict | None = Non
     return run
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", default="HEAD~1")
@@ -126,16 +121,11 @@ def main() -> int:
         for name in workloads["after"]:
             if args.only is not None and not name.startswith(args.only):
                 continue
-            for label in ("before", "after"):           # warm-up
-                activate(copies[label])
-                workloads[label][name]()
-            ratios = []
-            for r in range(args.rounds):   # the order alternates: neither copy always runs on a just-warmed cache
-                seconds = {}
-                for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
-                    activate(copies[label])
-                    seconds[label] = timed(workloads[label][name])
-                ratios.append(seconds["before"] / seconds["after"])
+            def in_copy(label: str, fn):     # each copy runs with its own modules in sys.modules
+                return lambda: (activate(copies[label]), fn())
+            seconds = interleaved({label: in_copy(label, workloads[label][name]) for label in ("before", "after")},
+                                  args.rounds)
+            ratios = [b / a for b, a in zip(seconds["before"], seconds["after"])]
             print(f"{name:11s}: after/before speed {statistics.median(ratios):.3f}x "
                   f"(rounds {min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} interleaved)", flush=True)
         for label in ("before", "after"):

@@ -49,7 +49,7 @@ def unsupported_reason(model, cache) -> str | None:
         return "model in training mode (dropout)"
     if _has_hooks(model):
         return "forward hooks registered (they must see the model's own forward)"
-    if model.abs_position.kind in ("learned", "sinusoidal") or model.embed_norm is not None:
+    if model.abs_position.at_input or model.embed_norm is not None:
         return "absolute positions or an embedding norm"
     if cfg.logit_scale is not None or cfg.final_logit_softcap is not None:
         return "logit scale or final soft-cap"

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from archlab.config import LayerSpec, ModelConfig, RopeScaling
+from archlab.config import ABSOLUTE_POSITIONS, LayerSpec, ModelConfig, RopeScaling
 from archlab.nn.fused import rope_half
 from archlab.nn.registry import Registry
 
@@ -327,7 +327,7 @@ class AbsolutePosition(nn.Module):
         self.kind = cfg.position.kind
         self.d_model = cfg.d_model
         self.offset = cfg.position.learned_offset
-        self.at_input = self.kind in ("learned", "sinusoidal")    # else forward returns None
+        self.at_input = self.kind in ABSOLUTE_POSITIONS    # else forward returns None
         if self.kind == "learned":
             self.embedding = nn.Embedding(cfg.max_seq_len + self.offset, cfg.d_model)
         elif self.kind == "sinusoidal":

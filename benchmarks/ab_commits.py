@@ -75,7 +75,7 @@ def decode_fn(archlab, torch, batch: int, new: int, overrides: dict | None = Non
     # benchmarks/generate.py's model: LLaMA-like, 8.5M parameters, 6 layers, d=256, GQA 8/4, untied head
     cfg = archlab.ModelConfig(vocab_size=8192, d_model=256, n_layers=6, max_seq_len=1024, tie_embeddings=False,
                               attention={"n_heads": 8, "n_kv_heads": 4}, mlp={"activation": "swiglu", "d_ff": 688})
-    if overrides:   # e.g. attention.qk_norm=per_head: a model the lean FastDecoder leaves to the modules
+    if overrides:   # e.g. attention.qk_norm=per_head: a variant of the decode model
         cfg = cfg.with_overrides(overrides)
     torch.manual_seed(0)
     model = archlab.TransformerLM(cfg).eval()

@@ -1,7 +1,7 @@
 """Decode throughput of archlab.generate against transformers' generate on the same weights, and
-against archlab's own uncached loop; measured KV-cache bytes against the analytic estimate; a model
-FastDecoder does not cover, decoding through its modules with and without the packed weight copies; and the
-LLaMA model decoded through its modules against FastDecoder.
+against archlab's own uncached loop; measured KV-cache bytes against the analytic estimate; and the same
+model decoded through its modules with a DecodeSession's packed weight copies and direct calls (the default)
+against the plain module path (fast_decode=False).
 
     .venv/bin/python benchmarks/generate.py [--threads 1] [--new 128] [--prompt 32] [--rounds 7]
 
@@ -115,54 +115,24 @@ def main() -> None:
         analytic = kv_cache_bytes(cfg, seq, batch=8, dtype="float32")
         print(f"KV cache {name}: measured {cache.nbytes:,} B, analytic {analytic:,} B, "
               f"ratio {cache.nbytes / analytic:.3f}")
-    packed_weights(ours.config, args)
-    modules_vs_fast_decoder(ours, args)
+    packed_weights(ours, args)
 
 
-def packed_weights(cfg, args) -> None:
-    """A model FastDecoder does not cover (per-head QK-norm) decodes through its modules: with the packed
-    weight copies (archlab.nn.fused.packing, the default) against without (fast_decode=False), interleaved."""
+def packed_weights(model, args) -> None:
+    """The model's cached decode with the packed weight copies and direct module calls (archlab.nn.fused,
+    the default) against without them (fast_decode=False), interleaved: what the copies buy."""
     import archlab
 
-    qk = cfg.with_overrides({"attention.qk_norm": "per_head"})
-    model = archlab.TransformerLM(qk).eval()
     for batch in (int(b) for b in args.batches.split(",")):
-        prompt = torch.randint(0, qk.vocab_size, (batch, args.prompt))
+        prompt = torch.randint(0, model.config.vocab_size, (batch, args.prompt))
         runs = {"packed": lambda p=prompt: archlab.generate(model, p, max_new_tokens=args.new),
                 "plain": lambda p=prompt: archlab.generate(model, p, max_new_tokens=args.new, fast_decode=False)}
         same = torch.equal(runs["packed"](), runs["plain"]())
         times = interleaved(runs, args.rounds)
         ratio = statistics.median(p / q for q, p in zip(times["packed"], times["plain"]))
         tps = batch * args.new / statistics.median(times["packed"])
-        print(f"QK-norm model through its modules, batch {batch}: packed weights {tps:8.1f} tok/s, "
-              f"{ratio:.2f}x the plain module path (median) | greedy tokens equal: {same}", flush=True)
-
-
-def modules_vs_fast_decoder(model, args) -> None:
-    """The same LLaMA model decoded by FastDecoder (generation/fast_decode.py, the default where it covers the
-    model) and by its own modules (packed weights, archlab.nn.fused), interleaved: the ratio that decides
-    when FastDecoder can go (issue 14 asks >= 0.97). A no-op forward hook on the model makes FastDecoder step
-    aside, as it does for any hooked model; the modules' path is otherwise untouched by it."""
-    import archlab
-
-    def through_modules(prompt):
-        handle = model.register_forward_hook(lambda *a: None)
-        try:
-            return archlab.generate(model, prompt, max_new_tokens=args.new)
-        finally:
-            handle.remove()
-
-    for batch in (int(b) for b in args.batches.split(",")):
-        prompt = torch.randint(0, model.config.vocab_size, (batch, args.prompt))
-        runs = {"fast_decoder": lambda p=prompt: archlab.generate(model, p, max_new_tokens=args.new),
-                "modules": lambda p=prompt: through_modules(p)}
-        same = torch.equal(runs["fast_decoder"](), runs["modules"]())
-        times = interleaved(runs, args.rounds)
-        ratio = statistics.median(f / m for f, m in zip(times["fast_decoder"], times["modules"]))
-        tps = {name: batch * args.new / statistics.median(ts) for name, ts in times.items()}
-        print(f"LLaMA model through its modules, batch {batch}: {tps['modules']:8.1f} tok/s, FastDecoder "
-              f"{tps['fast_decoder']:8.1f} tok/s: modules {ratio:.3f}x FastDecoder's speed (median) | "
-              f"greedy tokens equal: {same}", flush=True)
+        print(f"LLaMA model, batch {batch}: packed weights {tps:8.1f} tok/s, {ratio:.2f}x the plain module "
+              f"path (median) | greedy tokens equal: {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,22 @@ def test_rms_norm_keeps_input_dtype_and_float32_weight_grads():
     torch.testing.assert_close(y, _rms_norm_reference(x, w, 1e-6), rtol=0, atol=0)
 
 
+def test_rms_norm_eps_constants_are_kept_per_value_and_serve_decoding_then_training():
+    """eps rides as a cached 0-d tensor (one addcmul, no scalar wrapping): each eps its own, and one first
+    made while decoding (inference mode) still works under autograd afterwards."""
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 1, 16), torch.randn(16)
+    for eps in (1e-3, 0.25):                              # values no other test uses: made right here
+        with torch.inference_mode():
+            decoded = rms_norm(x, w, eps)
+        torch.testing.assert_close(decoded, _rms_norm_reference(x, w, eps))
+        xg = x.clone().requires_grad_()
+        trained = rms_norm(xg, w, eps)
+        trained.sum().backward()
+        torch.testing.assert_close(trained.detach(), decoded, rtol=0, atol=0)   # the same formula both ways
+        assert xg.grad is not None and torch.isfinite(xg.grad).all()
+
+
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_rope_half_values_and_gradients_match_autograd(contiguous):
     torch.manual_seed(0)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import ModelConfig
+from archlab.nn.calls import call
 from archlab.nn.fused import head_linear
 from archlab.nn.fused_loss import linear_cross_entropy
 from archlab.nn.masks import AttnInputs
@@ -109,9 +110,9 @@ class TransformerLM(nn.Module):
         inputs = AttnInputs(positions, self.blocks.mask_spec(prefix_lengths), cache=cache,
                             plain=plain, shared={} if cache is not None else None)
         x = self.embed_tokens(input_ids, positions)                          # (b, t, d)
-        x = self.blocks(x, inputs)                                           # (b, t, d)
+        x = call(self.blocks, x, inputs)                                     # (b, t, d)
         if self.final_norm is not None:
-            x = self.final_norm(x)
+            x = call(self.final_norm, x)
         if return_hidden:
             return x
         if targets is not None:  # through forward, so DDP/FSDP/compile wrappers see the whole step
@@ -121,7 +122,7 @@ class TransformerLM(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The embedder: token vectors (scaled as Gemma), absolute positions where the config adds them at
         the input, the embedding norm and dropout. (b, t) -> (b, t, d)."""
-        x = self.embed(input_ids)                                            # (b, t, d)
+        x = call(self.embed, input_ids)                                      # (b, t, d)
         if self.config.scale_embeddings:  # Gemma: sqrt(d) rounded to the activation dtype
             x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
         if self.abs_position.at_input:

@@ -128,9 +128,9 @@ def generate(model, prompt_ids, max_new_tokens: int = 32, *, num_beams: int = 1,
     sink_window (+ sink_tokens, default 4): StreamingLLM decoding past the context.
     callback(tokens) is called with each step's (b,) tokens as they come (a streaming variant;
     `stream` is the iterator form). use_cache=False recomputes the whole sequence each step.
-    fast_decode=True runs cached decode steps of LLaMA-style models through
-    archlab.generation.fast_decode (tested equal to the model; it keeps one extra copy of the
-    weights, fused and transposed): pass False to save that memory on large models.
+    fast_decode=True runs the model's modules over packed, transposed copies of their weights
+    (archlab.nn.fused.packing, tested equal to the plain forward; one extra copy of the weights):
+    pass False to save that memory on large models.
     """
     if num_beams > 1:
         return _beam(model, prompt_ids, max_new_tokens, num_beams, length_penalty, callback, **kwargs)

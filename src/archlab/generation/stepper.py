@@ -2,10 +2,10 @@
 
 A `Stepper` owns the running state of one batch: the KV cache (or, uncached, the whole sequence so
 far) and the next positions. `prefill()` runs the prompt, `step(tokens)` feeds one token per row;
-both return the next-token logits (b, v). `reorder(index)` selects rows (beam search). Cached
-decode steps of the models it covers run through fast_decode.FastDecoder, the others through the
-model's forward with packed weights (archlab.nn.fused.packing); fast=False: the model's own forward
-every step, without weight copies.
+both return the next-token logits (b, v). `reorder(index)` selects rows (beam search). Every step
+runs the model's own forward; fast=True (the default) within one DecodeSession per Stepper: packed
+weight copies (archlab.nn.fused.packing) and, for a model without hooks, modules called without
+per-call hook checks (archlab.nn.calls); fast=False: no weight copies.
 
 Batched prompts of different lengths are left-padded: positions = cumsum(mask) - 1 and padded
 slots get position -1, which attention masks out; every row's newest token is then in the last
@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from archlab.config import ABSOLUTE_POSITIONS
-from archlab.generation.fast_decode import FastDecoder
+from archlab.nn.calls import call
 from archlab.nn.fused import DecodeSession, packing
 from archlab.nn.kv_cache import SinkKVCache, StaticKVCache
 
@@ -115,15 +115,12 @@ class Stepper:
             self.cache = None
         self._hidden_head = hasattr(model, "head") and config is not None
         self.packing = fast
-        self.session = DecodeSession()    # packed weights checked once per generate call, not per step
+        self.session = DecodeSession(model)   # packed weights and hooks checked once per generate call, not per step
         # a model whose embedding is padded past its tokenizer (e.g. to a multiple of 64) must never pick
         # an id the tokenizer cannot decode: logits are cut to the first `vocab_limit` ids
         if vocab_limit is not None and vocab_limit < 1:
             raise ValueError(f"vocab_limit={vocab_limit} must be >= 1")
         self.vocab_limit = vocab_limit
-        self.fast = (FastDecoder(model, self.cache)
-                     if fast and self.cache is not None and FastDecoder.supports(model, self.cache) is None
-                     else None)
 
     # ---- checks ------------------------------------------------------------------------------
     def _check_context(self, max_new_tokens: int) -> None:
@@ -163,7 +160,8 @@ class Stepper:
 
     def _model_logits(self, ids, positions, cache) -> torch.Tensor:
         if self._hidden_head:  # the head over the last position only (the prompt can be long)
-            hidden = self.model(ids, positions=positions, cache=cache, return_hidden=True)   # (b, t, d)
+            # call: hooks on the model are honoured, and skipped unchecked within a hook-free session
+            hidden = call(self.model, ids, positions, cache, None, True)                 # (b, t, d)
             return self.model.head(hidden[:, -1])                                             # (b, v)
         return self.model(ids, positions=positions, cache=cache)[:, -1]
 
@@ -181,10 +179,6 @@ class Stepper:
         return logits
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:            # (b,) -> (b, v)
-        if self.fast is not None:
-            logits = self.fast.step(tokens, self.next_pos)
-            self.next_pos = self.next_pos + 1
-            return self._within_vocab(logits)
         tokens = tokens[:, None]
         if self.cache is None:
             next_pos = self.positions[:, -1:] + 1

@@ -23,7 +23,7 @@ from torch import nn
 
 from archlab.config import AttentionConfig, BiasConfig, LayerSpec, NormConfig
 from archlab.nn import attention_backends as backends
-from archlab.nn.fused import linear, packed_projection, project
+from archlab.nn.fused import decode_weights, linear, packable, packed_linears, packed_matmul, project
 from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
@@ -75,6 +75,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         positions, cache = inputs.positions, inputs.cache
         position = self.position
+        packs = decode_weights(x, self, self._decode_weights)   # decoding: (q/k/v, o) packed, one lookup
         if cache is not None and getattr(cache, "rotates_keys", False):
             # StreamingLLM cache (kv_cache.SinkKVCache): it keeps un-rotated keys, rotates them
             # with in-cache positions, and hands back the queries' in-cache positions
@@ -82,12 +83,13 @@ class Attention(nn.Module):
             k, v, k_pos, positions = cache.update(self.layer, k, v, positions, rotate=position.rotate)
             q = position.rotate(q, positions)
         else:
-            qkv = self._decode_heads(x, b) if t == 1 else None
-            if qkv is not None:  # a decode step: q, k, v heads as one view, q and k rotated in one pass
+            if packs is not None and t == 1:  # one query: q, k, v heads as one view, q and k rotated in one pass
                 h, k_heads = self.n_heads, self.n_kv_heads
+                qkv = packed_matmul(x, packs[0]).view(b, h + 2 * k_heads, 1, self.head_dim)   # (b, h+2k, 1, e)
+                if self.clip_qkv is not None:
+                    qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
                 rope = _shared_tables(position, positions, qkv.dtype, inputs.shared)   # RoPE cos/sin | None
-                qk = position.rotate(qkv[:, :h + k_heads], positions, rope)   # (b, h+k, 1, e)
-                q, k = qk.split_with_sizes((h, k_heads), dim=1)
+                q, k = position.rotate(qkv[:, :h + k_heads], positions, rope).split_with_sizes((h, k_heads), dim=1)
                 v = qkv[:, h + k_heads:]
             else:
                 q, k, v = self._heads(x, b, t)                                # (b, h|k, t, e)
@@ -104,8 +106,17 @@ class Attention(nn.Module):
             self.last_probs = probs
         out = (out.view(b, t, -1) if t == 1 else out.transpose(1, 2).reshape(b, t, -1))  # (b, t, h*e)
         if self.gate_proj is not None:
-            out = out * torch.sigmoid(self.gate_proj(x))
-        return linear(out, self.o_proj)
+            out = out * torch.sigmoid(linear(x, self.gate_proj))
+        return linear(out, self.o_proj) if packs is None else packed_matmul(out, packs[1])
+
+    def _decode_weights(self, x: torch.Tensor):
+        """(q/k/v packed, o packed) for decoding (nn/fused.py), or None: QK-norm between the projection and
+        the heads (those layers decode Linear by Linear), or hooks or autocast to honour."""
+        linears = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qk_norm != "none" or not packable(x, (*linears, self.o_proj)):
+            return None
+        qkv, o = packed_linears(linears), packed_linears((self.o_proj,))
+        return None if qkv is None or o is None else (qkv, o)
 
     def _heads(self, x: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v heads (b, h|k, t, e), clipped and QK-normed as configured, not yet rotated."""
@@ -120,20 +131,6 @@ class Attention(nn.Module):
         if self.qk_norm in ("per_head", "per_head_untied") and q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         return q, k, v
-
-    def _decode_heads(self, x: torch.Tensor, b: int) -> torch.Tensor | None:
-        """One query per row, decoding through packed weights, no QK-norm between: the q, k and v heads
-        as one (b, h+2k, 1, e) view of the packed projection (clipped as configured); else None. The
-        same math as `_heads`, with one view and one rotation instead of three and two."""
-        if self.qk_norm != "none":
-            return None
-        qkv = packed_projection(x, (self.q_proj, self.k_proj, self.v_proj))  # (b, 1, (h+2k) e) | None
-        if qkv is None:
-            return None
-        qkv = qkv.view(b, self.n_heads + 2 * self.n_kv_heads, 1, self.head_dim)
-        if self.clip_qkv is not None:
-            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
-        return qkv
 
     def _call(self, q, k, v, mask, is_causal, bias) -> backends.AttnCall:
         return backends.AttnCall(q, k, v, self.scale, mask=mask, is_causal=is_causal, bias=bias,

@@ -10,72 +10,94 @@ tests/test_fused.py checks values and gradients against the composite formulas.
 
 Decoding is the other end: a step over a few rows is dominated by per-op and per-module overhead, so
 without gradients `rms_norm` and `rope_half` run their forward math directly (no autograd.Function), and
-within `packing()` `project` / `linear` multiply by a packed, transposed copy of the weights: at one row
+within `packing()` the modules multiply by packed, transposed copies of their weights: at one row
 `x @ W_t` runs MKL's faster gemv layout (~1.3x on the weights that dominate a step). The copies are built
-once per parameter version (`packed`, shared with generation.fast_decode) and cost one extra copy of the
-weights; a `DecodeSession` (one per generate call) checks each module's copy once, not at every step.
+once per parameter version (`packed`) and cost one extra copy of the weights; a `DecodeSession` (one per
+generate call) keeps each module's decode weights (`decode_weights`: Attention's q/k/v and o, the MLP's
+up and down) after their first use, so a step looks each module up once.
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 import weakref
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+from archlab.nn import calls
+
 __all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed", "packed_linears",
-           "packed_matmul", "packed_projection", "packing", "DecodeSession", "DECODE_ROWS"]
+           "packed_matmul", "packed_split", "packed_projection", "packable", "decode_weights", "packing",
+           "DecodeSession", "DECODE_ROWS"]
 
 DECODE_ROWS = 32   # at most this many rows without gradients: the packed (decode) path of project/linear
 
 
 class DecodeSession:
-    """One decode loop's packed weights (a generate call, a server step): each module's pack is checked
-    once, at its first use in the session (built from the current tensors, no hooks on the module, no
-    autocast), then reused without checks. So a weight changed in place between two generate calls is
-    seen; one changed in the middle of a call is not (nor is a hook registered mid-call).
-    Example: session = DecodeSession()
+    """One decode loop's state checked once (a generate call, a server step): each module's packed weights
+    at their first use in the session (built from the current tensors, no hooks on the module, no autocast),
+    then reused without checks; given the model, whether it is hook-free (nn/calls.hook_free), so that
+    within `packing` its modules are called without per-call hook checks. So a weight changed in place
+    between two generate calls is seen; one changed in the middle of a call is not (nor is a hook
+    registered mid-call).
+    Example: session = DecodeSession(model)
              for each step: with torch.no_grad(), packing(session=session): logits = model(tok, positions=p, cache=c)"""
 
-    __slots__ = ("packs",)
+    __slots__ = ("packs", "direct")
 
-    def __init__(self) -> None:
-        self.packs: dict = {}     # linears tuple | ("head", owner) -> _Packed, or None: run the plain module
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self.packs: dict = {}     # a module | linears tuple | ("head", owner) -> its decode weights, or None
+        self.direct = model is not None and calls.hook_free(model)
 
 
 _SESSION: DecodeSession | None = None   # a plain global, which torch.compile traces (a ContextVar breaks graphs)
 
 
-@contextlib.contextmanager
-def packing(enabled: bool = True, session: DecodeSession | None = None) -> Iterator[None]:
+class packing:  # noqa: N801  (a context manager read as a function: `with packing(): ...`)
     """Within `with packing():` the modules decode a few rows through packed weight copies (generation
     and the server turn it on; off by default, since the copies cost one more copy of the weights).
     `session`: keep one DecodeSession over a decode loop's steps, so its packs are checked only once.
+    A class, not a generator: a decode step enters it once, where contextlib's frames would show.
     Example: with torch.no_grad(), packing(): logits = model(tokens, positions=pos, cache=cache)"""
-    global _SESSION
-    before, _SESSION = _SESSION, ((session or DecodeSession()) if enabled else None)
-    try:
-        yield
-    finally:
-        _SESSION = before
+
+    __slots__ = ("session", "saved")
+
+    def __init__(self, enabled: bool = True, session: DecodeSession | None = None) -> None:
+        self.session = (session or DecodeSession()) if enabled else None
+
+    def __enter__(self) -> None:
+        global _SESSION
+        now = self.session
+        self.saved = _SESSION, calls._DIRECT
+        _SESSION = now
+        calls._DIRECT = now is not None and now.direct     # nn/calls.direct for a hook-free model
+
+    def __exit__(self, *exc: object) -> None:
+        global _SESSION
+        _SESSION, calls._DIRECT = self.saved
+
+
+def decode_weights(x: torch.Tensor, owner: Hashable, build: Callable[[torch.Tensor], Any]) -> Any:
+    """`owner`'s prepared decode weights when x is a decode input (a few rows, no gradients, within
+    packing()), else None: the session's entry for `owner`, `build(x)` at its first use in the session
+    (None from build: the module runs its usual path all session). One lookup per module and step.
+    Example (DenseMLP.forward): packs = decode_weights(x, self, self._decode_weights)"""
+    session = _SESSION
+    if session is None or torch.is_grad_enabled() or x.shape[:-1].numel() > DECODE_ROWS:
+        return None
+    hit = session.packs.get(owner, _MISSING)
+    if hit is _MISSING:
+        hit = session.packs[owner] = build(x)
+    return hit
 
 
 def _session_pack(x: torch.Tensor, key: Hashable, modules: tuple[nn.Module, ...],
                   build: Callable[..., _Packed | None], *args: Any) -> _Packed | None:
-    """The session's pack under `key` when x is a decode input (a few rows, no gradients, within packing()),
-    else None. At the session's first use it is `build(*args)`, or None when `modules` must run as
-    themselves (hooks, autocast)."""
-    session = _SESSION
-    if session is None or torch.is_grad_enabled() or x.shape[:-1].numel() > DECODE_ROWS:
-        return None
-    pack = session.packs.get(key, _MISSING)
-    if pack is _MISSING:
-        pack = session.packs[key] = None if _unpackable(x, modules) else build(*args)
-    return pack
+    """`decode_weights` under `key`: `build(*args)`, or None when `modules` must run as themselves."""
+    return decode_weights(x, key, lambda x: build(*args) if packable(x, modules) else None)
 
 
 def _linears_pack(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> _Packed | None:
@@ -86,13 +108,14 @@ def _linears_pack(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> _Packed | 
 _MISSING = object()
 
 
-def _unpackable(x: torch.Tensor, modules: tuple[nn.Module, ...]) -> bool:
-    """Hooks to honour (global, or on the modules), or autocast (which casts per matmul): no packing."""
+def packable(x: torch.Tensor, modules: tuple[nn.Module, ...]) -> bool:
+    """No hooks to honour (global, or on the modules), no autocast (which casts per matmul): `modules` may
+    run through packed weights for input x."""
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return True
+        return False
     if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
-        return True
-    return torch.is_autocast_enabled(x.device.type)
+        return False
+    return not torch.is_autocast_enabled(x.device.type)
 
 
 class _Packed:
@@ -153,6 +176,11 @@ def packed_matmul(x: torch.Tensor, pack: _Packed) -> torch.Tensor:   # (..., in)
     return out if pack.bias is None else out.add_(pack.bias)
 
 
+def packed_split(x: torch.Tensor, pack: _Packed) -> tuple[torch.Tensor, ...]:
+    """(l(x) for l in the packed Linears): one matmul, split by their output sizes."""
+    return packed_matmul(x, pack).split_with_sizes(pack.sizes, dim=-1)
+
+
 def packed_projection(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
     """torch.cat([l(x) for l in linears], -1) through the packed weights when decoding (see `project`),
     else None. Example: qkv = packed_projection(x, (attn.q_proj, attn.k_proj, attn.v_proj))"""
@@ -173,7 +201,7 @@ def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tens
     """
     pack = _linears_pack(x, linears)
     if pack is not None:
-        return packed_matmul(x, pack).split_with_sizes(pack.sizes, dim=-1)
+        return packed_split(x, pack)
     if not (torch.is_autocast_enabled(x.device.type) and x.shape[:-1].numel() >= x.shape[-1]):
         return tuple(linear(x) for linear in linears)
     biases = [linear.bias for linear in linears]
@@ -202,13 +230,31 @@ def head_linear(x: torch.Tensor, owner: nn.Module, weight: torch.Tensor, bias: t
 
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
     """The one RMSNorm formula: (y in x's dtype, xhat and 1/rms in float32) for x (..., d).
-    (Casts only where a dtype differs: a decode step is a few rows, where each no-op call shows.)"""
+    1/rms = rsqrt(eps + |x|^2 / d), the sum in one addcmul with eps as a tensor: a decode step is a few
+    rows, where every op call shows, and scalar ops (x / d, + eps) cost one more call each for wrapping
+    the number. (Casts only where a dtype differs, for the same reason.)"""
     xf = x if x.dtype in _WIDE else x.float()         # float32, or float64 for gradcheck
-    ms = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(xf.shape[-1])
-    rstd = ms.add_(eps).rsqrt_()                      # (..., 1)
+    norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)                  # (..., 1)
+    rstd = torch.addcmul(_eps(eps, xf.device), norm, norm, value=1.0 / xf.shape[-1]).rsqrt_()
     xhat = xf * rstd                                  # (..., d) float32
     y = xhat * (weight if weight.dtype == xf.dtype else weight.to(xf.dtype))
     return (y if y.dtype == x.dtype else y.to(x.dtype)), xhat, rstd
+
+
+_EPS: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def _eps(eps: float, device: torch.device) -> torch.Tensor:
+    """eps as a 0-d float32 tensor on `device`, made once (a 0-d tensor takes the other operands' dtype);
+    a traced constant under torch.compile (which must not store a tensor it made in a global)."""
+    if torch.compiler.is_compiling():
+        return torch.full((), eps, dtype=torch.float32, device=device)
+    key = (eps, device)
+    hit = _EPS.get(key)
+    if hit is None:
+        with torch.inference_mode(False):             # a normal tensor, though made while decoding
+            hit = _EPS[key] = torch.tensor(eps, dtype=torch.float32, device=device)
+    return hit
 
 
 _WIDE = (torch.float32, torch.float64)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import GATED_ACTIVATIONS, MLPConfig
-from archlab.nn.fused import linear, project
+from archlab.nn.fused import decode_weights, linear, packable, packed_linears, packed_matmul, packed_split, project
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
@@ -52,13 +52,23 @@ class DenseMLP(nn.Module):
         mark_residual_out(self.down_proj)  # scaled init (GPT-2) applies here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, t, d)
+        packs = decode_weights(x, self, self._decode_weights)   # decoding: (up, down) packed, one lookup
         gate_proj = self.gate_proj
         if gate_proj is not None:
-            gate, up = project(x, (gate_proj, self.up_proj))            # (b, t, f) each
+            gate, up = (project(x, (gate_proj, self.up_proj)) if packs is None
+                        else packed_split(x, packs[0]))                 # (b, t, f) each
             h = self.act(gate) * up
         else:
-            h = self.act(linear(x, self.up_proj))
-        return linear(h, self.down_proj)
+            h = self.act(linear(x, self.up_proj) if packs is None else packed_matmul(x, packs[0]))
+        return linear(h, self.down_proj) if packs is None else packed_matmul(h, packs[1])
+
+    def _decode_weights(self, x: torch.Tensor):
+        """(gate/up packed, down packed) for decoding (nn/fused.py), or None: hooks or autocast to honour."""
+        ups = (self.up_proj,) if self.gate_proj is None else (self.gate_proj, self.up_proj)
+        if not packable(x, (*ups, self.down_proj)):
+            return None
+        up, down = packed_linears(ups), packed_linears((self.down_proj,))
+        return None if up is None or down is None else (up, down)
 
 
 class MoEMLP(nn.Module):

@@ -183,6 +183,8 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None) ->
 @ATTENTION_POSITIONS.register("rope")
 class RotaryEmbedding(AttentionPosition):
     inv_freq: torch.Tensor       # registered buffers, typed for the checker
+    half_freq: torch.Tensor
+    half_sign: torch.Tensor
     """RoPE; q.k then depends only on the offset p_q - p_k."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, t5_table: T5RelativeBias | None = None):
@@ -194,30 +196,35 @@ class RotaryEmbedding(AttentionPosition):
         self.interleaved = pos.rope_layout == "interleaved"
         inv_freq, self.attention_factor = rope_frequencies(self.rotary_dim, theta, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # the "half" layout's tables straight from its frequencies twice over and the signs of [-sin, sin]
+        half = torch.ones_like(inv_freq)
+        self.register_buffer("half_freq", torch.cat((inv_freq, inv_freq)), persistent=False)   # (r,)
+        self.register_buffer("half_sign", torch.cat((-half, half)), persistent=False)          # (r,)
+        self.dynamic = scaling is not None and scaling.kind in CALL_LENGTH_KINDS
         self.theta, self.scaling = theta, scaling
         # layers with equal keys have equal tables: a decode step builds them once (AttnInputs.shared)
         self.table_key = ("rope", theta, scaling, self.rotary_dim, self.interleaved)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) for `positions` (b, t), each (b, 1, t, r/2); "half" layout: ([cos, cos], [-sin, sin])
-        over r dims, so `rotate` needs two multiplies and one add."""
-        inv_freq = self.inv_freq
-        if self.scaling is not None and self.scaling.kind in CALL_LENGTH_KINDS:
+        """(cos, sin) for `positions` (b, t), each (b, 1, t, r/2); "half" layout: ([cos, cos], [-sin, sin]),
+        each (b, 1, t, r), so `rotate` needs two multiplies and one add."""
+        inv_freq = self.inv_freq if self.interleaved else self.half_freq
+        if self.dynamic and self.scaling is not None:
             # longrope, dynamic: frequencies from this call's max position, as tensor ops (no
             # host sync, traceable); q and k of a call share them through AttnInputs.shared
             r, seq_len = self.rotary_dim, positions.max() + 1
             exponents = torch.arange(0, r, 2, dtype=torch.float32, device=positions.device) / r
             inv_freq, _ = ROPE_SCALINGS.get(self.scaling.kind)(exponents, self.theta, self.scaling,
                                                                seq_len)
+            inv_freq = inv_freq if self.interleaved else torch.cat((inv_freq, inv_freq))
         # positions (b, t), or (1, t) shared by all rows on the plain causal path: tables built once
-        angles = positions.clamp(min=0)[:, None, :, None].float() * inv_freq  # (b|1, 1, t, r/2)
+        angles = positions.clamp(min=0)[:, None, :, None].float() * inv_freq  # (b|1, 1, t, r/2 | r)
         cos, sin = angles.cos(), angles.sin()
+        if not self.interleaved:                       # ([cos, cos], [-sin, sin])
+            sin = sin.mul_(self.half_sign)
         if self.attention_factor != 1.0:  # YaRN, LongRoPE: q.k logits times attention_factor^2
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        cos, sin = cos.to(dtype), sin.to(dtype)
-        if self.interleaved:
-            return cos, sin
-        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return (cos, sin) if cos.dtype == dtype else (cos.to(dtype), sin.to(dtype))
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor,
                tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -1,23 +1,19 @@
-"""FastDecoder (archlab.generation.fast_decode): every variant is either covered, with decode-step
-logits equal to the model's own cached forward (padding, windows, GQA, biases included), or
-refused with a reason; prepared weights follow in-place weight changes; hooks turn it off."""
+"""Cached decoding runs through the model's own modules: within a DecodeSession (what generate uses) every
+variant's decode-step logits equal the plain module forward's (padding, windows, GQA, biases included); packed
+weights follow in-place weight changes; hooks fire, and a hook-free model's modules are called directly."""
 import pytest
 import torch
+from torch import nn
 from variants import VARIANTS, variant
 
 import archlab
 from archlab import TransformerLM
-from archlab.generation.fast_decode import FastDecoder
 from archlab.generation.stepper import Stepper
+from archlab.nn import calls
+from archlab.nn.fused import DecodeSession, packing
 from archlab.nn.kv_cache import StaticKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-# the LLaMA-like family the fast path exists for: these must not silently fall back
-COVERED = {"base", "gqa", "mqa", "head-dim", "window", "local-global", "rope-local-theta",
-           "rope-local-nope-global", "rope-linear-scaling", "rope-llama3-scaling", "pos-none",
-           "all-biases", "tied", "query-scalar", "norm-rmsnorm", "norm-rmsnorm_1p",
-           "norm-layernorm", "act-swiglu", "act-geglu", "act-gelu", "no-final-norm", "d-ff-ratio"}
 
 
 def _prompt(cfg, b=2, t=7):
@@ -40,20 +36,12 @@ def _decode_logits(model, ids, mask, fast, steps=12):
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_fast_step_equals_model_forward_or_refuses(name):
+def test_session_decode_steps_equal_the_plain_module_forward(name):
+    """fast=True: packed weights and direct module calls (one DecodeSession); fast=False: the plain forward."""
     model = TransformerLM(variant(name)).eval()
-    cache = StaticKVCache(model.config, 2, 8)
-    reason = FastDecoder.supports(model, cache)
-    if name in COVERED:
-        assert reason is None, f"{name} fell back: {reason}"
-    if reason is not None:
-        with pytest.raises(ValueError, match="does not cover"):
-            FastDecoder(model, cache)
-        return
     ids, mask = _prompt(model.config)
-    ref_stepper, ref = _decode_logits(model, ids, mask, fast=False)
-    fast_stepper, got = _decode_logits(model, ids, mask, fast=True)
-    assert ref_stepper.fast is None and fast_stepper.fast is not None
+    _, ref = _decode_logits(model, ids, mask, fast=False)
+    _, got = _decode_logits(model, ids, mask, fast=True)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -84,18 +72,31 @@ def test_prepared_weights_follow_in_place_changes():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_hooks_and_training_mode_fall_back_to_the_model():
-    model = TransformerLM(variant("base"))
-    cache = StaticKVCache(model.config, 1, 8)
-    assert "training" in FastDecoder.supports(model, cache)
-    model.eval()
-    handle = model.blocks[0].register_forward_hook(lambda *a: None)
-    assert "hooks" in FastDecoder.supports(model, cache)
+def test_a_session_calls_modules_directly_only_for_a_hook_free_model(monkeypatch):
+    model = TransformerLM(variant("base")).eval()
+    assert DecodeSession(model).direct and not DecodeSession().direct
+    handle = model.blocks[1].mlp.register_forward_pre_hook(lambda *a: None)
+    assert not DecodeSession(model).direct                # a hook anywhere in the model
     handle.remove()
-    assert FastDecoder.supports(model, cache) is None
+    handle = nn.modules.module.register_module_forward_hook(lambda *a: None)
+    assert not DecodeSession(model).direct                # a global hook
+    handle.remove()
+    x = torch.randint(0, model.config.vocab_size, (1, 4))
+    with torch.no_grad():
+        expected = model(x)
+    session = DecodeSession(model)
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("went through nn.Module.__call__")
+    monkeypatch.setattr(nn.Module, "_call_impl", refuse)
+    with torch.no_grad(), packing(session=session):
+        assert calls._DIRECT
+        got = model.forward(x)                            # every child through calls.call, none through __call__
+    assert not calls._DIRECT                              # restored on leaving
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_generate_uses_fast_path_and_agrees_with_uncached():
+def test_cached_generate_agrees_with_uncached():
     model = TransformerLM(variant("gqa")).eval()
     prompt = torch.randint(0, 97, (3, 5))
     cached = archlab.generate(model, prompt, max_new_tokens=10)
@@ -103,7 +104,7 @@ def test_generate_uses_fast_path_and_agrees_with_uncached():
     assert torch.equal(cached, uncached)
 
 
-# ---- the modules' packed decode path (archlab.nn.fused.packing): models FastDecoder does not cover ----
+# ---- packing() alone, without a session's direct calls ----
 def _module_decode_logits(model, ids, mask, pack: bool, steps=12):
     """Cached decode through the model's forward, within packing() or not."""
     from archlab.nn.fused import packing
@@ -129,7 +130,7 @@ def test_module_forward_through_packed_weights_equals_the_plain_forward(name):
 
 def test_packing_is_off_by_default_and_never_under_gradients():
     from archlab.nn import fused
-    model = TransformerLM(variant("qk-norm-per-head")).eval()      # not a FastDecoder model: decodes via modules
+    model = TransformerLM(variant("qk-norm-per-head")).eval()
     x = torch.randint(0, model.config.vocab_size, (1, 3))
     fused._PACKED.clear()
     with torch.no_grad():

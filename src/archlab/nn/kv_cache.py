@@ -62,10 +62,10 @@ class KVCache:
 class _Buffers:
     """Preallocated k, v (b, k, cap, e) and positions (b, cap) for one layer."""
 
-    def __init__(self, batch, kv_heads, capacity, head_dim, dtype, device):
+    def __init__(self, batch, kv_heads, capacity, head_dim, dtype, device, pos: torch.Tensor | None = None):
         self.k = torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.pos = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
+        self.pos = torch.full((batch, capacity), -1, dtype=torch.long, device=device) if pos is None else pos
         self.capacity = capacity
         self.count = 0   # tokens written so far (the same for every row: padding takes slots too)
         self.rolling = False  # a sliding-window layer's ring buffer of `window` slots
@@ -107,7 +107,9 @@ class StaticKVCache(_BufferedCache):
     """Preallocated per-layer buffers. Global layers hold `max_len` slots; local layers (from
     `config.is_local(layer)`) hold a rolling buffer of `window` slots, written at count % window.
 
-    GQA/MQA store only the kv heads (attention repeats them after the cache).
+    GQA/MQA store only the kv heads (attention repeats them after the cache). The global layers share one
+    positions buffer, written by the first of them in each forward (the protocol's "same keys, same
+    positions"): a decode step writes and slices it once, not once per layer.
     """
 
     def __init__(self, config: ModelConfig, batch: int, max_len: int, *,
@@ -116,13 +118,38 @@ class StaticKVCache(_BufferedCache):
             raise ValueError(f"max_len={max_len} must be >= 1")
         kv_heads, head_dim = _model_dims(config)
         self.max_len = max_len
+        self.shared_pos = torch.full((batch, max_len), -1, dtype=torch.long, device=device)   # (b, max_len)
+        self._shared_view: tuple[int, torch.Tensor | None] = (0, None)   # (length, shared_pos[:, :length])
         self.layers = []
         for layer in range(config.n_layers):
             window = config.attention.window if config.is_local(layer) else None
             rolling = window is not None and window < max_len
-            buf = _Buffers(batch, kv_heads, window if rolling else max_len, head_dim, dtype, device)
+            buf = _Buffers(batch, kv_heads, window if rolling else max_len, head_dim, dtype, device,
+                           pos=None if rolling else self.shared_pos)
             buf.rolling = rolling
             self.layers.append(buf)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select batch rows (beam search): row i becomes old row index[i]; the shared positions once."""
+        shared = self.shared_pos.index_select(0, index)
+        for buf in self.layers:
+            if buf.pos is self.shared_pos:
+                buf.k, buf.v, buf.pos = buf.k.index_select(0, index), buf.v.index_select(0, index), shared
+            else:
+                buf.reorder(index)
+        self.shared_pos, self._shared_view = shared, (0, None)
+
+    def _positions(self, buf: _Buffers, n: int, t: int, positions: torch.Tensor) -> torch.Tensor:
+        """buf.pos[:, :n + t] with `positions` written at n: once per forward where the buffer is shared."""
+        if buf.pos is not self.shared_pos:
+            buf.pos[:, n:n + t] = positions
+            return buf.pos[:, :n + t]
+        length, view = self._shared_view
+        if length != n + t or view is None:          # the forward's first global layer
+            buf.pos[:, n:n + t] = positions
+            view = buf.pos[:, :n + t]
+            self._shared_view = (n + t, view)
+        return view
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         buf = self.layers[layer]
@@ -130,9 +157,8 @@ class StaticKVCache(_BufferedCache):
         if n + t <= cap:                          # no wrap: contiguous write, return a view
             buf.k[:, :, n:n + t] = k
             buf.v[:, :, n:n + t] = v
-            buf.pos[:, n:n + t] = positions
             buf.count = n + t
-            return buf.k[:, :, :n + t], buf.v[:, :, :n + t], buf.pos[:, :n + t]
+            return buf.k[:, :, :n + t], buf.v[:, :, :n + t], self._positions(buf, n, t, positions)
         if not buf.rolling:
             raise ValueError(
                 f"KV cache full: layer {layer} holds {cap} slots, {n} used, {t} more given "

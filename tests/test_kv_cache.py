@@ -35,6 +35,25 @@ def test_rolling_buffer_keeps_the_last_window_and_global_layer_everything():
     assert len(cache) == 7
 
 
+def test_global_layers_share_one_positions_buffer_written_once_per_forward_and_reordered_once():
+    cfg = BASE.with_overrides({"n_layers": 3, "attention.window": 2, "attention.layer_pattern": "GLG"})
+    cache = StaticKVCache(cfg, batch=2, max_len=6)
+    first, local, last = cache.layers
+    assert first.pos is last.pos is cache.shared_pos and local.pos is not cache.shared_pos
+    for p in range(4):                                     # row 1 is padding until position 2
+        pos = torch.tensor([[p], [p - 2 if p >= 2 else -1]])
+        got = [cache.update(layer, _kv(2, 4, 1, 8, p), _kv(2, 4, 1, 8, p), pos)[2] for layer in range(3)]
+        assert got[0] is got[2]                            # written and sliced once, by the first global layer
+    assert got[0].tolist() == [[0, 1, 2, 3], [-1, -1, 0, 1]]
+    assert sorted(got[1][0].tolist()) == [2, 3]            # the local layer keeps its own rolling positions
+    cache.reorder(torch.tensor([1, 1]))                    # beam search: both rows become old row 1
+    assert first.pos is last.pos is cache.shared_pos
+    _, _, k_pos = cache.update(0, _kv(2, 4, 1, 8, 4), _kv(2, 4, 1, 8, 4), torch.tensor([[2], [2]]))
+    assert k_pos.tolist() == [[-1, -1, 0, 1, 2]] * 2
+    assert cache.update(2, _kv(2, 4, 1, 8, 4), _kv(2, 4, 1, 8, 4), torch.tensor([[2], [2]]))[2] is k_pos
+    assert first.k[:, 0, :5, 0].tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0]] * 2
+
+
 def test_rolling_buffer_chunk_that_wraps_returns_old_and_new_keys():
     cfg = BASE.with_overrides({"attention.window": 4})
     cache = StaticKVCache(cfg, batch=1, max_len=20)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from archlab.errors import UserError
-from archlab.nn.fused import packing
+from archlab.nn.fused import DecodeSession, packing
 
 __all__ = ["Engine", "CompletionRequest", "RequestError"]
 
@@ -76,6 +76,7 @@ class Engine:
         self.rows_per_step: collections.Counter = collections.Counter()
         self._waiting: collections.deque[_Job] = collections.deque()
         self._active: dict[int, _Job] = {}
+        self._session: DecodeSession | None = None   # one per batch composition: renewed as jobs join or leave
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -149,6 +150,7 @@ class Engine:
         job.row = row
         self.slots.reset(row)
         self._active[row] = job
+        self._session = None
         ids = torch.tensor([job.ids], device=self.slots.pos.device)                  # (1, t)
         logits = self.model(ids, positions=torch.arange(ids.shape[1], device=ids.device)[None],
                             cache=self.slots.view([row]))                            # (1, t, v)
@@ -161,7 +163,9 @@ class Engine:
         device = self.slots.pos.device
         last = torch.tensor([[j.new[-1]] for j in jobs], device=device)               # (b, 1)
         positions = torch.tensor([[self.slots.length[r]] for r in rows], device=device)   # (b, 1)
-        with packing():           # the modules decode through packed weights (archlab.nn.fused)
+        if self._session is None:  # packed weights and the hook check, once per batch composition
+            self._session = DecodeSession(self.model)
+        with packing(session=self._session):      # the modules decode through packed weights (archlab.nn.fused)
             logits = self.model(last, positions=positions, cache=self.slots.view(rows))  # (b, 1, v)
         self.rows_per_step[len(rows)] += 1
         for i, job in enumerate(jobs):
@@ -198,6 +202,7 @@ class Engine:
         if self._active.get(job.row) is job:
             del self._active[job.row]
             self.slots.reset(job.row)
+            self._session = None
         if why is None or isinstance(why, BaseException):
             job.out.put(why)
 

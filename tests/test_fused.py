@@ -30,6 +30,21 @@ def test_rms_norm_values_and_gradients_match_autograd():
     torch.testing.assert_close(got[1], w.grad)
 
 
+def test_rms_norm_with_a_weight_per_head_matches_autograd():
+    """QK-norm per head, untied (Cohere): weight (h, 1, e) broadcast over x (b, h, t, e)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 1, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-5), (x, w))
+    g = torch.randn(2, 3, 4, 8, dtype=torch.float64)
+    rms_norm(x, w, 1e-5).backward(g)
+    got = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    _rms_norm_reference(x, w, 1e-5).backward(g)
+    torch.testing.assert_close(got[0], x.grad)
+    torch.testing.assert_close(got[1], w.grad)
+
+
 def test_rms_norm_keeps_input_dtype_and_float32_weight_grads():
     x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
     w = torch.ones(8, requires_grad=True)

@@ -264,7 +264,7 @@ class _RMSNorm(torch.autograd.Function):
     """y = x / rms(x) * w, computed in float32 (Zhang & Sennrich 2019)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float):          # x (..., d), weight (d,)
+    def forward(ctx, x, weight, eps: float):          # x (..., d), weight (d,) or broadcast to x (QK-norm per head)
         y, xhat, rstd = _rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(xhat, rstd, weight)     # xhat, not x: backward needs no recompute
         ctx.in_dtype = x.dtype
@@ -275,15 +275,19 @@ class _RMSNorm(torch.autograd.Function):
         xhat, rstd, weight = ctx.saved_tensors
         g, w = grad.to(xhat.dtype), weight.to(xhat.dtype)
         g_xhat = g * xhat                                               # (..., d)
-        dw = g_xhat.flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
-        # dx = rstd * (g w - xhat * mean(g w xhat)); mean(g w xhat) = (g xhat) @ w / d, one gemv
-        mean = (g_xhat @ w).unsqueeze(-1).div_(xhat.shape[-1])         # (..., 1)
+        dw = None
+        if ctx.needs_input_grad[1]:   # summed over what the weight was broadcast across
+            dw = g_xhat.flatten(0, -2).sum(0) if w.dim() == 1 else g_xhat.sum_to_size(w.shape)
+        # dx = rstd * (g w - xhat * mean(g w xhat)); mean(g w xhat) = (g xhat) @ w / d, one gemv for a (d,) weight
+        gw_xhat = (g_xhat @ w).unsqueeze(-1) if w.dim() == 1 else (g_xhat * w).sum(-1, keepdim=True)
+        mean = gw_xhat.div_(xhat.shape[-1])                             # (..., 1)
         dx = torch.addcmul(g * w, xhat, mean, value=-1).mul_(rstd)
         return dx.to(ctx.in_dtype), None if dw is None else dw.to(weight.dtype), None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # (..., d) -> same
-    """x / rms(x) * weight in float32, returned in x's dtype. Example: y = rms_norm(x, norm.weight, 1e-5)"""
+    """x / rms(x) * weight in float32, returned in x's dtype; weight (d,), or any shape that broadcasts to x
+    (one weight per head: (h, 1, e) for x (b, h, t, e)). Example: y = rms_norm(x, norm.weight, 1e-5)"""
     if not torch.is_grad_enabled():                   # no backward to save for: the formula alone
         return _rms_norm_forward(x, weight, eps)[0]
     return _RMSNorm.apply(x, weight, eps)

@@ -100,9 +100,10 @@ class HeadwiseNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((n_heads, head_dim), 1.0 - self.weight_offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, h, t, e) -> (b, h, t, e)
-        xf = x.float()
-        if self.center:
-            xf = xf - xf.mean(-1, keepdim=True)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        weight = self.weight.float() + self.weight_offset                # (h, e)
-        return (y * weight[:, None, :]).to(x.dtype)
+        weight = self.weight[:, None, :]                                 # (h, 1, e): one per head
+        if self.weight_offset:
+            weight = weight + self.weight_offset
+        if self.center:   # the package's LayerNorm and RMSNorm formulas, with a weight per head
+            y = F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps) * weight.float()
+            return y.to(x.dtype)
+        return rms_norm(x, weight, self.eps)

@@ -9,7 +9,7 @@ from variants import VARIANTS, variant
 import archlab
 from archlab import TransformerLM
 from archlab.generation.stepper import Stepper
-from archlab.nn import calls
+from archlab.nn import calls, fused
 from archlab.nn.fused import DecodeSession, packing
 from archlab.nn.kv_cache import StaticKVCache
 
@@ -90,10 +90,59 @@ def test_a_session_calls_modules_directly_only_for_a_hook_free_model(monkeypatch
         raise AssertionError("went through nn.Module.__call__")
     monkeypatch.setattr(nn.Module, "_call_impl", refuse)
     with torch.no_grad(), packing(session=session):
-        assert calls._DIRECT
+        assert calls._DIRECT and fused._SESSION is session
         got = model.forward(x)                            # every child through calls.call, none through __call__
-    assert not calls._DIRECT                              # restored on leaving
+    assert not calls._DIRECT and fused._SESSION is None                    # restored on leaving
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_direct_calls_cover_only_the_session_model():
+    """Another model (say, one a second thread evaluates) keeps its hooks firing inside the session."""
+    decoded, other = TransformerLM(variant("base")).eval(), TransformerLM(variant("base")).eval()
+    fired = []
+    other.blocks[0].attn_norm.register_forward_hook(lambda *a: fired.append(1))
+    x = torch.randint(0, decoded.config.vocab_size, (1, 3))
+    with torch.no_grad(), packing(session=DecodeSession(decoded)):
+        assert calls._DIRECT and other.blocks[0].attn_norm not in calls._DIRECT
+        decoded(x)
+        other(x)
+    assert fired == [1]
+
+
+@pytest.mark.parametrize("worker_leaves_first", [True, False])
+def test_decode_loops_in_two_threads_leave_no_state_behind_in_either_order(worker_leaves_first):
+    """A server's engine thread and a user's generate overlapping: another model's hooks keep firing, and
+    once both loops end no session or direct-call set is left (none is restored after its loop ended)."""
+    import threading
+
+    model, other = TransformerLM(variant("base")).eval(), TransformerLM(variant("base")).eval()
+    x = torch.randint(0, model.config.vocab_size, (1, 3))
+    inside, release, left = threading.Event(), threading.Event(), threading.Event()
+
+    def worker_loop():
+        with torch.no_grad(), packing(session=DecodeSession(model)):
+            model(x)
+            inside.set()
+            release.wait(10)
+        left.set()
+
+    worker = threading.Thread(target=worker_loop)
+    worker.start()
+    fired = []
+    other.blocks[0].attn_norm.register_forward_hook(lambda *a: fired.append(1))
+    try:
+        assert inside.wait(10)
+        with torch.no_grad(), packing(session=DecodeSession(model)):
+            other(x)                                      # hooked, and not the worker's model: hooks fire
+            if worker_leaves_first:
+                release.set()
+                assert left.wait(10)
+            model(x)
+    finally:
+        release.set()
+        worker.join()
+    assert fired == [1]
+    assert fused._SESSION is None and fused._OWNER is None and not calls._DIRECT
 
 
 def test_cached_generate_agrees_with_uncached():

@@ -7,21 +7,24 @@ where each microsecond of Python shows. `call(module, *args)` checks the
 same conditions and runs `module.forward(*args)` directly when none holds, so hooks (the module's own and
 global ones), torch.compile and torch.jit.trace see exactly what they would see with `module(*args)`.
 
-A decode loop checks a whole model once instead (`hook_free`), and within `direct(True)` every `call` runs
-`forward` at once: a hook registered in the middle of that loop is not seen (as packed weights, nn/fused.py).
+A decode loop checks a whole model once instead (`hook_free`, through nn/fused.DecodeSession), and while the
+loop runs (`_DIRECT`, set by nn/fused.packing) a `call` on one of those modules runs `forward` at once: a
+hook registered in the middle of that loop is not seen (as packed weights). Any other module (another
+model, evaluated in another thread meanwhile) keeps every check.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-__all__ = ["call", "direct", "hook_free"]
+__all__ = ["call", "hook_free"]
 
-_DIRECT = False   # a plain global (torch.compile traces it): set only within `direct`, over a checked model
+# the modules a running decode loop checked hook-free (nn/fused.packing sets it): a plain global, not a
+# ContextVar or thread-local, whose read a decode step makes ~30 times (torch.compile traces the empty set)
+_DIRECT: frozenset[nn.Module] = frozenset()
 
 
 def _global_hooks() -> bool:
@@ -37,7 +40,7 @@ def _hooked(module: nn.Module) -> bool:
 def call(module: nn.Module, *args: Any) -> Any:
     """module(*args), skipping __call__'s bookkeeping when no hook, compiled wrapper or trace is there to see it.
     Example: x = x + call(self.attn, call(self.attn_norm, x), inputs)"""
-    if _DIRECT:
+    if _DIRECT and module in _DIRECT:   # a hook-free model a running decode loop checked
         return module.forward(*args)
     if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
             or _module._global_forward_hooks or _module._global_forward_pre_hooks
@@ -48,21 +51,10 @@ def call(module: nn.Module, *args: Any) -> Any:
     return module.forward(*args)
 
 
-def hook_free(model: nn.Module) -> bool:
-    """No hook or compiled wrapper on any of model's modules, no global hook, no compile or trace running:
-    `call` may skip every check for this model (`direct`)."""
+def hook_free(model: nn.Module) -> frozenset[nn.Module]:
+    """model's modules, when none has a hook or compiled wrapper and no global hook, compile or trace is
+    running (`call` may then skip every check for them); else the empty set."""
     if _global_hooks() or torch.compiler.is_compiling() or torch._C._get_tracing_state():
-        return False
-    return not any(_hooked(m) for m in model.modules())
-
-
-@contextlib.contextmanager
-def direct(enabled: bool) -> Iterator[None]:
-    """Within: `call` runs every module's forward without checks. Enable it only for a model `hook_free`
-    has just checked. Example: with direct(hook_free(model)): logits = model(tok, positions=p, cache=c)"""
-    global _DIRECT
-    before, _DIRECT = _DIRECT, enabled
-    try:
-        yield
-    finally:
-        _DIRECT = before
+        return frozenset()
+    modules = frozenset(model.modules())
+    return frozenset() if any(_hooked(m) for m in modules) else modules

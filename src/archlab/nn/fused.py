@@ -19,6 +19,7 @@ up and down) after their first use, so a step looks each module up once.
 from __future__ import annotations
 
 import operator
+import threading
 import weakref
 from typing import Any, Callable, Hashable
 
@@ -50,10 +51,12 @@ class DecodeSession:
 
     def __init__(self, model: nn.Module | None = None) -> None:
         self.packs: dict = {}     # a module | linears tuple | ("head", owner) -> its decode weights, or None
-        self.direct = model is not None and calls.hook_free(model)
+        self.direct = frozenset() if model is None else calls.hook_free(model)   # modules to call directly
 
 
 _SESSION: DecodeSession | None = None   # a plain global, which torch.compile traces (a ContextVar breaks graphs)
+_OWNER: int | None = None               # the thread whose decode loop set _SESSION and nn/calls._DIRECT
+_LOCK = threading.Lock()
 
 
 class packing:  # noqa: N801  (a context manager read as a function: `with packing(): ...`)
@@ -61,6 +64,8 @@ class packing:  # noqa: N801  (a context manager read as a function: `with packi
     and the server turn it on; off by default, since the copies cost one more copy of the weights).
     `session`: keep one DecodeSession over a decode loop's steps, so its packs are checked only once.
     A class, not a generator: a decode step enters it once, where contextlib's frames would show.
+    One thread's decode loop owns the state at a time: a loop that starts while another thread's runs shares
+    that loop's state and leaves it alone on exit, so no thread ever restores a session that has ended.
     Example: with torch.no_grad(), packing(): logits = model(tokens, positions=pos, cache=cache)"""
 
     __slots__ = ("session", "saved")
@@ -69,15 +74,20 @@ class packing:  # noqa: N801  (a context manager read as a function: `with packi
         self.session = (session or DecodeSession()) if enabled else None
 
     def __enter__(self) -> None:
-        global _SESSION
-        now = self.session
-        self.saved = _SESSION, calls._DIRECT
-        _SESSION = now
-        calls._DIRECT = now is not None and now.direct     # nn/calls.direct for a hook-free model
+        global _SESSION, _OWNER
+        me, now = threading.get_ident(), self.session
+        with _LOCK:
+            self.saved = None
+            if _OWNER is None or _OWNER == me:        # free, or nested in this thread's own loop
+                self.saved = _SESSION, calls._DIRECT, _OWNER
+                _SESSION, _OWNER = now, me
+                calls._DIRECT = frozenset() if now is None else now.direct   # nn/calls: hook-free modules
 
     def __exit__(self, *exc: object) -> None:
-        global _SESSION
-        _SESSION, calls._DIRECT = self.saved
+        global _SESSION, _OWNER
+        if self.saved is not None:
+            with _LOCK:
+                _SESSION, calls._DIRECT, _OWNER = self.saved
 
 
 def decode_weights(x: torch.Tensor, owner: Hashable, build: Callable[[torch.Tensor], Any]) -> Any:

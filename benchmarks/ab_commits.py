@@ -98,7 +98,11 @@ def main() -> int:
     ap.add_argument("--only", choices=("train", "decode"), help="time one kind of workload")
     ap.add_argument("--decode-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a dotted override of the decode model (repeatable), e.g. attention.qk_norm=per_head")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall time, or this process's CPU time (steadier on a shared machine)")
     args = ap.parse_args()
+    import time
+
     import torch
     torch.set_num_threads(args.threads)
 
@@ -123,11 +127,13 @@ def main() -> int:
                 continue
             def in_copy(label: str, fn):     # each copy runs with its own modules in sys.modules
                 return lambda: (activate(copies[label]), fn())
+            clock = time.process_time if args.clock == "cpu" else time.perf_counter
             seconds = interleaved({label: in_copy(label, workloads[label][name]) for label in ("before", "after")},
-                                  args.rounds)
+                                  args.rounds, clock=clock)
             ratios = [b / a for b, a in zip(seconds["before"], seconds["after"])]
             print(f"{name:11s}: after/before speed {statistics.median(ratios):.3f}x "
-                  f"(rounds {min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} interleaved)", flush=True)
+                  f"(rounds {min(ratios):.3f}-{max(ratios):.3f}, {args.rounds} interleaved, {args.clock} time)",
+                  flush=True)
         for label in ("before", "after"):
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(Path(tmp) / label)],
                            capture_output=True)

@@ -145,6 +145,25 @@ def test_decode_loops_in_two_threads_leave_no_state_behind_in_either_order(worke
     assert fused._SESSION is None and fused._OWNER is None and not calls._DIRECT
 
 
+def test_unpadded_rows_decode_without_building_a_mask(monkeypatch):
+    """The Stepper gives an unpadded batch positions=None: steps skip the mask predicate and its host sync;
+    a padded batch still masks its padding."""
+    from archlab.nn.masks import MaskSpec
+
+    model = TransformerLM(variant("base")).eval()
+    ids, mask = _prompt(model.config)
+    built = []
+    allows = MaskSpec.allows
+    monkeypatch.setattr(MaskSpec, "allows", lambda *a: built.append(1) or allows(*a))
+    for padded in (False, True):
+        with torch.inference_mode():
+            st = Stepper(model, ids, mask if padded else torch.ones_like(mask), 3)
+            st.prefill()
+            built.clear()
+            st.step(torch.zeros(2, dtype=torch.long))
+        assert st.implied is not padded and bool(built) is padded
+
+
 def test_cached_generate_agrees_with_uncached():
     model = TransformerLM(variant("gqa")).eval()
     prompt = torch.randint(0, 97, (3, 5))

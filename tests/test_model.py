@@ -6,6 +6,7 @@ import torch
 from variants import BASE, VARIANTS, variant
 
 from archlab import ModelConfig, TransformerLM
+from archlab.nn.kv_cache import StaticKVCache
 from archlab.nn.masks import MaskSpec
 from archlab.nn.position import RotaryEmbedding, T5RelativeBias, alibi_slopes
 
@@ -270,6 +271,30 @@ def test_mask_spec_compiles_to_no_mask_where_nothing_binds_and_to_the_predicate_
     prefix = torch.tensor([3])
     mask, _ = MaskSpec(prefix_lengths=prefix).dense(pos, pos, plain=True)
     assert mask[0, 0, 0, 2] and not mask[0, 0, 0, 3] and not mask[0, 0, 3, 4]
+
+
+def test_a_continued_decode_step_needs_no_mask_unless_a_window_binds(monkeypatch):
+    """positions=None with a cache: each row continues its own unpadded keys, so one causal query sees them
+    all (no mask, no host sync); a window or padding still goes through the predicate."""
+    q, k = torch.tensor([[9], [9]]), torch.arange(10)[None].expand(2, 10)
+    window_mask, _ = MaskSpec().with_window(4).dense(q, k, plain=False, continued=True)
+    assert window_mask[0, 0, 0].tolist() == [False] * 6 + [True] * 4
+    padding = torch.ones(2, 10, dtype=torch.bool)
+    assert MaskSpec(key_padding=padding).dense(q, k, plain=False, continued=True)[0] is None   # all real
+    monkeypatch.setattr(MaskSpec, "allows", lambda *a: (_ for _ in ()).throw(AssertionError("predicate ran")))
+    assert MaskSpec().dense(q, k, plain=False, continued=True) == (None, False)
+
+
+def test_decoding_unpadded_rows_with_implied_positions_equals_explicit_positions():
+    model = TransformerLM(BASE).eval()
+    ids = torch.randint(0, BASE.vocab_size, (2, 7))
+    logits = {}
+    for implied in (True, False):
+        cache = StaticKVCache(BASE, 2, 7)
+        with torch.no_grad():
+            model(ids[:, :6], positions=None if implied else torch.arange(6)[None].expand(2, 6), cache=cache)
+            logits[implied] = model(ids[:, 6:], positions=None if implied else torch.full((2, 1), 6), cache=cache)
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=0)
 
 
 def test_training_and_eval_forwards_trace_as_one_graph():

@@ -83,14 +83,16 @@ class TransformerLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,                      # (b, t) int
-        positions: torch.Tensor | None = None,        # (b, t) int; -1 marks padding
+        positions: torch.Tensor | None = None,        # (b, t) int; -1 marks padding. None: 0..t-1, or
+                                                      # continuing the cache (rows unpadded, one length)
         cache=None,                                   # see archlab.nn.kv_cache for the protocol
         prefix_lengths: torch.Tensor | None = None,   # (b,) for attention.prefix_lm
         return_hidden: bool = False,
         targets: torch.Tensor | None = None,          # (b, t) int: return the LossOutput instead
     ) -> torch.Tensor | LossOutput:                   # (b, t, v) logits, or (b, t, d) hidden
         b, t = input_ids.shape
-        plain = positions is None and cache is None
+        implied = positions is None
+        plain = implied and cache is None
         if positions is None:
             start = len(cache) if cache is not None else 0
             # plain causal: one (1, t) row that RoPE tables, biases and masks broadcast over the batch
@@ -107,8 +109,8 @@ class TransformerLM(nn.Module):
             raise ValueError("prefix_lengths given but config.attention.prefix_lm is False")
         # what attends to what, built once: every block reads it (with a cache, layers also share
         # RoPE tables and masks through `shared`)
-        inputs = AttnInputs(positions, self.blocks.mask_spec(prefix_lengths), cache=cache,
-                            plain=plain, shared={} if cache is not None else None)
+        inputs = AttnInputs(positions, self.blocks.mask_spec(prefix_lengths), cache=cache, plain=plain,
+                            continued=cache is not None and implied, shared={} if cache is not None else None)
         x = self.embed_tokens(input_ids, positions)                          # (b, t, d)
         x = call(self.blocks, x, inputs)                                     # (b, t, d)
         if self.final_norm is not None:

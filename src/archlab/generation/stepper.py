@@ -114,6 +114,8 @@ class Stepper:
                 self._check_context(max_new_tokens)
             self.cache = None
         self._hidden_head = hasattr(model, "head") and config is not None
+        # no padding: a TransformerLM is given positions=None and counts them from its cache (0..t-1 at first)
+        self.implied = config is not None and bool(self.mask.all())
         self.packing = fast
         self.session = DecodeSession(model)   # packed weights and hooks checked once per generate call, not per step
         # a model whose embedding is padded past its tokenizer (e.g. to a multiple of 64) must never pick
@@ -152,6 +154,8 @@ class Stepper:
 
     # ---- running the model ---------------------------------------------------------------------
     def _logits(self, ids, positions, cache) -> torch.Tensor:        # -> (b, v), last position
+        if self.implied:   # unpadded rows: the model continues the cache itself (a decode step needs no mask)
+            positions = None
         with packing(self.packing, self.session):
             return self._within_vocab(self._model_logits(ids, positions, cache))
 

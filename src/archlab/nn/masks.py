@@ -74,13 +74,16 @@ class MaskSpec:
             ok = ok & (self.segment_ids[:, :, None] == self.segment_ids[:, None, :])
         return (ok | (q < 0))[:, None]   # a padded query (position -1) sees its row freely: no NaN
 
-    def dense(self, q_pos: torch.Tensor, k_pos: torch.Tensor, *, plain: bool
+    def dense(self, q_pos: torch.Tensor, k_pos: torch.Tensor, *, plain: bool, continued: bool = False
               ) -> tuple[torch.Tensor | None, bool]:
         """The form SDPA and the eager reference take: (mask or None, is_causal). `plain` says the
         positions are 0..t-1 in every row with no cache, where a pure causal (or pure bidirectional) spec
-        needs no mask tensor at all."""
+        needs no mask tensor at all; `continued`, that each row's queries continue its cached keys, none
+        padded, where one causal query per row sees every key (a decode step: no mask, no host sync)."""
         if plain and self.only_structure:
             return None, self.causal and q_pos.shape[-1] > 1
+        if continued and self.causal and self.only_structure and q_pos.shape[-1] == 1:
+            return None, False
         mask = self.allows(q_pos, k_pos)
         if q_pos.shape[-1] == 1 and bool(mask.all()):  # one query that may see every key (a decode step)
             return None, False
@@ -94,6 +97,7 @@ class AttnInputs:
     spec: MaskSpec = field(default_factory=MaskSpec)
     cache: Any = None                        # archlab.nn.kv_cache protocol, or None
     plain: bool = False                      # positions 0..t-1 in every row, no padding, no cache
+    continued: bool = False                  # each row continues its cached tokens: none padded, one length
     shared: dict | None = None               # RoPE tables and masks built once per forward (decoding)
 
     def layer_mask(self, window: int | None, q_pos: torch.Tensor, k_pos: torch.Tensor
@@ -103,9 +107,10 @@ class AttnInputs:
         layer whose keys are equally many)."""
         shared = self.shared
         if shared is None:
-            return self.spec.with_window(window).dense(q_pos, k_pos, plain=self.plain)
+            return self.spec.with_window(window).dense(q_pos, k_pos, plain=self.plain, continued=self.continued)
         key = ("mask", window, k_pos.shape[1])
         hit = shared.get(key)
         if hit is None:
-            hit = shared[key] = self.spec.with_window(window).dense(q_pos, k_pos, plain=self.plain)
+            hit = shared[key] = self.spec.with_window(window).dense(q_pos, k_pos, plain=self.plain,
+                                                                    continued=self.continued)
         return hit

@@ -23,7 +23,7 @@ from torch import nn
 
 from archlab.config import AttentionConfig, BiasConfig, LayerSpec, NormConfig
 from archlab.nn import attention_backends as backends
-from archlab.nn.fused import decode_weights, linear, packable, packed_linears, packed_matmul, project
+from archlab.nn.fused import decode_weights, linear, packed_groups, packed_matmul, project
 from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
@@ -112,11 +112,9 @@ class Attention(nn.Module):
     def _decode_weights(self, x: torch.Tensor):
         """(q/k/v packed, o packed) for decoding (nn/fused.py), or None: QK-norm between the projection and
         the heads (those layers decode Linear by Linear), or hooks or autocast to honour."""
-        linears = (self.q_proj, self.k_proj, self.v_proj)
-        if self.qk_norm != "none" or not packable(x, (*linears, self.o_proj)):
+        if self.qk_norm != "none":
             return None
-        qkv, o = packed_linears(linears), packed_linears((self.o_proj,))
-        return None if qkv is None or o is None else (qkv, o)
+        return packed_groups(x, (self.q_proj, self.k_proj, self.v_proj), (self.o_proj,))
 
     def _heads(self, x: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v heads (b, h|k, t, e), clipped and QK-normed as configured, not yet rotated."""

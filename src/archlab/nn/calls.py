@@ -42,11 +42,7 @@ def call(module: nn.Module, *args: Any) -> Any:
     Example: x = x + call(self.attn, call(self.attn_norm, x), inputs)"""
     if _DIRECT and module in _DIRECT:   # a hook-free model a running decode loop checked
         return module.forward(*args)
-    if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-            or _module._global_forward_hooks or _module._global_forward_pre_hooks
-            or _module._global_backward_hooks or _module._global_backward_pre_hooks
-            or module._compiled_call_impl is not None or torch.compiler.is_compiling()
-            or torch._C._get_tracing_state()):
+    if _hooked(module) or _global_hooks() or torch.compiler.is_compiling() or torch._C._get_tracing_state():
         return module(*args)
     return module.forward(*args)
 

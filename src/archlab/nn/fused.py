@@ -31,7 +31,7 @@ from torch.nn.modules import module as _module
 from archlab.nn import calls
 
 __all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed", "packed_linears",
-           "packed_matmul", "packed_split", "packed_projection", "packable", "decode_weights", "packing",
+           "packed_matmul", "packed_split", "packed_groups", "packable", "decode_weights", "packing",
            "DecodeSession", "DECODE_ROWS"]
 
 DECODE_ROWS = 32   # at most this many rows without gradients: the packed (decode) path of project/linear
@@ -169,6 +169,16 @@ def packed(owner: nn.Module, key: str, weights: list[torch.Tensor], biases: list
     return hit
 
 
+def packed_groups(x: torch.Tensor, *groups: tuple[nn.Linear, ...]) -> tuple[_Packed, ...] | None:
+    """A module's decode weights: each group of its Linears packed (`packed_linears`), or None when one of
+    them must run as itself for input x (hooks, autocast: `packable`) or a group mixes bias settings.
+    Example (DenseMLP._decode_weights): return packed_groups(x, (self.gate_proj, self.up_proj), (self.down_proj,))"""
+    if not packable(x, tuple(lin for group in groups for lin in group)):
+        return None
+    packs = [packed_linears(group) for group in groups]
+    return tuple(pack for pack in packs if pack is not None) if None not in packs else None
+
+
 def packed_linears(linears: tuple[nn.Linear, ...]) -> _Packed | None:
     """The packed weights of `linears` (None when some have a bias and some do not)."""
     weights: list[torch.Tensor] = [lin.weight for lin in linears]
@@ -189,13 +199,6 @@ def packed_matmul(x: torch.Tensor, pack: _Packed) -> torch.Tensor:   # (..., in)
 def packed_split(x: torch.Tensor, pack: _Packed) -> tuple[torch.Tensor, ...]:
     """(l(x) for l in the packed Linears): one matmul, split by their output sizes."""
     return packed_matmul(x, pack).split_with_sizes(pack.sizes, dim=-1)
-
-
-def packed_projection(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> torch.Tensor | None:
-    """torch.cat([l(x) for l in linears], -1) through the packed weights when decoding (see `project`),
-    else None. Example: qkv = packed_projection(x, (attn.q_proj, attn.k_proj, attn.v_proj))"""
-    pack = _linears_pack(x, linears)
-    return None if pack is None else packed_matmul(x, pack)                  # (..., sum of outs)
 
 
 def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:

@@ -70,10 +70,11 @@ class _Buffers:
         self.count = 0   # tokens written so far (the same for every row: padding takes slots too)
         self.rolling = False  # a sliding-window layer's ring buffer of `window` slots
 
-    def reorder(self, index: torch.Tensor) -> None:
+    def reorder(self, index: torch.Tensor, pos: torch.Tensor | None = None) -> None:
+        """Select batch rows; `pos`: positions already selected (a buffer shared between layers)."""
         self.k = self.k.index_select(0, index)
         self.v = self.v.index_select(0, index)
-        self.pos = self.pos.index_select(0, index)
+        self.pos = self.pos.index_select(0, index) if pos is None else pos
 
     @property
     def nbytes(self) -> int:
@@ -133,10 +134,7 @@ class StaticKVCache(_BufferedCache):
         """Select batch rows (beam search): row i becomes old row index[i]; the shared positions once."""
         shared = self.shared_pos.index_select(0, index)
         for buf in self.layers:
-            if buf.pos is self.shared_pos:
-                buf.k, buf.v, buf.pos = buf.k.index_select(0, index), buf.v.index_select(0, index), shared
-            else:
-                buf.reorder(index)
+            buf.reorder(index, shared if buf.pos is self.shared_pos else None)
         self.shared_pos, self._shared_view = shared, (0, None)
 
     def _positions(self, buf: _Buffers, n: int, t: int, positions: torch.Tensor) -> torch.Tensor:

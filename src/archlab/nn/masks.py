@@ -105,12 +105,10 @@ class AttnInputs:
         """(mask or None, is_causal) for a layer with this sliding window, shared between layers whose
         (window, number of keys) match when `shared` is on (a cache returns the same key positions to every
         layer whose keys are equally many)."""
-        shared = self.shared
-        if shared is None:
-            return self.spec.with_window(window).dense(q_pos, k_pos, plain=self.plain, continued=self.continued)
-        key = ("mask", window, k_pos.shape[1])
-        hit = shared.get(key)
+        shared, key = self.shared, ("mask", window, k_pos.shape[1])
+        hit = None if shared is None else shared.get(key)
         if hit is None:
-            hit = shared[key] = self.spec.with_window(window).dense(q_pos, k_pos, plain=self.plain,
-                                                                    continued=self.continued)
+            hit = self.spec.with_window(window).dense(q_pos, k_pos, plain=self.plain, continued=self.continued)
+            if shared is not None:
+                shared[key] = hit
         return hit

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import GATED_ACTIVATIONS, MLPConfig
-from archlab.nn.fused import decode_weights, linear, packable, packed_linears, packed_matmul, packed_split, project
+from archlab.nn.fused import decode_weights, linear, packed_groups, packed_matmul, packed_split, project
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
@@ -65,10 +65,7 @@ class DenseMLP(nn.Module):
     def _decode_weights(self, x: torch.Tensor):
         """(gate/up packed, down packed) for decoding (nn/fused.py), or None: hooks or autocast to honour."""
         ups = (self.up_proj,) if self.gate_proj is None else (self.gate_proj, self.up_proj)
-        if not packable(x, (*ups, self.down_proj)):
-            return None
-        up, down = packed_linears(ups), packed_linears((self.down_proj,))
-        return None if up is None or down is None else (up, down)
+        return packed_groups(x, ups, (self.down_proj,))
 
 
 class MoEMLP(nn.Module):

@@ -49,7 +49,8 @@ def call(module: nn.Module, *args: Any) -> Any:
 
 def hook_free(model: nn.Module) -> frozenset[nn.Module]:
     """model's modules, when none has a hook or compiled wrapper and no global hook, compile or trace is
-    running (`call` may then skip every check for them); else the empty set."""
+    running (`call` may then skip every check for them); else the empty set.
+    Example: DecodeSession(model).direct == hook_free(model)   # what nn/fused.packing hands to `call`"""
     if _global_hooks() or torch.compiler.is_compiling() or torch._C._get_tracing_state():
         return frozenset()
     modules = frozenset(model.modules())

@@ -120,7 +120,7 @@ _MISSING = object()
 
 def packable(x: torch.Tensor, modules: tuple[nn.Module, ...]) -> bool:
     """No hooks to honour (global, or on the modules), no autocast (which casts per matmul): `modules` may
-    run through packed weights for input x."""
+    run through packed weights for input x. Example: if packable(x, (mlp.up_proj,)): ..."""
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return False
     if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
@@ -197,7 +197,8 @@ def packed_matmul(x: torch.Tensor, pack: _Packed) -> torch.Tensor:   # (..., in)
 
 
 def packed_split(x: torch.Tensor, pack: _Packed) -> tuple[torch.Tensor, ...]:
-    """(l(x) for l in the packed Linears): one matmul, split by their output sizes."""
+    """(l(x) for l in the packed Linears): one matmul, split by their output sizes.
+    Example: gate, up = packed_split(x, packed_linears((mlp.gate_proj, mlp.up_proj)))"""
     return packed_matmul(x, pack).split_with_sizes(pack.sizes, dim=-1)
 
 

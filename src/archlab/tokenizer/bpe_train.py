@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from archlab.paths import cache_dir
 from archlab.tokenizer.pretokenize import count_pretokens, iter_text_chunks, resolve_inputs
 
 __all__ = ["train_bpe", "count_file_pretokens", "merge_loop", "c_backend_available"]
@@ -91,15 +92,10 @@ def _load_c_library():
     if _lib is not None or _lib_error is not None:
         return _lib
     try:
-        from archlab.corpora import cache_dir
-        root = cache_dir()
-    except Exception:  # corpora missing or broken: fall back to a user-private temp folder
-        root = Path(tempfile.gettempdir()) / f"archlab-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-    try:
         source = _C_SOURCE.read_bytes()
         tag = hashlib.sha256(source + sys.platform.encode()).hexdigest()[:16]
         suffix = sysconfig.get_config_var("SHLIB_SUFFIX") or ".so"
-        target = root / "ext" / f"bpe_merge_{tag}{suffix}"
+        target = cache_dir() / "ext" / f"bpe_merge_{tag}{suffix}"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             cc = os.environ.get("CC", "gcc")
@@ -113,7 +109,9 @@ def _load_c_library():
         lib.bpe_merge.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                   ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
         _lib = lib
-    except Exception as e:  # no compiler, read-only cache, ...: the Python loop takes over
+    except (OSError, subprocess.SubprocessError) as e:
+        # OSError: no compiler on PATH, a read-only cache, a library the loader refuses;
+        # SubprocessError: the compiler ran and failed. Either way the Python loop takes over.
         _lib_error = f"{type(e).__name__}: {e}"
     return _lib
 

@@ -105,3 +105,43 @@ def test_provenance_names_each_layers_backend():
     assert {blk.attn.attention_backend() for blk in model.blocks} == {"sdpa"}
     capped = TransformerLM(variant("base").with_overrides({"attention.logit_softcap": 50.0}))
     assert {blk.attn.attention_backend() for blk in capped.blocks} == {"eager"}
+
+
+def test_backends_are_tried_by_their_registered_priority():
+    assert backends.ORDER[-1] == "eager"                                  # the reference: last, supports all
+    assert backends.ORDER.index("block_local") < backends.ORDER.index("sdpa")
+    assert set(backends.ORDER) == set(backends.BACKENDS.names())
+
+
+def test_a_layer_hands_its_spec_and_positions_and_the_dense_mask_is_built_only_on_demand(monkeypatch):
+    from archlab.nn.masks import MaskSpec
+    calls, allows = [], MaskSpec.allows
+    monkeypatch.setattr(MaskSpec, "allows", lambda self, q, k: calls.append(q.shape) or allows(self, q, k))
+    seen = []
+    model = TransformerLM(variant("window"))
+    with backends.observe(seen.append), forced("sdpa"):
+        model(torch.randint(0, 97, (2, 9)))
+    assert all(c.spec is not None and c.spec.window == (2, 0) and c.q_pos is not None for c in seen)
+    assert len(calls) == 1                                # two windowed layers, one mask per forward
+    calls.clear()
+    with forced("block_local"):
+        model(torch.randint(0, 97, (2, 9)))               # the blocked kernel: per-block masks, no (t, s) one
+    assert calls and all(shape[-1] == backends.BlockLocal.block for shape in calls)
+
+
+def test_dense_masks_are_shared_by_spec_never_by_length_alone():
+    from archlab.nn.masks import AttnInputs, MaskSpec
+    pos = torch.arange(6)[None]
+    inputs = AttnInputs(pos, MaskSpec(causal=True))
+    causal = inputs.dense(MaskSpec(causal=True).with_window(2), pos, pos)[0]
+    bidirectional = inputs.dense(MaskSpec(causal=False).with_window(2), pos, pos)[0]
+    assert not torch.equal(causal, bidirectional)                         # same lengths, different specs
+    assert inputs.layer_spec(2) is inputs.layer_spec(2)                   # one spec per window and forward
+
+
+@pytest.mark.parametrize("field,value", [("block_size", 16), ("global_indices", (0,)), ("dilation", 2)])
+def test_the_predicate_refuses_fields_it_does_not_implement(field, value):
+    from archlab.nn.masks import MaskSpec
+    pos = torch.arange(4)[None]
+    with pytest.raises(NotImplementedError, match=field):
+        MaskSpec(**{field: value}).allows(pos, pos)

@@ -107,10 +107,9 @@ class TransformerLM(nn.Module):
             )
         if prefix_lengths is not None and not self.config.attention.prefix_lm:
             raise ValueError("prefix_lengths given but config.attention.prefix_lm is False")
-        # what attends to what, built once: every block reads it (with a cache, layers also share
-        # RoPE tables and masks through `shared`)
+        # what attends to what, built once: every block reads it, and its layers share RoPE tables and masks
         inputs = AttnInputs(positions, self.blocks.mask_spec(prefix_lengths), cache=cache, plain=plain,
-                            continued=cache is not None and implied, shared={} if cache is not None else None)
+                            continued=cache is not None and implied)
         x = self.embed_tokens(input_ids, positions)                          # (b, t, d)
         x = call(self.blocks, x, inputs)                                     # (b, t, d)
         if self.final_norm is not None:

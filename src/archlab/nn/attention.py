@@ -24,7 +24,7 @@ from torch import nn
 from archlab.config import AttentionConfig, BiasConfig, LayerSpec, NormConfig
 from archlab.nn import attention_backends as backends
 from archlab.nn.fused import decode_weights, linear, packed_groups, packed_matmul, project
-from archlab.nn.masks import AttnInputs
+from archlab.nn.masks import AttnInputs, MaskSpec
 from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
 from archlab.nn.position import AttentionPosition
@@ -99,9 +99,11 @@ class Attention(nn.Module):
             if cache is not None:
                 k, v, k_pos = cache.update(self.layer, k, v, positions)     # (b, k, s, e), (b, s)
 
-        bias = position.bias(positions, k_pos) if position.has_bias else None   # (b, h, t, s) | None
-        mask, is_causal = inputs.layer_mask(self.window, positions, k_pos)   # (b, 1, t, s) | None
-        out, probs = backends.run(self._call(q, k, v, mask, is_causal, bias))  # (b, h, t, e)
+        # what attends to what, as the layer's spec and positions: a backend builds the dense mask (once per
+        # forward, through `inputs`) or the position bias (over the pairs it visits) only if it needs them
+        call = self._call(q, k, v, inputs.layer_spec(self.window), positions, k_pos, inputs,
+                          aligned=inputs.plain and cache is None)
+        out, probs = backends.run(call)                                     # (b, h, t, e)
         if self.record_probs:
             self.last_probs = probs
         out = (out.view(b, t, -1) if t == 1 else out.transpose(1, 2).reshape(b, t, -1))  # (b, t, h*e)
@@ -130,16 +132,22 @@ class Attention(nn.Module):
             q, k = q_norm(q), k_norm(k)
         return q, k, v
 
-    def _call(self, q, k, v, mask, is_causal, bias) -> backends.AttnCall:
-        return backends.AttnCall(q, k, v, self.scale, mask=mask, is_causal=is_causal, bias=bias,
-                                 softcap=self.softcap, sinks=self.sinks, keep_probs=self.record_probs,
-                                 dropout=self.dropout if self.training else 0.0)
+    def _call(self, q, k, v, spec: MaskSpec, q_pos, k_pos, inputs: AttnInputs | None, *, aligned: bool
+              ) -> backends.AttnCall:
+        position = self.position
+        return backends.AttnCall(q, k, v, self.scale, softcap=self.softcap, sinks=self.sinks,
+                                 keep_probs=self.record_probs, dropout=self.dropout if self.training else 0.0,
+                                 spec=spec, q_pos=q_pos, k_pos=k_pos, inputs=inputs, aligned=aligned,
+                                 position_bias=position.bias if position.has_bias else None)
 
-    def attention_backend(self) -> str:
-        """The backend this layer's full-sequence forward runs (recorded in provenance.json)."""
+    def attention_backend(self, seq_len: int = 2, spec: MaskSpec | None = None) -> str:
+        """The backend this layer's full-sequence forward of `seq_len` tokens runs (recorded in provenance.json;
+        `spec`: the stack's, before this layer's window)."""
         h, k, e = self.n_heads, self.n_kv_heads, self.head_dim
-        q, kv = torch.empty(1, h, 2, e, device="meta"), torch.empty(1, k, 2, e, device="meta")
-        return backends.choose(self._call(q, kv, kv, None, True, None)).name
+        q, kv = torch.empty(1, h, seq_len, e, device="meta"), torch.empty(1, k, seq_len, e, device="meta")
+        pos = torch.arange(seq_len, device="meta")[None]
+        spec = (spec or MaskSpec(causal=True)).with_window(self.window)
+        return backends.choose(self._call(q, kv, kv, spec, pos, pos, None, aligned=True)).name
 
 
 def _shared_tables(position: AttentionPosition, positions: torch.Tensor, dtype: torch.dtype, shared: dict | None):

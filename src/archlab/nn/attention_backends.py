@@ -14,40 +14,73 @@ block-sparse, FlexAttention) is one more registered class here; layers never cha
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
-from archlab.nn import cpu_attention
+from archlab.nn import cpu_attention, local_attention
+from archlab.nn.masks import AttnInputs, MaskSpec
 from archlab.nn.registry import Registry
 
 __all__ = ["AttnCall", "BACKENDS", "ORDER", "choose", "forced", "observe", "run"]
 
 
-@dataclass
+PositionBias = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
+@dataclass(eq=False)
 class AttnCall:
-    """One layer's attention, as data. Shapes: b batch, h query heads, k kv heads, t queries, s keys."""
+    """One layer's attention, as data. Shapes: b batch, h query heads, k kv heads, t queries, s keys.
+
+    What may attend to what comes in one of two forms: a layer gives its `spec` and the positions (kernels
+    that need no dense mask read those; `dense()` builds the mask once per forward for those that do), a
+    direct caller gives `mask` / `is_causal` as tensors. A position bias likewise: `position_bias` computed
+    over whichever (query, key) pairs a backend visits, or a `bias` tensor."""
 
     q: torch.Tensor                        # (b, h, t, e)
     k: torch.Tensor                        # (b, k, s, e), h a multiple of k (GQA, MQA)
     v: torch.Tensor                        # (b, k, s, e)
     scale: float
-    mask: torch.Tensor | None = None       # (b|1, 1, t, s) bool, True = may attend
+    mask: torch.Tensor | None = None       # (b|1, 1, t, s) bool, True = may attend (direct callers)
     is_causal: bool = False                # no mask tensor: query i sees keys 0..i (t == s, no cache)
-    bias: torch.Tensor | None = None       # (b|1, h, t, s) added to the scores (ALiBi, T5)
+    bias: torch.Tensor | None = None       # (b|1, h, t, s) added to the scores (direct callers)
     softcap: float | None = None           # scores -> cap * tanh(scores / cap) (Gemma 2)
     sinks: torch.Tensor | None = None      # (h,) learned sink logits in the softmax denominator
     dropout: float = 0.0                   # on the probabilities (training only)
     keep_probs: bool = False               # return the probabilities too (diagnostics)
+    spec: MaskSpec | None = None           # the layer's structure, its window applied (layers)
+    q_pos: torch.Tensor | None = None      # (b|1, t) query positions, -1 = padding
+    k_pos: torch.Tensor | None = None      # (b|1, s) key positions, -1 = an empty or padded slot
+    inputs: AttnInputs | None = None       # the forward's shared dense masks
+    position_bias: PositionBias | None = None   # (q_pos, k_pos) -> (b, h, t, s): ALiBi, T5
+    aligned: bool = False                  # key j is query j's token: t == s, positions 0..t-1, no cache
+    _dense: tuple[torch.Tensor | None, bool] | None = field(default=None, init=False, repr=False)
+
+    def dense(self) -> tuple[torch.Tensor | None, bool]:
+        """(mask (b|1, 1, t, s) or None, is_causal): the form SDPA and the eager reference take."""
+        if self.spec is None:
+            return self.mask, self.is_causal
+        if self._dense is None:
+            assert self.q_pos is not None and self.k_pos is not None, "a spec needs its positions"
+            self._dense = (self.inputs.dense(self.spec, self.q_pos, self.k_pos) if self.inputs is not None
+                           else self.spec.dense(self.q_pos, self.k_pos, plain=self.aligned))
+        return self._dense
+
+    def dense_bias(self) -> torch.Tensor | None:
+        """The position bias over every (query, key) pair, (b|1, h, t, s), or None."""
+        if self.position_bias is None or self.q_pos is None or self.k_pos is None:
+            return self.bias
+        return self.position_bias(self.q_pos, self.k_pos)
 
     def dense_mask(self) -> torch.Tensor | None:
         """The mask as a tensor, the causal one included (None: every query sees every key)."""
-        if self.mask is None and self.is_causal:
+        mask, is_causal = self.dense()
+        if mask is None and is_causal:
             t, s = self.q.shape[2], self.k.shape[2]
             return torch.ones(t, s, dtype=torch.bool, device=self.q.device).tril(s - t)[None, None]
-        return self.mask
+        return mask
 
 
 class Backend:
@@ -65,8 +98,27 @@ class Backend:
 
 
 BACKENDS: Registry[Backend] = Registry("attention backend")
+_PRIORITY: dict[str, int] = {}
+ORDER: tuple[str, ...] = ()           # backend names by descending priority: `choose` tries them in turn
+_ORDERED: list[Backend] = []
 
 
+def register(priority: int) -> Callable[[type[Backend]], type[Backend]]:
+    """Class decorator: register one instance of the backend, tried before every backend of lower priority
+    (the eager reference, which supports every call, is last at 0).
+    Example: @register(priority=300) class BlockLocal(Backend): ..."""
+    def add(cls: type[Backend]) -> type[Backend]:
+        global ORDER, _ORDERED
+        backend = cls()
+        BACKENDS.register(backend.name)(backend)
+        _PRIORITY[backend.name] = priority
+        ORDER = tuple(sorted(_PRIORITY, key=lambda name: -_PRIORITY[name]))
+        _ORDERED = [BACKENDS.get(name) for name in ORDER]
+        return cls
+    return add
+
+
+@register(priority=0)
 class Eager(Backend):
     """The readable reference: scores, soft-cap, bias, mask, sinks, softmax, dropout, in float32."""
 
@@ -75,18 +127,20 @@ class Eager(Backend):
     def __call__(self, call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         groups = call.q.shape[1] // call.k.shape[1]
         k, v = call.k.repeat_interleave(groups, dim=1), call.v.repeat_interleave(groups, dim=1)  # (b, h, s, e)
-        # upcast to fp32 before softcap and softmax: bf16 logits lose the tail that matters
-        scores = (call.q @ k.transpose(-1, -2)).float() * call.scale                   # (b, h, t, s)
+        # upcast to fp32 (at least) before softcap and softmax: bf16 logits lose the tail that matters
+        acc = torch.promote_types(call.q.dtype, torch.float32)
+        scores = (call.q @ k.transpose(-1, -2)).to(acc) * call.scale                   # (b, h, t, s)
         if call.softcap is not None:
             scores = call.softcap * torch.tanh(scores / call.softcap)
-        if call.bias is not None:
-            scores = scores + call.bias
+        bias = call.dense_bias()
+        if bias is not None:
+            scores = scores + bias
         mask = call.dense_mask()
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         if call.sinks is not None:
             b, t = scores.shape[0], scores.shape[2]
-            sink = call.sinks.float()[None, :, None, None].expand(b, -1, t, 1)
+            sink = call.sinks.to(acc)[None, :, None, None].expand(b, -1, t, 1)
             probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
         else:
             probs = scores.softmax(-1)
@@ -95,6 +149,7 @@ class Eager(Backend):
         return probs.to(v.dtype) @ v, kept                                                 # (b, h, t, e)
 
 
+@register(priority=100)
 class SDPA(Backend):
     """torch's scaled_dot_product_attention (flash / memory-efficient / math kernels); a bias rides in
     its float mask."""
@@ -107,10 +162,10 @@ class SDPA(Backend):
         return None
 
     def __call__(self, call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q, is_causal, attn_mask = call.q, call.is_causal, call.mask
-        if call.bias is not None:                       # a bias needs the mask beside it, explicitly
+        q, (attn_mask, is_causal), bias = call.q, call.dense(), call.dense_bias()
+        if bias is not None:                            # a bias needs the mask beside it, explicitly
             mask = call.dense_mask()
-            bias = call.bias.to(q.dtype)
+            bias = bias.to(q.dtype)
             attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
             is_causal = False
         out = F.scaled_dot_product_attention(q, call.k, call.v, attn_mask=attn_mask,
@@ -119,6 +174,7 @@ class SDPA(Backend):
         return out, None
 
 
+@register(priority=200)
 class CPUCausal(Backend):
     """nn/cpu_attention.causal_attention: SDPA's CPU flash forward with a matmul backward, faster for bf16
     training on CPUs with bf16 matmul units."""
@@ -126,7 +182,8 @@ class CPUCausal(Backend):
     name = "cpu_causal"
 
     def supports(self, call: AttnCall) -> str | None:
-        if not call.is_causal or call.mask is not None or call.bias is not None:
+        mask, is_causal = call.dense()
+        if not is_causal or mask is not None or call.bias is not None or call.position_bias is not None:
             return "plain causal attention only (no mask tensor, no bias)"
         if call.softcap is not None or call.sinks is not None or call.keep_probs or call.dropout:
             return "no soft-cap, sinks, kept probabilities or dropout"
@@ -141,10 +198,55 @@ class CPUCausal(Backend):
         return cpu_attention.causal_attention(call.q, call.k, call.v, call.scale), None
 
 
-for _backend in (Eager(), SDPA(), CPUCausal()):
-    BACKENDS.register(_backend.name)(_backend)
-ORDER = ("cpu_causal", "sdpa", "eager")        # the first that supports and prefers a call runs it
-_ORDERED = [BACKENDS.get(name) for name in ORDER]
+@register(priority=300)
+class BlockLocal(Backend):
+    """nn/local_attention: a call whose queries reach a bounded key range (a sliding window) as dense calls
+    over query blocks, each with only the keys it can reach; cost and memory O(n·(B + w)), not O(n²)."""
+
+    name = "block_local"
+    block = local_attention.BLOCK      # query rows per block (tests set it small)
+    min_saving = 4.0                   # chosen when the full call would visit this many times the pairs
+
+    def supports(self, call: AttnCall) -> str | None:
+        if call.spec is None or not call.aligned or call.q_pos is None:
+            return "a layer's spec over aligned queries and keys (positions 0..t-1, no cache)"
+        if call.spec.segment_ids is not None or call.keep_probs or call.bias is not None:
+            return "no segment ids, kept probabilities or bias tensor (a position bias as a function is fine)"
+        before, after = call.spec.reach()
+        if before is None or after is None:
+            return "a key range bounded on both sides (a sliding window)"
+        return None
+
+    def prefers(self, call: AttnCall) -> bool:
+        """Where the pairs the full call visits (half of them under a causal mask, which SDPA skips) are
+        `min_saving` times the blocks' pairs: below that the blocks' copies and small matmuls cost more."""
+        assert call.spec is not None
+        before, after = call.spec.reach()
+        t = call.q.shape[2]
+        full = t / 2 if call.spec.causal else t
+        return full >= self.min_saving * (self.block + (before or 0) + (after or 0))
+
+    def __call__(self, call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert call.spec is not None and call.q_pos is not None
+        before, after = call.spec.reach()
+        assert before is not None and after is not None
+        b, t, block = call.q.shape[0], call.q.shape[2], self.block
+        per_row = (call.q_pos, call.spec.prefix_lengths, call.spec.key_padding)
+        rows = max(x.shape[0] for x in per_row if x is not None)                 # 1 (plain positions) or b
+        q_pos, k_pos = local_attention.block_positions(call.q_pos.expand(rows, t), t, block, before, after)
+        spec = local_attention.block_spec(call.spec, rows, t, block, before, after)
+        mask = spec.allows(q_pos, k_pos)                                          # (rows·nb, 1, B, K)
+        bias = None if call.position_bias is None else call.position_bias(q_pos, k_pos)   # (rows·nb, h, B, K)
+        if rows != b:                                                             # one row of positions for b
+            mask = mask.repeat(b, 1, 1, 1)
+            bias = None if bias is None else bias.repeat(b, 1, 1, 1)
+        k, v = (local_attention.key_blocks(z, t, block, before, after) for z in (call.k, call.v))  # (b·nb, k, K, e)
+        blocks = AttnCall(local_attention.query_blocks(call.q, block), k, v, call.scale, mask=mask, bias=bias,
+                          softcap=call.softcap, sinks=call.sinks, dropout=call.dropout)
+        out, _ = _usual(blocks)(blocks)                                           # (b·nb, h, B, e)
+        return local_attention.unblock(out, b, t), None
+
+
 _FORCED: str | None = None   # a plain global, not a ContextVar: torch.compile traces through it (no graph break)
 
 
@@ -172,6 +274,11 @@ def choose(call: AttnCall) -> Backend:
             return backend
         if strict:
             raise ValueError(f"attention backend {backend.name!r} cannot run this call: {reason}")
+    return _usual(call)
+
+
+def _usual(call: AttnCall) -> Backend:
+    """The first backend by priority that supports `call` and prefers it here."""
     for backend in _ORDERED:
         if backend.supports(call) is None and backend.prefers(call):
             return backend

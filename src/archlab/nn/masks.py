@@ -13,6 +13,7 @@ so Mistral's 4,096-token sliding window (the query and the 4,095 before it) is (
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,9 +53,36 @@ class MaskSpec:
         return (self.window == (None, None) and self.prefix_lengths is None and self.key_padding is None
                 and self.segment_ids is None)
 
+    @functools.cached_property
+    def key(self) -> tuple:
+        """What identifies this structure within one forward (masks are shared between layers under it): the
+        plain fields, and the identity of its tensors (a stack builds them once per forward)."""
+        tensors = (self.prefix_lengths, self.key_padding, self.segment_ids)
+        return (self.causal, self.window, self.block_size, self.global_indices, self.dilation,
+                *(None if x is None else id(x) for x in tensors))
+
+    def reach(self) -> tuple[int | None, int | None]:
+        """(before, after): how many key positions before and after itself any query may reach (None:
+        unbounded), the key range a block-local kernel must give each query block. A prefix reaches to its
+        end: that costs a host sync, once per spec."""
+        left, right = self.window
+        if not self.causal and right is None:
+            return left, None
+        after = 0 if self.causal else right
+        if self.prefix_lengths is not None:
+            if left is None or self.prefix_lengths.numel() == 0:
+                return left, None if left is None else after
+            longest = int(self.prefix_lengths.max())
+            after = max(after or 0, longest - 1)
+            left = max(left, longest - 1)   # a prefix query also sees the prefix's first key
+        return left, after
+
     def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """The predicate: (b, t) query and (b, s) key positions (-1 = an empty or padded slot) ->
         (b, 1, t, s) bool, True where the query may attend to the key."""
+        for name, off in (("block_size", None), ("global_indices", ()), ("dilation", 1)):
+            if getattr(self, name) != off:   # room for sparse kernels: no predicate yet, so no silent dense mask
+                raise NotImplementedError(f"MaskSpec.{name}={getattr(self, name)!r} has no predicate yet")
         q, k = q_pos[:, :, None], k_pos[:, None, :]
         distance = q - k                                   # > 0: the key is in the query's past
         ok = k >= 0
@@ -92,23 +120,38 @@ class MaskSpec:
 
 @dataclass
 class AttnInputs:
-    """One forward's attention inputs, built once in the model and handed to every block."""
+    """One forward's attention inputs, built once in the model and handed to every block of a stack. Its
+    layers share through `shared` what depends only on the positions and the spec: RoPE tables, each
+    window's spec, dense masks (built only when a backend asks for one)."""
     positions: torch.Tensor                  # (b, t), or (1, t) shared by all rows on the plain path
     spec: MaskSpec = field(default_factory=MaskSpec)
     cache: Any = None                        # archlab.nn.kv_cache protocol, or None
     plain: bool = False                      # positions 0..t-1 in every row, no padding, no cache
     continued: bool = False                  # each row continues its cached tokens: none padded, one length
-    shared: dict | None = None               # RoPE tables and masks built once per forward (decoding)
+    shared: dict = field(default_factory=dict)   # built once per forward, read by every layer
+
+    def layer_spec(self, window: int | None) -> MaskSpec:
+        """The stack's spec for a layer with this sliding window (one object per window and forward)."""
+        if window is None:
+            return self.spec
+        key = ("spec", window)
+        spec = self.shared.get(key)
+        if spec is None:
+            spec = self.shared[key] = self.spec.with_window(window)
+        return spec
+
+    def dense(self, spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+        """(mask or None, is_causal) of `spec` over these positions, built once per forward for every layer
+        whose spec and numbers of queries and keys match (a cache returns the same key positions to every
+        layer whose keys are equally many; an encoder's spec and a decoder's never share a key)."""
+        key = ("mask", spec.key, q_pos.shape[-1], k_pos.shape[-1])
+        hit = self.shared.get(key)
+        if hit is None:
+            hit = self.shared[key] = spec.dense(q_pos, k_pos, plain=self.plain, continued=self.continued)
+        return hit
 
     def layer_mask(self, window: int | None, q_pos: torch.Tensor, k_pos: torch.Tensor
                    ) -> tuple[torch.Tensor | None, bool]:
-        """(mask or None, is_causal) for a layer with this sliding window, shared between layers whose
-        (window, number of keys) match when `shared` is on (a cache returns the same key positions to every
-        layer whose keys are equally many)."""
-        shared, key = self.shared, ("mask", window, k_pos.shape[1])
-        hit = None if shared is None else shared.get(key)
-        if hit is None:
-            hit = self.spec.with_window(window).dense(q_pos, k_pos, plain=self.plain, continued=self.continued)
-            if shared is not None:
-                shared[key] = hit
-        return hit
+        """(mask or None, is_causal) for a layer with this sliding window. Example:
+        AttnInputs(torch.arange(4)[None], plain=True).layer_mask(None, pos, pos) -> (None, True)"""
+        return self.dense(self.layer_spec(window), q_pos, k_pos)

@@ -1,0 +1,134 @@
+"""Block-local attention (nn/local_attention.py, backend "block_local") equals the dense eager reference:
+sequences of several blocks with a ragged tail, windows that do not divide the length, every position kind,
+GQA/MQA, soft-capping, sinks, prefix-LM and padding masks, local/global patterns; values and gradients."""
+import pytest
+import torch
+from variants import variant
+
+from archlab import TransformerLM
+from archlab.nn import attention_backends as backends
+from archlab.nn.attention_backends import AttnCall, BlockLocal, forced
+from archlab.nn.masks import MaskSpec
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+T, WINDOW, BLOCK = 23, 5, 4          # 6 blocks of 4, the last with 3 rows; the window does not divide 23
+
+CASES = {
+    "rope": {},
+    "gqa": {"attention.n_kv_heads": 2},
+    "mqa": {"attention.n_kv_heads": 1},
+    "nope": {"position.kind": "none"},
+    "alibi": {"position.kind": "alibi"},
+    "t5": {"position.kind": "t5"},
+    "sinusoidal": {"position.kind": "sinusoidal"},
+    "softcap": {"attention.logit_softcap": 5.0},
+    "sinks": {"attention.learned_sinks": True},
+    "lllg": {"attention.layer_pattern": "LLLG", "n_layers": 4},
+    "rope-local-nope-global": {"attention.layer_pattern": "LG", "position.global_kind": "none"},
+    "rope-local-theta": {"attention.layer_pattern": "LG", "position.local_rope_theta": 100.0},
+    "prefix-lm": {"attention.prefix_lm": True},
+}
+
+
+@pytest.fixture()
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(BlockLocal, "block", BLOCK)
+
+
+def _ran(monkeypatch) -> list[str]:
+    ran: list[str] = []
+    choose = backends.choose
+
+    def counted(call):
+        backend = choose(call)
+        ran.append(backend.name)
+        return backend
+    monkeypatch.setattr(backends, "choose", counted)
+    return ran
+
+
+def _logits_and_grads(model, x, backend, **kw):
+    model.zero_grad()
+    with forced(backend):
+        logits = model(x, **kw)
+    (logits.float().square().mean() + logits.float().mean()).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel_close(got, ref, tol, msg=""):
+    err = (got - ref).abs().max() / ref.abs().max().clamp(min=1e-12)
+    assert err <= tol, f"{msg}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_block_local_equals_dense_eager_with_gradients(name, small_blocks, monkeypatch):
+    overrides = {"attention.window": WINDOW, "attention.dropout": 0.0, **CASES[name]}
+    cfg = variant("base").with_overrides(overrides)
+    model = TransformerLM(cfg).train()
+    torch.manual_seed(1)
+    x = torch.randint(0, cfg.vocab_size, (2, T))
+    kw = {"prefix_lengths": torch.tensor([7, 2])} if cfg.attention.prefix_lm else {}
+    ref, ref_grads = _logits_and_grads(model, x, "eager", **kw)
+    ran = _ran(monkeypatch)
+    got, grads = _logits_and_grads(model, x, "block_local", **kw)
+    local_layers = sum(cfg.is_local(i) for i in range(cfg.n_layers))
+    assert ran.count("block_local") == local_layers > 0, ran       # every windowed layer, no global one
+    _rel_close(got, ref, 1e-5, "logits")
+    assert grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        _rel_close(grads[key], ref_grads[key], 1e-5, key)
+
+
+def _dense_reference(call: AttnCall):
+    """The same call with the spec compiled to a dense mask and bias: what the eager backend computes."""
+    dense = AttnCall(call.q, call.k, call.v, call.scale, mask=call.dense_mask(), bias=call.dense_bias(),
+                     softcap=call.softcap, sinks=call.sinks)
+    return backends.BACKENDS.get("eager")(dense)[0]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_local_calls_with_padding_prefix_and_symmetric_windows(causal, small_blocks):
+    torch.manual_seed(0)
+    b, h, kv, t, e = 3, 4, 2, 19, 8
+    q = torch.randn(b, h, t, e, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, kv, t, e, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    pos = torch.arange(t)[None]
+    padding = torch.ones(b, t, dtype=torch.bool)
+    padding[1, 2:6] = False                            # row 1: a hole (every query keeps a key)
+    padding[2, -3:] = False                            # row 2 right-padded
+    specs = [MaskSpec(causal=causal, key_padding=padding).with_window(6),
+             MaskSpec(causal=causal, prefix_lengths=torch.tensor([5, 0, 9])).with_window(3)]
+    for spec in specs:
+        call = AttnCall(q, k, v, e ** -0.5, spec=spec, q_pos=pos, k_pos=pos, aligned=True)
+        backend = backends.BACKENDS.get("block_local")
+        assert backend.supports(call) is None
+        got = backend(call)[0]
+        ref = _dense_reference(call)
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+        g = torch.randn_like(ref)
+        grads = torch.autograd.grad(got, (q, k, v), g)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+        for a, r in zip(grads, ref_grads):
+            torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
+
+
+def test_block_local_is_chosen_only_where_the_window_saves_pairs():
+    backend = backends.BACKENDS.get("block_local")
+    for t, window, chosen in ((8192, 256, True), (4096, 256, True), (1024, 256, False), (512, 4096, False)):
+        q = torch.empty(1, 4, t, 8, device="meta")
+        pos = torch.arange(t, device="meta")[None]
+        call = AttnCall(q, q, q, 1.0, spec=MaskSpec().with_window(window), q_pos=pos, k_pos=pos, aligned=True)
+        assert (backends.choose(call) is backend) == chosen, (t, window)
+    full = AttnCall(q, q, q, 1.0, spec=MaskSpec(), q_pos=pos, k_pos=pos, aligned=True)
+    assert "bounded" in backend.supports(full)
+    cached = AttnCall(q, q, q, 1.0, spec=MaskSpec().with_window(8), q_pos=pos, k_pos=pos, aligned=False)
+    assert "no cache" in backend.supports(cached)
+
+
+def test_a_windowed_model_trains_on_block_local_at_length():
+    cfg = variant("base").with_overrides({"attention.window": 16, "attention.layer_pattern": "LG",
+                                          "max_seq_len": 1024})
+    model = TransformerLM(cfg)
+    assert [blk.attn.attention_backend(1024) for blk in model.blocks] == ["block_local", "sdpa"]
+    assert [blk.attn.attention_backend(64) for blk in model.blocks] == ["sdpa", "sdpa"]

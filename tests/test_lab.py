@@ -10,6 +10,7 @@ import pytest
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.lab import matching, runner, suites
+from archlab.lab.plan import plan
 from archlab.lab.store import ResultStore, RunRecord
 from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Rule, judge, lr_sensitivity
 
@@ -18,7 +19,7 @@ from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Rule, judge, lr_s
 @pytest.mark.parametrize("name", suites.names())
 def test_every_builtin_suite_expands_to_valid_configs(name):
     suite = suites.BUILTIN[name]
-    planned = runner.plan(suite, Path("/nonexistent"), vocab_size=257)
+    planned = plan(suite, Path("/nonexistent"), vocab_size=257)
     variants = suite.expand()
     assert len(planned) == len(variants) * suite.seeds
     assert len({(p.variant.name, p.seed) for p in planned}) == len(planned)
@@ -69,7 +70,7 @@ rules:
         suites.Suite.from_dict({"name": "x", "claim": "y", "axes": [], "colour": 1})
     bad = suites.Suite(name="b", claim="c", axes=[{"name": "x", "key": "norm.kind", "values": ["nope"]}])
     with pytest.raises(ConfigError, match="variant norm=nope.*norm.kind='nope'|norm.kind"):
-        runner.plan(bad, tmp_path, vocab_size=257)
+        plan(bad, tmp_path, vocab_size=257)
 
 
 # --------------------------------------------------------------------------- matching
@@ -285,7 +286,7 @@ def _timing_suite(**kw):
 
 def test_paired_step_times_rank_the_slower_variant_per_seed(tmp_path):
     from archlab.lab import timing
-    runs = runner.plan(_timing_suite(), tmp_path, budget=3, vocab_size=64)
+    runs = plan(_timing_suite(), tmp_path, budget=3, vocab_size=64)
     times = timing.paired_step_times(runs, rounds_per_seed=3, warmup=1)
     assert set(times) == {("layers=1", 0), ("layers=1", 1), ("layers=8", 0), ("layers=8", 1)}
     assert all(t > 0 for t in times.values())

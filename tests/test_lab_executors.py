@@ -18,6 +18,7 @@ import yaml
 from archlab.errors import UserError
 from archlab.lab import runner, suites
 from archlab.lab.executors import make_executor
+from archlab.lab.plan import INTERRUPTED
 from archlab.lab.store import ResultStore
 from archlab.runlock import LOCK_FILE, pid_alive
 
@@ -202,6 +203,6 @@ def test_a_stopped_run_stops_the_sweep_and_its_row_says_interrupted(data, serial
     assert fake.calls == 2                                    # no run started after the stopped one
     with ResultStore(tmp_path / "sweep", readonly=True) as store:
         rows = store.runs()
-    assert [r.status for r in rows] == ["done", "failed"] and rows[1].error.startswith(runner.INTERRUPTED)
+    assert [r.status for r in rows] == ["done", "failed"] and rows[1].error.startswith(INTERRUPTED)
     runner.run_suite(suite, tmp_path / "sweep", data_dir=data, budget=BUDGET, progress=False)
     assert _table(tmp_path / "sweep") == serial_table

@@ -17,40 +17,14 @@ import os
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from archlab.errors import UserError
+from archlab.lab.plan import RunJob, crashed
 from archlab.lab.store import RunRecord
+from archlab.lab.worker import run_job
 
 EXECUTORS = ("serial", "local", "ray")
-
-
-@dataclass(eq=False)      # hashed by identity: the serial executor's job is its own handle
-class RunJob:
-    """Everything a worker needs for one run; pickled to local processes and Ray tasks."""
-
-    suite: Any              # archlab.lab.suites.Suite
-    run: Any                # archlab.lab.runner.PlannedRun
-    data: Any               # Path of the prepared data
-    record: RunRecord       # the `running` row the driver wrote
-    train_fn: Callable | None = None   # None: archlab.train.train (anything else must pickle)
-    measure: bool = True
-    threads: int | None = 1
-
-
-def run_job(job: RunJob) -> RunRecord:
-    """Train and measure one run in this process; the finished row (never raises for the run's own failure)."""
-    if job.threads:
-        import torch
-        torch.set_num_threads(int(job.threads))
-    from archlab.lab.runner import train_and_measure
-    return train_and_measure(job.suite, job.run, job.data, job.record, job.train_fn, job.measure)
-
-
-def crashed(job: RunJob, why: str) -> RunRecord:
-    """The row of a job whose worker died before returning one."""
-    return replace(job.record, status="failed", error=why, finished_at=time.time())
 
 
 class Executor:

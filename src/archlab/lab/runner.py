@@ -10,54 +10,29 @@ Resumable: a run whose row says done or diverged (with the same config) is skipp
 A run that raises is recorded as failed with its error and the sweep goes on; a NaN loss is recorded
 as diverged. After training, a suite's extra measurements (loss at 2x the training length, max
 attention logit, attention-sink diagnostics, KV-cache bytes) are taken on the saved model.
+
+Here: the driver (which runs are due, their rows, the executor). What will run is planned in plan.py;
+one run is trained and measured by worker.py, wherever the executor (executors.py) puts it.
 """
 from __future__ import annotations
 
 import json
-import math
-import re
-import shutil
 import time
-import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from archlab.config import ConfigError, ModelConfig
 from archlab.errors import UserError
 from archlab.lab import matching
-from archlab.lab.executors import Executor, RunJob, crashed, make_executor
+from archlab.lab.executors import Executor, make_executor
+from archlab.lab.plan import INTERRUPTED, PlannedRun, RunJob, crashed, plan
 from archlab.lab.store import FINISHED, ResultStore, RunRecord
-from archlab.lab.suites import Suite, Variant, build_model_config
-from archlab.runlock import LockedError
+from archlab.lab.suites import Suite
 
 DATA_SUBDIR = "data"
-INTERRUPTED = "interrupted"   # error prefix of a row whose run a Ctrl-C / SIGTERM stopped
-LAB_TRAIN_DEFAULTS = {"sample_every": -1, "checkpoint_every": 0, "keep_last": 1, "log_every": 10}
 
 
 class LabError(UserError, RuntimeError):
     """A sweep that cannot proceed (e.g. its folder holds results for a different config)."""
-
-
-@dataclass
-class PlannedRun:
-    variant: Variant
-    seed: int
-    model: ModelConfig
-    train: Any                 # archlab.train.TrainConfig
-    run_dir: Path
-    match_note: str | None = None
-
-    @property
-    def config(self) -> dict:
-        return {"model": self.model.to_dict(), "train": self.train.to_dict(),
-                "overrides": {"model": self.variant.model, "train": self.variant.train},
-                "labels": self.variant.labels}
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", name).strip("_") or "variant"
 
 
 def ensure_data(sweep_dir: Path, data_dir: str | Path | None = None, corpus: str = "shakespeare",
@@ -72,52 +47,6 @@ def ensure_data(sweep_dir: Path, data_dir: str | Path | None = None, corpus: str
     if not (target / "meta.json").is_file():
         prepare(corpus, tokenizer, target, progress=progress, overwrite=True)
     return target
-
-
-def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | None = None,
-         budget: float | None = None, budget_unit: str | None = None, vocab_size: int | None = None,
-         train_overrides: dict | None = None, device: str | None = None) -> list[PlannedRun]:
-    """Every (variant, seed) with its resolved ModelConfig and TrainConfig, matching applied."""
-    from archlab.train import TrainConfig
-
-    sc = suite.scale(scale)
-    base_model, base_train = suite.base_overrides(scale)
-    train_base = {**LAB_TRAIN_DEFAULTS, **base_train, "budget": float(budget or sc["budget"]),
-                  "budget_unit": budget_unit or sc["unit"], **(train_overrides or {})}
-    if device:
-        train_base["device"] = device
-    if vocab_size:
-        base_model = {**base_model, "vocab_size": vocab_size}
-    seq_len = int(train_base["seq_len"])
-    base_model = {**base_model, "max_seq_len": seq_len}
-    base_cfg = build_model_config(base_model)
-    target = None
-    if suite.match:
-        by = suite.match.get("by", "params")
-        target = (matching.param_count(base_cfg) if by == "params"
-                  else matching.flops_per_token(base_cfg, seq_len))
-    n_seeds = seeds or suite.seeds
-    out: list[PlannedRun] = []
-    for variant in suite.expand():
-        try:
-            cfg = build_model_config({**base_model, **variant.model})
-        except ConfigError as exc:
-            raise ConfigError(f"suite {suite.name}, variant {variant.name}: {exc}") from exc
-        note = None
-        if suite.match:
-            m = suite.match
-            knob = m.get("knob", "mlp.d_ff")
-            result = matching.match(cfg, target, by=m.get("by", "params"), knob=knob,
-                                    multiple=int(m.get("multiple", 1)), tolerance=float(m.get("tolerance", 0.02)),
-                                    seq_len=seq_len)
-            cfg = result.config
-            note = f"{knob}={result.value} ({result.rel_error:+.2%} {m.get('by', 'params')} vs base)"
-        for seed in range(n_seeds):
-            model_cfg = cfg.with_overrides({"seed": seed})
-            train_cfg = TrainConfig.from_dict({**train_base, **variant.train, "seed": seed})
-            out.append(PlannedRun(variant, seed, model_cfg, train_cfg,
-                                  Path(sweep_dir) / "runs" / slug(variant.name) / f"seed{seed}", note))
-    return out
 
 
 def run_suite(
@@ -267,113 +196,3 @@ def _start(store: ResultStore, suite: Suite, run: PlannedRun) -> RunRecord:
     if run.match_note:
         record.extra["match"] = run.match_note
     return record
-
-
-def train_and_measure(suite: Suite, run: PlannedRun, data: Path, record: RunRecord, train_fn: Callable | None,
-                      measure: bool) -> RunRecord:
-    """Train one run (continuing from its last checkpoint if it has one) and take the suite's
-    measurements; the finished row. Runs wherever the executor put it; writes nothing to the table."""
-    from archlab.train import Diverged, Stopped
-
-    if train_fn is None:
-        from archlab.train import train as train_fn
-    t0 = time.perf_counter()
-    resume = run.run_dir.exists() and any((run.run_dir / "checkpoints").glob("step_*"))
-    if run.run_dir.exists() and not resume:
-        shutil.rmtree(run.run_dir)  # a crash before the first checkpoint: start the run over
-    result = None
-    try:
-        result = train_fn(run.model, run.train, data, run.run_dir, resume=resume, progress=False)
-        record.status = "diverged" if result.diverged else "done"
-    except Diverged as exc:
-        result = exc.result
-        record.status = "diverged"
-        record.error = str(exc)
-    except LockedError:  # another worker runs this row right now: its result will land, not ours
-        raise
-    except (KeyboardInterrupt, Stopped) as exc:   # Ctrl-C / SIGTERM: the run saved; the sweep stops
-        record.status = "failed"
-        record.error = f"{INTERRUPTED}: {exc}" if str(exc) else INTERRUPTED
-        record.wall_s = time.perf_counter() - t0
-        return record
-    except Exception as exc:  # noqa: BLE001 - a crashed run is recorded, the sweep goes on
-        record.status = "failed"
-        record.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
-    if result is not None:
-        _fill_result(record, run, result)
-    if measure and record.status == "done":
-        try:
-            record.extra.update(measurements(suite, run, data))
-        except Exception as exc:  # noqa: BLE001 - a failed measurement must not lose the run
-            record.extra["measure_error"] = f"{type(exc).__name__}: {exc}"
-    if measure and "kv_cache_bytes" in suite.measure and record.status != "failed":
-        record.extra["kv_cache_bytes"] = kv_bytes(run.model, 4 * run.train.seq_len)
-    record.wall_s = time.perf_counter() - t0
-    record.finished_at = time.time()
-    return record
-
-
-def _fill_result(record: RunRecord, run: PlannedRun, result: Any) -> None:
-    record.tokens_seen = int(result.tokens_seen)
-    record.steps = int(result.steps)
-    record.final_val_loss = _finite(result.final_val_loss)
-    record.best_val_loss = _finite(result.best_val_loss)
-    record.final_train_loss = _finite(result.final_train_loss)
-    record.tokens_per_s = float(result.tokens_per_s) or None
-    if record.tokens_per_s:
-        record.step_time_s = run.train.tokens_per_step / record.tokens_per_s
-    record.peak_memory_bytes = int(result.peak_memory_bytes)
-    record.diverged = bool(result.diverged) or record.status == "diverged"
-
-
-def _finite(x) -> float | None:
-    return float(x) if x is not None and math.isfinite(float(x)) else None
-
-
-def kv_bytes(cfg: ModelConfig, seq_len: int) -> int:
-    """KV-cache bytes at `seq_len` (bf16, batch 1), as archlab.accounting counts them."""
-    from archlab.accounting import kv_cache_bytes
-    return int(kv_cache_bytes(cfg, seq_len, batch=1, dtype="bfloat16"))
-
-
-def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
-    """Post-training measurements the suite asks for, on the run's final checkpoint."""
-    wanted = [m for m in suite.measure if m not in ("kv_cache_bytes", "paired_step_time")]  # not per run
-    if not wanted:
-        return {}
-    import torch
-
-    from archlab.checkpoint import load_run
-    from archlab.data import TokenDataset, eval_batches
-    from archlab.evaluate import evaluate
-
-    model, _ = load_run(run.run_dir)
-    model.eval()
-    val = TokenDataset(data, "val")
-    seq, bs = run.train.seq_len, run.train.batch_size
-    out: dict[str, Any] = {}
-    if "val_loss_2x" in wanted:
-        out["val_loss_1x"] = evaluate(model, val, batch_size=bs, seq_len=seq,
-                                      max_batches=run.train.eval_batches).loss
-        if run.model.position.kind == "learned" and 2 * seq > run.model.max_seq_len:
-            out["val_loss_2x"] = None
-            out["val_loss_2x_note"] = (f"n/a: learned positions have {run.model.max_seq_len} rows, "
-                                       f"2x the training length is {2 * seq}")
-        else:
-            out["val_loss_2x"] = evaluate(model, val, batch_size=max(1, bs // 2), seq_len=2 * seq,
-                                          max_batches=run.train.eval_batches).loss
-    if "max_attn_logit" in wanted or "sinks" in wanted:
-        from archlab import diagnostics
-
-        x = torch.cat([xb for xb, _ in eval_batches(val, 4, seq, 1)], 0)  # (4, t): 4 windows
-        if "max_attn_logit" in wanted:
-            logits = diagnostics.max_attention_logits(model, x)
-            out["max_attn_logit"] = max(logits)
-            out["max_attn_logit_per_layer"] = logits
-        if "sinks" in wanted:
-            summary = diagnostics.diagnose(model, x)["summary"]
-            out["first_token_mass"] = summary["first_token_mass"]
-            out["massive_ratio"] = summary["max_ratio"]
-            out["max_activation"] = summary["max_activation"]
-            out["attention_entropy"] = summary["mean_entropy"]
-    return out

@@ -1,0 +1,107 @@
+"""What a sweep will run, as data: every (variant, seed) resolved to a PlannedRun, and the RunJob a
+worker receives for one of them.
+
+The runner (runner.py) plans and drives, the executors (executors.py) carry RunJobs to workers, and a
+worker (worker.py) trains one; all three read these types from here, so none imports another to
+learn them.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from archlab.config import ConfigError, ModelConfig
+from archlab.lab import matching
+from archlab.lab.store import RunRecord
+from archlab.lab.suites import Suite, Variant, build_model_config
+from archlab.train_config import TrainConfig
+
+__all__ = ["INTERRUPTED", "LAB_TRAIN_DEFAULTS", "PlannedRun", "RunJob", "crashed", "plan", "slug"]
+
+INTERRUPTED = "interrupted"   # error prefix of a row whose run a Ctrl-C / SIGTERM stopped
+LAB_TRAIN_DEFAULTS = {"sample_every": -1, "checkpoint_every": 0, "keep_last": 1, "log_every": 10}
+
+
+@dataclass
+class PlannedRun:
+    variant: Variant
+    seed: int
+    model: ModelConfig
+    train: TrainConfig
+    run_dir: Path
+    match_note: str | None = None
+
+    @property
+    def config(self) -> dict:
+        return {"model": self.model.to_dict(), "train": self.train.to_dict(),
+                "overrides": {"model": self.variant.model, "train": self.variant.train},
+                "labels": self.variant.labels}
+
+
+@dataclass(eq=False)      # hashed by identity: the serial executor's job is its own handle
+class RunJob:
+    """Everything a worker needs for one run; pickled to local processes and Ray tasks."""
+
+    suite: Suite
+    run: PlannedRun
+    data: Path              # the prepared data folder
+    record: RunRecord       # the `running` row the driver wrote
+    train_fn: Callable | None = None   # None: archlab.train.train (anything else must pickle)
+    measure: bool = True
+    threads: int | None = 1
+
+
+def crashed(job: RunJob, why: str) -> RunRecord:
+    """The row of a job whose worker died (or was stopped) before returning one."""
+    return replace(job.record, status="failed", error=why, finished_at=time.time())
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", name).strip("_") or "variant"
+
+
+def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | None = None,
+         budget: float | None = None, budget_unit: str | None = None, vocab_size: int | None = None,
+         train_overrides: dict | None = None, device: str | None = None) -> list[PlannedRun]:
+    """Every (variant, seed) with its resolved ModelConfig and TrainConfig, matching applied."""
+    sc = suite.scale(scale)
+    base_model, base_train = suite.base_overrides(scale)
+    train_base = {**LAB_TRAIN_DEFAULTS, **base_train, "budget": float(budget or sc["budget"]),
+                  "budget_unit": budget_unit or sc["unit"], **(train_overrides or {})}
+    if device:
+        train_base["device"] = device
+    if vocab_size:
+        base_model = {**base_model, "vocab_size": vocab_size}
+    seq_len = int(train_base["seq_len"])
+    base_model = {**base_model, "max_seq_len": seq_len}
+    base_cfg = build_model_config(base_model)
+    target = None
+    if suite.match:
+        by = suite.match.get("by", "params")
+        target = (matching.param_count(base_cfg) if by == "params"
+                  else matching.flops_per_token(base_cfg, seq_len))
+    n_seeds = seeds or suite.seeds
+    out: list[PlannedRun] = []
+    for variant in suite.expand():
+        try:
+            cfg = build_model_config({**base_model, **variant.model})
+        except ConfigError as exc:
+            raise ConfigError(f"suite {suite.name}, variant {variant.name}: {exc}") from exc
+        note = None
+        if suite.match:
+            m = suite.match
+            knob = m.get("knob", "mlp.d_ff")
+            result = matching.match(cfg, target, by=m.get("by", "params"), knob=knob,
+                                    multiple=int(m.get("multiple", 1)), tolerance=float(m.get("tolerance", 0.02)),
+                                    seq_len=seq_len)
+            cfg = result.config
+            note = f"{knob}={result.value} ({result.rel_error:+.2%} {m.get('by', 'params')} vs base)"
+        for seed in range(n_seeds):
+            model_cfg = cfg.with_overrides({"seed": seed})
+            train_cfg = TrainConfig.from_dict({**train_base, **variant.train, "seed": seed})
+            out.append(PlannedRun(variant, seed, model_cfg, train_cfg,
+                                  Path(sweep_dir) / "runs" / slug(variant.name) / f"seed{seed}", note))
+    return out

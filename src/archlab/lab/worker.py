@@ -1,0 +1,138 @@
+"""One run in a worker: train it (continuing from its last checkpoint), take the suite's measurements
+on the saved model, and return the finished row. Runs wherever the executor put it (this process, a
+spawned process, a Ray task) and writes nothing to the results table: the driver does.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from archlab.config import ModelConfig
+from archlab.lab.plan import INTERRUPTED, PlannedRun, RunJob
+from archlab.lab.store import RunRecord
+from archlab.lab.suites import Suite
+from archlab.runlock import LockedError
+
+__all__ = ["run_job", "train_and_measure", "measurements", "kv_bytes"]
+
+
+def run_job(job: RunJob) -> RunRecord:
+    """Train and measure one run in this process; the finished row (never raises for the run's own failure)."""
+    if job.threads:
+        import torch
+        torch.set_num_threads(int(job.threads))
+    return train_and_measure(job.suite, job.run, job.data, job.record, job.train_fn, job.measure)
+
+
+def train_and_measure(suite: Suite, run: PlannedRun, data: Path, record: RunRecord, train_fn: Callable | None,
+                      measure: bool) -> RunRecord:
+    """Train one run (continuing from its last checkpoint if it has one) and take the suite's
+    measurements; the finished row. Runs wherever the executor put it; writes nothing to the table."""
+    from archlab.train import Diverged, Stopped
+
+    if train_fn is None:
+        from archlab.train import train as train_fn
+    t0 = time.perf_counter()
+    resume = run.run_dir.exists() and any((run.run_dir / "checkpoints").glob("step_*"))
+    if run.run_dir.exists() and not resume:
+        shutil.rmtree(run.run_dir)  # a crash before the first checkpoint: start the run over
+    result = None
+    try:
+        result = train_fn(run.model, run.train, data, run.run_dir, resume=resume, progress=False)
+        record.status = "diverged" if result.diverged else "done"
+    except Diverged as exc:
+        result = exc.result
+        record.status = "diverged"
+        record.error = str(exc)
+    except LockedError:  # another worker runs this row right now: its result will land, not ours
+        raise
+    except (KeyboardInterrupt, Stopped) as exc:   # Ctrl-C / SIGTERM: the run saved; the sweep stops
+        record.status = "failed"
+        record.error = f"{INTERRUPTED}: {exc}" if str(exc) else INTERRUPTED
+        record.wall_s = time.perf_counter() - t0
+        return record
+    except Exception as exc:  # noqa: BLE001 - a crashed run is recorded, the sweep goes on
+        record.status = "failed"
+        record.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+    if result is not None:
+        _fill_result(record, run, result)
+    if measure and record.status == "done":
+        try:
+            record.extra.update(measurements(suite, run, data))
+        except Exception as exc:  # noqa: BLE001 - a failed measurement must not lose the run
+            record.extra["measure_error"] = f"{type(exc).__name__}: {exc}"
+    if measure and "kv_cache_bytes" in suite.measure and record.status != "failed":
+        record.extra["kv_cache_bytes"] = kv_bytes(run.model, 4 * run.train.seq_len)
+    record.wall_s = time.perf_counter() - t0
+    record.finished_at = time.time()
+    return record
+
+
+def _fill_result(record: RunRecord, run: PlannedRun, result: Any) -> None:
+    record.tokens_seen = int(result.tokens_seen)
+    record.steps = int(result.steps)
+    record.final_val_loss = _finite(result.final_val_loss)
+    record.best_val_loss = _finite(result.best_val_loss)
+    record.final_train_loss = _finite(result.final_train_loss)
+    record.tokens_per_s = float(result.tokens_per_s) or None
+    if record.tokens_per_s:
+        record.step_time_s = run.train.tokens_per_step / record.tokens_per_s
+    record.peak_memory_bytes = int(result.peak_memory_bytes)
+    record.diverged = bool(result.diverged) or record.status == "diverged"
+
+
+def _finite(x) -> float | None:
+    return float(x) if x is not None and math.isfinite(float(x)) else None
+
+
+def kv_bytes(cfg: ModelConfig, seq_len: int) -> int:
+    """KV-cache bytes at `seq_len` (bf16, batch 1), as archlab.accounting counts them."""
+    from archlab.accounting import kv_cache_bytes
+    return int(kv_cache_bytes(cfg, seq_len, batch=1, dtype="bfloat16"))
+
+
+def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
+    """Post-training measurements the suite asks for, on the run's final checkpoint."""
+    wanted = [m for m in suite.measure if m not in ("kv_cache_bytes", "paired_step_time")]  # not per run
+    if not wanted:
+        return {}
+    import torch
+
+    from archlab.checkpoint import load_run
+    from archlab.data import TokenDataset, eval_batches
+    from archlab.evaluate import evaluate
+
+    model, _ = load_run(run.run_dir)
+    model.eval()
+    val = TokenDataset(data, "val")
+    seq, bs = run.train.seq_len, run.train.batch_size
+    out: dict[str, Any] = {}
+    if "val_loss_2x" in wanted:
+        out["val_loss_1x"] = evaluate(model, val, batch_size=bs, seq_len=seq,
+                                      max_batches=run.train.eval_batches).loss
+        if run.model.position.kind == "learned" and 2 * seq > run.model.max_seq_len:
+            out["val_loss_2x"] = None
+            out["val_loss_2x_note"] = (f"n/a: learned positions have {run.model.max_seq_len} rows, "
+                                       f"2x the training length is {2 * seq}")
+        else:
+            out["val_loss_2x"] = evaluate(model, val, batch_size=max(1, bs // 2), seq_len=2 * seq,
+                                          max_batches=run.train.eval_batches).loss
+    if "max_attn_logit" in wanted or "sinks" in wanted:
+        from archlab import diagnostics
+
+        x = torch.cat([xb for xb, _ in eval_batches(val, 4, seq, 1)], 0)  # (4, t): 4 windows
+        if "max_attn_logit" in wanted:
+            logits = diagnostics.max_attention_logits(model, x)
+            out["max_attn_logit"] = max(logits)
+            out["max_attn_logit_per_layer"] = logits
+        if "sinks" in wanted:
+            summary = diagnostics.diagnose(model, x)["summary"]
+            out["first_token_mass"] = summary["first_token_mass"]
+            out["massive_ratio"] = summary["max_ratio"]
+            out["max_activation"] = summary["max_activation"]
+            out["attention_entropy"] = summary["mean_entropy"]
+    return out

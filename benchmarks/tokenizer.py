@@ -138,11 +138,11 @@ def bench_encode(files: list[str], tok_dir: str, args) -> dict:
     import tiktoken
     import tokenizers
 
-    from archlab.tokenizer import Tokenizer
+    from archlab.tokenizer import load
     text = "".join(Path(f).read_text(encoding="utf-8", errors="replace") for f in files)
     if args.encode_mb:
         text = text[: int(args.encode_mb * 1e6)]
-    ours = Tokenizer.load(tok_dir)
+    ours = load(tok_dir)
     assert ours.uses_fast_path, ours.fast_path_reason()
     hf = tokenizers.Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json"))
     ranks = {ours.id_to_bytes[i]: i for i in range(ours.vocab_size) if i not in ours._special_ids}
@@ -165,8 +165,7 @@ def bench_encode(files: list[str], tok_dir: str, args) -> dict:
           f"{mbps_hf_l:.2f} MB/s ({mbps_ours_l / mbps_hf_l:.2f}x), tiktoken batch {mbps_tt_l:.2f} MB/s")
     results.update(enc_ours_lines=mbps_ours_l, enc_hf_lines=mbps_hf_l, enc_tiktoken_lines=mbps_tt_l)
     sample = text[: 1_000_000]
-    slow = Tokenizer.load(tok_dir)
-    slow._fast_requested = False
+    slow = load(tok_dir, fast=False)
     mbps_py, ids_py = throughput(slow.encode, sample)
     assert ids_py == ours.encode(sample), "pure-Python and tiktoken paths differ"
     print(f"encode archlab (pure Python)   {mbps_py:7.2f} MB/s (first 1 MB; ids identical to the fast path)")

@@ -122,8 +122,8 @@ def load_tokenizer(spec: Any) -> TokenizerLike:
         raise DataError(f"tokenizer {str(spec)!r} is neither 'bytes' nor an existing tokenizer folder")
     if (path / ByteTokenizer.FILE).is_file():
         return ByteTokenizer.load(path)
-    from archlab.tokenizer import Tokenizer
-    return Tokenizer.load(path)
+    from archlab.tokenizer import load
+    return load(path)
 
 
 def _special_token_id(tokenizer: Any, token: str) -> int:

@@ -6,19 +6,18 @@ fallback), WordPiece and Unigram, all saved as an HF-style tokenizer.json folder
     tok.save("out/tok"); tok = load("out/tok")       # also loads HF byte-level BPE tokenizer.json folders
 
 Any other HF tokenizer.json (SentencePiece-style: Llama 2, Gemma, Mistral) loads as an `HFTokenizer`
-wrapping the `tokenizers` library, when it is installed (archlab[hf]).
+wrapping the `tokenizers` library, when it is installed (archlab[hf]). Loading lives in loading.py alone.
 """
 from archlab.tokenizer.base import BaseTokenizer
 from archlab.tokenizer.bpe import Tokenizer
 from archlab.tokenizer.bpe_train import bpe_from_counts, c_backend_available, train_bpe
-from archlab.tokenizer.hf_json import load_tokenizer
 from archlab.tokenizer.hf_wrapper import HFTokenizer
+from archlab.tokenizer.loading import load
 from archlab.tokenizer.pretokenize import GPT2_PATTERN
 from archlab.tokenizer.unigram import UnigramTokenizer, train_unigram
 from archlab.tokenizer.wordpiece import WordPieceTokenizer, train_wordpiece
 
-load = load_tokenizer
-from_pretrained = load_tokenizer
+load_tokenizer = from_pretrained = load   # older names of the one loader (loading.py)
 
 __all__ = [
     "BaseTokenizer", "GPT2_PATTERN", "HFTokenizer", "Tokenizer", "UnigramTokenizer", "WordPieceTokenizer",

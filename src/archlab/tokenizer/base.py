@@ -2,7 +2,8 @@
 byte tokens, the vocabulary look-ups, and saving as a folder holding an HF-style tokenizer.json.
 
 Subclasses (BPE in bpe.py, WordPiece, Unigram) implement `_encode_ordinary(text) -> list[int]` for text
-free of special tokens, `token_bytes` for decoding, and `to_json() -> dict`. `WordTokenizer` is the
+free of special tokens, `token_bytes` for decoding, `to_json() -> dict`, and a `from_json` classmethod
+that loading.py calls to read a saved folder back (archlab.tokenizer.load). `WordTokenizer` is the
 `_encode_ordinary` of the tokenizers that segment one pre-token at a time (WordPiece, Unigram).
 """
 from __future__ import annotations
@@ -192,12 +193,6 @@ class BaseTokenizer:
         tmp.write_text(json.dumps(self.to_json(), ensure_ascii=False, indent=1), encoding="utf-8")
         os.replace(tmp, path)
         return d
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> BaseTokenizer:
-        """Load a folder holding tokenizer.json (or the file itself); the class follows the model type."""
-        from archlab.tokenizer.hf_json import load_tokenizer
-        return load_tokenizer(path)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, special_tokens={self.special_tokens})"

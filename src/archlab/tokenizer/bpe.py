@@ -207,6 +207,30 @@ class Tokenizer(BaseTokenizer):
         return d / "vocab.json", d / "merges.txt"
 
     @classmethod
+    def from_json(cls, data: dict, specials: list[str], pattern: str, *, add_prefix_space: bool = False,
+                  fast: bool = True) -> Tokenizer:
+        """The tokenizer of a parsed tokenizer.json's BPE `model` (archlab.tokenizer.loading reads the file
+        and its pre-tokenizer); ValueError names a BPE feature that is not supported."""
+        model = data["model"]
+        for field in ("continuing_subword_prefix", "end_of_word_suffix"):
+            if model.get(field):
+                raise ValueError(f"BPE with {field}={model[field]!r} is not supported")
+        if model.get("byte_fallback"):
+            raise ValueError("BPE with byte_fallback is not supported")
+        added_ids = {t["id"]: t["content"] for t in data.get("added_tokens") or []}
+        vocab: dict[int, bytes] = {}
+        for s, i in model["vocab"].items():
+            vocab[i] = added_ids[i].encode("utf-8") if i in added_ids else str_to_bytes(s)
+        for i, s in added_ids.items():
+            vocab.setdefault(i, s.encode("utf-8"))
+        merges = []
+        for m in model["merges"]:
+            a, b = m.split(" ") if isinstance(m, str) else m
+            merges.append((str_to_bytes(a), str_to_bytes(b)))
+        return cls(vocab, merges, specials, pattern=pattern, add_prefix_space=add_prefix_space,
+                   ignore_merges=bool(model.get("ignore_merges", False)), fast=fast)
+
+    @classmethod
     def from_files(cls, vocab_path: str | os.PathLike, merges_path: str | os.PathLike,
                    special_tokens: Iterable[str] | None = None, **kwargs) -> Tokenizer:
         """Load GPT-2 style vocab.json (byte-level strings -> id) and merges.txt ("a b" per line)."""

@@ -1,6 +1,6 @@
 """Any Hugging Face tokenizer.json through the `tokenizers` library, behind archlab's tokenizer interface.
 
-`archlab.tokenizer.load` uses this only when its own readers (hf_json.py) reject a file: SentencePiece-
+`archlab.tokenizer.load` uses this only when its own readers (loading.py) reject a file: SentencePiece-
 style tokenizers (Llama 2, Gemma, Mistral: normalizers, Metaspace, byte fallback), WordLevel, and so on.
 Encoding is the `tokenizers` library's own, so ids match `transformers` exactly. Differences from
 BaseTokenizer: `id_to_token` returns the vocabulary string (e.g. "▁the"), not bytes, and `encode`
@@ -170,10 +170,6 @@ class HFTokenizer:
             (d / CONFIG_FILE).write_text(json.dumps(self.config, ensure_ascii=False, indent=1),
                                          encoding="utf-8")
         return d
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> HFTokenizer:
-        return cls.from_file(path)
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size}, special_tokens={self.special_tokens})"

@@ -22,19 +22,19 @@ import torch.nn.functional as F
 
 from archlab.nn.masks import MaskSpec
 
-__all__ = ["BLOCK", "key_blocks", "query_blocks", "unblock", "block_positions", "block_spec"]
+__all__ = ["BLOCK", "n_blocks", "key_blocks", "query_blocks", "unblock", "block_positions", "block_spec"]
 
 BLOCK = 64   # query rows per block: keys per query B + w - 1 (64 against 256 or 512 measured fastest at w 256)
 
 
-def _n_blocks(t: int, block: int) -> int:
+def n_blocks(t: int, block: int) -> int:
     return -(-t // block)
 
 
 def query_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """(b, n, t, e) -> (b·nb, n, B, e): rows [i·B, (i+1)·B) of batch row r at r·nb + i, the tail zero-padded."""
     b, n, t, e = x.shape
-    nb = _n_blocks(t, block)
+    nb = n_blocks(t, block)
     x = F.pad(x, (0, 0, 0, nb * block - t))                                   # (b, n, nb·B, e)
     return x.view(b, n, nb, block, e).transpose(1, 2).reshape(b * nb, n, block, e)
 
@@ -42,7 +42,7 @@ def query_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 def key_blocks(x: torch.Tensor, t: int, block: int, before: int, after: int) -> torch.Tensor:
     """(b, n, s, e) keys or values (s == t) -> (b·nb, n, K, e): the keys each query block reaches."""
     b, n, s, e = x.shape
-    nb, span = _n_blocks(t, block), block + before + after
+    nb, span = n_blocks(t, block), block + before + after
     x = F.pad(x, (0, 0, before, nb * block - s + after))                      # (b, n, before + nb·B + after, e)
     x = x.unfold(2, span, block)                                              # (b, n, nb, e, K), a view
     return x.permute(0, 2, 1, 4, 3).reshape(b * nb, n, span, e)
@@ -58,7 +58,7 @@ def unblock(out: torch.Tensor, b: int, t: int) -> torch.Tensor:
 def block_positions(pos: torch.Tensor, t: int, block: int, before: int, after: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(r, t) positions -> ((r·nb, B) query positions, (r·nb, K) key positions), -1 in padded slots."""
-    r, nb, span = pos.shape[0], _n_blocks(t, block), block + before + after
+    r, nb, span = pos.shape[0], n_blocks(t, block), block + before + after
     q = F.pad(pos, (0, nb * block - t), value=-1).view(r * nb, block)
     k = F.pad(pos, (before, nb * block - t + after), value=-1).unfold(1, span, block)   # (r, nb, K)
     return q, k.reshape(r * nb, span)
@@ -67,7 +67,7 @@ def block_positions(pos: torch.Tensor, t: int, block: int, before: int, after: i
 def block_spec(spec: MaskSpec, rows: int, t: int, block: int, before: int, after: int) -> MaskSpec:
     """`spec` for the (rows·nb) blocks: per-row fields repeated per block, key padding cut into key ranges.
     (Segment ids, which index queries and keys alike, have no blocked form here.)"""
-    nb, span = _n_blocks(t, block), block + before + after
+    nb, span = n_blocks(t, block), block + before + after
     prefix, padding = spec.prefix_lengths, spec.key_padding
     if prefix is not None:
         prefix = prefix.expand(rows).repeat_interleave(nb)                        # (rows·nb,)

@@ -145,7 +145,7 @@ def timing(lengths: list[int], window: int, rounds: int, hf_max: int, memory: bo
 
 def quality(window: int, seconds: float) -> dict:
     """Held-out bits per byte inside and past the window, full vs window-W, equal training time each."""
-    from streaming_llm import corpus_bytes   # benchmarks/streaming_llm.py: the standard library's bytes
+    from streaming_llm import corpus_bytes  # benchmarks/streaming_llm.py: the standard library's bytes
 
     train_bytes, held_bytes = corpus_bytes()
     train = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8).long()
@@ -170,7 +170,8 @@ def quality(window: int, seconds: float) -> dict:
             logits = model(x[:, :-1]).float()
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")   # (b, t)
         bits = nll / math.log(2)
-        out[variant] = {"steps": steps, "inside": float(bits[:, :window].mean()), "past": float(bits[:, window:].mean())}
+        inside, past = float(bits[:, :window].mean()), float(bits[:, window:].mean())
+        out[variant] = {"steps": steps, "inside": inside, "past": past}
         print(f"quality {variant}: {steps} steps, bits/byte inside the window {out[variant]['inside']:.3f}, "
               f"past it {out[variant]['past']:.3f}", flush=True)
     return out

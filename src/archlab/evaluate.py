@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from archlab.generation.sampling import SamplingParams, next_token
 from archlab.precision import autocast  # re-exported: the step's bf16 / float32 context
 
 __all__ = ["EvalResult", "evaluate", "autocast", "sample_ids", "bits_per_byte"]
@@ -82,9 +83,10 @@ def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temp
                top_k: int | None = 50, seed: int = 0, device: str | torch.device = "cpu",
                use_generate: bool = True, vocab_limit: int | None = None) -> list[int]:
     """New token ids after `prompt`: archlab.generate when it is available and the sample fits the
-    context, else a plain loop (full forward per token, no cache, a window sliding past the context).
-    Temperature 0 is greedy. Draws from a private generator, so the caller's RNG stream (and hence a
-    resumed run) is untouched. vocab_limit: only ids below it (a model padded past its tokenizer)."""
+    context, else a plain loop (full forward per token, no cache, a window sliding past the context)
+    that picks each token with generation's next_token. Temperature 0 (or below) is greedy. Draws from
+    a private generator, so the caller's RNG stream (and hence a resumed run) is untouched.
+    vocab_limit: only ids below it (a model padded past its tokenizer)."""
     device = torch.device(device)
     was_training = model.training
     model.eval()
@@ -96,20 +98,14 @@ def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temp
                                         vocab_limit)
             if ids is not None:
                 return ids
+        params = SamplingParams(temperature=max(temperature, 0.0), top_k=top_k)
         gen = torch.Generator(device=device).manual_seed(seed)
         x = torch.tensor([prompt], dtype=torch.long, device=device)
         out = []
         for _ in range(max_new_tokens):
             window = x if limit is None else x[:, -limit:]
             logits = model(window)[:, -1, :vocab_limit].float()              # (1, v)
-            if temperature <= 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None and top_k < logits.shape[-1]:
-                    kth = torch.topk(logits, top_k).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(logits.softmax(-1), 1, generator=gen)
+            nxt = next_token(logits, params, generator=gen)[:, None]          # (1, 1)
             x = torch.cat([x, nxt], dim=1)
             out.append(int(nxt))
         return out

@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
+from archlab.paths import cache_dir
+
 __all__ = ["DTYPES", "has_native_bf16", "resolve_dtype", "auto_dtype", "bf16_warning", "autocast",
-           "measured_bf16_speedup"]
+           "measured_bf16_speedup", "read_record"]
 
 DTYPES = ("float32", "bfloat16", "auto")
 BF16_MIN_SPEEDUP = 1.25   # matmul speed-up below which a step gains nothing (elementwise work stays put)
@@ -96,7 +98,7 @@ def measured_bf16_speedup(size: int = 512, seconds: float = 0.1) -> float:
     count and torch version: the answer does not change between runs, and a lab sweep asks often)."""
     key = f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}|size={size}"
     path = _cache_file()
-    cache = _read_cache(path)
+    cache = read_record(path)
     if key not in cache:
         times = {dt: _matmul_seconds(dt, size, seconds) for dt in (torch.float32, torch.bfloat16)}
         cache[key] = times[torch.float32] / times[torch.bfloat16]
@@ -123,11 +125,12 @@ def _matmul_seconds(dtype: torch.dtype, size: int, seconds: float) -> float:
 
 
 def _cache_file() -> Path:
-    from archlab.paths import cache_dir
     return cache_dir() / "precision.json"
 
 
-def _read_cache(path: Path) -> dict:
+def read_record(path: Path) -> dict:
+    """A precision JSON file (the measured-speedup cache, a run folder's precision.json) as a dict; {}
+    when it is missing, unreadable or not an object: the caller then measures or decides afresh."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

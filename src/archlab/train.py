@@ -51,7 +51,7 @@ from archlab.metrics import (
     truncate_samples,
 )
 from archlab.optim import build_optimizer, lr_multiplier, param_groups, schedule_progress
-from archlab.precision import auto_dtype, bf16_warning
+from archlab.precision import auto_dtype, bf16_warning, read_record
 from archlab.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
 from archlab.rng import rng_state, seed_everything, set_rng_state
 from archlab.runlock import RunLock
@@ -227,7 +227,7 @@ def _resolve_precision(cfg: TrainConfig, device: torch.device, info, run_dir: Pa
     """cfg with dtype "auto" resolved: on a resume, to what the run recorded in precision.json (so a resumed
     run or a lab rerun trains as it began); else measured for `device` (precision.auto_dtype). A warning
     for bf16 on hardware that emulates it."""
-    recorded = _read_json(run_dir / PRECISION_FILE) if resuming else {}
+    recorded = read_record(run_dir / PRECISION_FILE) if resuming else {}
     if cfg.dtype == "auto" and recorded.get("requested") == "auto" and recorded.get("dtype") in ("float32", "bfloat16"):
         dtype, reason = recorded["dtype"], recorded.get("reason", "")
     elif cfg.dtype == "auto":
@@ -241,14 +241,6 @@ def _resolve_precision(cfg: TrainConfig, device: torch.device, info, run_dir: Pa
         (run_dir / PRECISION_FILE).write_text(json.dumps({"requested": cfg.dtype, "dtype": dtype,
                                                           "reason": reason}, indent=2) + "\n")
     return dataclasses.replace(cfg, dtype=dtype)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 class MemoryCheckError(UserError):
@@ -272,16 +264,25 @@ def available_memory(device: torch.device) -> int | None:
         return None
 
 
-def check_memory_fits(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, info) -> None:
-    """Refuse, before a byte is allocated, a run whose estimated memory per device (accounting.training_memory,
-    as `archlab inspect` prints it) exceeds what the device has free. `train.memory_check=false` skips it."""
+def memory_per_device(model_cfg: ModelConfig, cfg: TrainConfig, info) -> dict[str, int]:
+    """accounting.training_memory for one device's share: its slice of the global batch and, under FSDP,
+    1/world of the weights, grads and optimizer state (sharded). dtype "auto" not yet resolved counts
+    as float32 (the larger)."""
     from archlab.accounting import training_memory
-    from archlab.units import human_bytes
 
     local_batch = max(1, cfg.batch_size // info.world_size)
     parts = training_memory(model_cfg, local_batch, cfg.seq_len, "bfloat16" if cfg.dtype == "bfloat16" else "float32")
     if info.strategy == "fsdp":
         parts = {k: v // info.world_size if k in ("weights", "grads", "optimizer") else v for k, v in parts.items()}
+    return parts
+
+
+def check_memory_fits(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, info) -> None:
+    """Refuse, before a byte is allocated, a run whose estimated memory per device (memory_per_device,
+    as `archlab inspect` prints it) exceeds what the device has free. `train.memory_check=false` skips it."""
+    from archlab.units import human_bytes
+
+    parts = memory_per_device(model_cfg, cfg, info)
     need, free = sum(parts.values()), available_memory(device)
     if free is not None and need > free:
         raise MemoryCheckError(
@@ -416,15 +417,10 @@ class _Run:
     def describe(self) -> str:
         """What is about to run: model size, batch, budget, device, and the memory the accounting
         module expects (so a run that cannot fit says so before it starts)."""
-        from archlab.accounting import training_memory
         from archlab.units import human_bytes, human_count
 
         cfg, mc, info = self.cfg, self.raw.config, self.info
-        local = cfg.batch_size // info.world_size
-        memory = training_memory(mc, local, cfg.seq_len, cfg.dtype)
-        if info.strategy == "fsdp":        # weights, grads and optimizer state are sharded
-            memory = {k: v // info.world_size if k in ("weights", "grads", "optimizer") else v
-                      for k, v in memory.items()}
+        memory = memory_per_device(mc, cfg, info)
         total = human_bytes(sum(memory.values()))
         parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in memory.items())
         if cfg.activation_checkpointing:

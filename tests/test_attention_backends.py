@@ -139,9 +139,9 @@ def test_dense_masks_are_shared_by_spec_never_by_length_alone():
     assert inputs.layer_spec(2) is inputs.layer_spec(2)                   # one spec per window and forward
 
 
-@pytest.mark.parametrize("field,value", [("block_size", 16), ("global_indices", (0,)), ("dilation", 2)])
-def test_the_predicate_refuses_fields_it_does_not_implement(field, value):
+def test_the_predicate_refuses_patterns_it_does_not_know():
     from archlab.nn.masks import MaskSpec
-    pos = torch.arange(4)[None]
-    with pytest.raises(NotImplementedError, match=field):
-        MaskSpec(**{field: value}).allows(pos, pos)
+    with pytest.raises(ValueError, match="pattern='banded'"):
+        MaskSpec(pattern="banded", block_size=4)
+    with pytest.raises(ValueError, match="block size"):
+        MaskSpec(pattern="strided")

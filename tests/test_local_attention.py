@@ -132,3 +132,28 @@ def test_a_windowed_model_trains_on_block_local_at_length():
     model = TransformerLM(cfg)
     assert [blk.attn.attention_backend(1024) for blk in model.blocks] == ["block_local", "sdpa"]
     assert [blk.attn.attention_backend(64) for blk in model.blocks] == ["sdpa", "sdpa"]
+
+
+def _pairs(spec: MaskSpec, t: int) -> set[tuple[int, int]]:
+    pos = torch.arange(t)[None]
+    return {(i, j) for i, j in spec.allows(pos, pos)[0, 0].nonzero().tolist()}
+
+
+def test_sparse_patterns_hand_computed():
+    """Each pattern's (query, key) pairs written out from its definition, over 10 causal positions."""
+    t, causal = 10, {(i, j) for i in range(10) for j in range(i + 1)}
+    dilated = {(i, j) for i, j in causal if (i - j) % 2 == 0 and i - j <= 4}             # w 3, d 2: i, i-2, i-4
+    assert _pairs(MaskSpec(dilation=2).with_window(3), t) == dilated
+    window = {(i, j) for i, j in causal if i - j <= 1}
+    globals_ = {(i, j) for i, j in causal if i == 0 or j == 0 or i == 1 or j == 1}        # the first 2 tokens
+    assert _pairs(MaskSpec(global_indices=(0, 1)).with_window(2), t) == window | globals_
+    strided = {(i, j) for i, j in causal if i - j < 3 or (i - j) % 3 == 0}
+    assert _pairs(MaskSpec(pattern="strided", block_size=3), t) == strided
+    fixed = {(i, j) for i, j in causal if i // 4 == j // 4 or j % 4 == 3}                 # l 4, c 1
+    assert _pairs(MaskSpec(pattern="fixed", block_size=4), t) == fixed
+    fixed2 = {(i, j) for i, j in causal if i // 4 == j // 4 or j % 4 >= 2}                # c 2
+    assert _pairs(MaskSpec(pattern="fixed", block_size=4, summary=2), t) == fixed2
+    bidirectional = {(i, j) for i in range(t) for j in range(t) if i // 4 == j // 4 or j % 4 == 3}
+    assert _pairs(MaskSpec(causal=False, pattern="fixed", block_size=4), t) == bidirectional
+    both_ways = {(i, j) for i in range(t) for j in range(t) if abs(i - j) <= 1 or {i, j} & {0}}
+    assert _pairs(MaskSpec(causal=False, global_indices=(0,)).with_window(3), t) == both_ways

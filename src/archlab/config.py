@@ -34,6 +34,7 @@ PositionKind = Literal["none", "sinusoidal", "learned", "rope", "alibi", "t5"]
 ABSOLUTE_POSITIONS = ("sinusoidal", "learned")
 RopeLayout = Literal["half", "interleaved"]
 QKNorm = Literal["none", "per_head", "per_head_untied", "full"]
+SparsePattern = Literal["none", "strided", "fixed"]
 
 
 def _positive(owner: str, **values: float | int | None) -> None:
@@ -227,9 +228,18 @@ class AttentionConfig:
     gated: bool = False                    # sigmoid(x W_g) * attn_out, before o_proj (Qiu et al. 2025)
     learned_sinks: bool = False            # per-head logit in the softmax denominator
     dropout: float = 0.0
+    # what a local ("L") layer attends to beyond a plain window
+    dilation: int = 1                      # Longformer: the window's keys d positions apart (w keys reach (w-1)d+1)
+    global_tokens: int = 0                 # Longformer: the first N positions see all (causally) and all see them
+    sparse: SparsePattern = "none"         # Sparse Transformer (Child et al. 2019), instead of a window:
+                                           # strided: |i-j| < l or (i-j) % l == 0; fixed: same l-block or a
+                                           # summary key (j % l >= l - c), both merged in one head
+    sparse_stride: int | None = None       # l, the stride / block of a sparse pattern
+    sparse_summary: int = 1                # c, summary keys per block (fixed)
 
     def __post_init__(self):
         _check_literals(self, "attention")
+        self._check_local_patterns()
         _positive("attention", n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
                   head_dim=self.head_dim, logit_softcap=self.logit_softcap, clip_qkv=self.clip_qkv,
                   query_pre_attn_scalar=self.query_pre_attn_scalar)
@@ -245,22 +255,49 @@ class AttentionConfig:
                     f"attention.layer_pattern={self.layer_pattern!r} must be a non-empty string of "
                     "'L' (local) and 'G' (global)"
                 )
-            if "L" in self.layer_pattern and self.window is None:
+            if "L" in self.layer_pattern and self.window is None and self.sparse == "none":
                 raise ConfigError(
                     f"attention.layer_pattern={self.layer_pattern!r} has local layers but "
-                    "attention.window is None"
+                    "attention.window is None (and attention.sparse is none)"
                 )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"attention.dropout={self.dropout} must be in [0, 1)")
+
+    def _check_local_patterns(self) -> None:
+        if self.dilation < 1 or self.global_tokens < 0:
+            raise ConfigError(f"attention.dilation={self.dilation} must be >= 1 and "
+                              f"attention.global_tokens={self.global_tokens} >= 0")
+        if self.dilation > 1 and self.window is None:
+            raise ConfigError(f"attention.dilation={self.dilation} dilates a window, but attention.window is None")
+        if self.global_tokens and self.window is None and self.sparse == "none":
+            raise ConfigError(f"attention.global_tokens={self.global_tokens} needs local layers: "
+                              "set attention.window or attention.sparse")
+        if self.sparse == "none":
+            return
+        if self.window is not None:
+            raise ConfigError(f"attention.sparse={self.sparse!r} replaces the window: attention.window must be None")
+        if self.sparse_stride is None or self.sparse_stride < 1:
+            raise ConfigError(f"attention.sparse={self.sparse!r} needs attention.sparse_stride >= 1")
+        if not 1 <= self.sparse_summary <= self.sparse_stride:
+            raise ConfigError(f"attention.sparse_summary={self.sparse_summary} must be in "
+                              f"1..sparse_stride={self.sparse_stride}")
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
     def is_local(self, layer: int) -> bool:
+        """A restricted layer: a window (maybe dilated, with global tokens) or a sparse pattern."""
         if self.layer_pattern is None:
-            return self.window is not None
+            return self.window is not None or self.sparse != "none"
         return self.layer_pattern[layer % len(self.layer_pattern)] == "L"
+
+    def kv_span(self, layer: int) -> int | None:
+        """The most recent positions a layer's queries can reach (its KV cache may roll over that many
+        slots), or None: all of them (a global layer, global tokens, a sparse pattern's strided keys)."""
+        if not self.is_local(layer) or self.window is None or self.global_tokens:
+            return None
+        return (self.window - 1) * self.dilation + 1
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,7 @@ Dimension legend used in shape comments across archlab:
 Variants (each a field of AttentionConfig):
   MHA / GQA / MQA        Ainslie et al. 2023 (arXiv 2305.13245); Shazeer 2019
   sliding window          Beltagy et al. 2020 (Longformer); Mistral; per-layer local/global pattern
+  dilated window, global tokens   Longformer; strided / fixed sparse patterns   Child et al. 2019
   prefix-LM mask          Raffel et al. 2020 (bidirectional over a prefix)
   QK-norm                 Dehghani et al. 2023; per head (Qwen3, Gemma 3) or full width (OLMo 2)
   logit soft-cap          Gemma 2: s -> cap * tanh(s / cap)
@@ -24,7 +25,7 @@ from torch import nn
 from archlab.config import AttentionConfig, BiasConfig, LayerSpec, NormConfig
 from archlab.nn import attention_backends as backends
 from archlab.nn.fused import decode_weights, linear, packed_groups, packed_matmul, project
-from archlab.nn.masks import AttnInputs, MaskSpec
+from archlab.nn.masks import AttnInputs, LocalPattern, MaskSpec
 from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
 from archlab.nn.position import AttentionPosition
@@ -62,7 +63,7 @@ class Attention(nn.Module):
             self.q_norm = build_norm(norm.kind, self.head_dim if per_head else h_e, norm.eps, qk_bias)
             self.k_norm = build_norm(norm.kind, self.head_dim if per_head else k_e, norm.eps, qk_bias)
 
-        self.window = spec.window
+        self.local = LocalPattern.of(att) if spec.local else None   # window / dilation / globals / sparse
         self.position = position
         self.scale = spec.attn_scale
         self.softcap = att.logit_softcap
@@ -101,7 +102,7 @@ class Attention(nn.Module):
 
         # what attends to what, as the layer's spec and positions: a backend builds the dense mask (once per
         # forward, through `inputs`) or the position bias (over the pairs it visits) only if it needs them
-        call = self._call(q, k, v, inputs.layer_spec(self.window), positions, k_pos, inputs,
+        call = self._call(q, k, v, inputs.layer_spec(self.local), positions, k_pos, inputs,
                           aligned=inputs.plain and cache is None)
         out, probs = backends.run(call)                                     # (b, h, t, e)
         if self.record_probs:
@@ -142,11 +143,11 @@ class Attention(nn.Module):
 
     def attention_backend(self, seq_len: int = 2, spec: MaskSpec | None = None) -> str:
         """The backend this layer's full-sequence forward of `seq_len` tokens runs (recorded in provenance.json;
-        `spec`: the stack's, before this layer's window)."""
+        `spec`: the stack's, before this layer's local pattern)."""
         h, k, e = self.n_heads, self.n_kv_heads, self.head_dim
         q, kv = torch.empty(1, h, seq_len, e, device="meta"), torch.empty(1, k, seq_len, e, device="meta")
         pos = torch.arange(seq_len, device="meta")[None]
-        spec = (spec or MaskSpec(causal=True)).with_window(self.window)
+        spec = (spec or MaskSpec(causal=True)).restricted(self.local)
         return backends.choose(self._call(q, kv, kv, spec, pos, pos, None, aligned=True)).name
 
 

@@ -13,13 +13,12 @@ so Mistral's 4,096-token sliding window (the query and the 4,095 before it) is (
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["MaskSpec", "AttnInputs", "window_bounds"]
+__all__ = ["MaskSpec", "LocalPattern", "AttnInputs", "window_bounds"]
 
 
 def window_bounds(window: int | None, causal: bool) -> tuple[int | None, int | None]:
@@ -31,15 +30,48 @@ def window_bounds(window: int | None, causal: bool) -> tuple[int | None, int | N
 
 
 @dataclass(frozen=True)
+class LocalPattern:
+    """What a local ("L") layer attends to, from AttentionConfig: a window, maybe dilated, with global tokens,
+    or a sparse pattern. Hashable: layers with equal patterns share one spec and its masks per forward."""
+    window: int | None = None
+    dilation: int = 1
+    global_tokens: int = 0
+    sparse: str = "none"
+    stride: int | None = None
+    summary: int = 1
+
+    @classmethod
+    def of(cls, att: Any) -> LocalPattern:
+        """The pattern an AttentionConfig gives its local layers."""
+        return cls(att.window, att.dilation, att.global_tokens, att.sparse, att.sparse_stride, att.sparse_summary)
+
+
+@dataclass(frozen=True)
 class MaskSpec:
     causal: bool = True
     window: tuple[int | None, int | None] = (None, None)  # (left, right); None: unbounded on that side
     prefix_lengths: torch.Tensor | None = None            # (b,): a bidirectional prefix (prefix-LM, T5 style)
     key_padding: torch.Tensor | None = None               # (b, s) bool, True = a real key
     segment_ids: torch.Tensor | None = None               # (b, t): packed documents attend within their own
-    block_size: int | None = None                         # room for block-local / sparse kernels
-    global_indices: tuple[int, ...] = ()
-    dilation: int = 1
+    dilation: int = 1                                     # window keys this many positions apart (Longformer)
+    global_indices: tuple[int, ...] = ()                  # positions that see all and that all see (Longformer)
+    pattern: str | None = None                            # "strided" | "fixed" (Sparse Transformer)
+    block_size: int | None = None                         # the pattern's stride / block l
+    summary: int = 1                                      # fixed: the last c positions of each block are seen
+    key: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.pattern not in (None, "strided", "fixed") or (self.pattern and not self.block_size):
+            raise ValueError(f"MaskSpec.pattern={self.pattern!r} (block_size={self.block_size}): a sparse pattern "
+                             "is 'strided' or 'fixed', with a block size")
+        if self.dilation < 1:
+            raise ValueError(f"MaskSpec.dilation={self.dilation} must be >= 1")
+        # what identifies this structure within one forward (layers share masks under it): the plain fields
+        # and the identity of its tensors (a stack builds them once per forward). Computed here, not cached
+        # lazily: functools.cached_property takes a lock that torch.compile cannot trace.
+        tensors = (self.prefix_lengths, self.key_padding, self.segment_ids)
+        plain = (self.causal, self.window, self.dilation, self.global_indices, self.pattern, self.block_size, self.summary)
+        object.__setattr__(self, "key", (*plain, *(None if x is None else id(x) for x in tensors)))
 
     def with_window(self, window: int | None) -> MaskSpec:
         """This spec for a layer with a sliding window of `window` tokens (None: the spec as is)."""
@@ -47,25 +79,32 @@ class MaskSpec:
             return self
         return dataclasses.replace(self, window=window_bounds(window, self.causal))
 
+    def restricted(self, local: LocalPattern | None) -> MaskSpec:
+        """This spec for a local layer with `local`'s pattern (None: a global layer, the spec as is)."""
+        if local is None:
+            return self
+        sparse = local.sparse != "none"
+        return dataclasses.replace(
+            self.with_window(local.window), dilation=local.dilation, global_indices=tuple(range(local.global_tokens)),
+            pattern=local.sparse if sparse else None, block_size=local.stride if sparse else None,
+            summary=local.summary)
+
     @property
     def only_structure(self) -> bool:
-        """Nothing beyond causal-or-not binds: no window, prefix, padding or segments."""
-        return (self.window == (None, None) and self.prefix_lengths is None and self.key_padding is None
-                and self.segment_ids is None)
-
-    @functools.cached_property
-    def key(self) -> tuple:
-        """What identifies this structure within one forward (masks are shared between layers under it): the
-        plain fields, and the identity of its tensors (a stack builds them once per forward)."""
-        tensors = (self.prefix_lengths, self.key_padding, self.segment_ids)
-        return (self.causal, self.window, self.block_size, self.global_indices, self.dilation,
-                *(None if x is None else id(x) for x in tensors))
+        """Nothing beyond causal-or-not binds: no window, pattern, prefix, padding or segments."""
+        return (self.window == (None, None) and self.pattern is None and self.prefix_lengths is None
+                and self.key_padding is None and self.segment_ids is None)
 
     def reach(self) -> tuple[int | None, int | None]:
-        """(before, after): how many key positions before and after itself any query may reach (None:
-        unbounded), the key range a block-local kernel must give each query block. A prefix reaches to its
-        end: that costs a host sync, once per spec."""
+        """(before, after): how many positions before and after itself a query may reach through the window
+        (global tokens aside; None: unbounded), the key range a block-local kernel gives each query block.
+        A prefix reaches to its end: that costs a host sync, once per spec."""
+        if self.pattern is not None:
+            return None, None                 # strided keys and summary keys reach back to the start
+        d = self.dilation
         left, right = self.window
+        left = None if left is None else left * d
+        right = None if right is None else right * d
         if not self.causal and right is None:
             return left, None
         after = 0 if self.causal else right
@@ -80,19 +119,15 @@ class MaskSpec:
     def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """The predicate: (b, t) query and (b, s) key positions (-1 = an empty or padded slot) ->
         (b, 1, t, s) bool, True where the query may attend to the key."""
-        for name, off in (("block_size", None), ("global_indices", ()), ("dilation", 1)):
-            if getattr(self, name) != off:   # room for sparse kernels: no predicate yet, so no silent dense mask
-                raise NotImplementedError(f"MaskSpec.{name}={getattr(self, name)!r} has no predicate yet")
         q, k = q_pos[:, :, None], k_pos[:, None, :]
         distance = q - k                                   # > 0: the key is in the query's past
-        ok = k >= 0
+        structural = k >= 0
         if self.causal:
-            ok = ok & (distance >= 0)
-        left, right = self.window
-        if left is not None:
-            ok = ok & (distance <= left)
-        if right is not None:
-            ok = ok & (-distance <= right)
+            structural = structural & (distance >= 0)
+        ok = structural & self._local(q, k, distance)
+        if self.global_indices:                            # Longformer: global rows and columns
+            g = torch.tensor(self.global_indices, device=q_pos.device)
+            ok = ok | (structural & (torch.isin(q, g) | torch.isin(k, g)))
         if self.prefix_lengths is not None:
             p = self.prefix_lengths[:, None, None]
             ok = ok | ((q < p) & (k < p) & (k >= 0))
@@ -101,6 +136,25 @@ class MaskSpec:
         if self.segment_ids is not None:
             ok = ok & (self.segment_ids[:, :, None] == self.segment_ids[:, None, :])
         return (ok | (q < 0))[:, None]   # a padded query (position -1) sees its row freely: no NaN
+
+    def _local(self, q: torch.Tensor, k: torch.Tensor, distance: torch.Tensor) -> torch.Tensor | bool:
+        """The layer's own restriction: a (dilated) window, or a Sparse Transformer pattern (Child et al. 2019,
+        the two factors merged in one head); True where nothing restricts."""
+        ok: torch.Tensor | bool = True
+        d = self.dilation
+        left, right = self.window
+        if left is not None:
+            ok = ok & (distance <= left * d)
+        if right is not None:
+            ok = ok & (-distance <= right * d)
+        if d > 1:
+            ok = ok & (distance % d == 0)
+        stride = self.block_size or 1
+        if self.pattern == "strided":                      # the previous l keys, and every l-th before them
+            ok = ok & ((distance.abs() < stride) | (distance % stride == 0))
+        elif self.pattern == "fixed":                      # the query's own block, and each block's last c keys
+            ok = ok & ((q // stride == k // stride) | (k % stride >= stride - self.summary))
+        return ok
 
     def dense(self, q_pos: torch.Tensor, k_pos: torch.Tensor, *, plain: bool, continued: bool = False
               ) -> tuple[torch.Tensor | None, bool]:
@@ -130,14 +184,16 @@ class AttnInputs:
     continued: bool = False                  # each row continues its cached tokens: none padded, one length
     shared: dict = field(default_factory=dict)   # built once per forward, read by every layer
 
-    def layer_spec(self, window: int | None) -> MaskSpec:
-        """The stack's spec for a layer with this sliding window (one object per window and forward)."""
-        if window is None:
+    def layer_spec(self, local: LocalPattern | int | None) -> MaskSpec:
+        """The stack's spec for a local layer with this pattern (a bare int: a plain window of that many
+        tokens; None: a global layer), one object per pattern and forward."""
+        if local is None:
             return self.spec
-        key = ("spec", window)
+        key = ("spec", local)
         spec = self.shared.get(key)
         if spec is None:
-            spec = self.shared[key] = self.spec.with_window(window)
+            pattern = LocalPattern(window=local) if isinstance(local, int) else local
+            spec = self.shared[key] = self.spec.restricted(pattern)
         return spec
 
     def dense(self, spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
@@ -150,7 +206,7 @@ class AttnInputs:
             hit = self.shared[key] = spec.dense(q_pos, k_pos, plain=self.plain, continued=self.continued)
         return hit
 
-    def layer_mask(self, window: int | None, q_pos: torch.Tensor, k_pos: torch.Tensor
+    def layer_mask(self, window: LocalPattern | int | None, q_pos: torch.Tensor, k_pos: torch.Tensor
                    ) -> tuple[torch.Tensor | None, bool]:
         """(mask or None, is_causal) for a layer with this sliding window. Example:
         AttnInputs(torch.arange(4)[None], plain=True).layer_mask(None, pos, pos) -> (None, True)"""

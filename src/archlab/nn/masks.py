@@ -70,7 +70,8 @@ class MaskSpec:
         # and the identity of its tensors (a stack builds them once per forward). Computed here, not cached
         # lazily: functools.cached_property takes a lock that torch.compile cannot trace.
         tensors = (self.prefix_lengths, self.key_padding, self.segment_ids)
-        plain = (self.causal, self.window, self.dilation, self.global_indices, self.pattern, self.block_size, self.summary)
+        plain = (self.causal, self.window, self.dilation, self.global_indices, self.pattern, self.block_size,
+                 self.summary)
         object.__setattr__(self, "key", (*plain, *(None if x is None else id(x) for x in tensors)))
 
     def with_window(self, window: int | None) -> MaskSpec:

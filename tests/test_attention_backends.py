@@ -8,6 +8,7 @@ from variants import VARIANTS, variant
 from archlab import TransformerLM
 from archlab.nn import attention_backends as backends
 from archlab.nn.attention_backends import AttnCall, forced
+from archlab.nn.local_attention import BlockLocal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,7 +127,7 @@ def test_a_layer_hands_its_spec_and_positions_and_the_dense_mask_is_built_only_o
     calls.clear()
     with forced("block_local"):
         model(torch.randint(0, 97, (2, 9)))               # the blocked kernel: per-block masks, no (t, s) one
-    assert calls and all(shape[-1] == backends.BlockLocal.block for shape in calls)
+    assert calls and all(shape[-1] == BlockLocal.block for shape in calls)
 
 
 def test_dense_masks_are_shared_by_spec_never_by_length_alone():

@@ -7,7 +7,8 @@ from variants import variant
 
 from archlab import TransformerLM
 from archlab.nn import attention_backends as backends
-from archlab.nn.attention_backends import AttnCall, BlockLocal, forced
+from archlab.nn.attention_backends import AttnCall, forced
+from archlab.nn.local_attention import BlockLocal
 from archlab.nn.masks import MaskSpec
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,6 +29,12 @@ CASES = {
     "rope-local-nope-global": {"attention.layer_pattern": "LG", "position.global_kind": "none"},
     "rope-local-theta": {"attention.layer_pattern": "LG", "position.local_rope_theta": 100.0},
     "prefix-lm": {"attention.prefix_lm": True},
+    "dilated": {"attention.dilation": 2},
+    "dilated-alibi-gqa": {"attention.dilation": 3, "position.kind": "alibi", "attention.n_kv_heads": 2},
+    "global-tokens": {"attention.global_tokens": 2},
+    "global-tokens-t5-prefix": {"attention.global_tokens": 3, "position.kind": "t5", "attention.prefix_lm": True},
+    "global-tokens-sinks-softcap": {"attention.global_tokens": 1, "attention.learned_sinks": True,
+                                    "attention.logit_softcap": 5.0},
 }
 
 
@@ -88,7 +95,7 @@ def _dense_reference(call: AttnCall):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_block_local_calls_with_padding_prefix_and_symmetric_windows(causal, small_blocks):
+def test_block_local_calls_with_padding_prefix_dilation_globals_and_symmetric_windows(causal, small_blocks):
     torch.manual_seed(0)
     b, h, kv, t, e = 3, 4, 2, 19, 8
     q = torch.randn(b, h, t, e, dtype=torch.float64, requires_grad=True)
@@ -97,8 +104,13 @@ def test_block_local_calls_with_padding_prefix_and_symmetric_windows(causal, sma
     padding = torch.ones(b, t, dtype=torch.bool)
     padding[1, 2:6] = False                            # row 1: a hole (every query keeps a key)
     padding[2, -3:] = False                            # row 2 right-padded
+    sparse_holes = padding.clone()
+    sparse_holes[1] = True
+    sparse_holes[1, 6:8] = False                       # with dilation 3 a key 3 and 6 back remains
     specs = [MaskSpec(causal=causal, key_padding=padding).with_window(6),
-             MaskSpec(causal=causal, prefix_lengths=torch.tensor([5, 0, 9])).with_window(3)]
+             MaskSpec(causal=causal, prefix_lengths=torch.tensor([5, 0, 9])).with_window(3),
+             MaskSpec(causal=causal, key_padding=sparse_holes, dilation=3).with_window(4),
+             MaskSpec(causal=causal, key_padding=padding, global_indices=(0, 3)).with_window(3)]
     for spec in specs:
         call = AttnCall(q, k, v, e ** -0.5, spec=spec, q_pos=pos, k_pos=pos, aligned=True)
         backend = backends.BACKENDS.get("block_local")
@@ -157,3 +169,49 @@ def test_sparse_patterns_hand_computed():
     assert _pairs(MaskSpec(causal=False, pattern="fixed", block_size=4), t) == bidirectional
     both_ways = {(i, j) for i in range(t) for j in range(t) if abs(i - j) <= 1 or {i, j} & {0}}
     assert _pairs(MaskSpec(causal=False, global_indices=(0,)).with_window(3), t) == both_ways
+
+
+PATTERNS = {
+    "window": {"attention.window": 4},
+    "dilated": {"attention.window": 3, "attention.dilation": 3},
+    "global": {"attention.window": 3, "attention.global_tokens": 2},
+    "dilated-global": {"attention.window": 3, "attention.dilation": 2, "attention.global_tokens": 3},
+    "strided": {"attention.sparse": "strided", "attention.sparse_stride": 4},
+    "fixed": {"attention.sparse": "fixed", "attention.sparse_stride": 5, "attention.sparse_summary": 2},
+    "strided-global-lg": {"attention.sparse": "strided", "attention.sparse_stride": 3,
+                          "attention.global_tokens": 1, "attention.layer_pattern": "LG"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+@pytest.mark.parametrize("prefix", [0, 6])
+def test_keys_per_query_counts_the_predicates_pairs(name, prefix):
+    from archlab import accounting
+    from archlab.nn.masks import LocalPattern
+
+    cfg = variant("base").with_overrides(PATTERNS[name])
+    t, pos = 37, torch.arange(37)[None]
+    for layer in range(cfg.n_layers):
+        local = LocalPattern.of(cfg.attention) if cfg.is_local(layer) else None
+        spec = MaskSpec(prefix_lengths=torch.tensor([prefix]) if prefix else None).restricted(local)
+        pairs = int(spec.allows(pos, pos).sum())
+        assert accounting.keys_per_query(cfg, layer, t, prefix) * t == pytest.approx(pairs), layer
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_cached_decoding_equals_the_full_forward_for_every_pattern(name):
+    """A KV cache keeps what each pattern reaches ((w-1)·d + 1 rolling slots for a dilated window, everything
+    for global tokens and sparse patterns): token-by-token decoding gives the full forward's logits, and the
+    cache holds the bytes accounting says."""
+    from archlab.accounting import kv_cache_bytes
+    from archlab.nn.kv_cache import StaticKVCache
+
+    cfg = variant("base").with_overrides(PATTERNS[name])
+    model = TransformerLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 24))
+    cache = StaticKVCache(cfg, 2, 24)
+    with torch.no_grad():
+        steps = [model(ids[:, :5], cache=cache)] + [model(ids[:, i:i + 1], cache=cache) for i in range(5, 24)]
+        full = model(ids)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    assert cache.nbytes == kv_cache_bytes(cfg, 24, batch=2, dtype="float32")

@@ -302,7 +302,7 @@ def test_training_and_eval_forwards_trace_as_one_graph(extra, monkeypatch):
     """torch.compile sees the whole step, float32 and bf16 autocast: the mask spec, the attention seam and
     the packed-weight switch add no graph break (a ContextVar or a data-dependent branch would), with the
     blocked window kernel too."""
-    from archlab.nn.attention_backends import BlockLocal
+    from archlab.nn.local_attention import BlockLocal
     monkeypatch.setattr(BlockLocal, "block", 4)       # 16 tokens, window 4: blocks chosen for the local layer
     cfg = ModelConfig().with_overrides({"vocab_size": 97, "d_model": 32, "n_layers": 2, "attention.n_heads": 4,
                                         "attention.n_kv_heads": 2, "mlp.activation": "swiglu", "max_seq_len": 32,

@@ -3,12 +3,14 @@
     param_count(cfg)                     unique parameters, == TransformerLM(cfg).num_params()
     param_breakdown(cfg)                 the same, split into embeddings/position/attention/mlp/norms/head
     flops_per_token(cfg, seq_len)        forward FLOPs per token (Kaplan et al. 2020 convention, below)
+    keys_per_query(cfg, layer, seq_len)  attended pairs per query: windows, dilation, global tokens, sparse patterns
     training_flops_per_token(cfg, T)     3x forward (backward costs twice the forward)
     kv_cache_bytes(cfg, seq_len, ...)    K and V cache honouring GQA/MQA and sliding windows
     training_memory_bytes(cfg, ...)      weights + grads + optimizer state + activations (estimate)
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from archlab.config import ConfigError, ModelConfig
@@ -138,6 +140,48 @@ def average_context(seq_len: int, window: int | None = None) -> float:
     return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
 
 
+def keys_per_query(cfg: ModelConfig, layer: int, seq_len: int, prefix_len: int = 0) -> float:
+    """Mean number of keys a causal query of `layer` attends to over positions 0..T-1, for every pattern
+    the layer can have: a window (dilated: min(w, i // d + 1)), Sparse Transformer strided (min(l, i+1) +
+    i // l) and fixed ((i mod l) + 1 + (i // l) c), Longformer's global tokens (their rows see i + 1 keys,
+    every other row also sees the global keys outside its own pattern), and a prefix-LM prefix of
+    `prefix_len` tokens (its queries see the whole prefix). Per-query counts in O(T) (O(T·G) for G global
+    tokens), tested equal to counting MaskSpec.allows' pairs."""
+    import torch
+
+    if seq_len < 1 or not 0 <= prefix_len <= seq_len:
+        raise ConfigError(f"seq_len={seq_len} must be >= 1 and prefix_len={prefix_len} in 0..seq_len")
+    i = torch.arange(seq_len, dtype=torch.float64)
+    counts = _pattern_counts(cfg, layer, i)
+    att = cfg.attention
+    if cfg.is_local(layer) and att.global_tokens:
+        from archlab.nn.masks import LocalPattern, MaskSpec
+
+        g = min(att.global_tokens, seq_len)
+        plain = MaskSpec().restricted(dataclasses.replace(LocalPattern.of(att), global_tokens=0))
+        held = plain.allows(i.long()[None], torch.arange(g)[None])[0, 0]          # (T, G): already seen
+        seen = (torch.arange(g)[None, :] <= i[:, None])                          # causal
+        counts = counts + (seen & ~held).sum(-1)
+        counts[:g] = i[:g] + 1                                                   # global rows: everything before
+    if prefix_len:
+        counts[:prefix_len] = prefix_len
+    return float(counts.mean())
+
+
+def _pattern_counts(cfg: ModelConfig, layer: int, i):
+    """Keys each causal query position i sees through the layer's own pattern (global tokens aside)."""
+    att = cfg.attention
+    if not cfg.is_local(layer):
+        return i + 1
+    if att.sparse == "strided":
+        stride = att.sparse_stride
+        return (i + 1).clamp(max=stride) + (i // stride).floor()
+    if att.sparse == "fixed":
+        stride = att.sparse_stride
+        return i % stride + 1 + (i // stride).floor() * att.sparse_summary
+    return ((i // att.dilation).floor() + 1).clamp(max=att.window)
+
+
 def _matmul_params_per_token(cfg: ModelConfig) -> int:
     """Weights multiplied per token: projections, the top_k experts (+ shared, router), LM head."""
     att, d, e = cfg.attention, cfg.d_model, cfg.head_dim
@@ -154,20 +198,20 @@ def _matmul_params_per_token(cfg: ModelConfig) -> int:
     return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def flops_per_token(cfg: ModelConfig, seq_len: int, prefix_len: int = 0) -> float:
     """Forward FLOPs per token for a sequence of `seq_len` tokens (Kaplan et al. 2020, Table 1).
 
     Convention: 2 FLOPs per multiply-add. Counted: 2 x every weight matrix a token is multiplied by
     (q/k/v/o and gate projections, the top_k routed experts + shared expert + router for MoE, the
     LM head, tied or not) plus, per layer, 2 x 2 x ctx x n_heads x head_dim for QK^T and PV, where ctx
-    is the average causal context (a local layer sees at most its window). Not counted: embedding
+    is the mean number of keys a query attends to (`keys_per_query`: windows, dilation, global tokens,
+    sparse patterns, a prefix-LM prefix of `prefix_len` tokens). Not counted: embedding
     lookups, norms, biases, softmax, activations, position encodings (all O(d) per token).
     """
     att = cfg.attention
     flops = 2.0 * _matmul_params_per_token(cfg)
     for layer in range(cfg.n_layers):
-        window = att.window if cfg.is_local(layer) else None
-        flops += 4.0 * average_context(seq_len, window) * att.n_heads * cfg.head_dim
+        flops += 4.0 * keys_per_query(cfg, layer, seq_len, prefix_len) * att.n_heads * cfg.head_dim
     return flops
 
 
@@ -178,10 +222,10 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 # ---- KV cache ------------------------------------------------------------------------------------
 def cached_tokens(cfg: ModelConfig, layer: int, seq_len: int) -> int:
-    """Tokens layer `layer` must keep: all of them, or the last `window` on a local layer."""
-    if cfg.is_local(layer):
-        return min(cfg.attention.window, seq_len)
-    return seq_len
+    """Tokens layer `layer` must keep: the last (w-1)·d + 1 on a windowed layer (AttentionConfig.kv_span),
+    else all of them (global layers, global tokens, sparse patterns, whose keys reach back to the start)."""
+    span = cfg.attention.kv_span(layer)
+    return seq_len if span is None else min(span, seq_len)
 
 
 def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: Any = "bfloat16") -> int:

@@ -20,11 +20,11 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from archlab.nn import cpu_attention, local_attention
+from archlab.nn import cpu_attention
 from archlab.nn.masks import AttnInputs, MaskSpec
 from archlab.nn.registry import Registry
 
-__all__ = ["AttnCall", "BACKENDS", "ORDER", "choose", "forced", "observe", "run"]
+__all__ = ["AttnCall", "Backend", "BACKENDS", "ORDER", "register", "choose", "dense_choice", "forced", "observe", "run"]
 
 
 PositionBias = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
@@ -198,70 +198,6 @@ class CPUCausal(Backend):
         return cpu_attention.causal_attention(call.q, call.k, call.v, call.scale), None
 
 
-@register(priority=300)
-class BlockLocal(Backend):
-    """nn/local_attention: a call whose queries reach a bounded key range (a sliding window) as dense calls
-    over query blocks, each with only the keys it can reach; cost and memory O(n·(B + w)), not O(n²)."""
-
-    name = "block_local"
-    block = local_attention.BLOCK      # query rows per block (tests set it small)
-    min_saving = 1.0                   # chosen when the full call visits at least this many times the pairs
-
-    def supports(self, call: AttnCall) -> str | None:
-        if call.spec is None or not call.aligned or call.q_pos is None:
-            return "a layer's spec over aligned queries and keys (positions 0..t-1, no cache)"
-        if call.spec.segment_ids is not None or call.keep_probs or call.bias is not None:
-            return "no segment ids, kept probabilities or bias tensor (a position bias as a function is fine)"
-        before, after = call.spec.reach()
-        if before is None or after is None:
-            return "a key range bounded on both sides (a sliding window)"
-        return None
-
-    def prefers(self, call: AttnCall) -> bool:
-        """Where the pairs the full call visits (half of them under a causal mask) are `min_saving` times the
-        blocks' pairs. Measured forward + backward, 4 heads of 32, 2 cores, window 256: SDPA with the window's
-        dense mask 7.4 / 38 / 99 / 476 ms at 512 / 1k / 2k / 4k tokens, blocks of 64: 8.3 / 14 / 19 / 49 ms
-        (and below SDPA's mask-free causal kernel from 1k on: 21 / 71 / 144 ms at 1k / 2k / 4k)."""
-        assert call.spec is not None
-        before, after = call.spec.reach()
-        t = call.q.shape[2]
-        full = t / 2 if call.spec.causal else t
-        return full >= self.min_saving * (self.block + (before or 0) + (after or 0))
-
-    def __call__(self, call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        assert call.spec is not None and call.q_pos is not None
-        before, after = call.spec.reach()
-        assert before is not None and after is not None
-        b, t, block = call.q.shape[0], call.q.shape[2], self.block
-        mask, q_pos, k_pos = self._blocked_mask(call, block, before, after)         # (rows·nb, 1, B, K)
-        bias = None if call.position_bias is None else call.position_bias(q_pos, k_pos)   # (rows·nb, h, B, K)
-        if mask.shape[0] != b * local_attention.n_blocks(t, block):                # one row of positions for b
-            mask = mask.repeat(b, 1, 1, 1)
-            bias = None if bias is None else bias.repeat(b, 1, 1, 1)
-        k, v = (local_attention.key_blocks(z, t, block, before, after) for z in (call.k, call.v))  # (b·nb, k, K, e)
-        blocks = AttnCall(local_attention.query_blocks(call.q, block), k, v, call.scale, mask=mask, bias=bias,
-                          softcap=call.softcap, sinks=call.sinks, dropout=call.dropout)
-        out, _ = _usual(blocks)(blocks)                                           # (b·nb, h, B, e)
-        return local_attention.unblock(out, b, t), None
-
-    @staticmethod
-    def _blocked_mask(call: AttnCall, block: int, before: int, after: int):
-        """(mask (rows·nb, 1, B, K), query positions (rows·nb, B), key positions (rows·nb, K)) of the blocks,
-        built once per forward for every layer with the same spec (through call.inputs)."""
-        assert call.spec is not None and call.q_pos is not None
-        t = call.q.shape[2]
-        key = ("blocks", call.spec.key, t, block)
-        shared = call.inputs.shared if call.inputs is not None else {}
-        hit = shared.get(key)
-        if hit is None:
-            per_row = (call.q_pos, call.spec.prefix_lengths, call.spec.key_padding)
-            rows = max(x.shape[0] for x in per_row if x is not None)             # 1 (plain positions) or b
-            q_pos, k_pos = local_attention.block_positions(call.q_pos.expand(rows, t), t, block, before, after)
-            spec = local_attention.block_spec(call.spec, rows, t, block, before, after)
-            hit = shared[key] = (spec.allows(q_pos, k_pos), q_pos, k_pos)
-        return hit
-
-
 _FORCED: str | None = None   # a plain global, not a ContextVar: torch.compile traces through it (no graph break)
 
 
@@ -289,11 +225,12 @@ def choose(call: AttnCall) -> Backend:
             return backend
         if strict:
             raise ValueError(f"attention backend {backend.name!r} cannot run this call: {reason}")
-    return _usual(call)
+    return dense_choice(call)
 
 
-def _usual(call: AttnCall) -> Backend:
-    """The first backend by priority that supports `call` and prefers it here."""
+def dense_choice(call: AttnCall) -> Backend:
+    """The first backend by priority that supports `call` and prefers it here, whatever `forced` says (a
+    kernel that turns its call into smaller dense calls hands them on through this)."""
     for backend in _ORDERED:
         if backend.supports(call) is None and backend.prefers(call):
             return backend

@@ -105,8 +105,9 @@ class _BufferedCache:
 
 
 class StaticKVCache(_BufferedCache):
-    """Preallocated per-layer buffers. Global layers hold `max_len` slots; local layers (from
-    `config.is_local(layer)`) hold a rolling buffer of `window` slots, written at count % window.
+    """Preallocated per-layer buffers. Global layers hold `max_len` slots; windowed layers a rolling buffer
+    of the positions they can reach (`config.attention.kv_span(layer)`: w, or (w-1)·d + 1 dilated), written
+    at count % span. Global tokens and sparse patterns reach back to the start: `max_len` slots.
 
     GQA/MQA store only the kv heads (attention repeats them after the cache). The global layers share one
     positions buffer, written by the first of them in each forward (the protocol's "same keys, same
@@ -123,7 +124,7 @@ class StaticKVCache(_BufferedCache):
         self._shared_view: tuple[int, torch.Tensor | None] = (0, None)   # (length, shared_pos[:, :length])
         self.layers = []
         for layer in range(config.n_layers):
-            window = config.attention.window if config.is_local(layer) else None
+            window = config.attention.kv_span(layer)     # (w-1)·d + 1 for a (dilated) window, else None
             rolling = window is not None and window < max_len
             buf = _Buffers(batch, kv_heads, window if rolling else max_len, head_dim, dtype, device,
                            pos=None if rolling else self.shared_pos)

@@ -12,6 +12,12 @@ is linear in n. The blocks are views (`unfold`) of the zero-padded keys, gathere
 runs with its own forward and backward; the mask and a position bias are computed per block from the same
 predicate (MaskSpec.allows) and bias function the dense path uses, so the math has one implementation.
 Padded key slots carry position -1, which the predicate never lets a real query see.
+
+Longformer's two additions ride on the same blocks:
+  dilated window (d)   the keys i, i-d, i-2d, ... of query i share its residue mod d, so each residue class is
+                       a plain window over a sequence d times shorter: the classes become batch rows
+  global tokens (G)    their keys are appended to every block's keys (masked where the block's range already
+                       holds them), and their own query rows, which see every key, run as one dense call
 """
 from __future__ import annotations
 
@@ -20,9 +26,11 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from archlab.nn.attention_backends import AttnCall, Backend, dense_choice, register
 from archlab.nn.masks import MaskSpec
 
-__all__ = ["BLOCK", "n_blocks", "key_blocks", "query_blocks", "unblock", "block_positions", "block_spec"]
+__all__ = ["BLOCK", "BlockLocal", "n_blocks", "key_blocks", "query_blocks", "unblock", "block_positions",
+           "block_spec", "dilate", "undilate"]
 
 BLOCK = 64   # query rows per block: keys per query B + w - 1 (64 against 256 or 512 measured fastest at w 256)
 
@@ -59,7 +67,7 @@ def block_positions(pos: torch.Tensor, t: int, block: int, before: int, after: i
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(r, t) positions -> ((r·nb, B) query positions, (r·nb, K) key positions), -1 in padded slots."""
     r, nb, span = pos.shape[0], n_blocks(t, block), block + before + after
-    q = F.pad(pos, (0, nb * block - t), value=-1).view(r * nb, block)
+    q = F.pad(pos, (0, nb * block - t), value=-1).reshape(r * nb, block)
     k = F.pad(pos, (before, nb * block - t + after), value=-1).unfold(1, span, block)   # (r, nb, K)
     return q, k.reshape(r * nb, span)
 
@@ -75,3 +83,148 @@ def block_spec(spec: MaskSpec, rows: int, t: int, block: int, before: int, after
         padding = F.pad(padding.expand(rows, -1), (before, nb * block - t + after), value=False)
         padding = padding.unfold(1, span, block).reshape(rows * nb, span)          # (rows·nb, K)
     return replace(spec, prefix_lengths=prefix, key_padding=padding)
+
+
+def dilate(x: torch.Tensor, d: int, fill: float | bool = 0) -> torch.Tensor:
+    """(b, ..., t, [e]) -> (b·d, ..., ceil(t/d), [e]) for a tensor whose time axis is dim -2 (heads) or
+    -1 (positions, padding): residue class r of batch row i becomes row i·d + r, the tail padded with `fill`."""
+    time = x.dim() - 2 if x.dim() == 4 else x.dim() - 1
+    t = x.shape[time]
+    pad = [0, 0] * (x.dim() - 1 - time) + [0, n_blocks(t, d) * d - t]
+    x = F.pad(x, pad, value=fill)
+    x = x.unflatten(time, (-1, d)).movedim(time + 1, 1)                       # (b, d, ..., t/d, [e])
+    return x.flatten(0, 1)
+
+
+def undilate(out: torch.Tensor, d: int, t: int) -> torch.Tensor:
+    """(b·d, h, t/d, e) -> (b, h, t, e): dilate undone for a call's output."""
+    out = out.unflatten(0, (-1, d)).movedim(1, 3)                             # (b, h, t/d, d, e)
+    return out.flatten(2, 3)[:, :, :t]
+
+
+@register(priority=300)
+class BlockLocal(Backend):
+    """A call whose queries reach a bounded key range (a sliding window, dilated or not, with global
+    tokens) as dense calls over query blocks, each with only the keys it can reach: O(n·(B + w)), not O(n²)."""
+
+    name = "block_local"
+    block = BLOCK                      # query rows per block (tests set it small)
+    min_saving = 1.0                   # chosen when the full call visits at least this many times the pairs
+
+    def supports(self, call: AttnCall) -> str | None:
+        spec = call.spec
+        if spec is None or not call.aligned or call.q_pos is None:
+            return "a layer's spec over aligned queries and keys (positions 0..t-1, no cache)"
+        if spec.segment_ids is not None or call.keep_probs or call.bias is not None:
+            return "no segment ids, kept probabilities or bias tensor (a position bias as a function is fine)"
+        before, after = spec.reach()
+        if before is None or after is None:
+            return "a key range bounded on both sides (a sliding window)"
+        if spec.dilation > 1 and (spec.prefix_lengths is not None or spec.global_indices):
+            return "a dilated window without a prefix or global tokens"
+        return None
+
+    def prefers(self, call: AttnCall) -> bool:
+        """Where the pairs the full call visits (half of them under a causal mask) are `min_saving` times the
+        blocks' pairs. Measured forward + backward, 4 heads of 32, 2 cores, window 256: SDPA with the window's
+        dense mask 7.4 / 38 / 99 / 476 ms at 512 / 1k / 2k / 4k tokens, blocks of 64: 8.3 / 14 / 19 / 49 ms
+        (and below SDPA's mask-free causal kernel from 1k on: 21 / 71 / 144 ms at 1k / 2k / 4k)."""
+        assert call.spec is not None
+        before, after = call.spec.reach()
+        d, t = call.spec.dilation, call.q.shape[2]
+        full = t / 2 if call.spec.causal else t
+        keys = self.block + ((before or 0) + (after or 0)) // d + len(call.spec.global_indices)
+        return full >= self.min_saving * keys
+
+    def __call__(self, call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        spec = call.spec
+        assert spec is not None and call.q_pos is not None
+        d, t = spec.dilation, call.q.shape[2]
+        if d == 1:
+            out = self._blocks(call)
+        else:   # each residue class mod d a plain window, as batch rows (positions stay the real ones)
+            padding, q_pos = spec.key_padding, call.q_pos
+            if padding is not None:        # per-row padding: per-row positions, dilated alike
+                q_pos, padding = dilate(q_pos.expand(padding.shape[0], t), d, -1), dilate(padding, d, False)
+            else:
+                q_pos = dilate(q_pos, d, -1)
+            classes = replace(call, q=dilate(call.q, d), k=dilate(call.k, d), v=dilate(call.v, d), q_pos=q_pos,
+                              spec=replace(spec, key_padding=padding))
+            out = undilate(self._blocks(classes), d, t)
+        if spec.global_indices:
+            out = self._global_rows(call, out)
+        return out, None
+
+    def _blocks(self, call: AttnCall) -> torch.Tensor:
+        """The blocked computation: (b, h, t, e) out, every query row from its block's keys (+ global keys)."""
+        assert call.spec is not None
+        before, after = (r // call.spec.dilation for r in call.spec.reach())   # type: ignore[operator]
+        b, t, block = call.q.shape[0], call.q.shape[2], self.block
+        mask, q_pos, k_pos, bias = self._blocked_mask(call, block, before, after)   # (rows·nb, 1|h, B, K)
+        k, v = (key_blocks(z, t, block, before, after) for z in (call.k, call.v))   # (b·nb, k, K, e)
+        g = self._global_keys(call)
+        if g is not None:                   # every block also sees the global keys: (b·nb, k, G + K, e)
+            nb = n_blocks(t, block)
+            k, v = (torch.cat((z[:, :, g].repeat_interleave(nb, 0), blocks), 2) for z, blocks
+                    in ((call.k, k), (call.v, v)))
+        if mask.shape[0] != k.shape[0]:                                      # one row of positions for b
+            copies = k.shape[0] // mask.shape[0]
+            mask = mask.repeat(copies, 1, 1, 1)
+            bias = None if bias is None else bias.repeat(copies, 1, 1, 1)
+        blocks = AttnCall(query_blocks(call.q, block), k, v, call.scale, mask=mask, bias=bias,
+                          softcap=call.softcap, sinks=call.sinks, dropout=call.dropout)
+        out, _ = dense_choice(blocks)(blocks)                                # (b·nb, h, B, e)
+        return unblock(out, b, t)
+
+    @staticmethod
+    def _global_keys(call: AttnCall) -> torch.Tensor | None:
+        """Indices of the global tokens inside this sequence (aligned: index = position), or None."""
+        assert call.spec is not None
+        t = call.q.shape[2]
+        inside = [i for i in call.spec.global_indices if i < t]
+        return torch.tensor(inside, device=call.q.device) if inside else None
+
+    def _blocked_mask(self, call: AttnCall, block: int, before: int, after: int):
+        """(mask (rows·nb, 1, B, [G +] K), query positions (rows·nb, B), key positions (rows·nb, [G +] K), bias
+        or None) of the blocks, built once per forward for every layer with the same spec (through call.inputs;
+        the bias per layer: it has weights)."""
+        assert call.spec is not None and call.q_pos is not None
+        t = call.q.shape[2]
+        key = ("blocks", call.spec.key, tuple(call.q_pos.shape), block)
+        shared = call.inputs.shared if call.inputs is not None else {}
+        hit = shared.get(key)
+        if hit is None:
+            spec, per_row = call.spec, (call.q_pos, call.spec.prefix_lengths, call.spec.key_padding)
+            rows = max(x.shape[0] for x in per_row if x is not None)             # 1 (plain positions) or b
+            q_pos, k_pos = block_positions(call.q_pos.expand(rows, t), t, block, before, after)
+            blocked = block_spec(spec, rows, t, block, before, after)
+            mask = blocked.allows(q_pos, k_pos)                                  # (rows·nb, 1, B, K)
+            g = self._global_keys(call)
+            if g is not None:   # global keys first; masked where the block's own range already holds them
+                g_pos = g.expand(q_pos.shape[0], -1)                             # (rows·nb, G)
+                held = (g_pos[:, :, None] == k_pos[:, None, :]).any(-1)          # (rows·nb, G)
+                g_padding = spec.key_padding
+                if g_padding is not None:                                        # (rows·nb, G)
+                    g_padding = g_padding.expand(rows, -1)[:, g].repeat_interleave(n_blocks(t, block), 0)
+                g_spec = replace(blocked, key_padding=g_padding)
+                g_mask = g_spec.allows(q_pos, g_pos) & ~held[:, None, None, :]
+                mask, k_pos = torch.cat((g_mask, mask), -1), torch.cat((g_pos, k_pos), -1)
+            hit = shared[key] = (mask, q_pos, k_pos)
+        mask, q_pos, k_pos = hit
+        bias = None if call.position_bias is None else call.position_bias(q_pos, k_pos)   # (rows·nb, h, B, K)
+        return mask, q_pos, k_pos, bias
+
+    @staticmethod
+    def _global_rows(call: AttnCall, out: torch.Tensor) -> torch.Tensor:
+        """The global tokens' own rows, which see every key: one dense call over all keys, written into out."""
+        g = BlockLocal._global_keys(call)
+        if g is None:
+            return out
+        assert call.spec is not None and call.q_pos is not None and call.k_pos is not None
+        q_pos = call.q_pos[:, g]                                                   # (rows, G)
+        rows = replace(call, q=call.q[:, :, g], q_pos=q_pos, inputs=None, aligned=False)
+        mask, bias = call.spec.allows(q_pos, call.k_pos), rows.dense_bias()         # (rows, 1, G, s)
+        dense = AttnCall(rows.q, call.k, call.v, call.scale, mask=mask, bias=bias, softcap=call.softcap,
+                         sinks=call.sinks, dropout=call.dropout)
+        out_g, _ = dense_choice(dense)(dense)                                       # (b, h, G, e)
+        return out.index_copy(2, g, out_g)

@@ -294,12 +294,22 @@ def test_paired_step_times_rank_the_slower_variant_per_seed(tmp_path):
         assert times[("layers=8", seed)] > 2 * times[("layers=1", seed)]
 
 
+def test_paired_step_times_at_a_stated_length_show_the_window_kernels_saving(tmp_path):
+    """The local_global suite's speed claim, at the length it names: a window's step below full attention's."""
+    from archlab.lab import timing
+    suite = suites.load("local_global")
+    assert suite.timing_seq_len == 4096
+    runs = [r for r in plan(suite, tmp_path, budget=3, vocab_size=64, seeds=1) if r.variant.name != "LLLG-w32"]
+    times = timing.paired_step_times(runs, rounds_per_seed=3, warmup=1, seq_len=2048)
+    assert times[("local-w32", 0)] < times[("full", 0)]
+
+
 def test_sweep_records_paired_step_times_once(tmp_path, monkeypatch):
     from archlab.lab import timing
     data = _tiny_data(tmp_path)
     calls = []
     monkeypatch.setattr(timing, "paired_step_times",
-                        lambda runs, progress=False: calls.append(len(runs)) or
+                        lambda runs, progress=False, seq_len=None: calls.append(len(runs)) or
                         {(r.variant.name, r.seed): 0.01 * r.model.n_layers for r in runs})
     suite = _timing_suite(measure=["paired_step_time"],
                           rules=[Rule(kind="less", metric=timing.METRIC, statement="shallow faster",

@@ -161,7 +161,7 @@ def _record_paired_step_times(store: ResultStore, suite: Suite, runs: list[Plann
     done = {key: rec for key, rec in records.items() if rec is not None and rec.status == "done"}
     if not done or all(timing.METRIC in rec.extra for rec in done.values()):
         return
-    times = timing.paired_step_times(runs, progress=progress)
+    times = timing.paired_step_times(runs, progress=progress, seq_len=suite.timing_seq_len)
     for key, rec in done.items():
         rec.extra[timing.METRIC] = times[key]
         store.put(rec)

@@ -19,19 +19,23 @@ import torch
 METRIC = "paired_step_s"       # the `extra` key the runner records and speed rules read
 
 
-def _step_fn(run) -> Callable[[], None]:
-    """One training step of a fresh model with `run`'s configs, on fixed random tokens."""
+def _step_fn(run, seq_len: int | None = None) -> Callable[[], None]:
+    """One training step of a fresh model with `run`'s configs, on fixed random tokens (seq_len: one
+    sequence of that many tokens instead of the run's batch)."""
     from archlab.evaluate import autocast
     from archlab.model import TransformerLM
     from archlab.train import device_kind
 
     cfg, train = run.model, run.train
+    batch, length = (train.batch_size, train.seq_len) if seq_len is None else (1, seq_len)
+    if length > cfg.max_seq_len:
+        cfg = cfg.with_overrides({"max_seq_len": length})
     device = torch.device(device_kind(train.device))
     torch.manual_seed(run.seed)
     model = TransformerLM(cfg).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(run.seed)
-    ids = torch.randint(0, cfg.vocab_size, (train.batch_size, train.seq_len + 1), generator=gen).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (batch, length + 1), generator=gen).to(device)
     x, y = ids[:, :-1], ids[:, 1:]                                  # (b, t) each
 
     def step() -> None:
@@ -48,14 +52,15 @@ def _step_fn(run) -> Callable[[], None]:
 
 
 def paired_step_times(runs: list, rounds_per_seed: int = 10, warmup: int = 3,
-                      progress: bool = False) -> dict[tuple[str, int], float]:
+                      progress: bool = False, seq_len: int | None = None) -> dict[tuple[str, int], float]:
     """{(variant name, seed): median step seconds} for every (variant, seed) among `runs`
-    (PlannedRun), the variants' steps interleaved in one process."""
+    (PlannedRun), the variants' steps interleaved in one process (seq_len: at batch 1 and that length,
+    where a claim is about cost against length)."""
     variants: dict[str, object] = {}
     seeds: list[int] = sorted({run.seed for run in runs})
     for run in runs:
         variants.setdefault(run.variant.name, run)
-    steps = {name: _step_fn(run) for name, run in variants.items()}
+    steps = {name: _step_fn(run, seq_len) for name, run in variants.items()}
     names = list(steps)
     for _ in range(warmup):
         for name in names:

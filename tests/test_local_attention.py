@@ -35,6 +35,10 @@ CASES = {
     "global-tokens-t5-prefix": {"attention.global_tokens": 3, "position.kind": "t5", "attention.prefix_lm": True},
     "global-tokens-sinks-softcap": {"attention.global_tokens": 1, "attention.learned_sinks": True,
                                     "attention.logit_softcap": 5.0},
+    "fixed": {"attention.window": None, "attention.sparse": "fixed", "attention.sparse_stride": 3,
+              "attention.sparse_summary": 2},
+    "fixed-global-alibi": {"attention.window": None, "attention.sparse": "fixed", "attention.sparse_stride": 4,
+                           "attention.global_tokens": 2, "position.kind": "alibi"},
 }
 
 
@@ -110,7 +114,8 @@ def test_block_local_calls_with_padding_prefix_dilation_globals_and_symmetric_wi
     specs = [MaskSpec(causal=causal, key_padding=padding).with_window(6),
              MaskSpec(causal=causal, prefix_lengths=torch.tensor([5, 0, 9])).with_window(3),
              MaskSpec(causal=causal, key_padding=sparse_holes, dilation=3).with_window(4),
-             MaskSpec(causal=causal, key_padding=padding, global_indices=(0, 3)).with_window(3)]
+             MaskSpec(causal=causal, key_padding=padding, global_indices=(0, 3)).with_window(3),
+             MaskSpec(causal=causal, key_padding=sparse_holes, pattern="fixed", block_size=3, summary=1)]
     for spec in specs:
         call = AttnCall(q, k, v, e ** -0.5, spec=spec, q_pos=pos, k_pos=pos, aligned=True)
         backend = backends.BACKENDS.get("block_local")

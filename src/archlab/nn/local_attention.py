@@ -105,7 +105,8 @@ def undilate(out: torch.Tensor, d: int, t: int) -> torch.Tensor:
 @register(priority=300)
 class BlockLocal(Backend):
     """A call whose queries reach a bounded key range (a sliding window, dilated or not, with global
-    tokens) as dense calls over query blocks, each with only the keys it can reach: O(n·(B + w)), not O(n²)."""
+    tokens; a fixed sparse pattern) as dense calls over query blocks, each with only the keys it can reach:
+    O(n·(B + w)) for a window, O(n·(l + n·c/l)) for a fixed pattern, not O(n²)."""
 
     name = "block_local"
     block = BLOCK                      # query rows per block (tests set it small)
@@ -117,12 +118,24 @@ class BlockLocal(Backend):
             return "a layer's spec over aligned queries and keys (positions 0..t-1, no cache)"
         if spec.segment_ids is not None or call.keep_probs or call.bias is not None:
             return "no segment ids, kept probabilities or bias tensor (a position bias as a function is fine)"
-        before, after = spec.reach()
-        if before is None or after is None:
-            return "a key range bounded on both sides (a sliding window)"
+        layout = self._layout(spec)
+        if isinstance(layout, str):
+            return layout
         if spec.dilation > 1 and (spec.prefix_lengths is not None or spec.global_indices):
             return "a dilated window without a prefix or global tokens"
         return None
+
+    def _layout(self, spec: MaskSpec) -> tuple[int, int, int] | str:
+        """(query rows per block, keys before and after a block, in index units), or why there is none. A
+        fixed pattern's blocks align with its own: each sees its block, and the summary keys as extra keys."""
+        if spec.pattern == "fixed" and spec.block_size is not None:
+            if spec.prefix_lengths is not None:
+                return "a fixed pattern without a prefix"
+            return spec.block_size * max(1, self.block // spec.block_size), 0, 0
+        before, after = spec.reach()
+        if before is None or after is None:
+            return "a key range bounded on both sides (a sliding window), or a fixed pattern"
+        return self.block, before // spec.dilation, after // spec.dilation
 
     def prefers(self, call: AttnCall) -> bool:
         """Where the pairs the full call visits (half of them under a causal mask) are `min_saving` times the
@@ -130,11 +143,12 @@ class BlockLocal(Backend):
         dense mask 7.4 / 38 / 99 / 476 ms at 512 / 1k / 2k / 4k tokens, blocks of 64: 8.3 / 14 / 19 / 49 ms
         (and below SDPA's mask-free causal kernel from 1k on: 21 / 71 / 144 ms at 1k / 2k / 4k)."""
         assert call.spec is not None
-        before, after = call.spec.reach()
-        d, t = call.spec.dilation, call.q.shape[2]
+        layout = self._layout(call.spec)
+        assert not isinstance(layout, str)
+        block, before, after = layout
+        t = call.q.shape[2]
         full = t / 2 if call.spec.causal else t
-        keys = self.block + ((before or 0) + (after or 0)) // d + len(call.spec.global_indices)
-        return full >= self.min_saving * keys
+        return full >= self.min_saving * (block + before + after + len(self._extra_indices(call.spec, t)))
 
     def __call__(self, call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         spec = call.spec
@@ -156,14 +170,16 @@ class BlockLocal(Backend):
         return out, None
 
     def _blocks(self, call: AttnCall) -> torch.Tensor:
-        """The blocked computation: (b, h, t, e) out, every query row from its block's keys (+ global keys)."""
+        """The blocked computation: (b, h, t, e) out, every query row from its block's keys (+ extra keys)."""
         assert call.spec is not None
-        before, after = (r // call.spec.dilation for r in call.spec.reach())   # type: ignore[operator]
-        b, t, block = call.q.shape[0], call.q.shape[2], self.block
+        layout = self._layout(call.spec)
+        assert not isinstance(layout, str)
+        block, before, after = layout
+        b, t = call.q.shape[0], call.q.shape[2]
         mask, q_pos, k_pos, bias = self._blocked_mask(call, block, before, after)   # (rows·nb, 1|h, B, K)
         k, v = (key_blocks(z, t, block, before, after) for z in (call.k, call.v))   # (b·nb, k, K, e)
-        g = self._global_keys(call)
-        if g is not None:                   # every block also sees the global keys: (b·nb, k, G + K, e)
+        g = self._extra_keys(call)
+        if g is not None:                   # every block also sees the extra keys: (b·nb, k, G + K, e)
             nb = n_blocks(t, block)
             k, v = (torch.cat((z[:, :, g].repeat_interleave(nb, 0), blocks), 2) for z, blocks
                     in ((call.k, k), (call.v, v)))
@@ -177,11 +193,25 @@ class BlockLocal(Backend):
         return unblock(out, b, t)
 
     @staticmethod
-    def _global_keys(call: AttnCall) -> torch.Tensor | None:
-        """Indices of the global tokens inside this sequence (aligned: index = position), or None."""
+    def _extra_indices(spec: MaskSpec, t: int) -> list[int]:
+        """Keys every block sees beside its own range: the global tokens, and a fixed pattern's summary keys
+        (the last c of each pattern block), inside this sequence (aligned: index = position)."""
+        extra = {i for i in spec.global_indices if i < t}
+        if spec.pattern == "fixed" and spec.block_size is not None:
+            extra.update(j for j in range(t) if j % spec.block_size >= spec.block_size - spec.summary)
+        return sorted(extra)
+
+    @classmethod
+    def _extra_keys(cls, call: AttnCall) -> torch.Tensor | None:
         assert call.spec is not None
-        t = call.q.shape[2]
-        inside = [i for i in call.spec.global_indices if i < t]
+        extra = cls._extra_indices(call.spec, call.q.shape[2])
+        return torch.tensor(extra, device=call.q.device) if extra else None
+
+    @staticmethod
+    def _global_keys(call: AttnCall) -> torch.Tensor | None:
+        """Indices of the global tokens inside this sequence, whose own rows see every key, or None."""
+        assert call.spec is not None
+        inside = [i for i in call.spec.global_indices if i < call.q.shape[2]]
         return torch.tensor(inside, device=call.q.device) if inside else None
 
     def _blocked_mask(self, call: AttnCall, block: int, before: int, after: int):
@@ -199,8 +229,8 @@ class BlockLocal(Backend):
             q_pos, k_pos = block_positions(call.q_pos.expand(rows, t), t, block, before, after)
             blocked = block_spec(spec, rows, t, block, before, after)
             mask = blocked.allows(q_pos, k_pos)                                  # (rows·nb, 1, B, K)
-            g = self._global_keys(call)
-            if g is not None:   # global keys first; masked where the block's own range already holds them
+            g = self._extra_keys(call)
+            if g is not None:   # extra keys first; masked where the block's own range already holds them
                 g_pos = g.expand(q_pos.shape[0], -1)                             # (rows·nb, G)
                 held = (g_pos[:, :, None] == k_pos[:, None, :]).any(-1)          # (rows·nb, G)
                 g_padding = spec.key_padding

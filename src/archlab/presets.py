@@ -79,7 +79,8 @@ def gpt2_like(name: str, *, vocab_size: int, d_model: int, n_layers: int, n_head
     learned_offset = top.pop("learned_offset", 0)
     return _model(
         name, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, max_seq_len=max_seq_len,
-        attention=dict(n_heads=n_heads, dropout=top.pop("attention_dropout", dropout)),
+        attention=dict(n_heads=n_heads, dropout=top.pop("attention_dropout", dropout),
+                       **top.pop("attention_extra", {})),
         mlp=dict(activation=activation, d_ff=d_ff or 4 * d_model),
         norm=dict(kind="layernorm", eps=1e-5, position=norm_position, final_norm=final_norm),
         position=dict(kind="learned", learned_offset=learned_offset),
@@ -229,12 +230,16 @@ def gpt2_xl() -> ModelConfig:
                      max_seq_len=1024)
 
 
+GPT3_BAND = 256   # an assumption: GPT-3's "locally banded" layers have an unpublished band width
+
+
 @_preset("gpt3-175b", year=2020, source="Brown et al. 2020, Table 2.1 (96 x 12288, 96 heads, ctx 2048)",
-         params=175.0e9, approximation="GPT-3 alternates dense and locally banded sparse attention "
-         "(band size unpublished): all layers are dense here; tied embeddings as in GPT-2")
+         params=175.0e9, approximation=f"GPT-3 alternates dense and locally banded sparse layers (Sparse "
+         f"Transformer style); the band width is unpublished: {GPT3_BAND} tokens is an assumption here")
 def gpt3_175b() -> ModelConfig:
     return gpt2_like("gpt3-175b", vocab_size=50_257, d_model=12_288, n_layers=96, n_heads=96,
-                     max_seq_len=2048, dropout=0.0)
+                     max_seq_len=2048, dropout=0.0,
+                     attention_extra=dict(window=GPT3_BAND, layer_pattern="GL"))   # dense, banded, dense, ...
 
 
 @_preset("t5-11b", year=2019, source="HF t5-11b config.json (decoder stack)", params=None,

@@ -50,9 +50,12 @@ def describe(cfg: ModelConfig) -> dict[str, str]:
         position = f"{pos.kind} local, {pos.global_kind} global"
     kv = cfg.n_kv_heads
     heads = "MHA" if kv == att.n_heads else "MQA" if kv == 1 else f"GQA {att.n_heads}/{kv}"
-    if att.window is not None:
+    if att.window is not None or att.sparse != "none":
         pattern = att.layer_pattern
-        heads += f", window {att.window}" + (f" {pattern}" if pattern else "")
+        local = (f"window {att.window}" + (f" dilated {att.dilation}" if att.dilation > 1 else "")
+                 if att.window is not None else f"{att.sparse} {att.sparse_stride}")
+        local += f" +{att.global_tokens} global" if att.global_tokens else ""
+        heads += f", {local}" + (f" {pattern}" if pattern else "")
     activation = cfg.mlp.activation
     if cfg.mlp.moe is not None:
         activation += f" MoE {cfg.mlp.moe.top_k}/{cfg.mlp.moe.n_experts}"

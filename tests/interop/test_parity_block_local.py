@@ -2,7 +2,6 @@
 equal transformers' eager (dense-mask) attention 24 tokens long, several windows past a window of 5-6,
 with blocks of 4 queries (6 blocks), every local layer on block_local."""
 import pytest
-import torch
 from test_parity_b_cohere import BASE as COHERE
 from test_parity_gemma import gemma_kwargs
 

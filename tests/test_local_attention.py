@@ -37,6 +37,9 @@ CASES = {
                                     "attention.logit_softcap": 5.0},
     "fixed": {"attention.window": None, "attention.sparse": "fixed", "attention.sparse_stride": 3,
               "attention.sparse_summary": 2},
+    "strided": {"attention.window": None, "attention.sparse": "strided", "attention.sparse_stride": 3},
+    "strided-t5-sinks-lg": {"attention.window": None, "attention.sparse": "strided", "attention.sparse_stride": 4,
+                            "position.kind": "t5", "attention.learned_sinks": True, "attention.layer_pattern": "LG"},
     "fixed-global-alibi": {"attention.window": None, "attention.sparse": "fixed", "attention.sparse_stride": 4,
                            "attention.global_tokens": 2, "position.kind": "alibi"},
 }
@@ -82,9 +85,10 @@ def test_block_local_equals_dense_eager_with_gradients(name, small_blocks, monke
     kw = {"prefix_lengths": torch.tensor([7, 2])} if cfg.attention.prefix_lm else {}
     ref, ref_grads = _logits_and_grads(model, x, "eager", **kw)
     ran = _ran(monkeypatch)
-    got, grads = _logits_and_grads(model, x, "block_local", **kw)
+    kernel = "strided" if cfg.attention.sparse == "strided" else "block_local"
+    got, grads = _logits_and_grads(model, x, kernel, **kw)
     local_layers = sum(cfg.is_local(i) for i in range(cfg.n_layers))
-    assert ran.count("block_local") == local_layers > 0, ran       # every windowed layer, no global one
+    assert ran.count(kernel) == local_layers > 0, ran               # every local layer, no global one
     _rel_close(got, ref, 1e-5, "logits")
     assert grads.keys() == ref_grads.keys()
     for key in ref_grads:
@@ -99,7 +103,7 @@ def _dense_reference(call: AttnCall):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_block_local_calls_with_padding_prefix_dilation_globals_and_symmetric_windows(causal, small_blocks):
+def test_blocked_kernels_with_padding_prefix_dilation_globals_patterns_and_symmetric_windows(causal, small_blocks):
     torch.manual_seed(0)
     b, h, kv, t, e = 3, 4, 2, 19, 8
     q = torch.randn(b, h, t, e, dtype=torch.float64, requires_grad=True)
@@ -115,10 +119,12 @@ def test_block_local_calls_with_padding_prefix_dilation_globals_and_symmetric_wi
              MaskSpec(causal=causal, prefix_lengths=torch.tensor([5, 0, 9])).with_window(3),
              MaskSpec(causal=causal, key_padding=sparse_holes, dilation=3).with_window(4),
              MaskSpec(causal=causal, key_padding=padding, global_indices=(0, 3)).with_window(3),
-             MaskSpec(causal=causal, key_padding=sparse_holes, pattern="fixed", block_size=3, summary=1)]
+             MaskSpec(causal=causal, key_padding=sparse_holes, pattern="fixed", block_size=3, summary=1),
+             MaskSpec(causal=causal, key_padding=sparse_holes, pattern="strided", block_size=3),
+             MaskSpec(causal=causal, pattern="strided", block_size=5)]
     for spec in specs:
         call = AttnCall(q, k, v, e ** -0.5, spec=spec, q_pos=pos, k_pos=pos, aligned=True)
-        backend = backends.BACKENDS.get("block_local")
+        backend = backends.BACKENDS.get("strided" if spec.pattern == "strided" else "block_local")
         assert backend.supports(call) is None
         got = backend(call)[0]
         ref = _dense_reference(call)

@@ -24,7 +24,8 @@ from archlab.nn import cpu_attention
 from archlab.nn.masks import AttnInputs, MaskSpec
 from archlab.nn.registry import Registry
 
-__all__ = ["AttnCall", "Backend", "BACKENDS", "ORDER", "register", "choose", "dense_choice", "forced", "observe", "run"]
+__all__ = ["AttnCall", "Backend", "BACKENDS", "ORDER", "register", "choose", "dense_choice", "forced", "observe",
+           "run", "softmax_attention"]
 
 
 PositionBias = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
@@ -118,35 +119,46 @@ def register(priority: int) -> Callable[[type[Backend]], type[Backend]]:
     return add
 
 
+def softmax_attention(call: AttnCall, *, with_lse: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The reference math: scores, soft-cap, bias, mask, sinks, softmax, dropout, in float32 (at least).
+    (out (b, h, t, e), the probabilities when call.keep_probs, the rows' log-sum-exp (b, h, t) when
+    with_lse: what lets a kernel merge the attention of disjoint key sets, as FlashAttention's tiles do)."""
+    groups = call.q.shape[1] // call.k.shape[1]
+    k, v = call.k.repeat_interleave(groups, dim=1), call.v.repeat_interleave(groups, dim=1)   # (b, h, s, e)
+    # upcast to fp32 (at least) before softcap and softmax: bf16 logits lose the tail that matters
+    acc = torch.promote_types(call.q.dtype, torch.float32)
+    scores = (call.q @ k.transpose(-1, -2)).to(acc) * call.scale                       # (b, h, t, s)
+    if call.softcap is not None:
+        scores = call.softcap * torch.tanh(scores / call.softcap)
+    bias = call.dense_bias()
+    if bias is not None:
+        scores = scores + bias
+    mask = call.dense_mask()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if call.sinks is not None:   # a per-head logit in the denominator only: (b, h, t, s + 1), then dropped
+        b, t = scores.shape[0], scores.shape[2]
+        sink = call.sinks.to(acc)[None, :, None, None].expand(b, -1, t, 1)
+        scores = torch.cat((scores, sink), dim=-1)
+    lse = torch.logsumexp(scores, -1) if with_lse else None
+    probs = scores.softmax(-1)
+    if call.sinks is not None:
+        probs = probs[..., :-1]
+    kept = probs.detach() if call.keep_probs else None
+    probs = F.dropout(probs, call.dropout, call.dropout > 0)
+    return probs.to(v.dtype) @ v, kept, lse                                                 # (b, h, t, e)
+
+
 @register(priority=0)
 class Eager(Backend):
-    """The readable reference: scores, soft-cap, bias, mask, sinks, softmax, dropout, in float32."""
+    """The readable reference (softmax_attention): every call, every switch."""
 
     name = "eager"
 
     def __call__(self, call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        groups = call.q.shape[1] // call.k.shape[1]
-        k, v = call.k.repeat_interleave(groups, dim=1), call.v.repeat_interleave(groups, dim=1)  # (b, h, s, e)
-        # upcast to fp32 (at least) before softcap and softmax: bf16 logits lose the tail that matters
-        acc = torch.promote_types(call.q.dtype, torch.float32)
-        scores = (call.q @ k.transpose(-1, -2)).to(acc) * call.scale                   # (b, h, t, s)
-        if call.softcap is not None:
-            scores = call.softcap * torch.tanh(scores / call.softcap)
-        bias = call.dense_bias()
-        if bias is not None:
-            scores = scores + bias
-        mask = call.dense_mask()
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        if call.sinks is not None:
-            b, t = scores.shape[0], scores.shape[2]
-            sink = call.sinks.to(acc)[None, :, None, None].expand(b, -1, t, 1)
-            probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
-        else:
-            probs = scores.softmax(-1)
-        kept = probs.detach() if call.keep_probs else None
-        probs = F.dropout(probs, call.dropout, call.dropout > 0)
-        return probs.to(v.dtype) @ v, kept                                                 # (b, h, t, e)
+        out, kept, _ = softmax_attention(call)
+        return out, kept
 
 
 @register(priority=100)

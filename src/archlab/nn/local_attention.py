@@ -171,11 +171,18 @@ class BlockLocal(Backend):
 
     def _blocks(self, call: AttnCall) -> torch.Tensor:
         """The blocked computation: (b, h, t, e) out, every query row from its block's keys (+ extra keys)."""
+        blocks = self.blocked(call)
+        out, _ = dense_choice(blocks)(blocks)                                # (b·nb, h, B, e)
+        return unblock(out, call.q.shape[0], call.q.shape[2])
+
+    def blocked(self, call: AttnCall) -> AttnCall:
+        """The (b·nb) dense call of the blocks: queries (b·nb, h, B, e), the keys each block reaches
+        (b·nb, k, [G +] K, e), their mask and bias; `unblock` maps its output back."""
         assert call.spec is not None
         layout = self._layout(call.spec)
         assert not isinstance(layout, str)
         block, before, after = layout
-        b, t = call.q.shape[0], call.q.shape[2]
+        t = call.q.shape[2]
         mask, q_pos, k_pos, bias = self._blocked_mask(call, block, before, after)   # (rows·nb, 1|h, B, K)
         k, v = (key_blocks(z, t, block, before, after) for z in (call.k, call.v))   # (b·nb, k, K, e)
         g = self._extra_keys(call)
@@ -187,10 +194,8 @@ class BlockLocal(Backend):
             copies = k.shape[0] // mask.shape[0]
             mask = mask.repeat(copies, 1, 1, 1)
             bias = None if bias is None else bias.repeat(copies, 1, 1, 1)
-        blocks = AttnCall(query_blocks(call.q, block), k, v, call.scale, mask=mask, bias=bias,
-                          softcap=call.softcap, sinks=call.sinks, dropout=call.dropout)
-        out, _ = dense_choice(blocks)(blocks)                                # (b·nb, h, B, e)
-        return unblock(out, b, t)
+        return AttnCall(query_blocks(call.q, block), k, v, call.scale, mask=mask, bias=bias,
+                        softcap=call.softcap, sinks=call.sinks, dropout=call.dropout)
 
     @staticmethod
     def _extra_indices(spec: MaskSpec, t: int) -> list[int]:

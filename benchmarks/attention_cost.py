@@ -4,7 +4,7 @@ Mistral with the same window, and the loss by position that the window costs (sp
 without quality).
 
     .venv/bin/python benchmarks/attention_cost.py [--lengths 1024,2048,4096,8192,16384,32768] [--rounds 3]
-        [--window 256] [--hf-max 16384] [--quality-seconds 120] [--plot attention_cost.png]
+        [--window 256] [--hf-max 16384] [--quality-steps 300] [--kernels 1024,4096,16384] [--plot attention_cost.png]
 
 The model: 2 layers, d_model 128, 4 heads, SwiGLU d_ff 256, RoPE, RMSNorm, vocabulary 256 (bytes),
 batch 1, float32. Variants:
@@ -12,6 +12,8 @@ batch 1, float32. Variants:
   window W    a sliding window of W tokens (the query and W-1 before it) on every layer
   window 512  the same with 512
   LG          window W on layer 0, full attention on layer 1 (a local/global pattern)
+  strided     Sparse Transformer strided layers, l = 128: the 128 keys before, and every 128th beyond
+  longformer  window W plus 16 global tokens (the first 16 positions see and are seen by all)
   mistral     transformers' MistralForCausalLM, sliding_window=W, its default (SDPA) attention: the window
               is a dense (n, n) mask, so its cost and memory stay quadratic; it is not run past --hf-max
               (its float mask needs n² x 4 bytes: 4 GiB at 32k per mask, and more in the backward)
@@ -20,9 +22,12 @@ shared machine falls on every variant alike; the ratios are medians of per-round
 (variant, n) steps once in a fresh subprocess: the peak RSS of the step (VmHWM, reset after the model is
 built) minus the RSS before it.
 
-Quality (--quality-seconds > 0): the full and the window-W model train for that long each on bytes of the
-local Python standard library at 4·W tokens, then report held-out loss (bits per byte) for positions inside
-the window (< W, where the two see the same keys) and past it.
+Kernels (--kernels): attention alone (forward + backward, causal, 4 heads of 32, batch 1), peak memory of the
+eager reference (the (t, t) scores), SDPA and the tiled kernel (nn/tiled_attention.py, O(n)) in fresh processes.
+
+Quality (--quality-steps > 0): the full and the window-W model train the same steps on the same batches of
+bytes of the local Python standard library at 4·W tokens, then report held-out loss (bits per byte) for
+positions inside the window (< W, where the two see the same keys) and past it.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ import torch
 from generate import interleaved  # benchmarks/generate.py: one call of each per round, the order rotating
 
 D_MODEL, N_LAYERS, N_HEADS, D_FF, VOCAB = 128, 2, 4, 256, 256
+STRIDE = 128          # the strided pattern's l (Child et al. used l ~ sqrt(n): 128 at 16k)
+GLOBAL_TOKENS = 16    # Longformer: the first 16 positions global, beside the window
 
 
 def archlab_config(variant: str, window: int, max_len: int):
@@ -51,6 +58,10 @@ def archlab_config(variant: str, window: int, max_len: int):
         return base
     if variant == "LG":
         return base.with_overrides({"attention.window": window, "attention.layer_pattern": "LG"})
+    if variant == "strided":
+        return base.with_overrides({"attention.sparse": "strided", "attention.sparse_stride": STRIDE})
+    if variant == "longformer":
+        return base.with_overrides({"attention.window": window, "attention.global_tokens": GLOBAL_TOKENS})
     if variant.startswith("window"):
         size = int(variant.split()[1]) if " " in variant else window
         return base.with_overrides({"attention.window": size})
@@ -87,7 +98,7 @@ def step_fn(variant: str, model, n: int):
 
 
 def variants(window: int) -> list[str]:
-    return ["full", f"window {window}", "window 512", "LG", "mistral"]
+    return ["full", f"window {window}", "window 512", "LG", "strided", "longformer", "mistral"]
 
 
 def peak_memory(variant: str, n: int, window: int) -> float | None:
@@ -143,8 +154,8 @@ def timing(lengths: list[int], window: int, rounds: int, hf_max: int, memory: bo
     return results
 
 
-def quality(window: int, seconds: float) -> dict:
-    """Held-out bits per byte inside and past the window, full vs window-W, equal training time each."""
+def quality(window: int, steps: int) -> dict:
+    """Held-out bits per byte inside and past the window, full vs window-W, the same steps and batches each."""
     from streaming_llm import corpus_bytes  # benchmarks/streaming_llm.py: the standard library's bytes
 
     train_bytes, held_bytes = corpus_bytes()
@@ -154,15 +165,15 @@ def quality(window: int, seconds: float) -> dict:
     for variant in ("full", f"window {window}"):
         model = build(variant, window, ctx)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-        gen, t0, steps = torch.Generator().manual_seed(0), time.perf_counter(), 0
-        while time.perf_counter() - t0 < seconds:
+        gen, t0 = torch.Generator().manual_seed(0), time.perf_counter()
+        for _ in range(steps):
             starts = torch.randint(0, len(train) - ctx - 1, (8,), generator=gen)
             x = torch.stack([train[s:s + ctx + 1] for s in starts])
             loss = model(x[:, :-1], targets=x[:, 1:]).total
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            steps += 1
+        seconds = time.perf_counter() - t0
         model.eval()
         starts = torch.arange(0, len(held) - ctx - 1, ctx)[:64]
         x = torch.stack([held[s:s + ctx + 1] for s in starts])
@@ -171,10 +182,44 @@ def quality(window: int, seconds: float) -> dict:
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")   # (b, t)
         bits = nll / math.log(2)
         inside, past = float(bits[:, :window].mean()), float(bits[:, window:].mean())
-        out[variant] = {"steps": steps, "inside": inside, "past": past}
-        print(f"quality {variant}: {steps} steps, bits/byte inside the window {out[variant]['inside']:.3f}, "
-              f"past it {out[variant]['past']:.3f}", flush=True)
+        out[variant] = {"steps": steps, "seconds": seconds, "inside": inside, "past": past}
+        print(f"quality {variant}: {steps} steps in {seconds:.0f} s, bits/byte inside the window {inside:.3f}, "
+              f"past it {past:.3f}", flush=True)
     return out
+
+
+def kernel_memory(lengths: list[int]) -> dict:
+    """Attention-only peak MiB per (kernel, n), each in a fresh process."""
+    out: dict = {}
+    for n in lengths:
+        out[n] = {}
+        for kernel in ("eager", "sdpa", "tiled"):
+            code = (f"import sys; sys.path.insert(0, {sys.path[0]!r}); import attention_cost as a; "
+                    f"print(a._kernel_peak({kernel!r}, {n}))")
+            run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            try:
+                out[n][kernel] = float(run.stdout.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                out[n][kernel] = None
+        print(f"attention alone, n={n:>6}: " + "  ".join(
+            f"{k} {'failed' if v is None else f'{v:.0f} MiB'}" for k, v in out[n].items()), flush=True)
+    return out
+
+
+def _kernel_peak(kernel: str, n: int) -> float:
+    from archlab.nn.attention_backends import BACKENDS, AttnCall
+    from archlab.nn.masks import MaskSpec
+
+    torch.set_num_threads(2)
+    q, k, v = (torch.randn(1, N_HEADS, n, D_MODEL // N_HEADS, requires_grad=True) for _ in range(3))
+    pos = torch.arange(n)[None]
+    call = AttnCall(q, k, v, (D_MODEL // N_HEADS) ** -0.5, spec=MaskSpec(), q_pos=pos, k_pos=pos, aligned=True)
+    base = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    out, _ = BACKENDS.get(kernel)(call)
+    out.sum().backward()
+    return (_status_kib("VmHWM") - base) / 1024
 
 
 def plot(results: dict, path: str) -> None:
@@ -208,7 +253,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-max", type=int, default=16384, help="longest sequence for transformers' Mistral")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    ap.add_argument("--quality-seconds", type=float, default=120.0, help="0: skip the loss-by-position part")
+    ap.add_argument("--quality-steps", type=int, default=300, help="0: skip the loss-by-position part")
+    ap.add_argument("--kernels", default="1024,4096,16384",
+                    help="lengths for the attention-only peak memory of eager / sdpa / tiled ('': skip)")
     ap.add_argument("--plot", default="attention_cost.png")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
@@ -221,8 +268,10 @@ def main() -> None:
     if args.plot:
         plot(results, args.plot)
     report = {"timing": results}
-    if args.quality_seconds > 0:
-        report["quality"] = quality(args.window, args.quality_seconds)
+    if args.kernels:
+        report["kernels"] = kernel_memory([int(n) for n in args.kernels.split(",")])
+    if args.quality_steps > 0:
+        report["quality"] = quality(args.window, args.quality_steps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from archlab.nn import cpu_attention
+from archlab.nn import tiled_attention
 from archlab.nn.masks import AttnInputs, MaskSpec
 from archlab.nn.registry import Registry
 
@@ -188,7 +188,7 @@ class SDPA(Backend):
 
 @register(priority=200)
 class CPUCausal(Backend):
-    """nn/cpu_attention.causal_attention: SDPA's CPU flash forward with a matmul backward, faster for bf16
+    """nn/tiled_attention.causal_attention: SDPA's CPU flash forward with the tiled backward, faster for bf16
     training on CPUs with bf16 matmul units."""
 
     name = "cpu_causal"
@@ -204,10 +204,45 @@ class CPUCausal(Backend):
         return None
 
     def prefers(self, call: AttnCall) -> bool:
-        return cpu_attention.use_cpu_attention(call.q, call.dropout)    # bf16 training on bf16 units
+        return tiled_attention.use_cpu_attention(call.q, call.dropout)    # bf16 training on bf16 units
 
     def __call__(self, call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return cpu_attention.causal_attention(call.q, call.k, call.v, call.scale), None
+        return tiled_attention.causal_attention(call.q, call.k, call.v, call.scale), None
+
+
+@register(priority=50)
+class Tiled(Backend):
+    """nn/tiled_attention: FlashAttention-2's online softmax tile by tile, over the key spans the layer's
+    mask reaches; O(n) memory. Never chosen on its own (Python per tile): forced("tiled")."""
+
+    name = "tiled"
+
+    def supports(self, call: AttnCall) -> str | None:
+        if call.softcap is not None or call.sinks is not None or call.keep_probs or call.dropout:
+            return "no soft-cap, sinks, kept probabilities or dropout"
+        if call.bias is not None or (call.spec is None and call.mask is not None):
+            return "a layer's spec (or no mask), a position bias as a function"
+        if call.spec is None and call.is_causal and call.q.shape[2] != call.k.shape[2]:
+            return "causal without a spec: queries = keys"
+        if call.position_bias is not None and call.q_pos is not None and call.k_pos is not None:
+            sample = call.position_bias(call.q_pos[:, :1], call.k_pos[:, :1])
+            if sample is not None and sample.requires_grad:
+                return "a position bias without weights (a learned T5 table: eager)"
+        return None
+
+    def prefers(self, call: AttnCall) -> bool:
+        return False
+
+    def __call__(self, call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t, s = call.q.shape[2], call.k.shape[2]
+        if call.spec is None:
+            plan = (tiled_attention.TilePlan.causal(t) if call.is_causal else tiled_attention.TilePlan.from_spec(
+                MaskSpec(causal=False), torch.arange(t)[None], torch.arange(s)[None]))
+        else:
+            assert call.q_pos is not None and call.k_pos is not None
+            plan = tiled_attention.TilePlan.from_spec(call.spec, call.q_pos, call.k_pos, aligned=call.aligned,
+                                                      position_bias=call.position_bias)
+        return tiled_attention.tiled_attention(call.q, call.k, call.v, call.scale, plan), None
 
 
 _FORCED: str | None = None   # a plain global, not a ContextVar: torch.compile traces through it (no graph break)

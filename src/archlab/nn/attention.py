@@ -26,7 +26,7 @@ from archlab.config import AttentionConfig, BiasConfig, LayerSpec, NormConfig
 from archlab.nn import attention_backends as backends
 from archlab.nn import local_attention, strided_attention  # noqa: F401  (register their backends)
 from archlab.nn.fused import decode_weights, linear, packed_groups, packed_matmul, project
-from archlab.nn.masks import AttnInputs, LocalPattern, MaskSpec
+from archlab.nn.masks import AttnInputs, Context, LocalPattern, MaskSpec
 from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
 from archlab.nn.position import AttentionPosition
@@ -73,11 +73,15 @@ class Attention(nn.Module):
         self.record_probs = False      # diagnostics switch this on to keep `last_probs`
         self.last_probs: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:   # (b, t, d) -> (b, t, d)
+    def forward(self, x: torch.Tensor, inputs: AttnInputs, context: Context | None = None) -> torch.Tensor:
+        """(b, t, d) -> (b, t, d). Self-attention over x; with a `context`, cross-attention: queries from x,
+        keys and values from the context (an encoder's output, projected once per context)."""
         b, t, _ = x.shape
         positions, cache = inputs.positions, inputs.cache
         position = self.position
         packs = decode_weights(x, self, self._decode_weights)   # decoding: (q/k/v, o) packed, one lookup
+        if context is not None:
+            return self._finish(x, self._cross_call(x, inputs, context), packs)
         if cache is not None and getattr(cache, "rotates_keys", False):
             # StreamingLLM cache (kv_cache.SinkKVCache): it keeps un-rotated keys, rotates them
             # with in-cache positions, and hands back the queries' in-cache positions
@@ -105,6 +109,11 @@ class Attention(nn.Module):
         # forward, through `inputs`) or the position bias (over the pairs it visits) only if it needs them
         call = self._call(q, k, v, inputs.layer_spec(self.local), positions, k_pos, inputs,
                           aligned=inputs.plain and cache is None)
+        return self._finish(x, call, packs)
+
+    def _finish(self, x: torch.Tensor, call: backends.AttnCall, packs) -> torch.Tensor:
+        """Run the call on its backend; heads merged, gated, projected out: (b, t, d)."""
+        b, t, _ = x.shape
         out, probs = backends.run(call)                                     # (b, h, t, e)
         if self.record_probs:
             self.last_probs = probs
@@ -120,19 +129,37 @@ class Attention(nn.Module):
             return None
         return packed_groups(x, (self.q_proj, self.k_proj, self.v_proj), (self.o_proj,))
 
-    def _heads(self, x: torch.Tensor, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v heads (b, h|k, t, e), clipped and QK-normed as configured, not yet rotated."""
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))     # (b, t, h*e | k*e)
+    def _cross_call(self, x: torch.Tensor, inputs: AttnInputs, context: Context) -> backends.AttnCall:
+        """Cross-attention's call: q from x; k, v from the context's hidden states, once per context and layer
+        (a generation's decode steps reuse them); what may be attended is the context's spec (its padding).
+        No rotation and no position bias: T5's, BART's and the 2017 Transformer's cross-attention have none."""
+        b, t, _ = x.shape
+        kv = context.kv.get(self)
+        if kv is None:
+            _, k, v = self._heads(context.hidden, b, context.hidden.shape[1], heads="kv")   # (b, k, s, e)
+            kv = context.kv[self] = (k, v)
+        q = self._heads(x, b, t, heads="q")[0]                             # (b, h, t, e)
+        k, v = kv
+        return backends.AttnCall(q, k, v, self.scale, keep_probs=self.record_probs, spec=context.spec,
+                                 dropout=self.dropout if self.training else 0.0, q_pos=inputs.positions,
+                                 k_pos=context.positions, inputs=inputs)
+
+    def _heads(self, x: torch.Tensor, b: int, t: int, heads: str = "qkv") -> list:
+        """q, k, v heads (b, h|k, t, e), clipped and QK-normed as configured, not yet rotated; `heads`: which
+        of them to project from x (cross-attention: "q" from the decoder, "kv" from the context), the others
+        None."""
+        linears = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj}
+        z = dict(zip(heads, project(x, tuple(linears[name] for name in heads))))   # (b, t, h*e | k*e)
         if self.clip_qkv is not None:  # OLMo (Groeneveld et al. 2024): tames loss spikes
-            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
-        q_norm, k_norm = self.q_norm, self.k_norm
-        if self.qk_norm == "full" and q_norm is not None and k_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        q, k, v = (_split_heads(z, b, t, n, self.head_dim)
-                   for z, n in ((q, self.n_heads), (k, self.n_kv_heads), (v, self.n_kv_heads)))
-        if self.qk_norm in ("per_head", "per_head_untied") and q_norm is not None and k_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        return q, k, v
+            z = {name: y.clamp(-self.clip_qkv, self.clip_qkv) for name, y in z.items()}
+        norms = {name: norm for name, norm in (("q", self.q_norm), ("k", self.k_norm)) if norm is not None}
+        if self.qk_norm == "full":
+            z.update({name: norm(z[name]) for name, norm in norms.items() if name in z})
+        counts = {"q": self.n_heads, "k": self.n_kv_heads, "v": self.n_kv_heads}
+        z = {name: _split_heads(y, b, t, counts[name], self.head_dim) for name, y in z.items()}
+        if self.qk_norm in ("per_head", "per_head_untied"):
+            z.update({name: norm(z[name]) for name, norm in norms.items() if name in z})
+        return [z.get(name) for name in "qkv"]
 
     def _call(self, q, k, v, spec: MaskSpec, q_pos, k_pos, inputs: AttnInputs | None, *, aligned: bool
               ) -> backends.AttnCall:

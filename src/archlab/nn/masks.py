@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MaskSpec", "LocalPattern", "AttnInputs", "window_bounds"]
+__all__ = ["MaskSpec", "LocalPattern", "AttnInputs", "Context", "window_bounds"]
 
 
 def window_bounds(window: int | None, causal: bool) -> tuple[int | None, int | None]:
@@ -212,3 +212,15 @@ class AttnInputs:
         """(mask or None, is_causal) for a layer with this sliding window. Example:
         AttnInputs(torch.arange(4)[None], plain=True).layer_mask(None, pos, pos) -> (None, True)"""
         return self.dense(self.layer_spec(window), q_pos, k_pos)
+
+
+@dataclass(eq=False)
+class Context:
+    """What a cross-attention layer attends to: an encoder's output, its positions and what may be seen
+    (its padding). Each cross-attention layer projects its keys and values from it once (`kv`), so the
+    decode steps of a generation reuse them. Example:
+    Context(enc_out, torch.arange(s)[None], MaskSpec(causal=False, key_padding=attention_mask.bool()))"""
+    hidden: torch.Tensor                     # (b, s, d)
+    positions: torch.Tensor                  # (b|1, s), -1 = padding
+    spec: MaskSpec = field(default_factory=lambda: MaskSpec(causal=False))
+    kv: dict = field(default_factory=dict)   # layer module -> (k, v) (b, k, s, e)

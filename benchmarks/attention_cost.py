@@ -154,6 +154,21 @@ def timing(lengths: list[int], window: int, rounds: int, hf_max: int, memory: bo
     return results
 
 
+def flatness(lengths: list[int], window: int, rounds: int) -> dict[int, float]:
+    """Microseconds per token of the window-W model's step timed alone (best of `rounds`: no neighbour's
+    cache or allocator state in the way), for the "flat in n" claim."""
+    out = {}
+    for n in lengths:
+        step = step_fn(f"window {window}", build(f"window {window}", window, n + 1), n)
+        step()
+        best = min(interleaved({"w": step}, rounds, warmup=0)["w"])
+        out[n] = best / n * 1e6
+        print(f"window {window} alone, n={n:>6}: {out[n]:.1f} us/token", flush=True)
+    lo, hi = min(out.values()), max(out.values())
+    print(f"window {window} alone: time per token within {100 * (hi / lo - 1):.0f}% over {min(out)}..{max(out)}")
+    return out
+
+
 def quality(window: int, steps: int) -> dict:
     """Held-out bits per byte inside and past the window, full vs window-W, the same steps and batches each."""
     from streaming_llm import corpus_bytes  # benchmarks/streaming_llm.py: the standard library's bytes
@@ -258,12 +273,17 @@ def main() -> None:
                     help="lengths for the attention-only peak memory of eager / sdpa / tiled ('': skip)")
     ap.add_argument("--plot", default="attention_cost.png")
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--flat-only", action="store_true",
+                    help="only time the window-W model alone per length (time per token against n)")
     args = ap.parse_args()
     from archlab.provenance import provenance_line
 
     print(provenance_line(threads=args.threads), flush=True)
     torch.set_num_threads(args.threads)
     lengths = [int(n) for n in args.lengths.split(",")]
+    if args.flat_only:
+        flatness(lengths, args.window, args.rounds)
+        return
     results = timing(lengths, args.window, args.rounds, args.hf_max, not args.no_memory)
     if args.plot:
         plot(results, args.plot)

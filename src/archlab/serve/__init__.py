@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (issue 16): `archlab serve RUN_OR_HF_FOLDER`. Needs the `serve` extra."""
+"""The OpenAI-compatible server: `archlab serve RUN_OR_HF_FOLDER`. Needs the `serve` extra."""
 from archlab.serve.engine import CompletionRequest, Engine, RequestError
 
 __all__ = ["Engine", "CompletionRequest", "RequestError", "create_app"]

@@ -226,3 +226,34 @@ def test_cached_decoding_equals_the_full_forward_for_every_pattern(name):
         full = model(ids)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
     assert cache.nbytes == kv_cache_bytes(cfg, 24, batch=2, dtype="float32")
+
+
+@pytest.mark.parametrize("name", ["window", "dilated", "strided", "global"])
+def test_a_cached_prefill_runs_the_blocked_kernels_and_equals_the_dense_one(name, small_blocks, monkeypatch):
+    """Prefilling a fresh KV cache (left-padded rows, positions from the padding) is aligned: the blocked
+    kernels run it, the logits equal the dense prefill's, and decoding continues from the cache."""
+    from archlab.generation.stepper import positions_from_mask
+    from archlab.nn.kv_cache import StaticKVCache
+
+    cfg = variant("base").with_overrides(PATTERNS[name])
+    model = TransformerLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 21))
+    mask = torch.ones(2, 21, dtype=torch.bool)
+    mask[1, :6] = False                                                 # row 1: 6 pad tokens on the left
+    pos = positions_from_mask(mask)
+    ran = _ran(monkeypatch)
+    kernel = "strided" if cfg.attention.sparse == "strided" else "block_local"
+    with torch.no_grad():
+        with forced("eager"):
+            ref = model(ids, positions=pos, cache=StaticKVCache(cfg, 2, 24))
+        ran.clear()
+        cache = StaticKVCache(cfg, 2, 24)
+        with forced(kernel):
+            got = model(ids, positions=pos, cache=cache)
+            local = sum(cfg.is_local(i) for i in range(cfg.n_layers))
+            # global tokens are positions, not indices: padded rows keep them off the blocks (dense instead)
+            assert ran.count(kernel) == (0 if cfg.attention.global_tokens else local) and local > 0, ran
+            step = model(ids[:, -1:], positions=pos[:, -1:] + 1, cache=cache)   # a decode step after it
+    real = mask[:, :, None].expand_as(ref)
+    torch.testing.assert_close(got[real], ref[real], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(step).all()

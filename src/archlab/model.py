@@ -109,7 +109,7 @@ class TransformerLM(nn.Module):
             raise ValueError("prefix_lengths given but config.attention.prefix_lm is False")
         # what attends to what, built once: every block reads it, and its layers share RoPE tables and masks
         inputs = AttnInputs(positions, self.blocks.mask_spec(prefix_lengths), cache=cache, plain=plain,
-                            continued=cache is not None and implied)
+                            continued=cache is not None and implied, fresh=cache is not None and len(cache) == 0)
         x = self.embed_tokens(input_ids, positions)                          # (b, t, d)
         x = call(self.blocks, x, inputs)                                     # (b, t, d)
         if self.final_norm is not None:

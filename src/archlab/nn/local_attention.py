@@ -102,6 +102,14 @@ def undilate(out: torch.Tensor, d: int, t: int) -> torch.Tensor:
     return out.flatten(2, 3)[:, :, :t]
 
 
+def _positions_are_indices(call: AttnCall) -> bool:
+    """Every row's positions are 0..t-1: the plain path, or (a direct call) one such row."""
+    if call.inputs is not None:
+        return call.inputs.plain
+    pos = call.q_pos
+    return pos is not None and pos.shape[0] == 1 and torch.equal(pos[0], torch.arange(pos.shape[1], device=pos.device))
+
+
 @register(priority=300)
 class BlockLocal(Backend):
     """A call whose queries reach a bounded key range (a sliding window, dilated or not, with global
@@ -123,6 +131,8 @@ class BlockLocal(Backend):
             return layout
         if spec.dilation > 1 and (spec.prefix_lengths is not None or spec.global_indices):
             return "a dilated window without a prefix or global tokens"
+        if (spec.global_indices or spec.pattern == "fixed") and not _positions_are_indices(call):
+            return "global tokens and fixed patterns index keys by position: positions 0..t-1 (no padding)"
         return None
 
     def _layout(self, spec: MaskSpec) -> tuple[int, int, int] | str:

@@ -183,7 +183,18 @@ class AttnInputs:
     cache: Any = None                        # archlab.nn.kv_cache protocol, or None
     plain: bool = False                      # positions 0..t-1 in every row, no padding, no cache
     continued: bool = False                  # each row continues its cached tokens: none padded, one length
+    fresh: bool = False                      # a cache that held nothing before this forward (a prefill)
     shared: dict = field(default_factory=dict)   # built once per forward, read by every layer
+
+    def contiguous(self) -> bool:
+        """Each row's positions run on by one (padding, -1, aside): key index distance = position distance, what
+        a blocked kernel over a prefill needs. A host sync, once per forward."""
+        hit = self.shared.get("contiguous")
+        if hit is None:
+            pos = self.positions
+            steps = (pos[:, 1:] - pos[:, :-1] == 1) | (pos[:, :-1] < 0)
+            hit = self.shared["contiguous"] = bool(steps.all())
+        return hit
 
     def layer_spec(self, local: LocalPattern | int | None) -> MaskSpec:
         """The stack's spec for a local layer with this pattern (a bare int: a plain window of that many

@@ -123,7 +123,7 @@ class BlockLocal(Backend):
     def supports(self, call: AttnCall) -> str | None:
         spec = call.spec
         if spec is None or not call.aligned or call.q_pos is None:
-            return "a layer's spec over aligned queries and keys (positions 0..t-1, no cache)"
+            return "a layer's spec over aligned queries and keys (no cache, or a fresh cache's prefill)"
         if spec.segment_ids is not None or call.keep_probs or call.bias is not None:
             return "no segment ids, kept probabilities or bias tensor (a position bias as a function is fine)"
         layout = self._layout(spec)

@@ -53,7 +53,7 @@ class Strided(Backend):
     def supports(self, call: AttnCall) -> str | None:
         spec = call.spec
         if spec is None or spec.pattern != "strided" or not call.aligned or call.q_pos is None:
-            return "a strided pattern's spec over aligned queries and keys (positions 0..t-1, no cache)"
+            return "a strided pattern's spec over aligned queries and keys (no cache, or a fresh cache's prefill)"
         if spec.prefix_lengths is not None or spec.global_indices or spec.segment_ids is not None:
             return "no prefix, global tokens or segment ids (their pairs fall outside both parts)"
         if call.keep_probs or call.bias is not None:

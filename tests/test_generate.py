@@ -35,7 +35,7 @@ def _model(cfg, seed=0):
 def _presets():
     try:
         import archlab.presets as presets
-        return presets.names()
+        return [n for n in presets.names() if presets.get(n).arch == "decoder"]   # generation: decoders
     except ImportError:  # presets not available: the switch variants still cover every option
         return []
 

@@ -9,6 +9,7 @@ from archlab import accounting, presets
 from archlab.cli import main
 from archlab.config import ConfigError, ModelConfig
 from archlab.model import TransformerLM
+from archlab.models import build_model
 
 NAMES = presets.names()
 
@@ -21,7 +22,7 @@ def test_every_lecture_family_has_a_preset():
         "llama3-8b", "llama3-70b", "mistral-7b", "mixtral-8x7b", "qwen-14b", "qwen2-72b",
         "qwen2.5-0.5b", "qwen3-8b", "olmo-7b", "olmo2-7b", "gemma2-2b", "gemma2-9b", "gemma2-27b",
         "gemma3-27b", "nemotron4-340b", "falcon-7b", "falcon2-11b", "phi3-mini", "command-r-plus",
-        "command-a", "deepseek-67b", "yi-34b", "smollm2-1.7b",
+        "command-a", "deepseek-67b", "yi-34b", "smollm2-1.7b", "bert-base", "bert-large", "roberta-base",
     }
     assert required <= set(NAMES)
     assert archlab.presets.get("llama2-7b") == presets.get("llama2-7b")
@@ -70,9 +71,9 @@ def test_tiny_keeps_every_switch_but_sizes(name):
 def test_tiny_preset_trains_on_cpu_and_every_parameter_gets_a_gradient(name):
     cfg = presets.tiny(name)
     torch.manual_seed(0)
-    model = TransformerLM(cfg)
+    model = build_model(cfg)                          # TransformerLM, or EncoderLM for an encoder
     ids = torch.randint(0, cfg.vocab_size, (2, 24))   # longer than every tiny window (8)
-    out = model.loss(ids[:, :-1], ids[:, 1:])
+    out = model.loss(ids[:, :-1], ids[:, 1:])         # next-token targets; an MLM predicts every slot
     assert torch.isfinite(out.total)
     out.total.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]

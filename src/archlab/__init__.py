@@ -13,6 +13,8 @@ _LAZY = {
     "ConfigError": ("archlab.config", "ConfigError"),
     "ModelConfig": ("archlab.config", "ModelConfig"),
     "TransformerLM": ("archlab.model", "TransformerLM"),
+    "EncoderLM": ("archlab.encoder", "EncoderLM"),
+    "build_model": ("archlab.models", "build_model"),
     "generate": ("archlab.generation", "generate"),
 }
 _SUBMODULES = ("accounting", "presets", "interop", "tokenizer", "data", "corpora", "train",

@@ -103,18 +103,22 @@ def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
         position += cfg.position.t5_num_buckets * cfg.attention.n_heads  # one table, all layers
     norms = L * _block_norms(cfg) * norm_one
     norms += norm_one * (int(cfg.norm.embedding_norm) + int(cfg.norm.final_norm))
+    head = (0 if cfg.tie_embeddings else v * d) + (v if cfg.bias.head else 0)
+    if cfg.arch == "encoder":   # the MLM head's transform: dense (with bias) + norm (BERT)
+        head += d * d + d + norm_one
     return {
-        "embeddings": v * d,
+        "embeddings": (v + cfg.type_vocab_size) * d,
         "position": position,
         "attention": L * _attention_params(cfg),
         "mlp": L * _mlp_params(cfg),
         "norms": norms,
-        "head": (0 if cfg.tie_embeddings else v * d) + (v if cfg.bias.head else 0),
+        "head": head,
     }
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Unique parameters; equals TransformerLM(cfg).num_params() (tied embeddings count once)."""
+    """Unique parameters; equals TransformerLM(cfg).num_params() (EncoderLM's for an encoder; tied
+    embeddings count once)."""
     return sum(param_breakdown(cfg).values())
 
 
@@ -151,6 +155,8 @@ def keys_per_query(cfg: ModelConfig, layer: int, seq_len: int, prefix_len: int =
 
     if seq_len < 1 or not 0 <= prefix_len <= seq_len:
         raise ConfigError(f"seq_len={seq_len} must be >= 1 and prefix_len={prefix_len} in 0..seq_len")
+    if cfg.arch == "encoder":
+        return _bidirectional_keys_per_query(cfg, layer, seq_len)
     i = torch.arange(seq_len, dtype=torch.float64)
     counts = _pattern_counts(cfg, layer, i)
     att = cfg.attention
@@ -166,6 +172,22 @@ def keys_per_query(cfg: ModelConfig, layer: int, seq_len: int, prefix_len: int =
     if prefix_len:
         counts[:prefix_len] = prefix_len
     return float(counts.mean())
+
+
+def _bidirectional_keys_per_query(cfg: ModelConfig, layer: int, seq_len: int, rows: int = 1024) -> float:
+    """An encoder layer: every key (T) on a global layer; a local layer's pairs counted from MaskSpec.allows,
+    the one predicate, `rows` queries at a time."""
+    import torch
+
+    from archlab.nn.masks import LocalPattern, MaskSpec
+
+    if not cfg.is_local(layer):
+        return float(seq_len)
+    spec = MaskSpec(causal=False).restricted(LocalPattern.of(cfg.attention))
+    keys = torch.arange(seq_len)[None]
+    pairs = sum(int(spec.allows(torch.arange(lo, min(lo + rows, seq_len))[None], keys).sum())
+                for lo in range(0, seq_len, rows))
+    return pairs / seq_len
 
 
 def _pattern_counts(cfg: ModelConfig, layer: int, i):
@@ -195,7 +217,8 @@ def _matmul_params_per_token(cfg: ModelConfig) -> int:
         mlp = moe.top_k * f_mats * d * cfg.d_ff + d * moe.n_experts
         if moe.shared_expert_d_ff:
             mlp += f_mats * d * moe.shared_expert_d_ff
-    return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size
+    mlm_transform = d * d if cfg.arch == "encoder" else 0
+    return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size + mlm_transform
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, prefix_len: int = 0) -> float:
@@ -235,13 +258,17 @@ def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: Any = 
     """
     if seq_len < 0 or batch < 1:
         raise ConfigError(f"seq_len={seq_len} must be >= 0 and batch={batch} >= 1")
+    if cfg.arch == "encoder":   # an encoder reads its whole input at once: nothing is cached
+        return 0
     per_token_layer = 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes(dtype)
     tokens = sum(cached_tokens(cfg, i, seq_len) for i in range(cfg.n_layers))
     return int(batch * tokens * per_token_layer)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: Any = "bfloat16") -> int:
-    """Cache growth per token while no window is full: 2 x n_layers x k x e x bytes."""
+    """Cache growth per token while no window is full: 2 x n_layers x k x e x bytes (0 for an encoder)."""
+    if cfg.arch == "encoder":
+        return 0
     return int(2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes(dtype))
 
 

@@ -365,6 +365,8 @@ class InitConfig:
 
 StackRole = Literal["decoder", "encoder", "cross_decoder"]
 STACK_ROLES: tuple[str, ...] = get_args(StackRole)
+Arch = Literal["decoder", "encoder", "encoder_decoder"]
+ARCHS: tuple[str, ...] = get_args(Arch)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -385,9 +387,12 @@ class LayerSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A decoder-only Transformer LM. Every row of the lecture's table is one of these."""
+    """A Transformer LM: every row of the lecture's table is one of these. `arch` says which stacks it has
+    (decoder-only, encoder-only); every other switch is shared by its stacks."""
 
     name: str = "custom"
+    arch: Arch = "decoder"                  # decoder-only LM (GPT); encoder with an MLM head (BERT, RoBERTa);
+                                            # encoder_decoder (T5, BART: not built yet)
     vocab_size: int = 32_000
     d_model: int = 512
     n_layers: int = 8
@@ -399,6 +404,7 @@ class ModelConfig:
     position: PositionConfig = field(default_factory=PositionConfig)
     bias: BiasConfig = field(default_factory=BiasConfig)
     init: InitConfig = field(default_factory=InitConfig)
+    type_vocab_size: int = 0                # token-type (segment) embeddings: BERT 2, RoBERTa 1, 0 none
     tie_embeddings: bool = False
     scale_embeddings: bool = False          # Gemma: token embeddings * sqrt(d_model)
     embedding_dropout: float = 0.0
@@ -418,6 +424,10 @@ class ModelConfig:
                   logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap)
         if self.z_loss < 0:
             raise ConfigError(f"z_loss={self.z_loss} must be >= 0")
+        if self.type_vocab_size < 0:
+            raise ConfigError(f"type_vocab_size={self.type_vocab_size} must be >= 0")
+        if self.arch == "encoder" and self.attention.prefix_lm:
+            raise ConfigError("attention.prefix_lm=True needs arch='decoder': an encoder is bidirectional already")
         if not 0.0 <= self.embedding_dropout < 1.0:
             raise ConfigError(f"embedding_dropout={self.embedding_dropout} must be in [0, 1)")
         att, pos = self.attention, self.position

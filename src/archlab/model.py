@@ -7,22 +7,21 @@ model from outside (train.py), never here.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archlab.config import ModelConfig
+from archlab.config import ConfigError, ModelConfig
 from archlab.nn.calls import call
+from archlab.nn.embedding import Embedder, init_weights
 from archlab.nn.fused import head_linear
 from archlab.nn.fused_loss import linear_cross_entropy
 from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import MoEMLP
 from archlab.nn.norms import build_norm
-from archlab.nn.position import AbsolutePosition, T5RelativeBias
-from archlab.nn.stack import TransformerStack
+from archlab.nn.stack import TransformerStack, stack_t5_table
 
 
 @dataclass
@@ -33,51 +32,25 @@ class LossOutput:
     aux_loss: torch.Tensor  # MoE load-balancing + router z-loss, already weighted
 
 
-class TransformerLM(nn.Module):
+class TransformerLM(Embedder, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         cfg = self.config = config
-        norm = lambda: build_norm(cfg.norm.kind, cfg.d_model, cfg.norm.eps, cfg.bias.norm)  # noqa: E731
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.abs_position = AbsolutePosition(cfg)
-        self.embed_norm = norm() if cfg.norm.embedding_norm else None
-        self.embed_drop = nn.Dropout(cfg.embedding_dropout)
-        t5_table = None
-        if any(cfg.position_kind(i) == "t5" for i in range(cfg.n_layers)):
-            self.t5_bias = t5_table = T5RelativeBias(cfg)  # one table for all layers (T5)
-        self.blocks = TransformerStack(cfg, "decoder", t5_table)   # a ModuleList: keys stay blocks.{i}.
-        self.final_norm = norm() if cfg.norm.final_norm else None
+        if cfg.arch != "decoder":
+            raise ConfigError(f"arch={cfg.arch!r}: TransformerLM is the decoder-only LM"
+                              + (" (build archlab.EncoderLM)" if cfg.arch == "encoder" else ""))
+        self.build_embedder(cfg)
+        self.t5_bias = stack_t5_table(cfg, "decoder")   # one table for all layers (T5), or None
+        self.blocks = TransformerStack(cfg, "decoder", self.t5_bias)   # a ModuleList: keys stay blocks.{i}.
+        self.final_norm = (build_norm(cfg.norm.kind, cfg.d_model, cfg.norm.eps, cfg.bias.norm)
+                           if cfg.norm.final_norm else None)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.bias.head else None
         self.reset_parameters()
 
-    # ---- init ------------------------------------------------------------------------------
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, std) for matrices and embeddings, zero biases; residual outputs scaled by
-        1/sqrt(2 n_layers) when init.scaled_residual (GPT-2). Seeded by config.seed alone."""
-        if self.embed.weight.is_meta:  # built on the meta device: weights come from a checkpoint
-            return
-        init = self.config.init
-        gen = torch.Generator().manual_seed(self.config.seed)
-        residual_std = init.std / math.sqrt(2 * self.config.n_layers)
-
-        def fill(weight: torch.Tensor, std: float) -> None:
-            if init.truncated:
-                nn.init.trunc_normal_(weight, 0.0, std, -3 * std, 3 * std, generator=gen)
-            else:
-                nn.init.normal_(weight, 0.0, std, generator=gen)
-
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                scaled = init.scaled_residual and getattr(module, "is_residual_out", False)
-                fill(module.weight, residual_std if scaled else init.std)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.Embedding):
-                fill(module.weight, init.std)
-        if self.head_bias is not None:
-            self.head_bias.zero_()
+        """nn/embedding.init_weights: the one init every kind of LM shares."""
+        init_weights(self, self.config)
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(
@@ -119,20 +92,6 @@ class TransformerLM(nn.Module):
         if targets is not None:  # through forward, so DDP/FSDP/compile wrappers see the whole step
             return self.loss_from_hidden(x, targets)
         return self.head(x)
-
-    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The embedder: token vectors (scaled as Gemma), absolute positions where the config adds them at
-        the input, the embedding norm and dropout. (b, t) -> (b, t, d)."""
-        x = call(self.embed, input_ids)                                      # (b, t, d)
-        if self.config.scale_embeddings:  # Gemma: sqrt(d) rounded to the activation dtype
-            x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
-        if self.abs_position.at_input:
-            x = x + self.abs_position(positions).to(x.dtype)
-        if self.embed_norm is not None:
-            x = self.embed_norm(x)
-        if self.training:
-            x = self.embed_drop(x)
-        return x
 
     @property
     def head_weight(self) -> torch.Tensor:  # (v, d): the LM head, or the embedding when tied

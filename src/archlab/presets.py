@@ -199,6 +199,45 @@ def transformer_2017() -> ModelConfig:
     )
 
 
+def bert_like(name: str, *, vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_seq_len: int = 512,
+              type_vocab_size: int = 2, eps: float = 1e-12, learned_offset: int = 0, **top: Any) -> ModelConfig:
+    """BERT and RoBERTa: an encoder with an MLM head; post-norm LayerNorm (bias), learned positions, token
+    types, an embedding LayerNorm, biases everywhere, exact GeLU at 4x width, the decoder tied to the
+    embedding with its own vocabulary bias, dropout 0.1."""
+    return _model(
+        name, arch="encoder", vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, max_seq_len=max_seq_len,
+        attention=dict(n_heads=n_heads, dropout=0.1),
+        mlp=dict(activation="gelu", d_ff=4 * d_model),
+        norm=dict(kind="layernorm", eps=eps, position="post", final_norm=False, embedding_norm=True),
+        position=dict(kind="learned", learned_offset=learned_offset),
+        block=dict(residual_dropout=0.1),
+        bias=dict(qkv=True, attn_out=True, mlp=True, norm=True, head=True),
+        init=dict(std=0.02), embedding_dropout=0.1, tie_embeddings=True, type_vocab_size=type_vocab_size, **top,
+    )
+
+
+# BERT: HF bert-base-uncased / bert-large-uncased config.json; counted as BertForMaskedLM (no pooler, no NSP head)
+@_preset("bert-base", year=2018, source="HF bert-base-uncased config.json (Devlin et al. 2019)",
+         params=109_514_298, exact=True)
+def bert_base() -> ModelConfig:
+    return bert_like("bert-base", vocab_size=30_522, d_model=768, n_layers=12, n_heads=12)
+
+
+@_preset("bert-large", year=2018, source="HF bert-large-uncased config.json (Devlin et al. 2019)",
+         params=335_174_458, exact=True)
+def bert_large() -> ModelConfig:
+    return bert_like("bert-large", vocab_size=30_522, d_model=1024, n_layers=24, n_heads=16)
+
+
+# RoBERTa: HF roberta-base config.json (514 position rows = 512 + padding_idx 1 + 1: positions start at 2;
+# one token type; LayerNorm eps 1e-5); counted as RobertaForMaskedLM
+@_preset("roberta-base", year=2019, source="HF roberta-base config.json (Liu et al. 2019)",
+         params=124_697_433, exact=True)
+def roberta_base() -> ModelConfig:
+    return bert_like("roberta-base", vocab_size=50_265, d_model=768, n_layers=12, n_heads=12,
+                     type_vocab_size=1, eps=1e-5, learned_offset=2)
+
+
 @_preset("gpt", year=2018, source="HF openai-gpt config.json (Radford et al. 2018)",
          params=116_534_784, exact=True)
 def gpt() -> ModelConfig:  # post-norm, learned positions, exact GeLU, no final norm

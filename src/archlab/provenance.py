@@ -147,10 +147,11 @@ def tokenizer_fingerprint(tok_dir: str | os.PathLike) -> str | None:
 def check_resume_matches(run_dir: Path, model_cfg, data_info: dict, tok_src: Path, allow_new_data: bool) -> None:
     """Raise (ConfigError / DataError) when a resume would continue a different model, tokenizer or data."""
     from archlab.checkpoint import read_run_config
-    from archlab.config import ConfigError
+    from archlab.config import ConfigError, ModelConfig
 
     saved = read_run_config(run_dir)
-    if saved["model"] != model_cfg.to_dict():
+    # through ModelConfig, so a run saved before a field existed compares with that field's default
+    if ModelConfig.from_dict(saved["model"]).to_dict() != model_cfg.to_dict():
         raise ConfigError(f"cannot resume {run_dir}: its config.yaml has a different model config")
     ours, theirs = tokenizer_fingerprint(tok_src), tokenizer_fingerprint(run_dir / "tokenizer")
     if ours is not None and theirs is not None and ours != theirs:

@@ -77,15 +77,16 @@ def describe(cfg: ModelConfig) -> dict[str, str]:
     block = "serial"
     if cfg.block.parallel:
         block = f"parallel ({cfg.block.parallel_norms} norm{'s' if cfg.block.parallel_norms > 1 else ''})"
+    kind = {"decoder": "decoder", "encoder": "encoder+MLM", "encoder_decoder": "enc-dec"}[cfg.arch]
     return {
-        "norm": norm, "norm position": cfg.norm.position, "block": block, "position": position,
+        "kind": kind, "norm": norm, "norm position": cfg.norm.position, "block": block, "position": position,
         "activation": activation, "attention": heads, "tricks": ", ".join(tricks) or "-",
     }
 
 
 # ---- commands ------------------------------------------------------------------------------------
 def run_presets(args: argparse.Namespace) -> int:
-    header = ["name", "year", "norm", "norm position", "block", "position", "activation",
+    header = ["name", "year", "kind", "norm", "norm position", "block", "position", "activation",
               "attention", "tricks", "published", "ours"]
     rows = []
     for name in presets.names():
@@ -98,13 +99,13 @@ def run_presets(args: argparse.Namespace) -> int:
         published = "-" if info.published_params is None else human_count(info.published_params)
         if info.exact and info.published_params == ours:
             published = "=" + published
-        rows.append([name + ("*" if info.approximation else ""), str(info.year), d["norm"],
+        rows.append([name + ("*" if info.approximation else ""), str(info.year), d["kind"], d["norm"],
                      d["norm position"], d["block"], d["position"], d["activation"], d["attention"],
                      d["tricks"], published, human_count(ours)])
     if not rows:
         print(f"no preset matches {args.filter!r}; known: {', '.join(presets.names())}")
         return 1
-    print(format_table(header, rows, right={1, 9, 10}))
+    print(format_table(header, rows, right={1, 10, 11}))
     print("\n* approximation of the released model (see `archlab inspect NAME`);"
           " '=' published count reproduced exactly")
     return 0

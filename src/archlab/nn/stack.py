@@ -19,7 +19,16 @@ from archlab.nn.calls import call
 from archlab.nn.masks import AttnInputs, MaskSpec
 from archlab.nn.position import T5RelativeBias
 
-__all__ = ["TransformerStack"]
+__all__ = ["TransformerStack", "stack_t5_table"]
+
+
+def stack_t5_table(cfg: ModelConfig, role: StackRole) -> T5RelativeBias | None:
+    """The one T5 relative-bias table a stack of this role shares across its layers (None where no layer
+    uses T5 positions), owned by the model (its key stays `t5_bias.`): a causal stack buckets how far back
+    a key is, an encoder's buckets are bidirectional (Raffel et al. 2020)."""
+    if not any(cfg.position_kind(i) == "t5" for i in range(cfg.n_layers)):
+        return None
+    return T5RelativeBias(cfg, bidirectional=role == "encoder")
 
 
 class TransformerStack(nn.ModuleList):

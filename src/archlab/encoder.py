@@ -1,0 +1,96 @@
+"""EncoderLM: embedder -> TransformerStack("encoder") -> (final norm) -> masked-LM head. BERT (Devlin et al.
+2019) and RoBERTa (Liu et al. 2019) are configurations of it (`arch="encoder"`): the same blocks, norms,
+MLPs and attention kernels as the decoder-only LM, with bidirectional attention over the real tokens.
+
+Padding: `attention_mask` (b, t), 1 for a real token. Padded keys are never attended; positions count the
+real tokens of each row from 0 (padded slots get -1), so left- and right-padded rows embed alike. That is
+RoBERTa's convention (positions from the non-pad tokens, offset 2); BERT's checkpoints number every slot, which
+agrees on the real tokens of right-padded rows (BERT tokenizers pad on the right).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from archlab.config import ConfigError, ModelConfig
+from archlab.model import LossOutput
+from archlab.nn.calls import call
+from archlab.nn.embedding import Embedder, MLMHead, init_weights
+from archlab.nn.fused_loss import linear_cross_entropy
+from archlab.nn.masks import AttnInputs
+from archlab.nn.norms import build_norm
+from archlab.nn.stack import TransformerStack, stack_t5_table
+
+__all__ = ["EncoderLM", "padded_positions"]
+
+
+def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(b, t) 0/1 mask -> (b, t) positions: each row's real tokens numbered 0, 1, ... in order, padding -1."""
+    real = attention_mask.bool()
+    return torch.where(real, real.long().cumsum(-1) - 1, -1)
+
+
+class EncoderLM(Embedder, nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        cfg = self.config = config
+        if cfg.arch != "encoder":
+            raise ConfigError(f"arch={cfg.arch!r}: EncoderLM needs arch='encoder'")
+        if cfg.logit_scale is not None or cfg.final_logit_softcap is not None or cfg.mlp.moe is not None:
+            raise ConfigError("logit_scale, final_logit_softcap and mlp.moe are decoder switches: "
+                              "the MLM head does not apply them")
+        self.build_embedder(cfg)
+        self.t5_bias = stack_t5_table(cfg, "encoder")    # bidirectional buckets (None without T5 positions)
+        self.blocks = TransformerStack(cfg, "encoder", self.t5_bias)
+        self.final_norm = (build_norm(cfg.norm.kind, cfg.d_model, cfg.norm.eps, cfg.bias.norm)
+                           if cfg.norm.final_norm else None)
+        self.mlm_head = MLMHead(cfg)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.bias.head else None
+        init_weights(self, cfg)
+
+    @property
+    def head_weight(self) -> torch.Tensor:  # (v, d): the MLM decoder, or the embedding when tied
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,                         # (b, t) int
+        attention_mask: torch.Tensor | None = None,      # (b, t) 1 = real token, 0 = padding
+        token_type_ids: torch.Tensor | None = None,      # (b, t) BERT's segments A/B
+        positions: torch.Tensor | None = None,           # (b, t); None: from attention_mask (padded_positions)
+        return_hidden: bool = False,
+    ) -> torch.Tensor:                                   # (b, t, v) logits, or (b, t, d) hidden
+        b, t = input_ids.shape
+        plain = attention_mask is None and positions is None
+        if positions is None:
+            positions = (torch.arange(t, device=input_ids.device)[None] if attention_mask is None
+                         else padded_positions(attention_mask))
+        if self.abs_position.kind == "learned" and int(positions.max()) >= self.config.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}: "
+                             "learned position embeddings have no row for it")
+        padding = None if attention_mask is None else attention_mask.bool()
+        inputs = AttnInputs(positions, self.blocks.mask_spec(key_padding=padding), plain=plain)
+        x = self.embed_tokens(input_ids, positions, token_type_ids)         # (b, t, d)
+        x = call(self.blocks, x, inputs)                                    # (b, t, d)
+        if self.final_norm is not None:
+            x = call(self.final_norm, x)
+        if return_hidden:
+            return x
+        owner = self if self.lm_head is None else self.lm_head
+        return self.mlm_head(x, owner, self.head_weight, self.head_bias)   # (b, t, v)
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             token_type_ids: torch.Tensor | None = None, ignore_index: int = -100) -> LossOutput:
+        """Masked-LM cross-entropy: `labels` (b, t) hold the original token at masked slots and ignore_index
+        elsewhere. Only the labelled rows go through the head (15% of them in BERT's recipe)."""
+        hidden = self(input_ids, attention_mask, token_type_ids, return_hidden=True)   # (b, t, d)
+        rows = labels.flatten() != ignore_index
+        picked = self.mlm_head.transform(hidden.flatten(0, 1)[rows])                   # (n, d)
+        total, ce, z_loss = linear_cross_entropy(picked, self.head_weight, labels.flatten()[rows],
+                                                 ignore_index, self.config.z_loss or 0.0, bias=self.head_bias)
+        return LossOutput(total=total, ce=ce, z_loss=z_loss, aux_loss=ce.new_zeros(()))
+
+    def num_params(self) -> int:
+        """Unique parameters (a tied decoder counts once)."""
+        return sum(p.numel() for p in self.parameters())

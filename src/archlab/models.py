@@ -1,0 +1,25 @@
+"""One constructor for every kind of LM: `build_model(cfg)` picks the class `cfg.arch` names.
+
+    decoder          TransformerLM   next-token LM (GPT, LLaMA, ...)           model.py
+    encoder          EncoderLM       masked LM (BERT, RoBERTa)                  encoder.py
+    encoder_decoder  (not built yet: T5, BART, the 2017 Transformer)
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from archlab.config import ConfigError, ModelConfig
+from archlab.encoder import EncoderLM
+from archlab.model import TransformerLM
+
+__all__ = ["MODEL_CLASSES", "build_model"]
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"decoder": TransformerLM, "encoder": EncoderLM}
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The model `cfg.arch` names, initialised from cfg.seed. Example: build_model(presets.tiny("bert-base"))"""
+    cls = MODEL_CLASSES.get(cfg.arch)
+    if cls is None:
+        raise ConfigError(f"arch={cfg.arch!r} is not built yet (built: {', '.join(MODEL_CLASSES)})")
+    return cls(cfg)

@@ -24,7 +24,7 @@ from torch import nn
 
 from archlab.config import AttentionConfig, BiasConfig, LayerSpec, NormConfig
 from archlab.nn import attention_backends as backends
-from archlab.nn import local_attention, strided_attention  # noqa: F401  (register their backends)
+from archlab.nn import flex_attention, local_attention, strided_attention  # noqa: F401  (register their backends)
 from archlab.nn.fused import decode_weights, linear, packed_groups, packed_matmul, project
 from archlab.nn.masks import AttnInputs, Context, LocalPattern, MaskSpec
 from archlab.nn.mlp import mark_residual_out

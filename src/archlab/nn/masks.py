@@ -120,23 +120,37 @@ class MaskSpec:
     def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """The predicate: (b, t) query and (b, s) key positions (-1 = an empty or padded slot) ->
         (b, 1, t, s) bool, True where the query may attend to the key."""
-        q, k = q_pos[:, :, None], k_pos[:, None, :]
+        global_pair, seg = None, self.segment_ids
+        if self.global_indices:
+            g = torch.tensor(self.global_indices, device=q_pos.device)
+            global_pair = torch.isin(q_pos, g)[:, :, None] | torch.isin(k_pos, g)[:, None, :]     # (b, t, s)
+        ok = self.pairs(q_pos[:, :, None], k_pos[:, None, :], global_pair=global_pair,   # (b, t, 1), (b, 1, s)
+                        prefix=None if self.prefix_lengths is None else self.prefix_lengths[:, None, None],
+                        key_real=None if self.key_padding is None else self.key_padding[:, None, :],
+                        same_segment=None if seg is None else seg[:, :, None] == seg[:, None, :])
+        return ok[:, None]
+
+    def pairs(self, q: torch.Tensor, k: torch.Tensor, *, global_pair: torch.Tensor | None = None,
+              prefix: torch.Tensor | None = None, key_real: torch.Tensor | None = None,
+              same_segment: torch.Tensor | None = None) -> torch.Tensor:
+        """The predicate's terms on broadcastable tensors: query and key positions, and what the spec's tensors
+        say about each pair (either is a global token, the row's prefix length, the key is real, both are in
+        one segment; given wherever the spec has global indices, a prefix, padding, segments). `allows`
+        evaluates it over (b, t, s) grids, FlexAttention's mask_mod (nn/flex_attention.py) pair by pair."""
         distance = q - k                                   # > 0: the key is in the query's past
         structural = k >= 0
         if self.causal:
             structural = structural & (distance >= 0)
         ok = structural & self._local(q, k, distance)
-        if self.global_indices:                            # Longformer: global rows and columns
-            g = torch.tensor(self.global_indices, device=q_pos.device)
-            ok = ok | (structural & (torch.isin(q, g) | torch.isin(k, g)))
-        if self.prefix_lengths is not None:
-            p = self.prefix_lengths[:, None, None]
-            ok = ok | ((q < p) & (k < p) & (k >= 0))
-        if self.key_padding is not None:
-            ok = ok & self.key_padding[:, None, :]
-        if self.segment_ids is not None:
-            ok = ok & (self.segment_ids[:, :, None] == self.segment_ids[:, None, :])
-        return (ok | (q < 0))[:, None]   # a padded query (position -1) sees its row freely: no NaN
+        if global_pair is not None:                        # Longformer: global rows and columns
+            ok = ok | (structural & global_pair)
+        if prefix is not None:
+            ok = ok | ((q < prefix) & (k < prefix) & (k >= 0))
+        if key_real is not None:
+            ok = ok & key_real
+        if same_segment is not None:
+            ok = ok & same_segment
+        return ok | (q < 0)   # a padded query (position -1) sees its row freely: no NaN
 
     def _local(self, q: torch.Tensor, k: torch.Tensor, distance: torch.Tensor) -> torch.Tensor | bool:
         """The layer's own restriction: a (dilated) window, or a Sparse Transformer pattern (Child et al. 2019,

@@ -34,6 +34,9 @@ def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_toke
         from archlab.interop import load_hf
         from archlab.tokenizer import load as load_tokenizer
         model = load_hf(path).to(device).eval()
+        if model.config.arch != "decoder":   # BERT, RoBERTa: masked LMs (archlab verify compares them)
+            raise UserError(f"{path} holds an {model.config.arch} ({model.config.name}, a masked LM): "
+                            "generate, diagnose and serve need a decoder-only LM")
         if not (path / "tokenizer.json").is_file():
             if need_tokenizer:
                 raise UserError(f"{path} has no tokenizer.json")

@@ -1,9 +1,10 @@
 """Published config.json files (transformers-4 style: rope_theta + rope_scaling, no layer_types)
 translate to the architecture they describe; parameter counts match the published sizes.
-Needs no transformers: only the config translation is exercised."""
+Needs no transformers: only the config translation is exercised (one test compares with transformers'
+models built on the meta device when it is installed, and is skipped otherwise)."""
 import pytest
 
-from archlab import ConfigError
+from archlab import ConfigError, presets
 from archlab.accounting import param_count
 from archlab.interop import FAMILIES
 
@@ -45,6 +46,27 @@ GEMMA3_1B = {  # google/gemma-3-1b-pt
     "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
     "sliding_window_pattern": 6, "vocab_size": 262144,
 }
+BERT_BASE_UNCASED = {  # google-bert/bert-base-uncased
+    "architectures": ["BertForMaskedLM"], "attention_probs_dropout_prob": 0.1,
+    "gradient_checkpointing": False, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+    "hidden_size": 768, "initializer_range": 0.02, "intermediate_size": 3072, "layer_norm_eps": 1e-12,
+    "max_position_embeddings": 512, "model_type": "bert", "num_attention_heads": 12,
+    "num_hidden_layers": 12, "pad_token_id": 0, "position_embedding_type": "absolute",
+    "transformers_version": "4.6.0.dev0", "type_vocab_size": 2, "use_cache": True, "vocab_size": 30522,
+}
+BERT_LARGE_UNCASED = {  # google-bert/bert-large-uncased
+    **BERT_BASE_UNCASED, "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
+    "num_hidden_layers": 24,
+}
+ROBERTA_BASE = {  # FacebookAI/roberta-base
+    "architectures": ["RobertaForMaskedLM"], "attention_probs_dropout_prob": 0.1, "bos_token_id": 0,
+    "eos_token_id": 2, "hidden_act": "gelu", "hidden_dropout_prob": 0.1, "hidden_size": 768,
+    "initializer_range": 0.02, "intermediate_size": 3072, "layer_norm_eps": 1e-05,
+    "max_position_embeddings": 514, "model_type": "roberta", "num_attention_heads": 12,
+    "num_hidden_layers": 12, "pad_token_id": 1, "type_vocab_size": 1, "vocab_size": 50265,
+}
+ENCODERS = [(BERT_BASE_UNCASED, "bert-base", 109_514_298), (BERT_LARGE_UNCASED, "bert-large", 335_174_458),
+            (ROBERTA_BASE, "roberta-base", 124_697_433)]
 
 
 def to_config(hf):
@@ -97,3 +119,24 @@ def test_gemma3_1b_legacy_rope_fields():
 def test_unsupported_fields_are_named(hf, field):
     with pytest.raises(ConfigError, match=field):
         to_config(hf)
+
+
+@pytest.mark.parametrize("hf,preset,count", ENCODERS, ids=[p for _, p, _ in ENCODERS])
+def test_encoders_translate_to_their_preset(hf, preset, count):
+    cfg, want = to_config(hf), presets.get(preset)
+    assert cfg.arch == "encoder" and param_count(cfg) == param_count(want) == count
+    assert (cfg.max_seq_len, cfg.position.learned_offset) == (want.max_seq_len, want.position.learned_offset)
+    assert (cfg.norm.eps, cfg.type_vocab_size) == (want.norm.eps, want.type_vocab_size)
+
+
+@pytest.mark.parametrize("hf,preset,count", ENCODERS, ids=[p for _, p, _ in ENCODERS])
+def test_encoders_count_as_transformers_masked_lm(hf, preset, count):
+    """transformers' *ForMaskedLM of the same config.json, built on the meta device, has our count."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.AutoConfig.for_model(**hf)
+    with torch.device("meta"):
+        model = transformers.AutoModelForMaskedLM.from_config(config)
+    assert type(model).__name__ == hf["architectures"][0]
+    assert model.num_parameters() == param_count(to_config(hf)) == count

@@ -122,23 +122,30 @@ def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None =
 def compare_with_transformers(hf_dir: str | Path, seq_len: int = 32, batch: int = 2, seed: int = 0,
                               dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Logits of archlab.load_hf and transformers on the same random tokens:
-    max_abs, max_rel (max|a-b| / max|b|) and mean_kl = mean over positions of KL(p_hf || p_ours)."""
+    max_abs, max_rel (max|a-b| / max|b|) and mean_kl = mean over positions of KL(p_hf || p_ours).
+    A decoder is compared with AutoModelForCausalLM, an encoder (BERT, RoBERTa) with
+    AutoModelForMaskedLM on unpadded rows free of the pad token (RoBERTa numbers positions by it)."""
     import transformers
 
     from archlab.hub import resolve_model
-    from archlab.interop.hf import load_hf
+    from archlab.interop.hf import load_hf, read_hf_config
 
     hf_dir = resolve_model(hf_dir)
     ours = load_hf(hf_dir, dtype=dtype)
+    encoder = ours.config.arch == "encoder"
+    auto = transformers.AutoModelForMaskedLM if encoder else transformers.AutoModelForCausalLM
     kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dir, attn_implementation="eager", **{kw: dtype}).eval()
+    theirs = auto.from_pretrained(hf_dir, attn_implementation="eager", **{kw: dtype}).eval()
     seq_len = min(seq_len, ours.config.max_seq_len)
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, ours.config.vocab_size, (batch, seq_len), generator=gen)
+    vocab = ours.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen)
+    pad = read_hf_config(hf_dir).get("pad_token_id")
+    if encoder and isinstance(pad, int) and vocab > 1:
+        ids = torch.where(ids == pad, (pad + 1) % vocab, ids)
     with torch.no_grad():
         a = ours(ids).float()
-        b = theirs(input_ids=ids, use_cache=False).logits.float()
+        b = (theirs(input_ids=ids) if encoder else theirs(input_ids=ids, use_cache=False)).logits.float()
     diff = (a - b).abs()
     log_p, log_q = b.log_softmax(-1), a.log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()

@@ -1,4 +1,4 @@
-"""Hugging Face folders (config.json + safetensors) <-> TransformerLM.
+"""Hugging Face folders (config.json + safetensors) <-> TransformerLM or EncoderLM (BERT, RoBERTa).
 
 `load_hf(folder)` reads config.json, picks the family registered for its `model_type`, builds our
 ModelConfig, and maps every tensor (single `model.safetensors` or a sharded
@@ -13,19 +13,24 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import cast
 
 import torch
 
 from archlab.checkpoint import make_readable
 from archlab.config import ConfigError, ModelConfig
+from archlab.encoder import EncoderLM
 from archlab.errors import UserError
 from archlab.interop.families import FAMILIES, Family
 from archlab.interop.families.base import Rule, config_diff
 from archlab.model import TransformerLM
+from archlab.models import build_model
 from archlab.progress import progress_bar
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+HFModel = TransformerLM | EncoderLM   # what load_hf builds (by the config's arch) and save_hf writes
 
 
 class WeightsError(UserError, ValueError):
@@ -98,9 +103,10 @@ class SafetensorsFolder:
 
 # ---- loading -----------------------------------------------------------------------------------
 def load_hf(folder: str | Path, dtype: torch.dtype | None = torch.float32,
-            family: str | None = None) -> TransformerLM:
-    """HF folder -> TransformerLM in eval mode (`.config` set). `dtype=None` keeps the
-    checkpoint's dtype; `family` overrides config.json's model_type."""
+            family: str | None = None) -> HFModel:
+    """HF folder -> the model its config's arch names (TransformerLM, or EncoderLM for BERT and
+    RoBERTa) in eval mode (`.config` set). `dtype=None` keeps the checkpoint's dtype; `family`
+    overrides config.json's model_type."""
     hf = read_hf_config(folder)
     fam = FAMILIES.get(family) if family else family_for(hf)
     cfg = fam.to_config(hf)
@@ -110,13 +116,13 @@ def load_hf(folder: str | Path, dtype: torch.dtype | None = torch.float32,
         dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     with torch.device("meta"):  # no random init, no second copy of the weights in memory
-        model = TransformerLM(cfg)
+        model = cast(HFModel, build_model(cfg))
     load_our_state(model, {k: v.to(dtype) if v.is_floating_point() else v
                            for k, v in tensors.items()})
     return model.eval()
 
 
-def load_our_state(model: TransformerLM, tensors: dict[str, torch.Tensor]) -> None:
+def load_our_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy named tensors into the model's parameters; every parameter exactly once."""
     own = model.state_dict()
     missing = sorted(set(own) - set(tensors))
@@ -138,11 +144,11 @@ def load_our_state(model: TransformerLM, tensors: dict[str, torch.Tensor]) -> No
 
 
 def _prefix_fix(fam: Family, names: list[str]) -> dict[str, str]:
-    """Our expected HF name -> stored name; adds the base prefix back for bare-base checkpoints."""
+    """Our expected HF name -> stored name; adds the base prefix back for bare-base checkpoints and
+    reads legacy spellings through `fam.hf_name`."""
     prefix = fam.base_prefix
-    if prefix and names and not any(n.startswith(prefix) for n in names):
-        return {prefix + n: n for n in names}
-    return {n: n for n in names}
+    bare = bool(prefix and names and not any(n.startswith(prefix) for n in names))
+    return {fam.hf_name(prefix + n if bare else n): n for n in names}
 
 
 def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder) -> dict[str, torch.Tensor]:
@@ -179,10 +185,13 @@ def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder) -> dic
 # ---- saving ------------------------------------------------------------------------------------
 def infer_family(cfg: ModelConfig) -> Family:
     """The HF family whose switches express `cfg` exactly (round trip equal on every architectural
-    field); on failure the error names the mismatching switches of the closest families."""
+    field) among the families of `cfg.arch`; on failure the error names the mismatching switches
+    of the closest families."""
     matches, near = [], []
     for name in FAMILIES.names():
         fam = FAMILIES.get(name)
+        if fam.arch != cfg.arch:
+            continue
         try:
             back = fam.to_config(fam.to_hf(cfg))
         except NotImplementedError:
@@ -202,7 +211,7 @@ def infer_family(cfg: ModelConfig) -> Family:
     raise ConfigError(f"no Hugging Face family expresses this config exactly:{detail}")
 
 
-def save_hf(model: TransformerLM, folder: str | Path, family: str | None = None) -> Family:
+def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Family:
     """Write config.json + model.safetensors loadable by `transformers`; returns the family used.
     With `family` given, the round trip must still be exact (error naming the differing switch)."""
     from safetensors.torch import save_file

@@ -28,6 +28,8 @@ FAMILY_MODULES = [
     "gpt2", "llama", "gemma", "olmo",
     # interop B
     "gpt_neox", "gptj", "falcon", "bloom", "opt", "phi", "phi3", "cohere", "nemotron",
+    # encoders
+    "bert",
 ]
 
 for _name in FAMILY_MODULES:

@@ -30,7 +30,11 @@ How to add a family (one file in this package, ~100 lines):
    gate_up) -- the inverse (concatenation) is used when saving. Tensors that old checkpoints
    store but that are not weights (rotary `inv_freq`, causal `masked_bias`) go in
    `ignored_hf(cfg)` as regular expressions. With tied embeddings `lm_head.weight` is ignored
-   automatically.
+   automatically. Tensors stored under a legacy name (BERT's `LayerNorm.gamma`) are renamed by
+   `hf_name(stored)` before matching.
+
+   Encoder families (BERT) set `arch = "encoder"`: load_hf builds the model `cfg.arch` names
+   (archlab.models.build_model) and save_hf only considers families of the model's arch.
 
 5. Add a parity test in tests/interop/test_parity_<family>.py using the helpers in
    tests/interop/conftest.py (tiny random HF model -> save_pretrained -> load_hf -> logits equal;
@@ -343,6 +347,7 @@ class Family:
 
     model_type: str = ""
     architecture: str = ""          # HF class written to config.json "architectures"
+    arch: str = "decoder"           # the ModelConfig.arch its configs have (BERT: "encoder")
     base_prefix: str = "model."     # prefix of the base model's tensors inside *ForCausalLM
     save_priority: int = 100        # lower wins when several families express a config exactly
 
@@ -365,6 +370,11 @@ class Family:
 
     def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
         raise NotImplementedError
+
+    def hf_name(self, stored: str) -> str:
+        """The name `weight_rules` uses for a tensor stored under `stored` (legacy spellings:
+        BERT's TF-era LayerNorm `gamma` / `beta`); the identity by default."""
+        return stored
 
     def ignored_hf(self, cfg: ModelConfig) -> list[str]:
         """Regular expressions (full match) of HF tensor names that are not weights."""

@@ -348,8 +348,9 @@ def read_run_config(run_dir: str | os.PathLike) -> dict:
 
 def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
              device: str | torch.device = "cpu"):
-    """(TransformerLM in eval mode with the latest (or given) checkpoint's weights, tokenizer or None)."""
-    from archlab.model import TransformerLM
+    """(model in eval mode with the latest (or given) checkpoint's weights, tokenizer or None): a TransformerLM,
+    or the class the config's `arch` names (archlab.models.build_model)."""
+    from archlab.models import build_model
 
     run_dir = Path(run_dir)
     cfg = ModelConfig.from_dict(read_run_config(run_dir)["model"])
@@ -357,7 +358,7 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = 
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no checkpoint under {run_dir / CHECKPOINT_DIR}")
     state, _ = load_checkpoint(ckpt, weights_only_model=True)
-    model = TransformerLM(cfg)
+    model = build_model(cfg)
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:

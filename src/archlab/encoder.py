@@ -10,6 +10,7 @@ agrees on the real tokens of right-padded rows (BERT tokenizers pad on the right
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
@@ -60,7 +61,8 @@ class EncoderLM(Embedder, nn.Module):
         token_type_ids: torch.Tensor | None = None,      # (b, t) BERT's segments A/B
         positions: torch.Tensor | None = None,           # (b, t); None: from attention_mask (padded_positions)
         return_hidden: bool = False,
-    ) -> torch.Tensor:                                   # (b, t, v) logits, or (b, t, d) hidden
+        targets: torch.Tensor | None = None,             # (b, t) MLM labels: return the LossOutput instead
+    ) -> torch.Tensor | LossOutput:                      # (b, t, v) logits, or (b, t, d) hidden
         b, t = input_ids.shape
         plain = attention_mask is None and positions is None
         if positions is None:
@@ -77,19 +79,43 @@ class EncoderLM(Embedder, nn.Module):
             x = call(self.final_norm, x)
         if return_hidden:
             return x
+        if targets is not None:   # through forward, so DDP/FSDP/compile wrappers see the whole step
+            return self.loss_from_hidden(x, targets)
         owner = self if self.lm_head is None else self.lm_head
         return self.mlm_head(x, owner, self.head_weight, self.head_bias)   # (b, t, v)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
              token_type_ids: torch.Tensor | None = None, ignore_index: int = -100) -> LossOutput:
         """Masked-LM cross-entropy: `labels` (b, t) hold the original token at masked slots and ignore_index
-        elsewhere. Only the labelled rows go through the head (15% of them in BERT's recipe)."""
+        elsewhere (archlab.objectives.mask_tokens makes both)."""
         hidden = self(input_ids, attention_mask, token_type_ids, return_hidden=True)   # (b, t, d)
+        return self.loss_from_hidden(hidden, labels, ignore_index)
+
+    def labelled_logits(self, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits (n, v), labels (n,)) of the n labelled slots only: 15% of the rows in BERT's recipe, so the
+        head's (b, t, v) logits are never made."""
         rows = labels.flatten() != ignore_index
+        picked = hidden.flatten(0, 1)[rows]                                            # (n, d)
+        owner = self if self.lm_head is None else self.lm_head
+        return self.mlm_head(picked, owner, self.head_weight, self.head_bias), labels.flatten()[rows]
+
+    def loss_from_hidden(self, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> LossOutput:
+        """The MLM loss from the final hidden states, scored on the labelled rows only (their transform and head
+        fused with the cross-entropy in row chunks, nn/fused_loss.py)."""
+        rows = labels.flatten() != ignore_index
+        zero = hidden.sum() * 0.0
+        if not bool(rows.any()):                 # nothing masked in this batch: no loss, gradients of zero
+            return LossOutput(total=zero, ce=zero.detach(), z_loss=zero.detach(), aux_loss=zero.detach())
+        if not torch.is_grad_enabled():          # evaluation: the labelled rows' logits are small; report accuracy
+            logits, target = self.labelled_logits(hidden, labels, ignore_index)      # (n, v), (n,)
+            ce = F.cross_entropy(logits.float(), target)
+            accuracy = (logits.argmax(-1) == target).float().mean()
+            return LossOutput(total=ce, ce=ce, z_loss=zero, aux_loss=zero, accuracy=accuracy)
         picked = self.mlm_head.transform(hidden.flatten(0, 1)[rows])                   # (n, d)
         total, ce, z_loss = linear_cross_entropy(picked, self.head_weight, labels.flatten()[rows],
                                                  ignore_index, self.config.z_loss or 0.0, bias=self.head_bias)
-        return LossOutput(total=total, ce=ce, z_loss=z_loss, aux_loss=ce.new_zeros(()))
+        return LossOutput(total=total, ce=ce, z_loss=z_loss, aux_loss=zero.detach())
 
     def num_params(self) -> int:
         """Unique parameters (a tied decoder counts once)."""

@@ -21,10 +21,11 @@ __all__ = ["EvalResult", "evaluate", "autocast", "sample_ids", "bits_per_byte"]
 
 @dataclass(frozen=True)
 class EvalResult:
-    loss: float        # mean next-token cross-entropy, nats
+    loss: float        # mean cross-entropy over the scored tokens (next-token, or masked for an MLM), nats
     ppl: float         # exp(loss)
-    bpb: float         # bits per UTF-8 byte
+    bpb: float         # bits per UTF-8 byte (nan for an MLM: masked slots are not a compression of the text)
     tokens: int        # tokens scored
+    accuracy: float | None = None   # MLM: share of masked slots predicted exactly
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -37,10 +38,11 @@ def bits_per_byte(loss_nats: float, tokens: int, n_bytes: float) -> float:
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
              max_batches: int | None = None, device: str | torch.device = "cpu",
-             dtype: str = "float32", dist_info=None, progress: bool = False) -> EvalResult:
+             dtype: str = "float32", dist_info=None, progress: bool = False, objective=None) -> EvalResult:
     """Cross-entropy over the first `max_batches` deterministic validation batches of `dataset`
     (archlab.data.eval_batches). Under data parallelism every rank runs the same number of forwards
-    (FSDP needs all ranks in each all-gather); the sums are all-reduced."""
+    (FSDP needs all ranks in each all-gather); the sums are all-reduced. `objective` (archlab.objectives.MaskedLM)
+    scores an encoder on its masked slots, batch i masked the same way at every evaluation."""
     from archlab.data import eval_batches
 
     device = torch.device(device)
@@ -50,7 +52,7 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
     rounds = -(-len(batches) // world)
     was_training = model.training
     model.eval()
-    total_nats, total_tokens = 0.0, 0
+    total_nats, total_tokens, total_correct = 0.0, 0, 0.0
     try:
         iterator = range(rounds)
         if progress:
@@ -59,20 +61,29 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
         for i in iterator:
             x, y = mine[i] if i < len(mine) else batches[0]   # a filler forward, weight 0
             weight = 1 if i < len(mine) else 0
+            if objective is not None:
+                x, y = objective.batch(x, step=-1 - (i * world + rank))    # eval masks: fixed per batch
             x, y = x.to(device), y.to(device)
             with autocast(device, dtype):   # the fused head + loss: no (b, t, v) logits in memory
-                mean_nats = model(x, targets=y).ce
-            total_nats += weight * float(mean_nats) * y.numel()
-            total_tokens += weight * y.numel()
+                out = model(x, targets=y)
+            scored = int((y != -100).sum())
+            total_nats += weight * float(out.ce) * scored
+            total_tokens += weight * scored
+            if out.accuracy is not None:
+                total_correct += weight * float(out.accuracy) * scored
     finally:
         model.train(was_training)
     if dist_info is not None and dist_info.enabled:
         from archlab.distributed import all_reduce_sum
-        total_nats, total_tokens = all_reduce_sum([total_nats, float(total_tokens)], dist_info)
+        total_nats, total_tokens, total_correct = all_reduce_sum([total_nats, float(total_tokens), total_correct],
+                                                                 dist_info)
         total_tokens = int(total_tokens)
     if total_tokens == 0:
         raise ValueError("evaluation scored no tokens")
     loss = total_nats / total_tokens
+    if objective is not None:
+        return EvalResult(loss=loss, ppl=math.exp(min(loss, 700.0)), bpb=float("nan"), tokens=total_tokens,
+                          accuracy=total_correct / total_tokens)
     n_bytes = dataset.bytes_per_token * total_tokens
     return EvalResult(loss=loss, ppl=math.exp(min(loss, 700.0)), bpb=bits_per_byte(loss, total_tokens, n_bytes),
                       tokens=total_tokens)

@@ -30,6 +30,7 @@ class LossOutput:
     ce: torch.Tensor        # mean next-token cross-entropy (nats); no gradient on the fused path
     z_loss: torch.Tensor    # z_loss * mean(log Z)^2 (PaLM), already weighted
     aux_loss: torch.Tensor  # MoE load-balancing + router z-loss, already weighted
+    accuracy: torch.Tensor | None = None   # share of scored slots whose argmax is the target (MLM evaluation)
 
 
 class TransformerLM(Embedder, nn.Module):

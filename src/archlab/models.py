@@ -6,18 +6,17 @@
 """
 from __future__ import annotations
 
-from torch import nn
-
 from archlab.config import ConfigError, ModelConfig
 from archlab.encoder import EncoderLM
 from archlab.model import TransformerLM
 
-__all__ = ["MODEL_CLASSES", "build_model"]
+__all__ = ["MODEL_CLASSES", "LanguageModel", "build_model"]
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"decoder": TransformerLM, "encoder": EncoderLM}
+LanguageModel = TransformerLM | EncoderLM
+MODEL_CLASSES: dict[str, type[LanguageModel]] = {"decoder": TransformerLM, "encoder": EncoderLM}
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
+def build_model(cfg: ModelConfig) -> LanguageModel:
     """The model `cfg.arch` names, initialised from cfg.seed. Example: build_model(presets.tiny("bert-base"))"""
     cls = MODEL_CLASSES.get(cfg.arch)
     if cls is None:

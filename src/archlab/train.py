@@ -342,7 +342,8 @@ class _Run:
 
     def __init__(self, model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval):
         from archlab.data import BatchSampler
-        from archlab.model import TransformerLM
+        from archlab.models import build_model
+        from archlab.objectives import masked_lm_for
 
         self.cfg, self.info, self.device = cfg, info, device
         self.data_dir, self.run_dir = data_dir, run_dir
@@ -351,7 +352,11 @@ class _Run:
         self.train_data, self.val_data, self.can_eval = train_data, val_data, can_eval
 
         seed_everything(cfg.seed + info.rank)
-        self.raw = TransformerLM(model_cfg).to(device)
+        self.raw = build_model(model_cfg).to(device)        # TransformerLM, or EncoderLM for arch="encoder"
+        # an encoder learns BERT's masked LM; its masks are a function of (seed, step, micro-batch, rank)
+        self.objective = (masked_lm_for(train_data.load_tokenizer(), model_cfg.vocab_size, seed=cfg.seed,
+                                        whole_word=cfg.whole_word_mask)
+                          if model_cfg.arch == "encoder" else None)
         self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len)
         prepared = dist_util.prepare_model(                             # recompute -> wrap -> optimizer -> compile
             self.raw, info, device, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
@@ -503,6 +508,8 @@ class _Run:
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # ce, total: summed on device
         for micro in range(cfg.grad_accum):
             x, y = next(self.sampler)
+            if self.objective is not None:                                    # MLM: masked inputs, labels
+                x, y = self.objective.batch(x, self.step, micro, info.rank)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             # gradients are all-reduced across ranks once, on the last micro-step
             with dist_util.no_grad_sync(self.model, info, sync=micro == cfg.grad_accum - 1):
@@ -577,9 +584,13 @@ class _Run:
         if self.can_eval:
             result = evaluate(self.model, self.val_data, batch_size=cfg.batch_size,  # whole batches split over ranks
                               seq_len=cfg.seq_len, max_batches=cfg.eval_batches, device=self.device,
-                              dtype=cfg.dtype, dist_info=self.info)
-            self.log({"step": self.step, "tokens": self.tokens, "val_loss": result.loss, "val_ppl": result.ppl,
-                      "val_bpb": result.bpb})
+                              dtype=cfg.dtype, dist_info=self.info, objective=self.objective)
+            record = {"step": self.step, "tokens": self.tokens, "val_loss": result.loss, "val_ppl": result.ppl}
+            if result.accuracy is None:
+                record["val_bpb"] = result.bpb
+            else:
+                record["val_mlm_accuracy"] = result.accuracy
+            self.log(record)
             self.last_val = result.loss
         if self.last_val is not None and (self.best_val is None or self.last_val < self.best_val):
             self.best_val = self.last_val
@@ -588,7 +599,7 @@ class _Run:
         """Append a sampled continuation to samples.txt. DDP: rank 0 alone samples; FSDP: every rank
         takes part in the sharded forward passes (no KV-cache generate); rank 0 writes."""
         cfg, info = self.cfg, self.info
-        if cfg.sample_every < 0 or self.tokenizer is None:
+        if cfg.sample_every < 0 or self.tokenizer is None or self.objective is not None:   # encoders don't sample
             return
         if info.strategy == "ddp" and not info.is_main:
             return

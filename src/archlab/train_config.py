@@ -54,6 +54,8 @@ class TrainConfig:
     no_decay: str = "norms,biases,embeddings"   # comma list of norms, biases, embeddings; or "none"
     dist_strategy: Literal["ddp", "fsdp"] = "ddp"
     memory_check: bool = True              # refuse before building when the estimate exceeds free memory
+    mlm_probability: float = 0.15          # encoders: share of tokens chosen for the masked-LM loss (BERT)
+    whole_word_mask: bool = False          # encoders: choose whole words (all of a word's pieces) instead
 
     def __post_init__(self):
         if isinstance(self.betas, list):
@@ -68,6 +70,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} must be >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not 0.0 < self.mlm_probability < 1.0:
+            raise ConfigError(f"train.mlm_probability={self.mlm_probability} must be in (0, 1)")
         if not 0.0 <= self.decay_fraction <= 1.0:
             raise ConfigError(f"train.decay_fraction={self.decay_fraction} must be in [0, 1]")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

@@ -150,7 +150,9 @@ def _score_mod(call: AttnCall, pairs: _Pairs | None) -> Callable[..., torch.Tens
     return score_mod
 
 
-@register(priority=400)
+# before SDPA where CUDA is (it is preferred there); on a CPU-only machine it is never preferred, so it sits just
+# above eager: the calls SDPA and the blocked kernels take never pay its checks (~1-2 us a call in a decode step)
+@register(priority=400 if torch.cuda.is_available() else 1)
 class Flex(Backend):
     """FlexAttention with the call's BlockMask: masks and position biases without a dense (t, s) mask."""
 

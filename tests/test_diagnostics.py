@@ -102,5 +102,29 @@ def test_save_report_writes_json_and_pngs(tmp_path):
     result = diagnostics.diagnose(_frozen_stream_model(q_bias=100.0), _ids())
     paths = diagnostics.save_report(result, tmp_path)
     assert json.loads(paths["json"].read_text())["summary"]["n_layers"] == 3
-    for key in ("first_token_mass", "entropy", "massive"):
+    for key in ("first_token_mass", "entropy", "massive", "effective_rank"):
         assert paths[key].stat().st_size > 1000
+
+
+def test_effective_rank_of_hand_made_matrices():
+    assert diagnostics.effective_rank(torch.eye(4)) == pytest.approx(4.0)
+    assert diagnostics.effective_rank(torch.ones(5, 3)) == pytest.approx(1.0)           # rank collapse
+    assert diagnostics.effective_rank(torch.diag(torch.tensor([2.0, 2.0, 0.0]))) == pytest.approx(2.0)
+    # singular values 3 and 1: p = (3/4, 1/4), exp(H) = exp(-(0.75 ln 0.75 + 0.25 ln 0.25))
+    expected = math.exp(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))
+    assert diagnostics.effective_rank(torch.diag(torch.tensor([3.0, 1.0]))) == pytest.approx(expected)
+    rotated = torch.linalg.qr(torch.randn(6, 6))[0] @ torch.diag(torch.tensor([3.0, 1.0, 0, 0, 0, 0]))
+    assert diagnostics.effective_rank(rotated) == pytest.approx(expected)                 # basis-free
+
+
+def test_diagnose_reports_effective_rank_for_an_encoder_and_a_decoder():
+    from archlab import presets
+    from archlab.models import build_model
+
+    for name in ("bert-base", "gpt2"):
+        model = build_model(presets.tiny(name))
+        result = diagnostics.diagnose(model, torch.randint(0, 256, (2, 12)))
+        ranks = [layer["effective_rank"] for layer in result["layers"]]
+        assert all(1.0 <= r <= 12 for r in ranks)
+        assert result["summary"]["final_effective_rank"] == ranks[-1]
+    assert result["summary"]["uniform_entropy"] < math.log(12)        # a causal query sees fewer keys

@@ -6,6 +6,9 @@
   (token, dimension) where it occurs, against the median |hidden state|; a ratio of 1e3-1e5 is "massive".
   Hidden states are the residual stream after each block (forward hooks on model.blocks).
 - Attention entropy per head, in nats, averaged over queries 1..t-1 (uniform over n keys = ln n).
+- Effective rank of each layer's hidden states (Roy & Vetterli 2007): exp of the entropy of the normalized
+  singular values of the (t, d) matrix of a row's token states; 1 when every token's state is the same
+  direction (rank collapse, Dong et al. 2021, arXiv 2103.03404), min(t, d) when all directions are equally used.
 - Max attention logit per layer (Wortsman et al. 2023, arXiv 2309.14322): the largest raw q.k * scale
   before soft-capping, over the causal (and window) mask; growth past ~1e4 precedes divergence.
 
@@ -22,7 +25,20 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["diagnose", "max_attention_logits", "attention_scores", "save_report", "load_model_and_tokenizer"]
+__all__ = ["diagnose", "effective_rank", "max_attention_logits", "attention_scores", "save_report",
+           "load_model_and_tokenizer"]
+
+
+def effective_rank(hidden: torch.Tensor) -> float:
+    """exp(H(p)), p = sigma / sum(sigma) over the singular values of `hidden` (t, d): Roy & Vetterli (2007).
+    Example: effective_rank(torch.eye(4)) -> 4.0; effective_rank(torch.ones(5, 3)) -> 1.0"""
+    sigma = torch.linalg.svdvals(hidden.double())
+    total = sigma.sum()
+    if total <= 0:
+        return 0.0
+    p = sigma / total
+    p = p[p > 0]
+    return float(torch.exp(-(p * p.log()).sum()))
 
 
 def _attn_modules(model) -> list:
@@ -81,6 +97,7 @@ def diagnose(model, input_ids: torch.Tensor, tokens: Sequence[str] | None = None
             "layer": i, "first_token_mass": first.tolist(), "entropy": ent.tolist(),
             "max_abs": max_abs, "median_abs": median,
             "ratio": max_abs / median if median > 0 else float("inf"), "top": top,
+            "effective_rank": sum(effective_rank(row) for row in hs) / len(hs),   # mean over batch rows
         })
     ratios = [layer["ratio"] for layer in layers]
     worst = max(range(len(layers)), key=lambda i: ratios[i])
@@ -90,7 +107,10 @@ def diagnose(model, input_ids: torch.Tensor, tokens: Sequence[str] | None = None
         "max_ratio": ratios[worst], "max_ratio_layer": worst,
         "max_activation": max(layer["max_abs"] for layer in layers),
         "mean_entropy": float(torch.tensor([layer["entropy"] for layer in layers]).mean()),
-        "uniform_entropy": float(sum(math.log(i + 1) for i in range(1, t)) / (t - 1)),
+        # uniform attention over the keys a query sees: i + 1 of them in a causal model, all t in an encoder
+        "uniform_entropy": (math.log(t) if getattr(model.config, "arch", "decoder") == "encoder"
+                            else float(sum(math.log(i + 1) for i in range(1, t)) / (t - 1))),
+        "final_effective_rank": layers[-1]["effective_rank"],
     }
     return {"summary": summary, "layers": layers,
             "tokens": list(tokens[:t]) if tokens is not None else None}
@@ -134,8 +154,8 @@ def max_attention_logits(model, input_ids: torch.Tensor) -> list[float]:
 
 # --------------------------------------------------------------------------- plots and files
 def save_report(result: dict, out_dir: str | Path) -> dict[str, Path]:
-    """summary.json and heatmap PNGs (first-token mass and entropy per layer x head; max/median ratio
-    per layer) into out_dir; returns the paths."""
+    """summary.json and PNGs (first-token mass and entropy per layer x head; max/median ratio and effective
+    rank per layer) into out_dir; returns the paths."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -175,6 +195,17 @@ def save_report(result: dict, out_dir: str | Path) -> dict[str, Path]:
     paths["massive"] = out / "massive_activations.png"
     fig.savefig(paths["massive"])
     plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    ax.plot([layer["layer"] for layer in layers], [layer["effective_rank"] for layer in layers], "o-")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("effective rank of the hidden states")
+    ax.set_ylim(bottom=0)
+    ax.set_title("rank collapse: 1 = every token in one direction", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths["effective_rank"] = out / "effective_rank.png"
+    fig.savefig(paths["effective_rank"])
+    plt.close(fig)
     return paths
 
 
@@ -187,7 +218,7 @@ def _json_default(obj: Any):
 def load_model_and_tokenizer(path: str | Path):
     """(model, tokenizer or None) from an archlab run folder or an HF folder (archlab.model_folder)."""
     from archlab.model_folder import load_model_and_tokenizer as load
-    return load(path, need_tokenizer=False)
+    return load(path, need_tokenizer=False, archs=("decoder", "encoder"), purpose="diagnose")
 
 
 def encode_text(tokenizer, text: str, max_tokens: int) -> tuple[list[int], list[str]]:

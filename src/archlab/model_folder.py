@@ -1,6 +1,6 @@
 """Any model folder a user points at: an archlab run folder (config.yaml + checkpoints/ + tokenizer/, or the
 model.safetensors an older `convert` wrote) or a Hugging Face folder (config.json + safetensors +
-tokenizer.json). One loader serves generate, diagnose and serve.
+tokenizer.json). One loader serves generate, diagnose and serve; `load_masked_lm` opens an encoder for fill-mask.
 """
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from pathlib import Path
 
 from archlab.errors import UserError
 
-__all__ = ["load_model_and_tokenizer"]
+__all__ = ["load_masked_lm", "load_model_and_tokenizer"]
 
 
-def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_tokenizer: bool = True):
-    """(TransformerLM in eval mode, tokenizer or None) from a run folder, an HF folder, or an
-    `hf:ORG/NAME[@REVISION]` id (archlab.hub: safetensors, configs and tokenizer files only).
+def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_tokenizer: bool = True,
+                             archs: tuple[str, ...] = ("decoder",), purpose: str = "generation"):
+    """(model in eval mode, tokenizer or None) from a run folder, an HF folder, or an `hf:ORG/NAME[@REVISION]` id
+    (archlab.hub: safetensors, configs and tokenizer files only). `archs`: the kinds of model (ModelConfig.arch)
+    the caller can use; another kind is a UserError naming `purpose`.
     Example: model, tok = load_model_and_tokenizer("runs/demo")"""
     from archlab.hub import resolve_model
 
@@ -27,6 +29,7 @@ def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_toke
             model, tok = load_run_model(path).to(device), load_run_tokenizer(path)
         else:
             raise UserError(f"{path} has config.yaml but no checkpoints/ or model.safetensors")
+        _check_arch(path, model.config, archs, purpose)
         if tok is None and need_tokenizer:
             raise UserError(f"{path} has no tokenizer/ folder to encode the prompt")
         return model.eval(), tok
@@ -34,9 +37,7 @@ def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_toke
         from archlab.interop import load_hf
         from archlab.tokenizer import load as load_tokenizer
         model = load_hf(path).to(device).eval()
-        if model.config.arch != "decoder":   # BERT, RoBERTa: masked LMs (archlab verify compares them)
-            raise UserError(f"{path} holds an {model.config.arch} ({model.config.name}, a masked LM): "
-                            "generate, diagnose and serve need a decoder-only LM")
+        _check_arch(path, model.config, archs, purpose)
         if not (path / "tokenizer.json").is_file():
             if need_tokenizer:
                 raise UserError(f"{path} has no tokenizer.json")
@@ -48,3 +49,61 @@ def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_toke
                 raise
             return model, None                     # weights-only uses (diagnostics) still work
     raise UserError(f"{path} is neither a run folder (config.yaml) nor an HF folder (config.json)")
+
+
+_KINDS = {"decoder": "a decoder-only LM", "encoder": "an encoder (a masked LM)",
+          "encoder_decoder": "an encoder-decoder"}
+
+
+def _check_arch(path: Path, cfg, archs: tuple[str, ...], purpose: str) -> None:
+    if cfg.arch not in archs:
+        wanted = " or ".join(_KINDS.get(a, a) for a in archs)
+        raise UserError(f"{path} holds {_KINDS.get(cfg.arch, cfg.arch)} ({cfg.name}): {purpose} needs {wanted}")
+
+
+def load_masked_lm(path: str | Path, device: str = "cpu"):
+    """(EncoderLM in eval mode, tokenizer) from a run folder or an HF folder (bert, roberta) or an hf: id. The
+    model's kind is read from its config before any weights load: a decoder is one line. A tokenizer.json with a
+    post-processor loads through the `tokenizers` library (archlab.tokenizer.HFTokenizer), so fill-mask encodes
+    with the special tokens the model was trained with ([CLS] ... [SEP], <s> ... </s>).
+    Example: model, tok = load_masked_lm("runs/demo-encoder")"""
+    from archlab.fill_mask import require_encoder
+    from archlab.hub import resolve_model
+
+    path = resolve_model(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if (path / "config.yaml").is_file():
+        from archlab.checkpoint import read_run_config
+        model_cfg = read_run_config(path)["model"]
+        if isinstance(model_cfg, dict):           # anything else: load_run names what is wrong with it
+            require_encoder(str(path), str(model_cfg.get("arch", "decoder")))
+        model, tok = load_model_and_tokenizer(path, device)
+        return model, _with_post_processor(tok, path / "tokenizer")
+    if (path / "config.json").is_file():
+        from archlab.interop import load_hf
+        from archlab.interop.hf import family_for, read_hf_config
+        require_encoder(str(path), family_for(read_hf_config(path)).arch)
+        if not (path / "tokenizer.json").is_file():
+            raise UserError(f"{path} has no tokenizer.json")
+        from archlab.tokenizer import load as load_tokenizer
+        model = load_hf(path).to(device).eval()
+        return model, _with_post_processor(load_tokenizer(path), path)
+    raise UserError(f"{path} is neither a run folder (config.yaml) nor an HF folder (config.json)")
+
+
+def _with_post_processor(tok, folder: Path):
+    """`tok`, or the same tokenizer.json through the `tokenizers` library when it has a post-processor that
+    archlab's native readers skip (RoBERTa's byte-level BPE with <s> ... </s>)."""
+    from archlab.tokenizer import HFTokenizer
+    from archlab.tokenizer.loading import read_tokenizer_json
+
+    if tok is None or isinstance(tok, HFTokenizer) or not (folder / "tokenizer.json").is_file():
+        return tok
+    if not read_tokenizer_json(folder).get("post_processor"):
+        return tok
+    try:
+        return HFTokenizer.from_file(folder)
+    except ImportError:
+        raise UserError(f"{folder / 'tokenizer.json'} has a post-processor (special tokens around the text) that "
+                        "only the `tokenizers` package applies: pip install 'archlab[hf]'") from None

@@ -54,10 +54,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"{s['n_tokens']} tokens, {s['n_layers']} layers: first-token attention mass {s['first_token_mass']:.3f} "
           f"(mean over layers and heads), max |h| {s['max_activation']:.4g}, max/median ratio "
           f"{s['max_ratio']:.4g} at layer {s['max_ratio_layer']}, mean entropy {s['mean_entropy']:.3f} nats "
-          f"(uniform {s['uniform_entropy']:.3f})")
+          f"(uniform {s['uniform_entropy']:.3f}), final effective rank {s['final_effective_rank']:.1f} "
+          f"of at most {min(s['n_tokens'], model.config.d_model)}")
     for layer in result["layers"]:
         top = layer["top"][0]
-        print(f"  layer {layer['layer']:2d}: sink {sum(layer['first_token_mass']) / len(layer['first_token_mass']):.3f}"
-              f"  ratio {layer['ratio']:9.4g}  max at token {top['token_index']} ({top['token']!r}) dim {top['dim']}")
+        sink = sum(layer["first_token_mass"]) / len(layer["first_token_mass"])
+        print(f"  layer {layer['layer']:2d}: sink {sink:.3f}"
+              f"  ratio {layer['ratio']:9.4g}  erank {layer['effective_rank']:6.1f}"
+              f"  max at token {top['token_index']} ({top['token']!r}) dim {top['dim']}")
     print(f"wrote {paths['json']} and {len(paths) - 1} PNGs in {paths['json'].parent}")
     return 0

@@ -115,7 +115,7 @@ def run(args) -> int:
     from archlab.generation import stream
 
     check_args(args)
-    model, tok = load_model_and_tokenizer(args.path, args.device)
+    model, tok = load_model_and_tokenizer(args.path, args.device, purpose="generate")
     prompt = tok.encode(args.prompt)
     if not prompt:
         raise UserError("--prompt encodes to no tokens")

@@ -178,7 +178,8 @@ def run_tasks(args) -> int:
     except ImportError:
         raise UserError("--tasks needs lm-evaluation-harness: pip install 'archlab[eval]'") from None
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    model, tokenizer = load_model_and_tokenizer(args.run_dir, "cuda" if args.device == "cuda" else "cpu")
+    model, tokenizer = load_model_and_tokenizer(args.run_dir, "cuda" if args.device == "cuda" else "cpu",
+                                                purpose="eval --tasks")
     try:
         results = run(model, tokenizer, tasks, include_path=args.include_path, limit=args.limit,
                       num_fewshot=args.num_fewshot, batch_size=args.batch_size or 8)

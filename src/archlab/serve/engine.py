@@ -84,7 +84,7 @@ class Engine:
     def from_folder(cls, path: str | Path, device: str = "cpu", max_batch: int = 8) -> Engine:
         from archlab.model_folder import load_model_and_tokenizer
 
-        model, tokenizer = load_model_and_tokenizer(path, device)
+        model, tokenizer = load_model_and_tokenizer(path, device, purpose="serve")
         folder = Path(str(path).split("@")[0])
         return cls(model, tokenizer, folder.resolve().name, _chat_template(Path(path)), max_batch)
 

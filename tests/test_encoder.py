@@ -141,8 +141,10 @@ def test_the_wrong_class_for_an_arch_is_a_config_error_naming_the_right_one():
         archlab.TransformerLM(presets.tiny("bert-base"))
     with pytest.raises(ConfigError, match="arch='encoder'"):
         EncoderLM(presets.tiny("gpt2"))
-    with pytest.raises(ConfigError, match="not built yet"):
-        build_model(presets.tiny("gpt2").with_overrides({"arch": "encoder_decoder"}))
+    with pytest.raises(ConfigError, match="EncoderDecoderLM"):
+        archlab.TransformerLM(presets.tiny("t5-11b"))
+    assert type(build_model(presets.tiny("gpt2").with_overrides({"arch": "encoder_decoder"}))).__name__ == \
+        "EncoderDecoderLM"
     with pytest.raises(ConfigError, match="arch"):
         presets.tiny("gpt2").with_overrides({"arch": "seq2seq"})
 

@@ -14,6 +14,7 @@ _LAZY = {
     "ModelConfig": ("archlab.config", "ModelConfig"),
     "TransformerLM": ("archlab.model", "TransformerLM"),
     "EncoderLM": ("archlab.encoder", "EncoderLM"),
+    "EncoderDecoderLM": ("archlab.encoder_decoder", "EncoderDecoderLM"),
     "build_model": ("archlab.models", "build_model"),
     "generate": ("archlab.generation", "generate"),
 }

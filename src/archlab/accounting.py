@@ -1,19 +1,25 @@
 """Analytic accounting from a ModelConfig alone (no model built): parameters, FLOPs, memory.
 
-    param_count(cfg)                     unique parameters, == TransformerLM(cfg).num_params()
+    param_count(cfg)                     unique parameters, == build_model(cfg).num_params()
     param_breakdown(cfg)                 the same, split into embeddings/position/attention/mlp/norms/head
     flops_per_token(cfg, seq_len)        forward FLOPs per token (Kaplan et al. 2020 convention, below)
     keys_per_query(cfg, layer, seq_len)  attended pairs per query: windows, dilation, global tokens, sparse patterns
     training_flops_per_token(cfg, T)     3x forward (backward costs twice the forward)
     kv_cache_bytes(cfg, seq_len, ...)    K and V cache honouring GQA/MQA and sliding windows
     training_memory_bytes(cfg, ...)      weights + grads + optimizer state + activations (estimate)
+
+An encoder-decoder (arch="encoder_decoder") has n_layers encoder layers and stack_depth("cross_decoder")
+decoder layers, each decoder layer with a cross-attention sublayer (its own q/k/v/o and norm); one shared
+embedding, one T5 table per stack. Its FLOPs per token are per token processed, a source and a target of
+seq_len tokens each (`encoder_decoder_flops` splits them); its KV cache holds the decoder's self-attention
+keys and values plus the cross-attention's, projected once from the source.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from archlab.config import ConfigError, ModelConfig
+from archlab.config import ConfigError, ModelConfig, StackRole
 
 DTYPE_BYTES = {
     "float64": 8, "fp64": 8, "float32": 4, "fp32": 4, "tf32": 4,
@@ -88,37 +94,51 @@ def _block_norms(cfg: ModelConfig) -> int:
     return count
 
 
-def _uses_t5(cfg: ModelConfig) -> bool:
-    return any(cfg.position_kind(i) == "t5" for i in range(cfg.n_layers))
+def _stacks(cfg: ModelConfig) -> list[StackRole]:
+    """The stack roles a config's model has: one, or an encoder and a cross-attending decoder."""
+    if cfg.arch == "encoder_decoder":
+        return ["encoder", "cross_decoder"]
+    return ["encoder" if cfg.arch == "encoder" else "decoder"]
+
+
+def _uses_t5(cfg: ModelConfig, stack: StackRole = "decoder") -> bool:
+    return any(cfg.position_kind(i) == "t5" for i in range(cfg.stack_depth(stack)))
 
 
 def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
-    """Unique parameters by part. QK-norm weights count under attention; tied head counts 0."""
-    d, v, L = cfg.d_model, cfg.vocab_size, cfg.n_layers
+    """Unique parameters by part. QK-norm weights count under attention; tied head counts 0. An encoder-decoder's
+    cross-attention counts under attention, its norms under norms."""
+    d, v = cfg.d_model, cfg.vocab_size
     norm_one = _norm_params(cfg, d, cfg.bias.norm)
     position = 0
     if cfg.position.kind == "learned":
         position += (cfg.max_seq_len + cfg.position.learned_offset) * d
-    if _uses_t5(cfg):
-        position += cfg.position.t5_num_buckets * cfg.attention.n_heads  # one table, all layers
-    norms = L * _block_norms(cfg) * norm_one
-    norms += norm_one * (int(cfg.norm.embedding_norm) + int(cfg.norm.final_norm))
+    attention = mlp = norms = 0
+    for stack in _stacks(cfg):
+        depth, cross = cfg.stack_depth(stack), int(stack == "cross_decoder")
+        if _uses_t5(cfg, stack):
+            position += cfg.position.t5_num_buckets * cfg.attention.n_heads  # one table per stack, all its layers
+        attention += depth * (1 + cross) * _attention_params(cfg)
+        mlp += depth * _mlp_params(cfg)
+        cross_norms = cross * (2 if cfg.norm.position == "sandwich" else 1)
+        norms += depth * (_block_norms(cfg) + cross_norms) * norm_one + int(cfg.norm.final_norm) * norm_one
+    norms += norm_one * int(cfg.norm.embedding_norm)
     head = (0 if cfg.tie_embeddings else v * d) + (v if cfg.bias.head else 0)
     if cfg.arch == "encoder":   # the MLM head's transform: dense (with bias) + norm (BERT)
         head += d * d + d + norm_one
     return {
         "embeddings": (v + cfg.type_vocab_size) * d,
         "position": position,
-        "attention": L * _attention_params(cfg),
-        "mlp": L * _mlp_params(cfg),
+        "attention": attention,
+        "mlp": mlp,
         "norms": norms,
         "head": head,
     }
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Unique parameters; equals TransformerLM(cfg).num_params() (EncoderLM's for an encoder; tied
-    embeddings count once)."""
+    """Unique parameters; equals build_model(cfg).num_params() (TransformerLM, EncoderLM or EncoderDecoderLM;
+    tied embeddings count once)."""
     return sum(param_breakdown(cfg).values())
 
 
@@ -129,7 +149,8 @@ def active_param_count(cfg: ModelConfig) -> int:
     if moe is None:
         return total
     dense = _dense_mlp_params(cfg.d_model, cfg.d_ff, cfg.mlp.gated, cfg.bias.mlp)
-    return total - cfg.n_layers * (moe.n_experts - moe.top_k) * dense
+    layers = sum(cfg.stack_depth(stack) for stack in _stacks(cfg))
+    return total - layers * (moe.n_experts - moe.top_k) * dense
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------------
@@ -144,8 +165,10 @@ def average_context(seq_len: int, window: int | None = None) -> float:
     return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
 
 
-def keys_per_query(cfg: ModelConfig, layer: int, seq_len: int, prefix_len: int = 0) -> float:
-    """Mean number of keys a causal query of `layer` attends to over positions 0..T-1, for every pattern
+def keys_per_query(cfg: ModelConfig, layer: int, seq_len: int, prefix_len: int = 0,
+                   stack: str | None = None) -> float:
+    """Mean number of keys a query of `layer` of a `stack` (None: the encoder of an encoder-only config, else a
+    causal decoder) attends to over positions 0..T-1 (self-attention), for every pattern
     the layer can have: a window (dilated: min(w, i // d + 1)), Sparse Transformer strided (min(l, i+1) +
     i // l) and fixed ((i mod l) + 1 + (i // l) c), Longformer's global tokens (their rows see i + 1 keys,
     every other row also sees the global keys outside its own pattern), and a prefix-LM prefix of
@@ -155,7 +178,7 @@ def keys_per_query(cfg: ModelConfig, layer: int, seq_len: int, prefix_len: int =
 
     if seq_len < 1 or not 0 <= prefix_len <= seq_len:
         raise ConfigError(f"seq_len={seq_len} must be >= 1 and prefix_len={prefix_len} in 0..seq_len")
-    if cfg.arch == "encoder":
+    if stack == "encoder" or (stack is None and cfg.arch == "encoder"):
         return _bidirectional_keys_per_query(cfg, layer, seq_len)
     i = torch.arange(seq_len, dtype=torch.float64)
     counts = _pattern_counts(cfg, layer, i)
@@ -204,8 +227,9 @@ def _pattern_counts(cfg: ModelConfig, layer: int, i):
     return ((i // att.dilation).floor() + 1).clamp(max=att.window)
 
 
-def _matmul_params_per_token(cfg: ModelConfig) -> int:
-    """Weights multiplied per token: projections, the top_k experts (+ shared, router), LM head."""
+def _layer_matmuls(cfg: ModelConfig) -> tuple[int, int]:
+    """(attention, MLP) weights one layer multiplies a token by: q/k/v/o (+ gate); the top_k experts (+ shared,
+    router)."""
     att, d, e = cfg.attention, cfg.d_model, cfg.head_dim
     he, ke = att.n_heads * e, cfg.n_kv_heads * e
     attn = d * he * 2 + 2 * d * ke + (d * he if att.gated else 0)
@@ -217,6 +241,13 @@ def _matmul_params_per_token(cfg: ModelConfig) -> int:
         mlp = moe.top_k * f_mats * d * cfg.d_ff + d * moe.n_experts
         if moe.shared_expert_d_ff:
             mlp += f_mats * d * moe.shared_expert_d_ff
+    return attn, mlp
+
+
+def _matmul_params_per_token(cfg: ModelConfig) -> int:
+    """Weights multiplied per token of a one-stack model: its layers' projections and experts, the LM head."""
+    attn, mlp = _layer_matmuls(cfg)
+    d = cfg.d_model
     mlm_transform = d * d if cfg.arch == "encoder" else 0
     return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size + mlm_transform
 
@@ -232,10 +263,40 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, prefix_len: int = 0) -> floa
     lookups, norms, biases, softmax, activations, position encodings (all O(d) per token).
     """
     att = cfg.attention
+    if cfg.arch == "encoder_decoder":
+        if prefix_len:
+            raise ConfigError(f"prefix_len={prefix_len}: an encoder-decoder has no prefix "
+                              "(its encoder reads the source)")
+        return sum(encoder_decoder_flops(cfg, seq_len, seq_len).values()) / (2 * seq_len)
     flops = 2.0 * _matmul_params_per_token(cfg)
     for layer in range(cfg.n_layers):
         flops += 4.0 * keys_per_query(cfg, layer, seq_len, prefix_len) * att.n_heads * cfg.head_dim
     return flops
+
+
+def encoder_decoder_flops(cfg: ModelConfig, source_len: int, target_len: int) -> dict[str, float]:
+    """Forward FLOPs of one encoder-decoder pass, by stack: the encoder over `source_len` tokens (bidirectional
+    attention), the decoder over `target_len` tokens (causal self-attention, cross-attention to every source
+    token, the LM head) including its cross-attention keys and values, projected once per source token and
+    layer. Same convention as `flops_per_token`. Example: encoder_decoder_flops(presets.get("t5-11b"), 512, 114)"""
+    if cfg.arch != "encoder_decoder":
+        raise ConfigError(f"arch={cfg.arch!r}: encoder_decoder_flops needs arch='encoder_decoder'")
+    if source_len < 1 or target_len < 1:
+        raise ConfigError(f"source_len={source_len} and target_len={target_len} must be >= 1")
+    att, d, e = cfg.attention, cfg.d_model, cfg.head_dim
+    he, ke = att.n_heads * e, cfg.n_kv_heads * e
+    attn, mlp = _layer_matmuls(cfg)
+    pair = 4.0 * att.n_heads * e                           # QK^T and PV per attended (query, key) pair
+    encoder = source_len * 2.0 * cfg.n_layers * (attn + mlp)
+    encoder += source_len * sum(pair * keys_per_query(cfg, i, source_len, stack="encoder")
+                                for i in range(cfg.n_layers))
+    depth = cfg.stack_depth("cross_decoder")
+    cross_q_o = 2 * d * he + (d * he if att.gated else 0)   # per target token; k/v per source token
+    decoder = target_len * 2.0 * (depth * (attn + cross_q_o + mlp) + d * cfg.vocab_size)
+    decoder += source_len * 2.0 * depth * 2 * d * ke
+    decoder += target_len * sum(pair * (keys_per_query(cfg, i, target_len, stack="cross_decoder") + source_len)
+                                for i in range(depth))
+    return {"encoder": encoder, "decoder": decoder}
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -251,25 +312,34 @@ def cached_tokens(cfg: ModelConfig, layer: int, seq_len: int) -> int:
     return seq_len if span is None else min(span, seq_len)
 
 
-def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: Any = "bfloat16") -> int:
+def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, dtype: Any = "bfloat16",
+                   source_len: int | None = None) -> int:
     """Bytes of K and V after `seq_len` tokens: sum over layers of 2 x k x e x tokens kept x bytes.
 
-    GQA/MQA shrink k (n_kv_heads); local layers keep only their window (a rolling buffer).
+    GQA/MQA shrink k (n_kv_heads); local layers keep only their window (a rolling buffer). An encoder-decoder
+    decoding `seq_len` target tokens also keeps each decoder layer's cross-attention K and V of the source,
+    `source_len` tokens (None: seq_len).
     """
-    if seq_len < 0 or batch < 1:
-        raise ConfigError(f"seq_len={seq_len} must be >= 0 and batch={batch} >= 1")
+    if seq_len < 0 or batch < 1 or (source_len is not None and source_len < 0):
+        raise ConfigError(f"seq_len={seq_len} and source_len={source_len} must be >= 0 and batch={batch} >= 1")
     if cfg.arch == "encoder":   # an encoder reads its whole input at once: nothing is cached
         return 0
     per_token_layer = 2 * cfg.n_kv_heads * cfg.head_dim * dtype_bytes(dtype)
-    tokens = sum(cached_tokens(cfg, i, seq_len) for i in range(cfg.n_layers))
+    cross = cfg.arch == "encoder_decoder"
+    depth = cfg.stack_depth("cross_decoder" if cross else "decoder")
+    tokens = sum(cached_tokens(cfg, i, seq_len) for i in range(depth))
+    if cross:
+        tokens += depth * (seq_len if source_len is None else source_len)
     return int(batch * tokens * per_token_layer)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: Any = "bfloat16") -> int:
-    """Cache growth per token while no window is full: 2 x n_layers x k x e x bytes (0 for an encoder)."""
+    """Cache growth per token while no window is full: 2 x n_layers x k x e x bytes (0 for an encoder; an
+    encoder-decoder's decoder layers per target token, and as much again per source token, once)."""
     if cfg.arch == "encoder":
         return 0
-    return int(2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes(dtype))
+    depth = cfg.stack_depth("cross_decoder" if cfg.arch == "encoder_decoder" else "decoder")
+    return int(2 * depth * cfg.n_kv_heads * cfg.head_dim * dtype_bytes(dtype))
 
 
 # ---- training memory -----------------------------------------------------------------------------
@@ -283,7 +353,9 @@ def activation_elements_per_token(cfg: ModelConfig) -> int:
     pre-activations and the down-projection input ((2 or 3) f, times top_k for MoE). Plus the final
     norm's input and the dL/dh the chunked loss keeps (2d): no logits are kept (model.loss_from_hidden,
     see `training_memory` for its workspace). A simplification of Korthikanti et al. 2022
-    (arXiv 2205.05198) without dropout masks."""
+    (arXiv 2205.05198) without dropout masks. An encoder-decoder: one source and one target token, the
+    encoder's layers and final norm plus the decoder's, each decoder layer also its cross-attention's norm input
+    and query projection input (2d), query and output (2 h e) and the source's keys and values (2 k e)."""
     att, d, e, f = cfg.attention, cfg.d_model, cfg.head_dim, cfg.d_ff
     per_layer = 4 * d + (2 * d if cfg.norm.position == "sandwich" else 0)
     per_layer += (att.n_heads + 2 * cfg.n_kv_heads) * e + att.n_heads * e
@@ -293,6 +365,9 @@ def activation_elements_per_token(cfg: ModelConfig) -> int:
             (3 if cfg.mlp.gated else 2) * cfg.mlp.moe.shared_expert_d_ff
             if cfg.mlp.moe.shared_expert_d_ff else 0)
     per_layer += mlp
+    if cfg.arch == "encoder_decoder":
+        cross = 2 * d + 2 * att.n_heads * e + 2 * cfg.n_kv_heads * e
+        return cfg.n_layers * per_layer + d + cfg.stack_depth("cross_decoder") * (per_layer + cross) + 2 * d
     return cfg.n_layers * per_layer + 2 * d
 
 

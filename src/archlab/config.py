@@ -382,17 +382,17 @@ class LayerSpec:
     rope_theta: float | None = 10_000.0
     rope_scaling: RopeScaling | None = None
     attn_scale: float = 1.0                # the softmax temperature: query_pre_attn_scalar**-0.5 ...
-    cross_attention: bool = False          # room: a decoder layer that also attends to an encoder
+    cross_attention: bool = False          # a decoder layer that also attends to an encoder (cross_decoder)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A Transformer LM: every row of the lecture's table is one of these. `arch` says which stacks it has
-    (decoder-only, encoder-only); every other switch is shared by its stacks."""
+    (decoder-only, encoder-only, both); every other switch is shared by its stacks (but the decoder's depth)."""
 
     name: str = "custom"
     arch: Arch = "decoder"                  # decoder-only LM (GPT); encoder with an MLM head (BERT, RoBERTa);
-                                            # encoder_decoder (T5, BART: not built yet)
+                                            # encoder_decoder (T5): encoder + decoder with cross-attention
     vocab_size: int = 32_000
     d_model: int = 512
     n_layers: int = 8
@@ -411,6 +411,8 @@ class ModelConfig:
     logit_scale: float | None = None        # Cohere: logits * 0.0625
     final_logit_softcap: float | None = None  # Gemma 2: 30.0
     z_loss: float = 0.0                     # PaLM: 1e-4 * log(Z)^2
+    decoder_layers: int | None = None       # encoder_decoder: the decoder's depth (None: n_layers, the encoder's)
+    decoder_start_token_id: int = 0         # encoder_decoder: the decoder's first input (T5: its pad id, 0)
     seed: int = 0
 
     def __post_init__(self):
@@ -428,6 +430,7 @@ class ModelConfig:
             raise ConfigError(f"type_vocab_size={self.type_vocab_size} must be >= 0")
         if self.arch == "encoder" and self.attention.prefix_lm:
             raise ConfigError("attention.prefix_lm=True needs arch='decoder': an encoder is bidirectional already")
+        self._check_encoder_decoder()
         if not 0.0 <= self.embedding_dropout < 1.0:
             raise ConfigError(f"embedding_dropout={self.embedding_dropout} must be in [0, 1)")
         att, pos = self.attention, self.position
@@ -471,7 +474,28 @@ class ModelConfig:
         if self.mlp.width(self.d_model) < 1:
             raise ConfigError("mlp width must be >= 1")
 
+    def _check_encoder_decoder(self) -> None:
+        _positive("model", decoder_layers=self.decoder_layers)
+        if not 0 <= self.decoder_start_token_id < self.vocab_size:
+            raise ConfigError(f"decoder_start_token_id={self.decoder_start_token_id} must be in "
+                              f"0..vocab_size-1={self.vocab_size - 1}")
+        if self.arch != "encoder_decoder":
+            if self.decoder_layers is not None:
+                raise ConfigError(f"decoder_layers={self.decoder_layers} sets an encoder-decoder's decoder depth; "
+                                  f"arch={self.arch!r} has n_layers only")
+            return
+        for switch, on in (("attention.prefix_lm", self.attention.prefix_lm), ("block.parallel", self.block.parallel),
+                           ("type_vocab_size", self.type_vocab_size)):
+            if on:   # a prefix is what the encoder is; parallel blocks have no place for the cross-attention
+                raise ConfigError(f"{switch}={on!r} is not available with arch='encoder_decoder'")
+
     # ---- derived sizes -------------------------------------------------------------------
+    def stack_depth(self, stack: StackRole = "decoder") -> int:
+        """Layers in a stack of this role: `decoder_layers` (or n_layers) for an encoder-decoder's decoder
+        (cross_decoder), n_layers otherwise. Example: ModelConfig(arch="encoder_decoder", decoder_layers=2)
+        .stack_depth("cross_decoder") -> 2"""
+        return (self.decoder_layers or self.n_layers) if stack == "cross_decoder" else self.n_layers
+
     @property
     def head_dim(self) -> int:
         return self.attention.head_dim or self.d_model // self.attention.n_heads
@@ -502,10 +526,11 @@ class ModelConfig:
         """Every per-layer decision, resolved once: the slice of this config that layer `layer` of a
         `stack` reads (Attention, its position module and Block take it instead of the whole config and
         an index). Example: ModelConfig().layer_spec(0, "encoder").causal -> False"""
-        if not 0 <= layer < self.n_layers:
-            raise ConfigError(f"layer {layer} is outside 0..{self.n_layers - 1}")
         if stack not in STACK_ROLES:
             raise ConfigError(f"unknown stack role {stack!r}: one of {', '.join(STACK_ROLES)}")
+        depth = self.stack_depth(stack)
+        if not 0 <= layer < depth:
+            raise ConfigError(f"layer {layer} is outside 0..{depth - 1}")
         att, pos = self.attention, self.position
         local = self.is_local(layer)
         rope_local = local and pos.local_rope_theta is not None

@@ -8,6 +8,7 @@ model from outside (train.py), never here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from torch import nn
 from archlab.config import ConfigError, ModelConfig
 from archlab.nn.calls import call
 from archlab.nn.embedding import Embedder, init_weights
-from archlab.nn.fused import head_linear
+from archlab.nn.fused import DecodeSession, head_linear
 from archlab.nn.fused_loss import linear_cross_entropy
 from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import MoEMLP
@@ -33,87 +34,29 @@ class LossOutput:
     accuracy: torch.Tensor | None = None   # share of scored slots whose argmax is the target (MLM evaluation)
 
 
-class TransformerLM(Embedder, nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        cfg = self.config = config
-        if cfg.arch != "decoder":
-            raise ConfigError(f"arch={cfg.arch!r}: TransformerLM is the decoder-only LM"
-                              + (" (build archlab.EncoderLM)" if cfg.arch == "encoder" else ""))
-        self.build_embedder(cfg)
-        self.t5_bias = stack_t5_table(cfg, "decoder")   # one table for all layers (T5), or None
-        self.blocks = TransformerStack(cfg, "decoder", self.t5_bias)   # a ModuleList: keys stay blocks.{i}.
-        self.final_norm = (build_norm(cfg.norm.kind, cfg.d_model, cfg.norm.eps, cfg.bias.norm)
-                           if cfg.norm.final_norm else None)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.bias.head else None
-        self.reset_parameters()
+class NextTokenHead:
+    """Mixin for an nn.Module LM whose top is a next-token head (the decoder-only LM, the encoder-decoder): the
+    head (tied or not, bias, Cohere's logit scale, Gemma 2's soft-cap, T5's d**-0.5 rescale as a logit scale)
+    and its losses. Its parameters stay the model's own (`lm_head.weight`, `head_bias`)."""
 
-    def reset_parameters(self) -> None:
-        """nn/embedding.init_weights: the one init every kind of LM shares."""
-        init_weights(self, self.config)
-
-    # ---- forward -----------------------------------------------------------------------------
-    def forward(
-        self,
-        input_ids: torch.Tensor,                      # (b, t) int
-        positions: torch.Tensor | None = None,        # (b, t) int; -1 marks padding. None: 0..t-1, or
-                                                      # continuing the cache (rows unpadded, one length)
-        cache=None,                                   # see archlab.nn.kv_cache for the protocol
-        prefix_lengths: torch.Tensor | None = None,   # (b,) for attention.prefix_lm
-        return_hidden: bool = False,
-        targets: torch.Tensor | None = None,          # (b, t) int: return the LossOutput instead
-    ) -> torch.Tensor | LossOutput:                   # (b, t, v) logits, or (b, t, d) hidden
-        b, t = input_ids.shape
-        implied = positions is None
-        plain = implied and cache is None
-        if positions is None:
-            start = len(cache) if cache is not None else 0
-            # plain causal: one (1, t) row that RoPE tables, biases and masks broadcast over the batch
-            # (b x less table work); the KV cache keeps positions per row, so it gets (b, t)
-            positions = torch.arange(start, start + t, device=input_ids.device)[None]
-            if not plain:
-                positions = positions.expand(b, t)
-        if self.config.position.kind == "learned" and int(positions.max()) >= self.config.max_seq_len:
-            raise ValueError(
-                f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}: "
-                "learned position embeddings have no row for it"
-            )
-        if prefix_lengths is not None and not self.config.attention.prefix_lm:
-            raise ValueError("prefix_lengths given but config.attention.prefix_lm is False")
-        # what attends to what, built once: every block reads it, and its layers share RoPE tables and masks
-        inputs = AttnInputs(positions, self.blocks.mask_spec(prefix_lengths), cache=cache, plain=plain,
-                            continued=cache is not None and implied, fresh=cache is not None and len(cache) == 0)
-        x = self.embed_tokens(input_ids, positions)                          # (b, t, d)
-        x = call(self.blocks, x, inputs)                                     # (b, t, d)
-        if self.final_norm is not None:
-            x = call(self.final_norm, x)
-        if return_hidden:
-            return x
-        if targets is not None:  # through forward, so DDP/FSDP/compile wrappers see the whole step
-            return self.loss_from_hidden(x, targets)
-        return self.head(x)
+    config: ModelConfig
+    embed: nn.Embedding
+    lm_head: nn.Linear | None
+    head_bias: nn.Parameter | None
 
     @property
     def head_weight(self) -> torch.Tensor:  # (v, d): the LM head, or the embedding when tied
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, t, v)
-        owner = self if self.lm_head is None else self.lm_head     # hooks on lm_head are honoured
-        logits = head_linear(x, owner, self.head_weight, self.head_bias)
+    def head(self, x: torch.Tensor, session: DecodeSession | None = None) -> torch.Tensor:  # (b, t, d) -> (b, t, v)
+        owner = cast(nn.Module, self) if self.lm_head is None else self.lm_head     # hooks on lm_head are honoured
+        logits = head_linear(x, owner, self.head_weight, self.head_bias, session)   # packed in a decode session
         if self.config.logit_scale is not None:       # Cohere
             logits = logits * self.config.logit_scale
         cap = self.config.final_logit_softcap         # Gemma 2: cap * tanh(logits / cap)
         if cap is not None:
             logits = (cap * torch.tanh(logits.float() / cap)).to(logits.dtype)
         return logits
-
-    # ---- loss ----------------------------------------------------------------------------
-    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-             **forward_kw) -> LossOutput:
-        """Next-token cross-entropy (targets already shifted) + z-loss + MoE auxiliary losses."""
-        hidden = self(input_ids, return_hidden=True, **forward_kw)          # (b, t, d)
-        return self.loss_from_hidden(hidden, targets, ignore_index)
 
     def loss_from_hidden(self, hidden: torch.Tensor, targets: torch.Tensor,
                          ignore_index: int = -100) -> LossOutput:
@@ -145,7 +88,78 @@ class TransformerLM(Embedder, nn.Module):
 
     def _aux_loss(self, zero: torch.Tensor) -> torch.Tensor:
         """The MoE layers' weighted auxiliary losses of the last forward (zero without MoE)."""
-        return sum((m.aux_loss for m in self.modules() if isinstance(m, MoEMLP)), zero)
+        return sum((m.aux_loss for m in cast(nn.Module, self).modules() if isinstance(m, MoEMLP)), zero)
+
+
+class TransformerLM(Embedder, NextTokenHead, nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        cfg = self.config = config
+        if cfg.arch != "decoder":
+            other = {"encoder": "EncoderLM", "encoder_decoder": "EncoderDecoderLM"}[cfg.arch]
+            raise ConfigError(f"arch={cfg.arch!r}: TransformerLM is the decoder-only LM (build archlab.{other})")
+        self.build_embedder(cfg)
+        self.t5_bias = stack_t5_table(cfg, "decoder")   # one table for all layers (T5), or None
+        self.blocks = TransformerStack(cfg, "decoder", self.t5_bias)   # a ModuleList: keys stay blocks.{i}.
+        self.final_norm = (build_norm(cfg.norm.kind, cfg.d_model, cfg.norm.eps, cfg.bias.norm)
+                           if cfg.norm.final_norm else None)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.bias.head else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn/embedding.init_weights: the one init every kind of LM shares."""
+        init_weights(self, self.config)
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,                      # (b, t) int
+        positions: torch.Tensor | None = None,        # (b, t) int; -1 marks padding. None: 0..t-1, or
+                                                      # continuing the cache (rows unpadded, one length)
+        cache=None,                                   # see archlab.nn.kv_cache for the protocol
+        prefix_lengths: torch.Tensor | None = None,   # (b,) for attention.prefix_lm
+        return_hidden: bool = False,
+        targets: torch.Tensor | None = None,          # (b, t) int: return the LossOutput instead
+        session: DecodeSession | None = None,         # a decode loop's packed weights and direct calls (nn/fused)
+    ) -> torch.Tensor | LossOutput:                   # (b, t, v) logits, or (b, t, d) hidden
+        b, t = input_ids.shape
+        implied = positions is None
+        plain = implied and cache is None
+        if positions is None:
+            start = len(cache) if cache is not None else 0
+            # plain causal: one (1, t) row that RoPE tables, biases and masks broadcast over the batch
+            # (b x less table work); the KV cache keeps positions per row, so it gets (b, t)
+            positions = torch.arange(start, start + t, device=input_ids.device)[None]
+            if not plain:
+                positions = positions.expand(b, t)
+        if self.config.position.kind == "learned" and int(positions.max()) >= self.config.max_seq_len:
+            raise ValueError(
+                f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}: "
+                "learned position embeddings have no row for it"
+            )
+        if prefix_lengths is not None and not self.config.attention.prefix_lm:
+            raise ValueError("prefix_lengths given but config.attention.prefix_lm is False")
+        # what attends to what, built once: every block reads it, and its layers share RoPE tables and masks
+        inputs = AttnInputs(positions, self.blocks.mask_spec(prefix_lengths), cache=cache, plain=plain,
+                            continued=cache is not None and implied, fresh=cache is not None and len(cache) == 0,
+                            session=session)
+        x = self.embed_tokens(input_ids, positions, direct=inputs.direct)    # (b, t, d)
+        x = call(self.blocks, x, inputs, direct=inputs.direct)               # (b, t, d)
+        if self.final_norm is not None:
+            x = call(self.final_norm, x, direct=inputs.direct)
+        if return_hidden:
+            return x
+        if targets is not None:  # through forward, so DDP/FSDP/compile wrappers see the whole step
+            return self.loss_from_hidden(x, targets)
+        return self.head(x, session)
+
+    # ---- loss ----------------------------------------------------------------------------
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+             **forward_kw) -> LossOutput:
+        """Next-token cross-entropy (targets already shifted) + z-loss + MoE auxiliary losses."""
+        hidden = self(input_ids, return_hidden=True, **forward_kw)          # (b, t, d)
+        return self.loss_from_hidden(hidden, targets, ignore_index)
 
     def num_params(self) -> int:
         """Unique parameters (tied embeddings count once)."""

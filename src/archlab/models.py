@@ -2,18 +2,20 @@
 
     decoder          TransformerLM   next-token LM (GPT, LLaMA, ...)           model.py
     encoder          EncoderLM       masked LM (BERT, RoBERTa)                  encoder.py
-    encoder_decoder  (not built yet: T5, BART, the 2017 Transformer)
+    encoder_decoder  EncoderDecoderLM   seq2seq (T5; next: BART, the 2017 Transformer)   encoder_decoder.py
 """
 from __future__ import annotations
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.encoder import EncoderLM
+from archlab.encoder_decoder import EncoderDecoderLM
 from archlab.model import TransformerLM
 
 __all__ = ["MODEL_CLASSES", "LanguageModel", "build_model"]
 
-LanguageModel = TransformerLM | EncoderLM
-MODEL_CLASSES: dict[str, type[LanguageModel]] = {"decoder": TransformerLM, "encoder": EncoderLM}
+LanguageModel = TransformerLM | EncoderLM | EncoderDecoderLM
+MODEL_CLASSES: dict[str, type[LanguageModel]] = {"decoder": TransformerLM, "encoder": EncoderLM,
+                                                  "encoder_decoder": EncoderDecoderLM}
 
 
 def build_model(cfg: ModelConfig) -> LanguageModel:

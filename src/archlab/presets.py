@@ -166,12 +166,15 @@ def gemma_like(name: str, *, vocab_size: int, d_model: int, n_layers: int, n_hea
 
 def t5_like(name: str, *, vocab_size: int, d_model: int, n_layers: int, n_heads: int, head_dim: int,
             d_ff: int, max_seq_len: int, activation: str = "relu", tie_embeddings: bool = True,
-            dropout: float = 0.0) -> ModelConfig:
-    """T5's decoder stack as a decoder-only LM: pre-RMSNorm without bias, a shared learned relative
-    bias (32 log buckets up to 128), no 1/sqrt(e) in the scores (folded into init), no biases.
-    Tied T5 v1.0 scales the hidden state by d^-0.5 before the shared head (logit_scale)."""
+            dropout: float = 0.0, arch: str = "encoder_decoder", decoder_layers: int | None = None) -> ModelConfig:
+    """T5 (Raffel et al. 2020): an encoder-decoder (or, arch="decoder", T5-style blocks as a decoder-only LM)
+    with pre-RMSNorm without bias (T5's LayerNorm: no mean, no beta) and a final norm on each stack, one
+    learned relative-bias table per stack (32 log buckets up to 128; bidirectional in the encoder, none on
+    the cross-attention), no 1/sqrt(e) in the scores (folded into init), no biases, decoder start token 0
+    (the pad id). Tied T5 v1.0 scales the hidden state by d^-0.5 before the shared head (logit_scale)."""
     return _model(
-        name, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, max_seq_len=max_seq_len,
+        name, arch=arch, decoder_layers=decoder_layers,
+        vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, max_seq_len=max_seq_len,
         attention=dict(n_heads=n_heads, head_dim=head_dim, query_pre_attn_scalar=1.0, dropout=dropout),
         mlp=dict(activation=activation, d_ff=d_ff),
         norm=dict(kind="rmsnorm", eps=1e-6, position="pre"),
@@ -281,15 +284,17 @@ def gpt3_175b() -> ModelConfig:
                      attention_extra=dict(window=GPT3_BAND, layer_pattern="GL"))   # dense, banded, dense, ...
 
 
-@_preset("t5-11b", year=2019, source="HF t5-11b config.json (decoder stack)", params=None,
-         approximation="decoder stack only (no encoder / cross-attention) as a decoder-only LM")
-def t5_11b() -> ModelConfig:  # d_kv 128 x 128 heads = 16384 != d_model 1024
+# T5: counted as transformers' T5ForConditionalGeneration (the shared embedding once; v1.1's separate lm_head,
+# which its checkpoints hold, once more). n_positions 512 is the training length: relative positions have no limit.
+@_preset("t5-11b", year=2019, source="HF t5-11b config.json (Raffel et al. 2020)", params=11_307_321_344,
+         exact=True)
+def t5_11b() -> ModelConfig:  # d_kv 128 x 128 heads = 16384 != d_model 1024; ReLU, tied head, dropout 0.1
     return t5_like("t5-11b", vocab_size=32_128, d_model=1024, n_layers=24, n_heads=128, head_dim=128,
                    d_ff=65_536, max_seq_len=512, dropout=0.1)
 
 
-@_preset("t5-v1.1-xxl", year=2020, source="HF google/t5-v1_1-xxl config.json (decoder stack)",
-         params=None, approximation="decoder stack only (no encoder / cross-attention)")
+@_preset("t5-v1.1-xxl", year=2020, source="HF google/t5-v1_1-xxl config.json", params=11_135_332_352,
+         exact=True)
 def t5_v1_1_xxl() -> ModelConfig:  # gated-gelu (gelu_new), untied head, no dropout in pre-training
     return t5_like("t5-v1.1-xxl", vocab_size=32_128, d_model=4096, n_layers=24, n_heads=64,
                    head_dim=64, d_ff=10_240, max_seq_len=512, activation="geglu_tanh",
@@ -311,7 +316,7 @@ def gpt_j_6b() -> ModelConfig:  # rotary_dim 64 of head_dim 256, interleaved; lm
 def lamda_137b() -> ModelConfig:
     return t5_like("lamda-137b", vocab_size=32_000, d_model=8192, n_layers=64, n_heads=128,
                    head_dim=128, d_ff=65_536, max_seq_len=2048, activation="geglu",
-                   tie_embeddings=False)
+                   tie_embeddings=False, arch="decoder")
 
 
 def _deepmind_like(name: str, *, d_model: int, n_layers: int, n_heads: int) -> ModelConfig:
@@ -610,7 +615,7 @@ SIZE_FIELDS = (
     "attention.n_heads", "attention.n_kv_heads", "attention.head_dim", "attention.window",
     "attention.query_pre_attn_scalar", "mlp.d_ff", "mlp.moe.n_experts", "mlp.moe.top_k",
     "mlp.moe.shared_expert_d_ff", "position.t5_num_buckets", "position.t5_max_distance",
-    "position.rope_scaling.original_max_seq_len",
+    "position.rope_scaling.original_max_seq_len", "decoder_layers", "decoder_start_token_id", "logit_scale",
 )
 
 
@@ -621,7 +626,9 @@ def tiny(name: str, *, d_model: int = 64, vocab_size: int = 256, max_seq_len: in
     4 heads (MHA stays MHA, MQA stays MQA, GQA becomes 4:2); an explicit head_dim stays explicit
     (8 where the published q width differs from d_model, so that path is exercised, else
     d_model/4); n_layers = one full local/global pattern (>= 2); d_ff 128; windows of `window`
-    tokens; 4 experts; a T5 table of 8 buckets up to distance 16.
+    tokens; 4 experts; a T5 table of 8 buckets up to distance 16; an encoder-decoder's decoder one layer
+    deeper than its encoder where the published one differs in depth; a logit scale of d_model**-0.5 (T5 v1.0's
+    rescale before its tied head) follows the new d_model.
     """
     cfg = get(name)
     att, n_heads = cfg.attention, 4
@@ -663,4 +670,7 @@ def tiny(name: str, *, d_model: int = 64, vocab_size: int = 256, max_seq_len: in
     return dataclasses.replace(
         cfg, name=f"{cfg.name}-tiny", vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
         max_seq_len=max_seq_len, attention=attention, mlp=mlp, position=pos,
+        decoder_layers=None if cfg.decoder_layers in (None, cfg.n_layers) else n_layers + 1,
+        decoder_start_token_id=min(cfg.decoder_start_token_id, vocab_size - 1),
+        logit_scale=d_model ** -0.5 if cfg.logit_scale == cfg.d_model ** -0.5 else cfg.logit_scale,
     )

@@ -157,7 +157,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     rows = inspect_rows(cfg, args.seq_len, args.batch, args.dtype)
     other_rows = inspect_rows(other, args.seq_len, args.batch, args.dtype) if other else None
     title = cfg.name + (" (with --set)" if args.set else "")
-    print(f"{title}: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.attention.n_heads} heads "
+    layers = (f"{cfg.n_layers} encoder + {cfg.stack_depth('cross_decoder')} decoder layers"
+              if cfg.arch == "encoder_decoder" else f"{cfg.n_layers} layers")
+    print(f"{title}: {layers}, d_model {cfg.d_model}, {cfg.attention.n_heads} heads "
           f"(kv {cfg.n_kv_heads}, head_dim {cfg.head_dim}), d_ff {cfg.d_ff}, vocab {cfg.vocab_size}")
     if not args.tiny:
         note = presets.info(args.preset)

@@ -9,11 +9,17 @@
     x = x + N(MLP(x))                y = N(x)                        x = x + Attn(N1(x))
                                      x = x + Attn(y) + MLP(y)              + MLP(N2(x))
 
-N is the configured norm; every N/N' above is its own module with its own weights.
+N is the configured norm; every N/N' above is its own module with its own weights. A decoder layer of an
+encoder-decoder (LayerSpec.cross_attention: T5, BART, the 2017 Transformer) has a third sublayer between the
+two, cross-attention to the encoder's output, wired as the other two with its own norm(s) (`_wire`):
+pre-norm x = x + Cross(N(x), enc), post-norm x = N(x + Cross(x, enc)), ...
 Pre-norm keeps an identity path from input to output, which is why it trains without warmup
 (Xiong et al. 2020, arXiv 2002.04745); post-norm normalizes the residual stream itself.
 """
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -21,10 +27,10 @@ from torch import nn
 from archlab.config import LayerSpec, ModelConfig
 from archlab.nn.attention import Attention
 from archlab.nn.calls import call
-from archlab.nn.masks import AttnInputs
+from archlab.nn.masks import AttnInputs, Context
 from archlab.nn.mlp import build_mlp
 from archlab.nn.norms import build_norm
-from archlab.nn.position import T5RelativeBias, build_attention_position
+from archlab.nn.position import NoPosition, T5RelativeBias, build_attention_position
 
 
 class Block(nn.Module):
@@ -40,34 +46,59 @@ class Block(nn.Module):
         self.attn_norm = norm()
         two_norms = not self.parallel or cfg.block.parallel_norms == 2
         self.mlp_norm = norm() if two_norms else None
-        if self.position == "sandwich":
-            self.attn_post_norm, self.mlp_post_norm = norm(), norm()
+        sandwich = self.position == "sandwich"
+        self.attn_post_norm = norm() if sandwich else None
+        self.mlp_post_norm = norm() if sandwich else None
+        # cross-attention (a cross_decoder's layers): the same Attention, keys and values from the encoder's
+        # output, no position signal of its own (T5's, BART's and the 2017 Transformer's have none)
+        self.cross_attn: Attention | None = None
+        if spec.cross_attention:
+            cross = dataclasses.replace(spec, local=False, window=None, position_kind="none")
+            self.cross_attn = Attention(cfg.d_model, cfg.attention, cross, NoPosition(cfg, cross),
+                                        bias=cfg.bias, norm=cfg.norm)
+            self.cross_norm = norm()
+            self.cross_post_norm = norm() if sandwich else None
         self.drop = nn.Dropout(cfg.block.residual_dropout)
 
-    def forward(self, x: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:    # (b, t, d) -> (b, t, d)
-        # children run through nn.calls.call (hooks honoured, minus __call__'s cost: a decode step pays it ~30x)
-        attn_norm, mlp_norm = self.attn_norm, self.mlp_norm
+    def forward(self, x: torch.Tensor, inputs: AttnInputs, context: Context | None = None
+                ) -> torch.Tensor:                                               # (b, t, d) -> (b, t, d)
+        # children run through nn.calls.call (hooks honoured, minus __call__'s cost: a decode step pays it ~30x;
+        # `direct`: the modules the forward's decode session checked hook-free, called with no check)
+        attn_norm, mlp_norm, direct = self.attn_norm, self.mlp_norm, inputs.direct
         if self.parallel:
-            y = call(attn_norm, x)
-            return x + self._attn(y, inputs) + self._mlp(call(mlp_norm, x) if mlp_norm is not None else y)
+            y = call(attn_norm, x, direct=direct)
+            return x + self._attn(y, inputs) + self._mlp(call(mlp_norm, x, direct=direct) if mlp_norm is not None
+                                                         else y, inputs)
         assert mlp_norm is not None          # a serial block always has its own MLP norm
-        if self.position == "pre":
-            x = x + self._attn(call(attn_norm, x), inputs)
-            return x + self._mlp(call(mlp_norm, x))
-        if self.position == "post":
-            x = call(attn_norm, x + self._attn(x, inputs))
-            return call(mlp_norm, x + self._mlp(x))
-        if self.position == "sandwich":
-            x = x + call(self.attn_post_norm, self._attn(call(attn_norm, x), inputs))
-            return x + call(self.mlp_post_norm, self._mlp(call(mlp_norm, x)))
-        # post_sublayer
-        x = x + call(attn_norm, self._attn(x, inputs))
-        return x + call(mlp_norm, self._mlp(x))
+        x = self._wire(x, attn_norm, self.attn_post_norm, self._attn, inputs)
+        if self.cross_attn is not None:
+            if context is None:
+                raise ValueError("a cross-attention layer needs the encoder's output (a Context)")
+            x = self._wire(x, self.cross_norm, self.cross_post_norm, self._cross, inputs, context)
+        return self._wire(x, mlp_norm, self.mlp_post_norm, self._mlp, inputs)
+
+    def _wire(self, x: torch.Tensor, norm: nn.Module, post_norm: nn.Module | None,
+              sublayer: Callable[..., torch.Tensor], inputs: AttnInputs, *args: Any) -> torch.Tensor:
+        """One residual sublayer in the configured serial wiring (the diagram above): sublayer(h, inputs, *args)."""
+        position, direct = self.position, inputs.direct
+        if position == "pre":
+            return x + sublayer(call(norm, x, direct=direct), inputs, *args)
+        if position == "post":
+            return call(norm, x + sublayer(x, inputs, *args), direct=direct)
+        if position == "sandwich":
+            assert post_norm is not None
+            return x + call(post_norm, sublayer(call(norm, x, direct=direct), inputs, *args), direct=direct)
+        return x + call(norm, sublayer(x, inputs, *args), direct=direct)       # post_sublayer
 
     def _attn(self, h: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:    # the sublayer + residual dropout
-        out = call(self.attn, h, inputs)
+        out = call(self.attn, h, inputs, direct=inputs.direct)
         return self.drop(out) if self.training else out
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        out = call(self.mlp, h)
+    def _cross(self, h: torch.Tensor, inputs: AttnInputs, context: Context) -> torch.Tensor:
+        assert self.cross_attn is not None   # forward calls it only for a layer that has one
+        out = call(self.cross_attn, h, inputs, context, direct=inputs.direct)
+        return self.drop(out) if self.training else out
+
+    def _mlp(self, h: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:  # the MLP decodes in the forward's session
+        out = call(self.mlp, h, inputs.session, direct=inputs.direct)
         return self.drop(out) if self.training else out

@@ -2,11 +2,13 @@
 
     decoder         causal self-attention (GPT, LLaMA; T5's and BART's decoders without their context)
     encoder         bidirectional self-attention (BERT; T5's and BART's encoders)
-    cross_decoder   room: a decoder whose layers also attend to an encoder's output (next step)
+    cross_decoder   causal self-attention, then cross-attention to an encoder's output (T5's, BART's decoders)
 
 The stack is a ModuleList of Blocks (so `model.blocks[i]` and the checkpoint keys `blocks.{i}.` stay as
 they were) with a forward: it resolves each layer's decisions once (ModelConfig.layer_spec) and says what
-attends to what (`mask_spec`). The decoder-only LM is embedding -> TransformerStack("decoder") -> head.
+attends to what (`mask_spec`). The decoder-only LM is embedding -> TransformerStack("decoder") -> head; an
+encoder-decoder runs a TransformerStack("encoder") and hands its output, as a nn/masks.Context, to a
+TransformerStack("cross_decoder") (ModelConfig.stack_depth: the decoder may be deeper or shallower).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from torch import nn
 from archlab.config import STACK_ROLES, ConfigError, ModelConfig, StackRole
 from archlab.nn.block import Block
 from archlab.nn.calls import call
-from archlab.nn.masks import AttnInputs, MaskSpec
+from archlab.nn.masks import AttnInputs, Context, MaskSpec
 from archlab.nn.position import T5RelativeBias
 
 __all__ = ["TransformerStack", "stack_t5_table"]
@@ -26,7 +28,7 @@ def stack_t5_table(cfg: ModelConfig, role: StackRole) -> T5RelativeBias | None:
     """The one T5 relative-bias table a stack of this role shares across its layers (None where no layer
     uses T5 positions), owned by the model (its key stays `t5_bias.`): a causal stack buckets how far back
     a key is, an encoder's buckets are bidirectional (Raffel et al. 2020)."""
-    if not any(cfg.position_kind(i) == "t5" for i in range(cfg.n_layers)):
+    if not any(cfg.position_kind(i) == "t5" for i in range(cfg.stack_depth(role))):
         return None
     return T5RelativeBias(cfg, bidirectional=role == "encoder")
 
@@ -37,9 +39,7 @@ class TransformerStack(nn.ModuleList):
         Example: enc = TransformerStack(cfg, "encoder"); y = enc(x, AttnInputs(pos, enc.mask_spec(), plain=True))"""
         if role not in STACK_ROLES:
             raise ConfigError(f"unknown stack role {role!r}: one of {', '.join(STACK_ROLES)}")
-        if role == "cross_decoder":
-            raise ConfigError("cross-attention stacks arrive with the encoder-decoder models (not built yet)")
-        specs = [cfg.layer_spec(i, role) for i in range(cfg.n_layers)]   # every per-layer decision, once
+        specs = [cfg.layer_spec(i, role) for i in range(cfg.stack_depth(role))]   # every per-layer decision, once
         super().__init__(Block(cfg, spec, t5_table) for spec in specs)
         self.role = role
         self.causal = role != "encoder"
@@ -52,7 +52,17 @@ class TransformerStack(nn.ModuleList):
             return self._structure_only
         return MaskSpec(causal=self.causal, prefix_lengths=prefix_lengths, key_padding=key_padding)
 
-    def forward(self, x: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:   # (b, t, d) -> (b, t, d)
-        for block in self:
-            x = call(block, x, inputs)
+    def forward(self, x: torch.Tensor, inputs: AttnInputs, context: Context | None = None
+                ) -> torch.Tensor:                                       # (b, t, d) -> (b, t, d)
+        """context: what a cross_decoder's layers attend to (the encoder's output), None for the other roles."""
+        if (context is not None) != (self.role == "cross_decoder"):
+            raise ValueError(f"a {self.role} stack " + ("needs the encoder's output (a Context)"
+                                                      if context is None else "takes no context"))
+        direct = inputs.direct            # a decode session's hook-free modules: blocks called with no check
+        if context is None:
+            for block in self:
+                x = call(block, x, inputs, direct=direct)
+        else:
+            for block in self:
+                x = call(block, x, inputs, context, direct=direct)
         return x

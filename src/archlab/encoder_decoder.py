@@ -1,0 +1,136 @@
+"""EncoderDecoderLM: one token embedding -> TransformerStack("encoder") -> its final norm, the output handed as
+a Context to TransformerStack("cross_decoder") -> final norm -> next-token head. The 2017 Transformer
+(Vaswani et al.) and T5 (Raffel et al. 2020) are configurations of it (`arch="encoder_decoder"`): the same
+blocks, norms, MLPs and attention kernels as the other two kinds, each decoder layer with a cross-attention
+sublayer (the same Attention, keys and values from the encoder's output, projected once per Context).
+
+    enc = embed(input_ids) -> encoder blocks (bidirectional, key padding from attention_mask) -> encoder norm
+    dec = embed(decoder_input_ids) -> decoder blocks (causal self-attn; cross-attn to enc) -> final norm
+    logits = head(dec)      tied to the embedding or not; T5 v1.0 rescales by d**-0.5 first (logit_scale)
+
+One embedding serves the encoder, the decoder and a tied head (T5's `shared`). With T5 positions each stack
+owns one relative-bias table (the encoder's buckets bidirectional, the decoder's causal); cross-attention has
+no position signal. Training: `loss(input_ids, labels)` feeds the decoder `labels` shifted right behind the
+decoder start token (T5: 0, its pad id), as transformers' `_shift_right`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from archlab.config import ConfigError, ModelConfig
+from archlab.encoder import padded_positions
+from archlab.model import LossOutput, NextTokenHead
+from archlab.nn.block import Block
+from archlab.nn.calls import call
+from archlab.nn.embedding import Embedder, init_weights
+from archlab.nn.masks import AttnInputs, Context
+from archlab.nn.norms import build_norm
+from archlab.nn.stack import TransformerStack, stack_t5_table
+
+__all__ = ["EncoderDecoderLM", "shift_right"]
+
+
+def shift_right(labels: torch.Tensor, start_token_id: int, ignore_index: int = -100) -> torch.Tensor:
+    """(b, t) labels -> (b, t) decoder inputs: the start token, then labels[:, :-1]; ignored slots (-100) read as
+    the start token (transformers puts the pad id there, which T5's start token is)."""
+    shifted = labels.new_full(labels.shape, start_token_id)
+    shifted[:, 1:] = labels[:, :-1]
+    return shifted.masked_fill(shifted == ignore_index, start_token_id)
+
+
+class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        cfg = self.config = config
+        if cfg.arch != "encoder_decoder":
+            raise ConfigError(f"arch={cfg.arch!r}: EncoderDecoderLM needs arch='encoder_decoder'")
+        norm = lambda: build_norm(cfg.norm.kind, cfg.d_model, cfg.norm.eps, cfg.bias.norm)  # noqa: E731
+        self.build_embedder(cfg)                      # `embed`: encoder, decoder and a tied head share it
+        self.encoder_t5_bias = stack_t5_table(cfg, "encoder")          # bidirectional buckets, or None
+        self.encoder = TransformerStack(cfg, "encoder", self.encoder_t5_bias)
+        self.encoder_norm = norm() if cfg.norm.final_norm else None
+        self.decoder_t5_bias = stack_t5_table(cfg, "cross_decoder")    # causal buckets, or None
+        self.decoder = TransformerStack(cfg, "cross_decoder", self.decoder_t5_bias)
+        self.final_norm = norm() if cfg.norm.final_norm else None
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.bias.head else None
+        init_weights(self, cfg)
+
+    @property
+    def blocks(self) -> tuple[Block, ...]:
+        """Every block, the encoder's then the decoder's: what activation checkpointing and FSDP wrap one by one."""
+        return (*self.encoder, *self.decoder)
+
+    def _stack_inputs(self, stack: TransformerStack, ids: torch.Tensor, mask: torch.Tensor | None) -> AttnInputs:
+        """One stack's AttnInputs: positions 0..t-1 (plain), or counted over each row's real tokens with the
+        padding as key padding (as EncoderLM: left- and right-padded rows agree)."""
+        t = ids.shape[1]
+        if mask is None:
+            return AttnInputs(torch.arange(t, device=ids.device)[None], stack.mask_spec(), plain=True)
+        positions = padded_positions(mask)
+        return AttnInputs(positions, stack.mask_spec(key_padding=mask.bool()))
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.abs_position.kind == "learned" and int(positions.max()) >= self.config.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}: "
+                             "learned position embeddings have no row for it")
+        return self.embed_tokens(ids, positions)                              # (b, t, d)
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Context:
+        """(b, s) source ids (attention_mask (b, s): 1 = real token) -> the Context the decoder attends to: the
+        encoder's normed output, its positions and padding. Run once per source; each cross-attention layer
+        projects its keys and values from it once (a generation's decode steps reuse them)."""
+        inputs = self._stack_inputs(self.encoder, input_ids, attention_mask)
+        x = self._embed(input_ids, inputs.positions)                         # (b, s, d)
+        x = call(self.encoder, x, inputs)                                     # (b, s, d)
+        if self.encoder_norm is not None:
+            x = call(self.encoder_norm, x)
+        return Context(x, inputs.positions, inputs.spec)   # the encoder's spec: bidirectional, its padding
+
+    def decode(self, decoder_input_ids: torch.Tensor, context: Context,
+               decoder_attention_mask: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
+        """(b, t) decoder ids attending to `context` -> (b, t, v) logits, or (b, t, d) final hidden states."""
+        inputs = self._stack_inputs(self.decoder, decoder_input_ids, decoder_attention_mask)
+        x = self._embed(decoder_input_ids, inputs.positions)                 # (b, t, d)
+        x = call(self.decoder, x, inputs, context)                            # (b, t, d)
+        if self.final_norm is not None:
+            x = call(self.final_norm, x)
+        return x if return_hidden else self.head(x)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,                              # (b, s) source ids
+        decoder_input_ids: torch.Tensor | None = None,        # (b, t); None: `targets` shifted right
+        attention_mask: torch.Tensor | None = None,           # (b, s) 1 = real source token, 0 = padding
+        decoder_attention_mask: torch.Tensor | None = None,   # (b, t) the same for the decoder's inputs
+        return_hidden: bool = False,
+        targets: torch.Tensor | None = None,                  # (b, t) labels: return the LossOutput instead
+    ) -> torch.Tensor | LossOutput:                           # (b, t, v) logits, or (b, t, d) hidden
+        if decoder_input_ids is None:
+            if targets is None:
+                raise ValueError("EncoderDecoderLM needs decoder_input_ids (or targets to shift right)")
+            decoder_input_ids = shift_right(targets, self.config.decoder_start_token_id)
+        context = self.encode(input_ids, attention_mask)
+        hidden = self.decode(decoder_input_ids, context, decoder_attention_mask, return_hidden=True)
+        if return_hidden:
+            return hidden
+        if targets is not None:   # through forward, so DDP/FSDP/compile wrappers see the whole step
+            return self.loss_from_hidden(hidden, targets)
+        return self.head(hidden)
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, decoder_input_ids: torch.Tensor | None = None,
+             attention_mask: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
+             ignore_index: int = -100) -> LossOutput:
+        """Cross-entropy of the decoder's predictions against `labels` (b, t) (ignore_index where unscored), the
+        decoder fed `decoder_input_ids`, by default the labels shifted right behind the start token (teacher
+        forcing). Example: model.loss(source_ids, target_ids)"""
+        if decoder_input_ids is None:
+            decoder_input_ids = shift_right(labels, self.config.decoder_start_token_id, ignore_index)
+        context = self.encode(input_ids, attention_mask)
+        hidden = self.decode(decoder_input_ids, context, decoder_attention_mask, return_hidden=True)
+        return self.loss_from_hidden(hidden, labels, ignore_index)
+
+    def num_params(self) -> int:
+        """Unique parameters (the shared embedding, and a head tied to it, count once)."""
+        return sum(p.numel() for p in self.parameters())

@@ -124,7 +124,9 @@ def compare_with_transformers(hf_dir: str | Path, seq_len: int = 32, batch: int 
     """Logits of archlab.load_hf and transformers on the same random tokens:
     max_abs, max_rel (max|a-b| / max|b|) and mean_kl = mean over positions of KL(p_hf || p_ours).
     A decoder is compared with AutoModelForCausalLM, an encoder (BERT, RoBERTa) with
-    AutoModelForMaskedLM on unpadded rows free of the pad token (RoBERTa numbers positions by it)."""
+    AutoModelForMaskedLM on unpadded rows free of the pad token (RoBERTa numbers positions by it), an
+    encoder-decoder (T5) with AutoModelForSeq2SeqLM, the tokens as its source and, shifted by one, as its
+    decoder's inputs."""
     import transformers
 
     from archlab.hub import resolve_model
@@ -133,7 +135,9 @@ def compare_with_transformers(hf_dir: str | Path, seq_len: int = 32, batch: int 
     hf_dir = resolve_model(hf_dir)
     ours = load_hf(hf_dir, dtype=dtype)
     encoder = ours.config.arch == "encoder"
-    auto = transformers.AutoModelForMaskedLM if encoder else transformers.AutoModelForCausalLM
+    seq2seq = ours.config.arch == "encoder_decoder"
+    auto = (transformers.AutoModelForMaskedLM if encoder else transformers.AutoModelForSeq2SeqLM if seq2seq
+            else transformers.AutoModelForCausalLM)
     kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     theirs = auto.from_pretrained(hf_dir, attn_implementation="eager", **{kw: dtype}).eval()
     seq_len = min(seq_len, ours.config.max_seq_len)
@@ -144,8 +148,13 @@ def compare_with_transformers(hf_dir: str | Path, seq_len: int = 32, batch: int 
     if encoder and isinstance(pad, int) and vocab > 1:
         ids = torch.where(ids == pad, (pad + 1) % vocab, ids)
     with torch.no_grad():
-        a = ours(ids).float()
-        b = (theirs(input_ids=ids) if encoder else theirs(input_ids=ids, use_cache=False)).logits.float()
+        if seq2seq:
+            dec = ids.roll(1, -1)
+            a = ours(ids, dec).float()
+            b = theirs(input_ids=ids, decoder_input_ids=dec, use_cache=False).logits.float()
+        else:
+            a = ours(ids).float()
+            b = (theirs(input_ids=ids) if encoder else theirs(input_ids=ids, use_cache=False)).logits.float()
     diff = (a - b).abs()
     log_p, log_q = b.log_softmax(-1), a.log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()

@@ -1,4 +1,5 @@
-"""Hugging Face folders (config.json + safetensors) <-> TransformerLM or EncoderLM (BERT, RoBERTa).
+"""Hugging Face folders (config.json + safetensors) <-> TransformerLM, EncoderLM (BERT, RoBERTa) or
+EncoderDecoderLM (T5).
 
 `load_hf(folder)` reads config.json, picks the family registered for its `model_type`, builds our
 ModelConfig, and maps every tensor (single `model.safetensors` or a sharded
@@ -20,6 +21,7 @@ import torch
 from archlab.checkpoint import make_readable
 from archlab.config import ConfigError, ModelConfig
 from archlab.encoder import EncoderLM
+from archlab.encoder_decoder import EncoderDecoderLM
 from archlab.errors import UserError
 from archlab.interop.families import FAMILIES, Family
 from archlab.interop.families.base import Rule, config_diff
@@ -30,7 +32,7 @@ from archlab.progress import progress_bar
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-HFModel = TransformerLM | EncoderLM   # what load_hf builds (by the config's arch) and save_hf writes
+HFModel = TransformerLM | EncoderLM | EncoderDecoderLM   # what load_hf builds (by the config's arch) and save_hf writes
 
 
 class WeightsError(UserError, ValueError):
@@ -104,13 +106,14 @@ class SafetensorsFolder:
 # ---- loading -----------------------------------------------------------------------------------
 def load_hf(folder: str | Path, dtype: torch.dtype | None = torch.float32,
             family: str | None = None) -> HFModel:
-    """HF folder -> the model its config's arch names (TransformerLM, or EncoderLM for BERT and
-    RoBERTa) in eval mode (`.config` set). `dtype=None` keeps the checkpoint's dtype; `family`
+    """HF folder -> the model its config's arch names (TransformerLM, EncoderLM for BERT and RoBERTa, or
+    EncoderDecoderLM for T5) in eval mode (`.config` set). `dtype=None` keeps the checkpoint's dtype; `family`
     overrides config.json's model_type."""
     hf = read_hf_config(folder)
     fam = FAMILIES.get(family) if family else family_for(hf)
     cfg = fam.to_config(hf)
     source = SafetensorsFolder(folder)
+    cfg = fam.with_checkpoint(cfg, source)   # what config.json cannot say (T5: a separate lm_head unties)
     tensors = map_from_hf(fam, cfg, source)
     if dtype is None:
         dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}

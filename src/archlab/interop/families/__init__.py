@@ -30,6 +30,8 @@ FAMILY_MODULES = [
     "gpt_neox", "gptj", "falcon", "bloom", "opt", "phi", "phi3", "cohere", "nemotron",
     # encoders
     "bert",
+    # encoder-decoders
+    "t5",
 ]
 
 for _name in FAMILY_MODULES:

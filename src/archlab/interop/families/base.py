@@ -368,6 +368,12 @@ class Family:
             hf["max_position_embeddings"] = scaling.original_max_seq_len
         return hf
 
+    def with_checkpoint(self, cfg: ModelConfig, source: Any) -> ModelConfig:
+        """`cfg` revised by what the checkpoint's tensors say where its config.json cannot (T5: transformers 5
+        writes tie_word_embeddings=true for every T5 and unties a head stored apart from the embedding);
+        `source` answers names() and get(name). The config as is by default."""
+        return cfg
+
     def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
         raise NotImplementedError
 

@@ -1,6 +1,7 @@
-"""Cached decoding runs through the model's own modules: within a DecodeSession (what generate uses) every
-variant's decode-step logits equal the plain module forward's (padding, windows, GQA, biases included); packed
-weights follow in-place weight changes; hooks fire, and a hook-free model's modules are called directly."""
+"""Cached decoding runs through the model's own modules: given a DecodeSession (what generate passes to each
+forward) every variant's decode-step logits equal the plain module forward's (padding, windows, GQA, biases
+included); packed weights follow in-place weight changes; hooks fire, and a hook-free model's modules are called
+directly; the session travels with the forward, so two threads decoding two models each use their own."""
 import pytest
 import torch
 from torch import nn
@@ -10,7 +11,7 @@ import archlab
 from archlab import TransformerLM
 from archlab.generation.stepper import Stepper
 from archlab.nn import calls, fused
-from archlab.nn.fused import DecodeSession, packing
+from archlab.nn.fused import DecodeSession
 from archlab.nn.kv_cache import StaticKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -86,63 +87,88 @@ def test_a_session_calls_modules_directly_only_for_a_hook_free_model(monkeypatch
         expected = model(x)
     session = DecodeSession(model)
 
-    def refuse(self, *args, **kwargs):
-        raise AssertionError("went through nn.Module.__call__")
+    def refuse(*args, **kwargs):
+        raise AssertionError("a child was checked for hooks or went through nn.Module.__call__")
     monkeypatch.setattr(nn.Module, "_call_impl", refuse)
-    with torch.no_grad(), packing(session=session):
-        assert calls._DIRECT and fused._SESSION is session
-        got = model.forward(x)                            # every child through calls.call, none through __call__
-    assert not calls._DIRECT and fused._SESSION is None                    # restored on leaving
+    monkeypatch.setattr(calls, "_hooked", refuse)         # calls.call's per-call check
+    with torch.no_grad():
+        got = model.forward(x, session=session)           # every child called directly: no check, no __call__
+        with pytest.raises(AssertionError, match="checked for hooks"):
+            model.forward(x)                              # no session: every call is checked
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert session.packs                                  # and its modules decoded through the session's packs
 
 
 def test_direct_calls_cover_only_the_session_model():
-    """Another model (say, one a second thread evaluates) keeps its hooks firing inside the session."""
+    """A session checked for one model, given to another model's forward: that model keeps its hooks firing."""
     decoded, other = TransformerLM(variant("base")).eval(), TransformerLM(variant("base")).eval()
     fired = []
     other.blocks[0].attn_norm.register_forward_hook(lambda *a: fired.append(1))
     x = torch.randint(0, decoded.config.vocab_size, (1, 3))
-    with torch.no_grad(), packing(session=DecodeSession(decoded)):
-        assert calls._DIRECT and other.blocks[0].attn_norm not in calls._DIRECT
-        decoded(x)
-        other(x)
+    session = DecodeSession(decoded)
+    assert session.direct and other.blocks[0].attn_norm not in session.direct
+    with torch.no_grad():
+        decoded(x, session=session)
+        other(x, session=session)
     assert fired == [1]
 
 
+def _session_modules(session: DecodeSession) -> set:
+    """The modules a session holds decode weights for (keys: a module, a tuple of Linears, ("head", owner))."""
+    keys = [part for key in session.packs for part in (key if isinstance(key, tuple) else (key,))]
+    return {part for part in keys if isinstance(part, nn.Module)}
+
+
 @pytest.mark.parametrize("worker_leaves_first", [True, False])
-def test_decode_loops_in_two_threads_leave_no_state_behind_in_either_order(worker_leaves_first):
-    """A server's engine thread and a user's generate overlapping: another model's hooks keep firing, and
-    once both loops end no session or direct-call set is left (none is restored after its loop ended)."""
+def test_two_threads_decode_two_models_each_in_its_own_session(worker_leaves_first):
+    """A server's engine thread and a user's generate overlapping: while one thread is in the middle of its
+    hook-free model's forward, the other decodes a hooked model. Each forward uses its own session's packed
+    weights and direct calls only (none lands in the other's), the hooked model's hooks fire, and both give
+    the logits they give alone, whichever thread finishes first."""
     import threading
 
     model, other = TransformerLM(variant("base")).eval(), TransformerLM(variant("base")).eval()
     x = torch.randint(0, model.config.vocab_size, (1, 3))
+    fired = []
+    other.blocks[0].attn_norm.register_forward_hook(lambda *a: fired.append(1))
+    with torch.no_grad():
+        expected, expected_other = model(x), other(x)
+    fired.clear()
+    mine, theirs = DecodeSession(model), DecodeSession(other)
+    assert mine.direct and not theirs.direct               # `other` is hooked: its session checks every call
     inside, release, left = threading.Event(), threading.Event(), threading.Event()
+    mlp = model.blocks[1].mlp
+
+    def paused(h, session=None):                           # the worker stops in the middle of its forward
+        inside.set()
+        release.wait(10)
+        return type(mlp).forward(mlp, h, session)
+    mlp.forward = paused                                   # an instance attribute: no hook, still direct
+    got = {}
 
     def worker_loop():
-        with torch.no_grad(), packing(session=DecodeSession(model)):
-            model(x)
-            inside.set()
-            release.wait(10)
+        with torch.no_grad():
+            got["worker"] = model(x, session=mine)
         left.set()
 
     worker = threading.Thread(target=worker_loop)
     worker.start()
-    fired = []
-    other.blocks[0].attn_norm.register_forward_hook(lambda *a: fired.append(1))
     try:
         assert inside.wait(10)
-        with torch.no_grad(), packing(session=DecodeSession(model)):
-            other(x)                                      # hooked, and not the worker's model: hooks fire
+        with torch.no_grad():
+            got["first"] = other(x, session=theirs)       # hooked, and not the worker's model: hooks fire
             if worker_leaves_first:
                 release.set()
                 assert left.wait(10)
-            model(x)
+            got["second"] = other(x, session=theirs)
     finally:
         release.set()
         worker.join()
-    assert fired == [1]
-    assert fused._SESSION is None and fused._OWNER is None and not calls._DIRECT
+    assert fired == [1, 1]
+    for key, want in (("worker", expected), ("first", expected_other), ("second", expected_other)):
+        torch.testing.assert_close(got[key], want, rtol=1e-5, atol=1e-5)
+    assert _session_modules(mine) and _session_modules(mine) <= set(model.modules())
+    assert _session_modules(theirs) and _session_modules(theirs) <= set(other.modules())
 
 
 def test_unpadded_rows_decode_without_building_a_mask(monkeypatch):
@@ -172,17 +198,18 @@ def test_cached_generate_agrees_with_uncached():
     assert torch.equal(cached, uncached)
 
 
-# ---- packing() alone, without a session's direct calls ----
+# ---- packed weights alone: a session without direct calls ----
 def _module_decode_logits(model, ids, mask, pack: bool, steps=12):
-    """Cached decode through the model's forward, within packing() or not."""
-    from archlab.nn.fused import packing
-    with torch.inference_mode(), packing(pack):
+    """Cached decode through the model's forward, given a session that checked no model (packed weights, every
+    call checked for hooks) or none."""
+    session = DecodeSession() if pack else None
+    with torch.inference_mode():
         st = Stepper(model, ids, mask, steps, fast=False)
         st.prefill()
         out = []
         for i in range(steps):
             tokens = (torch.arange(ids.shape[0]) * 7 + i * 3) % model.config.vocab_size
-            out.append(st._model_logits(tokens[:, None], st.next_pos, st.cache))
+            out.append(model(tokens[:, None], positions=st.next_pos, cache=st.cache, session=session)[:, -1])
             st.next_pos = st.next_pos + 1
     return torch.stack(out, 1)
 
@@ -196,19 +223,18 @@ def test_module_forward_through_packed_weights_equals_the_plain_forward(name):
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
 
 
-def test_packing_is_off_by_default_and_never_under_gradients():
-    from archlab.nn import fused
+def test_packed_weights_only_in_a_session_and_never_under_gradients():
     model = TransformerLM(variant("qk-norm-per-head")).eval()
     x = torch.randint(0, model.config.vocab_size, (1, 3))
     fused._PACKED.clear()
     with torch.no_grad():
         model(x)                                         # a user's no-grad forward: no weight copies
     assert len(fused._PACKED) == 0
-    with fused.packing():
-        model(x).sum().backward()                        # gradients: the plain Linears, even here
-        assert len(fused._PACKED) == 0
-        with torch.no_grad():
-            model(x)
+    session = DecodeSession(model)
+    model(x, session=session).sum().backward()           # gradients: the plain Linears, even in a session
+    assert len(fused._PACKED) == 0 and not session.packs
+    with torch.no_grad():
+        model(x, session=session)
     assert model.blocks[0].attn.q_proj in fused._PACKED
 
 

@@ -17,7 +17,7 @@ from torch import nn
 from archlab.config import ConfigError, ModelConfig
 from archlab.nn.calls import call
 from archlab.nn.embedding import Embedder, init_weights
-from archlab.nn.fused import head_linear
+from archlab.nn.fused import DecodeSession, head_linear
 from archlab.nn.fused_loss import linear_cross_entropy
 from archlab.nn.masks import AttnInputs
 from archlab.nn.mlp import MoEMLP
@@ -48,9 +48,9 @@ class NextTokenHead:
     def head_weight(self) -> torch.Tensor:  # (v, d): the LM head, or the embedding when tied
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, t, v)
+    def head(self, x: torch.Tensor, session: DecodeSession | None = None) -> torch.Tensor:  # (b, t, d) -> (b, t, v)
         owner = cast(nn.Module, self) if self.lm_head is None else self.lm_head     # hooks on lm_head are honoured
-        logits = head_linear(x, owner, self.head_weight, self.head_bias)
+        logits = head_linear(x, owner, self.head_weight, self.head_bias, session)   # packed in a decode session
         if self.config.logit_scale is not None:       # Cohere
             logits = logits * self.config.logit_scale
         cap = self.config.final_logit_softcap         # Gemma 2: cap * tanh(logits / cap)
@@ -121,6 +121,7 @@ class TransformerLM(Embedder, NextTokenHead, nn.Module):
         prefix_lengths: torch.Tensor | None = None,   # (b,) for attention.prefix_lm
         return_hidden: bool = False,
         targets: torch.Tensor | None = None,          # (b, t) int: return the LossOutput instead
+        session: DecodeSession | None = None,         # a decode loop's packed weights and direct calls (nn/fused)
     ) -> torch.Tensor | LossOutput:                   # (b, t, v) logits, or (b, t, d) hidden
         b, t = input_ids.shape
         implied = positions is None
@@ -141,16 +142,17 @@ class TransformerLM(Embedder, NextTokenHead, nn.Module):
             raise ValueError("prefix_lengths given but config.attention.prefix_lm is False")
         # what attends to what, built once: every block reads it, and its layers share RoPE tables and masks
         inputs = AttnInputs(positions, self.blocks.mask_spec(prefix_lengths), cache=cache, plain=plain,
-                            continued=cache is not None and implied, fresh=cache is not None and len(cache) == 0)
-        x = self.embed_tokens(input_ids, positions)                          # (b, t, d)
-        x = call(self.blocks, x, inputs)                                     # (b, t, d)
+                            continued=cache is not None and implied, fresh=cache is not None and len(cache) == 0,
+                            session=session)
+        x = self.embed_tokens(input_ids, positions, direct=inputs.direct)    # (b, t, d)
+        x = call(self.blocks, x, inputs, direct=inputs.direct)               # (b, t, d)
         if self.final_norm is not None:
-            x = call(self.final_norm, x)
+            x = call(self.final_norm, x, direct=inputs.direct)
         if return_hidden:
             return x
         if targets is not None:  # through forward, so DDP/FSDP/compile wrappers see the whole step
             return self.loss_from_hidden(x, targets)
-        return self.head(x)
+        return self.head(x, session)
 
     # ---- loss ----------------------------------------------------------------------------
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,

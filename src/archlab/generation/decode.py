@@ -129,7 +129,7 @@ def generate(model, prompt_ids, max_new_tokens: int = 32, *, num_beams: int = 1,
     callback(tokens) is called with each step's (b,) tokens as they come (a streaming variant;
     `stream` is the iterator form). use_cache=False recomputes the whole sequence each step.
     fast_decode=True runs the model's modules over packed, transposed copies of their weights
-    (archlab.nn.fused.packing, tested equal to the plain forward; one extra copy of the weights):
+    (a DecodeSession, archlab.nn.fused, tested equal to the plain forward; one extra copy of the weights):
     pass False to save that memory on large models.
     """
     if num_beams > 1:

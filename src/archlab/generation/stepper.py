@@ -3,9 +3,9 @@
 A `Stepper` owns the running state of one batch: the KV cache (or, uncached, the whole sequence so
 far) and the next positions. `prefill()` runs the prompt, `step(tokens)` feeds one token per row;
 both return the next-token logits (b, v). `reorder(index)` selects rows (beam search). Every step
-runs the model's own forward; fast=True (the default) within one DecodeSession per Stepper: packed
-weight copies (archlab.nn.fused.packing) and, for a model without hooks, modules called without
-per-call hook checks (archlab.nn.calls); fast=False: no weight copies.
+runs the model's own forward; fast=True (the default) hands each one the Stepper's DecodeSession
+(`model(..., session=...)`): packed weight copies (archlab.nn.fused) and, for a model without hooks,
+modules called without per-call hook checks (archlab.nn.calls); fast=False: no session, no weight copies.
 
 Batched prompts of different lengths are left-padded: positions = cumsum(mask) - 1 and padded
 slots get position -1, which attention masks out; every row's newest token is then in the last
@@ -18,8 +18,7 @@ from typing import Sequence
 import torch
 
 from archlab.config import ABSOLUTE_POSITIONS
-from archlab.nn.calls import call
-from archlab.nn.fused import DecodeSession, packing
+from archlab.nn.fused import DecodeSession
 from archlab.nn.kv_cache import SinkKVCache, StaticKVCache
 
 
@@ -116,8 +115,10 @@ class Stepper:
         self._hidden_head = hasattr(model, "head") and config is not None
         # no padding: a TransformerLM is given positions=None and counts them from its cache (0..t-1 at first)
         self.implied = config is not None and bool(self.mask.all())
-        self.packing = fast
-        self.session = DecodeSession(model)   # packed weights and hooks checked once per generate call, not per step
+        # packed weights and hooks checked once per generate call, not per step; the model called without
+        # __call__'s bookkeeping when the session found no hook on it (hooks on the model fire otherwise)
+        self.session = DecodeSession(model) if fast else None
+        self._forward = model.forward if self.session is not None and model in self.session.direct else model
         # a model whose embedding is padded past its tokenizer (e.g. to a multiple of 64) must never pick
         # an id the tokenizer cannot decode: logits are cut to the first `vocab_limit` ids
         if vocab_limit is not None and vocab_limit < 1:
@@ -156,17 +157,16 @@ class Stepper:
     def _logits(self, ids, positions, cache) -> torch.Tensor:        # -> (b, v), last position
         if self.implied:   # unpadded rows: the model continues the cache itself (a decode step needs no mask)
             positions = None
-        with packing(self.packing, self.session):
-            return self._within_vocab(self._model_logits(ids, positions, cache))
+        return self._within_vocab(self._model_logits(ids, positions, cache))
 
     def _within_vocab(self, logits: torch.Tensor) -> torch.Tensor:    # (b, v) -> (b, vocab_limit | v)
         return logits if self.vocab_limit is None else logits[:, :self.vocab_limit]
 
     def _model_logits(self, ids, positions, cache) -> torch.Tensor:
         if self._hidden_head:  # the head over the last position only (the prompt can be long)
-            # call: hooks on the model are honoured, and skipped unchecked within a hook-free session
-            hidden = call(self.model, ids, positions, cache, None, True)                 # (b, t, d)
-            return self.model.head(hidden[:, -1])                                             # (b, v)
+            session = self.session
+            hidden = self._forward(ids, positions, cache, return_hidden=True, session=session)   # (b, t, d)
+            return self.model.head(hidden[:, -1], session)                                    # (b, v)
         return self.model(ids, positions=positions, cache=cache)[:, -1]
 
     def prefill(self) -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch import nn
 from archlab.config import AttentionConfig, BiasConfig, LayerSpec, NormConfig
 from archlab.nn import attention_backends as backends
 from archlab.nn import flex_attention, local_attention, strided_attention  # noqa: F401  (register their backends)
-from archlab.nn.fused import decode_weights, linear, packed_groups, packed_matmul, project
+from archlab.nn.fused import DecodeSession, decode_weights, linear, packed_groups, packed_matmul, project
 from archlab.nn.masks import AttnInputs, Context, LocalPattern, MaskSpec
 from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
@@ -77,15 +77,15 @@ class Attention(nn.Module):
         """(b, t, d) -> (b, t, d). Self-attention over x; with a `context`, cross-attention: queries from x,
         keys and values from the context (an encoder's output, projected once per context)."""
         b, t, _ = x.shape
-        positions, cache = inputs.positions, inputs.cache
+        positions, cache, session = inputs.positions, inputs.cache, inputs.session
         position = self.position
-        packs = decode_weights(x, self, self._decode_weights)   # decoding: (q/k/v, o) packed, one lookup
+        packs = decode_weights(session, x, self, self._decode_weights)   # decoding: (q/k/v, o) packed, one lookup
         if context is not None:
-            return self._finish(x, self._cross_call(x, inputs, context), packs)
+            return self._finish(x, self._cross_call(x, inputs, context), packs, session)
         if cache is not None and getattr(cache, "rotates_keys", False):
             # StreamingLLM cache (kv_cache.SinkKVCache): it keeps un-rotated keys, rotates them
             # with in-cache positions, and hands back the queries' in-cache positions
-            q, k, v = self._heads(x, b, t)                                    # (b, h|k, t, e)
+            q, k, v = self._heads(x, b, t, session=session)                   # (b, h|k, t, e)
             k, v, k_pos, positions = cache.update(self.layer, k, v, positions, rotate=position.rotate)
             q = position.rotate(q, positions)
         else:
@@ -98,7 +98,7 @@ class Attention(nn.Module):
                 q, k = position.rotate(qkv[:, :h + k_heads], positions, rope).split_with_sizes((h, k_heads), dim=1)
                 v = qkv[:, h + k_heads:]
             else:
-                q, k, v = self._heads(x, b, t)                                # (b, h|k, t, e)
+                q, k, v = self._heads(x, b, t, session=session)               # (b, h|k, t, e)
                 rope = _shared_tables(position, positions, q.dtype, inputs.shared)
                 q, k = position.rotate(q, positions, rope), position.rotate(k, positions, rope)
             k_pos = positions
@@ -113,9 +113,9 @@ class Attention(nn.Module):
             inputs.fresh and k.shape[2] == t and t > 1 and not getattr(cache, "rotates_keys", False)
             and inputs.contiguous())
         call = self._call(q, k, v, inputs.layer_spec(self.local), positions, k_pos, inputs, aligned=aligned)
-        return self._finish(x, call, packs)
+        return self._finish(x, call, packs, session)
 
-    def _finish(self, x: torch.Tensor, call: backends.AttnCall, packs) -> torch.Tensor:
+    def _finish(self, x: torch.Tensor, call: backends.AttnCall, packs, session) -> torch.Tensor:
         """Run the call on its backend; heads merged, gated, projected out: (b, t, d)."""
         b, t, _ = x.shape
         out, probs = backends.run(call)                                     # (b, h, t, e)
@@ -123,8 +123,8 @@ class Attention(nn.Module):
             self.last_probs = probs
         out = (out.view(b, t, -1) if t == 1 else out.transpose(1, 2).reshape(b, t, -1))  # (b, t, h*e)
         if self.gate_proj is not None:
-            out = out * torch.sigmoid(linear(x, self.gate_proj))
-        return linear(out, self.o_proj) if packs is None else packed_matmul(out, packs[1])
+            out = out * torch.sigmoid(linear(x, self.gate_proj, session))
+        return linear(out, self.o_proj, session) if packs is None else packed_matmul(out, packs[1])
 
     def _decode_weights(self, x: torch.Tensor):
         """(q/k/v packed, o packed) for decoding (nn/fused.py), or None: QK-norm between the projection and
@@ -140,20 +140,22 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         kv = context.kv.get(self)
         if kv is None:
-            _, k, v = self._heads(context.hidden, b, context.hidden.shape[1], heads="kv")   # (b, k, s, e)
+            _, k, v = self._heads(context.hidden, b, context.hidden.shape[1], heads="kv",
+                                  session=inputs.session)                  # (b, k, s, e)
             kv = context.kv[self] = (k, v)
-        q = self._heads(x, b, t, heads="q")[0]                             # (b, h, t, e)
+        q = self._heads(x, b, t, heads="q", session=inputs.session)[0]     # (b, h, t, e)
         k, v = kv
         return backends.AttnCall(q, k, v, self.scale, keep_probs=self.record_probs, spec=context.spec,
                                  dropout=self.dropout if self.training else 0.0, q_pos=inputs.positions,
                                  k_pos=context.positions, inputs=inputs)
 
-    def _heads(self, x: torch.Tensor, b: int, t: int, heads: str = "qkv") -> list:
+    def _heads(self, x: torch.Tensor, b: int, t: int, heads: str = "qkv", session: DecodeSession | None = None
+               ) -> list:
         """q, k, v heads (b, h|k, t, e), clipped and QK-normed as configured, not yet rotated; `heads`: which
         of them to project from x (cross-attention: "q" from the decoder, "kv" from the context), the others
-        None."""
+        None; `session`: a decode session's packed weights."""
         linears = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj}
-        z = dict(zip(heads, project(x, tuple(linears[name] for name in heads))))   # (b, t, h*e | k*e)
+        z = dict(zip(heads, project(x, tuple(linears[name] for name in heads), session)))   # (b, t, h*e | k*e)
         if self.clip_qkv is not None:  # OLMo (Groeneveld et al. 2024): tames loss spikes
             z = {name: y.clamp(-self.clip_qkv, self.clip_qkv) for name, y in z.items()}
         norms = {name: norm for name, norm in (("q", self.q_norm), ("k", self.k_norm)) if norm is not None}

@@ -62,41 +62,43 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, inputs: AttnInputs, context: Context | None = None
                 ) -> torch.Tensor:                                               # (b, t, d) -> (b, t, d)
-        # children run through nn.calls.call (hooks honoured, minus __call__'s cost: a decode step pays it ~30x)
-        attn_norm, mlp_norm = self.attn_norm, self.mlp_norm
+        # children run through nn.calls.call (hooks honoured, minus __call__'s cost: a decode step pays it ~30x;
+        # `direct`: the modules the forward's decode session checked hook-free, called with no check)
+        attn_norm, mlp_norm, direct = self.attn_norm, self.mlp_norm, inputs.direct
         if self.parallel:
-            y = call(attn_norm, x)
-            return x + self._attn(y, inputs) + self._mlp(call(mlp_norm, x) if mlp_norm is not None else y)
+            y = call(attn_norm, x, direct=direct)
+            return x + self._attn(y, inputs) + self._mlp(call(mlp_norm, x, direct=direct) if mlp_norm is not None
+                                                         else y, inputs)
         assert mlp_norm is not None          # a serial block always has its own MLP norm
         x = self._wire(x, attn_norm, self.attn_post_norm, self._attn, inputs)
         if self.cross_attn is not None:
             if context is None:
                 raise ValueError("a cross-attention layer needs the encoder's output (a Context)")
             x = self._wire(x, self.cross_norm, self.cross_post_norm, self._cross, inputs, context)
-        return self._wire(x, mlp_norm, self.mlp_post_norm, self._mlp)
+        return self._wire(x, mlp_norm, self.mlp_post_norm, self._mlp, inputs)
 
     def _wire(self, x: torch.Tensor, norm: nn.Module, post_norm: nn.Module | None,
-              sublayer: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-        """One residual sublayer in the configured serial wiring (the diagram above); args go to the sublayer."""
-        position = self.position
+              sublayer: Callable[..., torch.Tensor], inputs: AttnInputs, *args: Any) -> torch.Tensor:
+        """One residual sublayer in the configured serial wiring (the diagram above): sublayer(h, inputs, *args)."""
+        position, direct = self.position, inputs.direct
         if position == "pre":
-            return x + sublayer(call(norm, x), *args)
+            return x + sublayer(call(norm, x, direct=direct), inputs, *args)
         if position == "post":
-            return call(norm, x + sublayer(x, *args))
+            return call(norm, x + sublayer(x, inputs, *args), direct=direct)
         if position == "sandwich":
             assert post_norm is not None
-            return x + call(post_norm, sublayer(call(norm, x), *args))
-        return x + call(norm, sublayer(x, *args))                              # post_sublayer
+            return x + call(post_norm, sublayer(call(norm, x, direct=direct), inputs, *args), direct=direct)
+        return x + call(norm, sublayer(x, inputs, *args), direct=direct)       # post_sublayer
 
     def _attn(self, h: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:    # the sublayer + residual dropout
-        out = call(self.attn, h, inputs)
+        out = call(self.attn, h, inputs, direct=inputs.direct)
         return self.drop(out) if self.training else out
 
     def _cross(self, h: torch.Tensor, inputs: AttnInputs, context: Context) -> torch.Tensor:
         assert self.cross_attn is not None   # forward calls it only for a layer that has one
-        out = call(self.cross_attn, h, inputs, context)
+        out = call(self.cross_attn, h, inputs, context, direct=inputs.direct)
         return self.drop(out) if self.training else out
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        out = call(self.mlp, h)
+    def _mlp(self, h: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:  # the MLP decodes in the forward's session
+        out = call(self.mlp, h, inputs.session, direct=inputs.direct)
         return self.drop(out) if self.training else out

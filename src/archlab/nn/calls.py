@@ -7,10 +7,11 @@ where each microsecond of Python shows. `call(module, *args)` checks the
 same conditions and runs `module.forward(*args)` directly when none holds, so hooks (the module's own and
 global ones), torch.compile and torch.jit.trace see exactly what they would see with `module(*args)`.
 
-A decode loop checks a whole model once instead (`hook_free`, through nn/fused.DecodeSession), and while the
-loop runs (`_DIRECT`, set by nn/fused.packing) a `call` on one of those modules runs `forward` at once: a
-hook registered in the middle of that loop is not seen (as packed weights). Any other module (another
-model, evaluated in another thread meanwhile) keeps every check.
+A decode loop checks a whole model once instead (`hook_free`, through nn/fused.DecodeSession), and its forwards
+hand that set to their calls (`call(module, *args, direct=inputs.direct)`: nn/masks.AttnInputs carries the
+session's set): a `call` on one of those modules runs `forward` at once, so a hook registered in the middle
+of that loop is not seen (as packed weights). Any other module, and every call of a forward given no
+session, keeps every check.
 """
 from __future__ import annotations
 
@@ -22,9 +23,7 @@ from torch.nn.modules import module as _module
 
 __all__ = ["call", "hook_free"]
 
-# the modules a running decode loop checked hook-free (nn/fused.packing sets it): a plain global, not a
-# ContextVar or thread-local, whose read a decode step makes ~30 times (torch.compile traces the empty set)
-_DIRECT: frozenset[nn.Module] = frozenset()
+NO_MODULES: frozenset[nn.Module] = frozenset()   # `direct` of a forward without a decode session
 
 
 def _global_hooks() -> bool:
@@ -37,10 +36,11 @@ def _hooked(module: nn.Module) -> bool:
                 or module._backward_pre_hooks or module._compiled_call_impl is not None)
 
 
-def call(module: nn.Module, *args: Any) -> Any:
-    """module(*args), skipping __call__'s bookkeeping when no hook, compiled wrapper or trace is there to see it.
+def call(module: nn.Module, *args: Any, direct: frozenset[nn.Module] = NO_MODULES) -> Any:
+    """module(*args), skipping __call__'s bookkeeping when no hook, compiled wrapper or trace is there to see it;
+    `direct`: modules a decode session checked hook-free (DecodeSession.direct), called with no check at all.
     Example: x = x + call(self.attn, call(self.attn_norm, x), inputs)"""
-    if _DIRECT and module in _DIRECT:   # a hook-free model a running decode loop checked
+    if direct and module in direct:   # a hook-free model whose decode session this forward was given
         return module.forward(*args)
     if _hooked(module) or _global_hooks() or torch.compiler.is_compiling() or torch._C._get_tracing_state():
         return module(*args)
@@ -50,7 +50,7 @@ def call(module: nn.Module, *args: Any) -> Any:
 def hook_free(model: nn.Module) -> frozenset[nn.Module]:
     """model's modules, when none has a hook or compiled wrapper and no global hook, compile or trace is
     running (`call` may then skip every check for them); else the empty set.
-    Example: DecodeSession(model).direct == hook_free(model)   # what nn/fused.packing hands to `call`"""
+    Example: DecodeSession(model).direct == hook_free(model)   # what a session's forward hands to `call`"""
     if _global_hooks() or torch.compiler.is_compiling() or torch._C._get_tracing_state():
         return frozenset()
     modules = frozenset(model.modules())

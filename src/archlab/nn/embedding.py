@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from archlab.config import GATED_ACTIVATIONS, ModelConfig
-from archlab.nn.calls import call
+from archlab.nn.calls import NO_MODULES, call
 from archlab.nn.fused import head_linear
 from archlab.nn.mlp import ACTIVATIONS
 from archlab.nn.norms import build_norm
@@ -46,10 +46,11 @@ class Embedder:
         self.embed_drop = nn.Dropout(cfg.embedding_dropout)
 
     def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                     token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+                     token_type_ids: torch.Tensor | None = None, *, direct: frozenset = NO_MODULES) -> torch.Tensor:
         """Token vectors (scaled as Gemma), token types (BERT's segments; 0 where not given), absolute
-        positions where the config adds them at the input, the embedding norm and dropout. (b, t) -> (b, t, d)."""
-        x = call(self.embed, input_ids)                                      # (b, t, d)
+        positions where the config adds them at the input, the embedding norm and dropout. (b, t) -> (b, t, d).
+        direct: a decode session's hook-free modules (AttnInputs.direct), called with no check (nn/calls)."""
+        x = call(self.embed, input_ids, direct=direct)                       # (b, t, d)
         if self.config.scale_embeddings:  # Gemma: sqrt(d) rounded to the activation dtype
             x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
         if self.token_types is not None:

@@ -10,16 +10,18 @@ tests/test_fused.py checks values and gradients against the composite formulas.
 
 Decoding is the other end: a step over a few rows is dominated by per-op and per-module overhead, so
 without gradients `rms_norm` and `rope_half` run their forward math directly (no autograd.Function), and
-within `packing()` the modules multiply by packed, transposed copies of their weights: at one row
-`x @ W_t` runs MKL's faster gemv layout (~1.3x on the weights that dominate a step). The copies are built
-once per parameter version (`packed`) and cost one extra copy of the weights; a `DecodeSession` (one per
-generate call) keeps each module's decode weights (`decode_weights`: Attention's q/k/v and o, the MLP's
-up and down) after their first use, so a step looks each module up once.
+a forward given a `DecodeSession` (`model(tok, positions=p, cache=c, session=s)`: generation and the server
+pass one) multiplies by packed, transposed copies of its modules' weights: at one row `x @ W_t` runs
+MKL's faster gemv layout (~1.3x on the weights that dominate a step). The copies are built once per
+parameter version (`packed`) and cost one extra copy of the weights; the session (one per generate call)
+keeps each module's decode weights (`decode_weights`: Attention's q/k/v and o, the MLP's up and down) after
+their first use, so a step looks each module up once. The session travels with the forward, as
+`AttnInputs.session` and as an argument to the MLP and the head: no module-level state, so two threads
+decoding two models each use their own.
 """
 from __future__ import annotations
 
 import operator
-import threading
 import weakref
 from typing import Any, Callable, Hashable
 
@@ -31,21 +33,21 @@ from torch.nn.modules import module as _module
 from archlab.nn import calls
 
 __all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed", "packed_linears",
-           "packed_matmul", "packed_split", "packed_groups", "packable", "decode_weights", "packing",
-           "DecodeSession", "DECODE_ROWS"]
+           "packed_matmul", "packed_split", "packed_groups", "packable", "decode_weights", "DecodeSession",
+           "DECODE_ROWS"]
 
 DECODE_ROWS = 32   # at most this many rows without gradients: the packed (decode) path of project/linear
 
 
 class DecodeSession:
-    """One decode loop's state checked once (a generate call, a server step): each module's packed weights
-    at their first use in the session (built from the current tensors, no hooks on the module, no autocast),
-    then reused without checks; given the model, whether it is hook-free (nn/calls.hook_free), so that
-    within `packing` its modules are called without per-call hook checks. So a weight changed in place
-    between two generate calls is seen; one changed in the middle of a call is not (nor is a hook
-    registered mid-call).
+    """One decode loop's state checked once (a generate call, a server step), handed to every forward of the
+    loop (`model(..., session=session)`): each module's packed weights at their first use in the session
+    (built from the current tensors, no hooks on the module, no autocast), then reused without checks; given
+    the model, whether it is hook-free (nn/calls.hook_free: `direct`, the modules its blocks may call with
+    no per-call hook check). So a weight changed in place between two generate calls is seen; one changed in
+    the middle of a call is not (nor is a hook registered mid-call).
     Example: session = DecodeSession(model)
-             for each step: with torch.no_grad(), packing(session=session): logits = model(tok, positions=p, cache=c)"""
+             for each step: with torch.no_grad(): logits = model(tok, positions=p, cache=c, session=session)"""
 
     __slots__ = ("packs", "direct")
 
@@ -54,48 +56,12 @@ class DecodeSession:
         self.direct = frozenset() if model is None else calls.hook_free(model)   # modules to call directly
 
 
-_SESSION: DecodeSession | None = None   # a plain global, which torch.compile traces (a ContextVar breaks graphs)
-_OWNER: int | None = None               # the thread whose decode loop set _SESSION and nn/calls._DIRECT
-_LOCK = threading.Lock()
-
-
-class packing:  # noqa: N801  (a context manager read as a function: `with packing(): ...`)
-    """Within `with packing():` the modules decode a few rows through packed weight copies (generation
-    and the server turn it on; off by default, since the copies cost one more copy of the weights).
-    `session`: keep one DecodeSession over a decode loop's steps, so its packs are checked only once.
-    A class, not a generator: a decode step enters it once, where contextlib's frames would show.
-    One thread's decode loop owns the state at a time: a loop that starts while another thread's runs shares
-    that loop's state and leaves it alone on exit, so no thread ever restores a session that has ended.
-    Example: with torch.no_grad(), packing(): logits = model(tokens, positions=pos, cache=cache)"""
-
-    __slots__ = ("session", "saved")
-
-    def __init__(self, enabled: bool = True, session: DecodeSession | None = None) -> None:
-        self.session = (session or DecodeSession()) if enabled else None
-
-    def __enter__(self) -> None:
-        global _SESSION, _OWNER
-        me, now = threading.get_ident(), self.session
-        with _LOCK:
-            self.saved = None
-            if _OWNER is None or _OWNER == me:        # free, or nested in this thread's own loop
-                self.saved = _SESSION, calls._DIRECT, _OWNER
-                _SESSION, _OWNER = now, me
-                calls._DIRECT = frozenset() if now is None else now.direct   # nn/calls: hook-free modules
-
-    def __exit__(self, *exc: object) -> None:
-        global _SESSION, _OWNER
-        if self.saved is not None:
-            with _LOCK:
-                _SESSION, calls._DIRECT, _OWNER = self.saved
-
-
-def decode_weights(x: torch.Tensor, owner: Hashable, build: Callable[[torch.Tensor], Any]) -> Any:
-    """`owner`'s prepared decode weights when x is a decode input (a few rows, no gradients, within
-    packing()), else None: the session's entry for `owner`, `build(x)` at its first use in the session
-    (None from build: the module runs its usual path all session). One lookup per module and step.
-    Example (DenseMLP.forward): packs = decode_weights(x, self, self._decode_weights)"""
-    session = _SESSION
+def decode_weights(session: DecodeSession | None, x: torch.Tensor, owner: Hashable,
+                   build: Callable[[torch.Tensor], Any]) -> Any:
+    """`owner`'s prepared decode weights when x is a decode input (a session, a few rows, no gradients),
+    else None: the session's entry for `owner`, `build(x)` at its first use in the session (None from
+    build: the module runs its usual path all session). One lookup per module and step.
+    Example (DenseMLP.forward): packs = decode_weights(session, x, self, self._decode_weights)"""
     if session is None or torch.is_grad_enabled() or x.shape[:-1].numel() > DECODE_ROWS:
         return None
     hit = session.packs.get(owner, _MISSING)
@@ -104,15 +70,17 @@ def decode_weights(x: torch.Tensor, owner: Hashable, build: Callable[[torch.Tens
     return hit
 
 
-def _session_pack(x: torch.Tensor, key: Hashable, modules: tuple[nn.Module, ...],
+def _session_pack(session: DecodeSession | None, x: torch.Tensor, key: Hashable, modules: tuple[nn.Module, ...],
                   build: Callable[..., _Packed | None], *args: Any) -> _Packed | None:
     """`decode_weights` under `key`: `build(*args)`, or None when `modules` must run as themselves."""
-    return decode_weights(x, key, lambda x: build(*args) if packable(x, modules) else None)
+    if session is None:
+        return None
+    return decode_weights(session, x, key, lambda x: build(*args) if packable(x, modules) else None)
 
 
-def _linears_pack(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> _Packed | None:
+def _linears_pack(session: DecodeSession | None, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> _Packed | None:
     """`_session_pack` for some Linears of the same input, keyed by the Linears themselves."""
-    return _session_pack(x, linears, linears, packed_linears, linears)
+    return _session_pack(session, x, linears, linears, packed_linears, linears)
 
 
 _MISSING = object()
@@ -202,18 +170,19 @@ def packed_split(x: torch.Tensor, pack: _Packed) -> tuple[torch.Tensor, ...]:
     return packed_matmul(x, pack).split_with_sizes(pack.sizes, dim=-1)
 
 
-def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+def project(x: torch.Tensor, linears: tuple[nn.Linear, ...], session: DecodeSession | None = None
+            ) -> tuple[torch.Tensor, ...]:
     """(l(x) for l in linears), as one matmul where that pays.
 
     Under autocast, one matmul over the concatenated weights: autocast casts a float32 input once per
     matmul, and backward casts each projection's dL/dx back and sums them: for q/k/v that is three casts
     and two adds each way, for gate/up two and one (bf16 steps measured 1-9% faster over three runs).
-    Decoding (a few rows, no gradients, within packing()): one matmul over the packed, transposed weights.
+    Decoding (a session, a few rows, no gradients): one matmul over the packed, transposed weights.
     Otherwise the concatenation and the split's backward cost what they save, so the projections run one
     by one. The parameters stay separate Linears, as checkpoints and the lecture name them.
     Example: q, k, v = project(x, (attn.q_proj, attn.k_proj, attn.v_proj))
     """
-    pack = _linears_pack(x, linears)
+    pack = _linears_pack(session, x, linears)
     if pack is not None:
         return packed_split(x, pack)
     if not (torch.is_autocast_enabled(x.device.type) and x.shape[:-1].numel() >= x.shape[-1]):
@@ -227,17 +196,17 @@ def project(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tens
     return out.split([linear.out_features for linear in linears], dim=-1)
 
 
-def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
-    """module(x), through the packed weights when decoding (see `project`)."""
-    pack = _linears_pack(x, (module,))
+def linear(x: torch.Tensor, module: nn.Linear, session: DecodeSession | None = None) -> torch.Tensor:
+    """module(x), through the packed weights when decoding in `session` (see `project`)."""
+    pack = _linears_pack(session, x, (module,))
     return module(x) if pack is None else packed_matmul(x, pack)
 
 
-def head_linear(x: torch.Tensor, owner: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None
-                ) -> torch.Tensor:
+def head_linear(x: torch.Tensor, owner: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,
+                session: DecodeSession | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for an LM head (a matrix that may be the tied embedding, not a
-    Linear), through a packed transposed copy when decoding."""
-    pack = _session_pack(x, ("head", owner), (owner,), packed, owner, "head", [weight],
+    Linear), through a packed transposed copy when decoding in `session`."""
+    pack = _session_pack(session, x, ("head", owner), (owner,), packed, owner, "head", [weight],
                          [] if bias is None else [bias])
     return F.linear(x, weight, bias) if pack is None else packed_matmul(x, pack)
 

@@ -5,7 +5,7 @@ segment ids, and room for block-sparse kernels: block size, global indices, dila
 `allows(q_pos, k_pos)`, that every kernel form is compiled from: "no mask at all" where nothing binds
 (SDPA's is_causal, or a bidirectional encoder's full attention), a dense boolean mask for the eager
 reference and SDPA, and later block lists for sparse kernels. `AttnInputs` carries one forward's
-positions, spec, KV cache and the tables its layers share.
+positions, spec, KV cache, decode session and the tables its layers share.
 
 Windows follow OLMo-core: (left, right) counts the positions a query may see before and after itself,
 so Mistral's 4,096-token sliding window (the query and the 4,095 before it) is (4095, 0).
@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from archlab.nn.calls import NO_MODULES
+
+if TYPE_CHECKING:
+    from archlab.nn.fused import DecodeSession
 
 __all__ = ["MaskSpec", "LocalPattern", "AttnInputs", "Context", "window_bounds"]
 
@@ -191,7 +196,9 @@ class MaskSpec:
 class AttnInputs:
     """One forward's attention inputs, built once in the model and handed to every block of a stack. Its
     layers share through `shared` what depends only on the positions and the spec: RoPE tables, each
-    window's spec, dense masks (built only when a backend asks for one)."""
+    window's spec, dense masks (built only when a backend asks for one). `session`: the decode loop's
+    nn/fused.DecodeSession the forward was given (packed weights; `direct`, its hook-free modules, which
+    the stack and blocks hand to nn/calls.call), None outside decoding."""
     positions: torch.Tensor                  # (b, t), or (1, t) shared by all rows on the plain path
     spec: MaskSpec = field(default_factory=MaskSpec)
     cache: Any = None                        # archlab.nn.kv_cache protocol, or None
@@ -199,6 +206,11 @@ class AttnInputs:
     continued: bool = False                  # each row continues its cached tokens: none padded, one length
     fresh: bool = False                      # a cache that held nothing before this forward (a prefill)
     shared: dict = field(default_factory=dict)   # built once per forward, read by every layer
+    session: DecodeSession | None = None     # a decode loop's session (nn/fused), or None
+    direct: frozenset = field(init=False, repr=False)   # the session's hook-free modules (nn/calls.call), else none
+
+    def __post_init__(self) -> None:
+        self.direct = NO_MODULES if self.session is None else self.session.direct
 
     def contiguous(self) -> bool:
         """Each row's positions run on by one (padding, -1, aside): key index distance = position distance, what

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import GATED_ACTIVATIONS, MLPConfig
-from archlab.nn.fused import decode_weights, linear, packed_groups, packed_matmul, packed_split, project
+from archlab.nn.fused import DecodeSession, decode_weights, linear, packed_groups, packed_matmul, packed_split, project
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
@@ -51,16 +51,17 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
         mark_residual_out(self.down_proj)  # scaled init (GPT-2) applies here
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, d) -> (b, t, d)
-        packs = decode_weights(x, self, self._decode_weights)   # decoding: (up, down) packed, one lookup
+    def forward(self, x: torch.Tensor, session: DecodeSession | None = None) -> torch.Tensor:  # (b, t, d) -> same
+        """session: a decode loop's (nn/fused), whose packed weights a decode step multiplies by."""
+        packs = decode_weights(session, x, self, self._decode_weights)   # decoding: (up, down) packed, one lookup
         gate_proj = self.gate_proj
         if gate_proj is not None:
-            gate, up = (project(x, (gate_proj, self.up_proj)) if packs is None
+            gate, up = (project(x, (gate_proj, self.up_proj), session) if packs is None
                         else packed_split(x, packs[0]))                 # (b, t, f) each
             h = self.act(gate) * up
         else:
-            h = self.act(linear(x, self.up_proj) if packs is None else packed_matmul(x, packs[0]))
-        return linear(h, self.down_proj) if packs is None else packed_matmul(h, packs[1])
+            h = self.act(linear(x, self.up_proj, session) if packs is None else packed_matmul(x, packs[0]))
+        return linear(h, self.down_proj, session) if packs is None else packed_matmul(h, packs[1])
 
     def _decode_weights(self, x: torch.Tensor):
         """(gate/up packed, down packed) for decoding (nn/fused.py), or None: hooks or autocast to honour."""
@@ -91,7 +92,7 @@ class MoEMLP(nn.Module):
         )
         self.aux_loss = torch.zeros(())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, session: DecodeSession | None = None) -> torch.Tensor:
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         logits = self.router(flat).float()                     # (bt, n)
@@ -104,10 +105,10 @@ class MoEMLP(nn.Module):
             token_idx, slot = torch.where(chosen == e)
             if token_idx.numel() == 0:
                 continue
-            y = expert(flat[token_idx]) * weights[token_idx, slot, None].to(flat.dtype)
+            y = expert(flat[token_idx], session) * weights[token_idx, slot, None].to(flat.dtype)
             out.index_add_(0, token_idx, y)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat)
+            out = out + self.shared_expert(flat, session)
         self.aux_loss = self._aux_loss(logits, probs, chosen)
         return out.reshape(b, t, d)
 

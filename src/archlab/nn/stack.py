@@ -58,10 +58,11 @@ class TransformerStack(nn.ModuleList):
         if (context is not None) != (self.role == "cross_decoder"):
             raise ValueError(f"a {self.role} stack " + ("needs the encoder's output (a Context)"
                                                       if context is None else "takes no context"))
+        direct = inputs.direct            # a decode session's hook-free modules: blocks called with no check
         if context is None:
             for block in self:
-                x = call(block, x, inputs)
+                x = call(block, x, inputs, direct=direct)
         else:
             for block in self:
-                x = call(block, x, inputs, context)
+                x = call(block, x, inputs, context, direct=direct)
         return x

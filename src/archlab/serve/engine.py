@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from archlab.errors import UserError
-from archlab.nn.fused import DecodeSession, packing
+from archlab.nn.fused import DecodeSession
 
 __all__ = ["Engine", "CompletionRequest", "RequestError"]
 
@@ -165,8 +165,8 @@ class Engine:
         positions = torch.tensor([[self.slots.length[r]] for r in rows], device=device)   # (b, 1)
         if self._session is None:  # packed weights and the hook check, once per batch composition
             self._session = DecodeSession(self.model)
-        with packing(session=self._session):      # the modules decode through packed weights (archlab.nn.fused)
-            logits = self.model(last, positions=positions, cache=self.slots.view(rows))  # (b, 1, v)
+        # the modules decode through the session's packed weights (archlab.nn.fused)
+        logits = self.model(last, positions=positions, cache=self.slots.view(rows), session=self._session)  # (b, 1, v)
         self.rows_per_step[len(rows)] += 1
         for i, job in enumerate(jobs):
             self._guarded(job, self._advance, logits[i, -1])

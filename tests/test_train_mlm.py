@@ -119,3 +119,22 @@ def test_an_encoder_on_data_without_a_mask_token_is_one_line(tmp_path):
     with pytest.raises(UserError, match=r"mask token"):
         train(encoder(vocab_size=257), TrainConfig(budget=2, **FAST), tmp_path / "data", tmp_path / "run",
               progress=False)
+
+
+def test_a_byte_level_run_masks_with_an_id_past_the_tokenizer(tmp_path):
+    """train.mask_token_id: a padded vocabulary's spare id serves as [MASK] (the lab's rank_collapse suite)."""
+    from archlab.data import TokenDataset
+    from archlab.objectives import masked_lm_for
+
+    prepare(_docs(5, 50), "bytes", tmp_path / "data", num_workers=0, progress=False)
+    tok = TokenDataset(tmp_path / "data", "train").load_tokenizer()
+    objective = masked_lm_for(tok, 258, mask_id=257, prob=0.5)
+    x = torch.randint(0, 256, (64, 64))
+    inputs, labels = objective.batch(x, step=0)
+    assert abs((labels != -100).float().mean().item() - 0.5) < 0.03          # mlm_probability is honoured
+    assert (inputs == 257).any() and not (labels == 257).any()
+    with pytest.raises(UserError, match="outside the model's vocabulary"):
+        masked_lm_for(tok, 257, mask_id=257)
+    train(encoder(vocab_size=258), TrainConfig(budget=2, mask_token_id=257, **FAST), tmp_path / "data",
+          tmp_path / "run", progress=False)
+    assert latest_checkpoint(tmp_path / "run") is not None

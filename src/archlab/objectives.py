@@ -100,13 +100,19 @@ class MaskedLM:
                            prob=self.prob, special=self.special, starts=self.starts)
 
 
-def masked_lm_for(tokenizer: Any, vocab_size: int, *, seed: int = 0, whole_word: bool = False) -> MaskedLM:
-    """The MLM objective for this tokenizer: its mask token ([MASK] or <mask>), its special tokens never masked.
-    A tokenizer without a mask token is a UserError naming how to train one."""
-    mask_id = next((i for i in map(tokenizer.token_to_id, MASK_TOKENS) if i is not None), None)
+def masked_lm_for(tokenizer: Any, vocab_size: int, *, seed: int = 0, whole_word: bool = False,
+                  mask_id: int | None = None, prob: float = 0.15) -> MaskedLM:
+    """The MLM objective for this tokenizer: its mask token ([MASK] or <mask>) unless `mask_id` names one (e.g. an
+    id past a byte tokenizer in a padded vocabulary), its special tokens never masked. A tokenizer without a
+    mask token and no `mask_id` is a UserError naming how to get one."""
+    if mask_id is None:
+        mask_id = next((i for i in map(tokenizer.token_to_id, MASK_TOKENS) if i is not None), None)
     if mask_id is None:
         raise UserError("masked-LM training needs a mask token in the tokenizer ([MASK] or <mask>): train one with "
-                        "`archlab tokenizer train ... --special-tokens '<|endoftext|>' '[MASK]'`")
+                        "`archlab tokenizer train ... --special-tokens '<|endoftext|>' '[MASK]'`, or set "
+                        "train.mask_token_id to an id past the tokenizer in a padded vocabulary")
+    if not 0 <= mask_id < vocab_size:
+        raise UserError(f"train.mask_token_id={mask_id} is outside the model's vocabulary (vocab_size={vocab_size})")
     special = torch.zeros(vocab_size, dtype=torch.bool)
     for token in getattr(tokenizer, "special_tokens", None) or []:
         i = tokenizer.token_to_id(token)
@@ -115,4 +121,4 @@ def masked_lm_for(tokenizer: Any, vocab_size: int, *, seed: int = 0, whole_word:
     special[mask_id] = True
     special[min(_tokenizer_size(tokenizer, vocab_size), vocab_size):] = True   # padded vocabulary: never drawn
     starts = word_starts(tokenizer, vocab_size) if whole_word else None
-    return MaskedLM(mask_id, vocab_size, special, seed=seed, starts=starts)
+    return MaskedLM(mask_id, vocab_size, special, seed=seed, prob=prob, starts=starts)

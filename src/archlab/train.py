@@ -355,7 +355,8 @@ class _Run:
         self.raw = build_model(model_cfg).to(device)        # TransformerLM, or EncoderLM for arch="encoder"
         # an encoder learns BERT's masked LM; its masks are a function of (seed, step, micro-batch, rank)
         self.objective = (masked_lm_for(train_data.load_tokenizer(), model_cfg.vocab_size, seed=cfg.seed,
-                                        whole_word=cfg.whole_word_mask)
+                                        whole_word=cfg.whole_word_mask, mask_id=cfg.mask_token_id,
+                                        prob=cfg.mlm_probability)
                           if model_cfg.arch == "encoder" else None)
         self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len)
         prepared = dist_util.prepare_model(                             # recompute -> wrap -> optimizer -> compile

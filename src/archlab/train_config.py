@@ -56,6 +56,8 @@ class TrainConfig:
     memory_check: bool = True              # refuse before building when the estimate exceeds free memory
     mlm_probability: float = 0.15          # encoders: share of tokens chosen for the masked-LM loss (BERT)
     whole_word_mask: bool = False          # encoders: choose whole words (all of a word's pieces) instead
+    mask_token_id: int | None = None       # encoders: the [MASK] id; None: the tokenizer's [MASK] / <mask>. An id
+                                           # past the tokenizer (a padded vocabulary) gives a byte-level run one
 
     def __post_init__(self):
         if isinstance(self.betas, list):
@@ -70,6 +72,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} must be >= 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ConfigError(f"train.mask_token_id={self.mask_token_id} must be >= 0")
         if not 0.0 < self.mlm_probability < 1.0:
             raise ConfigError(f"train.mlm_probability={self.mlm_probability} must be in (0, 1)")
         if not 0.0 <= self.decay_fraction <= 1.0:

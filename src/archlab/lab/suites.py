@@ -41,7 +41,7 @@ import yaml
 from archlab.config import ConfigError, ModelConfig
 from archlab.lab.verdicts import Rule
 
-MEASUREMENTS = ("val_loss_2x", "max_attn_logit", "sinks", "kv_cache_bytes", "paired_step_time")
+MEASUREMENTS = ("val_loss_2x", "max_attn_logit", "sinks", "kv_cache_bytes", "paired_step_time", "effective_rank")
 
 # The tiny model every built-in suite starts from (~0.23M parameters with the byte vocabulary).
 BASE_MODEL: dict[str, Any] = {
@@ -409,6 +409,33 @@ def _parallel() -> Suite:
         published="PaLM/GPT-J: ~15% faster training at large scale, small quality cost at 8B, none at 62B",
         notes="Our parallel block runs the two branches as separate matmuls (no fused projection, PaLM's "
               "source of the speed-up); it saves one norm and one residual add per block.",
+    )
+
+
+@builtin_suite
+def _rank_collapse() -> Suite:
+    return Suite(
+        name="rank_collapse",
+        claim="Encoders are more prone to rank collapse than decoders: a masked-LM encoder's final hidden states "
+              "have a lower effective rank than a causal decoder's of the same size",
+        # one id past the byte vocabulary (257) for both: the encoder's [MASK], never a target of the decoder
+        axes=[{"name": "arch", "values": [
+            {"label": "decoder", "set": {"vocab_size": 258}},
+            {"label": "encoder", "set": {"arch": "encoder", "vocab_size": 258, "train.mask_token_id": 257}}]}],
+        seeds=3, measure=["effective_rank"],
+        rules=[
+            Rule(kind="less", metric="final_effective_rank", a={"arch": "encoder"}, b={"arch": "decoder"},
+                 statement="the MLM encoder's final effective rank below the causal decoder's"),
+        ],
+        published="Lecture notes (004): encoders are more prone to rank collapse than decoders; Dong et al. 2021: "
+                  "pure self-attention loses rank doubly exponentially with depth, skip connections and MLPs "
+                  "counter it",
+        notes="Effective rank (Roy & Vetterli 2007): exp of the entropy of the normalized singular values of one "
+              "validation window's final hidden states (before the final norm), mean over 4 windows of the "
+              "training length. The encoder trains on BERT's masked LM (15%, 80/10/10), the decoder on next "
+              "tokens: their losses are not comparable, so no rule compares them. The encoder has the MLM "
+              "head's transform on top (+2% parameters). Written for the built-in byte-level data (the [MASK] "
+              "id is 257, one past the bytes and end-of-text).",
     )
 
 

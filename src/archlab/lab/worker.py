@@ -121,7 +121,7 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
         else:
             out["val_loss_2x"] = evaluate(model, val, batch_size=max(1, bs // 2), seq_len=2 * seq,
                                           max_batches=run.train.eval_batches).loss
-    if "max_attn_logit" in wanted or "sinks" in wanted:
+    if "max_attn_logit" in wanted or "sinks" in wanted or "effective_rank" in wanted:
         from archlab import diagnostics
 
         x = torch.cat([xb for xb, _ in eval_batches(val, 4, seq, 1)], 0)  # (4, t): 4 windows
@@ -135,4 +135,8 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
             out["massive_ratio"] = summary["max_ratio"]
             out["max_activation"] = summary["max_activation"]
             out["attention_entropy"] = summary["mean_entropy"]
+        if "effective_rank" in wanted:
+            result = diagnostics.diagnose(model, x)
+            out["final_effective_rank"] = result["summary"]["final_effective_rank"]
+            out["effective_rank_per_layer"] = [layer["effective_rank"] for layer in result["layers"]]
     return out

@@ -87,3 +87,54 @@ def test_cli_on_a_model_padded_past_its_tokenizer_prints_only_decodable_text(tmp
     assert main(["generate", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "12", *extra]) == 0
     out = capsys.readouterr().out
     assert out.startswith("hi") and len(out.encode()) <= len("hi") + 12 * 3 + 1
+
+
+def _run_folder(root, **generation_config):
+    import json
+    cfg = BASE.with_overrides({"vocab_size": 257, "init.std": 0.2, "max_seq_len": 48})
+    model = archlab.TransformerLM(cfg).eval()
+    write_run_config(root, cfg.to_dict(), {}, {})
+    save_checkpoint(root / "checkpoints", 5, model.state_dict(), {})
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    tok.save(root / "tokenizer")
+    (root / "generation_config.json").write_text(json.dumps(generation_config))
+    return model, tok
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_cli_applies_the_folders_generation_config_and_flags_override_it(tmp_path, capsys, beams):
+    from archlab.generation import read_generation_config
+    prompt = "hello"
+    model, tok = _run_folder(tmp_path)
+    free = archlab.generate(model, tok.encode(prompt), max_new_tokens=12, num_beams=beams)[len(prompt):].tolist()
+    bad = [[free[2]], free[5:7]]
+    model, tok = _run_folder(tmp_path, no_repeat_ngram_size=2, bad_words_ids=bad, max_new_tokens=12, num_beams=beams,
+                             transformers_version="5.24.0")
+    cfg = read_generation_config(tmp_path).merged(eos_token_id=tok.eot_id)
+    expected = archlab.generate(model, tok.encode(prompt), generation_config=cfg)[len(prompt):].tolist()
+    assert expected != free[:len(expected)] and free[2] not in expected
+    if tok.eot_id in expected:
+        expected = expected[:expected.index(tok.eot_id)]
+    assert main(["generate", str(tmp_path), "--prompt", prompt]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == prompt + tok.decode(expected) + "\n" and captured.err == ""
+    assert main(["generate", str(tmp_path), "--prompt", prompt, "--max-new-tokens", "3", "--num-beams", "1",
+                 "--no-repeat-ngram-size", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(prompt) and len(out.encode()) <= len(prompt) + 3 * 4 + 1
+
+
+def test_cli_names_generation_config_fields_it_does_not_apply(tmp_path, capsys):
+    _run_folder(tmp_path, suppress_tokens=[1, 2], max_new_tokens=4, do_sample=True, temperature=0.7)
+    with pytest.warns(UserWarning) as caught:
+        assert main(["generate", str(tmp_path), "--prompt", "hi", "--seed", "0"]) == 0
+    messages = [str(w.message) for w in caught]
+    assert any("not applied by archlab" in m and "suppress_tokens=[1, 2]" in m for m in messages)
+    assert any("sampling as the folder's generation_config.json asks (temperature 0.7, top_k 50)" in m
+               for m in messages)
+
+
+def test_cli_help_says_the_generation_config_applies(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "generation_config.json" in capsys.readouterr().out

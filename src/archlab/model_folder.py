@@ -1,6 +1,8 @@
 """Any model folder a user points at: an archlab run folder (config.yaml + checkpoints/ + tokenizer/, or the
 model.safetensors an older `convert` wrote) or a Hugging Face folder (config.json + safetensors +
 tokenizer.json). One loader serves generate, diagnose and serve; `load_masked_lm` opens an encoder for fill-mask.
+For generation, a folder's generation_config.json is read as data and attached as `model.generation_config`
+(archlab.generation.GenerationConfig), which `archlab generate` applies.
 """
 from __future__ import annotations
 
@@ -12,14 +14,26 @@ __all__ = ["load_masked_lm", "load_model_and_tokenizer"]
 
 
 def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_tokenizer: bool = True,
-                             archs: tuple[str, ...] = ("decoder",), purpose: str = "generation"):
+                             archs: tuple[str, ...] = ("decoder",), purpose: str = "generation",
+                             generation_config: bool = False):
     """(model in eval mode, tokenizer or None) from a run folder, an HF folder, or an `hf:ORG/NAME[@REVISION]` id
     (archlab.hub: safetensors, configs and tokenizer files only). `archs`: the kinds of model (ModelConfig.arch)
-    the caller can use; another kind is a UserError naming `purpose`.
+    the caller can use; another kind is a UserError naming `purpose`. generation_config=True: the folder's
+    generation_config.json, if any, becomes `model.generation_config` (for archlab.generate(..., generation_config=)).
     Example: model, tok = load_model_and_tokenizer("runs/demo")"""
     from archlab.hub import resolve_model
 
     path = resolve_model(path)
+    model, tok = _load_model_and_tokenizer(path, device, need_tokenizer, archs, purpose)
+    if generation_config:
+        from archlab.generation.config import read_generation_config
+        settings = read_generation_config(path)
+        if settings is not None:
+            model.generation_config = settings
+    return model, tok
+
+
+def _load_model_and_tokenizer(path: Path, device: str, need_tokenizer: bool, archs: tuple[str, ...], purpose: str):
     if (path / "config.yaml").is_file():
         from archlab.checkpoint import latest_checkpoint, load_run, load_run_tokenizer
         if latest_checkpoint(path) is not None:

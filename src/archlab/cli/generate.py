@@ -20,20 +20,30 @@ def register(subparsers) -> None:
         "generate", help="generate text from a run folder or an HF folder",
         description="Decode text from a trained run folder (config.yaml + checkpoints/ + tokenizer/) "
         "or a Hugging Face folder (config.json + *.safetensors + tokenizer.json), streaming tokens "
-        "to the terminal as they come.",
+        "to the terminal as they come. A generation_config.json in the folder is applied as transformers "
+        "applies it: eos/pad ids, max_new_tokens (or max_length), beams, length_penalty, early_stopping, "
+        "sampling (do_sample), repetition_penalty, no_repeat_ngram_size, bad_words_ids, forced bos/eos, "
+        "min lengths; the flags below override it, and fields archlab does not apply are named in a warning.",
         epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("path", help="run folder or HF model folder")
     p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default 100)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate (default: the folder's generation config, else 100)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default, unless the folder's generation config samples)")
     p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this much probability mass")
     p.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the top probability")
     p.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats (CTRL)")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=None, help="never repeat an n-gram of this size")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--num-beams", type=int, default=1, help="beam search when > 1 (not streamed)")
-    p.add_argument("--length-penalty", type=float, default=1.0, help="beam score / length**penalty")
+    p.add_argument("--num-beams", type=int, default=None, help="beam search when > 1 (not streamed)")
+    p.add_argument("--length-penalty", type=float, default=None,
+                   help="beam score = sum(log p) / generated_length**penalty (default 1)")
+    p.add_argument("--early-stopping", choices=["true", "false", "never"], default=None,
+                   help="beam search: stop a row when it has num-beams finished hypotheses (true), when none can "
+                   "beat them at the current length (false, default), or never before it is certain (never)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--sink-window", type=int, default=None,
                    help="StreamingLLM: keep --sink-tokens first tokens + this many recent ones, "
@@ -79,6 +89,7 @@ _CHECKS = {   # flag -> (test, what it must be); None values are "not given"
     "temperature": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "repetition_penalty": (lambda v: 0 < v < math.inf, "a finite number > 0"),
+    "no_repeat_ngram_size": (lambda v: v >= 0, "at least 0"),
     "length_penalty": (lambda v: math.isfinite(v), "a finite number"),
 }
 
@@ -112,10 +123,10 @@ def check_device(device: str) -> None:
 def run(args) -> int:
     import archlab
     from archlab.errors import UserError
-    from archlab.generation import stream
+    from archlab.generation import GenerationConfig, stream
 
     check_args(args)
-    model, tok = load_model_and_tokenizer(args.path, args.device, purpose="generate")
+    model, tok = load_model_and_tokenizer(args.path, args.device, purpose="generate", generation_config=True)
     prompt = tok.encode(args.prompt)
     if not prompt:
         raise UserError("--prompt encodes to no tokens")
@@ -123,31 +134,29 @@ def run(args) -> int:
     if args.sink_window is not None and args.sink_tokens + args.sink_window > context:
         raise UserError(f"--sink-tokens {args.sink_tokens} + --sink-window {args.sink_window} must fit the model's "
                         f"context max_seq_len={context}: use --sink-window {context - args.sink_tokens}")
-    eos = getattr(tok, "eot_id", None)
+    folder = getattr(model, "generation_config", None)
+    cfg = _settings(folder or GenerationConfig(), args, getattr(tok, "eot_id", None))
+    eos = cfg.eos
     from archlab.generation.stepper import vocab_limit
     limit = vocab_limit(model, tok)
-    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-              repetition_penalty=args.repetition_penalty, seed=args.seed, eos_token_id=eos,
-              stop_strings=args.stop, tokenizer=tok if args.stop else None,
-              sink_window=args.sink_window,
-              sink_tokens=args.sink_tokens if args.sink_window is not None else None, vocab_limit=limit)
     try:
-        if args.num_beams > 1:
-            kw = {k: v for k, v in kw.items() if k in ("eos_token_id", "vocab_limit")}
-            ids = archlab.generate(model, prompt, args.max_new_tokens, num_beams=args.num_beams,
-                                   length_penalty=args.length_penalty, **kw)
+        if (cfg.num_beams or 1) > 1:
+            ids = archlab.generate(model, prompt, generation_config=cfg, vocab_limit=limit)
             print(args.prompt + _continuation(tok, prompt, _strip(ids[len(prompt):].tolist(), eos)))
             return 0
+        kw = dict(seed=args.seed, tokenizer=tok if cfg.stop_strings else None, sink_window=args.sink_window,
+                  sink_tokens=args.sink_tokens if args.sink_window is not None else None, vocab_limit=limit,
+                  generation_config=cfg)
         sys.stdout.write(args.prompt)
         printer = _TextPrinter(tok, prefix=prompt)
         if args.stream:
-            for tokens in stream(model, prompt, args.max_new_tokens, **kw):
-                if eos is not None and int(tokens[0]) == eos:
+            for tokens in stream(model, prompt, **kw):
+                if int(tokens[0]) in eos:
                     break
                 printer.add(int(tokens[0]))
             printer.finish()
         else:
-            ids = archlab.generate(model, prompt, args.max_new_tokens, **kw)
+            ids = archlab.generate(model, prompt, **kw)
             printer.ids = prompt + _strip(ids[len(prompt):].tolist(), eos)
             printer.finish()
     except ValueError as exc:  # a prompt past the context: say it plainly
@@ -156,12 +165,43 @@ def run(args) -> int:
     return 0
 
 
+def _settings(folder, args, eot_id):
+    """The folder's generation config (its EOS ids, else the tokenizer's end-of-text token) with the flags that
+    were given in its place; 100 new tokens when neither names a length."""
+    import dataclasses
+    import warnings
+
+    if folder.eos_token_id is None and eot_id is not None:
+        folder = folder.merged(eos_token_id=eot_id)
+    early = {"true": True, "false": False, "never": "never"}.get(args.early_stopping)
+    cfg = folder.merged(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                        no_repeat_ngram_size=args.no_repeat_ngram_size, num_beams=args.num_beams,
+                        length_penalty=args.length_penalty, early_stopping=early,
+                        stop_strings=tuple(args.stop) if args.stop else None)
+    if cfg.max_new_tokens is None and cfg.max_length is None:
+        cfg = cfg.merged(max_new_tokens=100)
+    if (cfg.num_beams or 1) > 1:        # beams are deterministic: the sampling settings do not apply
+        if args.temperature or args.top_k or args.top_p or args.min_p or args.stop:
+            warnings.warn("--num-beams > 1 is deterministic beam search: --temperature, --top-k, --top-p, --min-p "
+                          "and --stop do not apply", stacklevel=2)
+        cfg = dataclasses.replace(cfg, temperature=None, top_k=None, top_p=None, min_p=None, stop_strings=None)
+    elif args.temperature is None and (folder.temperature or 0.0) > 0.0:
+        warnings.warn(f"sampling as the folder's generation_config.json asks (temperature {folder.temperature}"
+                      + "".join(f", {k} {getattr(folder, k)}" for k in ("top_k", "top_p", "min_p")
+                                if getattr(folder, k) is not None)
+                      + "): --temperature 0 for greedy decoding", stacklevel=2)
+    return cfg
+
+
 def _continuation(tok, prompt: list[int], new: list[int]) -> str:
     """Text that `new` adds after `prompt` (decoded together, so a leading space is kept)."""
     head, whole = tok.decode(prompt), tok.decode(prompt + new)
     return whole[len(head):] if whole.startswith(head) else tok.decode(new)
 
 
-def _strip(ids: list[int], eos: int | None) -> list[int]:
-    return ids[:ids.index(eos)] if eos is not None and eos in ids else ids
+def _strip(ids: list[int], eos: list[int]) -> list[int]:
+    """`ids` up to the first EOS id."""
+    ends = [i for i, t in enumerate(ids) if t in eos]
+    return ids[:ends[0]] if ends else ids
 

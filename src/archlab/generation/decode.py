@@ -8,22 +8,23 @@ Sampling filters and their order: see archlab.generation.sampling. Stopping: `eo
 (an id or a list) ends a row, `stop_strings` (needs `tokenizer` with decode(list[int]) -> str)
 ends a row once its generated text contains one of them (the token that completes it is kept);
 finished rows are filled with `pad_token_id` until every row is done or max_new_tokens is reached.
+Logits processors (n-gram blocking, bad words, forced BOS/EOS, minimum lengths): see
+archlab.generation.processors; `generation_config=` (archlab.generation.config) supplies defaults
+from a folder's generation_config.json, which explicit arguments override.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from archlab.generation.beam import beam_search
+from archlab.generation.config import GenerationConfig
+from archlab.generation.processors import apply as apply_processors
+from archlab.generation.processors import build as build_processors
 from archlab.generation.sampling import SamplingParams, next_token
 from archlab.generation.stepper import Stepper, prepare_prompts
-
-
-def _eos_list(eos_token_id) -> list[int]:
-    if eos_token_id is None:
-        return []
-    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
 
 
 class _StopStrings:
@@ -51,41 +52,90 @@ class _StopStrings:
         return hits
 
 
-def stream(model, prompt_ids, max_new_tokens: int = 32, *, attention_mask=None,
-           temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+_DEFAULT_NEW_TOKENS = 32
+
+
+def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_mask=None,
+           temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
            min_p: float | None = None, repetition_penalty: float | None = None,
            eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+           no_repeat_ngram_size: int | None = None, bad_words_ids: Sequence[Sequence[int]] | None = None,
+           min_length: int | None = None, min_new_tokens: int | None = None,
+           forced_bos_token_id: int | None = None, forced_eos_token_id: int | Sequence[int] | None = None,
            stop_strings: Sequence[str] | None = None, tokenizer=None, seed: int | None = None,
            generator: torch.Generator | None = None, use_cache: bool = True,
            sink_tokens: int | None = None, sink_window: int | None = None,
-           fast_decode: bool = True, vocab_limit: int | None = None) -> Iterator[torch.Tensor]:
+           fast_decode: bool = True, vocab_limit: int | None = None,
+           generation_config: GenerationConfig | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (b,) long, as each is decoded.
 
-    Arguments as for `generate` (which collects this iterator). Bad arguments raise here, before
-    the first token, not on first iteration.
+    Arguments as for `generate` (which collects this iterator; beams are `generate`'s alone). Bad
+    arguments raise here, before the first token, not on first iteration.
     """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                            repetition_penalty=repetition_penalty)
-    eos = _eos_list(eos_token_id)
-    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    cfg = _settings(generation_config, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                    top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
+                    pad_token_id=pad_token_id, no_repeat_ngram_size=no_repeat_ngram_size,
+                    bad_words_ids=bad_words_ids, min_length=min_length, min_new_tokens=min_new_tokens,
+                    forced_bos_token_id=forced_bos_token_id, forced_eos_token_id=forced_eos_token_id,
+                    stop_strings=stop_strings)
+    params = SamplingParams(temperature=cfg.temperature or 0.0, top_k=cfg.top_k, top_p=cfg.top_p,
+                            min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
+    eos, pad = cfg.eos, _pad(cfg)
     ids, mask, _ = prepare_prompts(prompt_ids, attention_mask, pad)
-    stepper = Stepper(model, ids, mask, max_new_tokens, use_cache=use_cache,
+    new = _new_tokens(cfg, ids.shape[1])
+    stepper = Stepper(model, ids, mask, new, use_cache=use_cache,
                       sink_tokens=4 if sink_tokens is None and sink_window is not None else sink_tokens,
                       sink_window=sink_window, fast=fast_decode, vocab_limit=vocab_limit)
     if generator is None and seed is not None:
         generator = torch.Generator(stepper.ids.device).manual_seed(seed)
-    stops = _StopStrings(stop_strings, tokenizer, ids.shape[0]) if stop_strings else None
-    return _decode(stepper, max_new_tokens, params, eos, pad, stops, generator)
+    stops = None
+    if cfg.stop_strings:
+        if tokenizer is None and stop_strings is None:   # named by the generation config only
+            warnings.warn(f"stop_strings {list(cfg.stop_strings)} from the generation config need a tokenizer= "
+                          "to be applied", stacklevel=2)
+        else:
+            stops = _StopStrings(cfg.stop_strings, tokenizer, ids.shape[0])
+    processors = build_processors(cfg, eos=eos, prompt_width=ids.shape[1], max_length=ids.shape[1] + new,
+                                  penalty=False)   # the repetition penalty: in next_token
+    return _decode(stepper, new, params, eos, pad, stops, generator, processors, ids)
+
+
+def _settings(generation_config: GenerationConfig | None, **arguments) -> GenerationConfig:
+    """The generation config (defaults) with every argument that was given in its place."""
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError("generation_config must be an archlab.generation.GenerationConfig "
+                        "(archlab.generation.read_generation_config(folder) reads one)")
+    return (generation_config or GenerationConfig()).merged(**arguments)
+
+
+def _pad(cfg: GenerationConfig) -> int:
+    eos = cfg.eos
+    return cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+
+
+def _new_tokens(cfg: GenerationConfig, width: int) -> int:
+    """max_new_tokens, else what max_length (prompt + new, transformers' count) leaves, else 32."""
+    if cfg.max_new_tokens is not None:
+        new = cfg.max_new_tokens
+    elif cfg.max_length is not None:
+        new = cfg.max_length - width
+        if new < 1:
+            raise ValueError(f"max_length={cfg.max_length} leaves no new tokens after a prompt of {width}: "
+                             "pass max_new_tokens")
+    else:
+        new = _DEFAULT_NEW_TOKENS
+    if new < 0:
+        raise ValueError(f"max_new_tokens={new} must be >= 0")
+    return new
 
 
 @torch.inference_mode()
-def _decode(stepper: Stepper, max_new_tokens, params, eos, pad, stops, generator):
+def _decode(stepper: Stepper, max_new_tokens, params, eos, pad, stops, generator, processors, prompt):
     if max_new_tokens == 0:
         return
     b, device = stepper.ids.shape[0], stepper.ids.device
     logits = stepper.prefill()                                             # (b, v)
+    seqs = prompt.to(device) if processors else None                       # what the processors see
     seen = None                                                            # (b, v) bool
     if params.repetition_penalty not in (None, 1.0):
         seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
@@ -95,6 +145,8 @@ def _decode(stepper: Stepper, max_new_tokens, params, eos, pad, stops, generator
     eos_t = torch.tensor(eos, device=device) if eos else None
     rows = torch.arange(b, device=device)
     for step in range(max_new_tokens):
+        if seqs is not None:
+            logits = apply_processors(processors, seqs, logits.float())
         sampled = next_token(logits, params, seen=seen, generator=generator)   # (b,)
         tokens = sampled  # finished rows show `pad` but feed the model a valid id (ignored later)
         if finished is not None:
@@ -110,21 +162,33 @@ def _decode(stepper: Stepper, max_new_tokens, params, eos, pad, stops, generator
             return
         if seen is not None:
             seen[rows, sampled] = True
+        if seqs is not None:
+            seqs = torch.cat((seqs, tokens[:, None]), 1)
         logits = stepper.step(sampled)
 
 
-def generate(model, prompt_ids, max_new_tokens: int = 32, *, num_beams: int = 1,
-             length_penalty: float = 1.0, callback: Callable[[torch.Tensor], None] | None = None,
-             **kwargs) -> torch.Tensor:
+def generate(model, prompt_ids, max_new_tokens: int | None = None, *, num_beams: int | None = None,
+             length_penalty: float | None = None, early_stopping: bool | str | None = None,
+             callback: Callable[[torch.Tensor], None] | None = None,
+             generation_config: GenerationConfig | None = None, **kwargs) -> torch.Tensor:
     """Prompt followed by the new tokens.
 
     prompt_ids: list[int] | list[list[int]] | tensor (t,) or (b, t) (+ attention_mask for a
         left-padded tensor). Lists of different lengths are left-padded with pad_token_id.
-    Returns (b, t + n) long, n <= max_new_tokens (fewer when every row stopped early), or (t + n,)
-    for a single 1-D prompt. Rows that stopped early are filled with pad_token_id.
+    Returns (b, t + n) long, n <= max_new_tokens (default 32; fewer when every row stopped early),
+    or (t + n,) for a single 1-D prompt. Rows that stopped early are filled with pad_token_id
+    (default: the first EOS id, else 0).
     temperature=0 (the default) is greedy; top_k / top_p / min_p / repetition_penalty filter the
     distribution (order in archlab.generation.sampling); seed makes sampling reproducible.
-    num_beams > 1: beam search (deterministic), scores sum(log p) / n_generated**length_penalty.
+    eos_token_id: an id or a list of ids that end a row; stop_strings (with tokenizer=) too.
+    no_repeat_ngram_size, bad_words_ids, min_length, min_new_tokens, forced_bos_token_id,
+    forced_eos_token_id: transformers' logits processors of those names (archlab.generation.processors).
+    num_beams > 1: beam search, transformers' algorithm (archlab.generation.beam): hypotheses scored
+    sum(log p) / n_generated ** length_penalty; early_stopping True, False (default) or "never".
+    generation_config: defaults, as a model folder's generation_config.json names them
+    (archlab.generation.read_generation_config(folder); the folder loaders attach it to the model as
+    `model.generation_config`, which is not read unless passed here); every argument given here wins
+    over it (eos_token_id=[] for no EOS).
     sink_window (+ sink_tokens, default 4): StreamingLLM decoding past the context.
     callback(tokens) is called with each step's (b,) tokens as they come (a streaming variant;
     `stream` is the iterator form). use_cache=False recomputes the whole sequence each step.
@@ -132,14 +196,14 @@ def generate(model, prompt_ids, max_new_tokens: int = 32, *, num_beams: int = 1,
     (a DecodeSession, archlab.nn.fused, tested equal to the plain forward; one extra copy of the weights):
     pass False to save that memory on large models.
     """
-    if num_beams > 1:
-        return _beam(model, prompt_ids, max_new_tokens, num_beams, length_penalty, callback, **kwargs)
-    eos = _eos_list(kwargs.get("eos_token_id"))
-    pad = kwargs.get("pad_token_id")
-    pad = pad if pad is not None else (eos[0] if eos else 0)
+    cfg = _settings(generation_config, num_beams=num_beams, length_penalty=length_penalty,
+                    early_stopping=early_stopping)
+    if (cfg.num_beams or 1) > 1:
+        return _beam(model, prompt_ids, max_new_tokens, cfg, callback, **kwargs)
+    pad = _pad(cfg.merged(eos_token_id=kwargs.get("eos_token_id"), pad_token_id=kwargs.get("pad_token_id")))
     ids, _, single = prepare_prompts(prompt_ids, kwargs.get("attention_mask"), pad)
     new = []
-    for tokens in stream(model, prompt_ids, max_new_tokens, **kwargs):
+    for tokens in stream(model, prompt_ids, max_new_tokens, generation_config=cfg, **kwargs):
         new.append(tokens)
         if callback is not None:
             callback(tokens)
@@ -149,21 +213,36 @@ def generate(model, prompt_ids, max_new_tokens: int = 32, *, num_beams: int = 1,
     return out[0] if single else out
 
 
-def _beam(model, prompt_ids, max_new_tokens, num_beams, length_penalty, callback, **kwargs):
-    unsupported = {k for k, v in kwargs.items()
-                   if v is not None and k in ("top_k", "top_p", "min_p", "repetition_penalty",
-                                               "stop_strings", "sink_window", "generator", "seed")}
-    if kwargs.get("temperature", 0.0) not in (0, 0.0, None):
+_NOT_IN_BEAMS = ("top_k", "top_p", "min_p", "stop_strings", "sink_window", "generator", "seed")
+_BEAM_SETTINGS = ("repetition_penalty", "eos_token_id", "pad_token_id", "no_repeat_ngram_size", "bad_words_ids",
+                  "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id")
+
+
+def _beam(model, prompt_ids, max_new_tokens, cfg: GenerationConfig, callback, *, attention_mask=None,
+          use_cache: bool = True, vocab_limit: int | None = None, temperature: float | None = None,
+          fast_decode: bool = True, tokenizer=None, sink_tokens: int | None = None, **kwargs):
+    unsupported = {k for k, v in kwargs.items() if v is not None and k in _NOT_IN_BEAMS}
+    if temperature not in (0, 0.0, None):
         unsupported.add("temperature")
     if callback is not None:
         unsupported.add("callback")
     if unsupported:
         raise ValueError(f"beam search is deterministic and does not take {sorted(unsupported)}")
-    eos = _eos_list(kwargs.get("eos_token_id"))
-    pad = kwargs.get("pad_token_id")
-    pad = pad if pad is not None else (eos[0] if eos else 0)
-    ids, mask, single = prepare_prompts(prompt_ids, kwargs.get("attention_mask"), pad)
-    out = beam_search(model, ids, mask, max_new_tokens=max_new_tokens, num_beams=num_beams,
-                      length_penalty=length_penalty, eos=eos, pad=pad,
-                      use_cache=kwargs.get("use_cache", True), vocab_limit=kwargs.get("vocab_limit"))
+    unknown = set(kwargs) - set(_NOT_IN_BEAMS) - set(_BEAM_SETTINGS)
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword argument(s) {sorted(unknown)}")
+    cfg = cfg.merged(max_new_tokens=max_new_tokens, **{k: kwargs[k] for k in _BEAM_SETTINGS if k in kwargs})
+    if (cfg.temperature or 0.0) > 0.0 and temperature is None:
+        warnings.warn("the generation config samples (temperature > 0); beam search here is deterministic",
+                      stacklevel=3)
+    eos, pad = cfg.eos, _pad(cfg)
+    ids, mask, single = prepare_prompts(prompt_ids, attention_mask, pad)
+    new = _new_tokens(cfg, ids.shape[1])
+    nb = cfg.num_beams or 1
+    processors = build_processors(cfg, eos=eos, prompt_width=ids.shape[1], max_length=ids.shape[1] + new,
+                                  padding=(~mask).sum(-1).repeat_interleave(nb))
+    out = beam_search(model, ids, mask, max_new_tokens=new, num_beams=nb,
+                      length_penalty=1.0 if cfg.length_penalty is None else cfg.length_penalty,
+                      early_stopping=False if cfg.early_stopping is None else cfg.early_stopping,
+                      eos=eos, pad=pad, use_cache=use_cache, vocab_limit=vocab_limit, processors=processors)
     return out[0] if single else out

@@ -24,6 +24,7 @@ from archlab.model import LossOutput, NextTokenHead
 from archlab.nn.block import Block
 from archlab.nn.calls import call
 from archlab.nn.embedding import Embedder, init_weights
+from archlab.nn.fused import DecodeSession
 from archlab.nn.masks import AttnInputs, Context
 from archlab.nn.norms import build_norm
 from archlab.nn.stack import TransformerStack, stack_t5_table
@@ -89,14 +90,26 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
         return Context(x, inputs.positions, inputs.spec)   # the encoder's spec: bidirectional, its padding
 
     def decode(self, decoder_input_ids: torch.Tensor, context: Context,
-               decoder_attention_mask: torch.Tensor | None = None, return_hidden: bool = False) -> torch.Tensor:
-        """(b, t) decoder ids attending to `context` -> (b, t, v) logits, or (b, t, d) final hidden states."""
-        inputs = self._stack_inputs(self.decoder, decoder_input_ids, decoder_attention_mask)
+               decoder_attention_mask: torch.Tensor | None = None, return_hidden: bool = False, *,
+               cache=None, session: DecodeSession | None = None) -> torch.Tensor:
+        """(b, t) decoder ids attending to `context` -> (b, t, v) logits, or (b, t, d) final hidden states.
+        cache: the decoder's self-attention KV cache (archlab.nn.kv_cache, one layer per decoder layer): the ids
+        continue the tokens it holds (unpadded rows of one length); session: a decode loop's DecodeSession."""
+        if cache is None and session is None:
+            inputs = self._stack_inputs(self.decoder, decoder_input_ids, decoder_attention_mask)
+        else:
+            if decoder_attention_mask is not None:
+                raise ValueError("cached decoding takes unpadded decoder rows (no decoder_attention_mask)")
+            (b, t), start = decoder_input_ids.shape, 0 if cache is None else len(cache)
+            positions = torch.arange(start, start + t, device=decoder_input_ids.device)[None].expand(b, t)
+            inputs = AttnInputs(positions, self.decoder.mask_spec(), cache=cache, plain=cache is None,
+                                continued=cache is not None, fresh=cache is not None and start == 0,
+                                session=session)
         x = self._embed(decoder_input_ids, inputs.positions)                 # (b, t, d)
-        x = call(self.decoder, x, inputs, context)                            # (b, t, d)
+        x = call(self.decoder, x, inputs, context, direct=inputs.direct)      # (b, t, d)
         if self.final_norm is not None:
-            x = call(self.final_norm, x)
-        return x if return_hidden else self.head(x)
+            x = call(self.final_norm, x, direct=inputs.direct)
+        return x if return_hidden else self.head(x, session)
 
     def forward(
         self,

@@ -45,8 +45,11 @@ RULED_OUT = -1.0e9   # transformers' stand-in for -inf in beam scores
 def beam_search(model, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens: int,
                 num_beams: int, length_penalty: float = 1.0, early_stopping: bool | str = False,
                 eos: Sequence[int] = (), pad: int = 0, use_cache: bool = True,
-                vocab_limit: int | None = None, processors: Sequence[Processor] = ()) -> torch.Tensor:
+                vocab_limit: int | None = None, processors: Sequence[Processor] = (),
+                source: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """ids, mask (b, t) left-padded -> (b, t + n) best hypothesis per row, padded with `pad`.
+    source: an encoder-decoder's (source ids, mask or None) (b, s): `ids` are then its decoder prompts (the start
+    token); the encoder runs once per source, its output repeated for the row's beams (Stepper).
 
     processors: functions (seqs (b * num_beams, t + step), log_probs) -> log_probs applied every step
     (archlab.generation.processors); seqs starts with `ids` as given, padding included."""
@@ -59,7 +62,7 @@ def beam_search(model, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens:
     b, t = ids.shape
     nb, n_max = num_beams, max_new_tokens
     stepper = Stepper(model, ids.repeat_interleave(nb, 0), mask.repeat_interleave(nb, 0), n_max,
-                      use_cache=use_cache, vocab_limit=vocab_limit)
+                      use_cache=use_cache, vocab_limit=vocab_limit, source=source, source_repeats=nb)
     device = stepper.ids.device
     prompt = ids.to(device).repeat_interleave(nb, 0)                     # (b*nb, t) what processors see
     eos_t = torch.tensor(list(eos), dtype=torch.long, device=device)

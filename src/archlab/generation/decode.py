@@ -24,7 +24,7 @@ from archlab.generation.config import GenerationConfig
 from archlab.generation.processors import apply as apply_processors
 from archlab.generation.processors import build as build_processors
 from archlab.generation.sampling import SamplingParams, next_token
-from archlab.generation.stepper import Stepper, prepare_prompts
+from archlab.generation.stepper import Stepper, is_encoder_decoder, prepare_prompts, prepare_source
 
 
 class _StopStrings:
@@ -66,6 +66,7 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
            generator: torch.Generator | None = None, use_cache: bool = True,
            sink_tokens: int | None = None, sink_window: int | None = None,
            fast_decode: bool = True, vocab_limit: int | None = None,
+           decoder_start_token_id: int | None = None,
            generation_config: GenerationConfig | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (b,) long, as each is decoded.
 
@@ -77,15 +78,15 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
                     pad_token_id=pad_token_id, no_repeat_ngram_size=no_repeat_ngram_size,
                     bad_words_ids=bad_words_ids, min_length=min_length, min_new_tokens=min_new_tokens,
                     forced_bos_token_id=forced_bos_token_id, forced_eos_token_id=forced_eos_token_id,
-                    stop_strings=stop_strings)
+                    stop_strings=stop_strings, decoder_start_token_id=decoder_start_token_id)
     params = SamplingParams(temperature=cfg.temperature or 0.0, top_k=cfg.top_k, top_p=cfg.top_p,
                             min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
     eos, pad = cfg.eos, _pad(cfg)
-    ids, mask, _ = prepare_prompts(prompt_ids, attention_mask, pad)
+    ids, mask, _, source = _model_inputs(model, prompt_ids, attention_mask, pad, cfg)
     new = _new_tokens(cfg, ids.shape[1])
     stepper = Stepper(model, ids, mask, new, use_cache=use_cache,
                       sink_tokens=4 if sink_tokens is None and sink_window is not None else sink_tokens,
-                      sink_window=sink_window, fast=fast_decode, vocab_limit=vocab_limit)
+                      sink_window=sink_window, fast=fast_decode, vocab_limit=vocab_limit, source=source)
     if generator is None and seed is not None:
         generator = torch.Generator(stepper.ids.device).manual_seed(seed)
     stops = None
@@ -106,6 +107,23 @@ def _settings(generation_config: GenerationConfig | None, **arguments) -> Genera
         raise TypeError("generation_config must be an archlab.generation.GenerationConfig "
                         "(archlab.generation.read_generation_config(folder) reads one)")
     return (generation_config or GenerationConfig()).merged(**arguments)
+
+
+def _model_inputs(model, prompt_ids, attention_mask, pad: int, cfg: GenerationConfig):
+    """-> the decoder's prompt ids (b, t), its mask (b, t), single, and the encoder's source (ids, mask) or None.
+
+    A decoder-only model continues the prompt; an encoder-decoder reads `prompt_ids` as its source (padded on
+    either side, `attention_mask` 1 = real token) and decodes from the decoder start token: the generation
+    config's decoder_start_token_id, else the model config's."""
+    if not is_encoder_decoder(model):
+        ids, mask, single = prepare_prompts(prompt_ids, attention_mask, pad)
+        return ids, mask, single, None
+    src, src_mask, single = prepare_source(prompt_ids, attention_mask, pad)
+    start = cfg.decoder_start_token_id
+    if start is None:
+        start = model.config.decoder_start_token_id
+    ids = torch.full((src.shape[0], 1), start, dtype=torch.long)
+    return ids, torch.ones_like(ids, dtype=torch.bool), single, (src, src_mask)
 
 
 def _pad(cfg: GenerationConfig) -> int:
@@ -171,10 +189,14 @@ def generate(model, prompt_ids, max_new_tokens: int | None = None, *, num_beams:
              length_penalty: float | None = None, early_stopping: bool | str | None = None,
              callback: Callable[[torch.Tensor], None] | None = None,
              generation_config: GenerationConfig | None = None, **kwargs) -> torch.Tensor:
-    """Prompt followed by the new tokens.
+    """Prompt followed by the new tokens; for an encoder-decoder, the decoder start token followed by them.
 
     prompt_ids: list[int] | list[list[int]] | tensor (t,) or (b, t) (+ attention_mask for a
         left-padded tensor). Lists of different lengths are left-padded with pad_token_id.
+    An encoder-decoder (archlab.EncoderDecoderLM) reads prompt_ids as the source: the encoder runs once
+    (attention_mask may pad either side), the cross-attention keys and values are projected once, and the
+    decoder starts from decoder_start_token_id (default: the generation config's, else model.config's)
+    over its KV cache; sampling, beams and processors apply to the decoder's ids as for a prompt.
     Returns (b, t + n) long, n <= max_new_tokens (default 32; fewer when every row stopped early),
     or (t + n,) for a single 1-D prompt. Rows that stopped early are filled with pad_token_id
     (default: the first EOS id, else 0).
@@ -200,8 +222,9 @@ def generate(model, prompt_ids, max_new_tokens: int | None = None, *, num_beams:
                     early_stopping=early_stopping)
     if (cfg.num_beams or 1) > 1:
         return _beam(model, prompt_ids, max_new_tokens, cfg, callback, **kwargs)
-    pad = _pad(cfg.merged(eos_token_id=kwargs.get("eos_token_id"), pad_token_id=kwargs.get("pad_token_id")))
-    ids, _, single = prepare_prompts(prompt_ids, kwargs.get("attention_mask"), pad)
+    given = cfg.merged(eos_token_id=kwargs.get("eos_token_id"), pad_token_id=kwargs.get("pad_token_id"),
+                       decoder_start_token_id=kwargs.get("decoder_start_token_id"))
+    ids, _, single, _ = _model_inputs(model, prompt_ids, kwargs.get("attention_mask"), _pad(given), given)
     new = []
     for tokens in stream(model, prompt_ids, max_new_tokens, generation_config=cfg, **kwargs):
         new.append(tokens)
@@ -215,7 +238,8 @@ def generate(model, prompt_ids, max_new_tokens: int | None = None, *, num_beams:
 
 _NOT_IN_BEAMS = ("top_k", "top_p", "min_p", "stop_strings", "sink_window", "generator", "seed")
 _BEAM_SETTINGS = ("repetition_penalty", "eos_token_id", "pad_token_id", "no_repeat_ngram_size", "bad_words_ids",
-                  "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id")
+                  "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id",
+                  "decoder_start_token_id")
 
 
 def _beam(model, prompt_ids, max_new_tokens, cfg: GenerationConfig, callback, *, attention_mask=None,
@@ -236,7 +260,7 @@ def _beam(model, prompt_ids, max_new_tokens, cfg: GenerationConfig, callback, *,
         warnings.warn("the generation config samples (temperature > 0); beam search here is deterministic",
                       stacklevel=3)
     eos, pad = cfg.eos, _pad(cfg)
-    ids, mask, single = prepare_prompts(prompt_ids, attention_mask, pad)
+    ids, mask, single, source = _model_inputs(model, prompt_ids, attention_mask, pad, cfg)
     new = _new_tokens(cfg, ids.shape[1])
     nb = cfg.num_beams or 1
     processors = build_processors(cfg, eos=eos, prompt_width=ids.shape[1], max_length=ids.shape[1] + new,
@@ -244,5 +268,6 @@ def _beam(model, prompt_ids, max_new_tokens, cfg: GenerationConfig, callback, *,
     out = beam_search(model, ids, mask, max_new_tokens=new, num_beams=nb,
                       length_penalty=1.0 if cfg.length_penalty is None else cfg.length_penalty,
                       early_stopping=False if cfg.early_stopping is None else cfg.early_stopping,
-                      eos=eos, pad=pad, use_cache=use_cache, vocab_limit=vocab_limit, processors=processors)
+                      eos=eos, pad=pad, use_cache=use_cache, vocab_limit=vocab_limit, processors=processors,
+                      source=source)
     return out[0] if single else out

@@ -10,9 +10,15 @@ modules called without per-call hook checks (archlab.nn.calls); fast=False: no s
 Batched prompts of different lengths are left-padded: positions = cumsum(mask) - 1 and padded
 slots get position -1, which attention masks out; every row's newest token is then in the last
 column, so decoding appends one column for all rows.
+
+An encoder-decoder (archlab.EncoderDecoderLM) is stepped the same way over its decoder: the Stepper is
+given the source (`source=(ids, mask)`, any padding) and the decoder's prompt (the start token per row).
+`prefill()` runs the encoder once into a Context, whose cross-attention keys and values each layer
+projects once; every step then runs the decoder alone over its self-attention KV cache.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -20,6 +26,7 @@ import torch
 from archlab.config import ABSOLUTE_POSITIONS
 from archlab.nn.fused import DecodeSession
 from archlab.nn.kv_cache import SinkKVCache, StaticKVCache
+from archlab.nn.masks import Context
 
 
 def prepare_prompts(prompt_ids, attention_mask=None, pad_token_id: int = 0):
@@ -60,6 +67,75 @@ def prepare_prompts(prompt_ids, attention_mask=None, pad_token_id: int = 0):
     return ids, mask, single
 
 
+def is_encoder_decoder(model) -> bool:
+    """The model is an encoder-decoder (its config's arch): generation encodes a source, decodes a target."""
+    return getattr(getattr(model, "config", None), "arch", None) == "encoder_decoder"
+
+
+def prepare_source(source_ids, attention_mask=None, pad_token_id: int = 0):
+    """An encoder-decoder's source -> ids (b, s) long, mask (b, s) bool or None (no padding), single.
+
+    Accepts what prepare_prompts does; a tensor's attention_mask may pad on either side (the encoder counts
+    positions over each row's real tokens); lists of different lengths are right-padded here."""
+    single = False
+    if isinstance(source_ids, torch.Tensor):
+        ids = source_ids.long()
+        if ids.dim() == 1:
+            ids, single = ids[None], True
+        if ids.dim() != 2:
+            raise ValueError(f"source ids must be 1-D or 2-D, got shape {tuple(source_ids.shape)}")
+        mask = None if attention_mask is None else torch.as_tensor(attention_mask, device=ids.device).bool()
+        if mask is not None and mask.shape != ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(mask.shape)} != source shape {tuple(ids.shape)}")
+    else:
+        rows = list(source_ids)
+        if rows and all(isinstance(x, int) for x in rows):
+            rows, single = [rows], True
+        if attention_mask is not None:
+            raise ValueError("attention_mask is only accepted with a tensor source; lists are padded here")
+        if not rows:
+            raise ValueError("no source given")
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            mask[i, :len(r)] = True
+        if bool(mask.all()):
+            mask = None
+    if ids.shape[1] == 0 or (mask is not None and not bool(mask.any(-1).all())):
+        raise ValueError("every source needs at least one token")
+    return ids, mask, single
+
+
+def check_source(model, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """A source longer than the encoder's learned position table raises a ValueError naming both lengths."""
+    config = model.config
+    longest = ids.shape[1] if mask is None else int(mask.sum(-1).max())
+    if config.position.kind == "learned" and longest > config.max_seq_len:
+        raise ValueError(f"the source has {longest} tokens, longer than the encoder takes: its learned "
+                         f"positions stop at max_seq_len={config.max_seq_len}")
+
+
+def expand_context(context: Context, repeats: int) -> Context:
+    """Each row of an encoder's Context repeated `repeats` times in place (beam search: one row per beam)."""
+    if repeats == 1:
+        return context
+    return select_context(context, torch.arange(context.hidden.shape[0], device=context.hidden.device)
+                          .repeat_interleave(repeats))
+
+
+def select_context(context: Context, index: torch.Tensor) -> Context:
+    """Rows `index` of a Context, cross-attention keys and values already projected included."""
+    pad = context.spec.key_padding
+    spec = context.spec if pad is None else dataclasses.replace(context.spec, key_padding=pad.index_select(0, index))
+    positions = context.positions
+    if positions.shape[0] > 1:
+        positions = positions.index_select(0, index)
+    kv = {layer: (k.index_select(0, index), v.index_select(0, index)) for layer, (k, v) in context.kv.items()}
+    return Context(context.hidden.index_select(0, index), positions, spec, kv)
+
+
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """(b, t) bool -> (b, t) long: cumsum(mask) - 1, padded slots -1."""
     return torch.where(mask, mask.long().cumsum(-1) - 1, -1)
@@ -89,7 +165,10 @@ class Stepper:
 
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, *,
                  use_cache: bool = True, sink_tokens: int | None = None,
-                 sink_window: int | None = None, fast: bool = True, vocab_limit: int | None = None):
+                 sink_window: int | None = None, fast: bool = True, vocab_limit: int | None = None,
+                 source: tuple[torch.Tensor, torch.Tensor | None] | None = None, source_repeats: int = 1):
+        """source: an encoder-decoder's (source ids (b', s), mask (b', s) or None), encoded once at prefill, each
+        row serving `source_repeats` consecutive rows of `ids` (its decoder prompts: b = b' * source_repeats)."""
         self.model = model
         self.config = config = getattr(model, "config", None)
         device = model_device(model)
@@ -98,6 +177,19 @@ class Stepper:
         self.positions = positions_from_mask(self.mask)
         self.sink = sink_window is not None
         b, t = ids.shape
+        self.source, self.source_repeats, self.context = None, source_repeats, None
+        if is_encoder_decoder(model) != (source is not None):
+            raise ValueError("an encoder-decoder decodes from a source (source=...)" if source is None
+                             else "source= is for encoder-decoders; this model is decoder-only")
+        if source is not None:
+            src, src_mask = source
+            if src.shape[0] * source_repeats != b or not bool(self.mask.all()):
+                raise ValueError(f"{src.shape[0]} sources x {source_repeats} need as many unpadded decoder "
+                                 f"prompts, got {b}")
+            if self.sink:
+                raise ValueError("StreamingLLM mode (sink_window) is for decoder-only models")
+            check_source(model, src, src_mask)
+            self.source = (src.to(device), None if src_mask is None else src_mask.to(device))
         if self.sink:
             self._check_sink_mode(sink_tokens, sink_window)
             self.cache = SinkKVCache(config, b, sink_tokens=sink_tokens or 0, window=sink_window,
@@ -106,8 +198,9 @@ class Stepper:
             if config is None:
                 raise ValueError("a KV cache needs model.config; pass use_cache=False for this model")
             self._check_context(max_new_tokens)
+            depth = config.stack_depth("cross_decoder") if source is not None else None   # the decoder's
             self.cache = StaticKVCache(config, b, t + max_new_tokens, dtype=model_dtype(model),
-                                       device=device)
+                                       device=device, n_layers=depth)
         else:
             if config is not None:
                 self._check_context(max_new_tokens)
@@ -131,6 +224,11 @@ class Stepper:
         longest = int(self.mask.sum(-1).max())
         hint = ("shorten the prompt, or decode in StreamingLLM mode (sink_window=..., "
                 "sink_tokens=4; CLI: --sink-window N) which keeps attention sinks + a recent window")
+        if self.source is not None:
+            if longest + max_new_tokens > ctx:
+                raise ValueError(f"the decoder's start ({longest} tokens) + max_new_tokens={max_new_tokens} "
+                                 f"exceeds the model's context max_seq_len={ctx}: lower max_new_tokens")
+            return
         if longest > ctx:
             raise ValueError(f"prompt has {longest} tokens, longer than the model's context "
                              f"max_seq_len={ctx}: {hint}")
@@ -163,6 +261,9 @@ class Stepper:
         return logits if self.vocab_limit is None else logits[:, :self.vocab_limit]
 
     def _model_logits(self, ids, positions, cache) -> torch.Tensor:
+        if self.context is not None:   # an encoder-decoder's decoder (unpadded rows: positions implied)
+            hidden = self.model.decode(ids, self.context, return_hidden=True, cache=cache, session=self.session)
+            return self.model.head(hidden[:, -1], self.session)                               # (b, v)
         if self._hidden_head:  # the head over the last position only (the prompt can be long)
             session = self.session
             hidden = self._forward(ids, positions, cache, return_hidden=True, session=session)   # (b, t, d)
@@ -170,6 +271,8 @@ class Stepper:
         return self.model(ids, positions=positions, cache=cache)[:, -1]
 
     def prefill(self) -> torch.Tensor:
+        if self.source is not None:    # the encoder, once; its rows repeated for the decoder's (beams)
+            self.context = expand_context(self.model.encode(*self.source), self.source_repeats)
         if self.cache is None:
             return self._logits(self.ids, self.positions, None)
         if self.sink:  # fill the cache in one call, then token by token (evicting) past it
@@ -195,6 +298,8 @@ class Stepper:
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep rows `index` (beam search)."""
+        if self.context is not None:
+            self.context = select_context(self.context, index)
         if self.cache is None:
             self.ids, self.positions = self.ids[index], self.positions[index]
         else:

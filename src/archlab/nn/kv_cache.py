@@ -115,7 +115,10 @@ class StaticKVCache(_BufferedCache):
     """
 
     def __init__(self, config: ModelConfig, batch: int, max_len: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 n_layers: int | None = None):
+        """n_layers: the stack's depth where it is not config.n_layers (an encoder-decoder's decoder:
+        config.stack_depth("cross_decoder"))."""
         if max_len < 1:
             raise ValueError(f"max_len={max_len} must be >= 1")
         kv_heads, head_dim = _model_dims(config)
@@ -123,7 +126,7 @@ class StaticKVCache(_BufferedCache):
         self.shared_pos = torch.full((batch, max_len), -1, dtype=torch.long, device=device)   # (b, max_len)
         self._shared_view: tuple[int, torch.Tensor | None] = (0, None)   # (length, shared_pos[:, :length])
         self.layers = []
-        for layer in range(config.n_layers):
+        for layer in range(config.n_layers if n_layers is None else n_layers):
             window = config.attention.kv_span(layer)     # (w-1)·d + 1 for a (dilated) window, else None
             rolling = window is not None and window < max_len
             buf = _Buffers(batch, kv_heads, window if rolling else max_len, head_dim, dtype, device,

@@ -111,8 +111,11 @@ def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
     d, v = cfg.d_model, cfg.vocab_size
     norm_one = _norm_params(cfg, d, cfg.bias.norm)
     position = 0
+    position_stacks = 2 if cfg.position.per_stack else 1   # BART, Marian: the decoder's own table and norm
     if cfg.position.kind == "learned":
-        position += (cfg.max_seq_len + cfg.position.learned_offset) * d
+        position += position_stacks * (cfg.max_seq_len + cfg.position.learned_offset) * d
+    elif cfg.position.kind == "sinusoidal" and cfg.position.sinusoid_table:   # Marian's frozen table counts
+        position += position_stacks * cfg.max_seq_len * d
     attention = mlp = norms = 0
     for stack in _stacks(cfg):
         depth, cross = cfg.stack_depth(stack), int(stack == "cross_decoder")
@@ -122,8 +125,9 @@ def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
         mlp += depth * _mlp_params(cfg)
         cross_norms = cross * (2 if cfg.norm.position == "sandwich" else 1)
         norms += depth * (_block_norms(cfg) + cross_norms) * norm_one + int(cfg.norm.final_norm) * norm_one
-    norms += norm_one * int(cfg.norm.embedding_norm)
-    head = (0 if cfg.tie_embeddings else v * d) + (v if cfg.bias.head else 0)
+    norms += position_stacks * norm_one * int(cfg.norm.embedding_norm)
+    # a head bias held as a buffer (BART's / Marian's final_logits_bias) counts as transformers counts it: not
+    head = (0 if cfg.tie_embeddings else v * d) + (v if cfg.bias.head and not cfg.bias.head_buffer else 0)
     if cfg.arch == "encoder":   # the MLM head's transform: dense (with bias) + norm (BERT)
         head += d * d + d + norm_one
     return {

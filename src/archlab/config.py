@@ -33,6 +33,7 @@ GATED_ACTIVATIONS = ("reglu", "geglu", "geglu_tanh", "swiglu")
 PositionKind = Literal["none", "sinusoidal", "learned", "rope", "alibi", "t5"]
 ABSOLUTE_POSITIONS = ("sinusoidal", "learned")
 RopeLayout = Literal["half", "interleaved"]
+SinusoidLayout = Literal["interleaved", "split"]
 QKNorm = Literal["none", "per_head", "per_head_untied", "full"]
 SparsePattern = Literal["none", "strided", "fixed"]
 
@@ -102,6 +103,8 @@ class BiasConfig:
     mlp: bool = False
     norm: bool = False   # LayerNorm's additive beta (ignored by RMSNorm kinds)
     head: bool = False   # LM-head bias (Phi-1/2)
+    head_buffer: bool = False  # the head bias a fixed buffer, not a parameter (transformers' final_logits_bias in
+                               # BART / Marian: loaded and saved, not trained, not counted); encoder_decoder only
     qk_norm: bool = False  # a beta on the QK-norm too (Phi-1/2 `qk_layernorm`; LayerNorm kinds)
 
 
@@ -186,6 +189,12 @@ class PositionConfig:
     rotary_fraction: float = 1.0             # partial rotary (GPT-NeoX 0.25, Phi 0.4)
     rope_scaling: RopeScaling | None = None
     learned_offset: int = 0                  # OPT stores positions shifted by 2
+    sinusoid_layout: SinusoidLayout = "interleaved"  # sin/cos pairs (2017, tensor2tensor's reference is split);
+                                             # split: all sines, then all cosines (Marian / fairseq)
+    sinusoid_table: bool = False             # sinusoids held as a frozen (max_seq_len, d) parameter (Marian's
+                                             # MarianSinusoidalPositionalEmbedding: transformers counts it)
+    per_stack: bool = False                  # encoder_decoder: each stack its own absolute position table and
+                                             # embedding norm (BART, Marian); False: the encoder's serve both
     t5_num_buckets: int = 32
     t5_max_distance: int = 128
     global_kind: PositionKind | None = None  # None: same as `kind` on global layers
@@ -201,6 +210,8 @@ class PositionConfig:
             raise ConfigError(f"position.rotary_fraction={self.rotary_fraction} must be in (0, 1]")
         if self.learned_offset < 0:
             raise ConfigError(f"position.learned_offset={self.learned_offset} must be >= 0")
+        if self.sinusoid_table and self.kind != "sinusoidal":
+            raise ConfigError(f"position.sinusoid_table=True needs position.kind='sinusoidal', got {self.kind!r}")
         if self.global_kind in ABSOLUTE_POSITIONS:
             raise ConfigError(
                 f"position.global_kind={self.global_kind!r}: absolute positions are added at the "
@@ -479,7 +490,13 @@ class ModelConfig:
         if not 0 <= self.decoder_start_token_id < self.vocab_size:
             raise ConfigError(f"decoder_start_token_id={self.decoder_start_token_id} must be in "
                               f"0..vocab_size-1={self.vocab_size - 1}")
+        if self.bias.head_buffer and not self.bias.head:
+            raise ConfigError("bias.head_buffer=True needs bias.head=True (it says how the head bias is held)")
         if self.arch != "encoder_decoder":
+            for key, flag in (("bias.head_buffer", self.bias.head_buffer),
+                              ("position.per_stack", self.position.per_stack)):
+                if flag:
+                    raise ConfigError(f"{key}=True is available with arch='encoder_decoder' only")
             if self.decoder_layers is not None:
                 raise ConfigError(f"decoder_layers={self.decoder_layers} sets an encoder-decoder's decoder depth; "
                                   f"arch={self.arch!r} has n_layers only")

@@ -8,7 +8,10 @@ sublayer (the same Attention, keys and values from the encoder's output, project
     dec = embed(decoder_input_ids) -> decoder blocks (causal self-attn; cross-attn to enc) -> final norm
     logits = head(dec)      tied to the embedding or not; T5 v1.0 rescales by d**-0.5 first (logit_scale)
 
-One embedding serves the encoder, the decoder and a tied head (T5's `shared`). With T5 positions each stack
+One embedding serves the encoder, the decoder and a tied head (T5's `shared`); with position.per_stack (BART,
+Marian) the decoder has its own absolute positions (`decoder_abs_position`) and embedding norm
+(`decoder_embed_norm`), the encoder keeps the model's `abs_position` / `embed_norm`. bias.head_buffer holds the
+head bias as a buffer (transformers' final_logits_bias: not trained, not counted). With T5 positions each stack
 owns one relative-bias table (the encoder's buckets bidirectional, the decoder's causal); cross-attention has
 no position signal. Training: `loss(input_ids, labels)` feeds the decoder `labels` shifted right behind the
 decoder start token (T5: 0, its pad id), as transformers' `_shift_right`.
@@ -27,6 +30,7 @@ from archlab.nn.embedding import Embedder, init_weights
 from archlab.nn.fused import DecodeSession
 from archlab.nn.masks import AttnInputs, Context
 from archlab.nn.norms import build_norm
+from archlab.nn.position import AbsolutePosition
 from archlab.nn.stack import TransformerStack, stack_t5_table
 
 __all__ = ["EncoderDecoderLM", "shift_right"]
@@ -48,6 +52,11 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
             raise ConfigError(f"arch={cfg.arch!r}: EncoderDecoderLM needs arch='encoder_decoder'")
         norm = lambda: build_norm(cfg.norm.kind, cfg.d_model, cfg.norm.eps, cfg.bias.norm)  # noqa: E731
         self.build_embedder(cfg)                      # `embed`: encoder, decoder and a tied head share it
+        self.decoder_abs_position: AbsolutePosition | None = None
+        self.decoder_embed_norm: nn.Module | None = None
+        if cfg.position.per_stack:                    # BART, Marian: the decoder's own positions and norm
+            self.decoder_abs_position = AbsolutePosition(cfg)
+            self.decoder_embed_norm = norm() if cfg.norm.embedding_norm else None
         self.encoder_t5_bias = stack_t5_table(cfg, "encoder")          # bidirectional buckets, or None
         self.encoder = TransformerStack(cfg, "encoder", self.encoder_t5_bias)
         self.encoder_norm = norm() if cfg.norm.final_norm else None
@@ -55,7 +64,10 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
         self.decoder = TransformerStack(cfg, "cross_decoder", self.decoder_t5_bias)
         self.final_norm = norm() if cfg.norm.final_norm else None
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.bias.head else None
+        if cfg.bias.head_buffer:                      # BART / Marian final_logits_bias: a buffer in transformers
+            self.register_buffer("head_bias", torch.zeros(cfg.vocab_size))
+        else:
+            self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.bias.head else None
         init_weights(self, cfg)
 
     @property
@@ -72,11 +84,15 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
         positions = padded_positions(mask)
         return AttnInputs(positions, stack.mask_spec(key_padding=mask.bool()))
 
-    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.abs_position.kind == "learned" and int(positions.max()) >= self.config.max_seq_len:
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor, decoder: bool = False) -> torch.Tensor:
+        table = self.abs_position.kind == "learned" or self.abs_position.table is not None
+        if table and int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}: "
-                             "learned position embeddings have no row for it")
-        return self.embed_tokens(ids, positions)                              # (b, t, d)
+                             "the position table has no row for it")
+        parts = None
+        if decoder and self.decoder_abs_position is not None:
+            parts = (self.decoder_abs_position, self.decoder_embed_norm)
+        return self.embed_tokens(ids, positions, stack_parts=parts)          # (b, t, d)
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Context:
         """(b, s) source ids (attention_mask (b, s): 1 = real token) -> the Context the decoder attends to: the
@@ -105,7 +121,7 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
             inputs = AttnInputs(positions, self.decoder.mask_spec(), cache=cache, plain=cache is None,
                                 continued=cache is not None, fresh=cache is not None and start == 0,
                                 session=session)
-        x = self._embed(decoder_input_ids, inputs.positions)                 # (b, t, d)
+        x = self._embed(decoder_input_ids, inputs.positions, decoder=True)   # (b, t, d)
         x = call(self.decoder, x, inputs, context, direct=inputs.direct)      # (b, t, d)
         if self.final_norm is not None:
             x = call(self.final_norm, x, direct=inputs.direct)

@@ -195,7 +195,7 @@ def transformer_2017() -> ModelConfig:
         attention=dict(n_heads=8),
         mlp=dict(activation="relu", d_ff=2048),
         norm=dict(kind="layernorm", eps=1e-6, position="post", final_norm=False),
-        position=dict(kind="sinusoidal"),
+        position=dict(kind="sinusoidal", sinusoid_layout="interleaved"),  # the paper: PE[2i] sin, PE[2i+1] cos
         block=dict(residual_dropout=0.1),
         bias=dict(qkv=True, attn_out=True, mlp=True, norm=True),
         embedding_dropout=0.1, tie_embeddings=True, scale_embeddings=True,
@@ -299,6 +299,45 @@ def t5_v1_1_xxl() -> ModelConfig:  # gated-gelu (gelu_new), untied head, no drop
     return t5_like("t5-v1.1-xxl", vocab_size=32_128, d_model=4096, n_layers=24, n_heads=64,
                    head_dim=64, d_ff=10_240, max_seq_len=512, activation="geglu_tanh",
                    tie_embeddings=False)
+
+
+def bart_like(name: str, *, vocab_size: int, d_model: int, n_layers: int, n_heads: int, d_ff: int, max_seq_len: int,
+              activation: str, sinusoidal: bool, scale_embeddings: bool, decoder_start_token_id: int,
+              dropout: float = 0.1, attention_dropout: float = 0.0) -> ModelConfig:
+    """BART (Lewis et al. 2020) and Marian (opus-mt) as transformers builds them: post-LayerNorm encoder-decoders
+    (no final norm on either stack), biases everywhere, one embedding shared by both stacks and the tied head,
+    `final_logits_bias` as a buffer (bias.head_buffer: not counted, as transformers counts), and absolute
+    positions per stack: BART learned with rows shifted by 2 and an embedding LayerNorm per stack; Marian
+    static sinusoids, all sines then all cosines, held as a frozen table per stack (counted, as transformers
+    counts MarianSinusoidalPositionalEmbedding), embeddings scaled by sqrt(d), no embedding norm."""
+    position = (dict(kind="sinusoidal", sinusoid_layout="split", sinusoid_table=True, per_stack=True) if sinusoidal
+                else dict(kind="learned", learned_offset=2, per_stack=True))
+    return _model(
+        name, arch="encoder_decoder", vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
+        max_seq_len=max_seq_len, attention=dict(n_heads=n_heads, dropout=attention_dropout),
+        mlp=dict(activation=activation, d_ff=d_ff),
+        norm=dict(kind="layernorm", eps=1e-5, position="post", final_norm=False, embedding_norm=not sinusoidal),
+        position=position, block=dict(residual_dropout=dropout), embedding_dropout=dropout,
+        bias=dict(qkv=True, attn_out=True, mlp=True, norm=True, head=True, head_buffer=True),
+        tie_embeddings=True, scale_embeddings=scale_embeddings, decoder_start_token_id=decoder_start_token_id,
+    )
+
+
+# counted as transformers' BartForConditionalGeneration / MarianMTModel num_parameters() built from the released
+# config.json on the meta device (tests/interop/test_parity_bart_marian.py vendors them)
+@_preset("bart-large", year=2019, source="HF facebook/bart-large config.json (Lewis et al. 2020)",
+         params=406_291_456, exact=True)
+def bart_large() -> ModelConfig:  # GeLU, learned positions (offset 2), embedding LayerNorm, unscaled embeddings
+    return bart_like("bart-large", vocab_size=50_265, d_model=1024, n_layers=12, n_heads=16, d_ff=4096,
+                     max_seq_len=1024, activation="gelu", sinusoidal=False, scale_embeddings=False,
+                     decoder_start_token_id=2, attention_dropout=0.1)
+
+
+@_preset("marian", year=2018, source="HF Helsinki-NLP/opus-mt-en-de config.json (Junczys-Dowmunt et al. 2018)",
+         params=74_410_496, exact=True)
+def marian() -> ModelConfig:  # swish, static split sinusoids (512 rows per stack), sqrt(d)-scaled embeddings
+    return bart_like("marian", vocab_size=58_101, d_model=512, n_layers=6, n_heads=8, d_ff=2048, max_seq_len=512,
+                     activation="silu", sinusoidal=True, scale_embeddings=True, decoder_start_token_id=58_100)
 
 
 @_preset("gpt-j-6b", year=2021, source="HF EleutherAI/gpt-j-6b config.json", params=6.053e9)

@@ -46,10 +46,14 @@ class Embedder:
         self.embed_drop = nn.Dropout(cfg.embedding_dropout)
 
     def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                     token_type_ids: torch.Tensor | None = None, *, direct: frozenset = NO_MODULES) -> torch.Tensor:
+                     token_type_ids: torch.Tensor | None = None, *, direct: frozenset = NO_MODULES,
+                     stack_parts: tuple[AbsolutePosition, nn.Module | None] | None = None) -> torch.Tensor:
         """Token vectors (scaled as Gemma), token types (BERT's segments; 0 where not given), absolute
         positions where the config adds them at the input, the embedding norm and dropout. (b, t) -> (b, t, d).
-        direct: a decode session's hook-free modules (AttnInputs.direct), called with no check (nn/calls)."""
+        direct: a decode session's hook-free modules (AttnInputs.direct), called with no check (nn/calls).
+        stack_parts: (position, embedding norm) of a stack of its own (BART's and Marian's decoder:
+        position.per_stack) in place of the model's `abs_position` and `embed_norm`."""
+        abs_position, embed_norm = stack_parts or (self.abs_position, self.embed_norm)
         x = call(self.embed, input_ids, direct=direct)                       # (b, t, d)
         if self.config.scale_embeddings:  # Gemma: sqrt(d) rounded to the activation dtype
             x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
@@ -58,10 +62,10 @@ class Embedder:
             x = x + call(self.token_types, types)
         elif token_type_ids is not None:
             raise ValueError("token_type_ids given but the config has no token types (type_vocab_size=0)")
-        if self.abs_position.at_input:
-            x = x + self.abs_position(positions).to(x.dtype)
-        if self.embed_norm is not None:
-            x = self.embed_norm(x)
+        if abs_position.at_input:
+            x = x + abs_position(positions).to(x.dtype)
+        if embed_norm is not None:
+            x = embed_norm(x)
         if self.training:
             x = self.embed_drop(x)
         return x

@@ -2,6 +2,8 @@
 
 At the input (added to token embeddings):
   sinusoidal  Vaswani et al. 2017: PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(...)
+              (layout "interleaved"); "split": all sines, then all cosines (Marian / fairseq), optionally
+              held as a frozen parameter table (Marian: transformers counts it)
   learned     GPT/GPT-2/OPT: a table of max_seq_len vectors (OPT stores rows shifted by 2)
 Inside attention (one object per layer, so layers can differ: Command A, Gemma 3):
   rope        Su et al. 2021 (RoFormer): rotate pairs of q/k dims by p * theta^(-2i/r). Layouts:
@@ -325,6 +327,16 @@ def build_attention_position(cfg: ModelConfig, spec: LayerSpec,
     return ATTENTION_POSITIONS.get(spec.position_kind)(cfg, spec, t5_table)
 
 
+def sinusoid_table(n_positions: int, d: int, layout: str = "interleaved") -> torch.Tensor:
+    """(n, d) float32 sinusoids, angles p / 10000^(2i/d) computed in float64 (as transformers' Marian table):
+    interleaved sin, cos pairs, or split (sines in the first ceil(d/2) dims, cosines after)."""
+    angles = (torch.arange(n_positions, dtype=torch.float64, device="cpu")[:, None]
+              / 10_000 ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))   # (n, ceil(d/2))
+    if layout == "split":
+        return torch.cat((angles.sin(), angles.cos()[:, : d // 2]), dim=-1).float()
+    return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)[:, :d].float()
+
+
 class AbsolutePosition(nn.Module):
     inv_freq: torch.Tensor
     """Sinusoidal or learned vectors added to the token embeddings; nothing for other kinds."""
@@ -334,9 +346,13 @@ class AbsolutePosition(nn.Module):
         self.kind = cfg.position.kind
         self.d_model = cfg.d_model
         self.offset = cfg.position.learned_offset
+        self.layout = cfg.position.sinusoid_layout
         self.at_input = self.kind in ABSOLUTE_POSITIONS    # else forward returns None
+        self.table: nn.Parameter | None = None
         if self.kind == "learned":
             self.embedding = nn.Embedding(cfg.max_seq_len + self.offset, cfg.d_model)
+        elif self.kind == "sinusoidal" and cfg.position.sinusoid_table:   # Marian: frozen, counted
+            self.table = nn.Parameter(sinusoid_table(cfg.max_seq_len, cfg.d_model, self.layout), requires_grad=False)
         elif self.kind == "sinusoidal":
             steps = torch.arange(0, cfg.d_model, 2, device="cpu").float()
             inv = 1.0 / 10_000 ** (steps / cfg.d_model)
@@ -346,8 +362,12 @@ class AbsolutePosition(nn.Module):
         positions = positions.clamp(min=0)
         if self.kind == "learned":
             return self.embedding(positions + self.offset)
+        if self.table is not None:
+            return self.table[positions]
         if self.kind == "sinusoidal":
             angles = positions[..., None].float() * self.inv_freq
+            if self.layout == "split":
+                return torch.cat((angles.sin(), angles.cos()[..., : self.d_model // 2]), dim=-1)
             pe = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)
             return pe[..., : self.d_model]
         return None

@@ -31,7 +31,7 @@ FAMILY_MODULES = [
     # encoders
     "bert",
     # encoder-decoders
-    "t5",
+    "t5", "bart",
 ]
 
 for _name in FAMILY_MODULES:

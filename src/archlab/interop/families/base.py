@@ -318,6 +318,8 @@ def config_diff(a: ModelConfig, b: ModelConfig) -> list[str]:
             t5_num_buckets=pos.t5_num_buckets if "t5" in kinds else default_pos.t5_num_buckets,
             t5_max_distance=pos.t5_max_distance if "t5" in kinds else default_pos.t5_max_distance,
             learned_offset=pos.learned_offset if pos.kind == "learned" else 0,
+            sinusoid_layout=pos.sinusoid_layout if pos.kind == "sinusoidal" else default_pos.sinusoid_layout,
+            per_stack=pos.per_stack and (pos.kind in ("learned", "sinusoidal") or cfg.norm.embedding_norm),
             rope_theta=pos.rope_theta if rope else default_pos.rope_theta,
             rope_layout=pos.rope_layout if rope else default_pos.rope_layout,
             rotary_fraction=pos.rotary_fraction if rope else 1.0,

@@ -99,6 +99,22 @@ def combine(*setups):
     return setup
 
 
+def seq2seq_run(tmp: Path, w: dict) -> None:
+    """{tmp}/s2s: a run folder holding a tiny encoder-decoder with learned positions (max_seq_len 8) and the
+    BPE run's tokenizer."""
+    from archlab.checkpoint import save_checkpoint
+    from archlab.config import ModelConfig
+    from archlab.models import build_model
+
+    cfg = ModelConfig.from_dict(dict(arch="encoder_decoder", vocab_size=300, d_model=32, n_layers=1, max_seq_len=8,
+                                     position=dict(kind="learned"), attention=dict(n_heads=2)))
+    folder = tmp / "s2s"
+    folder.mkdir()
+    (folder / "config.yaml").write_text(yaml.safe_dump({"model": cfg.to_dict()}))
+    save_checkpoint(folder / "checkpoints", 1, build_model(cfg).state_dict(), {})
+    shutil.copytree(w["bpe_run"] / "tokenizer", folder / "tokenizer")
+
+
 T = ["train", "--data", "{data}", "--out", "{new}", "--no-progress"]
 TP = T + ["--preset", "tiny:llama2-7b"]
 G = ["generate", "{run}", "--prompt", "to be"]
@@ -108,7 +124,7 @@ CASES = [
     # ---- top level and argparse ---------------------------------------------------------------
     ("unknown command", ["nosuch"], "invalid choice"),
     ("train without --out", ["train", "--data", "{data}"], "required: --out"),
-    ("generate without --prompt", ["generate", "{run}"], "required: --prompt"),
+    ("generate without --prompt", ["generate", "{run}"], "give --prompt TEXT"),
     ("eval bad int", ["eval", "{run}", "--batches", "two"], "invalid int value"),
     ("eval bad split", ["eval", "{run}", "--split", "test"], "invalid choice"),
     ("eval bad device", ["eval", "{run}", "--device", "tpu"], "invalid choice"),
@@ -209,6 +225,11 @@ CASES = [
     ("generate malformed hub id", ["generate", "hf:a/b/c", "--prompt", "x"], "expected hf:ORG/NAME"),
     ("generate not a model", ["generate", "{corpus}", "--prompt", "x"], "neither a run folder"),
     ("generate empty prompt", ["generate", "{run}", "--prompt", ""], "--prompt encodes to no tokens"),
+    ("generate --source on a decoder", ["generate", "{run}", "--source", "x"], "--source is for encoder-decoders"),
+    ("generate encoder-decoder without --source", ["generate", "{tmp}/s2s", "--prompt", "x"], "give --source",
+     seq2seq_run),
+    ("generate source past the encoder", ["generate", "{tmp}/s2s", "--source", "to be " * 20],
+     "longer than the encoder takes", seq2seq_run),
     ("generate prompt past context", ["generate", "{run}", "--prompt", "x" * 200], "context"),
     ("generate mismatched checkpoint", ["generate", "{tmp}/copy", "--prompt", "x"], "does not match",
      copy_of("run", other_model_config)),

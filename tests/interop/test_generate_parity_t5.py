@@ -165,3 +165,40 @@ def test_sampling_is_seeded_and_single_sources_come_back_1d(pair):
                             pad_token_id=PAD)   # lists of different lengths: padded here
     assert torch.equal(rows, archlab.generate(ours, src, attention_mask=mask, max_new_tokens=NEW,
                                               eos_token_id=EOS, pad_token_id=PAD))
+
+
+def _write_t5_tokenizer(folder):
+    """A small Unigram tokenizer.json in T5's layout (<pad> 0, </s> 1, <unk> 2) whose post-processor appends </s>."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    pieces += [(w, -1.0 - i * 0.01) for i, w in enumerate(letters + ["▁" + c for c in letters] + ["▁"])]
+    pieces += [(f"<extra_id_{i}>", 0.0) for i in range(TINY["vocab_size"] - len(pieces))]
+    tok = tokenizers.Tokenizer(tokenizers.models.Unigram(pieces, unk_id=2, byte_fallback=False))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    tok.decoder = tokenizers.decoders.Metaspace()
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "</s>", "pad_token": "<pad>"}')
+    return tok
+
+
+@pytest.mark.parametrize("beams", ["1", "3"])
+def test_cli_generates_from_a_source(pair, tmp_path, capsys, beams):
+    """`archlab generate FOLDER --source TEXT`: the source through the tokenizer's post-processor (</s> appended),
+    the target decoded from the start token, printed without it and up to EOS."""
+    from archlab.cli import main
+
+    hf, ours = pair("v1.0")
+    hf.save_pretrained(tmp_path)
+    tok = _write_t5_tokenizer(tmp_path)
+    text = "the cat sat"
+    source = tok.encode(text).ids
+    assert source[-1] == EOS
+    out = archlab.generate(ours, source, max_new_tokens=NEW, num_beams=int(beams), eos_token_id=EOS)
+    new = out[1:].tolist()
+    new = new[:new.index(EOS)] if EOS in new else new
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path), "--source", text, "--max-new-tokens", str(NEW),
+                 "--num-beams", beams]) == 0
+    assert capsys.readouterr().out == tok.decode(new) + "\n"

@@ -1,4 +1,5 @@
-"""`archlab generate`: load a run folder or an HF folder and decode text from a prompt."""
+"""`archlab generate`: load a run folder or an HF folder and decode text from a prompt (a decoder-only LM) or
+from a source text (an encoder-decoder: --source)."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ from archlab.model_folder import load_model_and_tokenizer  # noqa: F401 - re-exp
 EXAMPLE = """example:
   archlab generate runs/demo --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95 --seed 0
   archlab generate path/to/hf_llama --prompt "Once upon a time" --num-beams 4 --no-stream
+  archlab generate path/to/hf_t5 --source "translate English to German: Hello." --num-beams 4
   archlab generate runs/demo --prompt "..." --sink-window 252 --max-new-tokens 5000   # StreamingLLM:
       4 sink tokens + 252 recent ones fill a 256-token context; decoding goes on past it
 """
@@ -20,14 +22,17 @@ def register(subparsers) -> None:
         "generate", help="generate text from a run folder or an HF folder",
         description="Decode text from a trained run folder (config.yaml + checkpoints/ + tokenizer/) "
         "or a Hugging Face folder (config.json + *.safetensors + tokenizer.json), streaming tokens "
-        "to the terminal as they come. A generation_config.json in the folder is applied as transformers "
+        "to the terminal as they come. An encoder-decoder (T5) takes --source instead of --prompt: the source "
+        "is encoded once (with the tokenizer's special tokens, e.g. T5's trailing </s>) and the target decoded "
+        "from the decoder start token. A generation_config.json in the folder is applied as transformers "
         "applies it: eos/pad ids, max_new_tokens (or max_length), beams, length_penalty, early_stopping, "
         "sampling (do_sample), repetition_penalty, no_repeat_ngram_size, bad_words_ids, forced bos/eos, "
         "min lengths; the flags below override it, and fields archlab does not apply are named in a warning.",
         epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("path", help="run folder or HF model folder")
-    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--prompt", default=None, help="prompt text (a decoder-only model)")
+    p.add_argument("--source", default=None, help="source text to encode (an encoder-decoder, e.g. T5)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate (default: the folder's generation config, else 100)")
     p.add_argument("--temperature", type=float, default=None,
@@ -126,7 +131,14 @@ def run(args) -> int:
     from archlab.generation import GenerationConfig, stream
 
     check_args(args)
-    model, tok = load_model_and_tokenizer(args.path, args.device, purpose="generate", generation_config=True)
+    if args.prompt is None and args.source is None:
+        raise UserError("give --prompt TEXT (a decoder-only model) or --source TEXT (an encoder-decoder)")
+    model, tok = load_model_and_tokenizer(args.path, args.device, archs=("decoder", "encoder_decoder"),
+                                          purpose="generate", generation_config=True)
+    if model.config.arch == "encoder_decoder":
+        return _run_encoder_decoder(args, model, tok)
+    if args.source is not None:
+        raise UserError(f"--source is for encoder-decoders; {args.path} holds a decoder-only LM: use --prompt")
     prompt = tok.encode(args.prompt)
     if not prompt:
         raise UserError("--prompt encodes to no tokens")
@@ -163,6 +175,61 @@ def run(args) -> int:
         print(file=sys.stderr)
         raise UserError(str(exc)) from exc
     return 0
+
+
+def _run_encoder_decoder(args, model, tok) -> int:
+    """Encode --source once, decode the target from the decoder start token, print the target's text."""
+    import archlab
+    from archlab.errors import UserError
+    from archlab.generation import GenerationConfig, stream
+    from archlab.generation.stepper import check_source, vocab_limit
+
+    if args.source is None or args.prompt is not None:
+        raise UserError(f"{args.path} holds an encoder-decoder: give --source TEXT (the text to encode), not --prompt")
+    if args.sink_window is not None:
+        raise UserError("--sink-window (StreamingLLM) is for decoder-only models")
+    source = _encode_source(tok, args.path, args.source)
+    if not source:
+        raise UserError("--source encodes to no tokens")
+    import torch
+    try:
+        check_source(model, torch.tensor([source]), None)
+    except ValueError as exc:
+        raise UserError(f"--source: {exc}") from None
+    cfg = _settings(getattr(model, "generation_config", None) or GenerationConfig(), args, getattr(tok, "eot_id", None))
+    kw = dict(generation_config=cfg, vocab_limit=vocab_limit(model, tok))
+    if (cfg.num_beams or 1) == 1:
+        kw.update(seed=args.seed, tokenizer=tok if cfg.stop_strings else None)
+    try:
+        if args.stream and (cfg.num_beams or 1) == 1:
+            printer = _TextPrinter(tok)
+            for tokens in stream(model, source, **kw):
+                if int(tokens[0]) in cfg.eos:
+                    break
+                printer.add(int(tokens[0]))
+            printer.finish()
+        else:
+            ids = archlab.generate(model, source, **kw)
+            print(tok.decode(_strip(ids[1:].tolist(), cfg.eos)))
+    except ValueError as exc:
+        print(file=sys.stderr)
+        raise UserError(str(exc)) from exc
+    return 0
+
+
+def _encode_source(tok, path: str, text: str) -> list[int]:
+    """Source ids as the model was trained on them: through the tokenizer's post-processor where the folder's
+    tokenizer.json has one (T5 appends </s>)."""
+    from pathlib import Path
+
+    from archlab.hub import resolve_model
+    from archlab.model_folder import _with_post_processor
+    from archlab.tokenizer import HFTokenizer
+
+    folder = resolve_model(path)
+    folder = folder / "tokenizer" if (folder / "config.yaml").is_file() else Path(folder)
+    tok = _with_post_processor(tok, folder)
+    return tok.encode(text, add_special_tokens=True) if isinstance(tok, HFTokenizer) else tok.encode(text)
 
 
 def _settings(folder, args, eot_id):

@@ -109,12 +109,15 @@ def prepare_source(source_ids, attention_mask=None, pad_token_id: int = 0):
 
 
 def check_source(model, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
-    """A source longer than the encoder's learned position table raises a ValueError naming both lengths."""
+    """A source longer than the encoder's position table (learned positions, or a frozen sinusoid table as
+    Marian's) raises a ValueError naming both lengths."""
     config = model.config
     longest = ids.shape[1] if mask is None else int(mask.sum(-1).max())
-    if config.position.kind == "learned" and longest > config.max_seq_len:
-        raise ValueError(f"the source has {longest} tokens, longer than the encoder takes: its learned "
-                         f"positions stop at max_seq_len={config.max_seq_len}")
+    frozen = getattr(getattr(model, "abs_position", None), "table", None)     # Marian's sinusoid table
+    table = config.position.kind == "learned" or frozen is not None
+    if table and longest > config.max_seq_len:
+        raise ValueError(f"the source has {longest} tokens, longer than the encoder takes: its position table "
+                         f"stops at max_seq_len={config.max_seq_len}")
 
 
 def expand_context(context: Context, repeats: int) -> Context:

@@ -38,11 +38,17 @@ def world(tmp_path_factory):
                  str(bpe_data), "--workers", "0", "--quiet"]) == 0
     train(tiny_model().with_overrides({"vocab_size": 300}), cfg, bpe_data, root / "bpe_run", progress=False)
     assert main(["convert", "--to-hf", str(root / "bpe_run"), "--out", str(root / "hf")]) == 0
+    assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "300", "--no-progress",
+                 "--special-tokens", "<|endoftext|>", "[MASK]", "--out", str(root / "mask_tok")]) == 0
+    assert main(["data", "prepare", "--corpus", str(corpus), "--tokenizer", str(root / "mask_tok"), "--out",
+                 str(root / "mlm_data"), "--workers", "0", "--quiet"]) == 0
+    encoder = tiny_model().with_overrides({"arch": "encoder", "vocab_size": 300, "position.kind": "rope"})
+    train(encoder, cfg, root / "mlm_data", root / "enc_run", progress=False)
     (root / "prompt.txt").write_text("to be or not to be " * 5)
     (root / "suite.yaml").write_text(yaml.safe_dump({"name": "mini", "claim": "c", "seeds": 1, "axes": [
         {"name": "norm", "key": "norm.kind", "values": ["layernorm", "rmsnorm"]}]}))
     return {"data": root / "data", "run": root / "run", "tok": root / "tok", "hf": root / "hf",
-            "corpus": corpus, "bpe_run": root / "bpe_run", "prompt": root / "prompt.txt",
+            "corpus": corpus, "bpe_run": root / "bpe_run", "enc_run": root / "enc_run", "prompt": root / "prompt.txt",
             "suite": root / "suite.yaml", "root": root}
 
 
@@ -118,6 +124,7 @@ def seq2seq_run(tmp: Path, w: dict) -> None:
 T = ["train", "--data", "{data}", "--out", "{new}", "--no-progress"]
 TP = T + ["--preset", "tiny:llama2-7b"]
 G = ["generate", "{run}", "--prompt", "to be"]
+FM = ["fill-mask", "{enc_run}"]
 CKPT = "checkpoints/step_*/model.safetensors"
 
 CASES = [
@@ -248,6 +255,25 @@ CASES = [
     ("generate hf unknown family", ["generate", "{tmp}/copy", "--prompt", "x"], "model_type",
      copy_of("hf", lambda f: (f / "config.json").write_text(json.dumps({
          **json.loads((f / "config.json").read_text()), "model_type": "transformer_xl"})))),
+    # ---- fill-mask -----------------------------------------------------------------------------
+    ("fill-mask without text", ["fill-mask", "{enc_run}"], "required: TEXT"),
+    ("fill-mask bad top-k", FM + ["to be [MASK]", "--top-k", "five"], "invalid int value"),
+    ("fill-mask zero top-k", FM + ["to be [MASK]", "--top-k", "0"], "--top-k 0"),
+    ("fill-mask bad device", FM + ["to be [MASK]", "--device", "tpu"], "--device tpu"),
+    ("fill-mask decoder run", ["fill-mask", "{bpe_run}", "to be [MASK]"],
+     "is a decoder-only model; fill-mask needs an encoder (arch=encoder)"),
+    ("fill-mask decoder hf folder", ["fill-mask", "{hf}", "to be [MASK]"], "is a decoder-only model"),
+    ("fill-mask missing folder", ["fill-mask", "{tmp}/nomodel", "to be [MASK]"], "nomodel"),
+    ("fill-mask not a model", ["fill-mask", "{corpus}", "to be [MASK]"], "neither a run folder"),
+    ("fill-mask no mask in text", FM + ["to be or not to be"], "holds no mask token"),
+    ("fill-mask other mask spelling", FM + ["to be or <mask> to be"], "<mask> is not this tokenizer's mask token"),
+    ("fill-mask text past positions", FM + ["[MASK] " + "to be or not " * 40], "max_seq_len=64"),
+    ("fill-mask tokenizer without mask", ["fill-mask", "{tmp}/copy", "to be [MASK]"], "no mask token",
+     combine(copy_of("enc_run"), lambda tmp, w: shutil.copy(w["tok"] / "tokenizer.json", tmp / "copy" / "tokenizer"))),
+    ("fill-mask no tokenizer", ["fill-mask", "{tmp}/copy", "to be [MASK]"], "no tokenizer",
+     copy_of("enc_run", lambda f: shutil.rmtree(f / "tokenizer"))),
+    ("fill-mask damaged weights", ["fill-mask", "{tmp}/copy", "to be [MASK]"], "model.safetensors",
+     copy_of("enc_run", truncate(CKPT))),
     # ---- convert and verify --------------------------------------------------------------------
     ("convert from missing", ["convert", "--from-hf", "{tmp}/nohf", "--out", "{new}"], "nohf"),
     ("convert from not hf", ["convert", "--from-hf", "{corpus}", "--out", "{new}"], "config.json"),
@@ -367,6 +393,9 @@ CASES = [
     ("check not a run", ["check", "{corpus}"], "not a run folder"),
     ("demo zero minutes", ["demo", "--minutes", "0", "--out", "{new}"], "--minutes 0"),
     ("demo nan minutes", ["demo", "--minutes", "nan", "--out", "{new}"], "--minutes nan"),
+    ("demo unknown arch", ["demo", "--arch", "t5", "--out", "{new}"], "invalid choice"),
+    ("demo encoder prompt without mask", ["demo", "--arch", "encoder", "--quick", "--prompt", "ROMEO:", "--out",
+                                          "{new}"], "holds no [MASK]"),
     ("demo unknown corpus", ["demo", "--quick", "--corpus", "{tmp}/nocorpus", "--out", "{new}"], "nocorpus"),
 ]
 

@@ -1,6 +1,7 @@
 """`archlab demo --quick` runs every stage on a local corpus and leaves a complete run folder."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -41,3 +42,32 @@ def test_demo_never_clears_a_folder_it_did_not_write(tmp_path, corpus, capsys):
     assert cli_main(["demo", "--quick", "--out", str(precious), "--corpus", str(corpus)]) == 2
     assert "not an earlier demo run" in capsys.readouterr().err
     assert (precious / "thesis.tex").exists()
+
+
+def test_quick_encoder_demo_trains_a_masked_lm_and_fills_in_masks(tmp_path, corpus):
+    from archlab.tokenizer import load
+
+    lines = []
+    result = run_demo(tmp_path / "enc", quick=True, corpus=str(corpus), progress=False, log=lines.append,
+                      arch="encoder", prompt="to be or [MASK] to be, that is [MASK] question")
+    assert result.val_loss_after < result.val_loss_before
+    assert 0.0 <= result.val_accuracy_before <= 1.0 and 0.0 <= result.val_accuracy_after <= 1.0
+    assert len(result.fill_mask.masks) == 2 and "[MASK]" not in result.fill_mask.filled
+    for name in ("config.yaml", "metrics.jsonl", "loss_curve.png", "samples.txt", "tokenizer", "data"):
+        assert (tmp_path / "enc" / name).exists(), name
+    tok = load(tmp_path / "enc" / "tokenizer")
+    assert tok.special_tokens == ["<|endoftext|>", "[MASK]"]          # end-of-text first: the data's separator
+    assert json.loads((tmp_path / "enc" / "data" / "meta.json").read_text())["eot_id"] == tok.eot_id
+    assert any("validation MLM loss" in line and "accuracy" in line for line in lines)
+    assert any("filled: to be or" in line for line in lines)
+    assert "fill-mask" in (tmp_path / "enc" / "samples.txt").read_text()
+
+
+def test_encoder_demo_from_the_cli_uses_its_own_folder(tmp_path, corpus, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["demo", "--arch", "encoder", "--quick", "--corpus", str(corpus), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "runs" / "demo-encoder" / "config.yaml").exists() and not (tmp_path / "runs" / "demo").exists()
+    assert "Juliet is" in out and "next: archlab fill-mask runs/demo-encoder" in out
+    assert cli_main(["fill-mask", "runs/demo-encoder", "to be or [MASK] to be", "--top-k", "2"]) == 0
+    assert "filled: to be or" in capsys.readouterr().out

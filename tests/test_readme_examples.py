@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from archlab.cli import main
-from archlab.demo import demo_configs
+from archlab.demo import demo_configs, encoder_demo_configs
 from archlab.train import train
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -31,7 +31,8 @@ def readme_demo_commands() -> list[str]:
 
 @pytest.fixture(scope="module")
 def demo_folder(tmp_path_factory):
-    """A folder whose runs/demo has the demo's model and context (256 tokens), briefly trained."""
+    """A folder whose runs/demo has the demo's model and context (256 tokens), briefly trained, and whose
+    runs/demo-encoder has the encoder demo's model."""
     from archlab.data import prepare
     from archlab.tokenizer import Tokenizer, train_bpe
 
@@ -45,6 +46,13 @@ def demo_folder(tmp_path_factory):
     cfg = cfg.with_overrides({"budget": 2, "budget_unit": "steps", "batch_size": 2, "eval_batches": 1,
                               "dtype": "float32"})
     train(model, cfg, root / "data", root / "runs" / "demo", progress=False)
+    # runs/demo-encoder: the encoder demo's model, on a tokenizer with [MASK]
+    specials = ["<|endoftext|>", "[MASK]"]
+    vocab, merges = train_bpe(str(corpus), 320, specials)
+    prepare([corpus.read_text()] * 8, Tokenizer(vocab, merges, specials), root / "mlm_data", num_workers=0,
+            progress=False)
+    model, _ = encoder_demo_configs(quick=False, vocab_size=len(vocab), minutes=1)
+    train(model, cfg, root / "mlm_data", root / "runs" / "demo-encoder", progress=False)
     (root / "some.txt").write_text("ROMEO: But soft, what light through yonder window breaks? " * 10)
     return root
 

@@ -92,7 +92,7 @@ def load_masked_lm(path: str | Path, device: str = "cpu"):
         model_cfg = read_run_config(path)["model"]
         if isinstance(model_cfg, dict):           # anything else: load_run names what is wrong with it
             require_encoder(str(path), str(model_cfg.get("arch", "decoder")))
-        model, tok = load_model_and_tokenizer(path, device)
+        model, tok = load_model_and_tokenizer(path, device, archs=("encoder",), purpose="fill-mask")
         return model, _with_post_processor(tok, path / "tokenizer")
     if (path / "config.json").is_file():
         from archlab.interop import load_hf

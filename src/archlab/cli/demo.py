@@ -1,4 +1,5 @@
-"""`archlab demo`: fetch Shakespeare, train a tokenizer and a small LLaMA-style model, report."""
+"""`archlab demo`: fetch Shakespeare, train a tokenizer and a small LLaMA-style model (or, with --arch encoder,
+a BERT-style masked LM), report."""
 from __future__ import annotations
 
 import argparse
@@ -7,29 +8,40 @@ import math
 EXAMPLE = """example:
   archlab demo                      # ~3-4 minutes on 2 CPU cores; run folder ./runs/demo
   archlab demo --minutes 1 --out runs/demo-short
+  archlab demo --arch encoder       # a BERT-style masked LM, ~4 minutes; run folder ./runs/demo-encoder
   archlab demo --quick              # seconds: a smoke test of every stage"""
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="the whole pipeline on Shakespeare in a few minutes",
                               description="Fetch the Shakespeare corpus, train a BPE tokenizer, prepare "
-                              "data, train a small LLaMA-style model and show perplexity and a sample.",
+                              "data, train a small LLaMA-style model and show perplexity and a sample; with "
+                              "--arch encoder train a BERT-style masked LM and show its MLM loss and accuracy "
+                              "and a fill-mask example.",
                               epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/demo", help="run folder (default: runs/demo; replaced each time)")
+    p.add_argument("--arch", choices=("decoder", "encoder"), default="decoder",
+                   help="decoder: next-token LM (default); encoder: masked LM (BERT)")
+    p.add_argument("--out", default=None,
+                   help="run folder (default: runs/demo, or runs/demo-encoder; replaced each time)")
     p.add_argument("--minutes", type=float, default=2.5, help="training time (default 2.5)")
     p.add_argument("--quick", action="store_true", help="tiny model, a dozen steps (seconds)")
     p.add_argument("--corpus", default="shakespeare", help="a built-in corpus name or a path")
-    p.add_argument("--prompt", default="ROMEO:", help="prompt of the final sample")
+    p.add_argument("--prompt", default=None,
+                   help="prompt of the final sample (default 'ROMEO:'); with --arch encoder the fill-mask line, "
+                   "holding [MASK]")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from archlab.config import ConfigError
-    from archlab.demo import run_demo
+    from archlab.demo import MASK_TOKEN, run_demo
 
     if not 0 < args.minutes < math.inf:
         raise ConfigError(f"--minutes {args.minutes} must be a positive number")
-    run_demo(args.out, quick=args.quick, minutes=args.minutes, corpus=args.corpus, prompt=args.prompt,
-             progress=not args.no_progress)
+    if args.arch == "encoder" and args.prompt is not None and MASK_TOKEN not in args.prompt:
+        raise ConfigError(f"--prompt {args.prompt!r} holds no {MASK_TOKEN}: the encoder demo fills in its mask tokens")
+    out = args.out or ("runs/demo-encoder" if args.arch == "encoder" else "runs/demo")
+    run_demo(out, quick=args.quick, minutes=args.minutes, corpus=args.corpus, prompt=args.prompt,
+             progress=not args.no_progress, arch=args.arch)
     return 0

@@ -39,8 +39,7 @@ def _load_model_and_tokenizer(path: Path, device: str, need_tokenizer: bool, arc
         if latest_checkpoint(path) is not None:
             model, tok = load_run(path, device=device)
         elif (path / "model.safetensors").is_file():   # `archlab convert` output of earlier versions
-            from archlab.interop.run import load_run_model
-            model, tok = load_run_model(path).to(device), load_run_tokenizer(path)
+            model, tok = _load_flat_run(path).to(device), load_run_tokenizer(path)
         else:
             raise UserError(f"{path} has config.yaml but no checkpoints/ or model.safetensors")
         _check_arch(path, model.config, archs, purpose)
@@ -63,6 +62,24 @@ def _load_model_and_tokenizer(path: Path, device: str, need_tokenizer: bool, arc
                 raise
             return model, None                     # weights-only uses (diagnostics) still work
     raise UserError(f"{path} is neither a run folder (config.yaml) nor an HF folder (config.json)")
+
+
+def _load_flat_run(path: Path):
+    """config.yaml + one model.safetensors beside it (no checkpoints/): the model the config names, its weights
+    read as data (safetensors), every parameter exactly once."""
+    from safetensors.torch import load_file
+
+    from archlab.checkpoint import CheckpointError, read_run_config
+    from archlab.config import ModelConfig
+    from archlab.models import build_model
+
+    model = build_model(ModelConfig.from_dict(read_run_config(path)["model"]))
+    try:
+        model.load_state_dict(load_file(path / "model.safetensors"))
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path / 'model.safetensors'} does not match the model in config.yaml: "
+                              f"{str(exc).splitlines()[0]}") from exc
+    return model
 
 
 _KINDS = {"decoder": "a decoder-only LM", "encoder": "an encoder (a masked LM)",

@@ -185,28 +185,30 @@ def save_report(result: dict, out_dir: str | Path) -> dict[str, Path]:
         paths[key] = out / fname
         fig.savefig(paths[key])
         plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
-    ax.semilogy([layer["layer"] for layer in layers], [layer["ratio"] for layer in layers], "o-")
-    ax.set_xlabel("layer")
-    ax.set_ylabel("max |h| / median |h|")
-    ax.set_title("massive activations per layer", fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths["massive"] = out / "massive_activations.png"
-    fig.savefig(paths["massive"])
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
-    ax.plot([layer["layer"] for layer in layers], [layer["effective_rank"] for layer in layers], "o-")
-    ax.set_xlabel("layer")
-    ax.set_ylabel("effective rank of the hidden states")
-    ax.set_ylim(bottom=0)
-    ax.set_title("rank collapse: 1 = every token in one direction", fontsize=9)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths["effective_rank"] = out / "effective_rank.png"
-    fig.savefig(paths["effective_rank"])
-    plt.close(fig)
+    x = [layer["layer"] for layer in layers]
+    paths["massive"] = _per_layer_plot(plt, x, [layer["ratio"] for layer in layers], "max |h| / median |h|",
+                                       "massive activations per layer", out / "massive_activations.png", log=True)
+    paths["effective_rank"] = _per_layer_plot(plt, x, [layer["effective_rank"] for layer in layers],
+                                              "effective rank of the hidden states",
+                                              "rank collapse: 1 = every token in one direction",
+                                              out / "effective_rank.png")
     return paths
+
+
+def _per_layer_plot(plt, x: list, y: list, ylabel: str, title: str, path: Path, log: bool = False) -> Path:
+    """One quantity per layer as a line (log scale for ratios), saved to `path`."""
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+    (ax.semilogy if log else ax.plot)(x, y, "o-")
+    if not log:
+        ax.set_ylim(bottom=0)
+    ax.set_xlabel("layer")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _json_default(obj: Any):

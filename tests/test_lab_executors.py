@@ -87,6 +87,24 @@ def test_a_worker_that_dies_is_a_failed_row_and_the_next_sweep_runs_it(data, ser
     assert _table(tmp_path / "sweep") == serial_table
 
 
+def test_a_pool_that_broke_after_the_last_wait_takes_the_next_job_on_a_fresh_pool():
+    """A worker can die between `wait` and the next `submit` (seen under load): the job goes to a new pool, and
+    stopping the sweep afterwards does not trip over the old pool's state."""
+    pool = make_executor("local", 1)
+    try:
+        broken = pool._pool
+        broken._broken = "a child process terminated abruptly"      # what a dead worker leaves behind
+        future = pool.submit("not a job")                           # must not raise BrokenProcessPool
+        fresh = pool._pool
+        assert fresh is not broken and future in pool._jobs
+        fresh.shutdown(wait=True, cancel_futures=True)
+        broken._processes = None                                    # a shut-down pool's state
+        pool._pool = broken
+        pool.cancel([future])                                       # no AttributeError
+    finally:
+        pool._pool.shutdown(wait=False, cancel_futures=True)
+
+
 def test_executor_arguments_are_checked():
     with pytest.raises(UserError, match="at least 1"):
         make_executor("local", workers=0)

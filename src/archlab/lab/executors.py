@@ -99,7 +99,13 @@ class LocalExecutor(Executor):
                                            initargs=(os.getpid(), queue))
 
     def submit(self, job: RunJob) -> futures.Future:
-        future = self._pool.submit(run_job, job)
+        try:
+            future = self._pool.submit(run_job, job)
+        except futures.process.BrokenProcessPool:
+            # a worker died after `wait` last looked (its job's future fails on its own, and `wait` records
+            # it as a crashed row): this job goes to a fresh pool
+            self._pool = self._new_pool()
+            future = self._pool.submit(run_job, job)
         self._jobs[future] = job
         return future
 
@@ -123,7 +129,7 @@ class LocalExecutor(Executor):
 
     def cancel(self, handles: list) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for proc in list(getattr(self._pool, "_processes", {}).values()):   # running workers: stop them now
+        for proc in list((getattr(self._pool, "_processes", None) or {}).values()):   # running workers: stop them
             proc.terminate()
 
     def close(self) -> None:

@@ -350,21 +350,29 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = 
              device: str | torch.device = "cpu"):
     """(model in eval mode with the latest (or given) checkpoint's weights, tokenizer or None): a TransformerLM,
     or the class the config's `arch` names (archlab.models.build_model)."""
-    from archlab.models import build_model
-
     run_dir = Path(run_dir)
     cfg = ModelConfig.from_dict(read_run_config(run_dir)["model"])
     ckpt = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no checkpoint under {run_dir / CHECKPOINT_DIR}")
     state, _ = load_checkpoint(ckpt, weights_only_model=True)
+    model = model_with_weights(cfg, state, ckpt / MODEL_FILE)
+    model.to(device).eval()
+    return model, load_run_tokenizer(run_dir)
+
+
+def model_with_weights(cfg: ModelConfig, state: dict, source: Path):
+    """The model `cfg.arch` names (archlab.models.build_model) holding `state`, every parameter exactly once; a
+    mismatch is a CheckpointError naming `source`, the file the weights came from.
+    Example: model = model_with_weights(cfg, load_file(path), path)"""
+    from archlab.models import build_model
+
     model = build_model(cfg)
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
-        raise CheckpointError(f"{ckpt / MODEL_FILE} does not match the model in config.yaml: {exc}") from exc
-    model.to(device).eval()
-    return model, load_run_tokenizer(run_dir)
+        raise CheckpointError(f"{source} does not match the model in config.yaml: {exc}") from exc
+    return model
 
 
 def load_run_tokenizer(run_dir: str | os.PathLike):

@@ -66,20 +66,14 @@ def _load_model_and_tokenizer(path: Path, device: str, need_tokenizer: bool, arc
 
 def _load_flat_run(path: Path):
     """config.yaml + one model.safetensors beside it (no checkpoints/): the model the config names, its weights
-    read as data (safetensors), every parameter exactly once."""
+    read as data (safetensors)."""
     from safetensors.torch import load_file
 
-    from archlab.checkpoint import CheckpointError, read_run_config
+    from archlab.checkpoint import model_with_weights, read_run_config
     from archlab.config import ModelConfig
-    from archlab.models import build_model
 
-    model = build_model(ModelConfig.from_dict(read_run_config(path)["model"]))
-    try:
-        model.load_state_dict(load_file(path / "model.safetensors"))
-    except RuntimeError as exc:
-        raise CheckpointError(f"{path / 'model.safetensors'} does not match the model in config.yaml: "
-                              f"{str(exc).splitlines()[0]}") from exc
-    return model
+    weights = path / "model.safetensors"
+    return model_with_weights(ModelConfig.from_dict(read_run_config(path)["model"]), load_file(weights), weights)
 
 
 _KINDS = {"decoder": "a decoder-only LM", "encoder": "an encoder (a masked LM)",

@@ -223,7 +223,7 @@ def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vo
     from archlab.errors import UserError
     from archlab.evaluate import evaluate
     from archlab.fill_mask import encode_for_model, fill_mask
-    from archlab.objectives import masked_lm_for
+    from archlab.objectives import objective_for
     from archlab.precision import resolve_dtype
     from archlab.train import train
 
@@ -242,8 +242,7 @@ def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vo
     n_text = len(encode_for_model(val.load_tokenizer(), text, MASK_TOKEN)[0])
     if n_text > model_cfg.max_seq_len:    # before training, not after
         raise UserError(f"--prompt is {n_text} tokens, past the demo model's max_seq_len={model_cfg.max_seq_len}")
-    objective = masked_lm_for(val.load_tokenizer(), model_cfg.vocab_size, seed=train_cfg.seed,   # the trainer's
-                              prob=train_cfg.mlm_probability, mask_id=train_cfg.mask_token_id)   # eval masks
+    objective = objective_for(model_cfg, train_cfg, val)    # the trainer's eval masks
     untrained = EncoderLM(model_cfg)
 
     def score(model):

@@ -19,7 +19,7 @@ import torch
 from archlab.data import _mix_seed
 from archlab.errors import UserError
 
-__all__ = ["MaskedLM", "mask_tokens", "word_starts", "masked_lm_for", "IGNORE"]
+__all__ = ["MaskedLM", "mask_tokens", "word_starts", "masked_lm_for", "objective_for", "IGNORE"]
 
 IGNORE = -100                 # the label of a slot the loss does not score
 MASK_TOKENS = ("[MASK]", "<mask>")
@@ -36,8 +36,7 @@ def mask_tokens(ids: torch.Tensor, *, mask_id: int, vocab_size: int, generator: 
     if starts is not None:                           # one draw per word: each piece takes its word's draw
         word = starts[ids].long().cumsum(-1)         # (b, t) word index within the row (0: before any start)
         word_noise = torch.rand(ids.shape, generator=generator)
-        noise = word_noise.gather(-1, (word - 1).clamp(min=0))
-        noise = torch.where(word > 0, noise, torch.rand(ids.shape, generator=generator))
+        noise = torch.where(word > 0, word_noise.gather(-1, (word - 1).clamp(min=0)), noise)
     chosen = noise < prob
     if special is not None:
         chosen &= ~special[ids]
@@ -122,3 +121,14 @@ def masked_lm_for(tokenizer: Any, vocab_size: int, *, seed: int = 0, whole_word:
     special[min(_tokenizer_size(tokenizer, vocab_size), vocab_size):] = True   # padded vocabulary: never drawn
     starts = word_starts(tokenizer, vocab_size) if whole_word else None
     return MaskedLM(mask_id, vocab_size, special, seed=seed, prob=prob, starts=starts)
+
+
+def objective_for(model_cfg: Any, train_cfg: Any, dataset: Any) -> MaskedLM | None:
+    """What the trainer turns each batch with: BERT's masked LM for an encoder (its train.* settings, the
+    tokenizer of `dataset`, an archlab.data.TokenDataset, loaded only then), None (next-token targets as
+    sampled) for a decoder. Example: objective_for(model_cfg, train_cfg, TokenDataset(data_dir, "val"))"""
+    if model_cfg.arch != "encoder":
+        return None
+    return masked_lm_for(dataset.load_tokenizer(), model_cfg.vocab_size, seed=train_cfg.seed,
+                         whole_word=train_cfg.whole_word_mask, mask_id=train_cfg.mask_token_id,
+                         prob=train_cfg.mlm_probability)

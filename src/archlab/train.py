@@ -343,7 +343,7 @@ class _Run:
     def __init__(self, model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval):
         from archlab.data import BatchSampler
         from archlab.models import build_model
-        from archlab.objectives import masked_lm_for
+        from archlab.objectives import objective_for
 
         self.cfg, self.info, self.device = cfg, info, device
         self.data_dir, self.run_dir = data_dir, run_dir
@@ -354,10 +354,7 @@ class _Run:
         seed_everything(cfg.seed + info.rank)
         self.raw = build_model(model_cfg).to(device)        # TransformerLM, or EncoderLM for arch="encoder"
         # an encoder learns BERT's masked LM; its masks are a function of (seed, step, micro-batch, rank)
-        self.objective = (masked_lm_for(train_data.load_tokenizer(), model_cfg.vocab_size, seed=cfg.seed,
-                                        whole_word=cfg.whole_word_mask, mask_id=cfg.mask_token_id,
-                                        prob=cfg.mlm_probability)
-                          if model_cfg.arch == "encoder" else None)
+        self.objective = objective_for(model_cfg, cfg, train_data)
         self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len)
         prepared = dist_util.prepare_model(                             # recompute -> wrap -> optimizer -> compile
             self.raw, info, device, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,

@@ -129,14 +129,14 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
             logits = diagnostics.max_attention_logits(model, x)
             out["max_attn_logit"] = max(logits)
             out["max_attn_logit_per_layer"] = logits
+        result = diagnostics.diagnose(model, x) if "sinks" in wanted or "effective_rank" in wanted else None
         if "sinks" in wanted:
-            summary = diagnostics.diagnose(model, x)["summary"]
+            summary = result["summary"]
             out["first_token_mass"] = summary["first_token_mass"]
             out["massive_ratio"] = summary["max_ratio"]
             out["max_activation"] = summary["max_activation"]
             out["attention_entropy"] = summary["mean_entropy"]
         if "effective_rank" in wanted:
-            result = diagnostics.diagnose(model, x)
             out["final_effective_rank"] = result["summary"]["final_effective_rank"]
             out["effective_rank_per_layer"] = [layer["effective_rank"] for layer in result["layers"]]
     return out

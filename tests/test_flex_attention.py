@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from test_local_attention import _ran
 from variants import variant
 
 from archlab import TransformerLM, presets
@@ -17,18 +18,6 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 
 FLEX, EAGER = backends.BACKENDS.get("flex"), backends.BACKENDS.get("eager")
-
-
-def _ran(monkeypatch) -> list[str]:
-    ran: list[str] = []
-    choose = backends.choose
-
-    def counted(call):
-        backend = choose(call)
-        ran.append(backend.name)
-        return backend
-    monkeypatch.setattr(backends, "choose", counted)
-    return ran
 
 
 def _specs(causal: bool, b: int, t: int) -> dict[str, MaskSpec]:

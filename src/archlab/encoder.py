@@ -26,7 +26,8 @@ __all__ = ["EncoderLM", "padded_positions"]
 
 
 def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(b, t) 0/1 mask -> (b, t) positions: each row's real tokens numbered 0, 1, ... in order, padding -1."""
+    """(b, t) 0/1 mask -> (b, t) positions: each row's real tokens numbered 0, 1, ... in order, padding -1.
+    Example: padded_positions(torch.tensor([[0, 1, 1]])) -> tensor([[-1, 0, 1]])"""
     real = attention_mask.bool()
     return torch.where(real, real.long().cumsum(-1) - 1, -1)
 

@@ -30,7 +30,8 @@ def mask_tokens(ids: torch.Tensor, *, mask_id: int, vocab_size: int, generator: 
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(b, t) ids -> (inputs, labels), both (b, t): labels hold the original token where one was chosen, else
     IGNORE. `special` (v,) bool: ids never chosen (and never drawn as random replacements). `starts` (v,) bool:
-    whole-word masking, True for ids that begin a word; a word is its start and the non-start ids after it."""
+    whole-word masking, True for ids that begin a word; a word is its start and the non-start ids after it.
+    Example: inputs, labels = mask_tokens(ids, mask_id=3, vocab_size=1000, generator=torch.Generator())"""
     ids = ids.long()
     noise = torch.rand(ids.shape, generator=generator)
     if starts is not None:                           # one draw per word: each piece takes its word's draw
@@ -55,7 +56,7 @@ def word_starts(tokenizer: Any, vocab_size: int) -> torch.Tensor:
     """(v,) bool: which ids begin a word, from the tokenizer's pieces. WordPiece (`tokens` with `##`
     continuations): every piece not prefixed `##`; byte-level BPE / Unigram: pieces whose first byte is
     whitespace (GPT-2 pre-tokens carry their leading space); specials and ids past the tokenizer: words of
-    their own."""
+    their own. Example: starts = word_starts(tok, model.config.vocab_size)"""
     size = min(vocab_size, _tokenizer_size(tokenizer, vocab_size))
     starts = torch.ones(vocab_size, dtype=torch.bool)
     pieces = getattr(tokenizer, "tokens", None)
@@ -103,7 +104,8 @@ def masked_lm_for(tokenizer: Any, vocab_size: int, *, seed: int = 0, whole_word:
                   mask_id: int | None = None, prob: float = 0.15) -> MaskedLM:
     """The MLM objective for this tokenizer: its mask token ([MASK] or <mask>) unless `mask_id` names one (e.g. an
     id past a byte tokenizer in a padded vocabulary), its special tokens never masked. A tokenizer without a
-    mask token and no `mask_id` is a UserError naming how to get one."""
+    mask token and no `mask_id` is a UserError naming how to get one.
+    Example: x_masked, labels = masked_lm_for(tok, 8000).batch(x, step=0)"""
     if mask_id is None:
         mask_id = next((i for i in map(tokenizer.token_to_id, MASK_TOKENS) if i is not None), None)
     if mask_id is None:

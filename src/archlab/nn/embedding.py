@@ -95,7 +95,8 @@ class MLMHead(nn.Module):
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     """One init for every kind of LM: Normal(0, std) for matrices and embeddings, zero biases (and zero
     parameters named *bias, e.g. a head's vocabulary bias); residual outputs scaled by 1/sqrt(2 n_layers)
-    when init.scaled_residual (GPT-2). Seeded by cfg.seed alone; nothing to do on the meta device."""
+    when init.scaled_residual (GPT-2). Seeded by cfg.seed alone; nothing to do on the meta device.
+    Example: init_weights(model, model.config)   # at the end of a model's __init__"""
     if any(p.is_meta for p in model.parameters()):   # weights come from a checkpoint
         return
     init = cfg.init

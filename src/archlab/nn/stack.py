@@ -27,7 +27,8 @@ __all__ = ["TransformerStack", "stack_t5_table"]
 def stack_t5_table(cfg: ModelConfig, role: StackRole) -> T5RelativeBias | None:
     """The one T5 relative-bias table a stack of this role shares across its layers (None where no layer
     uses T5 positions), owned by the model (its key stays `t5_bias.`): a causal stack buckets how far back
-    a key is, an encoder's buckets are bidirectional (Raffel et al. 2020)."""
+    a key is, an encoder's buckets are bidirectional (Raffel et al. 2020).
+    Example: self.t5_bias = stack_t5_table(cfg, "encoder")   # then TransformerStack(cfg, "encoder", self.t5_bias)"""
     if not any(cfg.position_kind(i) == "t5" for i in range(cfg.stack_depth(role))):
         return None
     return T5RelativeBias(cfg, bidirectional=role == "encoder")

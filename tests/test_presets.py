@@ -16,7 +16,7 @@ NAMES = presets.names()
 
 def test_every_lecture_family_has_a_preset():
     required = {
-        "transformer-2017", "gpt", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b",
+        "transformer-2017", "transformer-2017-big", "gpt", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt3-175b",
         "t5-11b", "t5-v1.1-xxl", "gpt-j-6b", "lamda-137b", "gopher-280b", "chinchilla-70b",
         "gpt-neox-20b", "bloom-176b", "opt-175b", "palm-540b", "llama-65b", "llama2-7b", "llama2-70b",
         "llama3-8b", "llama3-70b", "mistral-7b", "mixtral-8x7b", "qwen-14b", "qwen2-72b",

@@ -5,7 +5,7 @@ each names its source (paper table or HF config.json) beside it. Where a detail 
 comment says so and the closest documented choice is used; `PresetInfo.approximation` records it.
 Behaviour never depends on a preset's *name*: everything is in the returned ModelConfig.
 
-    archlab.presets.names()            -> ["transformer-2017", "gpt", "gpt2", ...]
+    archlab.presets.names()            -> ["transformer-2017", "transformer-2017-big", "gpt", ...]
     archlab.presets.get("llama2-7b")   -> ModelConfig at the published size
     archlab.presets.tiny("gemma3-27b") -> same switches, test-sized (builds and runs on CPU in ms)
 """
@@ -184,22 +184,56 @@ def t5_like(name: str, *, vocab_size: int, d_model: int, n_layers: int, n_heads:
     )
 
 
-# ---- presets -------------------------------------------------------------------------------------
-@_preset("transformer-2017", year=2017, source="Vaswani et al. 2017, Table 3 'base'",
-         approximation="decoder stack only (no encoder, no cross-attention), so the 65M enc-dec "
-         "count does not apply; vocab 37000 is the shared En-De BPE; max_seq_len unpublished (512)")
-def transformer_2017() -> ModelConfig:
-    # post-norm, sinusoidal, ReLU, biases, shared embeddings scaled by sqrt(d), dropout 0.1
+def vaswani_like(name: str, *, d_model: int, n_heads: int, d_ff: int, dropout: float) -> ModelConfig:
+    """The 2017 Transformer (Vaswani et al. 2017): an encoder-decoder, 6 + 6 layers, post-norm LayerNorm after
+    every sublayer and none at the end of either stack, sinusoids added at the input (PE[2i] sin, PE[2i+1] cos:
+    interleaved; nothing to learn, so both stacks share one), ReLU FFN, biases in attention, FFN and norms
+    (tensor2tensor's dense layers), one embedding shared by source, target and the pre-softmax projection, scaled
+    by sqrt(d) at the input (sec. 3.4), dropout P_drop on each sublayer output and on the embedding sums (sec. 5.4;
+    none inside attention), the shared En-De BPE vocabulary ("about 37000 tokens", sec. 5.1). LayerNorm eps is
+    unpublished: tensor2tensor's 1e-6. Label smoothing 0.1 (sec. 5.4) belongs to training, not to the model
+    (archlab's trainer has no such setting)."""
     return _model(
-        "transformer-2017", vocab_size=37_000, d_model=512, n_layers=6, max_seq_len=512,
-        attention=dict(n_heads=8),
-        mlp=dict(activation="relu", d_ff=2048),
+        name, arch="encoder_decoder", vocab_size=37_000, d_model=d_model, n_layers=6, max_seq_len=512,
+        attention=dict(n_heads=n_heads),
+        mlp=dict(activation="relu", d_ff=d_ff),
         norm=dict(kind="layernorm", eps=1e-6, position="post", final_norm=False),
-        position=dict(kind="sinusoidal", sinusoid_layout="interleaved"),  # the paper: PE[2i] sin, PE[2i+1] cos
-        block=dict(residual_dropout=0.1),
+        position=dict(kind="sinusoidal", sinusoid_layout="interleaved"),
+        block=dict(residual_dropout=dropout),
         bias=dict(qkv=True, attn_out=True, mlp=True, norm=True),
-        embedding_dropout=0.1, tie_embeddings=True, scale_embeddings=True,
+        embedding_dropout=dropout, tie_embeddings=True, scale_embeddings=True,
     )
+
+
+# ---- presets -------------------------------------------------------------------------------------
+# The 2017 Transformer, Table 3 (base: N=6, d=512, f=2048, h=8, P_drop 0.1, "65M"; big: d=1024, f=4096, h=16,
+# P_drop 0.3, "213M"), counted by hand with V = 37,000 shared rows:
+#   embedding (once: source, target, softmax)   V*d                          base 18,944,000   big  37,888,000
+#   attention (q, k, v, o with biases)          4d^2 + 4d                         1,050,624          4,198,400
+#   FFN                                         2df + f + d                       2,099,712          8,393,728
+#   encoder layer: attention + FFN + 2 LayerNorms (4d)                           3,152,384         12,596,224
+#   decoder layer: + cross-attention + a third LayerNorm (2d)                    4,204,032         16,796,672
+#   total: V*d + 6 * (encoder + decoder layer)                                  63,082,496        214,245,376
+# (accounting.param_count and EncoderDecoderLM(cfg).num_params() give the same; tests/test_transformer_2017.py.)
+# 214.2M rounds to the paper's 213M within 0.6%; 63.1M is 3.0% under its 65M, beyond rounding. Not the biases and
+# norms (98K in all) nor the tying (an untied softmax would add 18.9M): the exact vocabulary is unpublished, and no
+# single V fits both (65M needs ~40.7K rows, 213M ~35.8K). Table 3's other rows (N 2/4/8, d 256/1024, f 1024/4096)
+# all lie 1.2-4.1M above this formula at V = 37,000, i.e. about 4K more embedding rows at each width.
+_VASWANI_APPROX = ("exact shared vocabulary unpublished ('about 37000' BPE tokens): 37,000 gives {ours} against the "
+                   "paper's {paper} (see presets.py); max_seq_len unpublished (512: the sinusoids need no table); "
+                   "LayerNorm eps unpublished (tensor2tensor's 1e-6)")
+
+
+@_preset("transformer-2017", year=2017, source="Vaswani et al. 2017, Table 3 'base' (WMT14 En-De)", params=65e6,
+         approximation=_VASWANI_APPROX.format(ours="63.08M", paper="65M"))
+def transformer_2017() -> ModelConfig:
+    return vaswani_like("transformer-2017", d_model=512, n_heads=8, d_ff=2048, dropout=0.1)
+
+
+@_preset("transformer-2017-big", year=2017, source="Vaswani et al. 2017, Table 3 'big' (WMT14 En-De)",
+         params=213e6, approximation=_VASWANI_APPROX.format(ours="214.25M", paper="213M"))
+def transformer_2017_big() -> ModelConfig:
+    return vaswani_like("transformer-2017-big", d_model=1024, n_heads=16, d_ff=4096, dropout=0.3)
 
 
 def bert_like(name: str, *, vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_seq_len: int = 512,

@@ -39,12 +39,13 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from archlab.errors import UserError
 from archlab.paths import cache_dir
 
 __all__ = [
-    "BUILTIN_CORPORA", "CorpusError", "cache_dir", "corpus_files", "iter_documents",
+    "BUILTIN_CORPORA", "CorpusError", "cache_dir", "corpus_files", "iter_documents", "jsonl_records",
     "fetch_shakespeare", "CorpusReport", "scan_files",
 ]
 
@@ -266,7 +267,9 @@ def read_text(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
-def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON value) for each non-blank line of a .jsonl file, in order; a line that is
+    not JSON is a CorpusError naming the file and line."""
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -275,14 +278,19 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise CorpusError(f"{path}:{lineno}: not valid JSON ({err})") from err
-            if not isinstance(record, dict) or text_field not in record:
-                raise CorpusError(f"{path}:{lineno}: no {text_field!r} field (set text_field)")
-            text = record[text_field]
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise CorpusError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, not a string")
-            yield text
+            yield lineno, record
+
+
+def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    for lineno, record in jsonl_records(path):
+        if not isinstance(record, dict) or text_field not in record:
+            raise CorpusError(f"{path}:{lineno}: no {text_field!r} field (set text_field)")
+        text = record[text_field]
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise CorpusError(f"{path}:{lineno}: field {text_field!r} is {type(text).__name__}, not a string")
+        yield text
 
 
 def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:

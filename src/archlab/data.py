@@ -284,6 +284,21 @@ def _move_document(src: _SplitWriter, dst: _SplitWriter, start: int, end: int, n
         writer.documents += sign
 
 
+def _checked_output(out_dir: str | os.PathLike, tokenizer: Any, eot_token: str, val_fraction: float,
+                    overwrite: bool) -> tuple[Path, Any, int, int, np.dtype]:
+    """The checks a prepare runs before any work (here and in archlab.pairs):
+    (out folder, tokenizer, vocab_size, end-of-text id, token dtype)."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
+    out = Path(out_dir).expanduser()
+    refuse_existing(out, overwrite)
+    tok = load_tokenizer(tokenizer)
+    if not callable(getattr(tok, "save", None)):
+        raise DataError(f"{type(tok).__name__} has no save(dir): the data folder must carry its tokenizer")
+    vocab_size = _vocab_size(tok)
+    return out, tok, vocab_size, _special_token_id(tok, eot_token), _token_dtype(vocab_size)
+
+
 def prepare(
     corpus: str | os.PathLike | Iterable[str],
     tokenizer: Any,
@@ -306,16 +321,7 @@ def prepare(
     The folder is built beside out_dir under a temporary name and renamed into place at the end, so
     a crash never leaves a folder that looks complete. An existing out_dir is an error unless overwrite.
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
-    out = Path(out_dir).expanduser()
-    refuse_existing(out, overwrite)
-    tok = load_tokenizer(tokenizer)
-    if not callable(getattr(tok, "save", None)):
-        raise DataError(f"{type(tok).__name__} has no save(dir): the data folder must carry its tokenizer")
-    vocab_size = _vocab_size(tok)
-    eot_id = _special_token_id(tok, eot_token)
-    dtype = _token_dtype(vocab_size)
+    out, tok, vocab_size, eot_id, dtype = _checked_output(out_dir, tokenizer, eot_token, val_fraction, overwrite)
     report = None
     if isinstance(corpus, (str, os.PathLike)):
         name = corpus_name or os.fspath(corpus)
@@ -399,7 +405,16 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 # --------------------------------------------------------------------------- reading
-def load_meta(data_dir: str | os.PathLike) -> dict:
+# meta.json "format": what a folder of that format holds, and what reads it
+FORMATS = {
+    "archlab-tokens": ("a token-stream folder", "archlab.data.TokenDataset"),
+    "archlab-pairs": ("a source/target pairs folder", "archlab.pairs.PairDataset"),
+}
+
+
+def load_meta(data_dir: str | os.PathLike, expect: str | None = "archlab-tokens") -> dict:
+    """A data folder's meta.json; a folder of another format than `expect` (None: any) is a DataError
+    that names what the folder is and what reads it."""
     path = Path(data_dir) / META_FILE
     if not path.is_file():
         raise DataError(f"{data_dir} is not a prepared data folder (no {META_FILE}); "
@@ -410,6 +425,12 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
         raise DataError(f"{path} is corrupt (not JSON: {exc}); prepare the data folder again") from exc
     if not isinstance(meta, dict) or "splits" not in meta:
         raise DataError(f"{path} is not an archlab data folder's meta.json (no `splits`)")
+    found = meta.get("format", "archlab-tokens")
+    if expect is not None and found != expect:
+        if found not in FORMATS:
+            raise DataError(f"{data_dir} has format {found!r}, which this archlab cannot read")
+        holds, reader = FORMATS[found]
+        raise DataError(f"{data_dir} is {holds}, not {FORMATS[expect][0]}: read it with {reader}")
     return meta
 
 
@@ -467,13 +488,54 @@ def _mix_seed(*parts: int) -> int:
     return int.from_bytes(h.digest(), "little") & (2**63 - 1)
 
 
-class BatchSampler:
+class StepSampler:
+    """What every training sampler shares: `batch(step)` is a pure function of the step, so iterating moves a
+    counter and resuming restores it. Subclasses set step, global_batch_size and the STATE_KEYS that a resumed
+    sampler must match (the global batch may be split over another world_size), and define batch(step)."""
+
+    STATE_KEYS: tuple[str, ...] = ("seed", "global_batch_size")
+    step: int
+    batch_size: int
+    global_batch_size: int
+    rank: int
+
+    def batch(self, step: int) -> Any:
+        raise NotImplementedError
+
+    def _rows(self, step: int, per_epoch: int) -> Iterator[tuple[int, int]]:
+        """(epoch, position in its permutation) of this rank's rows at `step`: global sample i of step s is
+        s * global_batch + i, an epoch holds per_epoch samples, and rank r takes rows [r*B, (r+1)*B)."""
+        first = step * self.global_batch_size + self.rank * self.batch_size
+        return (divmod(i, per_epoch) for i in range(first, first + self.batch_size))
+
+    def __iter__(self) -> StepSampler:
+        return self
+
+    def __next__(self) -> Any:
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, **{key: getattr(self, key) for key in self.STATE_KEYS}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at state["step"]."""
+        for key in self.STATE_KEYS:
+            if key in state and state[key] != getattr(self, key):
+                raise DataError(f"sampler state has {key}={state[key]}, this sampler {getattr(self, key)}")
+        self.step = int(state["step"])
+
+
+class BatchSampler(StepSampler):
     """Training batches (x, y), int64 tensors of shape (batch_size, seq_len), y = x shifted by one.
 
     Each epoch cuts the tokens into non-overlapping windows of seq_len + 1 at an offset drawn from
     (seed, epoch) and visits them in a permutation drawn from (seed, epoch). Batch `step` on `rank` is a
     pure function of (seed, step, rank, batch_size * world_size): the state is the step counter.
     """
+
+    STATE_KEYS = ("seed", "seq_len", "global_batch_size")
 
     def __init__(self, dataset: TokenDataset, batch_size: int, seq_len: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1) -> None:
@@ -506,10 +568,8 @@ class BatchSampler:
 
     def starts(self, step: int) -> list[int]:
         """Token offsets of this rank's windows at `step`."""
-        first = step * self.global_batch_size + self.rank * self.batch_size
         out = []
-        for i in range(first, first + self.batch_size):
-            epoch, pos = divmod(i, self.windows_per_epoch)
+        for epoch, pos in self._rows(step, self.windows_per_epoch):
             offset, perm = self._epoch(epoch)
             out.append(offset + int(perm[pos]) * self.seq_len)
         return out
@@ -521,29 +581,10 @@ class BatchSampler:
         chunk = torch.from_numpy(rows)  # (b, t+1)
         return chunk[:, :-1], chunk[:, 1:]
 
-    def __iter__(self) -> BatchSampler:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.batch(self.step)
-        self.step += 1
-        return out
-
     @property
     def epoch(self) -> float:
         """Epochs completed so far, fractional."""
         return self.step * self.global_batch_size / self.windows_per_epoch
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len,
-                "global_batch_size": self.global_batch_size}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resume at state["step"]. The global batch may be split over a different world_size."""
-        for key in ("seed", "seq_len", "global_batch_size"):
-            if key in state and state[key] != getattr(self, key):
-                raise DataError(f"sampler state has {key}={state[key]}, this sampler {getattr(self, key)}")
-        self.step = int(state["step"])
 
 
 def eval_batches(dataset: TokenDataset, batch_size: int, seq_len: int, max_batches: int | None = None,

@@ -158,6 +158,27 @@ def test_a_real_socket_on_localhost(engine):
     assert not thread.is_alive()
 
 
+def complete_together(engine, prompts: list[tuple[str, int]], delay: float = 0.005) -> dict[str, str]:
+    """prompt -> greedy text of (prompt, max_tokens) requests sent at once from threads; each forward sleeps
+    `delay` seconds, so the requests surely overlap in the batch."""
+    results: dict[str, str] = {}
+
+    def ask(prompt: str, n: int) -> None:
+        request = CompletionRequest(prompt, max_tokens=n, temperature=0)
+        results[prompt] = "".join(d.text for d in engine.complete(request))
+
+    threads = [threading.Thread(target=ask, args=p) for p in prompts]
+    hook = engine.model.register_forward_hook(lambda *args: time.sleep(delay))
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        hook.remove()
+    return results
+
+
 def _live_server(engine):
     """A uvicorn server on 127.0.0.1 (a free port) in a thread: (server, thread, port)."""
     import uvicorn
@@ -204,21 +225,7 @@ def test_concurrent_requests_are_decoded_together_with_the_texts_they_get_alone(
     each greedy text equals the one archlab.generate gives that prompt alone."""
     batched = Engine(engine.model, engine.tokenizer, "tiny", max_batch=4)
     prompts = [("hello", 14), ("a much longer prompt", 9), ("x", 20), ("mid size", 12), ("fifth waits", 6)]
-    results: dict[str, str] = {}
-
-    def ask(prompt: str, n: int) -> None:
-        request = CompletionRequest(prompt, max_tokens=n, temperature=0)
-        results[prompt] = "".join(d.text for d in batched.complete(request))
-
-    threads = [threading.Thread(target=ask, args=p) for p in prompts]
-    hook = engine.model.register_forward_hook(lambda *args: time.sleep(0.005))   # requests surely overlap
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-    finally:
-        hook.remove()
+    results = complete_together(batched, prompts)
     for prompt, n in prompts:
         assert results[prompt] == expected_text(engine, prompt, n), prompt
     assert max(batched.rows_per_step) >= 2                      # steps carried several rows at once

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from archlab.errors import UserError
 
-__all__ = ["load_masked_lm", "load_model_and_tokenizer"]
+__all__ = ["folder_arch", "load_masked_lm", "load_model_and_tokenizer"]
 
 
 def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_tokenizer: bool = True,
@@ -98,23 +98,33 @@ def load_masked_lm(path: str | Path, device: str = "cpu"):
     path = resolve_model(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
+    arch = folder_arch(path)
+    if arch is not None:
+        require_encoder(str(path), arch)
     if (path / "config.yaml").is_file():
-        from archlab.checkpoint import read_run_config
-        model_cfg = read_run_config(path)["model"]
-        if isinstance(model_cfg, dict):           # anything else: load_run names what is wrong with it
-            require_encoder(str(path), str(model_cfg.get("arch", "decoder")))
         model, tok = load_model_and_tokenizer(path, device, archs=("encoder",), purpose="fill-mask")
         return model, _with_post_processor(tok, path / "tokenizer")
     if (path / "config.json").is_file():
         from archlab.interop import load_hf
-        from archlab.interop.hf import family_for, read_hf_config
-        require_encoder(str(path), family_for(read_hf_config(path)).arch)
         if not (path / "tokenizer.json").is_file():
             raise UserError(f"{path} has no tokenizer.json")
         from archlab.tokenizer import load as load_tokenizer
         model = load_hf(path).to(device).eval()
         return model, _with_post_processor(load_tokenizer(path), path)
     raise UserError(f"{path} is neither a run folder (config.yaml) nor an HF folder (config.json)")
+
+
+def folder_arch(path: Path) -> str | None:
+    """The kind of model a folder holds (ModelConfig.arch), read from config.yaml or config.json before any
+    weights load; None when neither names one (the loaders then say what is wrong)."""
+    if (path / "config.yaml").is_file():
+        from archlab.checkpoint import read_run_config
+        model_cfg = read_run_config(path).get("model")
+        return str(model_cfg.get("arch", "decoder")) if isinstance(model_cfg, dict) else None
+    if (path / "config.json").is_file():
+        from archlab.interop.hf import family_for, read_hf_config
+        return family_for(read_hf_config(path)).arch
+    return None
 
 
 def _with_post_processor(tok, folder: Path):

@@ -15,7 +15,11 @@ SERVE_EXAMPLE = """example:
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI HTTP API (FastAPI + uvicorn)",
                               description="OpenAI-compatible completions (and chat where the tokenizer has a "
-                              "chat template) over a run folder or an HF folder; streaming as server-sent events.",
+                              "chat template) over a run folder or an HF folder holding a decoder-only LM; streaming "
+                              "as server-sent events. The folder's generation_config.json (EOS ids, sampling, stop "
+                              "strings, no_repeat_ngram_size, bad_words_ids, forced bos/eos, min lengths, "
+                              "repetition_penalty, max_new_tokens) gives the defaults a request's own fields "
+                              "override; the startup line and /v1/models list them.",
                               epilog=SERVE_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", metavar="RUN_OR_HF_FOLDER", help="a run folder or a Hugging Face model folder")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -39,5 +43,11 @@ def run(args) -> int:
     check_device(args.device)
     engine = Engine.from_folder(args.path, args.device)
     print(f"serving {engine.name} (context {engine.context}) on http://{args.host}:{args.port}/v1", flush=True)
+    if engine.applied:
+        print("generation_config.json, the defaults under each request's fields: "
+              + ", ".join(f"{k}={v}" for k, v in engine.applied.items()), flush=True)
+    if engine.not_applied:
+        print("generation_config.json, not applied (one sequence a request, no beam search): "
+              + ", ".join(engine.not_applied), flush=True)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
     return 0

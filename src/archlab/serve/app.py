@@ -4,9 +4,12 @@ tools built for vLLM or `transformers serve` call.
 
     GET  /health                 {"status": "ok"}
     GET  /v1/models              the one model served
-    POST /v1/completions         prompt, max_tokens, temperature, top_p, stop, seed, stream (server-sent events)
+    POST /v1/completions         prompt, max_tokens, temperature, top_p, stop, seed, stream (server-sent events);
+                                 vLLM's top_k, min_p, repetition_penalty
     POST /v1/chat/completions    messages, rendered with the tokenizer's chat template (400 without one)
 
+Fields a request leaves out take the model folder's generation_config.json values (listed under
+"generation_config" in /v1/models; archlab.serve.settings), else OpenAI's defaults.
 Errors are OpenAI-shaped JSON: {"error": {"message", "type", "param", "code"}}, status 400 for a request
 the model cannot serve (a prompt past the context says by how much). Decoding runs on the Engine's batching
 thread (concurrent requests share one batched decode), so a long generation never blocks /health or
@@ -53,7 +56,9 @@ def create_app(engine: Engine):
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": created,
-                                            "owned_by": "archlab", "context_length": engine.context}]}
+                                            "owned_by": "archlab", "context_length": engine.context,
+                                            "generation_config": engine.applied,
+                                            "generation_config_not_applied": engine.not_applied}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -104,14 +109,20 @@ async def _json(request) -> dict:
 
 
 def _parse(body: dict, prompt) -> CompletionRequest:
+    """The request's fields; one it leaves out stays None (the model folder's generation config, else OpenAI's
+    default, fills it: archlab.serve.settings)."""
     if not isinstance(prompt, str):
         raise RequestError("prompt must be a string")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
+
+    def given(name: str, kind):
+        return None if body.get(name) is None else kind(body[name])
     try:
-        return CompletionRequest(prompt=prompt, max_tokens=int(body.get("max_tokens") or 16),
-                                 temperature=float(1.0 if body.get("temperature") is None else body["temperature"]),
-                                 top_p=None if body.get("top_p") is None else float(body["top_p"]),
+        return CompletionRequest(prompt=prompt, max_tokens=given("max_tokens", int),
+                                 temperature=given("temperature", float), top_p=given("top_p", float),
+                                 top_k=given("top_k", int), min_p=given("min_p", float),
+                                 repetition_penalty=given("repetition_penalty", float),
                                  stop=[str(s) for s in stop], seed=body.get("seed"))
     except (TypeError, ValueError) as exc:
         raise RequestError(f"a request field has the wrong type: {exc}") from exc

@@ -6,6 +6,10 @@ finished or cancelled request leaves its row to the next one in the queue. Rows 
 their empty slots through the positions the cache returns, so a row's tokens are those it would get alone.
 The scheduler runs on its own thread: the event loop (health, model list, other connections) never waits
 on a forward. `rows_per_step` counts how many rows each decode step carried.
+
+A model folder's generation_config.json gives each request its defaults (archlab.serve.settings): EOS ids,
+sampling, stop strings and the logits processors, each request with its own (its own history for n-gram
+blocking), its own fields winning.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from pathlib import Path
 import torch
 
 from archlab.errors import UserError
+from archlab.generation.config import GenerationConfig
 from archlab.nn.fused import DecodeSession
 
 __all__ = ["Engine", "CompletionRequest", "RequestError"]
@@ -30,12 +35,17 @@ class RequestError(UserError):
 
 @dataclass
 class CompletionRequest:
+    """One request; None: not given (the folder's generation config, else OpenAI's default: 16 tokens,
+    temperature 1). top_k, min_p and repetition_penalty are vLLM's extra fields; top_k 0 or -1: no top-k."""
     prompt: str
-    max_tokens: int = 16
-    temperature: float = 1.0
+    max_tokens: int | None = None
+    temperature: float | None = None
     top_p: float | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
 
 @dataclass
@@ -49,7 +59,7 @@ class Delta:
 @dataclass
 class _Job:
     ids: list[int]
-    request: CompletionRequest
+    settings: GenerationConfig             # the request's own over the folder's (max_new_tokens resolved)
     cancel: threading.Event
     out: queue.Queue = field(default_factory=queue.Queue)
     row: int = -1
@@ -57,20 +67,26 @@ class _Job:
     sent: str = ""
     head: str = ""
     generator: torch.Generator | None = None
+    processors: list = field(default_factory=list)
 
 
 class Engine:
-    """A loaded model and tokenizer serving up to `max_batch` requests at once.
+    """A loaded model and tokenizer serving up to `max_batch` requests at once; `generation_config`: the
+    folder's decoding defaults (archlab.serve.settings), under each request's own fields.
     Example: Engine.from_folder("runs/demo").complete(CompletionRequest("ROMEO:", max_tokens=8))"""
 
-    def __init__(self, model, tokenizer, name: str, chat_template: str | None = None, max_batch: int = 8):
+    def __init__(self, model, tokenizer, name: str, chat_template: str | None = None, max_batch: int = 8,
+                 generation_config: GenerationConfig | None = None):
+        from archlab.generation.stepper import vocab_limit
         from archlab.nn.kv_cache import SlotKVCache
+        from archlab.serve.settings import applied, defaults_for, not_served
 
         self.model, self.tokenizer, self.name, self.chat_template = model, tokenizer, name, chat_template
-        from archlab.generation.stepper import vocab_limit
         self.vocab_limit = vocab_limit(model, tokenizer)
         self.context = model.config.max_seq_len
-        self.eos = getattr(tokenizer, "eot_id", None)
+        self.defaults = defaults_for(generation_config, getattr(tokenizer, "eot_id", None),
+                                     self.vocab_limit or model.config.vocab_size)
+        self.applied, self.not_applied = applied(generation_config), not_served(generation_config)
         weight = next(model.parameters())
         self.slots = SlotKVCache(model.config, max_batch, self.context, dtype=weight.dtype, device=weight.device)
         self.rows_per_step: collections.Counter = collections.Counter()
@@ -82,29 +98,54 @@ class Engine:
 
     @classmethod
     def from_folder(cls, path: str | Path, device: str = "cpu", max_batch: int = 8) -> Engine:
-        from archlab.model_folder import load_model_and_tokenizer
+        """The folder's decoder-only LM, tokenizer, chat template and generation_config.json; another kind of
+        model is a UserError naming the command that serves it, before any weights load."""
+        from archlab.hub import resolve_model
+        from archlab.model_folder import folder_arch, load_model_and_tokenizer
 
-        model, tokenizer = load_model_and_tokenizer(path, device, purpose="serve")
+        resolved = resolve_model(path)
+        arch = folder_arch(resolved)
+        if arch in _OTHER_COMMAND:
+            raise UserError(f"archlab serve serves decoder-only models; {path} holds {_OTHER_COMMAND[arch][0]}: "
+                            f"use `{_OTHER_COMMAND[arch][1].format(path=path)}`")
+        model, tokenizer = load_model_and_tokenizer(resolved, device, purpose="serve", generation_config=True)
         folder = Path(str(path).split("@")[0])
-        return cls(model, tokenizer, folder.resolve().name, _chat_template(Path(path)), max_batch)
+        return cls(model, tokenizer, folder.resolve().name, _chat_template(Path(path)), max_batch,
+                   generation_config=getattr(model, "generation_config", None))
 
     # ---- requests
     def encode(self, request: CompletionRequest) -> list[int]:
         """The prompt's ids, checked against the context: a RequestError names the numbers."""
+        return self._prepare(request)[0]
+
+    def _prepare(self, request: CompletionRequest) -> tuple[list[int], GenerationConfig]:
+        """(prompt ids, the request's settings over the folder's), checked: a RequestError names the numbers."""
+        from archlab.serve.settings import request_settings
+
         _check(request)
         ids = self.tokenizer.encode(request.prompt)
         if not ids:
             raise RequestError("the prompt encodes to no tokens")
-        if len(ids) + request.max_tokens > self.context:
-            raise RequestError(f"the prompt has {len(ids)} tokens and max_tokens is {request.max_tokens}: "
-                               f"{len(ids) + request.max_tokens} tokens do not fit the model's context of "
-                               f"{self.context}")
-        return ids
+        settings = request_settings(self.defaults, prompt_tokens=len(ids), max_tokens=request.max_tokens,
+                                    temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                    min_p=request.min_p, repetition_penalty=request.repetition_penalty,
+                                    stop=request.stop)
+        new = settings.max_new_tokens or 0
+        if new < 1:
+            raise RequestError(f"the model's generation_config.json max_length={settings.max_length} leaves no "
+                               f"tokens after a prompt of {len(ids)}: pass max_tokens")
+        if len(ids) + new > self.context:
+            raise RequestError(f"the prompt has {len(ids)} tokens and max_tokens is {new}: "
+                               f"{len(ids) + new} tokens do not fit the model's context of {self.context}")
+        return ids, settings
 
     def complete(self, request: CompletionRequest, cancel: threading.Event | None = None) -> Iterator[Delta]:
         """Text deltas of one completion (the last one carries finish_reason and token counts), decoded in
         the shared batch. Stops early, with no final delta, once `cancel` is set."""
-        job = _Job(self.encode(request), request, cancel or threading.Event())
+        from archlab.serve.settings import processors_for
+
+        ids, settings = self._prepare(request)
+        job = _Job(ids, settings, cancel or threading.Event(), processors=processors_for(settings, len(ids)))
         if request.seed is not None:
             job.generator = torch.Generator(self.slots.pos.device).manual_seed(request.seed)
         job.head = self.tokenizer.decode(job.ids)
@@ -172,21 +213,26 @@ class Engine:
             self._guarded(job, self._advance, logits[i, -1])
 
     def _advance(self, job: _Job, logits: torch.Tensor) -> None:
+        from archlab.generation.processors import apply
         from archlab.generation.sampling import SamplingParams, next_token
 
-        request = job.request
-        params = SamplingParams(temperature=request.temperature, top_p=request.top_p)
+        cfg = job.settings
+        params = SamplingParams(temperature=cfg.temperature or 0.0, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
         if self.vocab_limit is not None:      # a padded embedding: ids the tokenizer cannot decode never win
             logits = logits[:self.vocab_limit]
-        token = int(next_token(logits[None].float(), params, generator=job.generator)[0])
-        if token == self.eos:
+        scores = logits[None].float()                                                  # (1, v)
+        if job.processors:                    # this row's history only: prompt + its own tokens
+            seqs = torch.tensor([job.ids + job.new], device=scores.device)             # (1, t)
+            scores = apply(job.processors, seqs, scores)
+        token = int(next_token(scores, params, generator=job.generator)[0])
+        if token in cfg.eos:
             return self._finish(job, "stop")
         job.new.append(token)
         text = _continuation(self.tokenizer.decode(job.ids + job.new), job.head)
-        cut = _first_stop(text, request.stop)
+        cut = _first_stop(text, list(cfg.stop_strings or ()))
         if cut is not None:
             return self._finish(job, "stop", text[:cut])
-        if len(job.new) >= request.max_tokens:
+        if len(job.new) >= (cfg.max_new_tokens or 0):
             return self._finish(job, "length", text)
         if not text.endswith("\ufffd"):                  # hold back a partly decoded character
             job.out.put(Delta(text[len(job.sent):]))
@@ -207,13 +253,20 @@ class Engine:
             job.out.put(why)
 
 
+_OTHER_COMMAND = {"encoder_decoder": ("an encoder-decoder", "archlab generate {path} --source TEXT"),
+                  "encoder": ("an encoder (a masked LM)", "archlab fill-mask {path} TEXT")}
+_RANGES = {   # field -> (test, what it must be); None: not given
+    "max_tokens": (lambda v: v >= 1, "at least 1"), "temperature": (lambda v: 0 <= v <= 2, "in [0, 2]"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "top_k": (lambda v: v >= -1, "at least 1 (0 or -1: no top-k)"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"), "repetition_penalty": (lambda v: v > 0, "> 0"),
+}
+
+
 def _check(request: CompletionRequest) -> None:
-    if not 1 <= request.max_tokens:
-        raise RequestError(f"max_tokens={request.max_tokens} must be at least 1")
-    if not 0 <= request.temperature <= 2:
-        raise RequestError(f"temperature={request.temperature} must be in [0, 2]")
-    if request.top_p is not None and not 0 < request.top_p <= 1:
-        raise RequestError(f"top_p={request.top_p} must be in (0, 1]")
+    for name, (ok, what) in _RANGES.items():
+        value = getattr(request, name)
+        if value is not None and not ok(value):
+            raise RequestError(f"{name}={value} must be {what}")
 
 
 def _continuation(whole: str, head: str) -> str:

@@ -1,8 +1,7 @@
 """The 2017 Transformer presets (Vaswani et al. 2017, Table 3): encoder-decoders whose counts equal the hand
 derivation in presets.py, with one shared sqrt(d)-scaled embedding as the pre-softmax projection, the paper's
 interleaved sinusoids, and a tiny twin that trains and decodes alike with and without a KV cache. Parity with
-transformers' MarianMTModel:
-tests/interop/test_parity_transformer_2017.py."""
+transformers' MarianMTModel: tests/interop/test_parity_transformer_2017.py."""
 import math
 
 import pytest

@@ -130,6 +130,8 @@ def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
     head = (0 if cfg.tie_embeddings else v * d) + (v if cfg.bias.head and not cfg.bias.head_buffer else 0)
     if cfg.arch == "encoder":   # the MLM head's transform: dense (with bias) + norm (BERT)
         head += d * d + d + norm_one
+    if cfg.nsp_head:            # BERT's pooler (dense d -> d) and next-sentence classifier (d -> 2), with biases
+        head += d * d + d + 2 * d + 2
     return {
         "embeddings": (v + cfg.type_vocab_size) * d,
         "position": position,

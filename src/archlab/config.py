@@ -416,6 +416,8 @@ class ModelConfig:
     bias: BiasConfig = field(default_factory=BiasConfig)
     init: InitConfig = field(default_factory=InitConfig)
     type_vocab_size: int = 0                # token-type (segment) embeddings: BERT 2, RoBERTa 1, 0 none
+    nsp_head: bool = False                  # encoder: BERT's pooler (dense + tanh on [CLS]) and 2-way next-sentence
+                                            # classifier beside the MLM head (BertForPreTraining)
     tie_embeddings: bool = False
     scale_embeddings: bool = False          # Gemma: token embeddings * sqrt(d_model)
     embedding_dropout: float = 0.0
@@ -439,6 +441,9 @@ class ModelConfig:
             raise ConfigError(f"z_loss={self.z_loss} must be >= 0")
         if self.type_vocab_size < 0:
             raise ConfigError(f"type_vocab_size={self.type_vocab_size} must be >= 0")
+        if self.nsp_head and (self.arch != "encoder" or self.type_vocab_size < 2):
+            raise ConfigError(f"nsp_head=True needs arch='encoder' and type_vocab_size >= 2 (segments A and B), "
+                              f"got arch={self.arch!r}, type_vocab_size={self.type_vocab_size}")
         if self.arch == "encoder" and self.attention.prefix_lm:
             raise ConfigError("attention.prefix_lm=True needs arch='decoder': an encoder is bidirectional already")
         self._check_encoder_decoder()

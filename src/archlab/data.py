@@ -7,6 +7,18 @@ Data folder layout (written by `prepare`, read by `TokenDataset`)::
       train.bin      every training document's ids followed by the end-of-text id, back to back,
       val.bin        as raw little-endian uint16 (vocab_size <= 65536) or uint32; no header
       tokenizer/     a copy of the tokenizer (`tokenizer.save(dir)`), so the folder describes itself
+      train.sentences.bin, val.sentences.bin   (prepare(sentences=True) only) int64 token offsets, raw
+                     little-endian, where each sentence of the split starts, ascending; every document's first
+                     token starts one; a document's end-of-text closes its last sentence. meta.json then
+                     records "sentences": true and each split's count. An optional addition, so the format
+                     version stays 1: folders without it load as before (TokenDataset.sentence_starts is None).
+
+Sentences (`split_sentences`): a document is cut where a whitespace run follows . ! or ? (optionally closed by
+quotes or brackets) and where a whitespace run holds a blank line; the whitespace goes with the sentence after
+it. Every cut sits between a non-space and a space character, which GPT-2's pre-tokenization (byte-level BPE,
+and archlab's WordPiece and Unigram, which pre-tokenize alike) never merges across: the sentences' ids, back to
+back, equal the document's. prepare checks that for every document and stops, naming the document, where a
+tokenizer breaks it (Llama 2's tokenizer.json, which prepends "▁" to every text it encodes, does).
 
 One flat file per split (no shards): `np.memmap` reads any size, and appending is how it is written.
 The split is by document: document d goes to validation when
@@ -33,6 +45,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+import regex
 import torch
 
 from archlab import corpora
@@ -42,13 +55,16 @@ from archlab.outputs import fresh_output, refuse_existing
 
 __all__ = [
     "EOT_TOKEN", "TokenizerLike", "ByteTokenizer", "load_tokenizer", "prepare", "load_meta",
-    "TokenDataset", "BatchSampler", "eval_batches", "DataError",
+    "TokenDataset", "BatchSampler", "eval_batches", "DataError", "split_sentences",
 ]
 
 EOT_TOKEN = "<|endoftext|>"
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
+SENTENCES_SUFFIX = ".sentences.bin"
+# a sentence ends after . ! ? (and closing quotes / brackets), or before a blank line, when more text follows
+_SENTENCE_CUT = regex.compile(r"""(?:[.!?]["'\)\]}\u00bb\u201d\u2019]*|\S(?=[^\S\n]*\n[^\S\n]*\n))(?=\s+\S)""")
 
 
 class DataError(UserError, ValueError):
@@ -163,8 +179,9 @@ def _token_dtype(vocab_size: int) -> np.dtype:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: Any, seed: int, dtype: np.dtype) -> None:
-    _WORKER.update(tokenizer=tokenizer, seed=seed, dtype=dtype, vocab_size=_vocab_size(tokenizer))
+def _init_worker(tokenizer: Any, seed: int, dtype: np.dtype, sentences: bool = False) -> None:
+    _WORKER.update(tokenizer=tokenizer, seed=seed, dtype=dtype, vocab_size=_vocab_size(tokenizer),
+                   sentences=sentences)
 
 
 def _doc_score(data: bytes, seed: int) -> float:
@@ -175,8 +192,8 @@ def _doc_score(data: bytes, seed: int) -> float:
     return int.from_bytes(h.digest(), "little") / 2.0**64
 
 
-def _encode_batch(texts: list[str]) -> list[tuple[np.ndarray, float, int]]:
-    """(ids, split score, UTF-8 byte count) per document, in order."""
+def _encode_batch(texts: list[str]) -> list[tuple[np.ndarray, float, int, np.ndarray | None]]:
+    """(ids, split score, UTF-8 byte count, sentence starts or None) per document, in order."""
     tokenizer, seed, dtype, vocab_size = (_WORKER[k] for k in ("tokenizer", "seed", "dtype", "vocab_size"))
     out = []
     for text in texts:
@@ -184,8 +201,28 @@ def _encode_batch(texts: list[str]) -> list[tuple[np.ndarray, float, int]]:
         ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
             raise DataError(f"the tokenizer produced id {int(ids.max())} outside vocab_size={vocab_size}")
-        out.append((ids.astype(dtype), _doc_score(data, seed), len(data)))
+        starts = _sentence_starts(tokenizer, text, ids) if _WORKER.get("sentences") else None
+        out.append((ids.astype(dtype), _doc_score(data, seed), len(data), starts))
     return out
+
+
+def split_sentences(text: str) -> list[str]:
+    """A document's sentences (the rule: module docstring), whitespace kept with the sentence after it, so that
+    "".join(split_sentences(text)) == text.
+    Example: split_sentences('Hi. "Bye!"\\n\\nNew') -> ['Hi.', ' "Bye!"', '\\n\\nNew']"""
+    cuts = [m.end() for m in _SENTENCE_CUT.finditer(text)]
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def _sentence_starts(tokenizer: Any, text: str, ids: np.ndarray) -> np.ndarray:
+    """(n,) int64 offsets into `ids` where the document's sentences start (0 first; a sentence that encodes to
+    no ids has none). A DataError where the sentences' ids back to back are not the document's."""
+    pieces = [np.asarray(tokenizer.encode(s), dtype=np.int64) for s in split_sentences(text)]
+    if not np.array_equal(np.concatenate(pieces), ids):
+        raise DataError(f"{type(tokenizer).__name__} encodes the sentences of {text[:40]!r}... differently from "
+                        "the whole document (it does not cut at whitespace): prepare without --sentences")
+    starts = np.unique(np.cumsum([0] + [p.size for p in pieces[:-1]]))
+    return starts[(starts == 0) | (starts < ids.size)]
 
 
 # A unit of work sent to a tokenizing process: at most this many documents / characters.
@@ -206,18 +243,19 @@ def _batched(docs: Iterable[str]) -> Iterator[list[str]]:
         yield batch
 
 
-def _encoded(docs: Iterable[str], tokenizer: Any, seed: int, dtype: np.dtype,
-             num_workers: int) -> Iterator[list[tuple[np.ndarray, float, int]]]:
+def _encoded(docs: Iterable[str], tokenizer: Any, seed: int, dtype: np.dtype, num_workers: int,
+             sentences: bool = False) -> Iterator[list[tuple[np.ndarray, float, int, np.ndarray | None]]]:
     """Encoded batches in corpus order. At most 2 * num_workers batches are in flight, so memory stays
     bounded however long the corpus (Pool.imap would read the whole input ahead)."""
     if num_workers <= 1:
-        _init_worker(tokenizer, seed, dtype)
+        _init_worker(tokenizer, seed, dtype, sentences)
         for batch in _batched(docs):
             yield _encode_batch(batch)
         return
     import multiprocessing
 
-    with multiprocessing.Pool(num_workers, initializer=_init_worker, initargs=(tokenizer, seed, dtype)) as pool:
+    with multiprocessing.Pool(num_workers, initializer=_init_worker,
+                              initargs=(tokenizer, seed, dtype, sentences)) as pool:
         pending: deque = deque()
         for batch in _batched(docs):
             pending.append(pool.apply_async(_encode_batch, (batch,)))
@@ -237,17 +275,23 @@ def _default_workers() -> int:
 
 # --------------------------------------------------------------------------- prepare
 class _SplitWriter:
-    """Appends documents (ids + eot) to one split file and counts tokens, bytes and documents."""
+    """Appends documents (ids + eot) to one split file and counts tokens, bytes and documents; with
+    `sentences`, their sentence starts (split-wide int64 offsets) to {split}.sentences.bin beside it."""
 
-    def __init__(self, path: Path, eot: np.ndarray) -> None:
+    def __init__(self, path: Path, eot: np.ndarray, sentences: bool = False) -> None:
         self.path, self.eot = path, eot
         self.file = open(path, "wb")
-        self.tokens = self.bytes = self.documents = 0
+        self.tokens = self.bytes = self.documents = self.sentences = 0
+        self.sentence_path = path.with_name(path.stem + SENTENCES_SUFFIX) if sentences else None
+        self.sentence_file = open(self.sentence_path, "wb") if self.sentence_path else None
 
-    def write(self, ids: np.ndarray, n_bytes: int) -> tuple[int, int]:
+    def write(self, ids: np.ndarray, n_bytes: int, starts: np.ndarray | None = None) -> tuple[int, int]:
         start = self.tokens
         self.file.write(ids.tobytes())
         self.file.write(self.eot.tobytes())
+        if self.sentence_file is not None and starts is not None:
+            self.sentence_file.write((starts + start).astype("<i8").tobytes())
+            self.sentences += len(starts)
         self.tokens += ids.size + 1
         self.bytes += n_bytes
         self.documents += 1
@@ -255,6 +299,8 @@ class _SplitWriter:
 
     def close(self) -> None:
         self.file.close()
+        if self.sentence_file is not None:
+            self.sentence_file.close()
 
 
 def _move_document(src: _SplitWriter, dst: _SplitWriter, start: int, end: int, n_bytes: int) -> None:
@@ -278,10 +324,31 @@ def _move_document(src: _SplitWriter, dst: _SplitWriter, start: int, end: int, n
             f.write(data)
             read, write = read + len(data), write + len(data)
         f.truncate(write)
+    if src.sentence_path is not None and dst.sentence_path is not None:
+        _move_sentences(src, dst, start, end)
     for writer, sign in ((src, -1), (dst, 1)):
         writer.tokens += sign * (end - start)
         writer.bytes += sign * n_bytes
         writer.documents += sign
+
+
+def _move_sentences(src: _SplitWriter, dst: _SplitWriter, start: int, end: int) -> None:
+    """_move_document's sentence starts: those in [start, end) go to the end of dst's file (at dst's end), and
+    src's later ones move back by end - start, in bounded-size chunks. Before the token counts change."""
+    assert src.sentence_path is not None and dst.sentence_path is not None
+    offsets = np.memmap(src.sentence_path, dtype="<i8", mode="r+")   # src holds >= 1 document: not empty
+    lo, hi = (int(i) for i in np.searchsorted(offsets, [start, end]))
+    with open(dst.sentence_path, "ab") as f:
+        f.write((offsets[lo:hi] - start + dst.tokens).tobytes())
+    chunk, moved = 1 << 21, hi - lo
+    for i in range(hi, len(offsets), chunk):
+        block = offsets[i:i + chunk] - (end - start)
+        offsets[i - moved:i - moved + len(block)] = block
+    offsets.flush()
+    del offsets
+    os.truncate(src.sentence_path, (src.sentences - moved) * 8)
+    src.sentences -= moved
+    dst.sentences += moved
 
 
 def _checked_output(out_dir: str | os.PathLike, tokenizer: Any, eot_token: str, val_fraction: float,
@@ -312,12 +379,15 @@ def prepare(
     overwrite: bool = False,
     progress: bool = True,
     corpus_name: str | None = None,
+    sentences: bool = False,
 ) -> dict:
     """Tokenize a corpus into `out_dir` (train.bin, val.bin, meta.json, tokenizer/) and return the meta.
 
     corpus: a name or path for `archlab.corpora.iter_documents`, or any iterable of document strings.
     tokenizer: "bytes", a tokenizer folder, or an object with encode / vocab_size / token_to_id / save.
     num_workers: processes that tokenize (None: the usable CPUs, at most 8; 0 or 1: this process).
+    sentences: also write each split's sentence starts ({split}.sentences.bin; module docstring), for
+    next-sentence prediction (archlab.objectives.next_sentence_for).
     The folder is built beside out_dir under a temporary name and renamed into place at the end, so
     a crash never leaves a folder that looks complete. An existing out_dir is an error unless overwrite.
     """
@@ -337,7 +407,7 @@ def prepare(
     # built beside `out` and renamed into place: a crash never leaves a folder that looks complete
     with fresh_output(out, overwrite=overwrite) as tmp:
         meta = _write_splits(docs, tok, tmp, dtype=dtype, eot_id=eot_id, seed=seed,
-                             val_fraction=val_fraction, workers=workers, progress=progress)
+                             val_fraction=val_fraction, workers=workers, progress=progress, sentences=sentences)
         fault_point("prepare:split")
         meta.update(corpus=name, seed=seed, val_fraction=val_fraction, eot_token=eot_token,
                     vocab_size=vocab_size, text_field=text_field,
@@ -349,23 +419,23 @@ def prepare(
 
 
 def _write_splits(docs: Iterable[str], tok: Any, tmp: Path, *, dtype: np.dtype, eot_id: int, seed: int,
-                  val_fraction: float, workers: int, progress: bool) -> dict:
+                  val_fraction: float, workers: int, progress: bool, sentences: bool = False) -> dict:
     from archlab.progress import progress_bar
 
     eot = np.array([eot_id], dtype=dtype)
-    writers = {s: _SplitWriter(tmp / f"{s}.bin", eot) for s in SPLITS}
+    writers = {s: _SplitWriter(tmp / f"{s}.bin", eot, sentences) for s in SPLITS}
     # The train document with the lowest score and the val one with the highest: the ones to move
     # if a split ends up empty. (score, start, end, n_bytes)
     lowest_train: tuple | None = None
     highest_val: tuple | None = None
     bar = progress_bar(desc="tokenizing", unit=" docs", disable=not progress, file=sys.stderr)
     try:
-        for batch in _encoded(docs, tok, seed, dtype, workers):
-            for ids, score, n_bytes in batch:
+        for batch in _encoded(docs, tok, seed, dtype, workers, sentences):
+            for ids, score, n_bytes, starts in batch:
                 if n_bytes == 0:  # an empty document adds nothing, not even an end-of-text
                     continue
                 split = "val" if score < val_fraction else "train"
-                start, end = writers[split].write(ids, n_bytes)
+                start, end = writers[split].write(ids, n_bytes, starts)
                 record = (score, start, end, n_bytes)
                 if split == "train" and (lowest_train is None or score < lowest_train[0]):
                     lowest_train = record
@@ -382,12 +452,12 @@ def _write_splits(docs: Iterable[str], tok: Any, tmp: Path, *, dtype: np.dtype, 
         _move_document(val, train, *highest_val[1:])
     elif val.documents == 0 and train.documents >= 2 and val_fraction > 0:
         _move_document(train, val, *lowest_train[1:])
-    return {
-        "dtype": dtype.name,
-        "eot_id": eot_id,
-        "splits": {s: {"file": w.path.name, "tokens": w.tokens, "bytes": w.bytes, "documents": w.documents}
-                   for s, w in writers.items()},
-    }
+    splits = {s: {"file": w.path.name, "tokens": w.tokens, "bytes": w.bytes, "documents": w.documents}
+              for s, w in writers.items()}
+    for s, w in writers.items():
+        if w.sentence_path is not None:
+            splits[s].update(sentence_file=w.sentence_path.name, sentences=w.sentences)
+    return {"dtype": dtype.name, "eot_id": eot_id, "splits": splits, **({"sentences": True} if sentences else {})}
 
 
 def _ordered_meta(meta: dict) -> dict:
@@ -395,6 +465,8 @@ def _ordered_meta(meta: dict) -> dict:
     keys = ["corpus", "dtype", "vocab_size", "eot_token", "eot_id", "seed", "val_fraction", "text_field",
             "splits"]
     extra = {"corpus_report": meta["corpus_report"]} if meta.get("corpus_report") else {}
+    if meta.get("sentences"):
+        extra["sentences"] = True
     return {**head, **{k: meta[k] for k in keys}, **extra, "tokenizer": "tokenizer"}
 
 
@@ -461,6 +533,16 @@ class TokenDataset:
         self.n_documents = int(info.get("documents", 0))
         self.vocab_size = int(self.meta["vocab_size"])
         self.eot_id = int(self.meta["eot_id"])
+        self.sentence_starts = self._sentence_starts(info) if self.meta.get("sentences") else None
+
+    def _sentence_starts(self, info: dict) -> np.ndarray:
+        """(n,) int64 memmap: token offsets where this split's sentences start (prepare(sentences=True))."""
+        path = self.data_dir / info.get("sentence_file", f"{self.split}{SENTENCES_SUFFIX}")
+        n = path.stat().st_size // 8 if path.is_file() else -1
+        if n != info.get("sentences"):
+            raise DataError(f"{path} holds {max(n, 0)} sentence starts but {META_FILE} says {info.get('sentences')}"
+                            "; prepare the data folder again")
+        return np.memmap(path, dtype="<i8", mode="r") if n else np.zeros(0, "<i8")
 
     @property
     def bytes_per_token(self) -> float:

@@ -1,6 +1,8 @@
 """EncoderLM: embedder -> TransformerStack("encoder") -> (final norm) -> masked-LM head. BERT (Devlin et al.
 2019) and RoBERTa (Liu et al. 2019) are configurations of it (`arch="encoder"`): the same blocks, norms,
 MLPs and attention kernels as the decoder-only LM, with bidirectional attention over the real tokens.
+With `nsp_head`, BERT's next-sentence prediction (§3.1, task #2) sits beside the MLM head: a pooler
+(dense + tanh) on the first slot's hidden state ([CLS]) and a 2-way classifier (0 IsNext, 1 NotNext).
 
 Padding: `attention_mask` (b, t), 1 for a real token. Padded keys are never attended; positions count the
 real tokens of each row from 0 (padded slots get -1), so left- and right-padded rows embed alike. That is
@@ -8,6 +10,8 @@ RoBERTa's convention (positions from the non-pad tokens, offset 2); BERT's check
 agrees on the real tokens of right-padded rows (BERT tokenizers pad on the right).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +53,8 @@ class EncoderLM(Embedder, nn.Module):
         self.mlm_head = MLMHead(cfg)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.bias.head else None
+        self.pooler = nn.Linear(cfg.d_model, cfg.d_model) if cfg.nsp_head else None
+        self.nsp_classifier = nn.Linear(cfg.d_model, 2) if cfg.nsp_head else None
         init_weights(self, cfg)
 
     @property
@@ -63,7 +69,10 @@ class EncoderLM(Embedder, nn.Module):
         positions: torch.Tensor | None = None,           # (b, t); None: from attention_mask (padded_positions)
         return_hidden: bool = False,
         targets: torch.Tensor | None = None,             # (b, t) MLM labels: return the LossOutput instead
+        next_sentence_labels: torch.Tensor | None = None,   # (b,) 0 IsNext / 1 NotNext: NSP loss added (nsp_head)
     ) -> torch.Tensor | LossOutput:                      # (b, t, v) logits, or (b, t, d) hidden
+        if next_sentence_labels is not None and targets is None:
+            raise ValueError("next_sentence_labels are scored beside the MLM loss: pass targets too")
         b, t = input_ids.shape
         plain = attention_mask is None and positions is None
         if positions is None:
@@ -81,7 +90,8 @@ class EncoderLM(Embedder, nn.Module):
         if return_hidden:
             return x
         if targets is not None:   # through forward, so DDP/FSDP/compile wrappers see the whole step
-            return self.loss_from_hidden(x, targets)
+            out = self.loss_from_hidden(x, targets)
+            return out if next_sentence_labels is None else self.add_next_sentence_loss(out, x, next_sentence_labels)
         owner = self if self.lm_head is None else self.lm_head
         return self.mlm_head(x, owner, self.head_weight, self.head_bias)   # (b, t, v)
 
@@ -91,6 +101,20 @@ class EncoderLM(Embedder, nn.Module):
         elsewhere (archlab.objectives.mask_tokens makes both)."""
         hidden = self(input_ids, attention_mask, token_type_ids, return_hidden=True)   # (b, t, d)
         return self.loss_from_hidden(hidden, labels, ignore_index)
+
+    def next_sentence_logits(self, hidden: torch.Tensor) -> torch.Tensor:   # (b, t, d) -> (b, 2)
+        """BERT's NSP logits from the final hidden states: the classifier on tanh(pooler(first slot)), the first
+        slot being [CLS] in BERT's right-padded inputs.
+        Example: model.next_sentence_logits(model(ids, return_hidden=True))"""
+        if self.pooler is None or self.nsp_classifier is None:
+            raise ValueError("this encoder has no next-sentence head: build it with nsp_head=True")
+        return call(self.nsp_classifier, torch.tanh(call(self.pooler, hidden[:, 0])))
+
+    def add_next_sentence_loss(self, out: LossOutput, hidden: torch.Tensor, labels: torch.Tensor) -> LossOutput:
+        """`out` (the MLM loss) with the NSP cross-entropy of `labels` (b,) added to its total (BERT's
+        pretraining loss is their sum) and reported as nsp_loss."""
+        nsp = F.cross_entropy(self.next_sentence_logits(hidden).float(), labels.to(hidden.device))
+        return dataclasses.replace(out, total=out.total + nsp, nsp_loss=nsp.detach())
 
     def labelled_logits(self, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
                         ) -> tuple[torch.Tensor, torch.Tensor]:

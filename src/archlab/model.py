@@ -32,6 +32,7 @@ class LossOutput:
     z_loss: torch.Tensor    # z_loss * mean(log Z)^2 (PaLM), already weighted
     aux_loss: torch.Tensor  # MoE load-balancing + router z-loss, already weighted
     accuracy: torch.Tensor | None = None   # share of scored slots whose argmax is the target (MLM evaluation)
+    nsp_loss: torch.Tensor | None = None   # next-sentence cross-entropy (BERT pretraining), already in total
 
 
 class NextTokenHead:

@@ -5,6 +5,8 @@
                  with probability 0.15; a chosen token becomes [MASK] 80% of the time, a random token 10%,
                  and stays itself 10%; the loss is scored on the chosen tokens only. Whole-word masking
                  (BERT's later release) chooses words instead and masks all of a chosen word's pieces.
+    next_sentence  encoders: BERT's pretraining, MLM plus next-sentence prediction over `[CLS] A [SEP] B [SEP]`
+                 pairs drawn from a data folder's sentence index (NextSentence, next_sentence_for)
 
 Masking is a pure function of (seed, step, micro-batch, rank): a resumed run masks exactly as the uninterrupted
 one did, with no random state to save.
@@ -14,12 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from archlab.data import _mix_seed
 from archlab.errors import UserError
 
-__all__ = ["MaskedLM", "mask_tokens", "word_starts", "masked_lm_for", "objective_for", "IGNORE"]
+__all__ = ["MaskedLM", "mask_tokens", "word_starts", "masked_lm_for", "objective_for", "IGNORE", "NextSentence",
+           "next_sentence_for", "truncated_lengths"]
 
 IGNORE = -100                 # the label of a slot the loss does not score
 MASK_TOKENS = ("[MASK]", "<mask>")
@@ -134,3 +138,154 @@ def objective_for(model_cfg: Any, train_cfg: Any, dataset: Any) -> MaskedLM | No
     return masked_lm_for(dataset.load_tokenizer(), model_cfg.vocab_size, seed=train_cfg.seed,
                          whole_word=train_cfg.whole_word_mask, mask_id=train_cfg.mask_token_id,
                          prob=train_cfg.mlm_probability)
+
+
+# ---- next-sentence prediction -------------------------------------------------------------------------------
+NSP_TOKENS = ("[CLS]", "[SEP]")
+IS_NEXT, NOT_NEXT = 0, 1      # next_sentence_labels, as transformers' BertForPreTraining reads them
+
+
+def truncated_lengths(len_a: int, len_b: int, max_tokens: int) -> tuple[int, int]:
+    """(len A, len B) after BERT's truncate_seq_pair: one token at a time off the longer side (B on ties) until
+    len A + len B <= max_tokens. Example: truncated_lengths(10, 3, 8) -> (5, 3)"""
+    excess = max(0, len_a + len_b - max_tokens)
+    gap = min(excess, abs(len_a - len_b))          # first the longer side alone, down to the shorter's length
+    len_a, len_b = (len_a - gap, len_b) if len_a > len_b else (len_a, len_b - gap)
+    rest = excess - gap                            # then B, A, B, ... in turn
+    return len_a - rest // 2, len_b - (rest + 1) // 2
+
+
+@dataclass
+class NextSentence:
+    """BERT's pretraining examples (Devlin et al. 2019, §3.1 task #2, A.1-A.2): `[CLS] A [SEP] B [SEP]`, token
+    types 0 up to the first [SEP] and 1 after, right-padded to seq_len, then masked as MLM (masked_lm: specials,
+    [CLS], [SEP] and padding never chosen). A: sentences of one document from a random start, up to a target
+    length (seq_len - 3, or 10% of the time a shorter one drawn from 2..seq_len-3, BERT's short_seq_prob), cut at
+    a random sentence boundary; B: the sentences after the cut (IsNext, half the examples) or sentences from a
+    random start in a random other document up to the remaining length (NotNext); the longer side trimmed one
+    token at a time, each off its front or back at random (truncate_seq_pair). A's start is uniform over the
+    sentences (over those with a successor in their document for IsNext), NotNext's document uniform over the
+    others. `batch(step, micro, rank)` is a pure function of (seed, step, micro, rank)."""
+
+    tokens: np.ndarray                         # (n,) a split's ids (TokenDataset.tokens)
+    starts: np.ndarray                         # (s,) its sentence starts (TokenDataset.sentence_starts)
+    masked_lm: MaskedLM
+    cls_id: int
+    sep_id: int
+    pad_id: int
+    eot_id: int
+    seq_len: int
+    batch_size: int
+    seed: int = 0
+    short_seq_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        n = len(self.starts)
+        before = np.asarray(self.tokens[np.asarray(self.starts[1:]) - 1]) if n > 1 else np.zeros(0)
+        firsts = np.flatnonzero(np.concatenate([[True], before == self.eot_id])) if n else np.zeros(0, np.int64)
+        self.doc_first = np.append(firsts, n)                     # (d + 1,) each document's first sentence
+        if len(firsts) < 2 or n - len(firsts) < 1:
+            raise UserError(f"next-sentence prediction needs two documents and one with two sentences; this split "
+                            f"has {len(firsts)} documents and {n} sentences")
+        self.generator = torch.Generator()
+
+    def _randint(self, high: int) -> int:
+        return int(torch.randint(high, (1,), generator=self.generator))
+
+    def _span(self, first: int, last: int) -> tuple[int, int]:
+        """Tokens of sentences first..last (one document), its end-of-text left out."""
+        end = int(self.starts[last + 1]) if last + 1 < len(self.starts) else len(self.tokens)
+        return int(self.starts[first]), end - int(self.tokens[end - 1] == self.eot_id)
+
+    def _run(self, first: int, doc_end: int, target: int, least: int = 1) -> int:
+        """The last sentence of a run from `first` that reaches `target` tokens (at least `least` sentences)
+        without passing `doc_end` (its document's first sentence past it)."""
+        last = first + least - 1
+        while last + 1 < doc_end and self._len(first, last) < target:
+            last += 1
+        return last
+
+    def _len(self, first: int, last: int) -> int:
+        a, b = self._span(first, last)
+        return b - a
+
+    def example(self) -> tuple[list[int], list[int], int]:
+        """(ids, token types, label) of one example, drawn from self.generator."""
+        max_tokens = self.seq_len - 3
+        target = max_tokens
+        if float(torch.rand((), generator=self.generator)) < self.short_seq_prob:
+            target = 2 + self._randint(max_tokens - 1)
+        label = IS_NEXT if float(torch.rand((), generator=self.generator)) < 0.5 else NOT_NEXT
+        docs, n_docs = self.doc_first, len(self.doc_first) - 1
+        if label == IS_NEXT:   # the k-th sentence with a successor: k + d, d its document (doc_first[d] - d <= k)
+            k = self._randint(len(self.starts) - n_docs)
+            doc = int(np.searchsorted(docs[:-1] - np.arange(n_docs), k, side="right")) - 1
+            first = k + doc
+        else:
+            first = self._randint(len(self.starts))
+            doc = int(np.searchsorted(docs, first, side="right")) - 1
+        last = self._run(first, int(docs[doc + 1]), target, least=2 if label == IS_NEXT else 1)
+        n = last - first + 1
+        cut = first + (1 + self._randint(n - 1) if n > 1 else 1)    # A: sentences first..cut-1
+        a = self._span(first, cut - 1)
+        if label == IS_NEXT:
+            b = self._span(cut, last)
+        else:
+            other = self._randint(n_docs - 1)
+            other += other >= doc
+            b_first = int(docs[other]) + self._randint(int(docs[other + 1] - docs[other]))
+            b_last = self._run(b_first, int(docs[other + 1]), max(1, target - (a[1] - a[0])))
+            b = self._span(b_first, b_last)
+        len_a, len_b = truncated_lengths(a[1] - a[0], b[1] - b[0], max_tokens)
+        spans = []
+        for (start, end), keep in ((a, len_a), (b, len_b)):   # each removed token off the front or back at random
+            front = int(torch.binomial(torch.tensor(float(end - start - keep)), torch.tensor(0.5),
+                                       generator=self.generator))
+            spans.append(np.asarray(self.tokens[start + front:start + front + keep], dtype=np.int64).tolist())
+        ids = [self.cls_id, *spans[0], self.sep_id, *spans[1], self.sep_id]
+        types = [0] * (len(spans[0]) + 2) + [1] * (len(spans[1]) + 1)
+        return ids, types, label
+
+    def batch(self, step: int, micro: int = 0, rank: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """(inputs, labels): inputs input_ids (masked), attention_mask, token_type_ids (b, t) and
+        next_sentence_labels (b,); labels (b, t) the MLM labels. The same for the same (seed, step, micro, rank)."""
+        self.generator.manual_seed(_mix_seed(self.seed, step, micro, rank, 1))   # 1: apart from the masking's draws
+        b, t = self.batch_size, self.seq_len
+        ids = torch.full((b, t), self.pad_id, dtype=torch.long)
+        types = torch.zeros((b, t), dtype=torch.long)
+        mask = torch.zeros((b, t), dtype=torch.long)
+        labels = torch.empty(b, dtype=torch.long)
+        for i in range(b):
+            row, row_types, labels[i] = self.example()
+            ids[i, :len(row)] = torch.tensor(row)
+            types[i, :len(row)] = torch.tensor(row_types)
+            mask[i, :len(row)] = 1
+        masked, mlm_labels = self.masked_lm.batch(ids, step, micro, rank)   # (b, t) each
+        return {"input_ids": masked, "attention_mask": mask, "token_type_ids": types,
+                "next_sentence_labels": labels}, mlm_labels
+
+
+def next_sentence_for(dataset: Any, tokenizer: Any, vocab_size: int, *, seq_len: int, seed: int = 0,
+                      batch_size: int = 8, whole_word: bool = False, mask_id: int | None = None, prob: float = 0.15,
+                      short_seq_prob: float = 0.1) -> NextSentence:
+    """BERT's MLM + next-sentence objective over a split (an archlab.data.TokenDataset prepared with sentences)
+    and its tokenizer (with [CLS], [SEP] and a mask token; [PAD] pads where it has one, else the end-of-text id).
+    One-line UserErrors: no sentence index, a tokenizer without those tokens, a seq_len below 5.
+    Example: inputs, labels = next_sentence_for(ds, ds.load_tokenizer(), 8000, seq_len=128).batch(step=0)"""
+    if getattr(dataset, "sentence_starts", None) is None:
+        raise UserError(f"{getattr(dataset, 'data_dir', 'the data folder')} has no sentence index: prepare the "
+                        "data with --sentences (archlab data prepare ... --sentences)")
+    ids = {token: tokenizer.token_to_id(token) for token in NSP_TOKENS}
+    missing = [token for token, i in ids.items() if i is None]
+    if missing:
+        raise UserError(f"next-sentence prediction needs {' and '.join(missing)} in the tokenizer: train one with "
+                        "`archlab tokenizer train ... --special-tokens '<|endoftext|>' '[MASK]' '[CLS]' '[SEP]'`")
+    if seq_len < 5:
+        raise UserError(f"seq_len={seq_len}: next-sentence examples need at least 5 slots ([CLS] a [SEP] b [SEP])")
+    masked_lm = masked_lm_for(tokenizer, vocab_size, seed=seed, whole_word=whole_word, mask_id=mask_id, prob=prob)
+    pad = tokenizer.token_to_id("[PAD]")
+    pad_id = dataset.eot_id if pad is None else pad
+    for i in (*ids.values(), pad_id):
+        masked_lm.special[i] = True
+    return NextSentence(dataset.tokens, dataset.sentence_starts, masked_lm, ids["[CLS]"], ids["[SEP]"], pad_id,
+                        dataset.eot_id, seq_len, batch_size, seed=seed, short_seq_prob=short_seq_prob)

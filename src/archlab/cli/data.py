@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare.add_argument("--source-field", default="source", help="with --pairs: the .jsonl field of the source")
     prepare.add_argument("--target-field", default="target", help="with --pairs: the .jsonl field of the target")
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    prepare.add_argument("--sentences", action="store_true",
+                         help="also write OUT/{train,val}.sentences.bin, where each sentence starts (int64 token "
+                         "offsets), for BERT's next-sentence prediction")
     prepare.add_argument("--quiet", action="store_true", help="no progress bar")
     prepare.set_defaults(func=run_prepare)
 
@@ -68,13 +71,14 @@ def run_prepare(args: argparse.Namespace) -> int:
     meta = data.prepare(
         args.corpus, args.tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed,
         num_workers=args.workers, eot_token=args.eot_token, text_field=args.text_field,
-        overwrite=args.overwrite, progress=not args.quiet,
+        overwrite=args.overwrite, progress=not args.quiet, sentences=args.sentences,
     )
     print(f"wrote {args.out}: vocab_size={meta['vocab_size']} dtype={meta['dtype']} eot_id={meta['eot_id']}")
     for split, info in meta["splits"].items():
         per = info["bytes"] / info["tokens"] if info["tokens"] else 0.0
         print(f"  {split:5s} {info['documents']:>9,} docs {info['tokens']:>14,} tokens "
-              f"{info['bytes']:>14,} bytes ({per:.2f} bytes/token)")
+              f"{info['bytes']:>14,} bytes ({per:.2f} bytes/token)"
+              + (f" {info['sentences']:,} sentences" if "sentences" in info else ""))
     return 0
 
 

@@ -13,17 +13,20 @@ the table's `max_position_embeddings` rows (514) hold `max_seq_len` (512) positi
 Both agree with EncoderLM on left and right padding provided the padded slots, and only they, hold
 `pad_token_id` (transformers looks at the ids, archlab at `attention_mask`).
 
-Checkpoint tensors read but not used: the `position_ids` / `token_type_ids` buffers older
-transformers saved, the pooler (`bert.pooler.*`, `roberta.pooler.*`: BertModel / BertForPreTraining
-checkpoints carry it) and BertForPreTraining's next-sentence head (`cls.seq_relationship.*`), so a
-bert-base-uncased checkpoint (BertForPreTraining, LayerNorm weights under their TF names `gamma` /
-`beta`) loads as its masked LM. With tied embeddings the decoder's stored copies
-(`cls.predictions.decoder.*`, `lm_head.decoder.*`) are ignored: the decoder is the embedding and its
-bias `cls.predictions.bias` / `lm_head.bias`. Untied (tie_word_embeddings=false), transformers 5
-gives the decoder its own bias, which is the one applied: ours comes from (and goes to) the decoder's
-bias; the head's `bias`, unused by transformers 5's forward, is read past and written equal to it
-(its vocab_size entries are all that transformers counts beyond ours). A checkpoint without the MLM
-head (BertModel, a classifier) is refused: the error names the missing `cls.predictions.*` tensors.
+Next-sentence prediction: a config.json whose `architectures` names `BertForPreTraining` loads with
+`nsp_head=True`, its pooler (`bert.pooler.dense.*`) and next-sentence classifier (`cls.seq_relationship.*`)
+mapped, and an encoder with `nsp_head` saves as BertForPreTraining (RoBERTa has no NSP head: refused).
+
+Checkpoint tensors read but not used: the `position_ids` / `token_type_ids` buffers older transformers saved,
+and otherwise the pooler (`bert.pooler.*`, `roberta.pooler.*`: BertModel checkpoints carry it) and the next-
+sentence head, so a bert-base-uncased checkpoint (its config.json says BertForMaskedLM; it stores both, and
+LayerNorm weights under their TF names `gamma` / `beta`) loads as its masked LM. With tied embeddings the
+decoder's stored copies (`cls.predictions.decoder.*`, `lm_head.decoder.*`) are ignored: the decoder is the
+embedding and its bias `cls.predictions.bias` / `lm_head.bias`. Untied (tie_word_embeddings=false),
+transformers 5 gives the decoder its own bias, which is the one applied: ours comes from (and goes to) the
+decoder's bias; the head's `bias`, unused by transformers 5's forward, is read past and written equal to it
+(its vocab_size entries are all that transformers counts beyond ours). A checkpoint without the MLM head
+(BertModel, a classifier) is refused: the error names the missing `cls.predictions.*` tensors.
 
 Not supported (ConfigError naming the field): `position_embedding_type` other than "absolute"
 (relative_key / relative_key_query), `is_decoder` / `add_cross_attention` (BERT as a decoder),
@@ -32,6 +35,7 @@ an activation we do not have, `type_vocab_size` 0, and for RoBERTa a `hidden_act
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from archlab.config import (
@@ -176,6 +180,9 @@ class _BertLike(Family):
             rules += weight_bias(f"{o}mlp_norm", f"{src}output.LayerNorm", True)
         rules += weight_bias("mlm_head.dense", f"{h}{self.head_dense}", True)
         rules += weight_bias("mlm_head.norm", f"{h}{self.head_norm}", True)
+        if cfg.nsp_head:
+            rules += weight_bias("pooler", f"{p}pooler.dense", True)
+            rules += weight_bias("nsp_classifier", "cls.seq_relationship", True)
         if cfg.tie_embeddings:
             rules.append(rename("head_bias", f"{h}bias"))
         else:   # transformers 5: an untied decoder has its own bias, the one its forward adds; the
@@ -187,8 +194,9 @@ class _BertLike(Family):
 
     def ignored_hf(self, cfg: ModelConfig) -> list[str]:
         p, h = self.base_prefix.replace(".", r"\."), self.head.replace(".", r"\.")
-        ignored = [rf"{p}embeddings\.(position_ids|token_type_ids)", rf"{p}pooler\.dense\.(weight|bias)",
-                   r"cls\.seq_relationship\.(weight|bias)"]
+        ignored = [rf"{p}embeddings\.(position_ids|token_type_ids)"]
+        if not cfg.nsp_head:
+            ignored += [rf"{p}pooler\.dense\.(weight|bias)", r"cls\.seq_relationship\.(weight|bias)"]
         if cfg.tie_embeddings:
             ignored.append(rf"{h}decoder\.(weight|bias)")
         return ignored
@@ -202,11 +210,18 @@ class BertFamily(_BertLike):
     head = "cls.predictions."
     head_dense = "transform.dense"
     head_norm = "transform.LayerNorm"
+    pretraining = "BertForPreTraining"   # MLM + next-sentence heads (nsp_head)
+
+    def to_config(self, hf: dict) -> ModelConfig:
+        cfg = super().to_config(hf)
+        return dataclasses.replace(cfg, nsp_head=self.pretraining in (hf.get("architectures") or []))
 
     def from_config(self, cfg: ModelConfig) -> dict:
         self.require(cfg, "position.learned_offset", 0)
         hf = super().from_config(cfg)
         hf["pad_token_id"] = 0   # BertConfig's default: only the embedding's padding_idx (no effect on logits)
+        if cfg.nsp_head:
+            hf["architectures"] = [self.pretraining]
         return hf
 
 
@@ -234,6 +249,7 @@ class RobertaFamily(_BertLike):
         return pad + 1
 
     def from_config(self, cfg: ModelConfig) -> dict:
+        self.require(cfg, "nsp_head", False)
         if cfg.position.learned_offset < 1:
             raise self.cannot(cfg, "position.learned_offset", "pad_token_id + 1 >= 1: positions start "
                               "past the padding row (2 in every published RoBERTa)")

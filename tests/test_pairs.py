@@ -78,7 +78,27 @@ def test_prepared_ids_are_the_tokenizer_encoding_plus_eot_in_file_order(pairs_di
         texts = [pairs[index[row]] for row in split_contents(data_dir)[split]]
         assert info["source_bytes"] == sum(len(s.encode()) for s, _ in texts)
     assert meta["splits"]["train"]["pairs"] > meta["splits"]["val"]["pairs"] > 0
-    assert PairDataset(data_dir).load_tokenizer() == ByteTokenizer()
+    train = PairDataset(data_dir)
+    assert train.load_tokenizer() == ByteTokenizer()
+    targets = [pairs[index[row]][1] for row in split_contents(data_dir)["train"]]
+    assert train.n_tokens == train.sources.size + train.targets.size
+    assert train.bytes_per_token == sum(len(t.encode()) for t in targets) / sum(len(t.encode()) + 1 for t in targets)
+
+
+def test_fingerprint_covers_every_file_of_a_pairs_folder(tmp_path, pairs_dir):
+    import shutil
+
+    from archlab.provenance import data_fingerprint
+
+    shutil.copytree(pairs_dir[0], tmp_path / "d")
+    before = data_fingerprint(tmp_path / "d")
+    for name in ("val.target.bin", "train.offsets.bin"):
+        path = tmp_path / "d" / name
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+        assert data_fingerprint(tmp_path / "d") != before, name
+        before = data_fingerprint(tmp_path / "d")
 
 
 def test_split_depends_on_seed_and_pairs_not_on_file_order(tmp_path):

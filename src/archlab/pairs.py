@@ -253,8 +253,17 @@ class PairDataset:
                             f"{META_FILE}; prepare the folder again")
         self.max_source_len = int(info["max_source_len"])
         self.max_target_len = int(info["max_target_len"])
+        self.n_source_tokens, self.n_target_tokens = int(info["source_tokens"]), int(info["target_tokens"])
+        self.n_tokens = self.n_source_tokens + self.n_target_tokens       # what a pass over the split reads
+        self.n_target_bytes = int(info["target_bytes"])
         self.vocab_size = int(self.meta["vocab_size"])
         self.eot_id = int(self.meta["eot_id"])
+
+    @property
+    def bytes_per_token(self) -> float:
+        """UTF-8 bytes per target token (end-of-text counted, as archlab.data.TokenDataset counts it): the
+        scored side, so bits per target byte = (mean loss in nats) / ln 2 / bytes_per_token."""
+        return self.n_target_bytes / self.n_target_tokens if self.n_target_tokens else 0.0
 
     def __len__(self) -> int:
         return self.n_pairs

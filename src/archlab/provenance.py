@@ -124,12 +124,15 @@ def _hash_edges(digest, path: Path) -> None:
 
 
 def data_fingerprint(data_dir: str | os.PathLike) -> str:
-    """sha256 (16 hex digits) of a data folder's meta.json and the edges of each split file."""
+    """sha256 (16 hex digits) of a data folder's meta.json and the edges of each split's files (a token stream's
+    "file"; a pairs folder's "source_file", "target_file", "offsets_file")."""
     data_dir = Path(data_dir)
     meta = json.loads((data_dir / "meta.json").read_text())
     digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
     for split in sorted(meta.get("splits", {})):
-        _hash_edges(digest, data_dir / meta["splits"][split]["file"])
+        info = meta["splits"][split]
+        for key in sorted(k for k in info if k == "file" or k.endswith("_file")):
+            _hash_edges(digest, data_dir / info[key])
     return digest.hexdigest()[:16]
 
 

@@ -164,6 +164,23 @@ def _fairseq_loop(row, begin, lengths, word, special, mask_id):
     return [t for t, k in zip(out, keep) if k]
 
 
+@pytest.mark.parametrize("begin,lengths,word_at,special_at,expected", [
+    ([2, 3], [2, 3], None, [], [10, 11, MASK, 16, 17, 18, 19]),              # overlapping spans: one mask
+    ([2, 4], [2, 1], None, [], [10, 11, MASK, MASK, 15, 16, 17, 18, 19]),    # adjacent spans: two
+    ([2], [1], [0, 2, 5, 7], [], [10, 11, MASK, 15, 16, 17, 18, 19]),         # one word of three pieces
+    ([2], [5], None, [4], [10, 11, MASK, 14, 15, 16, 17, 18, 19]),            # stops before a special
+    ([8], [4], None, [], [10, 11, 12, 13, 14, 15, 16, 17, MASK]),             # and at the window's end
+])
+def test_infill_spans_by_hand(begin, lengths, word_at, special_at, expected):
+    row = torch.arange(10, 20)
+    word = torch.ones(10, dtype=torch.bool) if word_at is None else torch.zeros(10, dtype=torch.bool)
+    word[word_at or []] = True
+    special = torch.zeros(10, dtype=torch.bool)
+    special[special_at] = True
+    got = infill_spans(row, torch.tensor(begin), torch.tensor(lengths), mask_id=MASK, word=word, special=special)
+    assert got.tolist() == expected
+
+
 def test_infill_spans_equals_fairseqs_loop_on_random_plans():
     rng = random.Random(0)
     for trial in range(300):

@@ -81,8 +81,8 @@ def random_spans_noise_mask(rows: int, n: int, *, generator: torch.Generator, de
     kept = _random_segmentation(n - noise, spans, rows, generator)                     # (rows, spans)
     noisy = _random_segmentation(noise, spans, rows, generator)                        # (rows, spans)
     ends = torch.stack([kept, noisy], dim=-1).view(rows, 2 * spans).cumsum(-1)         # (rows, 2 spans)
-    segment = torch.searchsorted(ends, torch.arange(n).expand(rows, n).contiguous(), right=True)   # (rows, n)
-    return segment % 2 == 1
+    first = torch.zeros(rows, n, dtype=torch.long).scatter_(1, ends[:, :-1], 1)        # (rows, n) a segment starts
+    return first.cumsum(-1) % 2 == 1
 
 
 def replace_spans(ids: torch.Tensor, noise: torch.Tensor, *, sentinels: torch.Tensor, eos_id: int

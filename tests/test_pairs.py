@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,8 +14,10 @@ import torch
 
 from archlab.data import ByteTokenizer, DataError, TokenDataset, prepare
 from archlab.errors import UserError
+from archlab.faults import FAULT_EXIT
 from archlab.outputs import OutputExistsError
 from archlab.pairs import PairDataset, PairSampler, is_pairs, pair_eval_batches, prepare_pairs, tokens_in
+from archlab.provenance import data_fingerprint
 
 EOT = ByteTokenizer.eot_id
 
@@ -86,10 +92,6 @@ def test_prepared_ids_are_the_tokenizer_encoding_plus_eot_in_file_order(pairs_di
 
 
 def test_fingerprint_covers_every_file_of_a_pairs_folder(tmp_path, pairs_dir):
-    import shutil
-
-    from archlab.provenance import data_fingerprint
-
     shutil.copytree(pairs_dir[0], tmp_path / "d")
     before = data_fingerprint(tmp_path / "d")
     for name in ("val.target.bin", "train.offsets.bin"):
@@ -307,3 +309,16 @@ def test_cli_prepares_pairs_and_reports_bad_input_as_status_2(tmp_path, capsys):
     assert main([*args[:3], "--corpus", str(tmp_path), *args[5:], "--out", str(tmp_path / "e")]) == 2
     err = capsys.readouterr().err
     assert "not a .jsonl path" in err and "Traceback" not in err and not (tmp_path / "e").exists()
+
+
+def test_a_killed_prepare_leaves_no_folder_and_a_rerun_completes(tmp_path):
+    write_jsonl(tmp_path / "p.jsonl", make_pairs(10))
+    code = ("from archlab.pairs import prepare_pairs\n"
+            f"prepare_pairs({str(tmp_path / 'p.jsonl')!r}, 'bytes', {str(tmp_path / 'd')!r}, num_workers=0)\n")
+    env = {**os.environ, "ARCHLAB_FAULT": "prepare:split"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == FAULT_EXIT, proc.stderr
+    assert not (tmp_path / "d").exists() and list(tmp_path.glob(".d.partial-*"))
+    prepare_pairs(tmp_path / "p.jsonl", "bytes", tmp_path / "d", num_workers=0, progress=False)
+    assert len(PairDataset(tmp_path / "d")) + len(PairDataset(tmp_path / "d", "val")) == 10
+    assert not list(tmp_path.glob(".d.partial-*"))

@@ -209,8 +209,8 @@ class NextSentence:
         a, b = self._span(first, last)
         return b - a
 
-    def example(self) -> tuple[list[int], list[int], int]:
-        """(ids, token types, label) of one example, drawn from self.generator."""
+    def example(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """(A's ids, B's ids, label) of one example, drawn from self.generator."""
         max_tokens = self.seq_len - 3
         target = max_tokens
         if float(torch.rand((), generator=self.generator)) < self.short_seq_prob:
@@ -241,28 +241,27 @@ class NextSentence:
         for (start, end), keep in ((a, len_a), (b, len_b)):   # each removed token off the front or back at random
             front = int(torch.binomial(torch.tensor(float(end - start - keep)), torch.tensor(0.5),
                                        generator=self.generator))
-            spans.append(np.asarray(self.tokens[start + front:start + front + keep], dtype=np.int64).tolist())
-        ids = [self.cls_id, *spans[0], self.sep_id, *spans[1], self.sep_id]
-        types = [0] * (len(spans[0]) + 2) + [1] * (len(spans[1]) + 1)
-        return ids, types, label
+            spans.append(np.asarray(self.tokens[start + front:start + front + keep], dtype=np.int64))
+        return spans[0], spans[1], label
 
     def batch(self, step: int, micro: int = 0, rank: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """(inputs, labels): inputs input_ids (masked), attention_mask, token_type_ids (b, t) and
         next_sentence_labels (b,); labels (b, t) the MLM labels. The same for the same (seed, step, micro, rank)."""
         self.generator.manual_seed(_mix_seed(self.seed, step, micro, rank, 1))   # 1: apart from the masking's draws
         b, t = self.batch_size, self.seq_len
-        ids = torch.full((b, t), self.pad_id, dtype=torch.long)
-        types = torch.zeros((b, t), dtype=torch.long)
-        mask = torch.zeros((b, t), dtype=torch.long)
-        labels = torch.empty(b, dtype=torch.long)
+        ids = np.full((b, t), self.pad_id, dtype=np.int64)
+        types, mask = np.zeros((b, t), dtype=np.int64), np.zeros((b, t), dtype=np.int64)
+        labels = np.zeros(b, dtype=np.int64)
         for i in range(b):
-            row, row_types, labels[i] = self.example()
-            ids[i, :len(row)] = torch.tensor(row)
-            types[i, :len(row)] = torch.tensor(row_types)
-            mask[i, :len(row)] = 1
-        masked, mlm_labels = self.masked_lm.batch(ids, step, micro, rank)   # (b, t) each
-        return {"input_ids": masked, "attention_mask": mask, "token_type_ids": types,
-                "next_sentence_labels": labels}, mlm_labels
+            a, b_ids, labels[i] = self.example()
+            sep, end = 1 + len(a), 2 + len(a) + len(b_ids)                # [CLS] A [SEP] B [SEP]
+            ids[i, 0], ids[i, 1:sep], ids[i, sep], ids[i, sep + 1:end], ids[i, end] = (
+                self.cls_id, a, self.sep_id, b_ids, self.sep_id)
+            types[i, sep + 1:end + 1] = 1
+            mask[i, :end + 1] = 1
+        masked, mlm_labels = self.masked_lm.batch(torch.from_numpy(ids), step, micro, rank)   # (b, t) each
+        tensors = {"attention_mask": mask, "token_type_ids": types, "next_sentence_labels": labels}
+        return {"input_ids": masked, **{k: torch.from_numpy(v) for k, v in tensors.items()}}, mlm_labels
 
 
 def next_sentence_for(dataset: Any, tokenizer: Any, vocab_size: int, *, seq_len: int, seed: int = 0,

@@ -133,25 +133,33 @@ def test_a_tokenizer_without_a_mask_token_is_one_line(runs, tmp_path, capsys):
 
 
 # ---- HF folders: a tiny random BertForMaskedLM / RobertaForMaskedLM and a tokenizer.json -------------------
-def _bert_folder(folder: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def bert_wordpiece(words: list[str]):
+    """A `tokenizers` WordPiece over BERT_SPECIALS + `words` (ids in that order), lowercasing, [CLS] $A [SEP]."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    words = sorted({w for doc in _docs(5, 30) for w in doc.split()}) + ["##s", "##ing", "##ed", ".", ","]
-    vocab = {t: i for i, t in enumerate(specials + words)}
-    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(BERT_SPECIALS + words)}, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
                                                        special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     tok.decoder = decoders.WordPiece()
-    tok.add_special_tokens(specials)
+    tok.add_special_tokens(BERT_SPECIALS)
+    return tok
+
+
+def _bert_folder(folder: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    words = sorted({w for doc in _docs(5, 30) for w in doc.split()}) + ["##s", "##ing", "##ed", ".", ","]
+    tok = bert_wordpiece(words)
     folder.mkdir(parents=True)
     tok.save(str(folder / "tokenizer.json"))
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=64, max_position_embeddings=32, initializer_range=0.2)
+    cfg = transformers.BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64, max_position_embeddings=32,
+                                  initializer_range=0.2)
     transformers.BertForMaskedLM(cfg).eval().save_pretrained(folder)
 
 

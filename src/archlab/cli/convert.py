@@ -101,8 +101,10 @@ def _tokenizer_problem(folder: Path) -> str | None:
 def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None = None,
                   overwrite: bool = False) -> str:
     """Run folder (latest checkpoint) -> HF folder with the tokenizer files transformers reads
-    (tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json); returns
-    the HF model_type used. An existing non-empty out_dir is replaced only with `overwrite` (atomically)."""
+    (tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json: an HF tokenizer's
+    own, as `--from-hf` copied them, else written from the tokenizer's special tokens, archlab.interop.
+    tokenizer_files); returns the HF model_type used. An existing non-empty out_dir is replaced only with
+    `overwrite` (atomically)."""
     from archlab.checkpoint import load_run
     from archlab.interop.hf import save_hf, write_tokenizer_files
     from archlab.outputs import fresh_output, refuse_existing
@@ -114,8 +116,10 @@ def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None =
         fam = save_hf(model, tmp, family=family)
         tok = run_dir / "tokenizer"
         if (tok / "tokenizer.json").is_file():
-            _copy_tokenizer(tok, tmp)
-            write_tokenizer_files(tmp, model.config.max_seq_len)
+            _copy_tokenizer(tok, tmp)       # an HF tokenizer's own files (roles, post-processing) come along
+            seq2seq = model.config.arch == "encoder_decoder"
+            write_tokenizer_files(tmp, model.config.max_seq_len,
+                                  decoder_start_token_id=model.config.decoder_start_token_id if seq2seq else None)
     return fam.model_type
 
 

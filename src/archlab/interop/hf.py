@@ -7,7 +7,8 @@ ModelConfig, and maps every tensor (single `model.safetensors` or a sharded
 our parameters filled: a missing or a left-over tensor is an error naming it, so a silently
 half-loaded model cannot happen. `save_hf(model, folder)` writes a folder `transformers` loads to
 the same logits; the family is inferred from the config when not given.
-HF names appear only here and in archlab.interop.families.
+HF names appear only here, in archlab.interop.families and in archlab.interop.tokenizer_files (the tokenizer
+files beside an exported tokenizer.json, `write_tokenizer_files`, re-exported here).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from archlab.encoder_decoder import EncoderDecoderLM
 from archlab.errors import UserError
 from archlab.interop.families import FAMILIES, Family
 from archlab.interop.families.base import Rule, config_diff
+from archlab.interop.tokenizer_files import write_tokenizer_files  # noqa: F401 - convert calls it from here
 from archlab.model import TransformerLM
 from archlab.models import build_model
 from archlab.progress import progress_bar
@@ -253,33 +255,6 @@ def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Fa
     save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
     make_readable(folder / SINGLE_FILE)
     return fam
-
-
-def write_tokenizer_files(folder: str | Path, max_length: int) -> dict:
-    """Beside an exported tokenizer.json: tokenizer_config.json, special_tokens_map.json and
-    generation_config.json, so transformers' AutoTokenizer knows the end-of-text token and `generate`
-    stops at it (and config.json carries the ids too). archlab's convention: one special token,
-    `<|endoftext|>`, ends a document and serves as bos, eos and pad. Returns the special tokens written."""
-    from archlab.data import EOT_TOKEN
-
-    folder = Path(folder)
-    vocab = json.loads((folder / "tokenizer.json").read_text())
-    added = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
-    model_vocab = vocab.get("model", {}).get("vocab", {})
-    eot_id = added.get(EOT_TOKEN, model_vocab.get(EOT_TOKEN) if isinstance(model_vocab, dict) else None)
-    special = {} if eot_id is None else {"bos_token": EOT_TOKEN, "eos_token": EOT_TOKEN, "pad_token": EOT_TOKEN}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-              "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False, **special}
-    ids = {} if eot_id is None else {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": eot_id}
-    files = {"tokenizer_config.json": config, "special_tokens_map.json": special,
-             "generation_config.json": {"_from_model_config": False, **ids}}
-    for name, content in files.items():
-        (folder / name).write_text(json.dumps(content, indent=2) + "\n")
-    if ids and (folder / "config.json").is_file():
-        hf = json.loads((folder / "config.json").read_text())
-        hf.update(ids)
-        (folder / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    return special
 
 
 def rules_for(model_type: str, cfg: ModelConfig) -> list[Rule]:

@@ -71,3 +71,22 @@ def test_encoder_demo_from_the_cli_uses_its_own_folder(tmp_path, corpus, monkeyp
     assert "Juliet is" in out and "next: archlab fill-mask runs/demo-encoder" in out
     assert cli_main(["fill-mask", "runs/demo-encoder", "to be or [MASK] to be", "--top-k", "2"]) == 0
     assert "filled: to be or" in capsys.readouterr().out
+
+
+def test_quick_encoder_decoder_demo_learns_span_corruption_and_fills_spans(tmp_path, corpus, monkeypatch, capsys):
+    """From the CLI: a T5-style model trains on span corruption, the held-out line's spans are generated from the
+    source with its sentinels, and `archlab generate --source` reads the run folder."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["demo", "--arch", "encoder_decoder", "--quick", "--corpus", str(corpus), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    run = tmp_path / "runs" / "demo-encoder_decoder"
+    for name in ("config.yaml", "metrics.jsonl", "loss_curve.png", "samples.txt", "tokenizer", "data"):
+        assert (run / name).exists(), name
+    loss = [line for line in out.splitlines() if "validation loss on the held-out spans:" in line][0]
+    before, after = (float(x) for x in loss.split(":")[-1].replace("before", "").split("after")[0].split("->"))
+    assert after < before
+    source = [line for line in out.splitlines() if line.strip().startswith("source:")][0]
+    truth = [line for line in out.splitlines() if line.strip().startswith("truth:")][0]
+    assert "<extra_id_0>" in source and truth.split()[1].startswith("<extra_id_0>")
+    assert "span filling" in (run / "samples.txt").read_text()
+    assert cli_main(["generate", str(run), "--source", "to be or <extra_id_0> to be", "--max-new-tokens", "4"]) == 0

@@ -209,3 +209,28 @@ def test_missing_index_or_tokens_are_one_line_user_errors(nsp_data):
     with pytest.raises(UserError, match="seq_len=4") as err3:
         next_sentence_for(ds, ds.load_tokenizer(), 300, seq_len=4)
     assert all("\n" not in str(e.value) for e in (err, err2, err3))
+
+
+def test_the_trainer_trains_mlm_plus_nsp_and_resumes_exactly(nsp_data, tmp_path):
+    """train.objective=next_sentence through the trainer: the total (MLM + NSP) falls, validation draws its rows
+    from the validation split's sentences, and a resumed run equals the uninterrupted one."""
+    from run_checks import assert_resume_is_exact
+
+    from archlab.train import TrainConfig, read_metrics, train
+    cfg = ModelConfig(arch="encoder", vocab_size=300, d_model=32, n_layers=2, max_seq_len=32,
+                      attention={"n_heads": 4}, mlp={"activation": "gelu", "d_ff": 64}, position={"kind": "rope"},
+                      norm={"kind": "layernorm", "position": "post", "final_norm": False, "embedding_norm": True},
+                      tie_embeddings=True, type_vocab_size=2, nsp_head=True)
+    fast = dict(batch_size=8, seq_len=32, warmup_steps=2, eval_batches=2, log_every=1, sample_every=-1, lr=3e-3,
+                device="cpu", objective="next_sentence")
+    train(cfg, TrainConfig(budget=24, eval_every=12, checkpoint_every=100, **fast), nsp_data / "data",
+          tmp_path / "run", progress=False)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    totals = [r.get("loss_total", r.get("loss")) for r in rows if "loss" in r]
+    assert all(r["loss_total"] > r["loss"] for r in rows if "loss_total" in r)      # NSP adds to the MLM loss
+    assert sum(totals[-4:]) / 4 < sum(totals[:4]) / 4
+    assert [r for r in rows if "val_mlm_accuracy" in r]
+    assert_resume_is_exact(cfg, TrainConfig(budget=4, checkpoint_every=2, **fast), nsp_data / "data", tmp_path)
+    with pytest.raises(UserError, match="nsp_head=true"):
+        train(cfg.with_overrides({"nsp_head": False}), TrainConfig(budget=1, **fast), nsp_data / "data",
+              tmp_path / "no_head", progress=False)

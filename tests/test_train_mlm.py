@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_checks import assert_resume_is_exact
 
-from archlab.checkpoint import latest_checkpoint, load_checkpoint, load_run
+from archlab.checkpoint import latest_checkpoint, load_run
 from archlab.config import ModelConfig
 from archlab.data import prepare
 from archlab.encoder import EncoderLM
@@ -89,24 +90,8 @@ def test_eval_scores_the_masked_slots_by_hand(mlm_data):
 
 
 def test_resumed_mlm_run_equals_the_uninterrupted_run(mlm_data, tmp_path):
-    """Resume from the step-4 checkpoint of an 8-step run (the later one removed): masks, data order and weights
-    continue exactly."""
-    import shutil
-
-    cfg = TrainConfig(budget=8, **FAST)
-    train(encoder(), cfg, mlm_data, tmp_path / "full", progress=False)
-    shutil.copytree(tmp_path / "full", tmp_path / "part")
-    final = latest_checkpoint(tmp_path / "part")
-    assert final.name.endswith("8")
-    shutil.rmtree(final)
-    train(encoder(), cfg, mlm_data, tmp_path / "part", resume=True, progress=False)
-    a, _ = load_checkpoint(latest_checkpoint(tmp_path / "full"))
-    b, _ = load_checkpoint(latest_checkpoint(tmp_path / "part"))
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    full = [r["loss"] for r in read_metrics(tmp_path / "full" / "metrics.jsonl") if "loss" in r]
-    part = [r["loss"] for r in read_metrics(tmp_path / "part" / "metrics.jsonl") if "loss" in r]
-    assert full == part and len(full) == 8
+    """Resume from the step-4 checkpoint of an 8-step run: masks, data order and weights continue exactly."""
+    assert_resume_is_exact(encoder(), TrainConfig(budget=8, **FAST), mlm_data, tmp_path)
 
 
 def test_whole_word_masking_trains_too(mlm_data, tmp_path):

@@ -5,13 +5,13 @@
     3. prepare token data        (memmap train/val files)
     4. train a small model for `minutes`: LLaMA-style (RMSNorm, SwiGLU, RoPE, ~2.6M params) by default; with
        arch="encoder" a BERT-style masked LM (post-norm LayerNorm, GeLU, biases, an MLM head tied to the
-       embedding) with RoPE positions, which a small MLM learns far sooner than learned absolute positions
+       embedding) with RoPE positions, which a small MLM learns far sooner than learned absolute positions;
+       with arch="encoder_decoder" a T5-style model on span corruption (demo_encoder_decoder.py)
     5. report validation perplexity before/after and a sample (an encoder: MLM loss and accuracy on the
        masked slots before/after and a fill-mask example); leave a run folder with loss_curve.png
 """
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.demo_stages import budget_text, prepare_demo_data
 from archlab.train import TrainConfig
 
 __all__ = ["DemoResult", "EncoderDemoResult", "demo_configs", "encoder_demo_configs", "run_demo"]
 
-MARKER = ".archlab-demo"   # only a folder carrying it is ever cleared by a new demo
 MASK_TOKEN = "[MASK]"
 ENCODER_TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is [MASK] east, and Juliet is "
                 "[MASK] sun.")                                  # the encoder demo's fill-mask line
@@ -99,70 +99,22 @@ def encoder_demo_configs(*, quick: bool, vocab_size: int, minutes: float) -> tup
     return model, train
 
 
-def _check_out(out: Path) -> None:
-    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
-        raise FileExistsError(f"{out} exists and is not an earlier demo run; pass another --out")
-
-
-def _prepare_out(out: Path) -> None:
-    _check_out(out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("written by `archlab demo`; a new demo replaces this folder\n")
-
-
-def _tokenizer_and_data(out: Path, corpus: str, *, quick: bool, vocab_size: int, specials: list[str],
-                        progress: bool, log) -> dict:
-    """Stages 1-3: corpus, tokenizer, token files under out/data; the prepared data's meta."""
-    import archlab.tokenizer as tokenizers
-    from archlab import corpora
-    from archlab.data import prepare
-
-    _check_out(out)                              # every check before the folder is touched
-    files = corpora.corpus_files(corpus)
-    _prepare_out(out)
-
-    log(f"[1/5] corpus {corpus!r} (downloaded once, then cached under {corpora.cache_dir()})")
-    if quick:
-        files = files[:2]
-    size = sum(f.stat().st_size for f in files)
-    log(f"      {len(files)} files, {size / 1e6:.1f} MB")
-
-    extra = f" (specials {', '.join(specials)})" if len(specials) > 1 else ""
-    log(f"[2/5] training a byte-level BPE tokenizer, vocab {vocab_size}{extra}")
-    tok = tokenizers.train(files if len(files) > 1 else files[0], vocab_size, specials, num_workers=2)
-
-    log("[3/5] tokenizing into train/val token files")
-    data_dir = out / "data"
-    corpus_arg = files[0] if len(files) == 1 else corpus
-    if quick:  # only the chosen files: a small corpus of plain strings
-        docs = [corpora.read_text(f) for f in files]
-        meta = prepare(docs, tok, data_dir, num_workers=0, progress=progress, corpus_name=corpus)
-    else:
-        meta = prepare(corpus_arg, tok, data_dir, num_workers=2, progress=progress)
-    splits = meta["splits"]
-    log(f"      train {splits['train']['tokens']:,} tokens, val {splits['val']['tokens']:,} tokens "
-        f"({splits['train']['bytes'] / max(1, splits['train']['tokens']):.2f} bytes/token)")
-    return meta
-
-
-def _budget(train_cfg: TrainConfig) -> str:
-    return (f"{train_cfg.budget:g} minutes" if train_cfg.budget_unit == "minutes"
-            else f"{train_cfg.budget:g} {train_cfg.budget_unit}")
-
-
 def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: float = 2.5,
              corpus: str = "shakespeare", vocab_size: int | None = None, prompt: str | None = "ROMEO:",
-             progress: bool = True, log=print, arch: str = "decoder") -> DemoResult | EncoderDemoResult:
-    """The demo of a decoder (default; `prompt` starts the sample) or, with arch="encoder", of a masked LM
-    (`prompt`: the fill-mask line, holding [MASK]; None: the built-in line)."""
+             progress: bool = True, log=print, arch: str = "decoder") -> Any:
+    """The demo of a decoder (default; `prompt` starts the sample), with arch="encoder" of a masked LM
+    (`prompt`: the fill-mask line, holding [MASK]; None: the built-in line), with arch="encoder_decoder" of a
+    T5-style model on span corruption (archlab.demo_encoder_decoder; `prompt` unused)."""
     if arch == "encoder":
         return _run_encoder_demo(Path(out), quick=quick, minutes=minutes, corpus=corpus, vocab_size=vocab_size,
                                  text=ENCODER_TEXT if prompt is None else prompt, progress=progress, log=log)
+    if arch == "encoder_decoder":
+        from archlab.demo_encoder_decoder import run_encoder_decoder_demo
+        return run_encoder_decoder_demo(Path(out), quick=quick, minutes=minutes, corpus=corpus,
+                                        vocab_size=vocab_size, progress=progress, log=log)
     if arch != "decoder":
         from archlab.errors import UserError
-        raise UserError(f"--arch {arch}: the demo trains a decoder or an encoder")
+        raise UserError(f"--arch {arch}: the demo trains a decoder, an encoder or an encoder_decoder")
     import torch
 
     from archlab.checkpoint import load_run
@@ -176,7 +128,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
     out = Path(out)
     prompt = "ROMEO:" if prompt is None else prompt
     vocab_size = vocab_size or (320 if quick else 2048)
-    meta = _tokenizer_and_data(out, corpus, quick=quick, vocab_size=vocab_size, specials=[EOT_TOKEN],
+    meta = prepare_demo_data(out, corpus, quick=quick, vocab_size=vocab_size, specials=[EOT_TOKEN],
                                progress=progress, log=log)
     data_dir = out / "data"
 
@@ -186,7 +138,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
                       max_batches=train_cfg.eval_batches)
     n_params = TransformerLM(model_cfg).num_params()
     log(f"[4/5] training a LLaMA-style model ({n_params / 1e6:.2f}M params, {model_cfg.n_layers} layers, "
-        f"d_model {model_cfg.d_model}, seq {train_cfg.seq_len}) for {_budget(train_cfg)}, "
+        f"d_model {model_cfg.d_model}, seq {train_cfg.seq_len}) for {budget_text(train_cfg)}, "
         f"{resolve_dtype(train_cfg.dtype, torch.device(train_cfg.device))}")
     log(f"      validation perplexity before training: {before.ppl:,.1f}")
     result = train(model_cfg, train_cfg, data_dir, out, progress=progress)
@@ -217,13 +169,13 @@ def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vo
                       progress: bool, log) -> EncoderDemoResult:
     import torch
 
+    from archlab.batches import objective_for
     from archlab.checkpoint import load_run
     from archlab.data import EOT_TOKEN, TokenDataset
     from archlab.encoder import EncoderLM
     from archlab.errors import UserError
     from archlab.evaluate import evaluate
     from archlab.fill_mask import encode_for_model, fill_mask
-    from archlab.objectives import objective_for
     from archlab.precision import resolve_dtype
     from archlab.train import train
 
@@ -233,7 +185,7 @@ def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vo
     vocab_size = vocab_size or (320 if quick else 2048)
     # the end-of-text token first: the data's document separator is looked up by that name, and a
     # tokenizer's eot_id falls back to its first special token
-    meta = _tokenizer_and_data(out, corpus, quick=quick, vocab_size=vocab_size, specials=[EOT_TOKEN, MASK_TOKEN],
+    meta = prepare_demo_data(out, corpus, quick=quick, vocab_size=vocab_size, specials=[EOT_TOKEN, MASK_TOKEN],
                                progress=progress, log=log)
     data_dir = out / "data"
 
@@ -253,7 +205,7 @@ def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vo
     assert before.accuracy is not None     # an MLM evaluation reports it
     log(f"[4/5] training a BERT-style encoder on the masked LM ({untrained.num_params() / 1e6:.2f}M params, "
         f"{model_cfg.n_layers} layers, d_model {model_cfg.d_model}, RoPE, seq {train_cfg.seq_len}, "
-        f"{train_cfg.mlm_probability:.0%} of tokens masked) for {_budget(train_cfg)}, "
+        f"{train_cfg.mlm_probability:.0%} of tokens masked) for {budget_text(train_cfg)}, "
         f"{resolve_dtype(train_cfg.dtype, torch.device(train_cfg.device))}")
     log(f"      validation MLM loss before training: {before.loss:.3f} (accuracy {before.accuracy:.1%})")
     result = train(model_cfg, train_cfg, data_dir, out, progress=progress)

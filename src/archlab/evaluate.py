@@ -40,36 +40,39 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
              max_batches: int | None = None, device: str | torch.device = "cpu",
              dtype: str = "float32", dist_info=None, progress: bool = False, objective=None) -> EvalResult:
     """Cross-entropy over the first `max_batches` deterministic validation batches of `dataset`
-    (archlab.data.eval_batches). Under data parallelism every rank runs the same number of forwards
-    (FSDP needs all ranks in each all-gather); the sums are all-reduced. `objective` (archlab.objectives.MaskedLM)
-    scores an encoder on its masked slots, batch i masked the same way at every evaluation."""
-    from archlab.data import eval_batches
+    (archlab.batches.validation_batches: token windows, or source/target pairs for an archlab.pairs.PairDataset).
+    Under data parallelism every rank runs the same number of forwards (FSDP needs all ranks in each all-gather);
+    the sums are all-reduced. `objective` (objectives.py) turns the windows as in training, batch i the same way at
+    every evaluation: an encoder scored on its masked slots, an encoder-decoder on its noised spans."""
+    from archlab.batches import scores_text, validation_batches
 
     device = torch.device(device)
     rank, world = (dist_info.rank, dist_info.world_size) if dist_info is not None else (0, 1)
-    batches = list(eval_batches(dataset, batch_size, seq_len, max_batches))
+    batches = list(validation_batches(dataset, batch_size=batch_size, seq_len=seq_len, max_batches=max_batches,
+                                      objective=objective))
     mine = batches[rank::world]
     rounds = -(-len(batches) // world)
     was_training = model.training
     model.eval()
     total_nats, total_tokens, total_correct = 0.0, 0, 0.0
+    has_accuracy = False            # an MLM's evaluation reports accuracy on its masked slots
     try:
         iterator = range(rounds)
         if progress:
             from archlab.progress import progress_bar
             iterator = progress_bar(iterator, desc="eval", leave=False)
         for i in iterator:
-            x, y = mine[i] if i < len(mine) else batches[0]   # a filler forward, weight 0
+            inputs, y = mine[i] if i < len(mine) else batches[0]   # a filler forward, weight 0
             weight = 1 if i < len(mine) else 0
-            if objective is not None:
-                x, y = objective.batch(x, step=-1 - (i * world + rank))    # eval masks: fixed per batch
-            x, y = x.to(device), y.to(device)
+            inputs = {k: v.to(device) for k, v in inputs.items()}
+            y = y.to(device)
             with autocast(device, dtype):   # the fused head + loss: no (b, t, v) logits in memory
-                out = model(x, targets=y)
+                out = model(**inputs, targets=y)
             scored = int((y != -100).sum())
             total_nats += weight * float(out.ce) * scored
             total_tokens += weight * scored
             if out.accuracy is not None:
+                has_accuracy = True
                 total_correct += weight * float(out.accuracy) * scored
     finally:
         model.train(was_training)
@@ -81,12 +84,13 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
     if total_tokens == 0:
         raise ValueError("evaluation scored no tokens")
     loss = total_nats / total_tokens
-    if objective is not None:
-        return EvalResult(loss=loss, ppl=math.exp(min(loss, 700.0)), bpb=float("nan"), tokens=total_tokens,
-                          accuracy=total_correct / total_tokens)
+    ppl = math.exp(min(loss, 700.0))
+    accuracy = total_correct / total_tokens if has_accuracy else None
+    if not scores_text(objective) or not hasattr(dataset, "bytes_per_token"):
+        return EvalResult(loss=loss, ppl=ppl, bpb=float("nan"), tokens=total_tokens, accuracy=accuracy)
     n_bytes = dataset.bytes_per_token * total_tokens
-    return EvalResult(loss=loss, ppl=math.exp(min(loss, 700.0)), bpb=bits_per_byte(loss, total_tokens, n_bytes),
-                      tokens=total_tokens)
+    return EvalResult(loss=loss, ppl=ppl, bpb=bits_per_byte(loss, total_tokens, n_bytes), tokens=total_tokens,
+                      accuracy=accuracy)
 
 
 @torch.no_grad()

@@ -7,6 +7,14 @@
                  (BERT's later release) chooses words instead and masks all of a chosen word's pieces.
     next_sentence  encoders: BERT's pretraining, MLM plus next-sentence prediction over `[CLS] A [SEP] B [SEP]`
                  pairs drawn from a data folder's sentence index (NextSentence, next_sentence_for)
+    span_corruption   encoder-decoders: T5's (archlab.noising.SpanCorruption)
+    text_infilling    encoder-decoders: BART's (archlab.noising.TextInfilling)
+    continuation      any kind: the window's first `train.prefix_fraction` is context, the rest is scored (004's
+                 decoder-only vs prefix-LM vs encoder-decoder comparison: the same scored tokens for all three)
+
+An objective turns a window batch x (b, n) into (inputs, labels): inputs a dict of the model's forward keywords
+(input_ids, attention_mask, prefix_lengths, ...), labels (b, t) with IGNORE on unscored slots. train.objective
+names one; archlab.batches.objective_for builds it.
 
 Masking is a pure function of (seed, step, micro-batch, rank): a resumed run masks exactly as the uninterrupted
 one did, with no random state to save.
@@ -22,7 +30,7 @@ import torch
 from archlab.data import _mix_seed
 from archlab.errors import UserError
 
-__all__ = ["MaskedLM", "mask_tokens", "word_starts", "masked_lm_for", "objective_for", "IGNORE", "NextSentence",
+__all__ = ["MaskedLM", "Continuation", "mask_tokens", "word_starts", "masked_lm_for", "IGNORE", "NextSentence",
            "next_sentence_for", "truncated_lengths"]
 
 IGNORE = -100                 # the label of a slot the loss does not score
@@ -129,15 +137,30 @@ def masked_lm_for(tokenizer: Any, vocab_size: int, *, seed: int = 0, whole_word:
     return MaskedLM(mask_id, vocab_size, special, seed=seed, prob=prob, starts=starts)
 
 
-def objective_for(model_cfg: Any, train_cfg: Any, dataset: Any) -> MaskedLM | None:
-    """What the trainer turns each batch with: BERT's masked LM for an encoder (its train.* settings, the
-    tokenizer of `dataset`, an archlab.data.TokenDataset, loaded only then), None (next-token targets as
-    sampled) for a decoder. Example: objective_for(model_cfg, train_cfg, TokenDataset(data_dir, "val"))"""
-    if model_cfg.arch != "encoder":
-        return None
-    return masked_lm_for(dataset.load_tokenizer(), model_cfg.vocab_size, seed=train_cfg.seed,
-                         whole_word=train_cfg.whole_word_mask, mask_id=train_cfg.mask_token_id,
-                         prob=train_cfg.mlm_probability)
+@dataclass
+class Continuation:
+    """004's comparison at a matched scored set: the first `prefix` tokens of each window are context, the rest is
+    scored. A decoder reads the whole window causally (a prefix-LM attends bidirectionally inside the prefix) and
+    is scored on predicting tokens prefix..n-1; an encoder-decoder encodes the prefix and decodes the rest. Both
+    process n tokens per row and score the same n - prefix targets."""
+
+    prefix: int
+    arch: str
+    prefix_lm: bool = False
+
+    def batch(self, x: torch.Tensor, step: int = 0, micro: int = 0, rank: int = 0
+              ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        b, n = x.shape
+        if not 0 < self.prefix < n:
+            raise UserError(f"a continuation needs 0 < prefix < window: prefix={self.prefix}, window={n}")
+        if self.arch == "encoder_decoder":
+            return {"input_ids": x[:, :self.prefix]}, x[:, self.prefix:]                 # (b, p), (b, n - p)
+        labels = torch.full_like(x, IGNORE)                                              # (b, n)
+        labels[:, self.prefix - 1:-1] = x[:, self.prefix:]     # slot j predicts token j + 1
+        inputs = {"input_ids": x}
+        if self.prefix_lm:
+            inputs["prefix_lengths"] = torch.full((b,), self.prefix, dtype=torch.long)
+        return inputs, labels
 
 
 # ---- next-sentence prediction -------------------------------------------------------------------------------

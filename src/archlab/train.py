@@ -149,7 +149,7 @@ def fit_vocab(model_cfg: ModelConfig, data_dir: str | os.PathLike) -> ModelConfi
     """The model config with vocab_size set to the data folder's (presets carry their own vocab)."""
     from archlab.data import load_meta
 
-    vocab = int(load_meta(data_dir)["vocab_size"])
+    vocab = int(load_meta(data_dir, expect=None)["vocab_size"])
     return model_cfg if model_cfg.vocab_size == vocab else model_cfg.with_overrides({"vocab_size": vocab})
 
 
@@ -177,11 +177,11 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.Pat
 
 
 def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data=False) -> TrainResult:
-    from archlab.data import TokenDataset
+    from archlab.batches import open_splits
 
     # 1. data, checked against the settings
     device = _resolve_device(cfg, info)
-    train_data, val_data = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
+    train_data, val_data = open_splits(data_dir)       # a token stream, or source/target pairs
     can_eval = _check_data(model_cfg, cfg, data_dir, train_data, val_data, info)
     if cfg.memory_check:
         check_memory_fits(model_cfg, cfg, device, info)
@@ -304,9 +304,16 @@ def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
     if cfg.batch_size % info.world_size:
         raise ConfigError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the "
                           f"world size {info.world_size}")
-    can_eval = val_data.n_tokens >= cfg.seq_len + 1
+    if hasattr(val_data, "n_tokens"):                  # a token stream
+        can_eval = val_data.n_tokens >= cfg.seq_len + 1
+        why = f"validation split has {val_data.n_tokens} tokens < seq_len + 1"
+    else:                                              # pairs
+        if cfg.budget_unit == "tokens":
+            raise ConfigError("train.budget_unit=tokens counts fixed windows; paired data has rows of every "
+                              "length: give the budget in steps or minutes")
+        can_eval, why = len(val_data) > 0, "validation split has no pairs"
     if not can_eval and info.is_main:
-        warnings.warn(f"validation split has {val_data.n_tokens} tokens < seq_len + 1: no evaluation", stacklevel=2)
+        warnings.warn(f"{why}: no evaluation", stacklevel=2)
     return can_eval
 
 
@@ -320,6 +327,7 @@ class _StepStats(NamedTuple):
     grad_norm: float
     finite: bool           # False: the update was skipped
     stop_requested: bool   # SIGTERM / SIGINT on some rank: checkpoint and stop after this step
+    tokens: int            # tokens the model read in this step, all ranks (batches.tokens_processed)
 
 
 @dataclass
@@ -341,9 +349,8 @@ class _Run:
     of the loop. Every rank holds one; methods that write files do so on rank 0 only."""
 
     def __init__(self, model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval):
-        from archlab.data import BatchSampler
+        from archlab.batches import TrainBatches
         from archlab.models import build_model
-        from archlab.objectives import objective_for
 
         self.cfg, self.info, self.device = cfg, info, device
         self.data_dir, self.run_dir = data_dir, run_dir
@@ -352,17 +359,17 @@ class _Run:
         self.train_data, self.val_data, self.can_eval = train_data, val_data, can_eval
 
         seed_everything(cfg.seed + info.rank)
-        self.raw = build_model(model_cfg).to(device)        # TransformerLM, or EncoderLM for arch="encoder"
-        # an encoder learns BERT's masked LM; its masks are a function of (seed, step, micro-batch, rank)
-        self.objective = objective_for(model_cfg, cfg, train_data)
+        self.raw = build_model(model_cfg).to(device)        # TransformerLM, EncoderLM or EncoderDecoderLM by arch
+        # (inputs, labels) per micro-step: the objective's (train.objective) or the pairs', a function of
+        # (seed, step, micro-batch, rank)
+        self.batches = TrainBatches(model_cfg, cfg, train_data, rank=info.rank, world_size=info.world_size)
+        self.objective = self.batches.objective
+        self.eval_objective = self.batches.objective_on(val_data) if can_eval else None
         self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len)
         prepared = dist_util.prepare_model(                             # recompute -> wrap -> optimizer -> compile
             self.raw, info, device, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
             build_optimizer=lambda model: build_optimizer(model, cfg, device, info.strategy))
         self.model, self.optimizer, self.step_model = prepared.model, prepared.optimizer, prepared.step_model
-        local_batch = cfg.batch_size // info.world_size                 # batch_size is global
-        self.sampler = BatchSampler(train_data, local_batch, cfg.seq_len, seed=cfg.seed, rank=info.rank,
-                                    world_size=info.world_size)
         self.total_steps = cfg.total_steps()
 
         # saved in checkpoints, restored by resume_from
@@ -389,7 +396,7 @@ class _Run:
             raise ckpt_io.CheckpointError(f"{checkpoint} has no trainer state to resume from")
         dist_util.load_full_model_state(self.model, model_state, info)
         dist_util.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"], info)
-        self.sampler.load_state_dict(state["sampler"])
+        self.batches.load_state_dict(state["sampler"])
         self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["elapsed_s"]
         self.best_val, self.last_val = state.get("best_val"), state.get("last_val")
         self.skipped = state.get("skipped", 0)
@@ -450,11 +457,11 @@ class _Run:
                                                                           self.elapsed))
             stats = self.optimizer_step(lr)
             self.step += 1
-            self.tokens += cfg.tokens_per_step
+            self.tokens += stats.tokens
             now = time.perf_counter()
             self.elapsed += now - t_prev
-            self.window.add(cfg.tokens_per_step, now - t_prev)
-            self.session.add(cfg.tokens_per_step, now - t_prev)
+            self.window.add(stats.tokens, now - t_prev)
+            self.session.add(stats.tokens, now - t_prev)
             t_prev = now
             if not stats.finite:
                 self.stop_or_skip(stats)                # raises Diverged, or warns and moves on
@@ -503,29 +510,32 @@ class _Run:
         cfg, info, device = self.cfg, self.info, self.device
         for g in self.optimizer.param_groups:
             g["lr"] = lr
+        from archlab.batches import tokens_processed
+
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # ce, total: summed on device
+        tokens = 0
         for micro in range(cfg.grad_accum):
-            x, y = next(self.sampler)
-            if self.objective is not None:                                    # MLM: masked inputs, labels
-                x, y = self.objective.batch(x, self.step, micro, info.rank)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            inputs, y = self.batches.next(self.step, micro)                   # {input_ids, ...}, labels
+            tokens += tokens_processed(inputs, y, self.raw.config.arch)
+            inputs = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+            y = y.to(device, non_blocking=True)
             # gradients are all-reduced across ranks once, on the last micro-step
             with dist_util.no_grad_sync(self.model, info, sync=micro == cfg.grad_accum - 1):
                 with autocast(device, cfg.dtype):
-                    out = self.step_model(x, targets=y)                           # LossOutput
+                    out = self.step_model(**inputs, targets=y)                    # LossOutput
                 (out.total / cfg.grad_accum).backward()
             sums += torch.stack((out.ce.detach(), out.total.detach()))
         ce, total_loss = (sums / cfg.grad_accum).tolist()   # one host sync per optimizer step
         # a SIGTERM / SIGINT on any rank rides on the one all-reduce of the step: every rank stops together
-        ce, total_loss, stop = dist_util.all_reduce_mean([ce, total_loss, float(self.signals.received is not None)],
-                                                         info)
+        ce, total_loss, stop, tokens_mean = dist_util.all_reduce_mean(
+            [ce, total_loss, float(self.signals.received is not None), float(tokens)], info)
         grad_norm = self._grad_norm()
         finite = math.isfinite(total_loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
             self.skipped = 0
         self.optimizer.zero_grad(set_to_none=True)
-        return _StepStats(ce, total_loss, grad_norm, finite, stop > 0)
+        return _StepStats(ce, total_loss, grad_norm, finite, stop > 0, round(tokens_mean * info.world_size))
 
     def _grad_norm(self) -> float:
         """Global gradient norm, after clipping to cfg.grad_clip when set."""
@@ -582,11 +592,11 @@ class _Run:
         if self.can_eval:
             result = evaluate(self.model, self.val_data, batch_size=cfg.batch_size,  # whole batches split over ranks
                               seq_len=cfg.seq_len, max_batches=cfg.eval_batches, device=self.device,
-                              dtype=cfg.dtype, dist_info=self.info, objective=self.objective)
+                              dtype=cfg.dtype, dist_info=self.info, objective=self.eval_objective)
             record = {"step": self.step, "tokens": self.tokens, "val_loss": result.loss, "val_ppl": result.ppl}
-            if result.accuracy is None:
+            if math.isfinite(result.bpb):                # the loss is a code length of the text
                 record["val_bpb"] = result.bpb
-            else:
+            if result.accuracy is not None:
                 record["val_mlm_accuracy"] = result.accuracy
             self.log(record)
             self.last_val = result.loss
@@ -597,8 +607,8 @@ class _Run:
         """Append a sampled continuation to samples.txt. DDP: rank 0 alone samples; FSDP: every rank
         takes part in the sharded forward passes (no KV-cache generate); rank 0 writes."""
         cfg, info = self.cfg, self.info
-        if cfg.sample_every < 0 or self.tokenizer is None or self.objective is not None:   # encoders don't sample
-            return
+        if cfg.sample_every < 0 or self.tokenizer is None or self.raw.config.arch != "decoder":
+            return   # encoders don't sample; an encoder-decoder's samples need a source (archlab generate)
         if info.strategy == "ddp" and not info.is_main:
             return
         prompt = self.tokenizer.encode(cfg.sample_prompt) if cfg.sample_prompt else [self.train_data.eot_id]
@@ -623,7 +633,7 @@ class _Run:
             state = {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed,
                      "best_val": self.best_val, "last_val": self.last_val, "skipped": self.skipped,
                      "last_train_loss": self.last_train_loss,
-                     "optimizer": optim_state, "sampler": self.sampler.state_dict(), "rng": rngs,
+                     "optimizer": optim_state, "sampler": self.batches.state_dict(), "rng": rngs,
                      "world_size": info.world_size, "train_config": self.cfg.to_dict()}
             path = ckpt_io.save_checkpoint(self.ckpt_root, self.step, model_state, state,
                                            keep_last=self.cfg.keep_last, extra_meta={"tokens": self.tokens})

@@ -58,6 +58,15 @@ class TrainConfig:
     whole_word_mask: bool = False          # encoders: choose whole words (all of a word's pieces) instead
     mask_token_id: int | None = None       # encoders: the [MASK] id; None: the tokenizer's [MASK] / <mask>. An id
                                            # past the tokenizer (a padded vocabulary) gives a byte-level run one
+    objective: Literal["auto", "next_token", "mlm", "next_sentence", "span_corruption", "text_infilling",
+                       "continuation"] = "auto"
+                                           # auto: the kind's own (decoder next_token, encoder mlm, encoder-decoder
+                                           # span_corruption; paired data: source -> target); objectives.py
+    noise_density: float | None = None     # span_corruption / text_infilling: share of tokens noised (None: T5's
+                                           # 0.15, BART's 0.3)
+    mean_span: float | None = None         # their mean span length (None: T5's 3, BART's Poisson lambda 3.5)
+    permute_sentences: bool = True         # text_infilling: BART's sentence permutation too
+    prefix_fraction: float = 0.5           # continuation: the window's share given as context, the rest scored
 
     def __post_init__(self):
         if isinstance(self.betas, list):
@@ -76,6 +85,12 @@ class TrainConfig:
             raise ConfigError(f"train.mask_token_id={self.mask_token_id} must be >= 0")
         if not 0.0 < self.mlm_probability < 1.0:
             raise ConfigError(f"train.mlm_probability={self.mlm_probability} must be in (0, 1)")
+        if self.noise_density is not None and not 0.0 < self.noise_density < 1.0:
+            raise ConfigError(f"train.noise_density={self.noise_density} must be in (0, 1)")
+        if self.mean_span is not None and not self.mean_span > 0:
+            raise ConfigError(f"train.mean_span={self.mean_span} must be positive")
+        if not 0.0 < self.prefix_fraction < 1.0:
+            raise ConfigError(f"train.prefix_fraction={self.prefix_fraction} must be in (0, 1)")
         if not 0.0 <= self.decay_fraction <= 1.0:
             raise ConfigError(f"train.decay_fraction={self.decay_fraction} must be in [0, 1]")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

@@ -1,5 +1,5 @@
 """`archlab demo`: fetch Shakespeare, train a tokenizer and a small LLaMA-style model (or, with --arch encoder,
-a BERT-style masked LM), report."""
+a BERT-style masked LM; with --arch encoder_decoder, a T5-style model on span corruption), report."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,7 @@ EXAMPLE = """example:
   archlab demo                      # ~3-4 minutes on 2 CPU cores; run folder ./runs/demo
   archlab demo --minutes 1 --out runs/demo-short
   archlab demo --arch encoder       # a BERT-style masked LM, ~4 minutes; run folder ./runs/demo-encoder
+  archlab demo --arch encoder_decoder   # a T5-style model on span corruption; ./runs/demo-encoder_decoder
   archlab demo --quick              # seconds: a smoke test of every stage"""
 
 
@@ -17,10 +18,12 @@ def register(subparsers) -> None:
                               description="Fetch the Shakespeare corpus, train a BPE tokenizer, prepare "
                               "data, train a small LLaMA-style model and show perplexity and a sample; with "
                               "--arch encoder train a BERT-style masked LM and show its MLM loss and accuracy "
-                              "and a fill-mask example.",
+                              "and a fill-mask example; with --arch encoder_decoder train a T5-style model on "
+                              "span corruption and show a held-out line's spans filled in.",
                               epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", choices=("decoder", "encoder"), default="decoder",
-                   help="decoder: next-token LM (default); encoder: masked LM (BERT)")
+    p.add_argument("--arch", choices=("decoder", "encoder", "encoder_decoder"), default="decoder",
+                   help="decoder: next-token LM (default); encoder: masked LM (BERT); encoder_decoder: span "
+                   "corruption (T5)")
     p.add_argument("--out", default=None,
                    help="run folder (default: runs/demo, or runs/demo-encoder; replaced each time)")
     p.add_argument("--minutes", type=float, default=2.5, help="training time (default 2.5)")
@@ -41,7 +44,7 @@ def run(args) -> int:
         raise ConfigError(f"--minutes {args.minutes} must be a positive number")
     if args.arch == "encoder" and args.prompt is not None and MASK_TOKEN not in args.prompt:
         raise ConfigError(f"--prompt {args.prompt!r} holds no {MASK_TOKEN}: the encoder demo fills in its mask tokens")
-    out = args.out or ("runs/demo-encoder" if args.arch == "encoder" else "runs/demo")
+    out = args.out or ("runs/demo" if args.arch == "decoder" else f"runs/demo-{args.arch}")
     run_demo(out, quick=args.quick, minutes=args.minutes, corpus=args.corpus, prompt=args.prompt,
              progress=not args.no_progress, arch=args.arch)
     return 0

@@ -311,7 +311,7 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
     measured = {k for r in rows for k, x in r.extra.items()
                 if k in MEASURED_METRICS and isinstance(x, (int, float))}
     extra_metrics = sorted(({v.rule.metric for v in verdicts} | measured) - set(STANDARD_METRICS))
-    header = ["variant", "seeds", "params", "final val loss", "best val loss", "step ms", "tokens/s",
+    header = ["variant", "seeds", "params", "tokens", "final val loss", "best val loss", "step ms", "tokens/s",
               "diverged", *extra_metrics, "match / notes"]
     trows = []
     for variant in _variants_in_order(rows):
@@ -321,7 +321,8 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
         bl = _stats([r.best_val_loss for r in ok if r.best_val_loss is not None])
         st = _stats([1000 * r.step_time_s for r in ok if r.step_time_s])
         tps = _stats([r.tokens_per_s for r in ok if r.tokens_per_s])
-        cells = [variant, str(len(ok)), _fmt(vr[0].params), f"{_fmt(fl[0])} ± {_fmt(fl[1], 2)}",
+        tokens = _stats([r.tokens_seen for r in ok if r.tokens_seen])    # read by the model: source + target
+        cells = [variant, str(len(ok)), _fmt(vr[0].params), _fmt(tokens[0]), f"{_fmt(fl[0])} ± {_fmt(fl[1], 2)}",
                  f"{_fmt(bl[0])}", f"{_fmt(st[0], 3)} ± {_fmt(st[1], 2)}", _fmt(tps[0], 4),
                  f"{sum(r.diverged for r in vr)}/{len(vr)}"]
         for m in extra_metrics:

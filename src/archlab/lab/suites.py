@@ -440,6 +440,44 @@ def _rank_collapse() -> Suite:
 
 
 @builtin_suite
+def _lm_architecture() -> Suite:
+    return Suite(
+        name="lm_architecture",
+        claim="Given the same parameters and the same tokens processed, reading the context bidirectionally helps "
+              "predict its continuation: a prefix-LM and an encoder-decoder score the continuation better than "
+              "a causal decoder",
+        # every variant reads the same windows and is scored on the same second halves (objectives.Continuation)
+        axes=[{"name": "arch", "values": [
+            {"label": "decoder", "set": {"train.objective": "continuation"}},
+            {"label": "prefix_lm", "set": {"attention.prefix_lm": True, "train.objective": "continuation"}},
+            {"label": "encoder_decoder", "set": {"arch": "encoder_decoder", "n_layers": 2, "decoder_layers": 2,
+                                                 "train.objective": "continuation"}}]}],
+        match={"by": "params", "knob": "mlp.d_ff", "tolerance": 0.02},
+        scales={"small": {"budget": 300, "unit": "steps"},
+                "large": {"budget": 4000, "unit": "steps",
+                          "train": {"batch_size": 64, "seq_len": 256, "eval_every": 500, "eval_batches": 32,
+                                    "warmup_steps": 200, "dtype": "auto"},
+                          "model": {"d_model": 256, "n_layers": 4, "attention.n_heads": 8, "mlp.d_ff": 688}}},
+        seeds=3,
+        rules=[
+            Rule(kind="less", metric="final_val_loss", a={"arch": "prefix_lm"}, b={"arch": "decoder"},
+                 statement="the prefix-LM's continuation loss below the causal decoder's"),
+            Rule(kind="less", metric="final_val_loss", a={"arch": "encoder_decoder"}, b={"arch": "decoder"},
+                 statement="the encoder-decoder's continuation loss below the causal decoder's"),
+        ],
+        published="Raffel et al. 2020 (T5) §3.2, Table 2: with a language-modeling objective, a prefix LM and an "
+                  "encoder-decoder transfer better than a causal decoder-only LM; lecture notes (004): decoder-only "
+                  "models reuse their KV cache across turns, which encoder-decoders and prefix-LMs cannot",
+        notes="Each window of seq_len tokens is split in half: the first half is context, the second is scored "
+              "(objectives.Continuation). The decoder reads the window causally and the prefix-LM attends "
+              "bidirectionally inside the first half; the encoder-decoder (2 encoder + 2 decoder layers) encodes "
+              "the first half and decodes the second. All three read seq_len tokens per row (source + target: "
+              "the tokens column) and are scored on the same seq_len / 2 targets. mlp.d_ff is matched so the "
+              "parameter counts agree within 2% (the decoder's cross-attention costs the encoder-decoder width).",
+    )
+
+
+@builtin_suite
 def _position() -> Suite:
     return Suite(
         name="position",

@@ -1,0 +1,63 @@
+"""The stages every `archlab demo` shares: a run folder it may replace, the corpus, a tokenizer and token data
+(stages 1-3), and how a budget reads."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from archlab.train import TrainConfig
+
+MARKER = ".archlab-demo"   # only a folder carrying it is ever cleared by a new demo
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
+        raise FileExistsError(f"{out} exists and is not an earlier demo run; pass another --out")
+
+
+def _prepare_out(out: Path) -> None:
+    _check_out(out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by `archlab demo`; a new demo replaces this folder\n")
+
+
+def prepare_demo_data(out: Path, corpus: str, *, quick: bool, vocab_size: int, specials: list[str],
+                        progress: bool, log) -> dict:
+    """Stages 1-3: corpus, tokenizer, token files under out/data; the prepared data's meta."""
+    import archlab.tokenizer as tokenizers
+    from archlab import corpora
+    from archlab.data import prepare
+
+    _check_out(out)                              # every check before the folder is touched
+    files = corpora.corpus_files(corpus)
+    _prepare_out(out)
+
+    log(f"[1/5] corpus {corpus!r} (downloaded once, then cached under {corpora.cache_dir()})")
+    if quick:
+        files = files[:2]
+    size = sum(f.stat().st_size for f in files)
+    log(f"      {len(files)} files, {size / 1e6:.1f} MB")
+
+    extra = f" (specials {', '.join(specials)})" if len(specials) > 1 else ""
+    log(f"[2/5] training a byte-level BPE tokenizer, vocab {vocab_size}{extra}")
+    tok = tokenizers.train(files if len(files) > 1 else files[0], vocab_size, specials, num_workers=2)
+
+    log("[3/5] tokenizing into train/val token files")
+    data_dir = out / "data"
+    corpus_arg = files[0] if len(files) == 1 else corpus
+    if quick:  # only the chosen files: a small corpus of plain strings
+        docs = [corpora.read_text(f) for f in files]
+        meta = prepare(docs, tok, data_dir, num_workers=0, progress=progress, corpus_name=corpus)
+    else:
+        meta = prepare(corpus_arg, tok, data_dir, num_workers=2, progress=progress)
+    splits = meta["splits"]
+    log(f"      train {splits['train']['tokens']:,} tokens, val {splits['val']['tokens']:,} tokens "
+        f"({splits['train']['bytes'] / max(1, splits['train']['tokens']):.2f} bytes/token)")
+    return meta
+
+
+def budget_text(train_cfg: TrainConfig) -> str:
+    return (f"{train_cfg.budget:g} minutes" if train_cfg.budget_unit == "minutes"
+            else f"{train_cfg.budget:g} {train_cfg.budget_unit}")

@@ -133,3 +133,10 @@ def test_pairs_for_the_wrong_model_or_objective_are_one_line(pair_data, tmp_path
         train(cfg, TrainConfig(budget=2, **{**PAIRS, "objective": objective}), pair_data, tmp_path / "run",
               progress=False)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_pairs_longer_than_the_training_length_are_one_line_naming_the_setting(pair_data, tmp_path):
+    with pytest.raises(UserError, match=r"train sources are longer than train.seq_len=8 .*raise train.seq_len"):
+        train(enc_dec(), TrainConfig(budget=2, **{**PAIRS, "seq_len": 8}), pair_data, tmp_path / "run",
+              progress=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -151,7 +151,7 @@ class TrainBatches:
             _check_pairs_objective(model_cfg, train_cfg)
             self.sampler: Any = PairSampler(dataset, local_batch, max_source_len=train_cfg.seq_len,
                                             max_target_len=train_cfg.seq_len, seed=train_cfg.seed, rank=rank,
-                                            world_size=world_size)
+                                            world_size=world_size, setting="train.seq_len")
         else:
             from archlab.data import BatchSampler
             self.objective = self.objective_on(dataset)
@@ -196,7 +196,8 @@ def validation_batches(dataset: Any, *, batch_size: int, seq_len: int, max_batch
     (batch i with the fixed step -1 - i: the same masks / spans at every evaluation)."""
     if is_pair_dataset(dataset):
         from archlab.pairs import pair_eval_batches
-        yield from pair_eval_batches(dataset, batch_size, max_batches, rank=rank, world_size=world_size)
+        yield from pair_eval_batches(dataset, batch_size, max_batches, rank=rank, world_size=world_size,
+                                     max_source_len=seq_len, max_target_len=seq_len, setting="train.seq_len")
         return
     if _draws_own_rows(objective):          # next-sentence rows of the validation split, fixed per batch
         for i in range(rank, max_batches or 1, world_size):

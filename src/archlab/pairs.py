@@ -286,8 +286,10 @@ class PairDataset:
         return f"PairDataset({str(self.data_dir)!r}, {self.split!r}, n_pairs={self.n_pairs})"
 
 
-def check_lengths(dataset: PairDataset, max_source_len: int | None, max_target_len: int | None) -> None:
-    """A DataError naming how many of the split's sources (targets) are longer than the limit, and the longest."""
+def check_lengths(dataset: PairDataset, max_source_len: int | None, max_target_len: int | None, *,
+                  setting: str | None = None) -> None:
+    """A DataError naming how many of the split's sources (targets) are longer than the limit, and the longest;
+    `setting` names where the limit comes from (e.g. "train.seq_len")."""
     lengths = dataset.lengths()
     for side, limit in enumerate((max_source_len, max_target_len)):
         if limit is None:
@@ -298,8 +300,8 @@ def check_lengths(dataset: PairDataset, max_source_len: int | None, max_target_l
         over = int((lengths[:, side] > limit).sum())
         if over:
             raise DataError(f"{over:,} of {len(dataset):,} {dataset.split} {name}s are longer than "
-                            f"max_{name}_len={limit} (longest {int(lengths[:, side].max()):,} tokens, "
-                            "end-of-text included): raise the limit or filter the pairs")
+                            f"{setting or f'max_{name}_len'}={limit} (longest {int(lengths[:, side].max()):,} "
+                            f"tokens, end-of-text included): raise {setting or 'the limit'} or filter the pairs")
 
 
 def collate_pairs(dataset: PairDataset, indices: Sequence[int], pad_id: int = 0,
@@ -333,14 +335,15 @@ class PairSampler(StepSampler):
     tokens_in = staticmethod(tokens_in)
 
     def __init__(self, dataset: PairDataset, batch_size: int, *, max_source_len: int, max_target_len: int,
-                 seed: int = 0, rank: int = 0, world_size: int = 1, pad_id: int = 0) -> None:
+                 seed: int = 0, rank: int = 0, world_size: int = 1, pad_id: int = 0, setting: str | None = None
+                 ) -> None:
         if batch_size < 1:
             raise DataError(f"batch_size={batch_size} must be positive")
         if not 0 <= rank < world_size:
             raise DataError(f"rank={rank} must be in [0, world_size={world_size})")
         if len(dataset) == 0:
             raise DataError(f"split {dataset.split!r} of {dataset.data_dir} has no pairs")
-        check_lengths(dataset, max_source_len, max_target_len)
+        check_lengths(dataset, max_source_len, max_target_len, setting=setting)
         self.dataset, self.batch_size, self.pad_id = dataset, batch_size, pad_id
         self.max_source_len, self.max_target_len = max_source_len, max_target_len
         self.seed, self.rank, self.world_size = seed, rank, world_size
@@ -373,14 +376,14 @@ class PairSampler(StepSampler):
 
 def pair_eval_batches(dataset: PairDataset, batch_size: int, max_batches: int | None = None, *, rank: int = 0,
                       world_size: int = 1, pad_id: int = 0, max_source_len: int | None = None,
-                      max_target_len: int | None = None,
+                      max_target_len: int | None = None, setting: str | None = None,
                       ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
     """Deterministic validation batches: pairs [k*batch_size, (k+1)*batch_size) in file order, k = 0, 1, ...;
     the last batch may be smaller. With world_size > 1, rank r gets batches r, r + world_size, ... (of the
     first max_batches). Length limits, when given, are checked as PairSampler checks them."""
     if len(dataset) == 0:
         raise DataError(f"split {dataset.split!r} of {dataset.data_dir} has no pairs")
-    check_lengths(dataset, max_source_len, max_target_len)
+    check_lengths(dataset, max_source_len, max_target_len, setting=setting)
     n_batches = -(-len(dataset) // batch_size)
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)

@@ -140,3 +140,19 @@ def test_pairs_longer_than_the_training_length_are_one_line_naming_the_setting(p
         train(enc_dec(), TrainConfig(budget=2, **{**PAIRS, "seq_len": 8}), pair_data, tmp_path / "run",
               progress=False)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("objective, extra", [("span_corruption", {}), ("text_infilling", {"mask_token_id": 299})])
+def test_t5_and_bart_objectives_train_on_a_byte_stream(byte_data, tmp_path, objective, extra):
+    """Ids past the byte tokenizer in a padded vocabulary serve as T5's sentinels or BART's mask; the byte
+    tokenizer's pieces give BART its whole words and sentence ends."""
+    cfg = enc_dec().with_overrides({"vocab_size": 300})
+    train(cfg, TrainConfig(budget=3, **{**FAST, "objective": objective, **extra}), byte_data, tmp_path / "run",
+          progress=False)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 3 and all(r["loss"] == r["loss"] for r in steps)
+    evals = [r for r in rows if "val_loss" in r]
+    assert evals and all("val_bpb" not in r for r in evals)      # noised slots are not a code length of the text
+    if objective == "span_corruption":   # 32-token windows: 27 kept + 2 sentinels + EOS, 5 noise + 2 + EOS
+        assert steps[0]["tokens"] == 4 * (30 + 8)

@@ -104,6 +104,15 @@ class ByteTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.eot_id if token == EOT_TOKEN else None
 
+    special_tokens = [EOT_TOKEN]
+
+    def id_to_token(self, i: int) -> bytes | str | None:
+        """The piece of an id, as the other tokenizers give it: its byte, or the end-of-text token's name (whole
+        words and sentence ends are found from the pieces)."""
+        if i == self.eot_id:
+            return EOT_TOKEN
+        return bytes([i]) if 0 <= i < 256 else None
+
     def save(self, directory: str | os.PathLike) -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)

@@ -353,3 +353,29 @@ def test_report_on_a_corrupt_table_is_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path / "sweep")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a readable archlab results table" in err
+
+
+def test_lm_architecture_compares_kinds_at_matched_params_tokens_and_targets(tmp_path):
+    """Its three variants have parameter counts within 2%, read the same number of tokens per window and are
+    scored on exactly the same targets."""
+    import torch
+
+    from archlab.batches import objective_for, tokens_processed
+    from archlab.data import prepare
+
+    prepare(["to be or not to be that is the question " * 40] * 3, "bytes", tmp_path / "data", num_workers=0,
+            progress=False)
+    from archlab.data import TokenDataset
+    val = TokenDataset(tmp_path / "data", "train")
+    planned = [p for p in plan(suites.BUILTIN["lm_architecture"], tmp_path, vocab_size=257) if p.seed == 0]
+    assert {p.model.arch for p in planned} == {"decoder", "encoder_decoder"}
+    assert sum(p.model.attention.prefix_lm for p in planned) == 1
+    counts = [matching.param_count(p.model) for p in planned]
+    assert max(counts) / min(counts) < 1.02
+    x = torch.randint(0, 256, (2, planned[0].train.seq_len))
+    scored, read = set(), set()
+    for p in planned:
+        inputs, labels = objective_for(p.model, p.train, val).batch(x, step=0)
+        scored.add(tuple(labels[labels != -100].tolist()))
+        read.add(tokens_processed(inputs, labels, p.model.arch))
+    assert len(scored) == 1 and len(read) == 1

@@ -473,7 +473,10 @@ def _lm_architecture() -> Suite:
               "bidirectionally inside the first half; the encoder-decoder (2 encoder + 2 decoder layers) encodes "
               "the first half and decodes the second. All three read seq_len tokens per row (source + target: "
               "the tokens column) and are scored on the same seq_len / 2 targets. mlp.d_ff is matched so the "
-              "parameter counts agree within 2% (the decoder's cross-attention costs the encoder-decoder width).",
+              "parameter counts agree within 2% (the decoder's cross-attention costs the encoder-decoder width). "
+              "Matched parameters are not matched compute: each token passes through 2 of the encoder-decoder's "
+              "layers against the decoder's 4, about half the FLOPs per token (T5 Table 2's 'P params, M/2 "
+              "FLOPs' row; its headline encoder-decoder has 2P parameters at M FLOPs).",
     )
 
 

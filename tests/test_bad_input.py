@@ -121,7 +121,16 @@ def seq2seq_run(tmp: Path, w: dict) -> None:
     shutil.copytree(w["bpe_run"] / "tokenizer", folder / "tokenizer")
 
 
+def pairs_data(tmp: Path, w: dict) -> None:
+    """{tmp}/pairs: a prepared source/target folder (byte tokenizer)."""
+    from archlab.pairs import prepare_pairs
+    rows = [{"source": f"to be {i}", "target": f"{i} be to"} for i in range(20)]
+    (tmp / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare_pairs(tmp / "pairs.jsonl", "bytes", tmp / "pairs", progress=False)
+
+
 T = ["train", "--data", "{data}", "--out", "{new}", "--no-progress"]
+BERT = T + ["--preset", "tiny:bert-base", "--set", "vocab_size=257", "--set", "train.seq_len=16"]
 TP = T + ["--preset", "tiny:llama2-7b"]
 G = ["generate", "{run}", "--prompt", "to be"]
 FM = ["fill-mask", "{enc_run}"]
@@ -148,6 +157,19 @@ CASES = [
     ("train set without =", TP + ["--set", "n_layers"], "key=value"),
     ("train unknown key", TP + ["--set", "n_layerz=2"], "n_layerz"),
     ("train unknown train key", TP + ["--set", "train.lrr=1"], "lrr"),
+    ("train unknown objective", TP + ["--set", "train.objective=denoise"], "denoise"),
+    ("train objective for another kind", TP + ["--set", "train.objective=mlm"], "train.objective=mlm trains encoder"),
+    ("train span corruption without sentinels", T + ["--preset", "tiny:t5-11b", "--set", "vocab_size=257"],
+     "span corruption needs sentinel ids"),
+    ("train next sentence without the head", BERT + ["--set", "train.objective=next_sentence"], "nsp_head=true"),
+    ("train next sentence without sentences",
+     BERT + ["--set", "nsp_head=true", "--set", "train.objective=next_sentence"], "--sentences"),
+    ("train pairs on a decoder", ["train", "--data", "{tmp}/pairs", "--out", "{new}", "--no-progress", "--preset",
+                                  "tiny:llama2-7b", "--set", "vocab_size=257"],
+     "paired source/target data trains encoder-decoders", pairs_data),
+    ("train pairs longer than seq_len", ["train", "--data", "{tmp}/pairs", "--out", "{new}", "--no-progress",
+                                         "--preset", "tiny:t5-11b", "--set", "vocab_size=257", "--set",
+                                         "train.seq_len=4"], "longer than train.seq_len=4", pairs_data),
     ("train zero layers", TP + ["--set", "n_layers=0"], "n_layers"),
     ("train non-numeric", TP + ["--set", "n_layers=abc"], "n_layers"),
     ("train bad heads", TP + ["--set", "attention.n_kv_heads=3"], "n_kv_heads"),

@@ -177,12 +177,16 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.Pat
 
 
 def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data=False) -> TrainResult:
-    from archlab.batches import open_splits
+    from archlab.batches import TrainBatches, open_splits
 
     # 1. data, checked against the settings
     device = _resolve_device(cfg, info)
     train_data, val_data = open_splits(data_dir)       # a token stream, or source/target pairs
     can_eval = _check_data(model_cfg, cfg, data_dir, train_data, val_data, info)
+    # the objective and the sampler, built before the run folder is touched: a setting this data cannot train
+    # (no sentinels, no sentence index, pairs too long) is an error that leaves nothing behind
+    batches = TrainBatches(model_cfg, cfg, train_data, rank=info.rank, world_size=info.world_size)
+    eval_objective = batches.objective_on(val_data) if can_eval else None
     if cfg.memory_check:
         check_memory_fits(model_cfg, cfg, device, info)
     # 2. run folder: rank 0 locks and writes it, the others wait
@@ -190,17 +194,18 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_
         latest = _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info,
                                   allow_new_data)
         return _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
-                         (train_data, val_data, can_eval))
+                         (train_data, val_data, can_eval, batches, eval_objective))
 
 
 def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device, data) -> TrainResult:
     """Steps 3-5 of `_train`, with the run folder locked."""
-    train_data, val_data, can_eval = data
+    train_data, val_data, can_eval, batches, eval_objective = data
     if info.enabled:
         torch.distributed.barrier()
     # 3. model, optimizer, sampler; config.yaml keeps dtype "auto", precision.json what it resolved to
     cfg = _resolve_precision(cfg, device, info, run_dir, resuming=latest is not None)
-    run = _Run(model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval)
+    run = _Run(model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval, batches,
+               eval_objective)
     if info.is_main:
         write_provenance(run_dir, provenance(device=device, dtype=cfg.dtype, model=run.raw))
     # 4. resume
@@ -348,8 +353,8 @@ class _Run:
     """One training run: the built objects, the counters a checkpoint saves, and one method per stage
     of the loop. Every rank holds one; methods that write files do so on rank 0 only."""
 
-    def __init__(self, model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval):
-        from archlab.batches import TrainBatches
+    def __init__(self, model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval, batches,
+                 eval_objective):
         from archlab.models import build_model
 
         self.cfg, self.info, self.device = cfg, info, device
@@ -360,11 +365,9 @@ class _Run:
 
         seed_everything(cfg.seed + info.rank)
         self.raw = build_model(model_cfg).to(device)        # TransformerLM, EncoderLM or EncoderDecoderLM by arch
-        # (inputs, labels) per micro-step: the objective's (train.objective) or the pairs', a function of
-        # (seed, step, micro-batch, rank)
-        self.batches = TrainBatches(model_cfg, cfg, train_data, rank=info.rank, world_size=info.world_size)
-        self.objective = self.batches.objective
-        self.eval_objective = self.batches.objective_on(val_data) if can_eval else None
+        # (inputs, labels) per micro-step (batches.TrainBatches): the objective's (train.objective) or the pairs',
+        # a function of (seed, step, micro-batch, rank)
+        self.batches, self.objective, self.eval_objective = batches, batches.objective, eval_objective
         self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len)
         prepared = dist_util.prepare_model(                             # recompute -> wrap -> optimizer -> compile
             self.raw, info, device, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,

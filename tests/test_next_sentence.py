@@ -229,8 +229,33 @@ def test_the_trainer_trains_mlm_plus_nsp_and_resumes_exactly(nsp_data, tmp_path)
     totals = [r.get("loss_total", r.get("loss")) for r in rows if "loss" in r]
     assert all(r["loss_total"] > r["loss"] for r in rows if "loss_total" in r)      # NSP adds to the MLM loss
     assert sum(totals[-4:]) / 4 < sum(totals[:4]) / 4
-    assert [r for r in rows if "val_mlm_accuracy" in r]
+    evals = [r for r in rows if "val_mlm_accuracy" in r]
+    assert evals and all(0.0 <= r["val_nsp_accuracy"] <= 1.0 and r["val_nsp_loss"] > 0 for r in evals)
     assert_resume_is_exact(cfg, TrainConfig(budget=4, checkpoint_every=2, **fast), nsp_data / "data", tmp_path)
     with pytest.raises(UserError, match="nsp_head=true"):
         train(cfg.with_overrides({"nsp_head": False}), TrainConfig(budget=1, **fast), nsp_data / "data",
               tmp_path / "no_head", progress=False)
+
+
+def test_evaluation_scores_next_sentence_rows_by_hand(nsp_data):
+    """evaluate() on the validation split's fixed next-sentence rows: MLM loss over the masked slots, NSP loss and
+    accuracy over the rows, equal to a loop over the same batches."""
+    from archlab.evaluate import evaluate
+    val = TokenDataset(nsp_data / "data", "val")
+    cfg = ModelConfig(arch="encoder", vocab_size=300, d_model=32, n_layers=1, max_seq_len=32,
+                      attention={"n_heads": 4}, position={"kind": "rope"}, type_vocab_size=2, nsp_head=True)
+    model = EncoderLM(cfg).eval()
+    nsp = next_sentence_for(val, val.load_tokenizer(), 300, seq_len=32, batch_size=4)
+    result = evaluate(model, val, batch_size=4, seq_len=32, max_batches=3, objective=nsp)
+    rows, nats, hits = 0, 0.0, 0
+    for i in range(3):
+        inputs, labels = nsp.batch(-1 - i)
+        with torch.no_grad():
+            logits = model.next_sentence_logits(model(**{k: v for k, v in inputs.items()
+                                                         if k != "next_sentence_labels"}, return_hidden=True))
+        target = inputs["next_sentence_labels"]
+        nats += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+        hits += int((logits.argmax(-1) == target).sum())
+        rows += len(target)
+    assert result.nsp_loss == pytest.approx(nats / rows, rel=1e-5)
+    assert result.nsp_accuracy == pytest.approx(hits / rows)

@@ -113,8 +113,10 @@ class EncoderLM(Embedder, nn.Module):
     def add_next_sentence_loss(self, out: LossOutput, hidden: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         """`out` (the MLM loss) with the NSP cross-entropy of `labels` (b,) added to its total (BERT's
         pretraining loss is their sum) and reported as nsp_loss."""
-        nsp = F.cross_entropy(self.next_sentence_logits(hidden).float(), labels.to(hidden.device))
-        return dataclasses.replace(out, total=out.total + nsp, nsp_loss=nsp.detach())
+        logits, labels = self.next_sentence_logits(hidden).float(), labels.to(hidden.device)     # (b, 2), (b,)
+        nsp = F.cross_entropy(logits, labels)
+        accuracy = None if torch.is_grad_enabled() else (logits.argmax(-1) == labels).float().mean()
+        return dataclasses.replace(out, total=out.total + nsp, nsp_loss=nsp.detach(), nsp_accuracy=accuracy)
 
     def labelled_logits(self, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
                         ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,8 @@ class EvalResult:
     bpb: float         # bits per UTF-8 byte (nan for an MLM: masked slots are not a compression of the text)
     tokens: int        # tokens scored
     accuracy: float | None = None   # MLM: share of masked slots predicted exactly
+    nsp_loss: float | None = None   # next-sentence prediction: its cross-entropy per row (not in `loss`)
+    nsp_accuracy: float | None = None   # and the share of rows whose IsNext / NotNext it predicts
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,6 +58,7 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
     model.eval()
     total_nats, total_tokens, total_correct = 0.0, 0, 0.0
     has_accuracy = False            # an MLM's evaluation reports accuracy on its masked slots
+    nsp = torch.zeros(3, dtype=torch.float64)   # next-sentence rows, nats, hits
     try:
         iterator = range(rounds)
         if progress:
@@ -74,20 +77,27 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
             if out.accuracy is not None:
                 has_accuracy = True
                 total_correct += weight * float(out.accuracy) * scored
+            if out.nsp_accuracy is not None and out.nsp_loss is not None:
+                rows = len(inputs["next_sentence_labels"])
+                nsp += weight * torch.tensor([rows, float(out.nsp_loss) * rows, float(out.nsp_accuracy) * rows],
+                                             dtype=torch.float64)
     finally:
         model.train(was_training)
     if dist_info is not None and dist_info.enabled:
         from archlab.distributed import all_reduce_sum
-        total_nats, total_tokens, total_correct = all_reduce_sum([total_nats, float(total_tokens), total_correct],
-                                                                 dist_info)
+        total_nats, total_tokens, total_correct, *nsp_sums = all_reduce_sum(
+            [total_nats, float(total_tokens), total_correct, *nsp.tolist()], dist_info)
+        nsp = torch.tensor(nsp_sums, dtype=torch.float64)
         total_tokens = int(total_tokens)
     if total_tokens == 0:
         raise ValueError("evaluation scored no tokens")
     loss = total_nats / total_tokens
     ppl = math.exp(min(loss, 700.0))
     accuracy = total_correct / total_tokens if has_accuracy else None
+    nsp_fields = {"nsp_loss": float(nsp[1] / nsp[0]), "nsp_accuracy": float(nsp[2] / nsp[0])} if nsp[0] else {}
     if not scores_text(objective) or not hasattr(dataset, "bytes_per_token"):
-        return EvalResult(loss=loss, ppl=ppl, bpb=float("nan"), tokens=total_tokens, accuracy=accuracy)
+        return EvalResult(loss=loss, ppl=ppl, bpb=float("nan"), tokens=total_tokens, accuracy=accuracy,
+                          **nsp_fields)
     n_bytes = dataset.bytes_per_token * total_tokens
     return EvalResult(loss=loss, ppl=ppl, bpb=bits_per_byte(loss, total_tokens, n_bytes), tokens=total_tokens,
                       accuracy=accuracy)

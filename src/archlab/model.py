@@ -33,6 +33,7 @@ class LossOutput:
     aux_loss: torch.Tensor  # MoE load-balancing + router z-loss, already weighted
     accuracy: torch.Tensor | None = None   # share of scored slots whose argmax is the target (MLM evaluation)
     nsp_loss: torch.Tensor | None = None   # next-sentence cross-entropy (BERT pretraining), already in total
+    nsp_accuracy: torch.Tensor | None = None   # share of rows whose next-sentence label is predicted (evaluation)
 
 
 class NextTokenHead:

@@ -601,6 +601,8 @@ class _Run:
                 record["val_bpb"] = result.bpb
             if result.accuracy is not None:
                 record["val_mlm_accuracy"] = result.accuracy
+            if result.nsp_accuracy is not None:
+                record.update(val_nsp_loss=result.nsp_loss, val_nsp_accuracy=result.nsp_accuracy)
             self.log(record)
             self.last_val = result.loss
         if self.last_val is not None and (self.best_val is None or self.last_val < self.best_val):

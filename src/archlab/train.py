@@ -596,7 +596,8 @@ class _Run:
             result = evaluate(self.model, self.val_data, batch_size=cfg.batch_size,  # whole batches split over ranks
                               seq_len=cfg.seq_len, max_batches=cfg.eval_batches, device=self.device,
                               dtype=cfg.dtype, dist_info=self.info, objective=self.eval_objective)
-            record = {"step": self.step, "tokens": self.tokens, "val_loss": result.loss, "val_ppl": result.ppl}
+            record: dict[str, Any] = {"step": self.step, "tokens": self.tokens, "val_loss": result.loss,
+                                      "val_ppl": result.ppl}
             if math.isfinite(result.bpb):                # the loss is a code length of the text
                 record["val_bpb"] = result.bpb
             if result.accuracy is not None:

@@ -10,6 +10,7 @@ import pytest
 
 from archlab.cli import main
 from archlab.demo import demo_configs, encoder_demo_configs
+from archlab.demo_encoder_decoder import SENTINELS, encoder_decoder_demo_configs
 from archlab.train import train
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -31,8 +32,8 @@ def readme_demo_commands() -> list[str]:
 
 @pytest.fixture(scope="module")
 def demo_folder(tmp_path_factory):
-    """A folder whose runs/demo has the demo's model and context (256 tokens), briefly trained, and whose
-    runs/demo-encoder has the encoder demo's model."""
+    """A folder whose runs/demo has the demo's model and context (256 tokens), briefly trained, whose
+    runs/demo-encoder has the encoder demo's model and runs/demo-encoder_decoder the encoder-decoder demo's."""
     from archlab.data import prepare
     from archlab.tokenizer import Tokenizer, train_bpe
 
@@ -53,6 +54,15 @@ def demo_folder(tmp_path_factory):
             progress=False)
     model, _ = encoder_demo_configs(quick=False, vocab_size=len(vocab), minutes=1)
     train(model, cfg, root / "mlm_data", root / "runs" / "demo-encoder", progress=False)
+    # runs/demo-encoder_decoder: the encoder-decoder demo's model, on a tokenizer with T5's sentinels
+    specials = ["<|endoftext|>", *SENTINELS]
+    vocab, merges = train_bpe(str(corpus), 340, specials)
+    prepare([corpus.read_text()] * 8, Tokenizer(vocab, merges, specials), root / "s2s_data", num_workers=0,
+            progress=False)
+    model, s2s_cfg = encoder_decoder_demo_configs(quick=False, vocab_size=len(vocab), minutes=1, start_id=0)
+    s2s_cfg = s2s_cfg.with_overrides({"budget": 2, "budget_unit": "steps", "batch_size": 2, "eval_batches": 1,
+                                      "dtype": "float32"})
+    train(model, s2s_cfg, root / "s2s_data", root / "runs" / "demo-encoder_decoder", progress=False)
     (root / "some.txt").write_text("ROMEO: But soft, what light through yonder window breaks? " * 10)
     return root
 

@@ -87,3 +87,10 @@ def test_layer_spec_resolves_every_per_layer_decision_once():
         ModelConfig().layer_spec(99)
     with pytest.raises(ConfigError, match="stack role"):
         ModelConfig().layer_spec(0, "sideways")
+
+
+def test_t5_init_rejects_gpt2s_residual_scaling_and_unknown_kinds():
+    with pytest.raises(ConfigError, match="init.scaled_residual is GPT-2's rule"):
+        ModelConfig().with_overrides({"init.kind": "t5", "init.scaled_residual": True})
+    with pytest.raises(ConfigError, match="init.kind"):
+        ModelConfig().with_overrides({"init.kind": "xavier"})

@@ -366,12 +366,16 @@ class MLPConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class InitConfig:
-    std: float = 0.02
+    kind: Literal["normal", "t5"] = "normal"   # t5: Mesh TensorFlow's per-matrix scales (nn/embedding.py)
+    std: float = 0.02               # normal: every matrix and embedding; t5: the matrices T5 has no rule for
     scaled_residual: bool = False   # GPT-2: output projections get std / sqrt(2 * n_layers)
     truncated: bool = False         # truncated normal at +-3 std (OLMo)
 
     def __post_init__(self):
+        _check_literals(self, "init")
         _positive("init", std=self.std)
+        if self.kind == "t5" and self.scaled_residual:
+            raise ConfigError("init.scaled_residual is GPT-2's rule; init.kind=t5 sets every scale itself")
 
 
 StackRole = Literal["decoder", "encoder", "cross_decoder"]

@@ -170,8 +170,8 @@ def t5_like(name: str, *, vocab_size: int, d_model: int, n_layers: int, n_heads:
     """T5 (Raffel et al. 2020): an encoder-decoder (or, arch="decoder", T5-style blocks as a decoder-only LM)
     with pre-RMSNorm without bias (T5's LayerNorm: no mean, no beta) and a final norm on each stack, one
     learned relative-bias table per stack (32 log buckets up to 128; bidirectional in the encoder, none on
-    the cross-attention), no 1/sqrt(e) in the scores (folded into init), no biases, decoder start token 0
-    (the pad id). Tied T5 v1.0 scales the hidden state by d^-0.5 before the shared head (logit_scale)."""
+    the cross-attention), no 1/sqrt(e) in the scores (folded into the init, init.kind="t5"), no biases, decoder
+    start token 0 (the pad id). Tied T5 v1.0 scales the hidden state by d^-0.5 before the shared head (logit_scale)."""
     return _model(
         name, arch=arch, decoder_layers=decoder_layers,
         vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, max_seq_len=max_seq_len,
@@ -181,6 +181,7 @@ def t5_like(name: str, *, vocab_size: int, d_model: int, n_layers: int, n_heads:
         position=dict(kind="t5", t5_num_buckets=32, t5_max_distance=128),
         block=dict(residual_dropout=dropout), embedding_dropout=dropout,
         tie_embeddings=tie_embeddings, logit_scale=d_model ** -0.5 if tie_embeddings else None,
+        init=dict(kind="t5"),
     )
 
 

@@ -194,3 +194,35 @@ def test_verify_and_run_folder_round_trip_of_a_t5_folder(tmp_path):
     run = convert_from_hf(tmp_path / "hf", tmp_path / "run")
     assert convert_to_hf(run, tmp_path / "back") == "t5"
     assert compare_with_transformers(tmp_path / "back")["max_rel"] < TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["t5-11b", "t5-v1.1-xxl"])
+def test_t5_presets_initialize_at_the_scales_of_transformers_t5(tmp_path, name):
+    """init.kind="t5": every tensor's spread equals that of the same tensor in a T5ForConditionalGeneration that
+    transformers initializes from the exported config (queries (d e)^-0.5, keys / values / MLP inputs d^-0.5,
+    outputs (h e)^-0.5 and d_ff^-0.5, embeddings 1, bias tables d^-0.5)."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from archlab import presets
+    from archlab.models import build_model
+
+    cfg = presets.get(name)
+    cfg = cfg.with_overrides({"vocab_size": 512, "d_model": 64, "n_layers": 2, "attention.n_heads": 16,
+                              "attention.head_dim": 4, "mlp.d_ff": 256,     # 16 heads: 512-entry bias tables
+                              "logit_scale": None if cfg.logit_scale is None else 64 ** -0.5})
+    assert cfg.init.kind == "t5"
+    save_hf(build_model(cfg), tmp_path / "ours")
+    ours = load_file(next((tmp_path / "ours").glob("*.safetensors")))
+    torch.manual_seed(0)
+    hf = transformers.T5ForConditionalGeneration(transformers.T5Config.from_pretrained(tmp_path / "ours"))
+    theirs = hf.state_dict()
+    checked = 0
+    for key, tensor in ours.items():
+        if tensor.dim() < 2 or key not in theirs:       # norms are ones in both
+            continue
+        a, b = float(tensor.float().std()), float(theirs[key].float().std())
+        tolerance = 0.1 if tensor.numel() >= 4096 else 0.3
+        assert abs(a / b - 1) < tolerance, (key, a, b)
+        checked += 1
+    assert checked >= 20

@@ -91,11 +91,25 @@ class MLMHead(nn.Module):
         return head_linear(self.transform(x), owner, weight, bias)
 
 
+def _t5_std(name: str, module: nn.Module, cfg: ModelConfig) -> float | None:
+    """T5's init (Mesh TensorFlow, as transformers' T5PreTrainedModel._init_weights with factor 1): queries
+    (d e)^-0.5, keys, values, MLP inputs and relative-bias tables d^-0.5, attention outputs (h e)^-0.5, MLP outputs
+    d_ff^-0.5, token embedding and untied head 1. The queries' scale stands in for the 1/sqrt(e) that T5's
+    attention leaves out. None: a matrix T5 does not have (init.std)."""
+    d, e, h, f = cfg.d_model, cfg.head_dim, cfg.attention.n_heads, cfg.d_ff
+    leaf = name.rsplit(".", 1)[-1]
+    if isinstance(module, nn.Embedding):
+        return {"embed": 1.0, "embedding": d ** -0.5}.get(leaf)     # the token table; T5's bias tables
+    return {"q_proj": (d * e) ** -0.5, "k_proj": d ** -0.5, "v_proj": d ** -0.5, "o_proj": (h * e) ** -0.5,
+            "gate_proj": d ** -0.5, "up_proj": d ** -0.5, "down_proj": f ** -0.5, "lm_head": 1.0}.get(leaf)
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     """One init for every kind of LM: Normal(0, std) for matrices and embeddings, zero biases (and zero
     parameters named *bias, e.g. a head's vocabulary bias); residual outputs scaled by 1/sqrt(2 n_layers)
-    when init.scaled_residual (GPT-2). Seeded by cfg.seed alone; nothing to do on the meta device.
+    when init.scaled_residual (GPT-2); with init.kind="t5", T5's per-matrix scales (_t5_std). Seeded by
+    cfg.seed alone; nothing to do on the meta device.
     Example: init_weights(model, model.config)   # at the end of a model's __init__"""
     if any(p.is_meta for p in model.parameters()):   # weights come from a checkpoint
         return
@@ -109,14 +123,16 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
         else:
             nn.init.normal_(weight, 0.0, std, generator=gen)
 
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        std = _t5_std(name, module, cfg) if init.kind == "t5" else None
+        if std is None:
             scaled = init.scaled_residual and getattr(module, "is_residual_out", False)
-            fill(module.weight, residual_std if scaled else init.std)
-            if module.bias is not None:
-                module.bias.zero_()
-        elif isinstance(module, nn.Embedding):
-            fill(module.weight, init.std)
+            std = residual_std if scaled else init.std
+        fill(module.weight, std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            module.bias.zero_()
     for name, param in model.named_parameters(recurse=False):
         if name.endswith("bias"):
             param.zero_()

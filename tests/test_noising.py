@@ -142,7 +142,9 @@ def test_span_corruption_batches_train_an_encoder_decoder():
     loss = model(**inputs, targets=labels)
     loss.total.backward()
     assert inputs["input_ids"].shape == (2, 32) and bool(inputs["attention_mask"].all())
-    assert torch.isfinite(loss.total) and 0.5 * math.log(v) < loss.ce.item() < 2 * math.log(v)
+    # T5's init (embedding and head at std 1) starts far above log(v), as transformers' T5 does
+    assert torch.isfinite(loss.total) and loss.ce.item() > 0.5 * math.log(v)
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())
 
 
 # ---------------------------------------------------------------------------------------------------- BART

@@ -112,7 +112,7 @@ def test_a_template_cannot_reach_python(engine):
 
 def test_a_long_generation_does_not_block_the_model_list(engine):
     slow = Engine(engine.model, engine.tokenizer, "tiny")
-    hook = engine.model.register_forward_hook(lambda *args: time.sleep(0.02))    # ~1.2 s for 60 tokens
+    hook = engine.model.register_forward_hook(lambda *args: time.sleep(0.05))    # ~3 s for 60 tokens
 
     async def go():
         transport = httpx.ASGITransport(app=create_app(slow))
@@ -130,7 +130,8 @@ def test_a_long_generation_does_not_block_the_model_list(engine):
         status, waited, done_first = asyncio.run(go())
     finally:
         hook.remove()
-    assert status == 200 and not done_first and waited < 0.5
+    # answered while the generation runs, in well under half its time (a loaded CI machine can stall a second)
+    assert status == 200 and not done_first and waited < 1.5
 
 
 def test_cancel_stops_the_decode_at_the_next_token(engine):

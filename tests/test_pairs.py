@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from archlab.batches import tokens_processed
 from archlab.data import ByteTokenizer, DataError, TokenDataset, prepare
 from archlab.errors import UserError
 from archlab.faults import FAULT_EXIT
 from archlab.outputs import OutputExistsError
-from archlab.pairs import PairDataset, PairSampler, is_pairs, pair_eval_batches, prepare_pairs, tokens_in
+from archlab.pairs import PairDataset, PairSampler, is_pairs, pair_eval_batches, prepare_pairs
 from archlab.provenance import data_fingerprint
 
 EOT = ByteTokenizer.eot_id
@@ -211,7 +212,7 @@ def test_batch_rows_are_padded_pairs_with_mask_and_ignored_labels(pairs_dir):
         assert mask[row].tolist() == [1] * len(src) + [0] * (ids.shape[1] - len(src))
         assert labels[row, :len(tgt)].tolist() == tgt.tolist()
         assert set(labels[row, len(tgt):].tolist()) <= {-100}
-    assert tokens_in(inputs, labels) == sampler.tokens_in(inputs, labels) == sum(map(len, sources + targets))
+    assert tokens_processed(inputs, labels, "encoder_decoder") == sum(map(len, sources + targets))
 
 
 def test_batch_is_a_pure_function_of_step_and_resumes_from_state(pairs_dir):

@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from archlab import objectives
+from archlab.data import BatchSampler, TokenDataset, eval_batches
 from archlab.errors import UserError
 from archlab.noising import span_corruption_for, text_infilling_for
+from archlab.pairs import PairDataset, PairSampler, is_pairs, pair_eval_batches
 
 __all__ = ["Batch", "open_splits", "TrainBatches", "validation_batches", "tokens_processed", "scores_text",
            "objective_for", "objective_name", "OBJECTIVES"]
@@ -99,25 +101,11 @@ def objective_for(model_cfg: Any, train_cfg: Any, dataset: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- datasets and batches
-def _pairs_data(data_dir: Path) -> bool:
-    from archlab.pairs import is_pairs
-    return is_pairs(data_dir)
-
-
 def open_splits(data_dir: str | Path) -> tuple[Any, Any]:
     """(train, val) datasets of a prepared folder: archlab.data.TokenDataset for a token stream,
     archlab.pairs.PairDataset for source/target pairs."""
-    data_dir = Path(data_dir)
-    if _pairs_data(data_dir):
-        from archlab.pairs import PairDataset
-        return PairDataset(data_dir, "train"), PairDataset(data_dir, "val")
-    from archlab.data import TokenDataset
-    return TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
-
-
-def is_pair_dataset(dataset: Any) -> bool:
-    from archlab.pairs import PairDataset
-    return isinstance(dataset, PairDataset)
+    kind = PairDataset if is_pairs(data_dir) else TokenDataset
+    return kind(data_dir, "train"), kind(data_dir, "val")
 
 
 def _draws_own_rows(objective: Any) -> bool:
@@ -146,14 +134,12 @@ class TrainBatches:
         local_batch = train_cfg.batch_size // world_size        # batch_size is global
         self.model_cfg, self.train_cfg, self.rank, self.local_batch = model_cfg, train_cfg, rank, local_batch
         self.objective: Any = None
-        if is_pair_dataset(dataset):
-            from archlab.pairs import PairSampler
+        if isinstance(dataset, PairDataset):
             _check_pairs_objective(model_cfg, train_cfg)
             self.sampler: Any = PairSampler(dataset, local_batch, max_source_len=train_cfg.seq_len,
                                             max_target_len=train_cfg.seq_len, seed=train_cfg.seed, rank=rank,
                                             world_size=world_size, setting="train.seq_len")
         else:
-            from archlab.data import BatchSampler
             self.objective = self.objective_on(dataset)
             self.sampler = BatchSampler(dataset, local_batch, train_cfg.seq_len, seed=train_cfg.seed, rank=rank,
                                         world_size=world_size)
@@ -162,7 +148,7 @@ class TrainBatches:
         """The objective over `dataset`'s split (None for pairs): the training one for every objective that only
         turns the windows it is given, a new one for next-sentence rows, which come from the split's own
         sentences (validation rows from the validation split)."""
-        if is_pair_dataset(dataset):
+        if isinstance(dataset, PairDataset):
             return None
         objective = objective_for(self.model_cfg, self.train_cfg, dataset)
         if _draws_own_rows(objective):
@@ -172,11 +158,11 @@ class TrainBatches:
     def next(self, step: int, micro: int) -> Batch:
         """The batch of this optimizer step's micro-step (advances the sampler by one)."""
         if self.objective is None:
-            inputs, labels = next(self.sampler)
-            return _as_batch((inputs, labels))
-        x, _ = next(self.sampler)
-        if _draws_own_rows(self.objective):
+            return _as_batch(next(self.sampler))
+        if _draws_own_rows(self.objective):   # rows from the sentence index: only the counter a checkpoint keeps
+            self.sampler.step += 1
             return _as_batch(self.objective.batch(step, micro, self.rank))
+        x, _ = next(self.sampler)
         return _as_batch(self.objective.batch(x, step, micro, self.rank))
 
     @property
@@ -194,8 +180,7 @@ def validation_batches(dataset: Any, *, batch_size: int, seq_len: int, max_batch
                        objective: Any = None, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
     """The deterministic validation batches: pairs in order, or token windows in order turned by `objective`
     (batch i with the fixed step -1 - i: the same masks / spans at every evaluation)."""
-    if is_pair_dataset(dataset):
-        from archlab.pairs import pair_eval_batches
+    if isinstance(dataset, PairDataset):
         yield from pair_eval_batches(dataset, batch_size, max_batches, rank=rank, world_size=world_size,
                                      max_source_len=seq_len, max_target_len=seq_len, setting="train.seq_len")
         return
@@ -203,7 +188,6 @@ def validation_batches(dataset: Any, *, batch_size: int, seq_len: int, max_batch
         for i in range(rank, max_batches or 1, world_size):
             yield _as_batch(objective.batch(-1 - i))
         return
-    from archlab.data import eval_batches
     for i, (x, y) in enumerate(eval_batches(dataset, batch_size, seq_len, max_batches,
                                             rank=rank, world_size=world_size)):
         if objective is None:
@@ -218,7 +202,7 @@ def tokens_processed(inputs: dict[str, torch.Tensor], labels: torch.Tensor, arch
     source = inputs.get("attention_mask")
     n = int(source.sum()) if source is not None else inputs["input_ids"].numel()
     if arch == "encoder_decoder":
-        n += int((labels != -100).sum())
+        n += int((labels != objectives.IGNORE).sum())
     return n
 
 

@@ -95,7 +95,7 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
     ppl = math.exp(min(loss, 700.0))
     accuracy = total_correct / total_tokens if has_accuracy else None
     nsp_fields = {"nsp_loss": float(nsp[1] / nsp[0]), "nsp_accuracy": float(nsp[2] / nsp[0])} if nsp[0] else {}
-    if not scores_text(objective) or not hasattr(dataset, "bytes_per_token"):
+    if not scores_text(objective):
         return EvalResult(loss=loss, ppl=ppl, bpb=float("nan"), tokens=total_tokens, accuracy=accuracy,
                           **nsp_fields)
     n_bytes = dataset.bytes_per_token * total_tokens

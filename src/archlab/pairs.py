@@ -53,16 +53,16 @@ from archlab.data import (
     load_tokenizer,
 )
 from archlab.faults import fault_point
+from archlab.objectives import IGNORE
 from archlab.outputs import fresh_output
 
 __all__ = ["PAIRS_FORMAT", "prepare_pairs", "is_pairs", "PairDataset", "PairSampler", "pair_eval_batches",
-           "collate_pairs", "tokens_in", "check_lengths", "DataError"]
+           "collate_pairs", "check_lengths", "DataError"]
 
 PAIRS_FORMAT = "archlab-pairs"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 OFFSET_DTYPE = np.dtype("<i8")
-IGNORE_INDEX = -100
 
 
 # --------------------------------------------------------------------------- reading the .jsonl
@@ -312,7 +312,7 @@ def collate_pairs(dataset: PairDataset, indices: Sequence[int], pad_id: int = 0,
     b, s, t = len(indices), max(map(len, sources)), max(map(len, targets))
     input_ids = np.full((b, s), pad_id, dtype=np.int64)
     attention_mask = np.zeros((b, s), dtype=np.int64)
-    labels = np.full((b, t), IGNORE_INDEX, dtype=np.int64)
+    labels = np.full((b, t), IGNORE, dtype=np.int64)
     for row, (src, tgt) in enumerate(zip(sources, targets)):
         input_ids[row, :len(src)] = src
         attention_mask[row, :len(src)] = 1
@@ -321,18 +321,11 @@ def collate_pairs(dataset: PairDataset, indices: Sequence[int], pad_id: int = 0,
     return inputs, torch.from_numpy(labels)
 
 
-def tokens_in(inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> int:
-    """Real tokens in a batch, source plus target (padding not counted): what a trainer reports as processed."""
-    return int(inputs["attention_mask"].sum()) + int((labels != IGNORE_INDEX).sum())
-
-
 class PairSampler(StepSampler):
     """Training batches (inputs, labels) of pairs, every pair once per epoch in a permutation drawn from
     (seed, epoch). Batch `step` on `rank` is a pure function of (seed, step, rank, batch_size * world_size):
     the state is the step counter (iteration, state_dict and load_state_dict: archlab.data.StepSampler).
     Pairs longer than the limits are an error here, before any training."""
-
-    tokens_in = staticmethod(tokens_in)
 
     def __init__(self, dataset: PairDataset, batch_size: int, *, max_source_len: int, max_target_len: int,
                  seed: int = 0, rank: int = 0, world_size: int = 1, pad_id: int = 0, setting: str | None = None

@@ -38,6 +38,7 @@ import torch
 
 from archlab import checkpoint as ckpt_io
 from archlab import distributed as dist_util
+from archlab.batches import tokens_processed
 from archlab.config import ConfigError, ModelConfig
 from archlab.errors import UserError
 from archlab.evaluate import autocast, evaluate, sample_ids
@@ -367,7 +368,7 @@ class _Run:
         self.raw = build_model(model_cfg).to(device)        # TransformerLM, EncoderLM or EncoderDecoderLM by arch
         # (inputs, labels) per micro-step (batches.TrainBatches): the objective's (train.objective) or the pairs',
         # a function of (seed, step, micro-batch, rank)
-        self.batches, self.objective, self.eval_objective = batches, batches.objective, eval_objective
+        self.batches, self.eval_objective = batches, eval_objective
         self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len)
         prepared = dist_util.prepare_model(                             # recompute -> wrap -> optimizer -> compile
             self.raw, info, device, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
@@ -513,8 +514,6 @@ class _Run:
         cfg, info, device = self.cfg, self.info, self.device
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        from archlab.batches import tokens_processed
-
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # ce, total: summed on device
         tokens = 0
         for micro in range(cfg.grad_accum):

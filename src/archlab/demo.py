@@ -12,14 +12,13 @@
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
-from archlab.demo_stages import budget_text, prepare_demo_data
+from archlab.demo_stages import prepare_demo_data, sign_off, train_and_reload
 from archlab.train import TrainConfig
 
 __all__ = ["DemoResult", "EncoderDemoResult", "demo_configs", "encoder_demo_configs", "run_demo"]
@@ -115,36 +114,28 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
     if arch != "decoder":
         from archlab.errors import UserError
         raise UserError(f"--arch {arch}: the demo trains a decoder, an encoder or an encoder_decoder")
-    import torch
-
-    from archlab.checkpoint import load_run
     from archlab.data import EOT_TOKEN, TokenDataset
     from archlab.evaluate import evaluate, sample_ids
     from archlab.model import TransformerLM
-    from archlab.precision import resolve_dtype
-    from archlab.train import train
 
     t0 = time.perf_counter()
     out = Path(out)
     prompt = "ROMEO:" if prompt is None else prompt
     vocab_size = vocab_size or (320 if quick else 2048)
     meta = prepare_demo_data(out, corpus, quick=quick, vocab_size=vocab_size, specials=[EOT_TOKEN],
-                               progress=progress, log=log)
+                             progress=progress, log=log)
     data_dir = out / "data"
 
     model_cfg, train_cfg = demo_configs(quick=quick, vocab_size=int(meta["vocab_size"]), minutes=minutes)
     val = TokenDataset(data_dir, "val")
-    before = evaluate(TransformerLM(model_cfg), val, batch_size=train_cfg.batch_size, seq_len=train_cfg.seq_len,
+    untrained = TransformerLM(model_cfg)
+    before = evaluate(untrained, val, batch_size=train_cfg.batch_size, seq_len=train_cfg.seq_len,
                       max_batches=train_cfg.eval_batches)
-    n_params = TransformerLM(model_cfg).num_params()
-    log(f"[4/5] training a LLaMA-style model ({n_params / 1e6:.2f}M params, {model_cfg.n_layers} layers, "
-        f"d_model {model_cfg.d_model}, seq {train_cfg.seq_len}) for {budget_text(train_cfg)}, "
-        f"{resolve_dtype(train_cfg.dtype, torch.device(train_cfg.device))}")
-    log(f"      validation perplexity before training: {before.ppl:,.1f}")
-    result = train(model_cfg, train_cfg, data_dir, out, progress=progress)
-
-    log("[5/5] results")
-    model, tokenizer = load_run(out)
+    result, model, tokenizer = train_and_reload(
+        model_cfg, train_cfg, data_dir, out, progress=progress, log=log,
+        what=f"a LLaMA-style model ({untrained.num_params() / 1e6:.2f}M params, {model_cfg.n_layers} layers, "
+             f"d_model {model_cfg.d_model}, seq {train_cfg.seq_len})",
+        before=f"validation perplexity before training: {before.ppl:,.1f}")
     after = evaluate(model, val, batch_size=train_cfg.batch_size, seq_len=train_cfg.seq_len,
                      max_batches=train_cfg.eval_batches)
     prompt_ids = tokenizer.encode(prompt) if prompt else [val.eot_id]
@@ -157,27 +148,19 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
     log(f"      validation perplexity: {before.ppl:,.1f} before -> {after.ppl:,.1f} after "
         f"({after.bpb:.3f} bits/byte)")
     log("      sample:\n" + "\n".join("        " + line for line in sample.splitlines()))
-    log(f"run folder: {out.resolve()}  (loss_curve.png, metrics.jsonl, samples.txt, checkpoints/); "
-        f"{seconds:.0f} s in all")
-    log(f"next: archlab eval {out}")
-    sys.stdout.flush()
+    sign_off(out, seconds, f"archlab eval {out}", log)
     return DemoResult(run_dir=out, val_ppl_before=before.ppl, val_ppl_after=after.ppl, val_bpb_after=after.bpb,
                       sample=sample, seconds=seconds)
 
 
 def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vocab_size: int | None, text: str,
                       progress: bool, log) -> EncoderDemoResult:
-    import torch
-
     from archlab.batches import objective_for
-    from archlab.checkpoint import load_run
     from archlab.data import EOT_TOKEN, TokenDataset
     from archlab.encoder import EncoderLM
     from archlab.errors import UserError
     from archlab.evaluate import evaluate
     from archlab.fill_mask import encode_for_model, fill_mask
-    from archlab.precision import resolve_dtype
-    from archlab.train import train
 
     if MASK_TOKEN not in text:   # before minutes of work, not after
         raise UserError(f"--prompt {text!r} holds no {MASK_TOKEN}: the encoder demo fills in its mask tokens")
@@ -186,7 +169,7 @@ def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vo
     # the end-of-text token first: the data's document separator is looked up by that name, and a
     # tokenizer's eot_id falls back to its first special token
     meta = prepare_demo_data(out, corpus, quick=quick, vocab_size=vocab_size, specials=[EOT_TOKEN, MASK_TOKEN],
-                               progress=progress, log=log)
+                             progress=progress, log=log)
     data_dir = out / "data"
 
     model_cfg, train_cfg = encoder_demo_configs(quick=quick, vocab_size=int(meta["vocab_size"]), minutes=minutes)
@@ -203,15 +186,12 @@ def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vo
 
     before = score(untrained)
     assert before.accuracy is not None     # an MLM evaluation reports it
-    log(f"[4/5] training a BERT-style encoder on the masked LM ({untrained.num_params() / 1e6:.2f}M params, "
-        f"{model_cfg.n_layers} layers, d_model {model_cfg.d_model}, RoPE, seq {train_cfg.seq_len}, "
-        f"{train_cfg.mlm_probability:.0%} of tokens masked) for {budget_text(train_cfg)}, "
-        f"{resolve_dtype(train_cfg.dtype, torch.device(train_cfg.device))}")
-    log(f"      validation MLM loss before training: {before.loss:.3f} (accuracy {before.accuracy:.1%})")
-    result = train(model_cfg, train_cfg, data_dir, out, progress=progress)
-
-    log("[5/5] results")
-    model, tokenizer = load_run(out)
+    result, model, tokenizer = train_and_reload(
+        model_cfg, train_cfg, data_dir, out, progress=progress, log=log,
+        what=f"a BERT-style encoder on the masked LM ({untrained.num_params() / 1e6:.2f}M params, "
+             f"{model_cfg.n_layers} layers, d_model {model_cfg.d_model}, RoPE, seq {train_cfg.seq_len}, "
+             f"{train_cfg.mlm_probability:.0%} of tokens masked)",
+        before=f"validation MLM loss before training: {before.loss:.3f} (accuracy {before.accuracy:.1%})")
     after = score(model)
     filled = fill_mask(model, tokenizer, text, top_k=5)
     with open(out / "samples.txt", "a") as f:
@@ -221,10 +201,7 @@ def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vo
     log(f"      validation MLM loss: {before.loss:.3f} before -> {after.loss:.3f} after; accuracy on the masked "
         f"tokens {before.accuracy:.1%} -> {after.accuracy:.1%}")
     log("      fill-mask:\n" + "\n".join("        " + line for line in filled.format().splitlines()))
-    log(f"run folder: {out.resolve()}  (loss_curve.png, metrics.jsonl, samples.txt, checkpoints/); "
-        f"{seconds:.0f} s in all")
-    log(f"next: archlab fill-mask {out} \"...[MASK]...\"")
-    sys.stdout.flush()
+    sign_off(out, seconds, f"archlab fill-mask {out} \"...[MASK]...\"", log)
     assert after.accuracy is not None
     return EncoderDemoResult(run_dir=out, val_loss_before=before.loss, val_loss_after=after.loss,
                              val_accuracy_before=before.accuracy, val_accuracy_after=after.accuracy,

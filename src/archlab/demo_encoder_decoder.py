@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,22 +83,17 @@ def first_token_guesses(model, tokenizer, inputs: dict, labels, sentinels, k: in
 
 def run_encoder_decoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vocab_size: int | None,
                              progress: bool, log) -> EncoderDecoderDemoResult:
-    import torch
-
     from archlab.batches import objective_for
-    from archlab.checkpoint import load_run
     from archlab.data import EOT_TOKEN, TokenDataset, eval_batches
-    from archlab.demo_stages import budget_text, prepare_demo_data
+    from archlab.demo_stages import prepare_demo_data, sign_off, train_and_reload
     from archlab.encoder_decoder import EncoderDecoderLM
     from archlab.evaluate import evaluate
     from archlab.generation import generate
-    from archlab.precision import resolve_dtype
-    from archlab.train import train
 
     t0 = time.perf_counter()
     vocab_size = vocab_size or (320 if quick else 2048)
     meta = prepare_demo_data(out, corpus, quick=quick, vocab_size=vocab_size, specials=[EOT_TOKEN, *SENTINELS],
-                               progress=progress, log=log)
+                             progress=progress, log=log)
     data_dir = out / "data"
     model_cfg, train_cfg = encoder_decoder_demo_configs(quick=quick, vocab_size=int(meta["vocab_size"]),
                                                         minutes=minutes, start_id=int(meta["eot_id"]))
@@ -112,15 +106,12 @@ def run_encoder_decoder_demo(out: Path, *, quick: bool, minutes: float, corpus: 
 
     untrained = EncoderDecoderLM(model_cfg)
     before = score(untrained)
-    log(f"[4/5] training a T5-style encoder-decoder on span corruption ({untrained.num_params() / 1e6:.2f}M "
-        f"params, {model_cfg.n_layers}+{model_cfg.stack_depth('cross_decoder')} layers, d_model "
-        f"{model_cfg.d_model}, windows of {train_cfg.seq_len} tokens, 15% in spans of mean length 3) for "
-        f"{budget_text(train_cfg)}, {resolve_dtype(train_cfg.dtype, torch.device(train_cfg.device))}")
-    log(f"      validation loss on the held-out spans before training: {before.loss:.3f}")
-    result = train(model_cfg, train_cfg, data_dir, out, progress=progress)
-
-    log("[5/5] results")
-    model, tokenizer = load_run(out)
+    result, model, tokenizer = train_and_reload(
+        model_cfg, train_cfg, data_dir, out, progress=progress, log=log,
+        what=f"a T5-style encoder-decoder on span corruption ({untrained.num_params() / 1e6:.2f}M params, "
+             f"{model_cfg.n_layers}+{model_cfg.stack_depth('cross_decoder')} layers, d_model {model_cfg.d_model}, "
+             f"windows of {train_cfg.seq_len} tokens, 15% in spans of mean length 3)",
+        before=f"validation loss on the held-out spans before training: {before.loss:.3f}")
     after = score(model)
     x, _ = next(eval_batches(val, 1, train_cfg.seq_len, 1))        # the first held-out window
     inputs, labels = objective.batch(x, step=-1)                   # its evaluation spans
@@ -141,9 +132,7 @@ def run_encoder_decoder_demo(out: Path, *, quick: bool, minutes: float, corpus: 
     log("      each span's first token, the model's top 3 given the truth before it (teacher-forced):")
     for line in guesses:
         log("        " + line)
-    log(f"run folder: {out.resolve()}  (loss_curve.png, metrics.jsonl, samples.txt, checkpoints/); "
-        f"{seconds:.0f} s in all")
-    log(f"next: archlab generate {out} --source \"To be, or not to be, <extra_id_0> the question\"")
-    sys.stdout.flush()
+    sign_off(out, seconds, f"archlab generate {out} --source \"To be, or not to be, <extra_id_0> the question\"",
+             log)
     return EncoderDecoderDemoResult(run_dir=out, val_loss_before=before.loss, val_loss_after=after.loss,
                                     source=source, predicted=predicted, truth=truth, seconds=seconds)

@@ -1,9 +1,11 @@
 """The stages every `archlab demo` shares: a run folder it may replace, the corpus, a tokenizer and token data
-(stages 1-3), and how a budget reads."""
+(stages 1-3), the training and reloading of stages 4-5, and the closing lines."""
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
+from typing import Any
 
 from archlab.train import TrainConfig
 
@@ -61,3 +63,31 @@ def prepare_demo_data(out: Path, corpus: str, *, quick: bool, vocab_size: int, s
 def budget_text(train_cfg: TrainConfig) -> str:
     return (f"{train_cfg.budget:g} minutes" if train_cfg.budget_unit == "minutes"
             else f"{train_cfg.budget:g} {train_cfg.budget_unit}")
+
+
+def train_and_reload(model_cfg: Any, train_cfg: TrainConfig, data_dir: Path, out: Path, *, what: str, before: str,
+                     progress: bool, log) -> tuple[Any, Any, Any]:
+    """Stage 4 and the start of 5: name what trains (`what`, e.g. "a LLaMA-style model (...)") for how long at
+    which precision and its validation figure `before`, train into `out`, then load the run back:
+    (TrainResult, model, tokenizer)."""
+    import torch
+
+    from archlab.checkpoint import load_run
+    from archlab.precision import resolve_dtype
+    from archlab.train import train
+
+    log(f"[4/5] training {what} for {budget_text(train_cfg)}, "
+        f"{resolve_dtype(train_cfg.dtype, torch.device(train_cfg.device))}")
+    log(f"      {before}")
+    result = train(model_cfg, train_cfg, data_dir, out, progress=progress)
+    log("[5/5] results")
+    model, tokenizer = load_run(out)
+    return result, model, tokenizer
+
+
+def sign_off(out: Path, seconds: float, next_command: str, log) -> None:
+    """The closing lines: where the run folder is and what it holds, the time in all, the command to try next."""
+    log(f"run folder: {out.resolve()}  (loss_curve.png, metrics.jsonl, samples.txt, checkpoints/); "
+        f"{seconds:.0f} s in all")
+    log(f"next: {next_command}")
+    sys.stdout.flush()

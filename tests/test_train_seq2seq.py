@@ -156,3 +156,12 @@ def test_t5_and_bart_objectives_train_on_a_byte_stream(byte_data, tmp_path, obje
     assert evals and all("val_bpb" not in r for r in evals)      # noised slots are not a code length of the text
     if objective == "span_corruption":   # 32-token windows: 27 kept + 2 sentinels + EOS, 5 noise + 2 + EOS
         assert steps[0]["tokens"] == 4 * (30 + 8)
+
+
+def test_a_token_budget_on_pairs_is_one_line(pair_data, tmp_path):
+    """A tokens budget counts fixed windows; pairs have rows of every length."""
+    from archlab.config import ConfigError
+    with pytest.raises(ConfigError, match="train.budget_unit=tokens counts fixed windows"):
+        train(enc_dec(), TrainConfig(budget=1000, budget_unit="tokens", **PAIRS), pair_data, tmp_path / "run",
+              progress=False)
+    assert not (tmp_path / "run").exists()

@@ -52,6 +52,7 @@ from archlab.metrics import (
     truncate_samples,
 )
 from archlab.optim import build_optimizer, lr_multiplier, param_groups, schedule_progress
+from archlab.pairs import PairDataset
 from archlab.precision import auto_dtype, bf16_warning, read_record
 from archlab.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
 from archlab.rng import rng_state, seed_everything, set_rng_state
@@ -310,14 +311,14 @@ def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
     if cfg.batch_size % info.world_size:
         raise ConfigError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the "
                           f"world size {info.world_size}")
-    if hasattr(val_data, "n_tokens"):                  # a token stream
-        can_eval = val_data.n_tokens >= cfg.seq_len + 1
-        why = f"validation split has {val_data.n_tokens} tokens < seq_len + 1"
-    else:                                              # pairs
+    if isinstance(val_data, PairDataset):
         if cfg.budget_unit == "tokens":
             raise ConfigError("train.budget_unit=tokens counts fixed windows; paired data has rows of every "
                               "length: give the budget in steps or minutes")
         can_eval, why = len(val_data) > 0, "validation split has no pairs"
+    else:                                              # a token stream
+        can_eval = val_data.n_tokens >= cfg.seq_len + 1
+        why = f"validation split has {val_data.n_tokens} tokens < seq_len + 1"
     if not can_eval and info.is_main:
         warnings.warn(f"{why}: no evaluation", stacklevel=2)
     return can_eval

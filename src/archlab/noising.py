@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from archlab.data import _mix_seed
 from archlab.errors import UserError
-from archlab.objectives import MASK_TOKENS, _tokenizer_size, masked_lm_for, word_starts
+from archlab.objectives import _tokenizer_size, masked_lm_for, word_starts
 
 __all__ = ["SpanCorruption", "TextInfilling", "span_corruption", "span_lengths", "raw_length_for",
            "random_spans_noise_mask", "replace_spans", "sentinel_ids", "span_corruption_for",
@@ -320,11 +320,8 @@ def text_infilling_for(tokenizer: Any, vocab_size: int, *, seed: int = 0, mask_i
     special tokens never noised, spans over whole words (fairseq's span-poisson masks words), padding with its
     <pad> / [PAD] (else 0: the attention mask hides it). No mask token is a UserError naming the fix.
     Example: inputs, labels = text_infilling_for(tok, 8192).batch(x, step=0)"""
-    if mask_id is None and all(tokenizer.token_to_id(t) is None for t in MASK_TOKENS):
-        raise UserError("text infilling needs a mask token in the tokenizer (<mask> or [MASK]): train one with "
-                        "`archlab tokenizer train ... --special-tokens '<|endoftext|>' '<mask>'`, or set "
-                        "train.mask_token_id to an id past the tokenizer in a padded vocabulary")
-    masking = masked_lm_for(tokenizer, vocab_size, mask_id=mask_id)     # the mask id and the specials, checked
+    masking = masked_lm_for(tokenizer, vocab_size, mask_id=mask_id, needed_by="text infilling",   # the mask id and
+                            suggested="<mask>")                                                 # the specials
     pad_id = next((i for i in map(tokenizer.token_to_id, PAD_TOKENS) if i is not None and i < vocab_size), 0)
     return TextInfilling(masking.mask_id, masking.special, seed=seed, ratio=ratio, poisson_lambda=poisson_lambda,
                          pad_id=pad_id, starts=word_starts(tokenizer, vocab_size) if whole_word else None,

@@ -113,16 +113,18 @@ class MaskedLM:
 
 
 def masked_lm_for(tokenizer: Any, vocab_size: int, *, seed: int = 0, whole_word: bool = False,
-                  mask_id: int | None = None, prob: float = 0.15) -> MaskedLM:
+                  mask_id: int | None = None, prob: float = 0.15, needed_by: str = "masked-LM training",
+                  suggested: str = "[MASK]") -> MaskedLM:
     """The MLM objective for this tokenizer: its mask token ([MASK] or <mask>) unless `mask_id` names one (e.g. an
     id past a byte tokenizer in a padded vocabulary), its special tokens never masked. A tokenizer without a
-    mask token and no `mask_id` is a UserError naming how to get one.
+    mask token and no `mask_id` is a UserError naming how to get one (`needed_by`: the objective it names,
+    `suggested`: the token its command adds; BART's infilling reuses this lookup).
     Example: x_masked, labels = masked_lm_for(tok, 8000).batch(x, step=0)"""
     if mask_id is None:
         mask_id = next((i for i in map(tokenizer.token_to_id, MASK_TOKENS) if i is not None), None)
     if mask_id is None:
-        raise UserError("masked-LM training needs a mask token in the tokenizer ([MASK] or <mask>): train one with "
-                        "`archlab tokenizer train ... --special-tokens '<|endoftext|>' '[MASK]'`, or set "
+        raise UserError(f"{needed_by} needs a mask token in the tokenizer ({' or '.join(MASK_TOKENS)}): train one "
+                        f"with `archlab tokenizer train ... --special-tokens '<|endoftext|>' '{suggested}'`, or set "
                         "train.mask_token_id to an id past the tokenizer in a padded vocabulary")
     if not 0 <= mask_id < vocab_size:
         raise UserError(f"train.mask_token_id={mask_id} is outside the model's vocabulary (vocab_size={vocab_size})")

@@ -83,7 +83,7 @@ DEFAULT_OBJECTIVE = {"decoder": "next_token", "encoder": "mlm", "encoder_decoder
 
 def objective_name(model_cfg: Any, train_cfg: Any) -> str:
     """train.objective, with "auto" read as the kind's own (GPT's next token, BERT's MLM, T5's span corruption);
-    an objective the kind cannot train is a UserError."""
+    an objective the kind cannot train is a UserError. Example: objective_name(bert_cfg, TrainConfig()) -> "mlm" """
     name = train_cfg.objective
     if name == "auto":
         return DEFAULT_OBJECTIVE[model_cfg.arch]
@@ -103,7 +103,7 @@ def objective_for(model_cfg: Any, train_cfg: Any, dataset: Any) -> Any:
 # --------------------------------------------------------------------------- datasets and batches
 def open_splits(data_dir: str | Path) -> tuple[Any, Any]:
     """(train, val) datasets of a prepared folder: archlab.data.TokenDataset for a token stream,
-    archlab.pairs.PairDataset for source/target pairs."""
+    archlab.pairs.PairDataset for source/target pairs. Example: train_data, val_data = open_splits("data/pairs")"""
     kind = PairDataset if is_pairs(data_dir) else TokenDataset
     return kind(data_dir, "train"), kind(data_dir, "val")
 
@@ -128,7 +128,8 @@ def _check_pairs_objective(model_cfg: Any, train_cfg: Any) -> None:
 
 
 class TrainBatches:
-    """The training batches of one rank: `next(step, micro)` -> (inputs, labels); its state is the sampler's."""
+    """The training batches of one rank: `next(step, micro)` -> (inputs, labels); its state is the sampler's.
+    Example: inputs, labels = TrainBatches(model_cfg, train_cfg, train_data).next(step=0, micro=0)"""
 
     def __init__(self, model_cfg: Any, train_cfg: Any, dataset: Any, *, rank: int = 0, world_size: int = 1):
         local_batch = train_cfg.batch_size // world_size        # batch_size is global
@@ -179,7 +180,8 @@ class TrainBatches:
 def validation_batches(dataset: Any, *, batch_size: int, seq_len: int, max_batches: int | None = None,
                        objective: Any = None, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
     """The deterministic validation batches: pairs in order, or token windows in order turned by `objective`
-    (batch i with the fixed step -1 - i: the same masks / spans at every evaluation)."""
+    (batch i with the fixed step -1 - i: the same masks / spans at every evaluation).
+    Example: for inputs, labels in validation_batches(val, batch_size=8, seq_len=128, objective=obj): ..."""
     if isinstance(dataset, PairDataset):
         yield from pair_eval_batches(dataset, batch_size, max_batches, rank=rank, world_size=world_size,
                                      max_source_len=seq_len, max_target_len=seq_len, setting="train.seq_len")
@@ -198,7 +200,8 @@ def validation_batches(dataset: Any, *, batch_size: int, seq_len: int, max_batch
 
 def tokens_processed(inputs: dict[str, torch.Tensor], labels: torch.Tensor, arch: str) -> int:
     """Real tokens the model reads for this batch: the source (its attention_mask's ones, else every slot), plus
-    an encoder-decoder's target tokens (the decoder reads the labels shifted right; padding is unscored)."""
+    an encoder-decoder's target tokens (the decoder reads the labels shifted right; padding is unscored).
+    Example: tokens_processed({"input_ids": src}, labels, "encoder_decoder") -> src.numel() + scored labels"""
     source = inputs.get("attention_mask")
     n = int(source.sum()) if source is not None else inputs["input_ids"].numel()
     if arch == "encoder_decoder":
@@ -208,5 +211,5 @@ def tokens_processed(inputs: dict[str, torch.Tensor], labels: torch.Tensor, arch
 
 def scores_text(objective: Any) -> bool:
     """Whether the loss is a code length of the text (next-token prediction, a continuation): bits per byte
-    means something; masked or noised slots are not a compression of the text."""
+    means something; masked or noised slots are not a compression of the text. Example: scores_text(None) -> True"""
     return objective is None or isinstance(objective, objectives.Continuation)

@@ -69,7 +69,8 @@ def train_and_reload(model_cfg: Any, train_cfg: TrainConfig, data_dir: Path, out
                      progress: bool, log) -> tuple[Any, Any, Any]:
     """Stage 4 and the start of 5: name what trains (`what`, e.g. "a LLaMA-style model (...)") for how long at
     which precision and its validation figure `before`, train into `out`, then load the run back:
-    (TrainResult, model, tokenizer)."""
+    (TrainResult, model, tokenizer). Example: result, model, tok = train_and_reload(m, t, out / "data", out,
+    what="a small model", before="loss before: 7.6", progress=False, log=print)"""
     import torch
 
     from archlab.checkpoint import load_run
@@ -86,7 +87,8 @@ def train_and_reload(model_cfg: Any, train_cfg: TrainConfig, data_dir: Path, out
 
 
 def sign_off(out: Path, seconds: float, next_command: str, log) -> None:
-    """The closing lines: where the run folder is and what it holds, the time in all, the command to try next."""
+    """The closing lines: where the run folder is and what it holds, the time in all, the command to try next.
+    Example: sign_off(Path("runs/demo"), 158.0, "archlab eval runs/demo", print)"""
     log(f"run folder: {out.resolve()}  (loss_curve.png, metrics.jsonl, samples.txt, checkpoints/); "
         f"{seconds:.0f} s in all")
     log(f"next: {next_command}")

@@ -144,7 +144,8 @@ class Continuation:
     """004's comparison at a matched scored set: the first `prefix` tokens of each window are context, the rest is
     scored. A decoder reads the whole window causally (a prefix-LM attends bidirectionally inside the prefix) and
     is scored on predicting tokens prefix..n-1; an encoder-decoder encodes the prefix and decodes the rest. Both
-    process n tokens per row and score the same n - prefix targets."""
+    process n tokens per row and score the same n - prefix targets.
+    Example: inputs, labels = Continuation(prefix=64, arch="encoder_decoder").batch(x)   # x (b, 128)"""
 
     prefix: int
     arch: str

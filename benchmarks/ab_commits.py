@@ -115,7 +115,7 @@ def main() -> int:
             workloads[label] = {"train step": train_step_fn(archlab, torch, args.batch, args.seq),
                                 "decode b=1": decode_fn(archlab, torch, 1, args.new, overrides),
                                 "decode b=8": decode_fn(archlab, torch, 8, args.new, overrides)}
-        from archlab.provenance import provenance_line  # the "after" copy is the one imported last
+        from archlab.runs.provenance import provenance_line  # the "after" copy is the one imported last
         print(provenance_line(threads=args.threads), flush=True)
         outputs = {}
         for label in ("before", "after"):

@@ -276,7 +276,7 @@ def main() -> None:
     ap.add_argument("--flat-only", action="store_true",
                     help="only time the window-W model alone per length (time per token against n)")
     args = ap.parse_args()
-    from archlab.provenance import provenance_line
+    from archlab.runs.provenance import provenance_line
 
     print(provenance_line(threads=args.threads), flush=True)
     torch.set_num_threads(args.threads)

@@ -54,15 +54,15 @@ def main() -> None:
     ap.add_argument("--uncached-new", type=int, default=32, help="tokens for the (slow) uncached loop")
     ap.add_argument("--uncached-rounds", type=int, default=3)
     args = ap.parse_args()
-    from archlab.provenance import provenance_line
+    from archlab.runs.provenance import provenance_line
     print(provenance_line(threads=getattr(args, 'threads', None)), flush=True)
     torch.set_num_threads(args.threads)
 
     import transformers
 
     import archlab
-    from archlab.accounting import kv_cache_bytes
     from archlab.interop import load_hf
+    from archlab.models.accounting import kv_cache_bytes
     from archlab.nn.kv_cache import StaticKVCache
 
     hf_cfg = transformers.LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=688,

@@ -15,7 +15,7 @@ import time
 import torch
 
 import archlab
-from archlab.provenance import provenance_line
+from archlab.runs.provenance import provenance_line
 from archlab.serve import CompletionRequest, Engine
 from archlab.tokenizer import Tokenizer
 

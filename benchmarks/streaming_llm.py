@@ -94,7 +94,7 @@ def main() -> None:
                     help="start every training window and eval text with a BOS token (as LLM documents do); "
                     "without it windows start at arbitrary bytes and a first-token sink has less reason to form")
     args = ap.parse_args()
-    from archlab.provenance import provenance_line
+    from archlab.runs.provenance import provenance_line
     print(provenance_line(threads=getattr(args, 'threads', None)), flush=True)
     torch.set_num_threads(args.threads)
 

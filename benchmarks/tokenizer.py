@@ -109,7 +109,7 @@ def throughput(fn, text: str, repeats: int = 1) -> tuple[float, list[int]]:
 
 
 def bench_corpus(name: str, vocab_size: int, args) -> dict:
-    from archlab.corpora import corpus_files
+    from archlab.data.corpora import corpus_files
     files = [str(p) for p in corpus_files(name)]
     size_mb = sum(os.path.getsize(f) for f in files) / 1e6
     print(f"\n== {name}: {len(files)} files, {size_mb:.1f} MB, vocab {vocab_size} ==", flush=True)
@@ -184,7 +184,7 @@ def main() -> int:
                         help="encode at most this many MB of the corpus text (default 10)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON, e.g. --json bench.json")
     args = parser.parse_args()
-    from archlab.provenance import provenance_line
+    from archlab.runs.provenance import provenance_line
     print(provenance_line(threads=getattr(args, 'threads', None)), flush=True)
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     rows = []

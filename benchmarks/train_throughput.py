@@ -19,7 +19,7 @@ this model (K = 320 or 768, M = batch x seq) run below the big square matmuls th
 The benchmark times them alone, with the layouts of a Linear's forward and backward, and prints the
 MFU a step could reach if nothing else cost time (attention's FLOPs counted at the peak).
 
-bf16 runs only where the device has bf16 matmul units (`--dtypes auto`, archlab.precision): a CPU
+bf16 runs only where the device has bf16 matmul units (`--dtypes auto`, archlab.training.precision): a CPU
 with AVX2 alone emulates bf16 at ~1/100 of its float32 matmul rate.
 
 On CPU the allocator matters: glibc serves buffers over its mmap threshold (at most 32 MB) with fresh
@@ -55,7 +55,7 @@ def build(impl: str):
     import torch
 
     if impl == "archlab":
-        from archlab.model import TransformerLM
+        from archlab.models.decoder import TransformerLM
 
         model = TransformerLM(model_config())
         return model, lambda x, y: model(x, targets=y).total      # the step `archlab train` runs
@@ -76,13 +76,13 @@ def make_step(impl: str, dtype: str, batch: int, seq: int, device):
     """A closure running one optimizer step (the same loop for both implementations), and the model."""
     import torch
 
-    from archlab.evaluate import autocast
+    from archlab.eval.evaluate import autocast
 
     model, loss_fn = build(impl)
     model.to(device).train()
     if impl in COMPILED:  # torch.compile (inductor); the first steps pay the compilation
         model.compile()
-    # fused AdamW on both sides, as archlab.train uses it (CPU and CUDA)
+    # fused AdamW on both sides, as archlab.training.trainer uses it (CPU and CUDA)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, VOCAB, (batch, seq + 1), generator=gen).to(device)
@@ -113,7 +113,7 @@ def speed_worker(dtypes: list[str], rounds: int, warmup: int, batch: int, seq: i
     """Every (implementation, dtype) in one process, steps interleaved; see the module docstring."""
     import torch
 
-    from archlab.throughput import matmul_peak_flops, train_flops_per_token
+    from archlab.training.throughput import matmul_peak_flops, train_flops_per_token
 
     dev = torch.device(device)
     keys = [(impl, dtype) for dtype in dtypes for impl in IMPLS]
@@ -151,7 +151,7 @@ def speed_worker(dtypes: list[str], rounds: int, warmup: int, batch: int, seq: i
 def mfu_ceiling(model, tokens: int, seq: int, device, dtype: str, peak: float) -> dict:
     """The MFU a step of this model could reach if only its weight matmuls cost time ("matmuls"), and
     if attention's FLOPs also ran at the peak ("step"): upper bounds that the measured MFU sits under."""
-    from archlab.throughput import matmul_ceiling, matmul_weight_shapes, train_flops_per_token
+    from archlab.training.throughput import matmul_ceiling, matmul_weight_shapes, train_flops_per_token
 
     mm_flops, mm_seconds = matmul_ceiling(matmul_weight_shapes(model), tokens, device, dtype)
     step_flops = train_flops_per_token(model_config(), seq) * tokens
@@ -162,7 +162,7 @@ def mfu_ceiling(model, tokens: int, seq: int, device, dtype: str, peak: float) -
 def memory_worker(impl: str, dtype: str, batch: int, seq: int, device: str) -> dict:
     import torch
 
-    from archlab.throughput import peak_memory
+    from archlab.training.throughput import peak_memory
 
     dev = torch.device(device)
     step, _ = make_step(impl, dtype, batch, seq, dev)
@@ -220,8 +220,8 @@ def main() -> int:
 
     import torch
 
-    from archlab.precision import auto_dtype
-    from archlab.provenance import device_name, provenance_line
+    from archlab.runs.provenance import device_name, provenance_line
+    from archlab.training.precision import auto_dtype
 
     print(f"device: {device_name(args.device)}", flush=True)
     print(provenance_line(args.device), flush=True)

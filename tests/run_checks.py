@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from archlab.checkpoint import latest_checkpoint, load_checkpoint
-from archlab.train import read_metrics, train
+from archlab.runs.checkpoint import latest_checkpoint, load_checkpoint
+from archlab.training.trainer import read_metrics, train
 
 
 def assert_resume_is_exact(model_cfg, train_cfg, data_dir: Path, root: Path) -> None:

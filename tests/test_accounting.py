@@ -6,10 +6,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from variants import VARIANTS, variant
 
-from archlab import accounting, presets
 from archlab.cli import main
 from archlab.config import AttentionConfig, ConfigError, MLPConfig, ModelConfig
-from archlab.model import TransformerLM
+from archlab.models import accounting, presets
+from archlab.models.decoder import TransformerLM
 from archlab.nn.attention import Attention
 
 EXACT = [n for n in presets.names() if presets.info(n).exact]

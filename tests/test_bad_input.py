@@ -17,7 +17,7 @@ import yaml
 from test_checkpoint import make_data, tiny_model
 
 from archlab.cli import main
-from archlab.train import TrainConfig, train
+from archlab.training.trainer import TrainConfig, train
 
 
 # ---- shared fixtures: built once, snapshot-checked after every case ----------------------------------
@@ -108,9 +108,9 @@ def combine(*setups):
 def seq2seq_run(tmp: Path, w: dict) -> None:
     """{tmp}/s2s: a run folder holding a tiny encoder-decoder with learned positions (max_seq_len 8) and the
     BPE run's tokenizer."""
-    from archlab.checkpoint import save_checkpoint
     from archlab.config import ModelConfig
     from archlab.models import build_model
+    from archlab.runs.checkpoint import save_checkpoint
 
     cfg = ModelConfig.from_dict(dict(arch="encoder_decoder", vocab_size=300, d_model=32, n_layers=1, max_seq_len=8,
                                      position=dict(kind="learned"), attention=dict(n_heads=2)))
@@ -123,7 +123,7 @@ def seq2seq_run(tmp: Path, w: dict) -> None:
 
 def pairs_data(tmp: Path, w: dict) -> None:
     """{tmp}/pairs: a prepared source/target folder (byte tokenizer)."""
-    from archlab.pairs import prepare_pairs
+    from archlab.data.pairs import prepare_pairs
     rows = [{"source": f"to be {i}", "target": f"{i} be to"} for i in range(20)]
     (tmp / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     prepare_pairs(tmp / "pairs.jsonl", "bytes", tmp / "pairs", progress=False)

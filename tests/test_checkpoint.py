@@ -13,7 +13,10 @@ import pytest
 import torch
 import yaml
 
-from archlab.checkpoint import (
+from archlab.config import ModelConfig
+from archlab.data.tokens import prepare
+from archlab.models.decoder import TransformerLM
+from archlab.runs.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
@@ -21,10 +24,7 @@ from archlab.checkpoint import (
     load_run,
     save_checkpoint,
 )
-from archlab.config import ModelConfig
-from archlab.data import prepare
-from archlab.model import TransformerLM
-from archlab.train import TrainConfig, read_metrics, train
+from archlab.training.trainer import TrainConfig, read_metrics, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
 

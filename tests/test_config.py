@@ -69,7 +69,7 @@ def test_layer_pattern_repeats_over_depth():
 
 
 def test_layer_spec_resolves_every_per_layer_decision_once():
-    from archlab import presets
+    from archlab.models import presets
 
     gemma3 = presets.get("gemma3-27b")
     local, glob = gemma3.layer_spec(0), gemma3.layer_spec(5)          # pattern LLLLLG

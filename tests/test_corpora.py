@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from archlab import corpora
-from archlab.corpora import CorpusError, corpus_files, iter_documents
+from archlab.data import corpora
+from archlab.data.corpora import CorpusError, corpus_files, iter_documents
 
 
 @pytest.fixture
@@ -221,8 +221,8 @@ def test_empty_files_and_undecodable_bytes_are_counted_and_reported(tmp_path, ca
     import warnings
 
     from archlab.cli import main
-    from archlab.corpora import scan_files
-    from archlab.data import load_meta, prepare
+    from archlab.data.corpora import scan_files
+    from archlab.data.tokens import load_meta, prepare
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text("good text " * 50)
@@ -271,8 +271,8 @@ def test_online_the_hub_is_probed_once_before_datasets_retries(monkeypatch):
     import datasets
     import huggingface_hub
 
-    from archlab.corpora import iter_documents
-    from archlab.hub import HubError
+    from archlab.data.corpora import iter_documents
+    from archlab.runs.hub import HubError
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from archlab import data
-from archlab.data import BatchSampler, ByteTokenizer, DataError, TokenDataset, eval_batches, prepare
+from archlab.data import tokens as data
+from archlab.data.tokens import BatchSampler, ByteTokenizer, DataError, TokenDataset, eval_batches, prepare
 
 EOT = "<|endoftext|>"
 

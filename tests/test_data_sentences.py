@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from archlab.data import ByteTokenizer, DataError, TokenDataset, prepare, split_sentences
+from archlab.data.tokens import ByteTokenizer, DataError, TokenDataset, prepare, split_sentences
 from archlab.tokenizer import train as train_tokenizer
 
 DOCS = [

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from archlab.cli import main as cli_main
-from archlab.demo import run_demo
+from archlab.demo.run import run_demo
 
 WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
 

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from archlab import diagnostics
 from archlab.config import ModelConfig
-from archlab.model import TransformerLM
+from archlab.eval import diagnostics
+from archlab.models.decoder import TransformerLM
 
 D, SINK_DIM, MASSIVE_DIM, MASSIVE_POS, T = 16, 0, 7, 3, 10
 
@@ -118,8 +118,7 @@ def test_effective_rank_of_hand_made_matrices():
 
 
 def test_diagnose_reports_effective_rank_for_an_encoder_and_a_decoder():
-    from archlab import presets
-    from archlab.models import build_model
+    from archlab.models import build_model, presets
 
     for name in ("bert-base", "gpt2"):
         model = build_model(presets.tiny(name))

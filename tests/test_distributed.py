@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from archlab.config import ModelConfig
-from archlab.data import prepare
-from archlab.train import TrainConfig, read_metrics, train
+from archlab.data.tokens import prepare
+from archlab.training.trainer import TrainConfig, read_metrics, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
 
 WORKER = textwrap.dedent('''
     import os, sys, torch
-    from archlab import distributed as du
+    from archlab.training import distributed as du
     from archlab.config import ModelConfig
-    from archlab.train import TrainConfig, train
+    from archlab.training.trainer import TrainConfig, train
 
     data, out, model_yaml, train_yaml = sys.argv[1:5]
     original = du.full_model_state
@@ -84,7 +84,7 @@ def test_two_process_run_matches_single_process(setup, strategy, overrides):
     ranks = [torch.load(out.parent / f"{strategy}-ranks" / f"rank{r}.pt") for r in (0, 1)]
     assert ranks[0].keys() == ranks[1].keys()
     assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
-    from archlab.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+    from archlab.runs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
     assert len(list_checkpoints(out)) == 2          # rank 0 alone wrote them
     saved, _ = load_checkpoint(latest_checkpoint(out))
     assert all(torch.equal(saved[k], ranks[0][k]) for k in ranks[0])

@@ -5,10 +5,9 @@ import torch
 import torch.nn.functional as F
 
 import archlab
-from archlab import accounting, presets
 from archlab.config import ConfigError
-from archlab.encoder import EncoderLM, padded_positions
-from archlab.models import build_model
+from archlab.models import accounting, build_model, presets
+from archlab.models.encoder import EncoderLM, padded_positions
 from archlab.nn.attention_backends import forced
 from archlab.nn.masks import MaskSpec
 

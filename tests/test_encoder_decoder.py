@@ -7,10 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from archlab import accounting, presets
 from archlab.config import ConfigError
-from archlab.encoder_decoder import EncoderDecoderLM, shift_right
-from archlab.models import build_model
+from archlab.models import accounting, build_model, presets
+from archlab.models.encoder_decoder import EncoderDecoderLM, shift_right
 from archlab.nn.attention import Attention
 from archlab.nn.masks import AttnInputs
 

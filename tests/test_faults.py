@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from test_checkpoint import make_data, tiny_model
 
-from archlab.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
-from archlab.data import load_meta
+from archlab.data.tokens import load_meta
 from archlab.faults import FAULT_EXIT, POINTS
-from archlab.train import TrainConfig, read_metrics, train
+from archlab.runs.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+from archlab.training.trainer import TrainConfig, read_metrics, train
 
 TESTS = Path(__file__).parent
 CFG = dict(batch_size=4, seq_len=16, budget=6, warmup_steps=1, eval_batches=1, sample_every=-1,
@@ -27,7 +27,8 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def _train_in_subprocess(data: Path, run_dir: Path, fault: str | None, **cfg) -> subprocess.Popen:
-    code = ("import sys\nfrom archlab.train import TrainConfig, train\nfrom test_checkpoint import tiny_model\n"
+    code = ("import sys\nfrom archlab.training.trainer import TrainConfig, train\n"
+            "from test_checkpoint import tiny_model\n"
             f"train(tiny_model(), TrainConfig(**{ {**CFG, **cfg}!r}), {str(data)!r}, {str(run_dir)!r}, "
             "progress=False)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}

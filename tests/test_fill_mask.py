@@ -13,17 +13,17 @@ import pytest
 import torch
 from test_train_mlm import FAST, _docs, encoder
 
-from archlab.checkpoint import load_run, save_checkpoint, write_run_config
 from archlab.cli import main
 from archlab.config import ModelConfig
-from archlab.data import prepare
-from archlab.encoder import EncoderLM
+from archlab.data.tokens import prepare
 from archlab.errors import UserError
-from archlab.fill_mask import encode_for_model, fill_mask
-from archlab.model_folder import load_masked_lm
+from archlab.eval.fill_mask import encode_for_model, fill_mask
+from archlab.models.encoder import EncoderLM
+from archlab.runs.checkpoint import load_run, save_checkpoint, write_run_config
+from archlab.runs.model_folder import load_masked_lm
 from archlab.tokenizer import HFTokenizer
 from archlab.tokenizer import train as train_tokenizer
-from archlab.train import TrainConfig, train
+from archlab.training.trainer import TrainConfig, train
 
 TEXT = "the quick brown [MASK] jumps over a lazy dog while seven [MASK] quietly judge"
 

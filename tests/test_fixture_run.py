@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from archlab.checkpoint import latest_checkpoint, load_run, verify_checkpoint
+from archlab.runs.checkpoint import latest_checkpoint, load_run, verify_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_v1"
 

@@ -9,7 +9,8 @@ import torch
 from test_local_attention import _ran
 from variants import variant
 
-from archlab import TransformerLM, presets
+from archlab import TransformerLM
+from archlab.models import presets
 from archlab.nn import attention_backends as backends
 from archlab.nn.attention_backends import AttnCall, forced
 from archlab.nn.masks import AttnInputs, MaskSpec

@@ -3,10 +3,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from archlab.evaluate import autocast
-from archlab.model import TransformerLM
+from archlab.eval.evaluate import autocast
+from archlab.models.decoder import TransformerLM
+from archlab.models.presets import tiny
 from archlab.nn.fused_loss import linear_cross_entropy
-from archlab.presets import tiny
 
 
 def _plain(hidden, weight, targets, z_coef, ignore_index=-100, bias=None, softcap=None):

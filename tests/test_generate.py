@@ -34,7 +34,7 @@ def _model(cfg, seed=0):
 
 def _presets():
     try:
-        import archlab.presets as presets
+        import archlab.models.presets as presets
         return [n for n in presets.names() if presets.get(n).arch == "decoder"]   # generation: decoders
     except ImportError:  # presets not available: the switch variants still cover every option
         return []
@@ -66,7 +66,7 @@ def test_left_padded_batch_equals_each_prompt_alone(name):
 
 @pytest.mark.parametrize("name", _presets())
 def test_preset_cached_equals_uncached_and_padding_invisible(name):
-    import archlab.presets as presets
+    import archlab.models.presets as presets
     cfg = presets.tiny(name)
     model = _model(cfg)
     torch.manual_seed(3)

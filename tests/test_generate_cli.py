@@ -3,8 +3,8 @@ import pytest
 from variants import BASE
 
 import archlab
-from archlab.checkpoint import save_checkpoint, write_run_config
 from archlab.cli import main
+from archlab.runs.checkpoint import save_checkpoint, write_run_config
 from archlab.tokenizer import Tokenizer
 
 

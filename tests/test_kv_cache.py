@@ -72,7 +72,7 @@ def test_full_cache_overflow_is_a_clear_error():
 
 @pytest.mark.parametrize("name", ["base", "gqa", "mqa", "local-global", "window", "head-dim"])
 def test_cache_bytes_match_analytic_estimate(name):
-    from archlab.accounting import kv_cache_bytes
+    from archlab.models.accounting import kv_cache_bytes
     cfg = variant(name)
     model = TransformerLM(cfg).eval()
     cache = StaticKVCache(cfg, batch=3, max_len=20)

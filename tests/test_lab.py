@@ -85,7 +85,7 @@ def test_gated_mlp_matched_to_plain_by_params_has_two_thirds_width():
     assert abs(res.measure - target) / target <= 0.01
     assert res.value == pytest.approx(256 * 2 / 3, abs=2)           # Shazeer 2020's 2/3 rule
     # the count it matched is the built model's
-    from archlab.model import TransformerLM
+    from archlab.models.decoder import TransformerLM
     assert TransformerLM(res.config).num_params() == res.measure
 
 
@@ -199,20 +199,20 @@ def test_store_roundtrip(tmp_path):
 
 
 def _tiny_data(tmp_path) -> Path:
-    from archlab.data import prepare
+    from archlab.data.tokens import prepare
     docs = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 20 for i in range(12)]
     prepare(docs, "bytes", tmp_path / "data", progress=False, num_workers=0)
     return tmp_path / "data"
 
 
 class FakeTrainer:
-    """Stands in for archlab.train.train: writes metrics.jsonl; crashes or diverges on request."""
+    """Stands in for archlab.training.trainer.train: writes metrics.jsonl; crashes or diverges on request."""
 
     def __init__(self, crash=(), diverge=()):
         self.calls, self.crash, self.diverge = [], set(crash), set(diverge)
 
     def __call__(self, model_cfg, train_cfg, data_dir, out_dir, *, resume=False, progress=True):
-        from archlab.train import Diverged, TrainResult
+        from archlab.training.trainer import Diverged, TrainResult
         key = (model_cfg.norm.kind, train_cfg.seed)
         self.calls.append(key)
         out = Path(out_dir)
@@ -360,12 +360,12 @@ def test_lm_architecture_compares_kinds_at_matched_params_tokens_and_targets(tmp
     scored on exactly the same targets."""
     import torch
 
-    from archlab.batches import objective_for, tokens_processed
-    from archlab.data import prepare
+    from archlab.data.batches import objective_for, tokens_processed
+    from archlab.data.tokens import prepare
 
     prepare(["to be or not to be that is the question " * 40] * 3, "bytes", tmp_path / "data", num_workers=0,
             progress=False)
-    from archlab.data import TokenDataset
+    from archlab.data.tokens import TokenDataset
     val = TokenDataset(tmp_path / "data", "train")
     planned = [p for p in plan(suites.BUILTIN["lm_architecture"], tmp_path, vocab_size=257) if p.seed == 0]
     assert {p.model.arch for p in planned} == {"decoder", "encoder_decoder"}

@@ -20,7 +20,7 @@ from archlab.lab import runner, suites
 from archlab.lab.executors import make_executor
 from archlab.lab.plan import INTERRUPTED
 from archlab.lab.store import ResultStore
-from archlab.runlock import LOCK_FILE, pid_alive
+from archlab.runs.lock import LOCK_FILE, pid_alive
 
 SUITE = {
     "name": "tiny_exec", "claim": "RMSNorm is no worse than LayerNorm", "seeds": 2,
@@ -35,7 +35,7 @@ COMPARED = ("status", "steps", "tokens_seen", "final_val_loss", "best_val_loss",
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    from archlab.data import prepare
+    from archlab.data.tokens import prepare
 
     root = tmp_path_factory.mktemp("exec_data")
     text = "Now is the winter of our discontent made glorious summer by this sun of York. "
@@ -68,7 +68,7 @@ def test_local_processes_give_the_serial_table_bit_for_bit(data, serial_table, t
 
 def _dies_in_its_worker(model_cfg, train_cfg, data_dir, out_dir, *, resume=False, progress=True):
     """A train_fn whose process dies (as if killed or out of memory) for the LayerNorm seed-0 run."""
-    from archlab.train import train
+    from archlab.training.trainer import train
     if model_cfg.norm.kind == "layernorm" and train_cfg.seed == 0:
         os._exit(9)
     return train(model_cfg, train_cfg, data_dir, out_dir, resume=resume, progress=progress)
@@ -201,13 +201,13 @@ def test_ray_driver_killed_mid_sweep_then_rerun_finishes_without_duplicates(data
 
 
 class _StoppedOnSecondRun:
-    """A train_fn whose second run is stopped by SIGTERM (archlab.train.Stopped), as on a preempted node."""
+    """A train_fn whose second run is stopped by SIGTERM (archlab.training.trainer.Stopped), as on a preempted node."""
 
     def __init__(self):
         self.calls = 0
 
     def __call__(self, model_cfg, train_cfg, data_dir, out_dir, *, resume=False, progress=True):
-        from archlab.train import Stopped, train
+        from archlab.training.trainer import Stopped, train
         self.calls += 1
         if self.calls == 2:
             raise Stopped("SIGTERM", 3, None)

@@ -197,7 +197,7 @@ PATTERNS = {
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 @pytest.mark.parametrize("prefix", [0, 6])
 def test_keys_per_query_counts_the_predicates_pairs(name, prefix):
-    from archlab import accounting
+    from archlab.models import accounting
     from archlab.nn.masks import LocalPattern
 
     cfg = variant("base").with_overrides(PATTERNS[name])
@@ -214,7 +214,7 @@ def test_cached_decoding_equals_the_full_forward_for_every_pattern(name):
     """A KV cache keeps what each pattern reaches ((w-1)·d + 1 rolling slots for a dilated window, everything
     for global tokens and sparse patterns): token-by-token decoding gives the full forward's logits, and the
     cache holds the bytes accounting says."""
-    from archlab.accounting import kv_cache_bytes
+    from archlab.models.accounting import kv_cache_bytes
     from archlab.nn.kv_cache import StaticKVCache
 
     cfg = variant("base").with_overrides(PATTERNS[name])

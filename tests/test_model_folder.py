@@ -1,14 +1,13 @@
-"""archlab.model_folder: a run folder laid out as earlier `archlab convert` wrote it (config.yaml and one
+"""archlab.runs.model_folder: a run folder laid out as earlier `archlab convert` wrote it (config.yaml and one
 model.safetensors, no checkpoints/) still opens, as data, for every kind of model."""
 import pytest
 import torch
 import yaml
 from safetensors.torch import save_file
 
-from archlab import presets
-from archlab.checkpoint import CheckpointError
-from archlab.model_folder import load_model_and_tokenizer
-from archlab.models import build_model
+from archlab.models import build_model, presets
+from archlab.runs.checkpoint import CheckpointError
+from archlab.runs.model_folder import load_model_and_tokenizer
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert-base"])

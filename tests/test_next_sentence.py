@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from archlab.config import ModelConfig
-from archlab.data import TokenDataset, prepare
-from archlab.encoder import EncoderLM
+from archlab.data.objectives import IGNORE, MaskedLM, NextSentence, next_sentence_for, truncated_lengths
+from archlab.data.tokens import TokenDataset, prepare
 from archlab.errors import UserError
-from archlab.objectives import IGNORE, MaskedLM, NextSentence, next_sentence_for, truncated_lengths
+from archlab.models.encoder import EncoderLM
 from archlab.tokenizer import train as train_tokenizer
 
 EOT, CLS, SEP, PAD, MASK, OFFSET = 1, 2, 3, 0, 4, 10
@@ -216,7 +216,7 @@ def test_the_trainer_trains_mlm_plus_nsp_and_resumes_exactly(nsp_data, tmp_path)
     from the validation split's sentences, and a resumed run equals the uninterrupted one."""
     from run_checks import assert_resume_is_exact
 
-    from archlab.train import TrainConfig, read_metrics, train
+    from archlab.training.trainer import TrainConfig, read_metrics, train
     cfg = ModelConfig(arch="encoder", vocab_size=300, d_model=32, n_layers=2, max_seq_len=32,
                       attention={"n_heads": 4}, mlp={"activation": "gelu", "d_ff": 64}, position={"kind": "rope"},
                       norm={"kind": "layernorm", "position": "post", "final_norm": False, "embedding_norm": True},
@@ -240,7 +240,7 @@ def test_the_trainer_trains_mlm_plus_nsp_and_resumes_exactly(nsp_data, tmp_path)
 def test_evaluation_scores_next_sentence_rows_by_hand(nsp_data):
     """evaluate() on the validation split's fixed next-sentence rows: MLM loss over the masked slots, NSP loss and
     accuracy over the rows, equal to a loop over the same batches."""
-    from archlab.evaluate import evaluate
+    from archlab.eval.evaluate import evaluate
     val = TokenDataset(nsp_data / "data", "val")
     cfg = ModelConfig(arch="encoder", vocab_size=300, d_model=32, n_layers=1, max_seq_len=32,
                       attention={"n_heads": 4}, position={"kind": "rope"}, type_vocab_size=2, nsp_head=True)

@@ -11,10 +11,7 @@ from tokenizers import Tokenizer as HFBackend
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from archlab import presets
-from archlab.errors import UserError
-from archlab.models import build_model
-from archlab.noising import (
+from archlab.data.noising import (
     SpanCorruption,
     TextInfilling,
     _random_segmentation,
@@ -32,6 +29,8 @@ from archlab.noising import (
     text_infilling,
     text_infilling_for,
 )
+from archlab.errors import UserError
+from archlab.models import build_model, presets
 from archlab.tokenizer import train
 from archlab.tokenizer.hf_wrapper import HFTokenizer
 

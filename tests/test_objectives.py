@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
+from archlab.data.objectives import IGNORE, mask_tokens, masked_lm_for, word_starts
 from archlab.errors import UserError
-from archlab.objectives import IGNORE, mask_tokens, masked_lm_for, word_starts
 from archlab.tokenizer import train
 from archlab.tokenizer.wordpiece import WordPieceTokenizer
 
@@ -73,7 +73,7 @@ def test_whole_word_masking_takes_every_piece_of_a_chosen_word():
 
 def test_the_same_step_masks_the_same_way_and_another_step_differently():
     special = torch.zeros(V, dtype=torch.bool)
-    from archlab.objectives import MaskedLM
+    from archlab.data.objectives import MaskedLM
     objective = MaskedLM(MASK, V, special, seed=7)
     x = torch.randint(10, V, (4, 64))
     a, b = objective.batch(x, step=5), objective.batch(x, step=5)

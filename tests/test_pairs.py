@@ -1,4 +1,4 @@
-"""archlab.pairs: paired source/target data for encoder-decoders, prepared from .jsonl and sampled."""
+"""archlab.data.pairs: paired source/target data for encoder-decoders, prepared from .jsonl and sampled."""
 from __future__ import annotations
 
 import json
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from archlab.batches import tokens_processed
-from archlab.data import ByteTokenizer, DataError, TokenDataset, prepare
+from archlab.data.batches import tokens_processed
+from archlab.data.pairs import PairDataset, PairSampler, is_pairs, pair_eval_batches, prepare_pairs
+from archlab.data.tokens import ByteTokenizer, DataError, TokenDataset, prepare
 from archlab.errors import UserError
 from archlab.faults import FAULT_EXIT
-from archlab.outputs import OutputExistsError
-from archlab.pairs import PairDataset, PairSampler, is_pairs, pair_eval_batches, prepare_pairs
-from archlab.provenance import data_fingerprint
+from archlab.runs.outputs import OutputExistsError
+from archlab.runs.provenance import data_fingerprint
 
 EOT = ByteTokenizer.eot_id
 
@@ -188,10 +188,10 @@ def test_each_folder_kind_refuses_the_other_reader(tmp_path, pairs_dir):
     (tmp_path / "texts" / "a.txt").write_text("some text for a token stream")
     prepare(tmp_path / "texts", "bytes", tmp_path / "tokens", num_workers=0, progress=False)
     with pytest.raises(DataError, match="is a source/target pairs folder, not a token-stream folder: "
-                       "read it with archlab.pairs.PairDataset"):
+                       "read it with archlab.data.pairs.PairDataset"):
         TokenDataset(data_dir)
     with pytest.raises(DataError, match="is a token-stream folder, not a source/target pairs folder: "
-                       "read it with archlab.data.TokenDataset"):
+                       "read it with archlab.data.tokens.TokenDataset"):
         PairDataset(tmp_path / "tokens")
     assert is_pairs(data_dir) and not is_pairs(tmp_path / "tokens") and not is_pairs(tmp_path / "nothing")
 
@@ -314,7 +314,7 @@ def test_cli_prepares_pairs_and_reports_bad_input_as_status_2(tmp_path, capsys):
 
 def test_a_killed_prepare_leaves_no_folder_and_a_rerun_completes(tmp_path):
     write_jsonl(tmp_path / "p.jsonl", make_pairs(10))
-    code = ("from archlab.pairs import prepare_pairs\n"
+    code = ("from archlab.data.pairs import prepare_pairs\n"
             f"prepare_pairs({str(tmp_path / 'p.jsonl')!r}, 'bytes', {str(tmp_path / 'd')!r}, num_workers=0)\n")
     env = {**os.environ, "ARCHLAB_FAULT": "prepare:split"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -11,12 +11,12 @@ import pytest
 import torch
 import yaml
 
-from archlab import precision
 from archlab.config import ConfigError, ModelConfig
-from archlab.data import prepare
-from archlab.model import TransformerLM
-from archlab.precision import autocast, bf16_warning, has_native_bf16, resolve_dtype
-from archlab.train import TrainConfig, train
+from archlab.data.tokens import prepare
+from archlab.models.decoder import TransformerLM
+from archlab.training import precision
+from archlab.training.precision import autocast, bf16_warning, has_native_bf16, resolve_dtype
+from archlab.training.trainer import TrainConfig, train
 
 CPU = torch.device("cpu")
 

@@ -5,11 +5,10 @@ import pytest
 import torch
 
 import archlab
-from archlab import accounting, presets
 from archlab.cli import main
 from archlab.config import ConfigError, ModelConfig
-from archlab.model import TransformerLM
-from archlab.models import build_model
+from archlab.models import accounting, build_model, presets
+from archlab.models.decoder import TransformerLM
 
 NAMES = presets.names()
 
@@ -25,7 +24,7 @@ def test_every_lecture_family_has_a_preset():
         "command-a", "deepseek-67b", "yi-34b", "smollm2-1.7b", "bert-base", "bert-large", "roberta-base",
     }
     assert required <= set(NAMES)
-    assert archlab.presets.get("llama2-7b") == presets.get("llama2-7b")
+    assert archlab.models.presets.get("llama2-7b") == presets.get("llama2-7b")
 
 
 def test_unknown_preset_is_a_config_error_naming_it():

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from archlab.cli import main
-from archlab.demo import demo_configs, encoder_demo_configs
-from archlab.demo_encoder_decoder import SENTINELS, encoder_decoder_demo_configs
-from archlab.train import train
+from archlab.demo.encoder_decoder import SENTINELS, encoder_decoder_demo_configs
+from archlab.demo.run import demo_configs, encoder_demo_configs
+from archlab.training.trainer import train
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -34,7 +34,7 @@ def readme_demo_commands() -> list[str]:
 def demo_folder(tmp_path_factory):
     """A folder whose runs/demo has the demo's model and context (256 tokens), briefly trained, whose
     runs/demo-encoder has the encoder demo's model and runs/demo-encoder_decoder the encoder-decoder demo's."""
-    from archlab.data import prepare
+    from archlab.data.tokens import prepare
     from archlab.tokenizer import Tokenizer, train_bpe
 
     root = tmp_path_factory.mktemp("readme")

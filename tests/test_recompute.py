@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 
 from archlab.config import ModelConfig
-from archlab.data import prepare
-from archlab.model import TransformerLM
-from archlab.recompute import checkpoint_blocks
-from archlab.train import TrainConfig, read_metrics, train
+from archlab.data.tokens import prepare
+from archlab.models.decoder import TransformerLM
+from archlab.training.recompute import checkpoint_blocks
+from archlab.training.trainer import TrainConfig, read_metrics, train
 
 
 def _cfg(**kw) -> ModelConfig:

@@ -13,7 +13,8 @@ import pytest
 import torch
 from test_checkpoint import make_data, tiny_model
 
-from archlab.checkpoint import (
+from archlab.models.decoder import TransformerLM
+from archlab.runs.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
     latest_checkpoint,
@@ -24,10 +25,9 @@ from archlab.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from archlab.model import TransformerLM
-from archlab.rng import rng_state
-from archlab.statefile import load_state, save_state
-from archlab.train import TrainConfig, read_metrics, train
+from archlab.runs.statefile import load_state, save_state
+from archlab.training.rng import rng_state
+from archlab.training.trainer import TrainConfig, read_metrics, train
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

@@ -11,12 +11,12 @@ import warnings
 import pytest
 from test_checkpoint import make_data, tiny_model
 
-from archlab.checkpoint import latest_checkpoint
 from archlab.cli import main as cli_main
 from archlab.config import ConfigError
-from archlab.data import DataError, prepare
-from archlab.runlock import LOCK_FILE, LockedError, RunLock
-from archlab.train import TrainConfig, train
+from archlab.data.tokens import DataError, prepare
+from archlab.runs.checkpoint import latest_checkpoint
+from archlab.runs.lock import LOCK_FILE, LockedError, RunLock
+from archlab.training.trainer import TrainConfig, train
 
 CFG = TrainConfig(batch_size=4, seq_len=16, budget=2, warmup_steps=1, eval_batches=1, sample_every=-1)
 
@@ -84,7 +84,7 @@ def test_the_holder_refreshes_its_heartbeat(tmp_path):
 def test_two_real_writers_the_second_refused_the_first_intact(tmp_path):
     data = make_data(tmp_path / "data", n_docs=10, words=100)
     run_dir = tmp_path / "run"
-    code = (f"from archlab.train import TrainConfig, train\nfrom test_checkpoint import tiny_model\n"
+    code = (f"from archlab.training.trainer import TrainConfig, train\nfrom test_checkpoint import tiny_model\n"
             f"train(tiny_model(), TrainConfig(batch_size=4, seq_len=16, budget=400, warmup_steps=1, eval_batches=1,"
             f" sample_every=-1, checkpoint_every=100), {str(data)!r}, {str(run_dir)!r}, progress=False)\n")
     first = subprocess.Popen([sys.executable, "-c", code], cwd=str(tmp_path),
@@ -167,7 +167,7 @@ def test_check_on_a_folder_that_is_no_run_is_one_line(tmp_path, capsys):
 def test_a_resume_past_the_budget_still_reports_the_final_train_loss(run):
     data, run_dir = run
     result = train(tiny_model(), CFG, data, run_dir, resume=True, progress=False)   # nothing left to run
-    from archlab.train import read_metrics
+    from archlab.training.trainer import read_metrics
     last = [m["loss"] for m in read_metrics(run_dir / "metrics.jsonl") if "loss" in m][-1]
     assert result.steps == 2 and result.final_train_loss == last
 
@@ -175,7 +175,7 @@ def test_a_resume_past_the_budget_still_reports_the_final_train_loss(run):
 def test_benchmark_provenance_line_is_json_with_versions():
     import torch
 
-    from archlab.provenance import provenance_line
+    from archlab.runs.provenance import provenance_line
     line = provenance_line("cpu", threads=3)
     record = json.loads(line.removeprefix("provenance: "))
     assert record["torch"] == torch.__version__ and record["threads"] == 3 and record["cpu_capability"]
@@ -183,7 +183,7 @@ def test_benchmark_provenance_line_is_json_with_versions():
 
 def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(tmp_path, capsys, monkeypatch):
     """llama2-7b on this machine: one line naming what it needs, before any allocation or folder."""
-    import archlab.train as train_mod
+    import archlab.training.trainer as train_mod
     from archlab.cli import main
     data = make_data(tmp_path / "data", n_docs=10, words=100)
     monkeypatch.setattr(train_mod, "available_memory", lambda device: 24 * 2**30)
@@ -197,7 +197,7 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(tmp_path, c
 
 
 def test_the_memory_check_can_be_overridden(tmp_path, monkeypatch):
-    import archlab.train as train_mod
+    import archlab.training.trainer as train_mod
     data = make_data(tmp_path / "data", n_docs=10, words=100)
     monkeypatch.setattr(train_mod, "available_memory", lambda device: 1024)     # "1 KiB free"
     with pytest.raises(train_mod.MemoryCheckError):

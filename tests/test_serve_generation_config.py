@@ -12,9 +12,9 @@ from test_serve import _live_server, complete_together
 from variants import BASE
 
 import archlab
-from archlab.checkpoint import save_checkpoint, write_run_config
 from archlab.cli import main
 from archlab.generation import read_generation_config
+from archlab.runs.checkpoint import save_checkpoint, write_run_config
 from archlab.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from archlab.config import ModelConfig
-from archlab.data import prepare
-from archlab.train import TrainConfig, read_metrics, train
+from archlab.data.tokens import prepare
+from archlab.training.trainer import TrainConfig, read_metrics, train
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from archlab import presets
-from archlab.accounting import _matmul_params_per_token
-from archlab.model import TransformerLM
-from archlab.throughput import matmul_ceiling, matmul_peak_flops, matmul_weight_shapes
+from archlab.models import presets
+from archlab.models.accounting import _matmul_params_per_token
+from archlab.models.decoder import TransformerLM
+from archlab.training.throughput import matmul_ceiling, matmul_peak_flops, matmul_weight_shapes
 
 CPU = torch.device("cpu")
 DENSE = ["gpt2", "llama2-7b", "gemma2-9b", "qwen3-8b", "falcon-7b", "command-a"]   # tied and untied heads

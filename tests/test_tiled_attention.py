@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from archlab.config import ModelConfig
-from archlab.model import TransformerLM
+from archlab.models.decoder import TransformerLM
 from archlab.nn import tiled_attention
 from archlab.nn.masks import MaskSpec
 from archlab.nn.tiled_attention import causal_attention, use_cpu_attention

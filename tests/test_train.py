@@ -12,10 +12,10 @@ import torch
 
 from archlab.cli import main as cli_main
 from archlab.config import ConfigError, ModelConfig
-from archlab.data import prepare
-from archlab.evaluate import bits_per_byte, evaluate
-from archlab.model import TransformerLM
-from archlab.train import Diverged, TrainConfig, lr_multiplier, param_groups, read_metrics, train
+from archlab.data.tokens import prepare
+from archlab.eval.evaluate import bits_per_byte, evaluate
+from archlab.models.decoder import TransformerLM
+from archlab.training.trainer import Diverged, TrainConfig, lr_multiplier, param_groups, read_metrics, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
 
@@ -111,7 +111,7 @@ def test_training_lowers_the_loss_and_writes_the_run_folder(data_dir, tmp_path):
 
 
 def test_bits_per_byte_matches_hand_computation(data_dir):
-    from archlab.data import TokenDataset
+    from archlab.data.tokens import TokenDataset
 
     val = TokenDataset(data_dir, "val")
     model = TransformerLM(tiny())
@@ -179,7 +179,7 @@ def test_nan_policy_skip_keeps_weights_finite(data_dir, tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="skipping the update"):
         result = train(tiny(), cfg, data_dir, tmp_path / "run", progress=False)
     assert result.steps == 6 and not result.diverged
-    from archlab.checkpoint import load_run
+    from archlab.runs.checkpoint import load_run
     model, _ = load_run(tmp_path / "run")
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert [r.get("nonfinite") for r in read_metrics(result.metrics_path) if r["step"] == 3][0]
@@ -209,7 +209,7 @@ def test_cli_train_then_eval(data_dir, tmp_path, capsys):
 
 
 def test_train_states_its_plan_and_expected_memory_then_the_peak(data_dir, tmp_path, capsys):
-    from archlab.accounting import training_memory_bytes
+    from archlab.models.accounting import training_memory_bytes
     from archlab.units import human_bytes
     args = ["train", "--preset", "tiny:llama2-7b", "--data", str(data_dir), "--out", str(tmp_path / "run"),
             "--set", "train.batch_size=4", "--set", "train.seq_len=16", "--set", "train.budget=2",
@@ -226,8 +226,8 @@ def test_train_states_its_plan_and_expected_memory_then_the_peak(data_dir, tmp_p
 
 def test_bf16_autocast_trains_with_float32_master_weights(data_dir, tmp_path):
     """dtype=bfloat16 autocasts the matmuls; parameters and optimizer state stay float32."""
-    from archlab.checkpoint import load_run
-    from archlab.precision import has_native_bf16
+    from archlab.runs.checkpoint import load_run
+    from archlab.training.precision import has_native_bf16
 
     cfg = TrainConfig(**FAST, budget=30, eval_every=30, checkpoint_every=30, dtype="bfloat16")
     with (contextlib.nullcontext() if has_native_bf16("cpu")            # else: the cost is named

@@ -9,13 +9,13 @@ import pytest
 import torch
 from run_checks import assert_resume_is_exact
 
-from archlab.checkpoint import latest_checkpoint, load_run
 from archlab.config import ModelConfig
-from archlab.data import prepare
-from archlab.encoder import EncoderLM
+from archlab.data.tokens import prepare
 from archlab.errors import UserError
+from archlab.models.encoder import EncoderLM
+from archlab.runs.checkpoint import latest_checkpoint, load_run
 from archlab.tokenizer import train as train_tokenizer
-from archlab.train import TrainConfig, read_metrics, train
+from archlab.training.trainer import TrainConfig, read_metrics, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
 
@@ -68,9 +68,9 @@ def test_mlm_loss_falls_and_eval_reports_accuracy(mlm_data, tmp_path):
 
 
 def test_eval_scores_the_masked_slots_by_hand(mlm_data):
-    from archlab.data import TokenDataset, eval_batches
-    from archlab.evaluate import evaluate
-    from archlab.objectives import masked_lm_for
+    from archlab.data.objectives import masked_lm_for
+    from archlab.data.tokens import TokenDataset, eval_batches
+    from archlab.eval.evaluate import evaluate
 
     val = TokenDataset(mlm_data, "val")
     model = EncoderLM(encoder()).eval()
@@ -108,8 +108,8 @@ def test_an_encoder_on_data_without_a_mask_token_is_one_line(tmp_path):
 
 def test_a_byte_level_run_masks_with_an_id_past_the_tokenizer(tmp_path):
     """train.mask_token_id: a padded vocabulary's spare id serves as [MASK] (the lab's rank_collapse suite)."""
-    from archlab.data import TokenDataset
-    from archlab.objectives import masked_lm_for
+    from archlab.data.objectives import masked_lm_for
+    from archlab.data.tokens import TokenDataset
 
     prepare(_docs(5, 50), "bytes", tmp_path / "data", num_workers=0, progress=False)
     tok = TokenDataset(tmp_path / "data", "train").load_tokenizer()

@@ -9,12 +9,12 @@ import pytest
 import torch
 from run_checks import assert_resume_is_exact
 
-from archlab.batches import objective_for
 from archlab.config import ModelConfig
-from archlab.data import prepare
+from archlab.data.batches import objective_for
+from archlab.data.objectives import Continuation
+from archlab.data.tokens import prepare
 from archlab.errors import UserError
-from archlab.objectives import Continuation
-from archlab.train import TrainConfig, read_metrics, train
+from archlab.training.trainer import TrainConfig, read_metrics, train
 
 TEXT = "to be or not to be that is the question whether tis nobler in the mind to suffer "
 
@@ -53,7 +53,7 @@ def test_continuation_scores_the_same_tokens_for_every_kind():
     assert torch.equal(dec_labels[dec_labels != -100].reshape(2, -1), ed_labels)
     assert dec_labels[0].tolist() == [-100] * 4 + list(range(5, 12)) + [-100]
     # tokens read per row: the decoder the whole window, the encoder-decoder its source plus its target
-    from archlab.batches import tokens_processed
+    from archlab.data.batches import tokens_processed
     assert tokens_processed(dec_in, dec_labels, "decoder") == tokens_processed(ed_in, ed_labels, "encoder_decoder")
 
 
@@ -81,7 +81,7 @@ def test_a_resumed_encoder_decoder_run_equals_the_uninterrupted_run(byte_data, t
 @pytest.mark.parametrize("arch, objective", [("decoder", "mlm"), ("encoder_decoder", "mlm"),
                                              ("encoder_decoder", "next_token")])
 def test_an_objective_the_kind_cannot_train_is_one_line(byte_data, arch, objective):
-    from archlab.data import TokenDataset
+    from archlab.data.tokens import TokenDataset
     cfg = enc_dec() if arch == "encoder_decoder" else decoder()
     with pytest.raises(UserError, match=f"train.objective={objective} trains .* not arch={arch}"):
         objective_for(cfg, TrainConfig(objective=objective), TokenDataset(byte_data, "val"))
@@ -92,7 +92,7 @@ def pair_data(tmp_path_factory) -> Path:
     """Source -> target pairs of every length 3..12: the target is the source's words reversed."""
     import json
 
-    from archlab.pairs import prepare_pairs
+    from archlab.data.pairs import prepare_pairs
     words = TEXT.split()
     root = tmp_path_factory.mktemp("pairs")
     lines = []
@@ -108,7 +108,7 @@ PAIRS = {**FAST, "objective": "auto", "seq_len": 64}
 
 
 def test_an_encoder_decoder_learns_pairs_and_counts_their_real_tokens(pair_data, tmp_path):
-    from archlab.pairs import PairDataset, PairSampler
+    from archlab.data.pairs import PairDataset, PairSampler
     train(enc_dec(), TrainConfig(budget=30, eval_every=15, **PAIRS), pair_data, tmp_path / "run", progress=False)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     losses = [r["loss"] for r in rows if "loss" in r]

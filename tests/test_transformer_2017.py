@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import archlab
-from archlab import accounting, presets
-from archlab.encoder_decoder import EncoderDecoderLM
-from archlab.models import build_model
+from archlab.models import accounting, build_model, presets
+from archlab.models.encoder_decoder import EncoderDecoderLM
 
 V = 37_000   # "a shared source-target vocabulary of about 37000 tokens" (sec. 5.1)
 

@@ -12,14 +12,17 @@ __version__ = "0.1.0"
 _LAZY = {
     "ConfigError": ("archlab.config", "ConfigError"),
     "ModelConfig": ("archlab.config", "ModelConfig"),
-    "TransformerLM": ("archlab.model", "TransformerLM"),
-    "EncoderLM": ("archlab.encoder", "EncoderLM"),
-    "EncoderDecoderLM": ("archlab.encoder_decoder", "EncoderDecoderLM"),
+    "TransformerLM": ("archlab.models.decoder", "TransformerLM"),
+    "EncoderLM": ("archlab.models.encoder", "EncoderLM"),
+    "EncoderDecoderLM": ("archlab.models.encoder_decoder", "EncoderDecoderLM"),
     "build_model": ("archlab.models", "build_model"),
     "generate": ("archlab.generation", "generate"),
 }
-_SUBMODULES = ("accounting", "presets", "interop", "tokenizer", "data", "corpora", "train",
-               "diagnostics", "lab")
+# the short names users reach from `archlab.` -> the module in its room
+_SUBMODULES = {"accounting": "archlab.models.accounting", "presets": "archlab.models.presets",
+               "interop": "archlab.interop", "tokenizer": "archlab.tokenizer", "data": "archlab.data",
+               "corpora": "archlab.data.corpora", "train": "archlab.training.trainer",
+               "diagnostics": "archlab.eval.diagnostics", "lab": "archlab.lab"}
 __all__ = [*_LAZY, *_SUBMODULES]
 
 
@@ -28,7 +31,7 @@ def __getattr__(name: str):
         module, attr = _LAZY[name]
         value = getattr(importlib.import_module(module), attr)
     elif name in _SUBMODULES:
-        value = importlib.import_module(f"archlab.{name}")
+        value = importlib.import_module(_SUBMODULES[name])
     else:
         raise AttributeError(f"module 'archlab' has no attribute {name!r}")
     globals()[name] = value

@@ -8,10 +8,10 @@ import stat
 import pytest
 import torch
 
-from archlab.checkpoint import CHECKPOINT_DIR, save_checkpoint, write_run_config
 from archlab.cli import main
 from archlab.config import ModelConfig
-from archlab.model import TransformerLM
+from archlab.models.decoder import TransformerLM
+from archlab.runs.checkpoint import CHECKPOINT_DIR, save_checkpoint, write_run_config
 
 transformers = pytest.importorskip("transformers")
 EOT = "<|endoftext|>"

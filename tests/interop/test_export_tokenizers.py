@@ -13,8 +13,8 @@ import torch
 
 from archlab.cli import main
 from archlab.cli.generate import _encode_source
-from archlab.fill_mask import encode_for_model
-from archlab.model_folder import load_masked_lm, load_model_and_tokenizer
+from archlab.eval.fill_mask import encode_for_model
+from archlab.runs.model_folder import load_masked_lm, load_model_and_tokenizer
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -29,7 +29,7 @@ def test_phi_qk_layernorm_matches_transformers(hf_parity, hf_roundtrip):
     # the norm's bias was loaded (randomize_norms makes HF's non-zero)
     theirs = hf_model.model.layers[0].self_attn.k_layernorm.bias
     assert torch.equal(attn.k_norm.bias, theirs) and theirs.abs().sum() > 0
-    from archlab.accounting import param_count
+    from archlab.models.accounting import param_count
     assert param_count(cfg) == ours.num_params() == sum(p.numel() for p in hf_model.parameters())
     back = hf_roundtrip(ours, expect_family="phi")
     assert back.config.qk_layernorm is True
@@ -37,7 +37,7 @@ def test_phi_qk_layernorm_matches_transformers(hf_parity, hf_roundtrip):
 
 def test_phi_qk_norm_without_bias_cannot_be_saved_as_phi(tmp_path):
     from archlab.interop import save_hf
-    from archlab.model import TransformerLM
+    from archlab.models.decoder import TransformerLM
 
     cfg = FAMILIES.get("phi").to_config({**PHI, "model_type": "phi", "qk_layernorm": True})
     cfg = cfg.with_overrides({"bias.qk_norm": False})
@@ -71,7 +71,7 @@ def test_ministral_layer_types_match_transformers(hf_parity, hf_roundtrip, tiny_
 def test_ministral_window_matters(hf_parity, tiny_kwargs):
     """The parity above would hold vacuously if the window never bit: SEQ tokens > window, so
     making every layer global changes the logits."""
-    from archlab.model import TransformerLM
+    from archlab.models.decoder import TransformerLM
 
     types = ["sliding_attention", "full_attention"]
     _, ours, _ = hf_parity("ministral", **tiny_kwargs(head_dim=16, sliding_window=5, layer_types=types))
@@ -117,7 +117,7 @@ def test_absent_sliding_window_takes_the_hf_config_default(model_type, head_dim,
 
 
 def test_interleaved_window_config_saves_as_ministral(hf_roundtrip):
-    from archlab.model import TransformerLM
+    from archlab.models.decoder import TransformerLM
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=3, max_seq_len=64,
@@ -151,7 +151,7 @@ def test_gpt2_reorder_and_upcast_attn_is_a_no_op_in_fp32(hf_parity):
 
 def test_inverse_layer_scale_cannot_be_saved_where_hf_has_no_such_switch(tmp_path):
     from archlab.interop import save_hf
-    from archlab.model import TransformerLM
+    from archlab.models.decoder import TransformerLM
 
     cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, max_seq_len=64,
                       attention={"n_heads": 4, "scale_by_inverse_layer": True},

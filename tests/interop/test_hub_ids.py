@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from archlab.cli import main
-from archlab.hub import HubError, parse_model_id, resolve_model
+from archlab.runs.hub import HubError, parse_model_id, resolve_model
 
 pytest.importorskip("huggingface_hub")
 SHA = "0123456789abcdef0123456789abcdef01234567"

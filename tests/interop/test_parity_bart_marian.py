@@ -6,12 +6,11 @@ count, the final_logits_bias buffer does not)."""
 import pytest
 import torch
 
-from archlab import presets
-from archlab.accounting import param_count
 from archlab.config import ConfigError
 from archlab.interop import FAMILIES, load_hf, save_hf
 from archlab.interop.families.base import config_diff
-from archlab.models import build_model
+from archlab.models import build_model, presets
+from archlab.models.accounting import param_count
 from archlab.nn.position import sinusoid_table
 
 TOLERANCE = 1e-4   # max |ours - theirs| / max |theirs|, fp32

@@ -6,11 +6,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from archlab import presets  # noqa: E402
-from archlab.accounting import param_count  # noqa: E402
 from archlab.config import ConfigError  # noqa: E402
-from archlab.encoder import EncoderLM  # noqa: E402
 from archlab.interop import FAMILIES, load_hf, save_hf  # noqa: E402
+from archlab.models import presets  # noqa: E402
+from archlab.models.accounting import param_count  # noqa: E402
+from archlab.models.encoder import EncoderLM  # noqa: E402
 
 TOLERANCE = 1e-4
 VOCAB, SEQ = 96, 12

@@ -12,11 +12,11 @@ transformers = pytest.importorskip("transformers")
 from test_parity_bert import VOCAB, hf_config, padded_batch, randomize_1d  # noqa: E402
 from test_published_configs import BERT_BASE_UNCASED, BERT_LARGE_UNCASED, to_config  # noqa: E402
 
-from archlab import presets  # noqa: E402
-from archlab.accounting import param_count  # noqa: E402
 from archlab.config import ConfigError  # noqa: E402
-from archlab.encoder import EncoderLM  # noqa: E402
 from archlab.interop import FAMILIES, load_hf, save_hf  # noqa: E402
+from archlab.models import presets  # noqa: E402
+from archlab.models.accounting import param_count  # noqa: E402
+from archlab.models.encoder import EncoderLM  # noqa: E402
 
 TOLERANCE = 1e-4
 

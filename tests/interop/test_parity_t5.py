@@ -5,12 +5,11 @@ to the presets, with transformers' parameter counts (built on the meta device)."
 import pytest
 import torch
 
-from archlab import presets
-from archlab.accounting import param_count
 from archlab.config import ConfigError
 from archlab.interop import FAMILIES, load_hf, save_hf
 from archlab.interop.families.base import config_diff
-from archlab.models import build_model
+from archlab.models import build_model, presets
+from archlab.models.accounting import param_count
 
 TOLERANCE = 1e-4   # max |ours - theirs| / max |theirs|, fp32
 
@@ -204,8 +203,7 @@ def test_t5_presets_initialize_at_the_scales_of_transformers_t5(tmp_path, name):
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
-    from archlab import presets
-    from archlab.models import build_model
+    from archlab.models import build_model, presets
 
     cfg = presets.get(name)
     cfg = cfg.with_overrides({"vocab_size": 512, "d_model": 64, "n_layers": 2, "attention.n_heads": 16,

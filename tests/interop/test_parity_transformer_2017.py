@@ -18,9 +18,8 @@ import math
 import pytest
 import torch
 
-from archlab import presets
 from archlab.interop import save_hf
-from archlab.models import build_model
+from archlab.models import build_model, presets
 
 TOLERANCE = 1e-4   # max |ours - theirs| / max |theirs|, fp32
 

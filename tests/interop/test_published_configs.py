@@ -4,9 +4,10 @@ Needs no transformers: only the config translation is exercised (one test compar
 models built on the meta device when it is installed, and is skipped otherwise)."""
 import pytest
 
-from archlab import ConfigError, presets
-from archlab.accounting import param_count
+from archlab import ConfigError
 from archlab.interop import FAMILIES
+from archlab.models import presets
+from archlab.models.accounting import param_count
 
 LLAMA31_8B = {  # meta-llama/Llama-3.1-8B
     "model_type": "llama", "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,

@@ -13,7 +13,7 @@ from archlab import ConfigError, ModelConfig
 from archlab.config import AttentionConfig, PositionConfig, RopeScaling, RopeScalingKind
 from archlab.interop import FAMILIES
 from archlab.interop.families.base import ROPE_READERS
-from archlab.model import TransformerLM
+from archlab.models.decoder import TransformerLM
 from archlab.nn.position import ROPE_SCALINGS, RotaryEmbedding
 
 transformers = pytest.importorskip("transformers")

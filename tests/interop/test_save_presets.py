@@ -3,7 +3,8 @@ transformers computes the same logits (norm weights and biases randomised first)
 import pytest
 import torch
 
-from archlab import TransformerLM, presets
+from archlab import TransformerLM
+from archlab.models import presets
 
 pytest.importorskip("transformers")
 

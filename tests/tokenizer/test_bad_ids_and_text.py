@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import archlab.tokenizer as tk
-from archlab.corpora import corpus_files
-from archlab.data import ByteTokenizer
+from archlab.data.corpora import corpus_files
+from archlab.data.tokens import ByteTokenizer
 from archlab.tokenizer.base import TokenIdError
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import archlab.tokenizer as tk
-from archlab.corpora import corpus_files
+from archlab.data.corpora import corpus_files
 from archlab.tokenizer.wordpiece import train_wordpiece
 
 T = pytest.importorskip("tokenizers")

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import archlab.tokenizer as tk
-from archlab.corpora import corpus_files
+from archlab.data.corpora import corpus_files
 from archlab.tokenizer.bpe import _bpe_heap
 
 

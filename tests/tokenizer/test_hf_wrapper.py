@@ -190,9 +190,9 @@ def test_generate_and_diagnose_read_an_hf_folder_with_such_a_tokenizer(hf_llama,
     import torch
 
     import archlab
-    from archlab import diagnostics
     from archlab.cli import main
     from archlab.cli.generate import load_model_and_tokenizer
+    from archlab.eval import diagnostics
 
     folder, hf_tok = hf_llama
     model, tok = load_model_and_tokenizer(folder)

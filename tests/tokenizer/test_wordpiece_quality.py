@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 import archlab.tokenizer as tk
-from archlab.corpora import corpus_files
+from archlab.data.corpora import corpus_files
 
 T = pytest.importorskip("tokenizers")
 

@@ -22,7 +22,8 @@ def register(subparsers) -> None:
 
 
 def run_check(args) -> int:
-    from archlab.checkpoint import (
+    from archlab.config import ModelConfig
+    from archlab.runs.checkpoint import (
         CheckpointError,
         list_checkpoints,
         load_run_tokenizer,
@@ -30,8 +31,7 @@ def run_check(args) -> int:
         read_run_config,
         verify_checkpoint,
     )
-    from archlab.config import ModelConfig
-    from archlab.runlock import LOCK_FILE
+    from archlab.runs.lock import LOCK_FILE
 
     run_dir = Path(args.run_dir)
     ModelConfig.from_dict(read_run_config(run_dir)["model"])     # not a run folder / bad config: exit 2

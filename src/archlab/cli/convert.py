@@ -1,6 +1,6 @@
 """`archlab convert` (HF folder <-> archlab run folder) and `archlab verify` (archlab vs transformers).
 
-A converted run folder is an ordinary run folder (archlab.checkpoint): config.yaml with the model
+A converted run folder is an ordinary run folder (archlab.runs.checkpoint): config.yaml with the model
 under `model`, tokenizer/ (copied when the HF folder has a tokenizer.json that archlab.tokenizer.load
 reads: natively, or through the `tokenizers` library; otherwise put aside in tokenizer_hf/) and one checkpoint
 `checkpoints/step_0000000/model.safetensors` holding our parameter names, so `archlab generate`,
@@ -57,11 +57,11 @@ def _copy_tokenizer(src: Path, dst: Path) -> list[str]:
 def convert_from_hf(hf_dir: str | Path, run_dir: str | Path, dtype: torch.dtype | None = None,
                     overwrite: bool = False) -> Path:
     """HF folder -> run folder (config.yaml, tokenizer/, checkpoints/step_0000000/). An existing non-empty
-    run_dir is refused unless `overwrite`, which replaces it atomically (archlab.outputs)."""
-    from archlab.checkpoint import CHECKPOINT_DIR, save_checkpoint, write_run_config
-    from archlab.hub import resolve_model
+    run_dir is refused unless `overwrite`, which replaces it atomically (archlab.runs.outputs)."""
     from archlab.interop.hf import load_hf, read_hf_config
-    from archlab.outputs import fresh_output, refuse_existing
+    from archlab.runs.checkpoint import CHECKPOINT_DIR, save_checkpoint, write_run_config
+    from archlab.runs.hub import resolve_model
+    from archlab.runs.outputs import fresh_output, refuse_existing
 
     run_dir = Path(run_dir)
     refuse_existing(run_dir, overwrite)                      # before the (long) load or download
@@ -90,7 +90,7 @@ def convert_from_hf(hf_dir: str | Path, run_dir: str | Path, dtype: torch.dtype 
 
 def _tokenizer_problem(folder: Path) -> str | None:
     """None when archlab.tokenizer loads folder/tokenizer.json, else the reason."""
-    from archlab.data import load_tokenizer as load  # what load_run uses
+    from archlab.data.tokens import load_tokenizer as load  # what load_run uses
     try:
         load(folder)
     except Exception as exc:  # any failure means a run folder could not load it
@@ -105,9 +105,9 @@ def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None =
     own, as `--from-hf` copied them, else written from the tokenizer's special tokens, archlab.interop.
     tokenizer_files); returns the HF model_type used. An existing non-empty out_dir is replaced only with
     `overwrite` (atomically)."""
-    from archlab.checkpoint import load_run
     from archlab.interop.hf import save_hf, write_tokenizer_files
-    from archlab.outputs import fresh_output, refuse_existing
+    from archlab.runs.checkpoint import load_run
+    from archlab.runs.outputs import fresh_output, refuse_existing
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     refuse_existing(out_dir, overwrite)
@@ -133,8 +133,8 @@ def compare_with_transformers(hf_dir: str | Path, seq_len: int = 32, batch: int 
     decoder's inputs."""
     import transformers
 
-    from archlab.hub import resolve_model
     from archlab.interop.hf import load_hf, read_hf_config
+    from archlab.runs.hub import resolve_model
 
     hf_dir = resolve_model(hf_dir)
     ours = load_hf(hf_dir, dtype=dtype)

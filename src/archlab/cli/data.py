@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare.add_argument("--eot-token", default="<|endoftext|>", help="end-of-text token after each document")
     prepare.add_argument("--text-field", default="text", help=".jsonl field / .parquet column with the text")
     prepare.add_argument("--pairs", action="store_true",
-                         help="source/target pairs for encoder-decoders from one .jsonl file (archlab.pairs)")
+                         help="source/target pairs for encoder-decoders from one .jsonl file (archlab.data.pairs)")
     prepare.add_argument("--source-field", default="source", help="with --pairs: the .jsonl field of the source")
     prepare.add_argument("--target-field", default="target", help="with --pairs: the .jsonl field of the target")
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from archlab import data
+    from archlab.data import tokens as data
 
     if args.workers is not None and args.workers < 0:
         raise data.DataError(f"--workers {args.workers} must be >= 0")
@@ -83,7 +83,7 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def run_prepare_pairs(args: argparse.Namespace) -> int:
-    from archlab import pairs
+    from archlab.data import pairs
 
     if getattr(args, "sentences", False):
         raise pairs.DataError("--sentences marks sentences of a token stream; it does not apply to --pairs")

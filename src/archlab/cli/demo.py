@@ -38,7 +38,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from archlab.config import ConfigError
-    from archlab.demo import MASK_TOKEN, run_demo
+    from archlab.demo.run import MASK_TOKEN, run_demo
 
     if not 0 < args.minutes < math.inf:
         raise ConfigError(f"--minutes {args.minutes} must be a positive number")

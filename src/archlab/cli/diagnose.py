@@ -33,8 +33,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from archlab import diagnostics
     from archlab.errors import UserError
+    from archlab.eval import diagnostics
 
     for flag, value in (("--max-tokens", args.max_tokens), ("--top-k", args.top_k)):
         if value < 1:

@@ -32,8 +32,8 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from archlab.cli.generate import check_device
     from archlab.errors import UserError
-    from archlab.fill_mask import fill_mask
-    from archlab.model_folder import load_masked_lm
+    from archlab.eval.fill_mask import fill_mask
+    from archlab.runs.model_folder import load_masked_lm
 
     if args.top_k < 1:
         raise UserError(f"--top-k {args.top_k} must be at least 1")

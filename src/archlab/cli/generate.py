@@ -6,7 +6,7 @@ import argparse
 import math
 import sys
 
-from archlab.model_folder import load_model_and_tokenizer  # noqa: F401 - re-exported: the old import path
+from archlab.runs.model_folder import load_model_and_tokenizer  # noqa: F401 - re-exported: the old import path
 
 EXAMPLE = """example:
   archlab generate runs/demo --prompt "ROMEO:" --max-new-tokens 200 --temperature 0.8 --top-p 0.95 --seed 0
@@ -222,8 +222,8 @@ def _encode_source(tok, path: str, text: str) -> list[int]:
     tokenizer.json has one (T5 appends </s>)."""
     from pathlib import Path
 
-    from archlab.hub import resolve_model
-    from archlab.model_folder import _with_post_processor
+    from archlab.runs.hub import resolve_model
+    from archlab.runs.model_folder import _with_post_processor
     from archlab.tokenizer import HFTokenizer
 
     folder = resolve_model(path)

@@ -94,7 +94,7 @@ def run_ablate(args: argparse.Namespace) -> int:
             key, value = item.split("=", 1)
             overrides[key[len("train."):] if key.startswith("train.") else key] = value
         if overrides:
-            from archlab.train import TrainConfig
+            from archlab.training.trainer import TrainConfig
             TrainConfig().with_overrides(overrides)  # validate names and values early
             hints = TrainConfig().with_overrides(overrides).to_dict()
             overrides = {k: hints[k] for k in overrides}

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from archlab import accounting, presets
 from archlab.config import ConfigError, ModelConfig
+from archlab.models import accounting, presets
 from archlab.units import human_bytes, human_count, human_flops
 
 PRESETS_EXAMPLE = """\

@@ -66,10 +66,10 @@ def register(subparsers) -> None:
 
 def cmd_train(args) -> int:
     import archlab.tokenizer as tk
-    from archlab.corpora import scan_files
+    from archlab.data.corpora import scan_files
     from archlab.errors import UserError
-    from archlab.outputs import fresh_output, refuse_existing
     from archlab.progress import progress_bar
+    from archlab.runs.outputs import fresh_output, refuse_existing
     from archlab.tokenizer.pretokenize import resolve_inputs
 
     # every check before any work (and before the progress bar)

@@ -66,9 +66,9 @@ def register(subparsers) -> None:
 
 
 def resolve_preset(name: str):
-    """A ModelConfig from a preset name: `NAME`, or `tiny:NAME` / `tiny-NAME` for archlab.presets.tiny."""
-    from archlab import presets
+    """A ModelConfig from a preset name: `NAME`, or `tiny:NAME` / `tiny-NAME` for archlab.models.presets.tiny."""
     from archlab.config import ConfigError
+    from archlab.models import presets
 
     for prefix in ("tiny:", "tiny-", "tiny/"):
         if name.startswith(prefix):
@@ -102,7 +102,7 @@ def build_configs(args):
     import yaml
 
     from archlab.config import ConfigError, ModelConfig
-    from archlab.train import TrainConfig, fit_vocab
+    from archlab.training.trainer import TrainConfig, fit_vocab
 
     file_data = {}
     if args.config:
@@ -137,7 +137,7 @@ def build_configs(args):
 def run_train(args) -> int:
     import signal
 
-    from archlab.train import Diverged, Stopped, train
+    from archlab.training.trainer import Diverged, Stopped, train
 
     model_cfg, train_cfg = build_configs(args)
     try:
@@ -166,7 +166,7 @@ def run_train(args) -> int:
 def run_tasks(args) -> int:
     """`archlab eval RUN --tasks ...`: the harness's table (or its results as JSON)."""
     from archlab.errors import UserError
-    from archlab.model_folder import load_model_and_tokenizer
+    from archlab.runs.model_folder import load_model_and_tokenizer
 
     for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot)):
         if value is not None and value < (1 if flag == "--limit" else 0):
@@ -174,7 +174,7 @@ def run_tasks(args) -> int:
     try:
         from lm_eval.utils import make_table
 
-        from archlab.lmeval import run_tasks as run
+        from archlab.eval.lmeval import run_tasks as run
     except ImportError:
         raise UserError("--tasks needs lm-evaluation-harness: pip install 'archlab[eval]'") from None
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -195,10 +195,10 @@ def run_tasks(args) -> int:
 def run_eval(args) -> int:
     import torch
 
-    from archlab.checkpoint import load_run, read_run_config
-    from archlab.data import DataError, TokenDataset
+    from archlab.data.tokens import DataError, TokenDataset
     from archlab.errors import UserError
-    from archlab.evaluate import evaluate
+    from archlab.eval.evaluate import evaluate
+    from archlab.runs.checkpoint import load_run, read_run_config
 
     for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
         if value is not None and value < 1:

@@ -3,7 +3,7 @@
     model = archlab.interop.load_hf("path/to/hf_folder")   # config.json + *.safetensors
     archlab.interop.save_hf(model, "out_folder")            # loadable by transformers
 Families live in archlab.interop.families (one module each; base.py explains how to add one).
-Run folders (archlab's own format) are archlab.checkpoint's business; `archlab convert` bridges.
+Run folders (archlab's own format) are archlab.runs.checkpoint's business; `archlab convert` bridges.
 """
 from archlab.interop.families import FAMILIES, Family, register_family
 from archlab.interop.hf import WeightsError, infer_family, load_hf, read_hf_config, save_hf

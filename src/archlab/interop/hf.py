@@ -19,17 +19,17 @@ from typing import cast
 
 import torch
 
-from archlab.checkpoint import make_readable
 from archlab.config import ConfigError, ModelConfig
-from archlab.encoder import EncoderLM
-from archlab.encoder_decoder import EncoderDecoderLM
 from archlab.errors import UserError
 from archlab.interop.families import FAMILIES, Family
 from archlab.interop.families.base import Rule, config_diff
 from archlab.interop.tokenizer_files import write_tokenizer_files  # noqa: F401 - convert calls it from here
-from archlab.model import TransformerLM
 from archlab.models import build_model
+from archlab.models.decoder import TransformerLM
+from archlab.models.encoder import EncoderLM
+from archlab.models.encoder_decoder import EncoderDecoderLM
 from archlab.progress import progress_bar
+from archlab.runs.checkpoint import make_readable
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -5,7 +5,7 @@ at equal size (Shazeer 2020 sets d_ff to 2/3 of the plain width). `match` solves
 variant (by default `mlp.d_ff`; `d_model` for aspect-ratio sweeps) so that the variant's parameter
 count (or forward FLOPs per token) lands within a relative tolerance of the base's.
 
-Counts come from `archlab.accounting` (analytic, from the config alone); when that module is absent
+Counts come from `archlab.models.accounting` (analytic, from the config alone); when that module is absent
 the parameter count falls back to building the model on the meta device, which allocates nothing.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from archlab import accounting
 from archlab.config import ConfigError, ModelConfig
+from archlab.models import accounting
 
 
 class MatchError(ConfigError):
@@ -22,12 +22,12 @@ class MatchError(ConfigError):
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Unique parameters, from the config alone (archlab.accounting; equal to the built model's)."""
+    """Unique parameters, from the config alone (archlab.models.accounting; equal to the built model's)."""
     return int(accounting.param_count(cfg))
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token (archlab.accounting: matmuls and attention)."""
+    """Forward FLOPs per token (archlab.models.accounting: matmuls and attention)."""
     return float(accounting.flops_per_token(cfg, seq_len))
 
 

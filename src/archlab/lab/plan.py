@@ -17,7 +17,7 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.lab import matching
 from archlab.lab.store import RunRecord
 from archlab.lab.suites import Suite, Variant, build_model_config
-from archlab.train_config import TrainConfig
+from archlab.training.config import TrainConfig
 
 __all__ = ["INTERRUPTED", "LAB_TRAIN_DEFAULTS", "PlannedRun", "RunJob", "crashed", "plan", "slug"]
 
@@ -49,7 +49,7 @@ class RunJob:
     run: PlannedRun
     data: Path              # the prepared data folder
     record: RunRecord       # the `running` row the driver wrote
-    train_fn: Callable | None = None   # None: archlab.train.train (anything else must pickle)
+    train_fn: Callable | None = None   # None: archlab.training.trainer.train (anything else must pickle)
     measure: bool = True
     threads: int | None = 1
 

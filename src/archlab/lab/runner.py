@@ -38,7 +38,7 @@ class LabError(UserError, RuntimeError):
 def ensure_data(sweep_dir: Path, data_dir: str | Path | None = None, corpus: str = "shakespeare",
                 tokenizer: str = "bytes", progress: bool = True) -> Path:
     """The prepared data folder: `data_dir` as given, else SWEEP_DIR/data (prepared on first use)."""
-    from archlab.data import load_meta, prepare
+    from archlab.data.tokens import load_meta, prepare
 
     if data_dir is not None:
         load_meta(data_dir)  # raises a clear DataError when it is not prepared
@@ -85,14 +85,14 @@ def run_suite(
     # every variant's config is checked (with a stand-in vocabulary) before any folder or data work
     checked = plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit,
                    vocab_size=257, train_overrides=train_overrides, device=device)
-    from archlab.train import device_kind
+    from archlab.training.trainer import device_kind
 
     gpu = any(device_kind(run.train.device) == "cuda" for run in checked)   # one GPU per run where it trains on one
     pool = executor if isinstance(executor, Executor) else make_executor(executor, workers, address, threads, gpu=gpu)
     try:
         sweep_dir.mkdir(parents=True, exist_ok=True)
         data = ensure_data(sweep_dir, data_dir, corpus, tokenizer, progress)
-        from archlab.data import load_meta
+        from archlab.data.tokens import load_meta
 
         vocab = int(load_meta(data)["vocab_size"])
         runs = plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit,

@@ -628,7 +628,7 @@ def _sinks() -> Suite:
                   "5.76; Xiao et al. 2023: sinks form in from-scratch 160M models; Sun et al. 2024: massive "
                   "activations up to ~1e4-1e5x the median",
         notes="first_token_mass: attention on position 0 averaged over layers, heads and queries 1..t-1 of "
-              "4 validation windows (archlab.diagnostics).",
+              "4 validation windows (archlab.eval.diagnostics).",
     )
 
 

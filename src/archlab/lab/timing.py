@@ -22,9 +22,9 @@ METRIC = "paired_step_s"       # the `extra` key the runner records and speed ru
 def _step_fn(run, seq_len: int | None = None) -> Callable[[], None]:
     """One training step of a fresh model with `run`'s configs, on fixed random tokens (seq_len: one
     sequence of that many tokens instead of the run's batch)."""
-    from archlab.evaluate import autocast
-    from archlab.model import TransformerLM
-    from archlab.train import device_kind
+    from archlab.eval.evaluate import autocast
+    from archlab.models.decoder import TransformerLM
+    from archlab.training.trainer import device_kind
 
     cfg, train = run.model, run.train
     batch, length = (train.batch_size, train.seq_len) if seq_len is None else (1, seq_len)

@@ -15,7 +15,7 @@ from archlab.config import ModelConfig
 from archlab.lab.plan import INTERRUPTED, PlannedRun, RunJob
 from archlab.lab.store import RunRecord
 from archlab.lab.suites import Suite
-from archlab.runlock import LockedError
+from archlab.runs.lock import LockedError
 
 __all__ = ["run_job", "train_and_measure", "measurements", "kv_bytes"]
 
@@ -32,10 +32,10 @@ def train_and_measure(suite: Suite, run: PlannedRun, data: Path, record: RunReco
                       measure: bool) -> RunRecord:
     """Train one run (continuing from its last checkpoint if it has one) and take the suite's
     measurements; the finished row. Runs wherever the executor put it; writes nothing to the table."""
-    from archlab.train import Diverged, Stopped
+    from archlab.training.trainer import Diverged, Stopped
 
     if train_fn is None:
-        from archlab.train import train as train_fn
+        from archlab.training.trainer import train as train_fn
     t0 = time.perf_counter()
     resume = run.run_dir.exists() and any((run.run_dir / "checkpoints").glob("step_*"))
     if run.run_dir.exists() and not resume:
@@ -90,8 +90,8 @@ def _finite(x) -> float | None:
 
 
 def kv_bytes(cfg: ModelConfig, seq_len: int) -> int:
-    """KV-cache bytes at `seq_len` (bf16, batch 1), as archlab.accounting counts them."""
-    from archlab.accounting import kv_cache_bytes
+    """KV-cache bytes at `seq_len` (bf16, batch 1), as archlab.models.accounting counts them."""
+    from archlab.models.accounting import kv_cache_bytes
     return int(kv_cache_bytes(cfg, seq_len, batch=1, dtype="bfloat16"))
 
 
@@ -102,9 +102,9 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
         return {}
     import torch
 
-    from archlab.checkpoint import load_run
-    from archlab.data import TokenDataset, eval_batches
-    from archlab.evaluate import evaluate
+    from archlab.data.tokens import TokenDataset, eval_batches
+    from archlab.eval.evaluate import evaluate
+    from archlab.runs.checkpoint import load_run
 
     model, _ = load_run(run.run_dir)
     model.eval()
@@ -122,7 +122,7 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
             out["val_loss_2x"] = evaluate(model, val, batch_size=max(1, bs // 2), seq_len=2 * seq,
                                           max_batches=run.train.eval_batches).loss
     if "max_attn_logit" in wanted or "sinks" in wanted or "effective_rank" in wanted:
-        from archlab import diagnostics
+        from archlab.eval import diagnostics
 
         x = torch.cat([xb for xb, _ in eval_batches(val, 4, seq, 1)], 0)  # (4, t): 4 windows
         if "max_attn_logit" in wanted:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from archlab.precision import has_native_bf16
+from archlab.training.precision import has_native_bf16
 
 __all__ = ["TILE", "MAX_LEN", "Span", "TilePlan", "tiled_attention", "causal_attention", "use_cpu_attention"]
 

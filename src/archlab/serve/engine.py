@@ -100,8 +100,8 @@ class Engine:
     def from_folder(cls, path: str | Path, device: str = "cpu", max_batch: int = 8) -> Engine:
         """The folder's decoder-only LM, tokenizer, chat template and generation_config.json; another kind of
         model is a UserError naming the command that serves it, before any weights load."""
-        from archlab.hub import resolve_model
-        from archlab.model_folder import folder_arch, load_model_and_tokenizer
+        from archlab.runs.hub import resolve_model
+        from archlab.runs.model_folder import folder_arch, load_model_and_tokenizer
 
         resolved = resolve_model(path)
         arch = folder_arch(resolved)

@@ -7,17 +7,17 @@ Pairs folder layout (written by `prepare_pairs`, read by `PairDataset`)::
       meta.json             "format": "archlab-pairs", dtype, vocab_size, eot id, fields, per-split pair /
                             token / byte counts and longest source and target, corpus, seed
       train.source.bin      every training source's ids followed by the end-of-text id, back to back; raw
-      train.target.bin      little-endian uint16 (vocab_size <= 65536) or uint32, as archlab.data writes
+      train.target.bin      little-endian uint16 (vocab_size <= 65536) or uint32, as archlab.data.tokens writes
       train.offsets.bin     int64 (n_pairs + 1, 2), raw little-endian: row i = where pair i's source and
                             target start; the last row = the two files' token counts
       val.source.bin, val.target.bin, val.offsets.bin
       tokenizer/            a copy of the tokenizer
 
 Both sides end with the end-of-text id (T5 ends source and target with </s>); lengths count it. The split is
-by pair, archlab.data's seeded hash of the pair's bytes (the source's byte count, the source, the target), so
+by pair, archlab.data.tokens's seeded hash of the pair's bytes (the source's byte count, the source, the target), so
 it depends on the seed and the text alone, not on read order; with two or more pairs both splits hold one.
 
-Sampling has archlab.data.BatchSampler's contract: batch `step` on `rank` is a pure function of
+Sampling has archlab.data.tokens.BatchSampler's contract: batch `step` on `rank` is a pure function of
 (seed, step, rank, global batch). Each epoch visits every pair once in a permutation drawn from
 (seed, epoch); global sample i of step s is s * global_batch + i; rank r of world_size takes rows
 [r*B, (r+1)*B). A batch is `(inputs, labels)`: inputs = {"input_ids": (b, s), "attention_mask": (b, s) 1 =
@@ -35,8 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from archlab import corpora
-from archlab.data import (
+from archlab.data import corpora
+from archlab.data.objectives import IGNORE
+from archlab.data.tokens import (
     EOT_TOKEN,
     META_FILE,
     DataError,
@@ -53,8 +54,7 @@ from archlab.data import (
     load_tokenizer,
 )
 from archlab.faults import fault_point
-from archlab.objectives import IGNORE
-from archlab.outputs import fresh_output
+from archlab.runs.outputs import fresh_output
 
 __all__ = ["PAIRS_FORMAT", "prepare_pairs", "is_pairs", "PairDataset", "PairSampler", "pair_eval_batches",
            "collate_pairs", "check_lengths", "DataError"]
@@ -198,7 +198,7 @@ def _write_pairs(path: Path, fields: tuple[str, str], is_val: bytearray, tok: An
 
     eot = np.array([eot_id], dtype=dtype)
     writers = {s: _PairWriter(tmp, s, eot) for s in SPLITS}
-    # sources and targets interleaved through archlab.data's tokenizing pool, paired up again in order
+    # sources and targets interleaved through archlab.data.tokens's tokenizing pool, paired up again in order
     texts = (text for pair in _read_pairs(path, *fields) for text in pair)
     # each encoded document is (ids, split score, byte count, ...): the score is the pair's, from _splits
     encoded = ((doc[0], doc[2]) for batch in _encoded(texts, tok, seed, dtype, workers) for doc in batch)
@@ -261,7 +261,7 @@ class PairDataset:
 
     @property
     def bytes_per_token(self) -> float:
-        """UTF-8 bytes per target token (end-of-text counted, as archlab.data.TokenDataset counts it): the
+        """UTF-8 bytes per target token (end-of-text counted, as archlab.data.tokens.TokenDataset counts it): the
         scored side, so bits per target byte = (mean loss in nats) / ln 2 / bytes_per_token."""
         return self.n_target_bytes / self.n_target_tokens if self.n_target_tokens else 0.0
 
@@ -324,7 +324,7 @@ def collate_pairs(dataset: PairDataset, indices: Sequence[int], pad_id: int = 0,
 class PairSampler(StepSampler):
     """Training batches (inputs, labels) of pairs, every pair once per epoch in a permutation drawn from
     (seed, epoch). Batch `step` on `rank` is a pure function of (seed, step, rank, batch_size * world_size):
-    the state is the step counter (iteration, state_dict and load_state_dict: archlab.data.StepSampler).
+    the state is the step counter (iteration, state_dict and load_state_dict: archlab.data.tokens.StepSampler).
     Pairs longer than the limits are an error here, before any training."""
 
     def __init__(self, dataset: PairDataset, batch_size: int, *, max_source_len: int, max_target_len: int,

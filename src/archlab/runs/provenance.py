@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from archlab.data import DataError
-from archlab.precision import cpu_model
+from archlab.data.tokens import DataError
+from archlab.training.precision import cpu_model
 
 __all__ = ["provenance", "provenance_line", "write_provenance", "device_name", "data_fingerprint",
            "tokenizer_fingerprint", "check_resume_matches",
@@ -38,7 +38,7 @@ _EDGE = 1 << 20
 @functools.cache
 def _git_sha() -> str | None:
     """The commit of the archlab checkout this package is imported from (None for an installed wheel)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     if not (root / ".git").exists():
         return None
     try:
@@ -149,8 +149,8 @@ def tokenizer_fingerprint(tok_dir: str | os.PathLike) -> str | None:
 
 def check_resume_matches(run_dir: Path, model_cfg, data_info: dict, tok_src: Path, allow_new_data: bool) -> None:
     """Raise (ConfigError / DataError) when a resume would continue a different model, tokenizer or data."""
-    from archlab.checkpoint import read_run_config
     from archlab.config import ConfigError, ModelConfig
+    from archlab.runs.checkpoint import read_run_config
 
     saved = read_run_config(run_dir)
     # through ModelConfig, so a run saved before a field existed compares with that field's default

@@ -83,7 +83,7 @@ def _replace_dir(new: Path, target: Path) -> None:
 def _remove_leftovers(target: Path) -> None:
     """Delete `.NAME.partial-PID` / `.NAME.old-PID` of earlier runs that were killed (their process is
     gone); a live process's are left alone."""
-    from archlab.runlock import pid_alive
+    from archlab.runs.lock import pid_alive
 
     for kind in ("partial", "old"):
         for leftover in target.parent.glob(f".{glob.escape(target.name)}.{kind}-*"):

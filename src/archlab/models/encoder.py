@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.model import LossOutput
+from archlab.models.decoder import LossOutput
 from archlab.nn.calls import call
 from archlab.nn.embedding import Embedder, MLMHead, init_weights
 from archlab.nn.fused_loss import linear_cross_entropy
@@ -98,7 +98,7 @@ class EncoderLM(Embedder, nn.Module):
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
              token_type_ids: torch.Tensor | None = None, ignore_index: int = -100) -> LossOutput:
         """Masked-LM cross-entropy: `labels` (b, t) hold the original token at masked slots and ignore_index
-        elsewhere (archlab.objectives.mask_tokens makes both)."""
+        elsewhere (archlab.data.objectives.mask_tokens makes both)."""
         hidden = self(input_ids, attention_mask, token_type_ids, return_hidden=True)   # (b, t, d)
         return self.loss_from_hidden(hidden, labels, ignore_index)
 

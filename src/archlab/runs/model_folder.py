@@ -17,11 +17,11 @@ def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_toke
                              archs: tuple[str, ...] = ("decoder",), purpose: str = "generation",
                              generation_config: bool = False):
     """(model in eval mode, tokenizer or None) from a run folder, an HF folder, or an `hf:ORG/NAME[@REVISION]` id
-    (archlab.hub: safetensors, configs and tokenizer files only). `archs`: the kinds of model (ModelConfig.arch)
+    (archlab.runs.hub: safetensors, configs and tokenizer files only). `archs`: the kinds of model (ModelConfig.arch)
     the caller can use; another kind is a UserError naming `purpose`. generation_config=True: the folder's
     generation_config.json, if any, becomes `model.generation_config` (for archlab.generate(..., generation_config=)).
     Example: model, tok = load_model_and_tokenizer("runs/demo")"""
-    from archlab.hub import resolve_model
+    from archlab.runs.hub import resolve_model
 
     path = resolve_model(path)
     model, tok = _load_model_and_tokenizer(path, device, need_tokenizer, archs, purpose)
@@ -35,7 +35,7 @@ def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_toke
 
 def _load_model_and_tokenizer(path: Path, device: str, need_tokenizer: bool, archs: tuple[str, ...], purpose: str):
     if (path / "config.yaml").is_file():
-        from archlab.checkpoint import latest_checkpoint, load_run, load_run_tokenizer
+        from archlab.runs.checkpoint import latest_checkpoint, load_run, load_run_tokenizer
         if latest_checkpoint(path) is not None:
             model, tok = load_run(path, device=device)
         elif (path / "model.safetensors").is_file():   # `archlab convert` output of earlier versions
@@ -69,8 +69,8 @@ def _load_flat_run(path: Path):
     read as data (safetensors)."""
     from safetensors.torch import load_file
 
-    from archlab.checkpoint import model_with_weights, read_run_config
     from archlab.config import ModelConfig
+    from archlab.runs.checkpoint import model_with_weights, read_run_config
 
     weights = path / "model.safetensors"
     return model_with_weights(ModelConfig.from_dict(read_run_config(path)["model"]), load_file(weights), weights)
@@ -92,8 +92,8 @@ def load_masked_lm(path: str | Path, device: str = "cpu"):
     post-processor loads through the `tokenizers` library (archlab.tokenizer.HFTokenizer), so fill-mask encodes
     with the special tokens the model was trained with ([CLS] ... [SEP], <s> ... </s>).
     Example: model, tok = load_masked_lm("runs/demo-encoder")"""
-    from archlab.fill_mask import require_encoder
-    from archlab.hub import resolve_model
+    from archlab.eval.fill_mask import require_encoder
+    from archlab.runs.hub import resolve_model
 
     path = resolve_model(path)
     if not path.exists():
@@ -118,7 +118,7 @@ def folder_arch(path: Path) -> str | None:
     """The kind of model a folder holds (ModelConfig.arch), read from config.yaml or config.json before any
     weights load; None when neither names one (the loaders then say what is wrong)."""
     if (path / "config.yaml").is_file():
-        from archlab.checkpoint import read_run_config
+        from archlab.runs.checkpoint import read_run_config
         model_cfg = read_run_config(path).get("model")
         return str(model_cfg.get("arch", "decoder")) if isinstance(model_cfg, dict) else None
     if (path / "config.json").is_file():

@@ -218,8 +218,8 @@ def _json_default(obj: Any):
 
 
 def load_model_and_tokenizer(path: str | Path):
-    """(model, tokenizer or None) from an archlab run folder or an HF folder (archlab.model_folder)."""
-    from archlab.model_folder import load_model_and_tokenizer as load
+    """(model, tokenizer or None) from an archlab run folder or an HF folder (archlab.runs.model_folder)."""
+    from archlab.runs.model_folder import load_model_and_tokenizer as load
     return load(path, need_tokenizer=False, archs=("decoder", "encoder"), purpose="diagnose")
 
 

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from archlab.data import _mix_seed
+from archlab.data.objectives import _tokenizer_size, masked_lm_for, word_starts
+from archlab.data.tokens import _mix_seed
 from archlab.errors import UserError
-from archlab.objectives import _tokenizer_size, masked_lm_for, word_starts
 
 __all__ = ["SpanCorruption", "TextInfilling", "span_corruption", "span_lengths", "raw_length_for",
            "random_spans_noise_mask", "replace_spans", "sentinel_ids", "span_corruption_for",

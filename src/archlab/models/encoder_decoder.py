@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.encoder import padded_positions
-from archlab.model import LossOutput, NextTokenHead
+from archlab.models.decoder import LossOutput, NextTokenHead
+from archlab.models.encoder import padded_positions
 from archlab.nn.block import Block
 from archlab.nn.calls import call
 from archlab.nn.embedding import Embedder, init_weights

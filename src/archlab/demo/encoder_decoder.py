@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from archlab.config import ModelConfig
-from archlab.train import TrainConfig
+from archlab.training.trainer import TrainConfig
 
 __all__ = ["EncoderDecoderDemoResult", "encoder_decoder_demo_configs", "run_encoder_decoder_demo", "SENTINELS"]
 
@@ -64,7 +64,7 @@ def first_token_guesses(model, tokenizer, inputs: dict, labels, sentinels, k: in
     early model ends with the next sentinel)."""
     import torch
 
-    from archlab.encoder_decoder import shift_right
+    from archlab.models.encoder_decoder import shift_right
 
     dec = shift_right(labels, model.config.decoder_start_token_id)                # (1, t): teacher forcing
     with torch.no_grad():
@@ -83,12 +83,12 @@ def first_token_guesses(model, tokenizer, inputs: dict, labels, sentinels, k: in
 
 def run_encoder_decoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vocab_size: int | None,
                              progress: bool, log) -> EncoderDecoderDemoResult:
-    from archlab.batches import objective_for
-    from archlab.data import EOT_TOKEN, TokenDataset, eval_batches
-    from archlab.demo_stages import prepare_demo_data, sign_off, train_and_reload
-    from archlab.encoder_decoder import EncoderDecoderLM
-    from archlab.evaluate import evaluate
+    from archlab.data.batches import objective_for
+    from archlab.data.tokens import EOT_TOKEN, TokenDataset, eval_batches
+    from archlab.demo.stages import prepare_demo_data, sign_off, train_and_reload
+    from archlab.eval.evaluate import evaluate
     from archlab.generation import generate
+    from archlab.models.encoder_decoder import EncoderDecoderLM
 
     t0 = time.perf_counter()
     vocab_size = vocab_size or (320 if quick else 2048)

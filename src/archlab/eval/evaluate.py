@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from archlab.generation.sampling import SamplingParams, next_token
-from archlab.precision import autocast  # re-exported: the step's bf16 / float32 context
+from archlab.training.precision import autocast  # re-exported: the step's bf16 / float32 context
 
 __all__ = ["EvalResult", "evaluate", "autocast", "sample_ids", "bits_per_byte"]
 
@@ -42,11 +42,12 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
              max_batches: int | None = None, device: str | torch.device = "cpu",
              dtype: str = "float32", dist_info=None, progress: bool = False, objective=None) -> EvalResult:
     """Cross-entropy over the first `max_batches` deterministic validation batches of `dataset`
-    (archlab.batches.validation_batches: token windows, or source/target pairs for an archlab.pairs.PairDataset).
+    (archlab.data.batches.validation_batches: token windows, or source/target pairs for an
+    archlab.data.pairs.PairDataset).
     Under data parallelism every rank runs the same number of forwards (FSDP needs all ranks in each all-gather);
     the sums are all-reduced. `objective` (objectives.py) turns the windows as in training, batch i the same way at
     every evaluation: an encoder scored on its masked slots, an encoder-decoder on its noised spans."""
-    from archlab.batches import scores_text, validation_batches
+    from archlab.data.batches import scores_text, validation_batches
 
     device = torch.device(device)
     rank, world = (dist_info.rank, dist_info.world_size) if dist_info is not None else (0, 1)
@@ -84,7 +85,7 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
     finally:
         model.train(was_training)
     if dist_info is not None and dist_info.enabled:
-        from archlab.distributed import all_reduce_sum
+        from archlab.training.distributed import all_reduce_sum
         total_nats, total_tokens, total_correct, *nsp_sums = all_reduce_sum(
             [total_nats, float(total_tokens), total_correct, *nsp.tolist()], dist_info)
         nsp = torch.tensor(nsp_sums, dtype=torch.float64)

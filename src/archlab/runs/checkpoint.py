@@ -12,7 +12,7 @@ A run folder describes itself (DESIGN.md)::
         step_0000100/
           model.safetensors    weights under our parameter names (TransformerLM.state_dict())
           trainer.safetensors  optimizer, schedule counters, RNG states, data-sampler position
-                               (archlab.statefile: tensors + a JSON tree, no pickle)
+                               (archlab.runs.statefile: tensors + a JSON tree, no pickle)
           meta.json            format version, step, tokens, size and sha256 of each file; written last
 
 A checkpoint is written into `checkpoints/.tmp-step_XXXXXXX-PID/`, flushed to disk, then renamed to
@@ -42,8 +42,8 @@ import yaml
 from archlab.config import ModelConfig
 from archlab.errors import UserError
 from archlab.faults import fault_point
-from archlab.runlock import pid_alive
-from archlab.statefile import load_legacy_pickle, load_state, save_state
+from archlab.runs.lock import pid_alive
+from archlab.runs.statefile import load_legacy_pickle, load_state, save_state
 
 __all__ = [
     "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint",
@@ -379,6 +379,6 @@ def load_run_tokenizer(run_dir: str | os.PathLike):
     tok_dir = Path(run_dir) / "tokenizer"
     if not tok_dir.is_dir():
         return None
-    from archlab.data import load_tokenizer
+    from archlab.data.tokens import load_tokenizer
 
     return load_tokenizer(tok_dir)

@@ -309,8 +309,8 @@ def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
 
 def _iter_hf(spec: str, text_field: str) -> Iterator[str]:
     """Records of a hub dataset, streamed. `datasets` >= 4 loads data files only (no dataset scripts, so
-    no remote code); an unreachable hub is one line within a second (archlab.hub)."""
-    from archlab.hub import probe_dataset, unreachable
+    no remote code); an unreachable hub is one line within a second (archlab.runs.hub)."""
+    from archlab.runs.hub import probe_dataset, unreachable
     try:
         import datasets
     except ImportError as err:

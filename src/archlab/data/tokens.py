@@ -48,10 +48,10 @@ import numpy as np
 import regex
 import torch
 
-from archlab import corpora
+from archlab.data import corpora
 from archlab.errors import UserError
 from archlab.faults import fault_point
-from archlab.outputs import fresh_output, refuse_existing
+from archlab.runs.outputs import fresh_output, refuse_existing
 
 __all__ = [
     "EOT_TOKEN", "TokenizerLike", "ByteTokenizer", "load_tokenizer", "prepare", "load_meta",
@@ -362,7 +362,7 @@ def _move_sentences(src: _SplitWriter, dst: _SplitWriter, start: int, end: int) 
 
 def _checked_output(out_dir: str | os.PathLike, tokenizer: Any, eot_token: str, val_fraction: float,
                     overwrite: bool) -> tuple[Path, Any, int, int, np.dtype]:
-    """The checks a prepare runs before any work (here and in archlab.pairs):
+    """The checks a prepare runs before any work (here and in archlab.data.pairs):
     (out folder, tokenizer, vocab_size, end-of-text id, token dtype)."""
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
@@ -392,11 +392,11 @@ def prepare(
 ) -> dict:
     """Tokenize a corpus into `out_dir` (train.bin, val.bin, meta.json, tokenizer/) and return the meta.
 
-    corpus: a name or path for `archlab.corpora.iter_documents`, or any iterable of document strings.
+    corpus: a name or path for `archlab.data.corpora.iter_documents`, or any iterable of document strings.
     tokenizer: "bytes", a tokenizer folder, or an object with encode / vocab_size / token_to_id / save.
     num_workers: processes that tokenize (None: the usable CPUs, at most 8; 0 or 1: this process).
     sentences: also write each split's sentence starts ({split}.sentences.bin; module docstring), for
-    next-sentence prediction (archlab.objectives.next_sentence_for).
+    next-sentence prediction (archlab.data.objectives.next_sentence_for).
     The folder is built beside out_dir under a temporary name and renamed into place at the end, so
     a crash never leaves a folder that looks complete. An existing out_dir is an error unless overwrite.
     """
@@ -488,8 +488,8 @@ def _write_json(path: Path, obj: dict) -> None:
 # --------------------------------------------------------------------------- reading
 # meta.json "format": what a folder of that format holds, and what reads it
 FORMATS = {
-    "archlab-tokens": ("a token-stream folder", "archlab.data.TokenDataset"),
-    "archlab-pairs": ("a source/target pairs folder", "archlab.pairs.PairDataset"),
+    "archlab-tokens": ("a token-stream folder", "archlab.data.tokens.TokenDataset"),
+    "archlab-pairs": ("a source/target pairs folder", "archlab.data.pairs.PairDataset"),
 }
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
-from archlab.demo_stages import prepare_demo_data, sign_off, train_and_reload
-from archlab.train import TrainConfig
+from archlab.demo.stages import prepare_demo_data, sign_off, train_and_reload
+from archlab.training.trainer import TrainConfig
 
 __all__ = ["DemoResult", "EncoderDemoResult", "demo_configs", "encoder_demo_configs", "run_demo"]
 
@@ -45,7 +45,7 @@ class EncoderDemoResult:
     val_loss_after: float
     val_accuracy_before: float      # share of the masked slots predicted exactly
     val_accuracy_after: float
-    fill_mask: Any                  # archlab.fill_mask.FillMaskResult of the example line
+    fill_mask: Any                  # archlab.eval.fill_mask.FillMaskResult of the example line
     seconds: float
 
 
@@ -103,20 +103,20 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
              progress: bool = True, log=print, arch: str = "decoder") -> Any:
     """The demo of a decoder (default; `prompt` starts the sample), with arch="encoder" of a masked LM
     (`prompt`: the fill-mask line, holding [MASK]; None: the built-in line), with arch="encoder_decoder" of a
-    T5-style model on span corruption (archlab.demo_encoder_decoder; `prompt` unused)."""
+    T5-style model on span corruption (archlab.demo.encoder_decoder; `prompt` unused)."""
     if arch == "encoder":
         return _run_encoder_demo(Path(out), quick=quick, minutes=minutes, corpus=corpus, vocab_size=vocab_size,
                                  text=ENCODER_TEXT if prompt is None else prompt, progress=progress, log=log)
     if arch == "encoder_decoder":
-        from archlab.demo_encoder_decoder import run_encoder_decoder_demo
+        from archlab.demo.encoder_decoder import run_encoder_decoder_demo
         return run_encoder_decoder_demo(Path(out), quick=quick, minutes=minutes, corpus=corpus,
                                         vocab_size=vocab_size, progress=progress, log=log)
     if arch != "decoder":
         from archlab.errors import UserError
         raise UserError(f"--arch {arch}: the demo trains a decoder, an encoder or an encoder_decoder")
-    from archlab.data import EOT_TOKEN, TokenDataset
-    from archlab.evaluate import evaluate, sample_ids
-    from archlab.model import TransformerLM
+    from archlab.data.tokens import EOT_TOKEN, TokenDataset
+    from archlab.eval.evaluate import evaluate, sample_ids
+    from archlab.models.decoder import TransformerLM
 
     t0 = time.perf_counter()
     out = Path(out)
@@ -155,12 +155,12 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
 
 def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vocab_size: int | None, text: str,
                       progress: bool, log) -> EncoderDemoResult:
-    from archlab.batches import objective_for
-    from archlab.data import EOT_TOKEN, TokenDataset
-    from archlab.encoder import EncoderLM
+    from archlab.data.batches import objective_for
+    from archlab.data.tokens import EOT_TOKEN, TokenDataset
     from archlab.errors import UserError
-    from archlab.evaluate import evaluate
-    from archlab.fill_mask import encode_for_model, fill_mask
+    from archlab.eval.evaluate import evaluate
+    from archlab.eval.fill_mask import encode_for_model, fill_mask
+    from archlab.models.encoder import EncoderLM
 
     if MASK_TOKEN not in text:   # before minutes of work, not after
         raise UserError(f"--prompt {text!r} holds no {MASK_TOKEN}: the encoder demo fills in its mask tokens")

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from archlab.train_config import NO_DECAY_CATEGORIES, TrainConfig
+from archlab.training.config import NO_DECAY_CATEGORIES, TrainConfig
 
 __all__ = ["param_groups", "build_optimizer", "lr_multiplier", "schedule_progress"]
 

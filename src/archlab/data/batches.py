@@ -4,10 +4,10 @@ A batch is (inputs, labels): `inputs` a dict of the model's forward keywords (al
 attention_mask, prefix_lengths, token_type_ids where the objective makes them), `labels` (b, t) with -100 on
 unscored slots, passed as `targets=`. Two kinds of data make them:
 
-    token stream (archlab.data)    BatchSampler windows, turned by the objective (objectives.py): next-token
+    token stream (archlab.data.tokens)    BatchSampler windows, turned by the objective (objectives.py): next-token
                                    targets as sampled, BERT's masks, T5's spans, BART's infilling, a continuation;
                                    BERT's next-sentence rows are drawn from the split's sentence index instead
-    pairs (archlab.pairs)          source -> target rows, padded; the objective is the pairing itself
+    pairs (archlab.data.pairs)          source -> target rows, padded; the objective is the pairing itself
 
 Every batch is a pure function of (seed, step, micro-step, rank): the trainer's checkpoint holds the sampler's
 step counter and nothing else, so a resumed run sees exactly the batches the uninterrupted one would have.
@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from archlab import objectives
-from archlab.data import BatchSampler, TokenDataset, eval_batches
+from archlab.data import objectives
+from archlab.data.noising import span_corruption_for, text_infilling_for
+from archlab.data.pairs import PairDataset, PairSampler, is_pairs, pair_eval_batches
+from archlab.data.tokens import BatchSampler, TokenDataset, eval_batches
 from archlab.errors import UserError
-from archlab.noising import span_corruption_for, text_infilling_for
-from archlab.pairs import PairDataset, PairSampler, is_pairs, pair_eval_batches
 
 __all__ = ["Batch", "open_splits", "TrainBatches", "validation_batches", "tokens_processed", "scores_text",
            "objective_for", "objective_name", "OBJECTIVES"]
@@ -95,15 +95,15 @@ def objective_name(model_cfg: Any, train_cfg: Any) -> str:
 
 def objective_for(model_cfg: Any, train_cfg: Any, dataset: Any) -> Any:
     """What the trainer turns each window batch with (None: next-token targets as sampled): train.objective's
-    builder, given the tokenizer of `dataset` (an archlab.data.TokenDataset, loaded only when the objective needs
+    builder, given the tokenizer of `dataset` (an archlab.data.tokens.TokenDataset, loaded only when the objective needs
     it). Example: objective_for(model_cfg, train_cfg, TokenDataset(data_dir, "val"))"""
     return OBJECTIVES[objective_name(model_cfg, train_cfg)][1](model_cfg, train_cfg, dataset)
 
 
 # --------------------------------------------------------------------------- datasets and batches
 def open_splits(data_dir: str | Path) -> tuple[Any, Any]:
-    """(train, val) datasets of a prepared folder: archlab.data.TokenDataset for a token stream,
-    archlab.pairs.PairDataset for source/target pairs. Example: train_data, val_data = open_splits("data/pairs")"""
+    """(train, val) datasets of a prepared folder: archlab.data.tokens.TokenDataset for a token stream,
+    archlab.data.pairs.PairDataset for source/target pairs. Example: train_data, val_data = open_splits("data/pairs")"""
     kind = PairDataset if is_pairs(data_dir) else TokenDataset
     return kind(data_dir, "train"), kind(data_dir, "val")
 

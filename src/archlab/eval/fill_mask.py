@@ -1,6 +1,6 @@
 """Fill-mask: an encoder's most likely tokens at each mask token of a text (BERT's cloze task).
 
-    model, tok = load_masked_lm("runs/demo-encoder")        # archlab.model_folder: a run or HF folder
+    model, tok = load_masked_lm("runs/demo-encoder")        # archlab.runs.model_folder: a run or HF folder
     result = fill_mask(model, tok, "To be, or not to [MASK]", top_k=5)
     result.masks[0].predictions[0].token, result.filled
 
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from archlab.encoder import EncoderLM
+from archlab.data.objectives import MASK_TOKENS
 from archlab.errors import UserError
-from archlab.objectives import MASK_TOKENS
+from archlab.models.encoder import EncoderLM
 
 __all__ = ["FillMaskResult", "MaskPrediction", "Prediction", "encode_for_model", "fill_mask", "mask_token",
            "require_encoder"]

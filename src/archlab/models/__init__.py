@@ -1,15 +1,17 @@
 """One constructor for every kind of LM: `build_model(cfg)` picks the class `cfg.arch` names.
 
-    decoder          TransformerLM   next-token LM (GPT, LLaMA, ...)           model.py
-    encoder          EncoderLM       masked LM (BERT, RoBERTa)                  encoder.py
-    encoder_decoder  EncoderDecoderLM   seq2seq (T5; next: BART, the 2017 Transformer)   encoder_decoder.py
+    decoder          TransformerLM      next-token LM (GPT, LLaMA, ...)             decoder.py
+    encoder          EncoderLM          masked LM (BERT, RoBERTa)                   encoder.py
+    encoder_decoder  EncoderDecoderLM   seq2seq (T5, BART, the 2017 Transformer)    encoder_decoder.py
+
+The room also holds the presets (presets.py) and the analytic accounting (accounting.py).
 """
 from __future__ import annotations
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.encoder import EncoderLM
-from archlab.encoder_decoder import EncoderDecoderLM
-from archlab.model import TransformerLM
+from archlab.models.decoder import TransformerLM
+from archlab.models.encoder import EncoderLM
+from archlab.models.encoder_decoder import EncoderDecoderLM
 
 __all__ = ["MODEL_CLASSES", "LanguageModel", "build_model"]
 

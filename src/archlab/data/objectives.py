@@ -7,14 +7,14 @@
                  (BERT's later release) chooses words instead and masks all of a chosen word's pieces.
     next_sentence  encoders: BERT's pretraining, MLM plus next-sentence prediction over `[CLS] A [SEP] B [SEP]`
                  pairs drawn from a data folder's sentence index (NextSentence, next_sentence_for)
-    span_corruption   encoder-decoders: T5's (archlab.noising.SpanCorruption)
-    text_infilling    encoder-decoders: BART's (archlab.noising.TextInfilling)
+    span_corruption   encoder-decoders: T5's (archlab.data.noising.SpanCorruption)
+    text_infilling    encoder-decoders: BART's (archlab.data.noising.TextInfilling)
     continuation      any kind: the window's first `train.prefix_fraction` is context, the rest is scored (004's
                  decoder-only vs prefix-LM vs encoder-decoder comparison: the same scored tokens for all three)
 
 An objective turns a window batch x (b, n) into (inputs, labels): inputs a dict of the model's forward keywords
 (input_ids, attention_mask, prefix_lengths, ...), labels (b, t) with IGNORE on unscored slots. train.objective
-names one; archlab.batches.objective_for builds it.
+names one; archlab.data.batches.objective_for builds it.
 
 Masking is a pure function of (seed, step, micro-batch, rank): a resumed run masks exactly as the uninterrupted
 one did, with no random state to save.
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from archlab.data import _mix_seed
+from archlab.data.tokens import _mix_seed
 from archlab.errors import UserError
 
 __all__ = ["MaskedLM", "Continuation", "mask_tokens", "word_starts", "masked_lm_for", "IGNORE", "NextSentence",
@@ -293,7 +293,7 @@ class NextSentence:
 def next_sentence_for(dataset: Any, tokenizer: Any, vocab_size: int, *, seq_len: int, seed: int = 0,
                       batch_size: int = 8, whole_word: bool = False, mask_id: int | None = None, prob: float = 0.15,
                       short_seq_prob: float = 0.1) -> NextSentence:
-    """BERT's MLM + next-sentence objective over a split (an archlab.data.TokenDataset prepared with sentences)
+    """BERT's MLM + next-sentence objective over a split (an archlab.data.tokens.TokenDataset prepared with sentences)
     and its tokenizer (with [CLS], [SEP] and a mask token; [PAD] pads where it has one, else the end-of-text id).
     One-line UserErrors: no sentence index, a tokenizer without those tokens, a seq_len below 5.
     Example: inputs, labels = next_sentence_for(ds, ds.load_tokenizer(), 8000, seq_len=128).batch(step=0)"""

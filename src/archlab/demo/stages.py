@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from archlab.train import TrainConfig
+from archlab.training.trainer import TrainConfig
 
 MARKER = ".archlab-demo"   # only a folder carrying it is ever cleared by a new demo
 
@@ -29,8 +29,8 @@ def prepare_demo_data(out: Path, corpus: str, *, quick: bool, vocab_size: int, s
                         progress: bool, log) -> dict:
     """Stages 1-3: corpus, tokenizer, token files under out/data; the prepared data's meta."""
     import archlab.tokenizer as tokenizers
-    from archlab import corpora
-    from archlab.data import prepare
+    from archlab.data import corpora
+    from archlab.data.tokens import prepare
 
     _check_out(out)                              # every check before the folder is touched
     files = corpora.corpus_files(corpus)
@@ -73,9 +73,9 @@ def train_and_reload(model_cfg: Any, train_cfg: TrainConfig, data_dir: Path, out
     what="a small model", before="loss before: 7.6", progress=False, log=print)"""
     import torch
 
-    from archlab.checkpoint import load_run
-    from archlab.precision import resolve_dtype
-    from archlab.train import train
+    from archlab.runs.checkpoint import load_run
+    from archlab.training.precision import resolve_dtype
+    from archlab.training.trainer import train
 
     log(f"[4/5] training {what} for {budget_text(train_cfg)}, "
         f"{resolve_dtype(train_cfg.dtype, torch.device(train_cfg.device))}")

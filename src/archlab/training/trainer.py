@@ -12,7 +12,7 @@ schedules (optim.py), metrics.jsonl and the loss curve (metrics.py), FLOPs and p
   follows elapsed time (so LR, and hence losses, are not bit-reproducible across runs).
 - `batch_size` is GLOBAL (sequences per micro-step summed over data-parallel ranks): the same config
   trains the same model on 1 or N processes; tokens per optimizer step = batch_size*grad_accum*seq_len.
-- Checkpoints (archlab.checkpoint) hold weights, optimizer, counters, RNG states and the sampler
+- Checkpoints (archlab.runs.checkpoint) hold weights, optimizer, counters, RNG states and the sampler
   position: `resume=True` continues step for step as if never interrupted (tested on CPU with kill -9).
 - A NaN/Inf loss or gradient norm raises `Diverged` (nan_policy="stop") naming the step and the last
   good checkpoint, or skips that step's update (nan_policy="skip"; 10 in a row still raise).
@@ -36,14 +36,18 @@ from typing import Any, NamedTuple
 
 import torch
 
-from archlab import checkpoint as ckpt_io
-from archlab import distributed as dist_util
-from archlab.batches import tokens_processed
 from archlab.config import ConfigError, ModelConfig
+from archlab.data.batches import tokens_processed
+from archlab.data.pairs import PairDataset
 from archlab.errors import UserError
-from archlab.evaluate import autocast, evaluate, sample_ids
+from archlab.eval.evaluate import autocast, evaluate, sample_ids
 from archlab.generation.stepper import vocab_limit
-from archlab.metrics import (
+from archlab.runs import checkpoint as ckpt_io
+from archlab.runs.lock import RunLock
+from archlab.runs.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
+from archlab.training import distributed as dist_util
+from archlab.training.config import TrainConfig
+from archlab.training.metrics import (
     TensorBoardLogger,
     append_jsonl,
     plot_loss_curve,
@@ -51,16 +55,12 @@ from archlab.metrics import (
     truncate_metrics,
     truncate_samples,
 )
-from archlab.optim import build_optimizer, lr_multiplier, param_groups, schedule_progress
-from archlab.pairs import PairDataset
-from archlab.precision import auto_dtype, bf16_warning, read_record
-from archlab.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
-from archlab.rng import rng_state, seed_everything, set_rng_state
-from archlab.runlock import RunLock
-from archlab.throughput import matmul_peak_flops, peak_memory, train_flops_per_token
-from archlab.train_config import TrainConfig
+from archlab.training.optim import build_optimizer, lr_multiplier, param_groups, schedule_progress
+from archlab.training.precision import auto_dtype, bf16_warning, read_record
+from archlab.training.rng import rng_state, seed_everything, set_rng_state
+from archlab.training.throughput import matmul_peak_flops, peak_memory, train_flops_per_token
 
-# re-exported: callers import these from archlab.train
+# re-exported: callers import these from archlab.training.trainer
 __all__ = ["TrainConfig", "TrainResult", "Diverged", "Stopped", "MemoryCheckError", "train", "param_groups",
            "lr_multiplier",
            "matmul_peak_flops", "train_flops_per_token", "plot_loss_curve", "read_metrics", "fit_vocab"]
@@ -149,7 +149,7 @@ def _resolve_device(cfg: TrainConfig, info: dist_util.DistInfo) -> torch.device:
 
 def fit_vocab(model_cfg: ModelConfig, data_dir: str | os.PathLike) -> ModelConfig:
     """The model config with vocab_size set to the data folder's (presets carry their own vocab)."""
-    from archlab.data import load_meta
+    from archlab.data.tokens import load_meta
 
     vocab = int(load_meta(data_dir, expect=None)["vocab_size"])
     return model_cfg if model_cfg.vocab_size == vocab else model_cfg.with_overrides({"vocab_size": vocab})
@@ -179,7 +179,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.Pat
 
 
 def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data=False) -> TrainResult:
-    from archlab.batches import TrainBatches, open_splits
+    from archlab.data.batches import TrainBatches, open_splits
 
     # 1. data, checked against the settings
     device = _resolve_device(cfg, info)
@@ -275,7 +275,7 @@ def memory_per_device(model_cfg: ModelConfig, cfg: TrainConfig, info) -> dict[st
     """accounting.training_memory for one device's share: its slice of the global batch and, under FSDP,
     1/world of the weights, grads and optimizer state (sharded). dtype "auto" not yet resolved counts
     as float32 (the larger)."""
-    from archlab.accounting import training_memory
+    from archlab.models.accounting import training_memory
 
     local_batch = max(1, cfg.batch_size // info.world_size)
     parts = training_memory(model_cfg, local_batch, cfg.seq_len, "bfloat16" if cfg.dtype == "bfloat16" else "float32")
@@ -305,7 +305,7 @@ def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
     if model_cfg.vocab_size < train_data.vocab_size:
         raise ConfigError(f"model vocab_size={model_cfg.vocab_size} is smaller than the data's "
                           f"vocab_size={train_data.vocab_size} ({data_dir}); set vocab_size "
-                          f"(archlab.train.fit_vocab does it)")
+                          f"(archlab.training.trainer.fit_vocab does it)")
     if model_cfg.position.kind == "learned" and cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
     if cfg.batch_size % info.world_size:

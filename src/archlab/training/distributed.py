@@ -99,7 +99,7 @@ def prepare_model(raw: nn.Module, info: DistInfo, device: torch.device, *,
     The raw model keeps its parameter names throughout (checkpoints and HF rules read them).
     Example: prepared = prepare_model(model, info, device, build_optimizer=lambda m: AdamW(m.parameters()))"""
     if activation_checkpointing:
-        from archlab.recompute import checkpoint_blocks
+        from archlab.training.recompute import checkpoint_blocks
         checkpoint_blocks(raw)
     model = wrap(raw, info, device)
     optimizer = build_optimizer(raw)

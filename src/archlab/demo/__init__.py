@@ -1,0 +1,1 @@
+"""`archlab demo`: the whole pipeline on built-in data, and the stages the demos share."""

@@ -1,0 +1,1 @@
+"""Run folders: checkpoints, model folders, state files, locks, one-shot outputs, provenance and hub ids."""

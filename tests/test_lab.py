@@ -260,6 +260,36 @@ def test_resume_skips_finished_runs_and_records_crashes(tmp_path):
         runner.run_suite(suite, tmp_path / "sweep", train_fn=FakeTrainer(), **{**kw, "budget": 5})
 
 
+def test_a_second_driver_on_a_sweep_folder_is_refused_before_it_writes(tmp_path):
+    """Another process drives the sweep: this one raises LockedError with the table untouched and no run."""
+    import os
+    import subprocess
+    import sys
+
+    from archlab.runs.lock import LockedError
+
+    data = _tiny_data(tmp_path)
+    suite = suites.Suite(name="norms", claim="c", seeds=1,
+                         axes=[{"name": "norm", "key": "norm.kind", "values": ["layernorm", "rmsnorm"]}])
+    kw = dict(data_dir=data, budget=3, progress=False, measure=False)
+    sweep = tmp_path / "sweep"
+    runner.run_suite(suite, sweep, train_fn=FakeTrainer(crash={("rmsnorm", 0)}), **kw)
+    table = (sweep / "results.sqlite").read_bytes()
+    src = str(Path(runner.__file__).parents[2])
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom archlab.runs.lock import RunLock\n"
+                               "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)", str(sweep)],
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": src})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        second = FakeTrainer()
+        with pytest.raises(LockedError, match=f"pid {holder.pid}"):
+            runner.run_suite(suite, sweep, train_fn=second, **kw)
+        assert second.calls == [] and (sweep / "results.sqlite").read_bytes() == table
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_report_from_synthetic_sweep_has_verdicts_and_plots(tmp_path):
     from archlab.lab.report import build_report
     data = _tiny_data(tmp_path)

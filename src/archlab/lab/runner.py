@@ -27,6 +27,7 @@ from archlab.lab.executors import Executor, make_executor
 from archlab.lab.plan import INTERRUPTED, PlannedRun, RunJob, crashed, plan
 from archlab.lab.store import FINISHED, ResultStore, RunRecord
 from archlab.lab.suites import Suite
+from archlab.runs.lock import RunLock
 
 DATA_SUBDIR = "data"
 
@@ -88,27 +89,28 @@ def run_suite(
     from archlab.training.trainer import device_kind
 
     gpu = any(device_kind(run.train.device) == "cuda" for run in checked)   # one GPU per run where it trains on one
-    pool = executor if isinstance(executor, Executor) else make_executor(executor, workers, address, threads, gpu=gpu)
-    try:
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-        data = ensure_data(sweep_dir, data_dir, corpus, tokenizer, progress)
-        from archlab.data.tokens import load_meta
+    with RunLock(sweep_dir, what="sweep folder"):    # one driver per sweep: a second writes no row, no data
+        pool = executor if isinstance(executor, Executor) else make_executor(executor, workers, address, threads,
+                                                                             gpu=gpu)
+        try:
+            data = ensure_data(sweep_dir, data_dir, corpus, tokenizer, progress)
+            from archlab.data.tokens import load_meta
 
-        vocab = int(load_meta(data)["vocab_size"])
-        runs = plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit,
-                    vocab_size=vocab, train_overrides=train_overrides, device=device)
-        with ResultStore(sweep_dir) as store:
-            store.set_meta(f"suite:{suite.name}", suite.to_dict())
-            store.set_meta(f"sweep:{suite.name}", {"scale": scale, "data": str(data),
-                                                   "seeds": seeds or suite.seeds, "budget": budget,
-                                                   "budget_unit": budget_unit})
-            _drive(store, suite, runs, pool, lambda run, record: RunJob(suite, run, data, record, train_fn,
-                                                                         measure, threads), progress)
-            if measure and "paired_step_time" in suite.measure:
-                _record_paired_step_times(store, suite, runs, progress)
-            return store.runs(suite.name)
-    finally:
-        pool.close()
+            vocab = int(load_meta(data)["vocab_size"])
+            runs = plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit,
+                        vocab_size=vocab, train_overrides=train_overrides, device=device)
+            with ResultStore(sweep_dir) as store:
+                store.set_meta(f"suite:{suite.name}", suite.to_dict())
+                store.set_meta(f"sweep:{suite.name}", {"scale": scale, "data": str(data),
+                                                       "seeds": seeds or suite.seeds, "budget": budget,
+                                                       "budget_unit": budget_unit})
+                _drive(store, suite, runs, pool, lambda run, record: RunJob(suite, run, data, record, train_fn,
+                                                                             measure, threads), progress)
+                if measure and "paired_step_time" in suite.measure:
+                    _record_paired_step_times(store, suite, runs, progress)
+                return store.runs(suite.name)
+        finally:
+            pool.close()
 
 
 def _drive(store: ResultStore, suite: Suite, runs: list[PlannedRun], pool: Executor,

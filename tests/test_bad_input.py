@@ -98,6 +98,14 @@ def nonempty_dir(tmp: Path, w: dict) -> None:
     (tmp / "out" / "keep.txt").write_text("mine")
 
 
+def live_lock(folder: Path) -> None:
+    """A lock held by pid 1 on this host: a process that is always alive."""
+    import socket
+    import time
+    (folder / ".lock").write_text(json.dumps({"pid": 1, "host": socket.gethostname(), "since": time.time(),
+                                              "heartbeat": time.time()}))
+
+
 def combine(*setups):
     def setup(tmp: Path, w: dict) -> None:
         for s in setups:
@@ -309,6 +317,19 @@ CASES = [
     ("convert from into nonempty", ["convert", "--from-hf", "{hf}", "--out", "{tmp}/out"], "--overwrite",
      nonempty_dir),
     ("convert to into nonempty", ["convert", "--to-hf", "{run}", "--out", "{tmp}/out"], "--overwrite", nonempty_dir),
+    ("convert to into itself", ["convert", "--to-hf", "{tmp}/copy", "--out", "{tmp}/copy", "--overwrite"],
+     "is the input", copy_of("run")),
+    ("convert to into its parent", ["convert", "--to-hf", "{tmp}/copy", "--out", "{tmp}", "--overwrite"],
+     "holds the input", copy_of("run")),
+    ("convert to inside its run", ["convert", "--to-hf", "{run}", "--out", "{run}/hf"], "sits inside the input"),
+    ("convert to over a live run", ["convert", "--to-hf", "{run}", "--out", "{tmp}/copy", "--overwrite"],
+     "pid 1 on", copy_of("run", live_lock)),
+    ("convert from into itself", ["convert", "--from-hf", "{tmp}/copy", "--out", "{tmp}/copy", "--overwrite"],
+     "is the input", copy_of("hf")),
+    ("convert from through a symlink", ["convert", "--from-hf", "{tmp}/link", "--out", "{tmp}/copy", "--overwrite"],
+     "is the input", combine(copy_of("hf"), lambda tmp, w: (tmp / "link").symlink_to(tmp / "copy"))),
+    ("convert from over parent of a live run", ["convert", "--from-hf", "{hf}", "--out", "{tmp}", "--overwrite"],
+     "is writing", copy_of("run", live_lock)),
     ("convert to from missing", ["convert", "--to-hf", "{tmp}/norun", "--out", "{new}"], "norun"),
     ("convert to not a run", ["convert", "--to-hf", "{corpus}", "--out", "{new}"], "not a run folder"),
     ("convert to unknown family", ["convert", "--to-hf", "{run}", "--out", "{new}", "--family", "bert2"], "bert2"),
@@ -336,6 +357,12 @@ CASES = [
                                  "--special-tokens", "", "--out", "{new}"], "empty string"),
     ("tokenizer out exists", ["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "300", "--out",
                               "{tok}"], "--overwrite"),
+    ("tokenizer train into its input", ["tokenizer", "train", "--input", "{tmp}/copy", "--vocab-size", "300",
+                                        "--out", "{tmp}/copy", "--overwrite", "--no-progress"], "is the input",
+     copy_of("corpus")),
+    ("tokenizer train over its input's folder", ["tokenizer", "train", "--input", "{tmp}/copy/doc0.txt",
+                                                 "--vocab-size", "300", "--out", "{tmp}/copy", "--overwrite",
+                                                 "--no-progress"], "holds the input", copy_of("corpus")),
     ("stats missing tokenizer", ["tokenizer", "stats", "{tmp}/notok", "--input", "{corpus}"], "notok"),
     ("stats corrupt tokenizer", ["tokenizer", "stats", "{tmp}/copy", "--input", "{corpus}"], "tokenizer",
      copy_of("tok", replace_text("tokenizer.json", "{nope"))),
@@ -353,6 +380,17 @@ CASES = [
      copy_of("tok", replace_text("tokenizer.json", "{nope"))),
     ("prepare out exists", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "bytes", "--out", "{data}",
                             "--quiet"], "--overwrite"),
+    ("prepare into its corpus", ["data", "prepare", "--corpus", "{tmp}/copy", "--tokenizer", "bytes", "--out",
+                                 "{tmp}/copy", "--overwrite", "--quiet"], "is the input", copy_of("corpus")),
+    ("prepare inside its corpus", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "bytes", "--out",
+                                   "{corpus}/data", "--quiet"], "sits inside the input"),
+    ("prepare over its tokenizer", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "{tmp}/copy", "--out",
+                                    "{tmp}/copy", "--overwrite", "--quiet"], "is the input", copy_of("tok")),
+    ("prepare pairs into its corpus", ["data", "prepare", "--pairs", "--corpus", "{bad}", "--tokenizer", "bytes",
+                                       "--out", "{bad}", "--overwrite", "--quiet"], "is the input",
+     write("bad.jsonl", '{"source": "a", "target": "b"}\n')),
+    ("prepare over a live run", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "bytes", "--out",
+                                 "{tmp}/copy", "--overwrite", "--quiet"], "is writing", copy_of("run", live_lock)),
     ("prepare val fraction high", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "bytes", "--out",
                                    "{new}", "--val-fraction", "1.5", "--quiet"], "val_fraction"),
     ("prepare val fraction negative", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "bytes", "--out",

@@ -61,18 +61,19 @@ def convert_from_hf(hf_dir: str | Path, run_dir: str | Path, dtype: torch.dtype 
     from archlab.interop.hf import load_hf, read_hf_config
     from archlab.runs.checkpoint import CHECKPOINT_DIR, save_checkpoint, write_run_config
     from archlab.runs.hub import resolve_model
-    from archlab.runs.outputs import fresh_output, refuse_existing
+    from archlab.runs.outputs import check_output, fresh_output
 
     run_dir = Path(run_dir)
-    refuse_existing(run_dir, overwrite)                      # before the (long) load or download
     source_id = str(hf_dir)
+    local = None if source_id.startswith("hf:") else hf_dir
+    check_output(run_dir, inputs=[local], overwrite=overwrite)      # before the (long) load or download
     hf_dir = resolve_model(hf_dir)
     model = load_hf(hf_dir, dtype=dtype)
     hf_cfg = read_hf_config(hf_dir)
     source = {"hf_folder": str(hf_dir.resolve()), "model_type": hf_cfg["model_type"]}
     if source_id.startswith("hf:"):
         source["hub_id"] = source_id
-    with fresh_output(run_dir, overwrite=overwrite) as tmp:
+    with fresh_output(run_dir, overwrite=overwrite, inputs=[hf_dir]) as tmp:
         write_run_config(tmp, model=model.config.to_dict(), train={"seq_len": model.config.max_seq_len},
                          data={"converted_from": source})
         save_checkpoint(tmp / CHECKPOINT_DIR, 0, model.state_dict(), {}, keep_last=0,
@@ -107,12 +108,12 @@ def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None =
     `overwrite` (atomically)."""
     from archlab.interop.hf import save_hf, write_tokenizer_files
     from archlab.runs.checkpoint import load_run
-    from archlab.runs.outputs import fresh_output, refuse_existing
+    from archlab.runs.outputs import check_output, fresh_output
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
-    refuse_existing(out_dir, overwrite)
+    check_output(out_dir, inputs=[run_dir], overwrite=overwrite)
     model, _ = load_run(run_dir)
-    with fresh_output(out_dir, overwrite=overwrite) as tmp:
+    with fresh_output(out_dir, overwrite=overwrite, inputs=[run_dir]) as tmp:
         fam = save_hf(model, tmp, family=family)
         tok = run_dir / "tokenizer"
         if (tok / "tokenizer.json").is_file():

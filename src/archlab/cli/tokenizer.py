@@ -69,7 +69,7 @@ def cmd_train(args) -> int:
     from archlab.data.corpora import scan_files
     from archlab.errors import UserError
     from archlab.progress import progress_bar
-    from archlab.runs.outputs import fresh_output, refuse_existing
+    from archlab.runs.outputs import check_output, fresh_output
     from archlab.tokenizer.pretokenize import resolve_inputs
 
     # every check before any work (and before the progress bar)
@@ -78,7 +78,7 @@ def cmd_train(args) -> int:
     for token in args.special_tokens:
         if not token:
             raise UserError("--special-tokens: an empty string is not a token")
-    refuse_existing(args.out, args.overwrite)
+    check_output(args.out, inputs=args.input, overwrite=args.overwrite)
     files = resolve_inputs(args.input)
     report = scan_files(files)
     if not report.clean:
@@ -101,7 +101,7 @@ def cmd_train(args) -> int:
     finally:
         if bar is not None:
             bar.close()
-    with fresh_output(args.out, overwrite=args.overwrite) as tmp:
+    with fresh_output(args.out, overwrite=args.overwrite, inputs=args.input) as tmp:
         tok.save(tmp)
     out = Path(args.out)
     print(f"{args.kind} tokenizer with {tok.vocab_size} tokens saved to {out / 'tokenizer.json'} "

@@ -50,6 +50,7 @@ from archlab.data.tokens import (
     _mix_seed,
     _SplitWriter,
     _write_json,
+    input_paths,
     load_meta,
     load_tokenizer,
 )
@@ -173,12 +174,14 @@ def prepare_pairs(
                         f"lines; {str(corpus_jsonl)!r} is not a .jsonl path")
     if not path.is_file():
         raise DataError(f"pairs corpus {str(corpus_jsonl)!r} does not exist")
-    out, tok, vocab_size, eot_id, dtype = _checked_output(out_dir, tokenizer, eot_token, val_fraction, overwrite)
+    inputs = input_paths(path, tokenizer)
+    out, tok, vocab_size, eot_id, dtype = _checked_output(out_dir, tokenizer, eot_token, val_fraction, overwrite,
+                                                          inputs)
     fields = (source_field, target_field)
     is_val = _splits(path, fields, seed, val_fraction)
     workers = _default_workers() if num_workers is None else max(0, int(num_workers))
 
-    with fresh_output(out, overwrite=overwrite) as tmp:
+    with fresh_output(out, overwrite=overwrite, inputs=inputs) as tmp:
         splits = _write_pairs(path, fields, is_val, tok, tmp, dtype=dtype, eot_id=eot_id, seed=seed,
                               workers=workers, progress=progress)
         fault_point("prepare:split")

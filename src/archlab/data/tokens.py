@@ -51,7 +51,7 @@ import torch
 from archlab.data import corpora
 from archlab.errors import UserError
 from archlab.faults import fault_point
-from archlab.runs.outputs import fresh_output, refuse_existing
+from archlab.runs.outputs import check_output, fresh_output
 
 __all__ = [
     "EOT_TOKEN", "TokenizerLike", "ByteTokenizer", "load_tokenizer", "prepare", "load_meta",
@@ -360,14 +360,28 @@ def _move_sentences(src: _SplitWriter, dst: _SplitWriter, start: int, end: int) 
     dst.sentences += moved
 
 
+def input_paths(corpus: Any, tokenizer: Any) -> list[str | os.PathLike]:
+    """The paths a prepare reads (a corpus file or folder, a tokenizer folder), for runs.outputs.check_output:
+    built-in corpus names, hf: ids, "bytes" and in-memory objects are not paths."""
+    found: list[str | os.PathLike] = []
+    if isinstance(corpus, (str, os.PathLike)):
+        name = os.fspath(corpus)
+        if name not in corpora.BUILTIN_CORPORA and not name.startswith("hf:"):
+            found.append(corpus)
+    if isinstance(tokenizer, (str, os.PathLike)) and tokenizer != "bytes":
+        found.append(tokenizer)
+    return found
+
+
 def _checked_output(out_dir: str | os.PathLike, tokenizer: Any, eot_token: str, val_fraction: float,
-                    overwrite: bool) -> tuple[Path, Any, int, int, np.dtype]:
+                    overwrite: bool, inputs: list[str | os.PathLike]) -> tuple[Path, Any, int, int, np.dtype]:
     """The checks a prepare runs before any work (here and in archlab.data.pairs):
-    (out folder, tokenizer, vocab_size, end-of-text id, token dtype)."""
+    (out folder, tokenizer, vocab_size, end-of-text id, token dtype). `inputs`: what it reads (input_paths),
+    which the output may not be, hold or sit inside."""
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
     out = Path(out_dir).expanduser()
-    refuse_existing(out, overwrite)
+    check_output(out, inputs=inputs, overwrite=overwrite)
     tok = load_tokenizer(tokenizer)
     if not callable(getattr(tok, "save", None)):
         raise DataError(f"{type(tok).__name__} has no save(dir): the data folder must carry its tokenizer")
@@ -400,7 +414,9 @@ def prepare(
     The folder is built beside out_dir under a temporary name and renamed into place at the end, so
     a crash never leaves a folder that looks complete. An existing out_dir is an error unless overwrite.
     """
-    out, tok, vocab_size, eot_id, dtype = _checked_output(out_dir, tokenizer, eot_token, val_fraction, overwrite)
+    inputs = input_paths(corpus, tokenizer)
+    out, tok, vocab_size, eot_id, dtype = _checked_output(out_dir, tokenizer, eot_token, val_fraction, overwrite,
+                                                          inputs)
     report = None
     if isinstance(corpus, (str, os.PathLike)):
         name = corpus_name or os.fspath(corpus)
@@ -414,7 +430,7 @@ def prepare(
     workers = _default_workers() if num_workers is None else max(0, int(num_workers))
 
     # built beside `out` and renamed into place: a crash never leaves a folder that looks complete
-    with fresh_output(out, overwrite=overwrite) as tmp:
+    with fresh_output(out, overwrite=overwrite, inputs=inputs) as tmp:
         meta = _write_splits(docs, tok, tmp, dtype=dtype, eot_id=eot_id, seed=seed,
                              val_fraction=val_fraction, workers=workers, progress=progress, sentences=sentences)
         fault_point("prepare:split")

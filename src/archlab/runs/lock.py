@@ -105,17 +105,18 @@ def _is_stale(path: Path, holder: dict, lease_s: float) -> bool:
 
 
 def live_holder(folder: str | os.PathLike, *, lease_s: float = 60.0) -> dict | None:
-    """The record of a live writer of `folder` ({} for a lock file being written), or None when nobody
-    holds it. Read-only: for callers that must not replace a folder a writer is using."""
+    """The record of a live writer of `folder`, or None when nobody holds it. Read-only: for callers that
+    must not replace a folder a writer is using. A `.lock` that holds no writer's record (another program's
+    file of that name) is nobody's: RunLock never leaves its lock file empty or half written."""
     path = Path(folder) / LOCK_FILE
     holder = _read_record(path)
-    if holder is None or _is_stale(path, holder, lease_s):
+    if not holder or "pid" not in holder or _is_stale(path, holder, lease_s):
         return None
     return holder
 
 
 def describe_holder(holder: dict) -> str:
-    """`pid 123 on host since 2026-01-01 00:00:00 UTC`, or what is known of an unreadable record."""
+    """`pid 123 on host since 2026-01-01 00:00:00 UTC` (an unreadable record: a writer still writing it)."""
     if not holder:
         return "a process whose lock file is being written"
     try:

@@ -6,6 +6,11 @@ finishes, the temporary folder takes the target's name with renames (the old fol
 and deleted last); when it fails, the temporary folder is deleted and the target is as it was. Leftovers
 of killed processes (`.NAME.partial-PID`, `.NAME.old-PID` whose process is gone) are removed first.
 
+`check_output(target, inputs=..., overwrite=...)` is the one rule every such command runs before any work:
+an output may never be, hold, or sit inside one of its inputs (paths compared resolved, symlinks
+followed), and a folder a live writer holds (archlab.runs.lock: the folder, a folder above it, or, when it
+would be replaced, one inside it) is never replaced. `fresh_output` runs it again just before the rename.
+
 >>> import tempfile, pathlib
 >>> target = pathlib.Path(tempfile.mkdtemp()) / "out"
 >>> with fresh_output(target) as tmp:
@@ -19,16 +24,22 @@ import contextlib
 import glob
 import os
 import shutil
-from collections.abc import Iterator
+import socket
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from archlab.errors import UserError
 
-__all__ = ["fresh_output", "OutputExistsError", "is_empty_dir", "refuse_existing"]
+__all__ = ["fresh_output", "OutputExistsError", "OutputConflictError", "is_empty_dir", "refuse_existing",
+           "check_output"]
 
 
 class OutputExistsError(UserError, FileExistsError):
     """The output folder exists and is not empty, and --overwrite was not given."""
+
+
+class OutputConflictError(UserError):
+    """The output is, holds or sits inside an input, or a live writer uses it."""
 
 
 def is_empty_dir(path: Path) -> bool:
@@ -45,11 +56,66 @@ def refuse_existing(target: str | os.PathLike, overwrite: bool, flag: str = "--o
     raise OutputExistsError(f"{target} already exists and is a non-empty {what}: pass {flag} to replace it")
 
 
+def _resolved(path: str | os.PathLike) -> Path:
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def refuse_overlap(target: str | os.PathLike, inputs: Iterable[str | os.PathLike | None],
+                   flag: str = "--out") -> None:
+    """OutputConflictError when `target` is, holds or sits inside one of the `inputs` that exist on disk
+    (None and names that are no path, such as "bytes", are skipped)."""
+    out = _resolved(target)
+    for given in inputs:
+        if given is None or not Path(given).expanduser().exists():
+            continue
+        source = _resolved(given)
+        if out == source:
+            how = "is"
+        elif source.is_relative_to(out):
+            how = "holds"
+        elif out.is_relative_to(source):
+            how = "sits inside"
+        else:
+            continue
+        raise OutputConflictError(f"{flag} {target} {how} the input {given}: an output may not replace or write "
+                                  "into what it is made from; choose another folder")
+
+
+def refuse_live_writers(target: str | os.PathLike, flag: str = "--out") -> None:
+    """OutputConflictError when a live writer other than this process holds `target`, a folder above it or
+    one inside it (archlab.runs.lock): replacing it would pull the folder from under that writer."""
+    from archlab.runs.lock import LOCK_FILE, describe_holder, live_holder
+
+    out = _resolved(target)
+    folders = [out, *out.parents]
+    if out.is_dir():
+        folders += [Path(root) for root, _, files in os.walk(out) if LOCK_FILE in files]
+    for folder in folders:
+        holder = live_holder(folder)
+        if holder is None or (holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()):
+            continue
+        raise OutputConflictError(f"{flag} {target} would replace {folder}, which {describe_holder(holder)} is "
+                                  "writing: wait for it to finish or stop it, or choose another folder")
+
+
+def check_output(target: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None] = (),
+                 overwrite: bool = False, flag: str = "--overwrite", out_flag: str = "--out") -> None:
+    """Every check an output folder gets before any work: not one of its inputs (refuse_overlap), not
+    existing and non-empty unless `overwrite` (refuse_existing), and, when it would be replaced, used by no
+    live writer (refuse_live_writers)."""
+    refuse_overlap(target, inputs, out_flag)
+    refuse_existing(target, overwrite, flag)
+    if Path(target).expanduser().exists():
+        refuse_live_writers(target, out_flag)
+
+
 @contextlib.contextmanager
-def fresh_output(target: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder beside `target`; on success it replaces `target` atomically."""
+def fresh_output(target: str | os.PathLike, *, overwrite: bool = False,
+                 inputs: Iterable[str | os.PathLike | None] = ()) -> Iterator[Path]:
+    """Yield a temporary folder beside `target`; on success it replaces `target` atomically (unless a live
+    writer took it meanwhile: then the new folder is dropped and the old one stays)."""
     target = Path(target).expanduser()
-    refuse_existing(target, overwrite)
+    check_output(target, inputs=list(inputs), overwrite=overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(target)
     tmp = target.parent / f".{target.name}.partial-{os.getpid()}"
@@ -58,6 +124,8 @@ def fresh_output(target: str | os.PathLike, *, overwrite: bool = False) -> Itera
     tmp.mkdir()
     try:
         yield tmp
+        if target.exists():
+            refuse_live_writers(target)     # a writer may have started while this one worked
         _replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -124,10 +124,11 @@ def test_resume_with_another_model_or_tokenizer_changes_nothing(run, tmp_path):
     with pytest.raises(ConfigError, match="different model config"):
         train(tiny_model().with_overrides({"d_model": 64}), CFG, data, run_dir,
               resume=True, progress=False)
+    import archlab.tokenizer as tk
+    (tmp_path / "text.txt").write_text("a b c " * 50)
+    bpe = tk.train([tmp_path / "text.txt"], 257, ["<|endoftext|>"])    # as many ids as bytes, other ids
     other_tok = tmp_path / "other_tok"
-    prepare(["a b c " * 50] * 10, "bytes", other_tok, num_workers=0, progress=False)
-    (other_tok / "tokenizer").mkdir(exist_ok=True)
-    (other_tok / "tokenizer" / "extra.txt").write_text("not the run's tokenizer")
+    prepare(["a b c " * 50] * 10, bpe, other_tok, num_workers=0, progress=False)
     with pytest.raises(DataError, match="different tokenizer"):
         train(tiny_model(), CFG, other_tok, run_dir, resume=True, progress=False, allow_new_data=True)
     assert _snapshot(run_dir) == before

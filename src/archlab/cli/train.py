@@ -10,7 +10,11 @@ TRAIN_EXAMPLE = """example:
   archlab train --preset tiny:llama2-7b --data data/shakespeare --out runs/exp1 \\
       --set n_layers=4 --set train.lr=1e-3 --set train.budget=5 --set train.budget_unit=minutes
   torchrun --nproc_per_node=2 -m archlab.cli train --config runs/exp1/config.yaml --data ... --out ...
-  (model keys as ModelConfig.with_overrides, train keys prefixed `train.`; --resume continues a run)"""
+  archlab convert --from-hf ~/models/Qwen2.5-0.5B --out runs/qwen
+  archlab data prepare --corpus my_docs/ --tokenizer runs/qwen/tokenizer --out data/mine
+  archlab train --init-from runs/qwen --data data/mine --out runs/qwen-mine --set train.lr=3e-5
+  (model keys as ModelConfig.with_overrides, train keys prefixed `train.`; --resume continues a run;
+  --init-from starts a new run from another model's weights: fresh optimizer and schedule, its model config)"""
 
 PERPLEXITY_DEFINITION = """\
 perplexity = exp(mean next-token cross-entropy, in nats) over the predicted tokens of non-overlapping
@@ -37,6 +41,10 @@ def register(subparsers) -> None:
     p.add_argument("--out", required=True, help="run folder to write")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --out that verifies (sha256)")
+    p.add_argument("--init-from", metavar="RUN_OR_HF_FOLDER_OR_HUB_ID",
+                   help="start from these weights (a run folder's newest checkpoint, an HF folder, or hf:ORG/NAME): "
+                   "its model config (--set may change what keeps the weights' shapes), a fresh optimizer and "
+                   "schedule; --data must use its tokenizer")
     p.add_argument("--allow-new-data", action="store_true",
                    help="with --resume: continue on a --data other than the run's (refused by default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -98,7 +106,9 @@ def parse_sets(pairs: list[str]) -> tuple[dict, dict]:
     return model, train
 
 
-def build_configs(args):
+def build_configs(args, base_model=None):
+    """(ModelConfig, TrainConfig) from --preset / --config / --set; `base_model` (the --init-from source's
+    config) stands for the preset and keeps its vocabulary."""
     import yaml
 
     from archlab.config import ConfigError, ModelConfig
@@ -116,7 +126,12 @@ def build_configs(args):
         if not isinstance(file_data, dict):
             raise ConfigError(f"--config {path} must hold a mapping with `model` / `train` sections")
     model_over, train_over = parse_sets(args.set)
-    if "model" in file_data:
+    if base_model is not None:
+        if args.preset or "model" in file_data:
+            raise ConfigError("--init-from gives the model: drop --preset and the `model` section of --config "
+                              "(--set may still change what keeps the weights' shapes)")
+        model_cfg = base_model
+    elif "model" in file_data:
         if args.preset:
             raise ConfigError("both --preset and a `model` section in --config: give one")
         model_cfg = ModelConfig.from_dict(file_data["model"])
@@ -124,7 +139,7 @@ def build_configs(args):
         model_cfg = resolve_preset(args.preset)
     else:
         raise ConfigError("no model: pass --preset NAME or --config FILE with a `model` section")
-    if "vocab_size" not in model_over and "model" not in file_data:
+    if "vocab_size" not in model_over and "model" not in file_data and base_model is None:
         model_cfg = fit_vocab(model_cfg, args.data)   # a preset's vocab -> the data's tokenizer
     if model_over:
         model_cfg = model_cfg.with_overrides(model_over)
@@ -139,10 +154,14 @@ def run_train(args) -> int:
 
     from archlab.training.trainer import Diverged, Stopped, train
 
-    model_cfg, train_cfg = build_configs(args)
+    init_from = None
+    if args.init_from:
+        from archlab.training.init_from import read_init_source
+        init_from = read_init_source(args.init_from)
+    model_cfg, train_cfg = build_configs(args, init_from.model_config if init_from is not None else None)
     try:
         result = train(model_cfg, train_cfg, args.data, args.out, resume=args.resume,
-                       progress=not args.no_progress, allow_new_data=args.allow_new_data)
+                       progress=not args.no_progress, allow_new_data=args.allow_new_data, init_from=init_from)
     except Diverged as exc:
         print(f"archlab train: error: {exc}", file=sys.stderr)
         return 3

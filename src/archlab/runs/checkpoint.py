@@ -48,7 +48,7 @@ from archlab.runs.statefile import load_legacy_pickle, load_state, save_state
 __all__ = [
     "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint",
     "write_run_config", "read_run_config", "load_run", "MODEL_FILE", "TRAINER_FILE", "META_FILE",
-    "verify_checkpoint", "resumable_checkpoint", "FORMAT_VERSION",
+    "verify_checkpoint", "resumable_checkpoint", "holds_trainer_state", "FORMAT_VERSION",
 ]
 
 FORMAT_VERSION = 2                 # 1: trainer.pt (pickle); 2: trainer.safetensors + sha256 in meta.json
@@ -300,6 +300,21 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
             "or rewrite it with a trusted archlab <= 0.1 install") from exc
 
 
+def holds_trainer_state(path: Path) -> bool:
+    """Whether a checkpoint can be resumed (it has an optimizer state), not only loaded: imported weights
+    (`archlab convert --from-hf`) have none. Reads the state file's header, not its tensors."""
+    from safetensors import safe_open
+
+    if not (path / TRAINER_FILE).is_file():
+        return (path / LEGACY_TRAINER_FILE).is_file()
+    try:
+        with safe_open(str(path / TRAINER_FILE), framework="pt", device="cpu") as f:
+            tree = json.loads((f.metadata() or {}).get("tree", "{}"))
+    except Exception as exc:  # safetensors raises its own error types for garbled files
+        raise CheckpointError(f"corrupt or unreadable trainer state {path / TRAINER_FILE}: {exc}") from exc
+    return isinstance(tree, dict) and "optimizer" in tree
+
+
 def resumable_checkpoint(root: str | os.PathLike) -> Path | None:
     """The newest checkpoint whose files all match their sha256 (None: there is none at all). A damaged
     one is skipped with a warning naming it; only damaged ones -> CheckpointError."""
@@ -323,9 +338,14 @@ def resumable_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 # --------------------------------------------------------------------------- run folders
-def write_run_config(run_dir: str | os.PathLike, model: dict, train: dict, data: dict) -> Path:
+def write_run_config(run_dir: str | os.PathLike, model: dict, train: dict, data: dict,
+                     init_from: dict | None = None) -> Path:
+    """config.yaml: `model`, `train`, `data`, and `init_from` (the weights a run started from) when given."""
     path = Path(run_dir) / CONFIG_FILE
-    text = yaml.safe_dump({"model": model, "train": train, "data": data}, sort_keys=False)
+    sections = {"model": model, "train": train, "data": data}
+    if init_from is not None:
+        sections["init_from"] = init_from
+    text = yaml.safe_dump(sections, sort_keys=False)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

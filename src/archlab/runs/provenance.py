@@ -28,7 +28,7 @@ from archlab.data.tokens import DataError
 from archlab.training.precision import cpu_model
 
 __all__ = ["provenance", "provenance_line", "write_provenance", "device_name", "data_fingerprint",
-           "tokenizer_fingerprint", "check_resume_matches",
+           "tokenizer_fingerprint", "check_resume_matches", "ENCODING_SECTIONS",
            "PROVENANCE_FILE"]
 
 PROVENANCE_FILE = "provenance.json"
@@ -136,15 +136,53 @@ def data_fingerprint(data_dir: str | os.PathLike) -> str:
     return digest.hexdigest()[:16]
 
 
+ENCODING_SECTIONS = ("model", "normalizer", "pre_tokenizer", "post_processor", "added_tokens")
+
+
 def tokenizer_fingerprint(tok_dir: str | os.PathLike) -> str | None:
+    """sha256 (16 hex digits) of what a tokenizer folder encodes with, so that the same tokenizer matches
+    whichever side files sit beside it (an HF folder's tokenizer_config.json, generation_config.json, a
+    prepared data folder's vocab.json): the tokenizer as archlab loads it, in tokenizer.json form, reduced
+    to its ENCODING_SECTIONS; a byte tokenizer by its spec file; vocab.json + merges.txt where there is no
+    tokenizer.json. None: the folder holds no tokenizer."""
     tok_dir = Path(tok_dir)
     if not tok_dir.is_dir():
         return None
+    from archlab.data.tokens import ByteTokenizer
+
     digest = hashlib.sha256()
-    for path in sorted(p for p in tok_dir.rglob("*") if p.is_file()):
-        digest.update(path.relative_to(tok_dir).as_posix().encode())
-        digest.update(path.read_bytes())
+    if (tok_dir / ByteTokenizer.FILE).is_file():
+        digest.update(b"bytes:" + _canonical(json.loads((tok_dir / ByteTokenizer.FILE).read_text())))
+    elif (tok_dir / "tokenizer.json").is_file():
+        data = _loaded_tokenizer_json(tok_dir)
+        digest.update(b"tokenizer.json:" + _canonical({k: data.get(k) for k in ENCODING_SECTIONS}))
+    elif (tok_dir / "vocab.json").is_file() and (tok_dir / "merges.txt").is_file():
+        for name in ("vocab.json", "merges.txt"):
+            digest.update(name.encode() + b":" + (tok_dir / name).read_bytes())
+    else:
+        return None
     return digest.hexdigest()[:16]
+
+
+def _canonical(data) -> bytes:
+    return json.dumps(data, sort_keys=True, ensure_ascii=False).encode()
+
+
+def _loaded_tokenizer_json(tok_dir: Path) -> dict:
+    """The tokenizer.json archlab would save for the tokenizer it loads from `tok_dir` (what `data prepare`
+    copies), so a file and its re-saved copy compare equal; the file as written when no reader takes it."""
+    from archlab.tokenizer import load
+
+    try:
+        tok = load(tok_dir)
+    except Exception:  # noqa: BLE001 - any reader failure: compare the file itself
+        tok = None
+    if tok is not None and callable(getattr(tok, "to_json", None)):
+        return tok.to_json()
+    if tok is not None and hasattr(getattr(tok, "hf", None), "to_str"):
+        return json.loads(tok.hf.to_str())
+    data = json.loads((tok_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {"model": data}
 
 
 def check_resume_matches(run_dir: Path, model_cfg, data_info: dict, tok_src: Path, allow_new_data: bool) -> None:

@@ -47,6 +47,7 @@ from archlab.runs.lock import RunLock
 from archlab.runs.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
 from archlab.training import distributed as dist_util
 from archlab.training.config import TrainConfig
+from archlab.training.init_from import InitSource
 from archlab.training.metrics import (
     TensorBoardLogger,
     append_jsonl,
@@ -158,13 +159,15 @@ def fit_vocab(model_cfg: ModelConfig, data_dir: str | os.PathLike) -> ModelConfi
 # --------------------------------------------------------------------------- the loop
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.PathLike,
           out_dir: str | os.PathLike, *, resume: bool = False, progress: bool = True,
-          allow_new_data: bool = False) -> TrainResult:
+          allow_new_data: bool = False, init_from: InitSource | None = None) -> TrainResult:
     """Train `model_cfg` on the prepared data in `data_dir`; write the run folder `out_dir`.
 
     resume=True continues from the newest checkpoint in out_dir that verifies (a fresh start if there is
     none); the model config, tokenizer and data are compared with the run's before anything is written,
     and other data is refused unless allow_new_data. One process writes a run folder at a time
-    (runlock.RunLock: a second writer gets LockedError).
+    (runlock.RunLock: a second writer gets LockedError). init_from (training.init_from.InitSource): a fresh
+    start begins from its weights (checked against model_cfg's shapes, the data's tokenizer against its own)
+    with a new optimizer and schedule; a resume continues from the run's checkpoint as usual.
     Raises Diverged on a NaN/Inf loss with nan_policy="stop"; ConfigError for impossible settings;
     FileExistsError when out_dir already holds a run and resume is False.
     Under torchrun (WORLD_SIZE > 1) it runs data-parallel (train_cfg.dist_strategy); rank 0 writes.
@@ -173,12 +176,13 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.Pat
     data_dir, run_dir = Path(data_dir), Path(out_dir)
     info = dist_util.setup(device_kind(cfg.device), cfg.dist_strategy)
     try:
-        return _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data)
+        return _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data, init_from)
     finally:
         dist_util.teardown(info)
 
 
-def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data=False) -> TrainResult:
+def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data=False,
+           init_from=None) -> TrainResult:
     from archlab.data.batches import TrainBatches, open_splits
 
     # 1. data, checked against the settings
@@ -194,12 +198,12 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_
     # 2. run folder: rank 0 locks and writes it, the others wait
     with RunLock(run_dir) if info.is_main else contextlib.nullcontext():
         latest = _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info,
-                                  allow_new_data)
+                                  allow_new_data, init_from)
         return _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
-                         (train_data, val_data, can_eval, batches, eval_objective))
+                         (train_data, val_data, can_eval, batches, eval_objective), init_from)
 
 
-def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device, data) -> TrainResult:
+def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device, data, init_from=None) -> TrainResult:
     """Steps 3-5 of `_train`, with the run folder locked."""
     train_data, val_data, can_eval, batches, eval_objective = data
     if info.enabled:
@@ -210,9 +214,11 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
                eval_objective)
     if info.is_main:
         write_provenance(run_dir, provenance(device=device, dtype=cfg.dtype, model=run.raw))
-    # 4. resume
+    # 4. resume, or start from another model's weights
     if latest is not None:
         run.resume_from(latest)
+    elif init_from is not None:
+        dist_util.load_full_model_state(run.model, init_from.state, info)
     # 5. the loop
     run.open_reporting(progress)
     try:
@@ -397,8 +403,8 @@ class _Run:
         states; metrics.jsonl drops the lines past its step (the loop writes them again)."""
         info = self.info
         model_state, state = ckpt_io.load_checkpoint(checkpoint)        # on CPU first
-        if state is None:
-            raise ckpt_io.CheckpointError(f"{checkpoint} has no trainer state to resume from")
+        if not state or "optimizer" not in state:
+            raise ckpt_io.CheckpointError(_weights_only_message(self.run_dir, checkpoint))
         dist_util.load_full_model_state(self.model, model_state, info)
         dist_util.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"], info)
         self.batches.load_state_dict(state["sampler"])
@@ -667,8 +673,13 @@ class _Run:
                            metrics_path=self.metrics_path)
 
 
+def _weights_only_message(run_dir: Path, checkpoint: Path) -> str:
+    return (f"{checkpoint} holds weights without a trainer state (an imported or exported model), so there is "
+            f"no run to resume: start a new run from them with --init-from {run_dir} --out NEW_FOLDER")
+
+
 def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info,
-                     allow_new_data=False) -> Path | None:
+                     allow_new_data=False, init_from=None) -> Path | None:
     """Rank 0 checks the run folder can take this run, then writes its config and tokenizer: nothing in
     the folder changes before every check has passed. Returns the checkpoint to resume from (None: a
     fresh start)."""
@@ -684,9 +695,18 @@ def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, re
                  "vocab_size": train_data.vocab_size, "train_tokens": train_data.n_tokens,
                  "val_tokens": val_data.n_tokens, "bytes_per_token": train_data.bytes_per_token,
                  "fingerprint": data_fingerprint(data_dir)}
+    if latest is not None and not ckpt_io.holds_trainer_state(latest):
+        raise ckpt_io.CheckpointError(_weights_only_message(run_dir, latest))
     if latest is not None:
         check_resume_matches(run_dir, model_cfg, data_info, tok_src, allow_new_data)
-    ckpt_io.write_run_config(run_dir, model_cfg.to_dict(), cfg.to_dict(), data_info)
+        started_from = ckpt_io.read_run_config(run_dir).get("init_from")
+    elif init_from is not None:
+        init_from.check_model(model_cfg)
+        init_from.check_tokenizer(tok_src, data_dir)
+        started_from = init_from.record()
+    else:
+        started_from = None
+    ckpt_io.write_run_config(run_dir, model_cfg.to_dict(), cfg.to_dict(), data_info, init_from=started_from)
     if tok_src.is_dir() and not (run_dir / "tokenizer").exists():
         shutil.copytree(tok_src, run_dir / "tokenizer")
     if latest is None and metrics_path.exists():

@@ -1,0 +1,107 @@
+"""Weights to start a new run from: `archlab train --init-from RUN_OR_HF_FOLDER_OR_HUB_ID --data ... --out ...`.
+
+Only the weights come along. The optimizer and the LR schedule start fresh, the run is a new run folder,
+and the model config is the source's (`--set` may change what keeps every weight's shape: dropout, a
+window, z-loss...). The data must be encoded by the source's tokenizer, compared by what encodes
+(runs.provenance.tokenizer_fingerprint), not by the files beside it.
+
+    source = read_init_source("runs/qwen")           # a run folder, an HF folder, or hf:ORG/NAME[@REV]
+    cfg = source.model_config.with_overrides({"dropout": 0.1})
+    source.check_model(cfg)                            # ConfigError when a weight changes shape
+    train(cfg, train_cfg, "data/mine", "runs/mine", init_from=source)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from archlab.config import ConfigError, ModelConfig
+from archlab.data.tokens import DataError
+from archlab.errors import UserError
+
+__all__ = ["InitSource", "read_init_source"]
+
+
+@dataclass(frozen=True)
+class InitSource:
+    """A model to start from: its config, its weights (our parameter names, on CPU), where they came from,
+    and the folder holding its tokenizer (None: it has none)."""
+
+    spec: str
+    model_config: ModelConfig
+    state: dict[str, torch.Tensor]
+    weights: str
+    tokenizer_dir: Path | None
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """ConfigError unless `cfg` builds a model with exactly the source's weight names and shapes."""
+        from archlab.models import build_model
+
+        with torch.device("meta"):                        # shapes only: no memory, no init
+            wanted = {k: tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
+        have = {k: tuple(v.shape) for k, v in self.state.items()}
+        for name in sorted(wanted.keys() | have.keys()):
+            if wanted.get(name) != have.get(name):
+                ours = "no such weight" if name not in wanted else f"shape {wanted[name]}"
+                theirs = "no such weight" if name not in have else f"shape {have[name]}"
+                raise ConfigError(f"--init-from {self.spec}: the model config gives {name} {ours}, the source "
+                                  f"{theirs}; only --set overrides that keep every weight's shape apply")
+
+    def check_tokenizer(self, data_tokenizer: Path, data_dir: str | os.PathLike) -> None:
+        """DataError unless the data folder's tokenizer encodes as the source's does."""
+        from archlab.runs.provenance import tokenizer_fingerprint
+
+        ours = tokenizer_fingerprint(self.tokenizer_dir) if self.tokenizer_dir is not None else None
+        if ours is None:
+            raise DataError(f"--init-from {self.spec} holds no tokenizer (tokenizer/ or tokenizer.json), so the "
+                            f"tokens of --data {data_dir} cannot be checked against the ones it was trained on")
+        if tokenizer_fingerprint(data_tokenizer) != ours:
+            raise DataError(f"--data {data_dir} was prepared with a different tokenizer than --init-from "
+                            f"{self.spec}'s: prepare it with `archlab data prepare --tokenizer "
+                            f"{self.tokenizer_dir}`")
+
+    def record(self) -> dict:
+        """What config.yaml keeps of the source."""
+        from archlab.runs.provenance import tokenizer_fingerprint
+
+        return {"source": self.spec, "weights": self.weights,
+                "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer_dir) if self.tokenizer_dir else None}
+
+
+def read_init_source(spec: str | os.PathLike) -> InitSource:
+    """An InitSource from a run folder (its newest checkpoint, sha256 verified), an HF folder
+    (archlab.interop.load_hf) or an `hf:ORG/NAME[@REVISION]` id (safetensors and configs only)."""
+    from archlab.runs.hub import resolve_model
+
+    text = os.fspath(spec)
+    folder = resolve_model(text)
+    if not folder.is_dir():
+        raise UserError(f"--init-from {text}: no such folder")
+    if (folder / "config.yaml").is_file():
+        return _from_run(text, folder)
+    if (folder / "config.json").is_file():
+        return _from_hf(text, folder)
+    raise UserError(f"--init-from {text} is neither a run folder (config.yaml) nor an HF folder (config.json)")
+
+
+def _from_run(spec: str, folder: Path) -> InitSource:
+    from archlab.runs import checkpoint as ckpt_io
+
+    cfg = ModelConfig.from_dict(ckpt_io.read_run_config(folder)["model"])
+    latest = ckpt_io.latest_checkpoint(folder)
+    if latest is None:
+        raise ckpt_io.CheckpointError(f"--init-from {spec}: no checkpoint under {folder / ckpt_io.CHECKPOINT_DIR}")
+    state, _ = ckpt_io.load_checkpoint(latest, weights_only_model=True, full_verify=True)
+    tokenizer = next((folder / name for name in ("tokenizer", "tokenizer_hf") if (folder / name).is_dir()), None)
+    return InitSource(spec, cfg, state, str(latest / ckpt_io.MODEL_FILE), tokenizer)
+
+
+def _from_hf(spec: str, folder: Path) -> InitSource:
+    from archlab.interop.hf import load_hf
+
+    model = load_hf(folder, dtype=None)
+    return InitSource(spec, model.config, {k: v.detach() for k, v in model.state_dict().items()}, str(folder),
+                      folder)

@@ -71,7 +71,10 @@ def _folder_mutex(folder: Path) -> Iterator[None]:
         return
     fd = os.open(folder, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:      # a filesystem without flock on folders (some NFS setups): the exclusive link remains
+            pass
         yield
     finally:
         os.close(fd)         # closing releases the flock

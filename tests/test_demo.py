@@ -44,6 +44,22 @@ def test_demo_never_clears_a_folder_it_did_not_write(tmp_path, corpus, capsys):
     assert (precious / "thesis.tex").exists()
 
 
+def test_demo_never_clears_a_live_demo_or_its_own_corpus(tmp_path, corpus, capsys):
+    import socket
+    import time
+
+    from archlab.demo.stages import MARKER
+    live = tmp_path / "live"
+    (live / "run").mkdir(parents=True)
+    (live / MARKER).write_text("earlier demo")
+    (live / "run" / ".lock").write_text(json.dumps({"pid": 1, "host": socket.gethostname(), "since": time.time(),
+                                                    "heartbeat": time.time()}))      # pid 1: always alive
+    assert cli_main(["demo", "--quick", "--out", str(live), "--corpus", str(corpus)]) == 2
+    assert "pid 1 on" in capsys.readouterr().err and (live / "run" / ".lock").exists()
+    assert cli_main(["demo", "--quick", "--out", str(corpus), "--corpus", str(corpus)]) == 2
+    assert "is the input" in capsys.readouterr().err and len(list(corpus.iterdir())) == 2
+
+
 def test_quick_encoder_demo_trains_a_masked_lm_and_fills_in_masks(tmp_path, corpus):
     from archlab.tokenizer import load
 

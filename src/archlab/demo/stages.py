@@ -12,13 +12,20 @@ from archlab.training.trainer import TrainConfig
 MARKER = ".archlab-demo"   # only a folder carrying it is ever cleared by a new demo
 
 
-def _check_out(out: Path) -> None:
+def _check_out(out: Path, corpus: str | None = None) -> None:
+    """A demo replaces only an earlier demo's folder, never its corpus or a folder a live process writes."""
+    from archlab.data.tokens import input_paths
+    from archlab.runs.outputs import refuse_live_writers, refuse_overlap
+
+    refuse_overlap(out, input_paths(corpus, None))
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
         raise FileExistsError(f"{out} exists and is not an earlier demo run; pass another --out")
+    if out.exists():
+        refuse_live_writers(out)
 
 
-def _prepare_out(out: Path) -> None:
-    _check_out(out)
+def _prepare_out(out: Path, corpus: str | None = None) -> None:
+    _check_out(out, corpus)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -32,9 +39,9 @@ def prepare_demo_data(out: Path, corpus: str, *, quick: bool, vocab_size: int, s
     from archlab.data import corpora
     from archlab.data.tokens import prepare
 
-    _check_out(out)                              # every check before the folder is touched
+    _check_out(out, corpus)                      # every check before the folder is touched
     files = corpora.corpus_files(corpus)
-    _prepare_out(out)
+    _prepare_out(out, corpus)
 
     log(f"[1/5] corpus {corpus!r} (downloaded once, then cached under {corpora.cache_dir()})")
     if quick:

@@ -174,7 +174,7 @@ def _loaded_tokenizer_json(tok_dir: Path) -> dict:
     from archlab.tokenizer import load
 
     try:
-        tok = load(tok_dir)
+        tok = load(tok_dir, fast=False)       # the pure-Python encoder: no merge tables built
     except Exception:  # noqa: BLE001 - any reader failure: compare the file itself
         tok = None
     if tok is not None and callable(getattr(tok, "to_json", None)):

@@ -65,10 +65,11 @@ def _first_batch_loss_by_transformers(hf_dir, run_dir) -> float:
 
 
 @pytest.mark.parametrize("source", ["imported", "hf"])
-def test_training_starts_from_the_imported_weights(world, tmp_path, source):
+def test_training_starts_from_the_imported_weights(world, tmp_path, source, capsys):
     out = tmp_path / "run"
     assert main(["train", "--init-from", str(world / source), "--data", str(world / "data"), "--out", str(out),
                  *TRAIN]) == 0
+    assert f"(started from the weights of {world / source})" in capsys.readouterr().out
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     reference = _first_batch_loss_by_transformers(world / "hf", out)
     assert first["step"] == 1 and first["loss"] == pytest.approx(reference, rel=1e-5)

@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 from test_checkpoint import make_data, tiny_model
 
+import archlab
 from archlab.cli import main as cli_main
 from archlab.config import ConfigError
 from archlab.data.tokens import DataError, prepare
@@ -88,8 +91,8 @@ def test_two_real_writers_the_second_refused_the_first_intact(tmp_path):
             f"train(tiny_model(), TrainConfig(batch_size=4, seq_len=16, budget=400, warmup_steps=1, eval_batches=1,"
             f" sample_every=-1, checkpoint_every=100), {str(data)!r}, {str(run_dir)!r}, progress=False)\n")
     first = subprocess.Popen([sys.executable, "-c", code], cwd=str(tmp_path),
-                             env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(
-                                 __file__).parent)})
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 [str(Path(__file__).parent), str(Path(archlab.__file__).parents[1])])})
     try:
         deadline = time.time() + 60
         while not (run_dir / LOCK_FILE).exists() and time.time() < deadline:

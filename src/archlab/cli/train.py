@@ -178,7 +178,8 @@ def run_train(args) -> int:
         print(f"done: {result.steps} steps, {result.tokens_seen:,} tokens, val loss {val}, "
               f"{result.tokens_per_s:,.0f} tokens/s, peak memory {human_bytes(result.peak_memory_bytes)}"
               f"{' (process RSS)' if result.device == 'cpu' else ''}; "
-              f"run folder {result.run_dir}")
+              f"run folder {result.run_dir}"
+              + (f" (started from the weights of {args.init_from})" if init_from is not None else ""))
     return 0
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from archlab.errors import UserError
 
 __all__ = ["fresh_output", "OutputExistsError", "OutputConflictError", "is_empty_dir", "refuse_existing",
-           "check_output"]
+           "refuse_overlap", "refuse_live_writers", "check_output"]
 
 
 class OutputExistsError(UserError, FileExistsError):

@@ -620,7 +620,7 @@ class _Run:
         prompt = self.tokenizer.encode(cfg.sample_prompt) if cfg.sample_prompt else [self.train_data.eot_id]
         module = self.raw if info.strategy != "fsdp" else self.model
         ids = sample_ids(module, prompt, cfg.sample_tokens, temperature=cfg.sample_temperature,
-                         seed=cfg.seed + self.step, device=self.device, use_generate=info.strategy != "fsdp",
+                         seed=cfg.seed + self.step, device=self.device, use_cache=info.strategy != "fsdp",
                          vocab_limit=vocab_limit(self.raw, self.tokenizer))   # a padded vocabulary: decodable ids
         if info.is_main:
             text = self.tokenizer.decode(ids)

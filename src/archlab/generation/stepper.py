@@ -4,8 +4,8 @@ A `Stepper` owns the running state of one batch: the KV cache (or, uncached, the
 far) and the next positions. `prefill()` runs the prompt, `step(tokens)` feeds one token per row;
 both return the next-token logits (b, v). `reorder(index)` selects rows (beam search). Every step
 runs the model's own forward; fast=True (the default) hands each one the Stepper's DecodeSession
-(`model(..., session=...)`): packed weight copies (archlab.nn.fused) and, for a model without hooks,
-modules called without per-call hook checks (archlab.nn.calls); fast=False: no session, no weight copies.
+(`model(..., session=...)`): packed weight copies (archlab.nn.fused); fast=False: no session, no weight
+copies.
 
 Batched prompts of different lengths are left-padded: positions = cumsum(mask) - 1 and padded
 slots get position -1, which attention masks out; every row's newest token is then in the last
@@ -211,10 +211,8 @@ class Stepper:
         self._hidden_head = hasattr(model, "head") and config is not None
         # no padding: a TransformerLM is given positions=None and counts them from its cache (0..t-1 at first)
         self.implied = config is not None and bool(self.mask.all())
-        # packed weights and hooks checked once per generate call, not per step; the model called without
-        # __call__'s bookkeeping when the session found no hook on it (hooks on the model fire otherwise)
-        self.session = DecodeSession(model) if fast else None
-        self._forward = model.forward if self.session is not None and model in self.session.direct else model
+        # packed weights looked up once per generate call, not per step
+        self.session = DecodeSession() if fast else None
         # a model whose embedding is padded past its tokenizer (e.g. to a multiple of 64) must never pick
         # an id the tokenizer cannot decode: logits are cut to the first `vocab_limit` ids
         if vocab_limit is not None and vocab_limit < 1:
@@ -269,7 +267,7 @@ class Stepper:
             return self.model.head(hidden[:, -1], self.session)                               # (b, v)
         if self._hidden_head:  # the head over the last position only (the prompt can be long)
             session = self.session
-            hidden = self._forward(ids, positions, cache, return_hidden=True, session=session)   # (b, t, d)
+            hidden = self.model(ids, positions, cache, return_hidden=True, session=session)      # (b, t, d)
             return self.model.head(hidden[:, -1], session)                                    # (b, v)
         return self.model(ids, positions=positions, cache=cache)[:, -1]
 

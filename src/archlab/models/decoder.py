@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.nn.calls import call
 from archlab.nn.embedding import Embedder, init_weights
 from archlab.nn.fused import DecodeSession, head_linear
 from archlab.nn.fused_loss import linear_cross_entropy
@@ -123,7 +122,7 @@ class TransformerLM(Embedder, NextTokenHead, nn.Module):
         prefix_lengths: torch.Tensor | None = None,   # (b,) for attention.prefix_lm
         return_hidden: bool = False,
         targets: torch.Tensor | None = None,          # (b, t) int: return the LossOutput instead
-        session: DecodeSession | None = None,         # a decode loop's packed weights and direct calls (nn/fused)
+        session: DecodeSession | None = None,         # a decode loop's packed weights (nn/fused)
     ) -> torch.Tensor | LossOutput:                   # (b, t, v) logits, or (b, t, d) hidden
         b, t = input_ids.shape
         implied = positions is None
@@ -146,10 +145,10 @@ class TransformerLM(Embedder, NextTokenHead, nn.Module):
         inputs = AttnInputs(positions, self.blocks.mask_spec(prefix_lengths), cache=cache, plain=plain,
                             continued=cache is not None and implied, fresh=cache is not None and len(cache) == 0,
                             session=session)
-        x = self.embed_tokens(input_ids, positions, direct=inputs.direct)    # (b, t, d)
-        x = call(self.blocks, x, inputs, direct=inputs.direct)               # (b, t, d)
+        x = self.embed_tokens(input_ids, positions)    # (b, t, d)
+        x = self.blocks(x, inputs)               # (b, t, d)
         if self.final_norm is not None:
-            x = call(self.final_norm, x, direct=inputs.direct)
+            x = self.final_norm(x)
         if return_hidden:
             return x
         if targets is not None:  # through forward, so DDP/FSDP/compile wrappers see the whole step

@@ -19,7 +19,6 @@ from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.models.decoder import LossOutput
-from archlab.nn.calls import call
 from archlab.nn.embedding import Embedder, MLMHead, init_weights
 from archlab.nn.fused_loss import linear_cross_entropy
 from archlab.nn.masks import AttnInputs
@@ -84,9 +83,9 @@ class EncoderLM(Embedder, nn.Module):
         padding = None if attention_mask is None else attention_mask.bool()
         inputs = AttnInputs(positions, self.blocks.mask_spec(key_padding=padding), plain=plain)
         x = self.embed_tokens(input_ids, positions, token_type_ids)         # (b, t, d)
-        x = call(self.blocks, x, inputs)                                    # (b, t, d)
+        x = self.blocks(x, inputs)                                    # (b, t, d)
         if self.final_norm is not None:
-            x = call(self.final_norm, x)
+            x = self.final_norm(x)
         if return_hidden:
             return x
         if targets is not None:   # through forward, so DDP/FSDP/compile wrappers see the whole step
@@ -108,7 +107,7 @@ class EncoderLM(Embedder, nn.Module):
         Example: model.next_sentence_logits(model(ids, return_hidden=True))"""
         if self.pooler is None or self.nsp_classifier is None:
             raise ValueError("this encoder has no next-sentence head: build it with nsp_head=True")
-        return call(self.nsp_classifier, torch.tanh(call(self.pooler, hidden[:, 0])))
+        return self.nsp_classifier(torch.tanh(self.pooler(hidden[:, 0])))
 
     def add_next_sentence_loss(self, out: LossOutput, hidden: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         """`out` (the MLM loss) with the NSP cross-entropy of `labels` (b,) added to its total (BERT's

@@ -25,7 +25,6 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.models.decoder import LossOutput, NextTokenHead
 from archlab.models.encoder import padded_positions
 from archlab.nn.block import Block
-from archlab.nn.calls import call
 from archlab.nn.embedding import Embedder, init_weights
 from archlab.nn.fused import DecodeSession
 from archlab.nn.masks import AttnInputs, Context
@@ -100,9 +99,9 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
         projects its keys and values from it once (a generation's decode steps reuse them)."""
         inputs = self._stack_inputs(self.encoder, input_ids, attention_mask)
         x = self._embed(input_ids, inputs.positions)                         # (b, s, d)
-        x = call(self.encoder, x, inputs)                                     # (b, s, d)
+        x = self.encoder(x, inputs)                                     # (b, s, d)
         if self.encoder_norm is not None:
-            x = call(self.encoder_norm, x)
+            x = self.encoder_norm(x)
         return Context(x, inputs.positions, inputs.spec)   # the encoder's spec: bidirectional, its padding
 
     def decode(self, decoder_input_ids: torch.Tensor, context: Context,
@@ -122,9 +121,9 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
                                 continued=cache is not None, fresh=cache is not None and start == 0,
                                 session=session)
         x = self._embed(decoder_input_ids, inputs.positions, decoder=True)   # (b, t, d)
-        x = call(self.decoder, x, inputs, context, direct=inputs.direct)      # (b, t, d)
+        x = self.decoder(x, inputs, context)      # (b, t, d)
         if self.final_norm is not None:
-            x = call(self.final_norm, x, direct=inputs.direct)
+            x = self.final_norm(x)
         return x if return_hidden else self.head(x, session)
 
     def forward(

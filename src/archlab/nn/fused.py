@@ -16,8 +16,9 @@ MKL's faster gemv layout (~1.3x on the weights that dominate a step). The copies
 parameter version (`packed`) and cost one extra copy of the weights; the session (one per generate call)
 keeps each module's decode weights (`decode_weights`: Attention's q/k/v and o, the MLP's up and down) after
 their first use, so a step looks each module up once. The session travels with the forward, as
-`AttnInputs.session` and as an argument to the MLP and the head: no module-level state, so two threads
-decoding two models each use their own.
+`AttnInputs.session` and as an argument to the MLP and the head, so two threads decoding two models each use
+their own; the packed copies themselves are kept per module (weakly: they go with it) across sessions, and
+rebuilt when a weight is replaced or changed in place.
 """
 from __future__ import annotations
 
@@ -30,8 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
-from archlab.nn import calls
-
 __all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed", "packed_linears",
            "packed_matmul", "packed_split", "packed_groups", "packable", "decode_weights", "DecodeSession",
            "DECODE_ROWS"]
@@ -42,18 +41,16 @@ DECODE_ROWS = 32   # at most this many rows without gradients: the packed (decod
 class DecodeSession:
     """One decode loop's state checked once (a generate call, a server step), handed to every forward of the
     loop (`model(..., session=session)`): each module's packed weights at their first use in the session
-    (built from the current tensors, no hooks on the module, no autocast), then reused without checks; given
-    the model, whether it is hook-free (nn/calls.hook_free: `direct`, the modules its blocks may call with
-    no per-call hook check). So a weight changed in place between two generate calls is seen; one changed in
-    the middle of a call is not (nor is a hook registered mid-call).
-    Example: session = DecodeSession(model)
+    (built from the current tensors, no hooks on the module, no autocast), then reused without checks. So a
+    weight changed in place between two generate calls is seen; one changed in the middle of a call is not
+    (nor is a hook registered on a Linear mid-call). Every module is still called as a module: its hooks fire.
+    Example: session = DecodeSession()
              for each step: with torch.no_grad(): logits = model(tok, positions=p, cache=c, session=session)"""
 
-    __slots__ = ("packs", "direct")
+    __slots__ = ("packs",)
 
-    def __init__(self, model: nn.Module | None = None) -> None:
+    def __init__(self) -> None:
         self.packs: dict = {}     # a module | linears tuple | ("head", owner) -> its decode weights, or None
-        self.direct = frozenset() if model is None else calls.hook_free(model)   # modules to call directly
 
 
 def decode_weights(session: DecodeSession | None, x: torch.Tensor, owner: Hashable,

@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from archlab.nn.calls import NO_MODULES
-
 if TYPE_CHECKING:
     from archlab.nn.fused import DecodeSession
 
@@ -197,8 +195,7 @@ class AttnInputs:
     """One forward's attention inputs, built once in the model and handed to every block of a stack. Its
     layers share through `shared` what depends only on the positions and the spec: RoPE tables, each
     window's spec, dense masks (built only when a backend asks for one). `session`: the decode loop's
-    nn/fused.DecodeSession the forward was given (packed weights; `direct`, its hook-free modules, which
-    the stack and blocks hand to nn/calls.call), None outside decoding."""
+    nn/fused.DecodeSession the forward was given (its packed weights), None outside decoding."""
     positions: torch.Tensor                  # (b, t), or (1, t) shared by all rows on the plain path
     spec: MaskSpec = field(default_factory=MaskSpec)
     cache: Any = None                        # archlab.nn.kv_cache protocol, or None
@@ -207,10 +204,6 @@ class AttnInputs:
     fresh: bool = False                      # a cache that held nothing before this forward (a prefill)
     shared: dict = field(default_factory=dict)   # built once per forward, read by every layer
     session: DecodeSession | None = None     # a decode loop's session (nn/fused), or None
-    direct: frozenset = field(init=False, repr=False)   # the session's hook-free modules (nn/calls.call), else none
-
-    def __post_init__(self) -> None:
-        self.direct = NO_MODULES if self.session is None else self.session.direct
 
     def contiguous(self) -> bool:
         """Each row's positions run on by one (padding, -1, aside): key index distance = position distance, what

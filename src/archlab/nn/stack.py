@@ -17,7 +17,6 @@ from torch import nn
 
 from archlab.config import STACK_ROLES, ConfigError, ModelConfig, StackRole
 from archlab.nn.block import Block
-from archlab.nn.calls import call
 from archlab.nn.masks import AttnInputs, Context, MaskSpec
 from archlab.nn.position import T5RelativeBias
 
@@ -59,11 +58,10 @@ class TransformerStack(nn.ModuleList):
         if (context is not None) != (self.role == "cross_decoder"):
             raise ValueError(f"a {self.role} stack " + ("needs the encoder's output (a Context)"
                                                       if context is None else "takes no context"))
-        direct = inputs.direct            # a decode session's hook-free modules: blocks called with no check
         if context is None:
             for block in self:
-                x = call(block, x, inputs, direct=direct)
+                x = block(x, inputs)
         else:
             for block in self:
-                x = call(block, x, inputs, context, direct=direct)
+                x = block(x, inputs, context)
         return x

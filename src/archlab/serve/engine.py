@@ -205,7 +205,7 @@ class Engine:
         last = torch.tensor([[j.new[-1]] for j in jobs], device=device)               # (b, 1)
         positions = torch.tensor([[self.slots.length[r]] for r in rows], device=device)   # (b, 1)
         if self._session is None:  # packed weights and the hook check, once per batch composition
-            self._session = DecodeSession(self.model)
+            self._session = DecodeSession()
         # the modules decode through the session's packed weights (archlab.nn.fused)
         logits = self.model(last, positions=positions, cache=self.slots.view(rows), session=self._session)  # (b, 1, v)
         self.rows_per_step[len(rows)] += 1

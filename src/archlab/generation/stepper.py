@@ -4,8 +4,9 @@ A `Stepper` owns the running state of one batch: the KV cache (or, uncached, the
 far) and the next positions. `prefill()` runs the prompt, `step(tokens)` feeds one token per row;
 both return the next-token logits (b, v). `reorder(index)` selects rows (beam search). Every step
 runs the model's own forward; fast=True (the default) hands each one the Stepper's DecodeSession
-(`model(..., session=...)`): packed weight copies (archlab.nn.fused); fast=False: no session, no weight
-copies.
+(`model(..., session=...)`): packed weight copies, and `calls()` is the context a decode loop runs its steps
+in: a hook-free model's modules called straight into forward (archlab.nn.fused.direct_calls); fast=False: no
+session, no weight copies, every call through nn.Module.__call__.
 
 Batched prompts of different lengths are left-padded: positions = cumsum(mask) - 1 and padded
 slots get position -1, which attention masks out; every row's newest token is then in the last
@@ -18,13 +19,14 @@ projects once; every step then runs the decoder alone over its self-attention KV
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Sequence
 
 import torch
 
 from archlab.config import ABSOLUTE_POSITIONS
-from archlab.nn.fused import DecodeSession
+from archlab.nn.fused import DecodeSession, direct_calls
 from archlab.nn.kv_cache import SinkKVCache, StaticKVCache
 from archlab.nn.masks import Context
 
@@ -218,6 +220,10 @@ class Stepper:
         if vocab_limit is not None and vocab_limit < 1:
             raise ValueError(f"vocab_limit={vocab_limit} must be >= 1")
         self.vocab_limit = vocab_limit
+
+    def calls(self) -> contextlib.AbstractContextManager:
+        """The context a decode loop steps in: direct module calls when fast (nn/fused.direct_calls)."""
+        return direct_calls(self.model) if self.session is not None else contextlib.nullcontext()
 
     # ---- checks ------------------------------------------------------------------------------
     def _check_context(self, max_new_tokens: int) -> None:

@@ -190,9 +190,10 @@ class KneserNey:
             valid.append(ok)
         return -np.log(self._probabilities(histories, grams, valid))
 
-    def distribution(self, history: list[int] | tuple[int, ...]) -> np.ndarray:
-        """P(w | history) for every w in the vocabulary, (V,); the last order-1 tokens of `history` count."""
-        words = np.arange(self.vocab_size)
+    def distribution(self, history: list[int] | tuple[int, ...], words: np.ndarray | None = None) -> np.ndarray:
+        """P(w | history) for every w in the vocabulary, (V,), or for the ids `words` only; the last order-1 tokens
+        of `history` count."""
+        words = np.arange(self.vocab_size) if words is None else np.asarray(words, dtype=np.int64)
         history = [int(t) for t in history][-(self.order - 1):] if self.order > 1 else []
         histories, grams, valid = [], [], []
         for k in range(1, self.order + 1):

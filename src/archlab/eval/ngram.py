@@ -48,6 +48,23 @@ def discounts(counts: np.ndarray) -> tuple[float, float, float]:
     return out[0], out[1], out[2]
 
 
+def _unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(sorted distinct keys, the index of one occurrence of each, counts, each key's index among the distinct):
+    np.unique's answer from one unstable sort (any occurrence will do; a sorted input is not sorted again)."""
+    if len(keys) and bool(np.all(keys[1:] >= keys[:-1])):
+        order = np.arange(len(keys))
+        ordered = keys
+    else:
+        order = np.argsort(keys)
+        ordered = keys[order]
+    new = np.concatenate(([True], ordered[1:] != ordered[:-1])) if len(keys) else np.zeros(0, bool)
+    starts = np.flatnonzero(new)
+    counts = np.diff(np.append(starts, len(keys)))
+    inverse = np.empty(len(keys), np.int64)
+    inverse[order] = np.cumsum(new) - 1
+    return ordered[starts], order[starts], counts, inverse
+
+
 class _Keys:
     """uint64 keys of k-grams: key(k tokens) = combine(key(first k-1 tokens), last token), key() = 0."""
 
@@ -88,7 +105,7 @@ class _Level:
         table = np.array((0.0, *d), dtype=np.float64)
         which = np.minimum(counts, 3)                                   # 1, 2 or 3+
         numerators = counts - table[which]
-        hist, inverse = np.unique(histories, return_inverse=True)
+        hist, _, _, inverse = _unique(histories)                      # inverse: each gram's history, (g,) -> (h,)
         totals = np.bincount(inverse, weights=counts, minlength=len(hist))
         mass = np.bincount(inverse, weights=table[which], minlength=len(hist))   # D1 N1 + D2 N2 + D3 N3+
         return cls(grams, numerators, hist, totals, mass / totals, d)
@@ -129,13 +146,12 @@ class NgramCounts:
         with bar:
             for k in range(1, max_order + 1):
                 skip = max(0, len(stream) - self.n_tokens - (k - 1))   # the start token alone is no 1-gram
-                grams, first, counts = np.unique(windows[k][skip:], return_index=True, return_counts=True)
+                grams, first, counts, _ = _unique(windows[k][skip:])
                 first += skip
                 self.raw[k] = _Level.build(grams, counts, windows[k - 1][first])
                 # the distinct k-grams' (k-1)-suffixes: how many distinct tokens precede each (k-1)-gram
                 if k >= 2:
-                    suffix_grams, where, continuation = np.unique(windows[k - 1][first + 1], return_index=True,
-                                                                  return_counts=True)
+                    suffix_grams, where, continuation, _ = _unique(windows[k - 1][first + 1])
                     self.continuation[k - 1] = _Level.build(suffix_grams, continuation,
                                                             windows[k - 2][first[where] + 1])
                 bar.update(1)

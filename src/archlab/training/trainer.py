@@ -449,7 +449,7 @@ class _Run:
                                         file=sys.stderr)
         short = warmup_shortfall(self.cfg, self.total_steps) if info.is_main else None
         if short:
-            warnings.warn(short, stacklevel=4)
+            warnings.warn(short, stacklevel=5)   # at the caller of train()
         if self.cpu is not None:
             self.cpu.start()                      # from here: the run
 
@@ -515,7 +515,7 @@ class _Run:
                 self.elapsed += t_prev - now
         short = warmup_shortfall(cfg, self.step) if self.total_steps is None and self.info.is_main else None
         if short:                          # a minutes budget knows its steps only now
-            warnings.warn(short, stacklevel=3)
+            warnings.warn(short, stacklevel=5)
 
     def checkpoint(self) -> None:
         """Save; the NaN guard names the checkpoint only when its recorded losses are finite."""

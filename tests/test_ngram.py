@@ -109,6 +109,13 @@ def test_every_distribution_sums_to_one(order):
         assert p.sum() == pytest.approx(1.0, abs=1e-12)
 
 
+def test_training_text_shorter_than_the_order_still_gives_distributions():
+    model = NgramCounts(np.array([1, 2]), 4, 5, bos=3).model(5)
+    for history in ([], [1], [1, 2], [0, 0, 0, 0]):
+        assert model.distribution(history).sum() == pytest.approx(1.0, abs=1e-12)
+    assert np.isfinite(model.token_nats(np.array([1, 2, 0, 1, 2]))).all()
+
+
 # ---- the known answers ------------------------------------------------------------------------------------------
 def test_periodic_text_costs_almost_nothing():
     period = np.array([3, 1, 4, 0, 5, 9, 2, 6])

@@ -83,7 +83,8 @@ class _Keys:
         stream = np.asarray(stream)
         keys = [np.zeros(len(stream) + 1, np.uint64)]
         for k in range(1, max_order + 1):
-            keys.append(self.combine(keys[-1][:len(stream) - k + 1], stream[k - 1:]))
+            n = max(0, len(stream) - k + 1)                   # a stream shorter than k has no k-grams
+            keys.append(self.combine(keys[-1][:n], stream[k - 1:k - 1 + n]))
         return keys
 
 
@@ -181,12 +182,14 @@ class KneserNey:
         m = len(grams[0])
         p = np.full(m, 1.0 / self.vocab_size)                         # P_0: uniform over the vocabulary
         for level, hist, gram, ok in zip(self.levels, histories, grams, valid):
-            hi, h_found = level.lookup(level.histories, hist)
+            if not len(level.grams):                                  # nothing counted at this order
+                continue
+            hi, h_found = level.lookup(level.histories, hist)         # (m,) each
             h_found &= ok
             gi, g_found = level.lookup(level.grams, gram)
             numerator = np.where(g_found & h_found, level.numerators[gi], 0.0)
-            seen = np.where(h_found, numerator / np.where(h_found, level.totals[hi], 1.0) + level.gammas[hi] * p, p)
-            p = seen
+            interpolated = numerator / level.totals[hi] + level.gammas[hi] * p
+            p = np.where(h_found, interpolated, p)                    # an unseen history: the lower order alone
         return p
 
     def token_nats(self, tokens: np.ndarray) -> np.ndarray:
@@ -266,7 +269,7 @@ def evaluate_ngram(data_dir: str | os.PathLike, orders: list[int], *, span: tupl
     from archlab.eval.evaluate import bits_per_byte
 
     if not orders or min(orders) < 1:
-        raise UserError(f"--order {min(orders) if orders else '(none)'}: an n-gram order must be at least 1")
+        raise UserError(f"n-gram orders {orders}: each must be at least 1")
     if not Path(data_dir).is_dir():
         raise DataError(f"{data_dir} is not a folder: pass a prepared data folder (archlab data prepare)")
     t0 = time.perf_counter()

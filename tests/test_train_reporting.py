@@ -140,3 +140,16 @@ def test_a_busy_machine_is_named_beside_the_throughput(data_dir, tmp_path, capsy
     result = train(tiny(), cfg, data_dir, tmp_path / "idle", progress=True)
     assert "other processes used" not in capsys.readouterr().err
     assert result.cpu_others_share == 0.0
+
+
+def test_the_demo_names_a_busy_machine_under_its_throughput_line():
+    from types import SimpleNamespace
+
+    from archlab.demo.stages import busy_machine
+    lines: list[str] = []
+    busy_machine(SimpleNamespace(cpu_others_share=0.8), False, lines.append)
+    assert len(lines) == 1 and "other processes used 80% of this machine's CPU time while the model trained" in lines[0]
+    busy_machine(SimpleNamespace(cpu_others_share=0.8), True, lines.append)    # the trainer's own note said it
+    busy_machine(SimpleNamespace(cpu_others_share=0.1), False, lines.append)
+    busy_machine(SimpleNamespace(cpu_others_share=None), False, lines.append)  # a GPU, or no /proc/stat
+    assert len(lines) == 1

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
-from archlab.demo.stages import prepare_demo_data, sign_off, train_and_reload
+from archlab.demo.stages import busy_machine, prepare_demo_data, sign_off, train_and_reload
 from archlab.training.trainer import TrainConfig
 
 __all__ = ["DemoResult", "EncoderDemoResult", "demo_configs", "encoder_demo_configs", "run_demo"]
@@ -149,6 +149,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
         f.write(f"=== demo sample (step {result.steps}) ===\n{sample}\n\n")
     seconds = time.perf_counter() - t0
     log(f"      {result.steps} steps, {result.tokens_seen:,} tokens, {result.tokens_per_s:,.0f} tokens/s")
+    busy_machine(result, progress, log)
     log(f"      validation perplexity: {before.ppl:,.1f} before -> {after.ppl:,.1f} after "
         f"({after.bpb:.3f} bits/byte)")
     ngram = evaluate_ngram(data_dir, [NGRAM_ORDER], span=(1, 1 + after.tokens))[0]   # the targets evaluate scored
@@ -205,6 +206,7 @@ def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vo
         f.write(f"=== demo fill-mask (step {result.steps}) ===\n{filled.format()}\n\n")
     seconds = time.perf_counter() - t0
     log(f"      {result.steps} steps, {result.tokens_seen:,} tokens, {result.tokens_per_s:,.0f} tokens/s")
+    busy_machine(result, progress, log)
     log(f"      validation MLM loss: {before.loss:.3f} before -> {after.loss:.3f} after; accuracy on the masked "
         f"tokens {before.accuracy:.1%} -> {after.accuracy:.1%}")
     log("      fill-mask:\n" + "\n".join("        " + line for line in filled.format().splitlines()))

@@ -422,13 +422,14 @@ class _Run:
         self.last_good = checkpoint if _finite(self.last_val) else None
         self.resumed_from = checkpoint
 
-    def open_reporting(self, progress: bool) -> None:
-        """Tokenizer (for samples), peak FLOP/s (for MFU), TensorBoard, progress bar. After resume_from,
+    def open_reporting(self, progress: bool | str) -> None:
+        """Tokenizer (for samples), peak FLOP/s (for MFU), TensorBoard, progress bar or lines. After resume_from,
         so that the bar starts at the resumed step and peak memory counts training only."""
         info = self.info
         if (info.is_main or info.strategy == "fsdp") and (self.data_dir / "tokenizer").is_dir():
             self.tokenizer = ckpt_io.load_run_tokenizer(self.data_dir)
-        self.cpu = CpuShare() if self.device.type == "cpu" and info.is_main else None
+        # one CPU process (data-parallel ranks on one machine would count as each other's load)
+        self.cpu = CpuShare() if self.device.type == "cpu" and info.is_main and not info.enabled else None
         self.peak = matmul_peak_flops(self.device, self.cfg.dtype) if info.is_main else 0.0
         peak_busy = busy_note(self.cpu.others(), "the matmul peak was measured") if self.cpu else None
         self.tb = TensorBoardLogger(self.run_dir, info.is_main)

@@ -17,7 +17,7 @@ import warnings
 # In the order `archlab --help` lists them.
 COMMAND_MODULES = [
     "demo", "presets", "tokenizer", "data", "train", "generate", "fill_mask", "convert", "lab", "diagnose", "check",
-    "serve",
+    "serve", "ngram",
 ]
 
 

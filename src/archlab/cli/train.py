@@ -39,7 +39,9 @@ def register(subparsers) -> None:
                    help="continue from the newest checkpoint in --out that verifies (sha256)")
     p.add_argument("--allow-new-data", action="store_true",
                    help="with --resume: continue on a --data other than the run's (refused by default)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: plain log lines instead (the plan, a resume notice, a loss line at most "
+                   "every 30 s)")
     p.set_defaults(func=run_train)
 
     e = subparsers.add_parser("eval", help="evaluate a run's latest checkpoint",
@@ -142,7 +144,7 @@ def run_train(args) -> int:
     model_cfg, train_cfg = build_configs(args)
     try:
         result = train(model_cfg, train_cfg, args.data, args.out, resume=args.resume,
-                       progress=not args.no_progress, allow_new_data=args.allow_new_data)
+                       progress="lines" if args.no_progress else True, allow_new_data=args.allow_new_data)
     except Diverged as exc:
         print(f"archlab train: error: {exc}", file=sys.stderr)
         return 3

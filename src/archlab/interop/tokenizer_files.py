@@ -10,7 +10,8 @@ Two sources, one rule each:
   * a tokenizer archlab trained (tokenizer.json alone): the roles come from its own special tokens (ROLES),
     so a tokenizer with [CLS]/[SEP]/[MASK]/[PAD] exports them; archlab's `<|endoftext|>` ends a document and
     serves as bos, eos and pad where nothing else fills those roles. Specials without a role become
-    additional_special_tokens.
+    additional_special_tokens. Its chat template (chat_template.jinja, archlab.tokenizer.chat_builtin) goes
+    into tokenizer_config.json's `chat_template` as well.
 config.json gains bos/eos/pad ids only where the family wrote none: a family's own ids can carry meaning
 (RoBERTa numbers its positions from pad_token_id + 1, T5 and BART start the decoder from theirs).
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from archlab.tokenizer.chat import read_chat_templates
 
 __all__ = ["ROLES", "special_roles", "write_tokenizer_files"]
 
@@ -64,6 +67,9 @@ def write_tokenizer_files(folder: str | Path, max_length: int, *, decoder_start_
         roles = special_roles(specials)
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
                   "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False, **roles}
+        template = read_chat_templates(folder)      # chat_template.jinja of a tokenizer given a chat format here
+        if isinstance(template, str):
+            config["chat_template"] = template
         _write(config_file, config)
         _write(folder / "special_tokens_map.json", roles)
     ids = {f"{role}_token_id": _token_id(data, roles.get(f"{role}_token")) for role in _IDS}

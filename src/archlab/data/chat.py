@@ -1,0 +1,273 @@
+"""Chat and instruction data: `.jsonl` conversations -> (input_ids, labels) with the loss on the chosen tokens.
+
+Two shapes of line, as users have them (TRL's "conversational" and "prompt-completion" datasets):
+
+    {"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]}
+    {"prompt": "...", "completion": "..."}            (or both as lists of messages)
+
+A conversation renders through the tokenizer's chat template (archlab.tokenizer.chat, the one renderer) and
+is tokenized once; plain prompt/completion text is prompt + completion + the end-of-text token, no template.
+Which tokens the loss scores is named by `mask` (LOSS_MASKS):
+
+    assistant    the assistant's turns (default): the template's {% generation %} spans, or, for a template
+                 without them, the rendered-prefix difference: turn i is render(messages[:i+1]) minus
+                 render(messages[:i], add_generation_prompt=True); for prompt/completion data, the completion
+    all          every token
+    last         the last assistant turn only
+    completion   the completion of prompt/completion data (refused for "messages" lines)
+
+A token is scored when it overlaps a scored character span (as transformers' assistant mask). labels follow
+archlab's convention (archlab.data.batches): slot j holds the target of position j, token j + 1, or IGNORE.
+An example longer than `max_tokens` is handled by the policy `truncation` names (TRUNCATIONS): refuse it
+naming its line (default), keep its start, keep its end, or skip it. Any bad line is a UserError naming the
+file and line: not JSON, neither shape, a message without role or content, an unknown role, nothing to
+score, a template that raises, loops or floods its output.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from archlab.data.corpora import CorpusError, jsonl_records
+from archlab.data.objectives import IGNORE
+from archlab.errors import UserError
+from archlab.progress import progress_bar
+from archlab.tokenizer.chat import ChatTokenizer, RenderLimits, has_generation_blocks, render_chat, token_mask
+
+__all__ = ["ROLES", "LOSS_MASKS", "TRUNCATIONS", "ChatExample", "ChatData", "ChatDataError", "Conversation",
+           "read_conversations", "encode_conversation", "load_chat_data"]
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatDataError(UserError, ValueError):
+    """A line of chat data that cannot become a training example (the message names the file and line)."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One line: `messages` (the whole conversation) and, for prompt/completion data, where the completion starts
+    (`prompt_len` messages of prompt) or the plain texts `prompt` / `completion`."""
+    line: int
+    messages: tuple[dict, ...] = ()
+    prompt_len: int | None = None
+    prompt: str | None = None
+    completion: str | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        return self.prompt is not None
+
+    @property
+    def has_completion(self) -> bool:
+        return self.is_plain or self.prompt_len is not None
+
+
+@dataclass(frozen=True)
+class ChatExample:
+    """input_ids (n,) and labels (n,): labels[j] is input_ids[j + 1] where scored, else IGNORE."""
+    input_ids: list[int]
+    labels: list[int]
+    line: int
+
+    @property
+    def n_scored(self) -> int:
+        return sum(1 for t in self.labels if t != IGNORE)
+
+
+@dataclass
+class ChatData:
+    """The examples of a file and what happened on the way (lines read, truncated, skipped)."""
+    examples: list[ChatExample] = field(default_factory=list)
+    truncated: int = 0
+    skipped: int = 0
+
+
+# ---- reading and checking lines --------------------------------------------------------------------------------
+def _messages(value: Any, where: str, key: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise ChatDataError(f"{where}: {key!r} must be a non-empty list of messages")
+    for k, message in enumerate(value):
+        at = f"{where}: {key}[{k}]"
+        if not isinstance(message, dict):
+            raise ChatDataError(f"{at} is a JSON {type(message).__name__}, not an object with role and content")
+        for needed in ("role", "content"):
+            if needed not in message:
+                raise ChatDataError(f"{at} has no {needed!r}")
+        if message["role"] not in ROLES:
+            raise ChatDataError(f"{at} has unknown role {message['role']!r} (roles: {', '.join(ROLES)})")
+        if not isinstance(message["content"], str):
+            raise ChatDataError(f"{at}: content is {type(message['content']).__name__}, not a string")
+    return value
+
+
+def _conversation(record: Any, where: str, line: int) -> Conversation:
+    if not isinstance(record, dict):
+        raise ChatDataError(f"{where} is a JSON {type(record).__name__}, not an object")
+    if "messages" in record:
+        return Conversation(line, tuple(_messages(record["messages"], where, "messages")))
+    if "prompt" in record and "completion" in record:
+        prompt, completion = record["prompt"], record["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return Conversation(line, prompt=prompt, completion=completion)
+        if isinstance(prompt, list) and isinstance(completion, list):
+            head, tail = _messages(prompt, where, "prompt"), _messages(completion, where, "completion")
+            return Conversation(line, tuple(head + tail), prompt_len=len(head))
+        raise ChatDataError(f"{where}: prompt and completion must both be strings or both lists of messages")
+    raise ChatDataError(f"{where} has neither 'messages' nor 'prompt' and 'completion' "
+                        f"(it has {', '.join(map(repr, record)) or 'no fields'})")
+
+
+def read_conversations(path: str | os.PathLike) -> Iterator[Conversation]:
+    """The checked conversations of a .jsonl file, one per non-blank line."""
+    path = Path(path)
+    try:
+        for line, record in jsonl_records(path):
+            yield _conversation(record, f"{path}:{line}", line)
+    except CorpusError as exc:
+        raise ChatDataError(str(exc)) from None
+
+
+# ---- character spans of the scored text ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Spans:
+    """A rendered example: its text, the spans of each assistant turn, and of the completion (if any)."""
+    text: str
+    turns: tuple[tuple[int, int], ...]
+    completion: tuple[int, int] | None
+
+
+def _render(chat: ChatTokenizer, template: str, messages, limits, **kw):
+    return render_chat(template, list(messages), limits=limits, **chat.special, **kw)
+
+
+def _turn_spans(chat: ChatTokenizer, template: str, messages: tuple[dict, ...], limits) -> tuple[str, list]:
+    """(text, spans of the assistant turns): the template's {% generation %} spans when it has them, else the
+    rendered-prefix difference of each assistant turn (a template that renders the start of a conversation
+    differently from the whole cannot use it: refused)."""
+    if has_generation_blocks(template):
+        rendered = _render(chat, template, messages, limits, track_generation=True)
+        return rendered.text, list(rendered.spans)
+    text = _render(chat, template, messages, limits).text
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(chat, template, messages[:i], limits, add_generation_prompt=True).text
+        after = _render(chat, template, messages[:i + 1], limits).text
+        if not (after.startswith(before) and text.startswith(after)):
+            raise UserError("the chat template renders the start of a conversation differently from the whole, so "
+                            "the assistant's turns cannot be found: mark them with {% generation %}")
+        spans.append((len(before), len(after)))
+    return text, spans
+
+
+def _spans(chat: ChatTokenizer, template: str | None, conv: Conversation, limits) -> _Spans:
+    if conv.is_plain:
+        eot_id = getattr(chat.tokenizer, "eot_id", None)
+        eot = chat.tokenizer.decode([eot_id]) if eot_id is not None else ""
+        assert conv.prompt is not None and conv.completion is not None
+        text = conv.prompt + conv.completion + eot
+        return _Spans(text, ((len(conv.prompt), len(text)),), (len(conv.prompt), len(text)))
+    assert template is not None
+    text, turns = _turn_spans(chat, template, conv.messages, limits)
+    completion = None
+    if conv.prompt_len is not None:
+        prompt = _render(chat, template, conv.messages[:conv.prompt_len], limits, add_generation_prompt=True).text
+        if not text.startswith(prompt):
+            raise UserError("the chat template renders the prompt differently inside the whole conversation")
+        completion = (len(prompt), len(text))
+    return _Spans(text, tuple(turns), completion)
+
+
+def _assistant(s: _Spans) -> list:
+    return [s.completion] if s.completion is not None else list(s.turns)
+
+
+def _completion(s: _Spans) -> list:
+    if s.completion is None:
+        raise UserError("loss mask 'completion' needs prompt/completion data; this line has 'messages' "
+                        "(use 'assistant' or 'last')")
+    return [s.completion]
+
+
+LOSS_MASKS: dict[str, Callable[[_Spans], list]] = {
+    "assistant": _assistant,
+    "all": lambda s: [(0, len(s.text))],
+    "last": lambda s: list(s.turns[-1:]) if s.completion is None else [s.completion],
+    "completion": _completion,
+}
+
+
+# ---- truncation ----------------------------------------------------------------------------------------------
+def _refuse(ids: list[int], mask: list[int], limit: int) -> tuple[list[int], list[int]] | None:
+    raise UserError(f"{len(ids)} tokens, more than the limit of {limit} (choose a truncation policy: "
+                    f"{', '.join(TRUNCATIONS)})")
+
+
+TRUNCATIONS: dict[str, Callable[[list[int], list[int], int], tuple[list[int], list[int]] | None]] = {
+    "refuse": _refuse,
+    "keep_start": lambda ids, mask, limit: (ids[:limit], mask[:limit]),
+    "keep_end": lambda ids, mask, limit: (ids[-limit:], mask[-limit:]),
+    "skip": lambda ids, mask, limit: None,
+}
+
+
+def _labels(ids: list[int], mask: list[int]) -> list[int]:
+    """Slot j predicts token j + 1: labels[j] = ids[j + 1] where that token is scored, else IGNORE."""
+    return [ids[j + 1] if mask[j + 1] else IGNORE for j in range(len(ids) - 1)] + [IGNORE] * bool(ids)
+
+
+def encode_conversation(chat: ChatTokenizer, conv: Conversation, *, mask: str = "assistant",
+                        template: str | None = None, limits: RenderLimits | None = None) -> tuple[list[int], list[int]]:
+    """(ids, score mask) of one conversation: the mask is 1 on the tokens the loss scores (before the shift)."""
+    if mask not in LOSS_MASKS:
+        raise UserError(f"unknown loss mask {mask!r}: choose one of {', '.join(LOSS_MASKS)}")
+    spans = _spans(chat, None if conv.is_plain else (template or chat.template()), conv, limits)
+    scored = sorted(LOSS_MASKS[mask](spans))
+    if not any(b > a for a, b in scored):
+        raise UserError(f"nothing to learn from: loss mask {mask!r} selects no text (no assistant turn?)")
+    return token_mask(chat.tokenizer, spans.text, scored)
+
+
+def load_chat_data(path: str | os.PathLike, tokenizer: Any, *, mask: str = "assistant", max_tokens: int | None = None,
+                   truncation: str = "refuse", chat_template: str | None = None,
+                   limits: RenderLimits | None = None, progress: bool = True) -> ChatData:
+    """Every line of `path` as a ChatExample. `tokenizer`: a tokenizer folder (its chat template and special
+    tokens come along), a ChatTokenizer, or a tokenizer object with `chat_template` (a source, or a name among
+    the folder's templates). Errors name the file and line.
+    Example: data = load_chat_data("sft.jsonl", "runs/x/tokenizer", max_tokens=512, truncation="keep_start")"""
+    if mask not in LOSS_MASKS:
+        raise UserError(f"unknown loss mask {mask!r}: choose one of {', '.join(LOSS_MASKS)}")
+    if truncation not in TRUNCATIONS:
+        raise UserError(f"unknown truncation policy {truncation!r}: choose one of {', '.join(TRUNCATIONS)}")
+    chat = ChatTokenizer.of(tokenizer)
+    template: str | None = None
+    data = ChatData()
+    bar = progress_bar(desc=f"reading {Path(path).name}", unit=" examples", disable=not progress)
+    try:
+        for conv in read_conversations(path):
+            where = f"{path}:{conv.line}"
+            try:
+                if template is None and not conv.is_plain:
+                    template = chat.template(chat_template)
+                ids, scored = encode_conversation(chat, conv, mask=mask, template=template, limits=limits)
+                if max_tokens is not None and len(ids) > max_tokens:
+                    cut = TRUNCATIONS[truncation](ids, scored, max_tokens)
+                    if cut is None:
+                        data.skipped += 1
+                        continue
+                    ids, scored = cut
+                    data.truncated += 1
+            except ChatDataError:
+                raise
+            except UserError as exc:
+                raise ChatDataError(f"{where}: {exc}") from None
+            data.examples.append(ChatExample(ids, _labels(ids, scored), conv.line))
+            bar.update()
+    finally:
+        bar.close()
+    return data

@@ -141,7 +141,8 @@ class _Spans:
 
 
 def _render(chat: ChatTokenizer, template: str, messages, limits, **kw):
-    return render_chat(template, list(messages), limits=limits, **chat.special, **kw)
+    variables: dict[str, Any] = {**chat.special, **kw}
+    return render_chat(template, list(messages), limits=limits, **variables)
 
 
 def _turn_spans(chat: ChatTokenizer, template: str, messages: tuple[dict, ...], limits) -> tuple[str, list]:

@@ -106,7 +106,7 @@ def add_chat_tokens(tokenizer: Any, name: str) -> tuple[Any, list[int]]:
         from archlab.tokenizer.hf_wrapper import HFTokenizer
         inner = Tokenizer.from_str(tokenizer.hf.to_str())
         inner.add_special_tokens(missing)
-        grown = HFTokenizer(inner, tokenizer.config)
+        grown: Any = HFTokenizer(inner, tokenizer.config)
     else:
         from archlab.tokenizer.loading import _native_tokenizer
         data = tokenizer.to_json()
@@ -116,10 +116,9 @@ def add_chat_tokens(tokenizer: Any, name: str) -> tuple[Any, list[int]]:
              "normalized": False, "special": True} for k, t in enumerate(missing)]
         grown = _native_tokenizer(data, fast=getattr(tokenizer, "_fast_requested", True))
     new_ids = [grown.token_to_id(t) for t in missing]
-    old = tokenizer.vocab_size
-    if any(i is None or i < old for i in new_ids):
+    if any(i is None or i < tokenizer.vocab_size for i in new_ids):
         raise UserError(f"could not add the chat tokens {missing} to {tokenizer!r} as new ids")
-    return grown, [int(i) for i in new_ids]
+    return grown, new_ids
 
 
 def install_chat_template(folder: str | os.PathLike, name: str, *, overwrite: bool = False) -> list[int]:

@@ -146,7 +146,9 @@ def render(source: str, variables: dict, *, track: bool = False,
     OutputLimitError once the output passes `max_chars` characters."""
     template = _compiled(source)
     env = template.environment
-    emitted, spans, pieces = [0], [], []
+    emitted: list[int] = [0]                  # characters yielded so far, read by GenerationSpans
+    spans: list[tuple[int, int]] = []
+    pieces: list[str] = []
     with env.track_generation(emitted, spans) if track else _nothing():
         for piece in template.generate(**variables):
             pieces.append(piece)

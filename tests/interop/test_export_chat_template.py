@@ -19,7 +19,14 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
         {"role": "assistant", "content": "tac"}, {"role": "user", "content": "and dog?"}]
 
 
-@pytest.mark.parametrize("name", ["chatml", "llama3"])
+# a template of the user's own that reads the special tokens' roles: a tokenizer trained here has no
+# tokenizer_config.json, so the roles come from its special tokens, here as in the export
+OWN = ("{{ bos_token }}{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}{% generation %}"
+       "{{ m.content + eos_token }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
+       "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "own"])
 def test_convert_to_hf_carries_the_chat_template(tmp_path, name):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("reverse the word cat and the word dog, please: tac god\n" * 30)
@@ -32,7 +39,10 @@ def test_convert_to_hf_carries_the_chat_template(tmp_path, name):
     run, out = tmp_path / "run", tmp_path / "out"
     assert main(["convert", "--from-hf", str(source), "--out", str(run)]) == 0
     tok.save(run / "tokenizer")
-    install_chat_template(run / "tokenizer", name)
+    if name == "own":
+        (run / "tokenizer" / "chat_template.jinja").write_text(OWN)
+    else:
+        install_chat_template(run / "tokenizer", name)
     assert main(["convert", "--to-hf", str(run), "--out", str(out)]) == 0
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert config["chat_template"] == (run / "tokenizer" / "chat_template.jinja").read_text()

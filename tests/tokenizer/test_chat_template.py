@@ -208,6 +208,13 @@ def test_the_sandbox_hides_python_internals():
         render_chat("{% set ns = namespace() %}{% set ns.__dict__ = 1 %}", CHAT)
 
 
+def test_a_folder_with_tokenizer_json_alone_reads_the_roles_its_export_names(tmp_path, bpe):
+    bpe.save(tmp_path)
+    assert read_special_tokens(tmp_path) == {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+                                             "pad_token": "<|endoftext|>"}
+    assert apply_chat_template(tmp_path, CHAT[:2], chat_template=ZEPHYR, tokenize=False).count("<|endoftext|>") == 2
+
+
 def test_a_folder_without_a_template_says_how_to_get_one(tmp_path, bpe):
     bpe.save(tmp_path)
     with pytest.raises(ChatTemplateError, match="no chat template"):

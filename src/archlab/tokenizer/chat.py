@@ -181,8 +181,13 @@ def read_chat_templates(folder: str | os.PathLike) -> str | dict[str, str] | Non
 def read_special_tokens(folder: str | os.PathLike) -> dict[str, str]:
     """{role: token} for SPECIAL_TOKEN_ROLES from tokenizer_config.json (a token is a string or an
     AddedToken dict); without an `added_tokens_decoder` there, special_tokens_map.json's roles win, as in
-    transformers. These are the variables a template reads as bos_token, eos_token, ..."""
+    transformers. These are the variables a template reads as bos_token, eos_token, ... A folder with
+    tokenizer.json alone (a tokenizer trained here) takes the roles its export will name (tokenizer/roles.py)."""
     folder = Path(folder)
+    if not (folder / CONFIG_FILE).is_file() and (folder / "tokenizer.json").is_file():
+        from archlab.tokenizer.roles import added_specials, special_roles
+        roles = special_roles(added_specials(_json_object(folder / "tokenizer.json")))
+        return {role: roles[role] for role in SPECIAL_TOKEN_ROLES if role in roles}
     config = _config(folder)
     roles = {role: _content(config.get(role)) for role in SPECIAL_TOKEN_ROLES}
     legacy = folder / "special_tokens_map.json"

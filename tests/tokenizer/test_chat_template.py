@@ -221,3 +221,13 @@ def test_a_folder_without_a_template_says_how_to_get_one(tmp_path, bpe):
         apply_chat_template(tmp_path, CHAT)
     with pytest.raises(ChatTemplateError, match="return_dict=True"):
         apply_chat_template(tmp_path, CHAT, chat_template=ZEPHYR, return_assistant_tokens_mask=True)
+
+
+def test_a_worker_that_died_between_renders_is_replaced():
+    from archlab.tokenizer import chat
+
+    render_chat("x", CHAT)
+    for worker in chat._WORKERS.values():      # the worker this test's renders started
+        worker.proc.kill()
+        worker.proc.wait()
+    assert render_chat("{{ 1 + 1 }}", CHAT).text == "2"

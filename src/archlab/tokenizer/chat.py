@@ -16,6 +16,7 @@ here), so a template that raises, loops or floods its output costs one line of e
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -63,57 +64,82 @@ class Rendered:
 
 # ---- the worker process ----------------------------------------------------------------------------------------
 class _Worker:
-    """One `python -I chat_sandbox.py` process, answering one JSON line per request."""
+    """One `python -I chat_sandbox.py` process, answering one JSON line per request. -I keeps the worker from
+    importing archlab or anything on PYTHONPATH; the folders holding jinja2 and markupsafe are passed in."""
 
     START_SECONDS = 60.0      # interpreter start and `import jinja2` on a loaded machine
 
     def __init__(self, memory_mb: int):
-        self.memory_mb, self.owner = memory_mb, os.getpid()
-        self.proc = subprocess.Popen([sys.executable, "-I", str(_SANDBOX), str(memory_mb)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        import jinja2
+        import markupsafe
+        paths = sorted({str(Path(m.__file__ or "").parent.parent) for m in (jinja2, markupsafe)})
+        self.owner = os.getpid()
+        self.proc = subprocess.Popen([sys.executable, "-I", str(_SANDBOX), str(memory_mb), *paths],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     bufsize=0)
         self.pending = b""
 
     def ask(self, request: dict, seconds: float) -> dict:
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write((json.dumps(request) + "\n").encode("ascii"))
-        except (BrokenPipeError, OSError):
-            self.close()
-            raise ChatTemplateError("the chat template renderer stopped unexpectedly") from None
-        line = self._line(seconds)
-        return json.loads(line)
+        except OSError:
+            raise self._stopped() from None
+        return json.loads(self._line(seconds))
 
     def _line(self, seconds: float) -> bytes:
+        """The next reply line; the worker is killed when none comes within `seconds`."""
         assert self.proc.stdout is not None
         fd, deadline = self.proc.stdout.fileno(), time.monotonic() + seconds
-        while b"\n" not in self.pending:
+        chunks, chunk = [self.pending], self.pending
+        while b"\n" not in chunk:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
                 self.close()
                 raise ChatTemplateError(f"the chat template ran longer than {seconds:g} s (stopped)")
-            chunk = os.read(fd, 1 << 16)
+            chunk = os.read(fd, 1 << 20)
             if not chunk:
-                self.close()
-                raise ChatTemplateError("the chat template renderer stopped unexpectedly "
-                                        "(memory limit or a crash of the worker)")
-            self.pending += chunk
-        line, _, self.pending = self.pending.partition(b"\n")
+                raise self._stopped()
+            chunks.append(chunk)
+        line, _, self.pending = b"".join(chunks).partition(b"\n")
         return line
+
+    def _stopped(self) -> ChatTemplateError:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        assert self.proc.stderr is not None
+        last = (self.proc.stderr.read().decode("utf-8", "replace").strip().splitlines() or ["no message"])[-1]
+        self.close()
+        return ChatTemplateError(f"the chat template renderer stopped (exit status {self.proc.returncode}: {last})")
 
     def alive(self) -> bool:
         return self.owner == os.getpid() and self.proc.poll() is None
 
     def close(self) -> None:
+        """End the worker: a closed stdin ends its loop; a busy worker is killed."""
         if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()
 
 
 _LOCK = threading.Lock()
 _WORKERS: dict[int, _Worker] = {}     # memory_mb -> the live worker of this process
+
+
+@atexit.register
+def _close_workers() -> None:
+    for worker in _WORKERS.values():
+        if worker.alive():
+            worker.close()
 
 
 def _ask(request: dict, limits: RenderLimits) -> dict:

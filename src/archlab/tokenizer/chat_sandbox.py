@@ -12,7 +12,8 @@ MemoryError) and an output limit (characters yielded); the parent (archlab.token
 limit and kills the worker when it passes.
 
 This file imports only the standard library and jinja2: it runs as a script (`python -I chat_sandbox.py
-MEMORY_MB`), without importing archlab or torch, and speaks one JSON object per line on stdin/stdout:
+MEMORY_MB [PATH...]`, the paths where jinja2 and markupsafe live), without importing archlab or torch, and
+speaks one JSON object per line on stdin/stdout:
     request  {"source": str, "variables": {...}, "track": bool, "max_chars": int}
     reply    {"text": str, "spans": [[start, end], ...]}  or  {"error": str}
 """
@@ -20,16 +21,20 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import OrderedDict
-from contextlib import contextmanager
-from contextvars import ContextVar
-from datetime import datetime
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+if __name__ == "__main__":           # run as the worker: find jinja2 where the parent found it
+    sys.path[:0] = sys.argv[2:]
+
+from collections import OrderedDict  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from contextvars import ContextVar  # noqa: E402
+from datetime import datetime  # noqa: E402
+
+import jinja2  # noqa: E402
+import jinja2.ext  # noqa: E402
+import jinja2.nodes  # noqa: E402
+import jinja2.utils  # noqa: E402
+from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
 
 __all__ = ["OutputLimitError", "environment", "render", "serve"]
 

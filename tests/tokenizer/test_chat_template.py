@@ -231,3 +231,19 @@ def test_a_worker_that_died_between_renders_is_replaced():
         worker.proc.kill()
         worker.proc.wait()
     assert render_chat("{{ 1 + 1 }}", CHAT).text == "2"
+
+
+def test_the_chat_template_command_adds_a_format_and_refuses_mistakes(tmp_path, bpe, capsys):
+    from archlab.cli import main
+
+    bpe.save(tmp_path / "tok")
+    assert main(["tokenizer", "chat-template", str(tmp_path / "tok"), "--format", "chatml"]) == 0
+    assert "ids 320..321" in capsys.readouterr().out
+    assert read_chat_templates(tmp_path / "tok") == CHAT_FORMATS["chatml"].source("<|endoftext|>")
+    before = (tmp_path / "tok" / "chat_template.jinja").read_text()
+    for argv, message in ((["--format", "llama3"], "has a chat template already"),
+                          (["--format", "vicuna", "--overwrite"], "unknown chat template 'vicuna'")):
+        assert main(["tokenizer", "chat-template", str(tmp_path / "tok"), *argv]) == EXIT_USER_ERROR
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+    assert (tmp_path / "tok" / "chat_template.jinja").read_text() == before

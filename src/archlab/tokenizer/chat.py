@@ -79,10 +79,11 @@ class _Worker:
                                      bufsize=0)
         self.pending = b""
 
-    def ask(self, request: dict, seconds: float) -> dict:
+    def ask(self, request: str, seconds: float) -> dict:
+        """The reply to one request (a JSON object on one line, ASCII: json.dumps escapes the rest)."""
         assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write((json.dumps(request) + "\n").encode("ascii"))
+            self.proc.stdin.write((request + "\n").encode("ascii"))
         except OSError:
             raise self._stopped() from None
         return json.loads(self._line(seconds))
@@ -142,13 +143,13 @@ def _close_workers() -> None:
             worker.close()
 
 
-def _ask(request: dict, limits: RenderLimits) -> dict:
+def _ask(request: str, limits: RenderLimits) -> dict:
     with _LOCK:
         worker = _WORKERS.get(limits.memory_mb)
         if worker is None or not worker.alive():
             worker = _WORKERS[limits.memory_mb] = _Worker(limits.memory_mb)
             # a first request (an empty template) waits for the interpreter to start, outside the render's limit
-            worker.ask({"source": "", "variables": {}, "track": False, "max_chars": 0}, _Worker.START_SECONDS)
+            worker.ask('{"source": "", "variables": {}, "track": false, "max_chars": 0}', _Worker.START_SECONDS)
         return worker.ask(request, limits.seconds)
 
 
@@ -164,8 +165,8 @@ def render_chat(template: str, messages: list, *, add_generation_prompt: bool = 
     context = {"messages": messages, "tools": tools, "documents": documents,
                "add_generation_prompt": add_generation_prompt, **variables}
     try:
-        request = {"source": template, "variables": context, "track": track_generation, "max_chars": limits.chars}
-        json.dumps(request)
+        request = json.dumps({"source": template, "variables": context, "track": track_generation,
+                              "max_chars": limits.chars})
     except (TypeError, ValueError) as exc:
         raise ChatTemplateError(f"chat messages must be JSON data (strings, numbers, lists, objects): {exc}") from None
     reply = _ask(request, limits)

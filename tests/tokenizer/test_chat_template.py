@@ -14,6 +14,7 @@ from archlab.errors import EXIT_USER_ERROR, report
 from archlab.tokenizer import train
 from archlab.tokenizer.chat import (
     ChatTemplateError,
+    ChatTokenizer,
     RenderLimits,
     apply_chat_template,
     read_chat_templates,
@@ -213,6 +214,7 @@ def test_a_folder_with_tokenizer_json_alone_reads_the_roles_its_export_names(tmp
     assert read_special_tokens(tmp_path) == {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
                                              "pad_token": "<|endoftext|>"}
     assert apply_chat_template(tmp_path, CHAT[:2], chat_template=ZEPHYR, tokenize=False).count("<|endoftext|>") == 2
+    assert ChatTokenizer.of(bpe).special == read_special_tokens(tmp_path)      # the object reads as its folder
 
 
 def test_a_folder_without_a_template_says_how_to_get_one(tmp_path, bpe):

@@ -253,7 +253,8 @@ class ChatTokenizer:
     @classmethod
     def of(cls, source: Any) -> ChatTokenizer:
         """From a ChatTokenizer, a tokenizer folder, or a tokenizer object (an HFTokenizer brings the template of
-        the tokenizer_config.json it was loaded with; an archlab tokenizer brings none: pass chat_template=)."""
+        the tokenizer_config.json it was loaded with; an archlab tokenizer brings no template (pass
+        chat_template=) and the roles of its special tokens, as its folder would)."""
         if isinstance(source, ChatTokenizer):
             return source
         if isinstance(source, (str, os.PathLike)):
@@ -270,7 +271,9 @@ class ChatTokenizer:
             special = {r: _content(config.get(r)) for r in SPECIAL_TOKEN_ROLES}
             special = {r: t for r, t in special.items() if isinstance(t, str)}
             return cls(source, templates if isinstance(templates, (str, dict)) else None, special)
-        return cls(source)
+        from archlab.tokenizer.roles import special_roles
+        roles = special_roles(list(getattr(source, "special_tokens", None) or []))
+        return cls(source, None, {role: roles[role] for role in SPECIAL_TOKEN_ROLES if role in roles})
 
     def template(self, chat_template: str | None = None, tools: list | None = None) -> str:
         """The template source to use, by transformers' rules: a name among several templates (else

@@ -179,3 +179,18 @@ def test_unknown_mask_and_policy_names_list_the_choices(tmp_path, folder):
     with pytest.raises(Exception, match="refuse, keep_start, keep_end, skip"):
         load_chat_data(data, folder, truncation="middle", progress=False)
     assert list(LOSS_MASKS) == ["assistant", "all", "last", "completion"]
+
+
+def test_inspect_chat_prints_counts_and_marks_the_scored_text(tmp_path, folder, capsys):
+    from archlab.cli import main
+
+    data = _jsonl(tmp_path / "d.jsonl", {"messages": CONVERSATION}, PROMPT_COMPLETION)
+    assert main(["data", "inspect-chat", data, "--tokenizer", str(folder), "--show", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 examples" in out and "truncated" in out
+    assert "assistant\n⟦It is four.<|im_end|>⟧\n<|im_start|>user" in out
+    assert "Reverse the word cat:⟦ tac.<|endoftext|>⟧" in out
+    bad = _jsonl(tmp_path / "bad.jsonl", {"messages": CONVERSATION}, {"messages": [{"role": "wizard", "content": ""}]})
+    assert main(["data", "inspect-chat", bad, "--tokenizer", str(folder)]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "bad.jsonl:2" in err[-1] and "Traceback" not in "\n".join(err)

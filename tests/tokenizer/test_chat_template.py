@@ -71,6 +71,12 @@ def _folder(root: Path, bpe, case: str) -> Path:
     elif case == "named_templates":
         _config(folder, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                 chat_template=[{"name": "default", "template": NAMESPACE}, {"name": "zephyr", "template": ZEPHYR}])
+    elif case == "jinja_files":                # chat_template.jinja and additional_chat_templates/tool_use.jinja
+        _config(folder, eos_token="<|endoftext|>", bos_token="<|endoftext|>", chat_template=ZEPHYR)
+        (folder / "chat_template.jinja").write_text(NAMESPACE)
+        (folder / "additional_chat_templates").mkdir()
+        (folder / "additional_chat_templates" / "tool_use.jinja").write_text(
+            "{{ tools | tojson(indent=2) }}\n" + ZEPHYR)
     elif case == "legacy_special_map":          # the eos role comes from special_tokens_map.json
         _config(folder, chat_template=ZEPHYR)
         (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
@@ -88,7 +94,9 @@ def _folder(root: Path, bpe, case: str) -> Path:
     return folder
 
 
-CASES = [*CHAT_FORMATS, "zephyr_in_config", "named_templates", "legacy_special_map", "unigram_chatml"]
+CASES = [*CHAT_FORMATS, "zephyr_in_config", "named_templates", "jinja_files", "legacy_special_map", "unigram_chatml"]
+TOOLS = [{"type": "function", "function": {"name": "reverse", "description": "Reverse a word <b>&</b>",
+                                           "parameters": {"type": "object", "properties": {"w": {"type": "string"}}}}}]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -105,11 +113,15 @@ def test_text_ids_and_assistant_mask_equal_transformers(tmp_path, bpe, case):
         assert ours["input_ids"] == list(ref["input_ids"])
         assert ours["attention_mask"] == list(ref["attention_mask"])
         assert ours["assistant_masks"] == list(ref["assistant_masks"])
-        if "{% generation %}" in (read_chat_templates(folder) if case != "named_templates" else ""):
+        if "{% generation %}" in (read_chat_templates(folder) if case in CHAT_FORMATS else ""):
             assert 0 < sum(ours["assistant_masks"]) < len(ours["input_ids"])     # the mask marks something
     if case == "named_templates":           # a template chosen by name, as transformers does
         assert (apply_chat_template(folder, CHAT, chat_template="zephyr", tokenize=False)
                 == theirs.apply_chat_template(CHAT, chat_template="zephyr", tokenize=False))
+    if case == "jinja_files":               # tools given: the tool_use template, tools as plain JSON
+        text = apply_chat_template(folder, CHAT, tools=TOOLS, tokenize=False)
+        assert text == theirs.apply_chat_template(CHAT, tools=TOOLS, tokenize=False)
+        assert text.startswith("[\n  {") and "<b>&</b>" in text
 
 
 def test_a_batch_of_conversations_equals_transformers(tmp_path, bpe):

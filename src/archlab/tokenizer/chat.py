@@ -92,10 +92,12 @@ class _Worker:
         """The next reply line; the worker is killed when none comes within `seconds`."""
         assert self.proc.stdout is not None
         fd, deadline = self.proc.stdout.fileno(), time.monotonic() + seconds
+        poller = select.poll()               # not select.select: a busy server's descriptors pass 1024
+        poller.register(fd, select.POLLIN)
         chunks, chunk = [self.pending], self.pending
         while b"\n" not in chunk:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not poller.poll(left * 1000):
                 self.close()
                 raise ChatTemplateError(f"the chat template ran longer than {seconds:g} s (stopped)")
             chunk = os.read(fd, 1 << 20)

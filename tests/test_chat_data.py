@@ -158,16 +158,17 @@ def test_a_bad_line_is_one_line_naming_file_and_line(tmp_path, folder, case, cap
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-@pytest.mark.parametrize("template, pattern", [
-    ("{% if messages[1].role == 'assistant' %}{{ raise_exception('roles must alternate') }}{% endif %}x",
-     "roles must alternate"),
-    ("{% if messages|length > 2 %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
-     "{% endfor %}{% endif %}x", "ran longer than 1 s"),
-])
-def test_a_template_that_raises_or_loops_names_the_line(tmp_path, folder, template, pattern):
-    data = _jsonl(tmp_path / "bad.jsonl", {"messages": CONVERSATION[1:2] + CONVERSATION[2:3]},
-                  {"messages": CONVERSATION})
-    with pytest.raises(ChatDataError, match=rf"bad.jsonl:[12]: the chat template.*{re.escape(pattern)}"):
+RAISES = "{{ raise_exception('roles must alternate') }}"
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("body, line, pattern", [(RAISES, 2, "roles must alternate"), (RAISES, 4, "roles must"),
+                                                 (LOOPS, 3, "ran longer than 1 s")])
+def test_a_template_that_raises_or_loops_names_the_line(tmp_path, folder, body, line, pattern):
+    """The conversations of a file render in one request: the error still names the line that caused it."""
+    template = f"{{% if messages|length == {line + 1} %}}{body}{{% endif %}}x"     # line n has n + 1 messages
+    data = _jsonl(tmp_path / "bad.jsonl", *({"messages": CONVERSATION[:n + 1]} for n in (1, 2, 3, 4)))
+    with pytest.raises(ChatDataError, match=rf"bad.jsonl:{line}: the chat template.*{re.escape(pattern)}"):
         load_chat_data(data, folder, chat_template=template, mask="all", limits=RenderLimits(seconds=1.0),
                        progress=False)
 

@@ -35,7 +35,16 @@ from archlab.data.corpora import CorpusError, jsonl_records
 from archlab.data.objectives import IGNORE
 from archlab.errors import UserError
 from archlab.progress import progress_bar
-from archlab.tokenizer.chat import ChatTokenizer, RenderLimits, has_generation_blocks, render_chat, token_mask
+from archlab.tokenizer.chat import (
+    ChatTemplateError,
+    ChatTokenizer,
+    Rendered,
+    RenderJob,
+    RenderLimits,
+    has_generation_blocks,
+    render_many,
+    token_mask,
+)
 
 __all__ = ["ROLES", "LOSS_MASKS", "TRUNCATIONS", "ChatExample", "ChatData", "ChatDataError", "Conversation",
            "read_conversations", "encode_conversation", "load_chat_data"]
@@ -140,48 +149,55 @@ class _Spans:
     completion: tuple[int, int] | None
 
 
-def _render(chat: ChatTokenizer, template: str, messages, limits, **kw):
-    variables: dict[str, Any] = {**chat.special, **kw}
-    return render_chat(template, list(messages), limits=limits, **variables)
+def _jobs(chat: ChatTokenizer, template: str, conv: Conversation) -> list[RenderJob]:
+    """The renders a conversation needs, in the order _read_spans reads them: the whole conversation (its
+    {% generation %} spans tracked when the template has them), else also, per assistant turn i, the prompt
+    before it (messages[:i] with the generation prompt) and the conversation up to it (messages[:i + 1]); then,
+    for prompt/completion data, the prompt with the generation prompt."""
+    def job(messages, prompt=False, track=False):
+        return RenderJob(template, list(messages), {**chat.special, "add_generation_prompt": prompt}, track)
+
+    m = conv.messages
+    tagged = has_generation_blocks(template)
+    jobs = [job(m, track=tagged)]
+    if not tagged:
+        for i in (i for i, message in enumerate(m) if message["role"] == "assistant"):
+            jobs += [job(m[:i], prompt=True), job(m[:i + 1])]
+    if conv.prompt_len is not None:
+        jobs.append(job(m[:conv.prompt_len], prompt=True))
+    return jobs
 
 
-def _turn_spans(chat: ChatTokenizer, template: str, messages: tuple[dict, ...], limits) -> tuple[str, list]:
-    """(text, spans of the assistant turns): the template's {% generation %} spans when it has them, else the
-    rendered-prefix difference of each assistant turn (a template that renders the start of a conversation
-    differently from the whole cannot use it: refused)."""
+def _read_spans(template: str, conv: Conversation, rendered: list[Rendered]) -> _Spans:
+    """The spans of a conversation from the renders _jobs asked for. The rendered-prefix difference needs a
+    template that renders the start of a conversation as it does inside the whole: else refused."""
+    text, rest = rendered[0].text, rendered[1:]
     if has_generation_blocks(template):
-        rendered = _render(chat, template, messages, limits, track_generation=True)
-        return rendered.text, list(rendered.spans)
-    text = _render(chat, template, messages, limits).text
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = _render(chat, template, messages[:i], limits, add_generation_prompt=True).text
-        after = _render(chat, template, messages[:i + 1], limits).text
-        if not (after.startswith(before) and text.startswith(after)):
-            raise UserError("the chat template renders the start of a conversation differently from the whole, so "
-                            "the assistant's turns cannot be found: mark them with {% generation %}")
-        spans.append((len(before), len(after)))
-    return text, spans
-
-
-def _spans(chat: ChatTokenizer, template: str | None, conv: Conversation, limits) -> _Spans:
-    if conv.is_plain:
-        eot_id = getattr(chat.tokenizer, "eot_id", None)
-        eot = chat.tokenizer.decode([eot_id]) if eot_id is not None else ""
-        assert conv.prompt is not None and conv.completion is not None
-        text = conv.prompt + conv.completion + eot
-        return _Spans(text, ((len(conv.prompt), len(text)),), (len(conv.prompt), len(text)))
-    assert template is not None
-    text, turns = _turn_spans(chat, template, conv.messages, limits)
+        turns = list(rendered[0].spans)
+    else:
+        n = sum(1 for message in conv.messages if message["role"] == "assistant")
+        turns = []
+        for before, after in zip(rest[0:2 * n:2], rest[1:2 * n:2]):
+            if not (after.text.startswith(before.text) and text.startswith(after.text)):
+                raise UserError("the chat template renders the start of a conversation differently from the "
+                                "whole, so the assistant's turns cannot be found: mark them with {% generation %}")
+            turns.append((len(before.text), len(after.text)))
+        rest = rest[2 * n:]
     completion = None
     if conv.prompt_len is not None:
-        prompt = _render(chat, template, conv.messages[:conv.prompt_len], limits, add_generation_prompt=True).text
-        if not text.startswith(prompt):
+        if not text.startswith(rest[0].text):
             raise UserError("the chat template renders the prompt differently inside the whole conversation")
-        completion = (len(prompt), len(text))
+        completion = (len(rest[0].text), len(text))
     return _Spans(text, tuple(turns), completion)
+
+
+def _plain_spans(chat: ChatTokenizer, conv: Conversation) -> _Spans:
+    """Plain prompt/completion text: prompt + completion + the end-of-text token, no template."""
+    eot_id = getattr(chat.tokenizer, "eot_id", None)
+    eot = chat.tokenizer.decode([eot_id]) if eot_id is not None else ""
+    assert conv.prompt is not None and conv.completion is not None
+    text = conv.prompt + conv.completion + eot
+    return _Spans(text, ((len(conv.prompt), len(text)),), (len(conv.prompt), len(text)))
 
 
 def _assistant(s: _Spans) -> list:
@@ -222,16 +238,86 @@ def _labels(ids: list[int], mask: list[int]) -> list[int]:
     return [ids[j + 1] if mask[j + 1] else IGNORE for j in range(len(ids) - 1)] + [IGNORE] * bool(ids)
 
 
+def _checked(results: list) -> list[Rendered]:
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return results
+
+
+def _encoded(chat: ChatTokenizer, conv: Conversation, spans: _Spans, mask: str) -> tuple[list[int], list[int]]:
+    scored = sorted(LOSS_MASKS[mask](spans))
+    if not any(b > a for a, b in scored):
+        raise UserError(f"nothing to learn from: loss mask {mask!r} selects no text (no assistant turn?)")
+    return token_mask(chat.tokenizer, spans.text, scored)
+
+
 def encode_conversation(chat: ChatTokenizer, conv: Conversation, *, mask: str = "assistant",
                         template: str | None = None, limits: RenderLimits | None = None) -> tuple[list[int], list[int]]:
     """(ids, score mask) of one conversation: the mask is 1 on the tokens the loss scores (before the shift)."""
     if mask not in LOSS_MASKS:
         raise UserError(f"unknown loss mask {mask!r}: choose one of {', '.join(LOSS_MASKS)}")
-    spans = _spans(chat, None if conv.is_plain else (template or chat.template()), conv, limits)
-    scored = sorted(LOSS_MASKS[mask](spans))
-    if not any(b > a for a, b in scored):
-        raise UserError(f"nothing to learn from: loss mask {mask!r} selects no text (no assistant turn?)")
-    return token_mask(chat.tokenizer, spans.text, scored)
+    if conv.is_plain:
+        return _encoded(chat, conv, _plain_spans(chat, conv), mask)
+    template = template or chat.template()
+    rendered = _checked(render_many(_jobs(chat, template, conv), limits))
+    return _encoded(chat, conv, _read_spans(template, conv, rendered), mask)
+
+
+CHUNK = 64      # conversations rendered in one round trip to the template worker
+
+
+def _chunks(items: Iterator[Conversation], size: int) -> Iterator[list[Conversation]]:
+    chunk: list[Conversation] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _rendered_chunk(chat: ChatTokenizer, template: str | None, chunk: list[Conversation],
+                    limits) -> list[list | None]:
+    """Per conversation, its renders (None for plain text): a chunk's renders travel in one request; when that
+    one runs past the time limit, each conversation is rendered alone, so the error can name its line."""
+    plans = [None if c.is_plain or template is None else _jobs(chat, template, c) for c in chunk]
+    flat = [job for plan in plans if plan for job in plan]
+    try:
+        results = render_many(flat, limits) if flat else []
+    except ChatTemplateError:
+        results = None
+    out: list[list | None] = []
+    at = 0
+    for conv, plan in zip(chunk, plans):
+        if plan is None:
+            out.append(None)
+            continue
+        try:
+            mine = results[at:at + len(plan)] if results is not None else render_many(plan, limits)
+        except ChatTemplateError as exc:
+            raise ChatDataError(f"{conv.line}: {exc}") from None
+        out.append(mine)
+        at += len(plan)
+    return out
+
+
+def _example(chat, template, conv, rendered, mask, max_tokens, truncation, data: ChatData) -> ChatExample | None:
+    if rendered is None:
+        spans = _plain_spans(chat, conv)
+    else:
+        assert template is not None
+        spans = _read_spans(template, conv, _checked(rendered))
+    ids, scored = _encoded(chat, conv, spans, mask)
+    if max_tokens is not None and len(ids) > max_tokens:
+        cut = TRUNCATIONS[truncation](ids, scored, max_tokens)
+        if cut is None:
+            data.skipped += 1
+            return None
+        ids, scored = cut
+        data.truncated += 1
+    return ChatExample(ids, _labels(ids, scored), conv.line)
 
 
 def load_chat_data(path: str | os.PathLike, tokenizer: Any, *, mask: str = "assistant", max_tokens: int | None = None,
@@ -239,7 +325,7 @@ def load_chat_data(path: str | os.PathLike, tokenizer: Any, *, mask: str = "assi
                    limits: RenderLimits | None = None, progress: bool = True) -> ChatData:
     """Every line of `path` as a ChatExample. `tokenizer`: a tokenizer folder (its chat template and special
     tokens come along), a ChatTokenizer, or a tokenizer object with `chat_template` (a source, or a name among
-    the folder's templates). Errors name the file and line.
+    the folder's templates). `max_tokens`: the longest input_ids (train.seq_len). Errors name the file and line.
     Example: data = load_chat_data("sft.jsonl", "runs/x/tokenizer", max_tokens=512, truncation="keep_start")"""
     if mask not in LOSS_MASKS:
         raise UserError(f"unknown loss mask {mask!r}: choose one of {', '.join(LOSS_MASKS)}")
@@ -250,25 +336,24 @@ def load_chat_data(path: str | os.PathLike, tokenizer: Any, *, mask: str = "assi
     data = ChatData()
     bar = progress_bar(desc=f"reading {Path(path).name}", unit=" examples", disable=not progress)
     try:
-        for conv in read_conversations(path):
-            where = f"{path}:{conv.line}"
-            try:
-                if template is None and not conv.is_plain:
+        for chunk in _chunks(read_conversations(path), CHUNK):
+            if template is None and not all(c.is_plain for c in chunk):
+                try:
                     template = chat.template(chat_template)
-                ids, scored = encode_conversation(chat, conv, mask=mask, template=template, limits=limits)
-                if max_tokens is not None and len(ids) > max_tokens:
-                    cut = TRUNCATIONS[truncation](ids, scored, max_tokens)
-                    if cut is None:
-                        data.skipped += 1
-                        continue
-                    ids, scored = cut
-                    data.truncated += 1
-            except ChatDataError:
-                raise
-            except UserError as exc:
-                raise ChatDataError(f"{where}: {exc}") from None
-            data.examples.append(ChatExample(ids, _labels(ids, scored), conv.line))
-            bar.update()
+                except UserError as exc:
+                    raise ChatDataError(f"{path}: {exc}") from None
+            try:
+                rendered = _rendered_chunk(chat, template, chunk, limits)
+            except ChatDataError as exc:            # "LINE: message" from a conversation rendered alone
+                raise ChatDataError(f"{path}:{exc}") from None
+            for conv, renders in zip(chunk, rendered):
+                try:
+                    example = _example(chat, template, conv, renders, mask, max_tokens, truncation, data)
+                except UserError as exc:
+                    raise ChatDataError(f"{path}:{conv.line}: {exc}") from None
+                if example is not None:
+                    data.examples.append(example)
+                bar.update()
     finally:
         bar.close()
     return data

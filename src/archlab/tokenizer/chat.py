@@ -31,7 +31,8 @@ from typing import Any
 
 from archlab.errors import UserError
 
-__all__ = ["ChatTemplateError", "RenderLimits", "Rendered", "ChatTokenizer", "render_chat", "token_mask",
+__all__ = ["ChatTemplateError", "RenderLimits", "Rendered", "RenderJob", "ChatTokenizer", "render_chat",
+           "render_many", "token_mask",
            "apply_chat_template", "read_chat_templates", "read_special_tokens", "has_generation_blocks",
            "TEMPLATE_FILE", "TEMPLATE_DIR", "SPECIAL_TOKEN_ROLES"]
 
@@ -151,11 +152,38 @@ def _ask(request: str, limits: RenderLimits) -> dict:
         if worker is None or not worker.alive():
             worker = _WORKERS[limits.memory_mb] = _Worker(limits.memory_mb)
             # a first request (an empty template) waits for the interpreter to start, outside the render's limit
-            worker.ask('{"source": "", "variables": {}, "track": false, "max_chars": 0}', _Worker.START_SECONDS)
+            worker.ask('{"jobs": [], "max_chars": 0}', _Worker.START_SECONDS)
         return worker.ask(request, limits.seconds)
 
 
 # ---- rendering ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RenderJob:
+    """One render: `messages` through `template`; `variables` (bos_token, ..., add_generation_prompt, tools,
+    documents, anything the template reads) reach it as they are; `track` records {% generation %} spans."""
+    template: str
+    messages: list
+    variables: dict = field(default_factory=dict)
+    track: bool = False
+
+
+def render_many(jobs: list[RenderJob], limits: RenderLimits | None = None) -> list[Rendered | ChatTemplateError]:
+    """Each job rendered in the sandbox, all in one round trip to the worker, within one time limit: a
+    Rendered, or the ChatTemplateError of a job whose template failed. A batch past the time limit (or whose
+    worker crashed) raises its ChatTemplateError for the whole batch."""
+    limits = limits or RenderLimits()
+    try:
+        request = json.dumps({"jobs": [{"source": j.template, "variables": {"tools": None, "documents": None,
+                                                                             "add_generation_prompt": False,
+                                                                             **j.variables, "messages": j.messages},
+                                        "track": j.track} for j in jobs], "max_chars": limits.chars})
+    except (TypeError, ValueError) as exc:
+        raise ChatTemplateError(f"chat messages must be JSON data (strings, numbers, lists, objects): {exc}") from None
+    results = _ask(request, limits)["results"]
+    return [ChatTemplateError(f"the chat template failed: {r['error']}") if "error" in r
+            else Rendered(r["text"], tuple((int(a), int(b)) for a, b in r["spans"])) for r in results]
+
+
 def render_chat(template: str, messages: list, *, add_generation_prompt: bool = False, tools: list | None = None,
                 documents: list | None = None, track_generation: bool = False,
                 limits: RenderLimits | None = None, **variables: Any) -> Rendered:
@@ -163,18 +191,11 @@ def render_chat(template: str, messages: list, *, add_generation_prompt: bool = 
     `variables` reach the template as they are (bos_token, eos_token, ... and any the template reads).
     Example: render_chat("{% for m in messages %}{{ m.content }}{% endfor %}", [{"role": "user",
     "content": "hi"}]).text == "hi" """
-    limits = limits or RenderLimits()
-    context = {"messages": messages, "tools": tools, "documents": documents,
-               "add_generation_prompt": add_generation_prompt, **variables}
-    try:
-        request = json.dumps({"source": template, "variables": context, "track": track_generation,
-                              "max_chars": limits.chars})
-    except (TypeError, ValueError) as exc:
-        raise ChatTemplateError(f"chat messages must be JSON data (strings, numbers, lists, objects): {exc}") from None
-    reply = _ask(request, limits)
-    if "error" in reply:
-        raise ChatTemplateError(f"the chat template failed: {reply['error']}")
-    return Rendered(reply["text"], tuple((int(a), int(b)) for a, b in reply["spans"]))
+    context = {"tools": tools, "documents": documents, "add_generation_prompt": add_generation_prompt, **variables}
+    (result,) = render_many([RenderJob(template, messages, context, track_generation)], limits)
+    if isinstance(result, ChatTemplateError):
+        raise result
+    return result
 
 
 def has_generation_blocks(template: str) -> bool:

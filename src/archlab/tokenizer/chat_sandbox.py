@@ -14,8 +14,10 @@ limit and kills the worker when it passes.
 This file imports only the standard library and jinja2: it runs as a script (`python -I chat_sandbox.py
 MEMORY_MB [PATH...]`, the paths where jinja2 and markupsafe live), without importing archlab or torch, and
 speaks one JSON object per line on stdin/stdout:
-    request  {"source": str, "variables": {...}, "track": bool, "max_chars": int}
-    reply    {"text": str, "spans": [[start, end], ...]}  or  {"error": str}
+    request  {"jobs": [{"source": str, "variables": {...}, "track": bool}, ...], "max_chars": int}
+    reply    {"results": [{"text": str, "spans": [[start, end], ...]}  or  {"error": str}, ...]}
+Several renders travel in one request (a conversation and its prefixes, a chunk of training data), so the
+cost of the round trip is paid once for them.
 """
 from __future__ import annotations
 
@@ -180,10 +182,9 @@ def _limit_memory(megabytes: int) -> None:
         pass
 
 
-def _reply(request: dict) -> dict:
+def _result(job: dict, max_chars: int) -> dict:
     try:
-        text, spans = render(request["source"], request["variables"], track=request["track"],
-                             max_chars=request["max_chars"])
+        text, spans = render(job["source"], job["variables"], track=job["track"], max_chars=max_chars)
         return {"text": text, "spans": spans}
     except MemoryError:
         return {"error": "the chat template used more memory than the renderer allows"}
@@ -198,11 +199,14 @@ def _reply(request: dict) -> dict:
 def serve(stdin, stdout) -> None:
     """Answer one JSON request per line until stdin closes."""
     for line in stdin:
-        try:
-            reply = _reply(json.loads(line))
-        except MemoryError:
-            reply = {"error": "the chat template used more memory than the renderer allows"}
-        stdout.write(json.dumps(reply) + "\n")
+        request = json.loads(line)
+        results = []
+        for job in request["jobs"]:
+            try:
+                results.append(_result(job, request["max_chars"]))
+            except MemoryError:   # raised again while reporting the first one
+                results.append({"error": "the chat template used more memory than the renderer allows"})
+        stdout.write(json.dumps({"results": results}) + "\n")
         stdout.flush()
 
 

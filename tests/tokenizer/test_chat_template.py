@@ -261,3 +261,20 @@ def test_the_chat_template_command_adds_a_format_and_refuses_mistakes(tmp_path, 
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
     assert (tmp_path / "tok" / "chat_template.jinja").read_text() == before
+
+
+def test_the_vectorized_overlap_equals_transformers_one_pass():
+    """token_mask's numpy overlap test against the pass transformers runs (zero-length spans and tokens that
+    straddle span edges included)."""
+    import numpy as np
+
+    from archlab.tokenizer.chat import _overlaps, _overlaps_in_order
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        lengths = rng.integers(1, 5, size=int(rng.integers(0, 40)))
+        ends = np.cumsum(lengths)
+        cuts = np.sort(rng.integers(0, int(ends[-1]) + 2 if len(ends) else 2, size=2 * int(rng.integers(0, 5))))
+        spans = [(int(a), int(b)) for a, b in cuts.reshape(-1, 2)]
+        assert _overlaps(ends - lengths, ends, spans) == _overlaps_in_order((ends - lengths).tolist(),
+                                                                            ends.tolist(), spans)

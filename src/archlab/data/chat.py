@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from archlab.data.corpora import CorpusError, jsonl_records
 from archlab.data.objectives import IGNORE
 from archlab.errors import UserError
@@ -235,7 +237,11 @@ TRUNCATIONS: dict[str, Callable[[list[int], list[int], int], tuple[list[int], li
 
 def _labels(ids: list[int], mask: list[int]) -> list[int]:
     """Slot j predicts token j + 1: labels[j] = ids[j + 1] where that token is scored, else IGNORE."""
-    return [ids[j + 1] if mask[j + 1] else IGNORE for j in range(len(ids) - 1)] + [IGNORE] * bool(ids)
+    if not ids:
+        return []
+    targets = np.asarray(ids[1:] + [IGNORE], dtype=np.int64)                                  # (n,)
+    scored = np.asarray(mask[1:] + [0], dtype=bool)
+    return np.where(scored, targets, IGNORE).tolist()
 
 
 def _checked(results: list) -> list[Rendered]:

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from archlab.errors import UserError
 
 __all__ = ["ChatTemplateError", "RenderLimits", "Rendered", "RenderJob", "ChatTokenizer", "render_chat",
@@ -326,16 +328,18 @@ def token_mask(tokenizer: Any, text: str, spans: tuple[tuple[int, int], ...] | l
     hf = getattr(tokenizer, "hf", None)
     if hf is not None:
         encoding = hf.encode(_clean(text), add_special_tokens=False)
-        return list(encoding.ids), _overlaps(encoding.offsets, spans)
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)                  # (n, 2)
+        return list(encoding.ids), _overlaps(offsets[:, 0], offsets[:, 1], spans)
     ids = tokenizer.encode(text)
     clean = _clean(text)
-    offsets, at = [], 0
-    for i in ids:                                   # byte offsets: archlab decodes by concatenating token bytes
-        n = len(tokenizer.token_bytes(i))
-        offsets.append((at, at + n))
-        at += n
+    table = getattr(tokenizer, "id_to_bytes", None)
+    if table is not None:                           # archlab decodes by concatenating token bytes
+        lengths = np.fromiter((len(table[i]) for i in ids), dtype=np.int64, count=len(ids))
+    else:
+        lengths = np.fromiter((len(tokenizer.token_bytes(i)) for i in ids), dtype=np.int64, count=len(ids))
+    ends = np.cumsum(lengths)                                                                  # (n,) byte offsets
     byte_spans = [(len(clean[:a].encode("utf-8")), len(clean[:b].encode("utf-8"))) for a, b in spans]
-    return ids, _overlaps(offsets, byte_spans)
+    return ids, _overlaps(ends - lengths, ends, byte_spans)
 
 
 def _clean(text: str) -> str:
@@ -343,10 +347,25 @@ def _clean(text: str) -> str:
     return clean_surrogates(text)
 
 
-def _overlaps(offsets, spans) -> list[int]:
-    """1 for each (start, end) of `offsets` that overlaps a span (both in order): one pass, as transformers."""
-    mask, k = [0] * len(offsets), 0
-    for i, (start, end) in enumerate(offsets):
+def _overlaps(starts: np.ndarray, ends: np.ndarray, spans) -> list[int]:
+    """1 for each token [starts[i], ends[i]) that overlaps a span, as transformers' one pass decides it: the
+    span of token i is the first one ending after the token starts (spans in order), and the token is marked
+    when it ends after that span starts."""
+    if not spans or len(starts) == 0:
+        return [0] * len(starts)
+    span_starts, span_ends = (np.asarray(column, dtype=np.int64) for column in zip(*spans))
+    if np.any(np.diff(span_ends) < 0):             # out-of-order spans: transformers' pass, step by step
+        return _overlaps_in_order(starts.tolist(), ends.tolist(), spans)
+    k = np.searchsorted(span_ends, starts, side="right")                                       # (n,)
+    inside = k < len(span_ends)
+    mask = np.zeros(len(starts), dtype=np.int64)
+    mask[inside] = ends[inside] > span_starts[k[inside]]
+    return mask.tolist()
+
+
+def _overlaps_in_order(starts: list[int], ends: list[int], spans) -> list[int]:
+    mask, k = [0] * len(starts), 0
+    for i, (start, end) in enumerate(zip(starts, ends)):
         while k < len(spans) and start >= spans[k][1]:
             k += 1
         if k == len(spans):

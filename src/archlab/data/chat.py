@@ -5,8 +5,10 @@ Two shapes of line, as users have them (TRL's "conversational" and "prompt-compl
     {"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]}
     {"prompt": "...", "completion": "..."}            (or both as lists of messages)
 
-A conversation renders through the tokenizer's chat template (archlab.tokenizer.chat, the one renderer) and
-is tokenized once; plain prompt/completion text is prompt + completion + the end-of-text token, no template.
+A conversation renders through the tokenizer's chat template (archlab.tokenizer.chat, the one renderer; CHUNK
+conversations per round trip to its worker) and is tokenized once; plain prompt/completion text is prompt +
+completion + the end-of-text token, no template. Text in the data that spells a special token (say
+"<|im_end|>") encodes as that token, as in transformers' apply_chat_template by default.
 Which tokens the loss scores is named by `mask` (LOSS_MASKS):
 
     assistant    the assistant's turns (default): the template's {% generation %} spans, or, for a template

@@ -238,10 +238,10 @@ def test_a_folder_without_a_template_says_how_to_get_one(tmp_path, bpe):
 
 
 def test_a_worker_that_died_between_renders_is_replaced():
-    from archlab.tokenizer import chat
+    from archlab.tokenizer import chat_render
 
     render_chat("x", CHAT)
-    for worker in chat._WORKERS.values():      # the worker this test's renders started
+    for worker in chat_render._WORKERS.values():      # the worker this test's renders started
         worker.proc.kill()
         worker.proc.wait()
     assert render_chat("{{ 1 + 1 }}", CHAT).text == "2"

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from archlab.serve.limits import MB, Limits
+
 SERVE_EXAMPLE = """example:
   archlab serve runs/demo --port 8000
   curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -25,6 +27,10 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--max-request-mb", type=float, default=Limits.max_body_bytes / MB,
+                   help="largest request body in MB; a larger one is refused with 413 (default %(default)g)")
+    p.add_argument("--shutdown-timeout", type=float, default=Limits.shutdown_timeout_s,
+                   help="seconds SIGTERM waits for open requests before cancelling them (default %(default)g)")
     p.set_defaults(func=run)
 
 
@@ -33,6 +39,10 @@ def run(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} must be in 0..65535")
+    if not args.max_request_mb > 0:
+        raise UserError(f"--max-request-mb {args.max_request_mb:g} must be > 0")
+    if not args.shutdown_timeout >= 0:
+        raise UserError(f"--shutdown-timeout {args.shutdown_timeout:g} must be >= 0 seconds")
     try:
         import uvicorn
     except ImportError:
@@ -49,5 +59,8 @@ def run(args) -> int:
     if engine.not_applied:
         print("generation_config.json, not applied (one sequence a request, no beam search): "
               + ", ".join(engine.not_applied), flush=True)
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
+    limits = Limits(max_body_bytes=int(args.max_request_mb * MB), shutdown_timeout_s=args.shutdown_timeout)
+    # a client holding a half-sent body cannot keep a stopping server up past the graceful-shutdown timeout
+    uvicorn.run(create_app(engine, limits), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=limits.shutdown_timeout_s)
     return 0

@@ -184,7 +184,11 @@ class Engine:
             for job in [j for j in self._active.values() if j.cancel.is_set()]:
                 self._leave(job, None)
             if self._active:
-                self._step()
+                try:
+                    self._step()
+                except Exception as exc:  # a failed batched forward fails its rows; the scheduler lives on
+                    for job in list(self._active.values()):
+                        self._leave(job, exc)
 
     def _guarded(self, job: _Job, fn, *args) -> None:
         try:

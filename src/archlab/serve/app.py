@@ -39,7 +39,8 @@ from starlette.exceptions import HTTPException
 
 from archlab.serve.engine import CompletionRequest, Delta, Engine
 from archlab.serve.fields import Parsed, RequestError, check_fields
-from archlab.serve.limits import MB, Limits
+from archlab.serve.limits import Limits
+from archlab.units import human_bytes
 
 __all__ = ["create_app", "off_loop"]
 log = logging.getLogger("archlab.serve")
@@ -134,7 +135,7 @@ def _error_handlers(app: FastAPI) -> None:
 async def _json(request: Request, limits: Limits) -> dict:
     """The body as a JSON object: at most limits.max_body_bytes (413), arrived within limits.body_timeout_s
     (408), parsed off the event loop; NaN, Infinity and nesting past Python's recursion limit are not JSON."""
-    too_large = RequestError(f"the request body is over the server's limit of {limits.max_body_bytes / MB:g} MB "
+    too_large = RequestError(f"the request body is over the server's limit of {human_bytes(limits.max_body_bytes)} "
                              "(archlab serve --max-request-mb)", code="request_too_large", status=413)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limits.max_body_bytes:

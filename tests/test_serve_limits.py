@@ -188,7 +188,7 @@ def test_the_command_passes_its_limits_to_uvicorn(tmp_path, monkeypatch, capsys)
     assert main(["serve", str(tmp_path), "--port", "0", "--shutdown-timeout", "2.5", "--max-request-mb", "1"]) == 0
     assert seen["timeout_graceful_shutdown"] == 2.5 and seen["host"] == "127.0.0.1"
     assert main(["serve", str(tmp_path), "--max-request-mb", "0"]) == 2
-    assert "--max-request-mb 0 must be > 0" in capsys.readouterr().err
+    assert "--max-request-mb 0 must be a number of MB > 0" in capsys.readouterr().err
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_at_start(engine, tmp_path, capsys):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from archlab.serve.limits import MB, Limits
 
@@ -21,7 +22,10 @@ def register(subparsers) -> None:
                               "as server-sent events. The folder's generation_config.json (EOS ids, sampling, stop "
                               "strings, no_repeat_ngram_size, bad_words_ids, forced bos/eos, min lengths, "
                               "repetition_penalty, max_new_tokens) gives the defaults a request's own fields "
-                              "override; the startup line and /v1/models list them.",
+                              "override; the startup line and /v1/models list them. A field the server does not honour "
+                              "is refused as OpenAI refuses it (a JSON 400 naming it); a request body past "
+                              "--max-request-mb is a 413; SIGTERM cancels open requests after --shutdown-timeout "
+                              "seconds.",
                               epilog=SERVE_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", metavar="RUN_OR_HF_FOLDER", help="a run folder or a Hugging Face model folder")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -39,10 +43,10 @@ def run(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} must be in 0..65535")
-    if not args.max_request_mb > 0:
-        raise UserError(f"--max-request-mb {args.max_request_mb:g} must be > 0")
-    if not args.shutdown_timeout >= 0:
-        raise UserError(f"--shutdown-timeout {args.shutdown_timeout:g} must be >= 0 seconds")
+    if not 0 < args.max_request_mb < math.inf:
+        raise UserError(f"--max-request-mb {args.max_request_mb:g} must be a number of MB > 0")
+    if not 0 <= args.shutdown_timeout < math.inf:
+        raise UserError(f"--shutdown-timeout {args.shutdown_timeout:g} must be a number of seconds >= 0")
     try:
         import uvicorn
     except ImportError:

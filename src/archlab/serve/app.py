@@ -4,15 +4,16 @@ tools built for vLLM or `transformers serve` call.
 
     GET  /health                 {"status": "ok"}
     GET  /v1/models              the one model served
-    POST /v1/completions         prompt, max_tokens, temperature, top_p, stop, seed, stream (server-sent events);
-                                 vLLM's top_k, min_p, repetition_penalty
-    POST /v1/chat/completions    messages, rendered with the tokenizer's chat template (400 without one)
+    POST /v1/completions         prompt, max_tokens, temperature, top_p, stop, seed, n, echo, stream (server-sent
+                                 events), stream_options.include_usage; vLLM's top_k, min_p, repetition_penalty
+    POST /v1/chat/completions    messages, rendered with the tokenizer's chat template (400 without one); the
+                                 same fields but prompt and echo, and max_completion_tokens
 
 Fields a request leaves out take the model folder's generation_config.json values (listed under
 "generation_config" in /v1/models; archlab.serve.settings), else OpenAI's defaults.
-Every field is honoured or refused as OpenAI refuses it (archlab.serve.fields): `n` choices, `echo`,
-`stream_options.include_usage` are honoured; `logprobs`, `best_of` other than n, `suffix` refused; `"model"`
-must name the served model (404 model_not_found). Errors are OpenAI-shaped JSON: {"error": {"message", "type",
+Every field is honoured or refused as OpenAI refuses it (archlab.serve.fields): no value is coerced, `logprobs`,
+`best_of` other than n, `suffix`, penalties and tools are refused, an unknown field is refused by name, and
+`"model"` must name the served model (404 model_not_found). Errors are OpenAI-shaped JSON: {"error": {"message", "type",
 "param", "code"}}: 400 for a request the model cannot serve (a prompt past the context says by how much), 404,
 408 and 413 (archlab.serve.limits); a stream that fails midway ends with an error event, never cut mid-body.
 Nothing a request sends is worked on by the event loop: the body is parsed, the chat template rendered (with a

@@ -5,7 +5,9 @@ prefilled into its row), every step runs ONE forward over all active rows (each 
 finished or cancelled request leaves its row to the next one in the queue. Rows of different lengths mask
 their empty slots through the positions the cache returns, so a row's tokens are those it would get alone.
 The scheduler runs on its own thread: the event loop (health, model list, other connections) never waits
-on a forward. `rows_per_step` counts how many rows each decode step carried.
+on a forward; a forward that fails fails the requests in it, not the scheduler. `rows_per_step` counts how
+many rows each decode step carried. A request's deltas hold back a tail that may still become a stop string
+(archlab.serve.stops), so they join to exactly the text cut just before the stop.
 
 A model folder's generation_config.json gives each request its defaults (archlab.serve.settings): EOS ids,
 sampling, stop strings and the logits processors, each request with its own (its own history for n-gram
@@ -128,7 +130,7 @@ class Engine:
         _check(request)
         ids = self.tokenizer.encode(request.prompt)
         if not ids:
-            raise RequestError("the prompt encodes to no tokens")
+            raise RequestError("the prompt encodes to no tokens", param="prompt", code="invalid_value")
         settings = request_settings(self.defaults, prompt_tokens=len(ids), max_tokens=request.max_tokens,
                                     temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                     min_p=request.min_p, repetition_penalty=request.repetition_penalty,

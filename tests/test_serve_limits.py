@@ -27,7 +27,6 @@ from archlab.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-import archlab.serve.app as serve_app  # noqa: E402
 from archlab.serve import Engine, Limits, create_app  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -133,16 +132,20 @@ def test_tokenizing_a_prompt_does_not_hold_the_event_loop(engine):
     assert answer.status_code == 200 and not done and waited < 0.5
 
 
-def test_a_chat_template_that_does_not_finish_is_a_400_and_health_answers_meanwhile(engine, monkeypatch):
-    def stuck(*_):                                      # a template still rendering after the limit
-        time.sleep(2.0)
-        return "never used"
-    monkeypatch.setattr(serve_app, "render_chat", stuck)
+def test_a_chat_template_that_does_not_finish_is_a_400_and_health_answers_meanwhile(engine):
+    """A template that loops without output: its render worker is killed at the limit, the request is a 400,
+    /health answers meanwhile, and the next chat request renders (a fresh worker)."""
+    looping = Engine(engine.model, engine.tokenizer, "tiny", chat_template=LOOP)
     start = time.perf_counter()
-    answer, waited, done = _health_while(engine, Limits(render_timeout_s=0.4), "/v1/chat/completions",
+    answer, waited, done = _health_while(looping, Limits(render_timeout_s=0.4), "/v1/chat/completions",
                                          {"messages": [{"role": "user", "content": "hi"}]}, busy=0.4)
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "template_timeout"
     assert not done and waited < 0.3 and time.perf_counter() - start < 1.8
+    async def again():
+        async with await _client(Engine(engine.model, engine.tokenizer, "tiny", chat_template=CHAT), Limits()) as c:
+            return await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                               "max_tokens": 2})
+    assert asyncio.run(again()).status_code == 200
 
 
 def _free_port() -> int:

@@ -76,11 +76,13 @@ def create_app(engine: Engine, limits: Limits | None = None):
     async def chat(request: Request):
         body = await _json(request, limits)
         parsed, messages = check_fields(body, "chat", model=engine.name, max_n=limits.max_n)
-        if engine.chat_template is None:
+        if engine.chat is None:
             raise RequestError(f"model {engine.name} has no chat template (tokenizer_config.json chat_template): "
                                "use /v1/completions")
         try:
-            prompt = await off_loop(render_chat, engine, messages, timeout=limits.render_timeout_s)
+            # the worker is killed at the limit; the thread's own timeout is a safety net past it
+            prompt = await off_loop(render_chat, engine, messages, limits.render_timeout_s,
+                                    timeout=limits.render_timeout_s + 2.0)
         except TimeoutError:
             raise RequestError(f"the model's chat template did not finish within {limits.render_timeout_s:g} s on "
                                "these messages", param="messages", code="template_timeout") from None
@@ -179,22 +181,18 @@ def _nth(request: CompletionRequest, i: int) -> CompletionRequest:
     return dataclasses.replace(request, seed=(request.seed + i * 0x9E3779B97F4A7C15) % 2 ** 64)
 
 
-def render_chat(engine: Engine, messages) -> str:
-    """The prompt text of `messages` through the tokenizer's chat template, in a sandboxed Jinja
-    environment (a template is data from the model folder: it must not reach Python objects)."""
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def render_chat(engine: Engine, messages, seconds: float) -> str:
+    """The prompt text of `messages` through the folder's chat template (archlab.tokenizer.chat: a sandboxed
+    worker process, killed past `seconds`), with the generation prompt; a template error is a 400."""
+    from archlab.tokenizer.chat import ChatTemplateError, ChatTemplateTimeout, RenderLimits, apply_chat_template
 
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise RequestError("messages must be a list of {role, content} objects")
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    specials = getattr(engine.tokenizer, "special_tokens", []) or []
-    eos = specials[0] if specials else ""
     try:
-        return env.from_string(engine.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                            bos_token="", eos_token=eos)
-    except TemplateError as exc:    # includes the sandbox's SecurityError
-        raise RequestError(f"the model's chat template failed on these messages: {exc}") from exc
+        return apply_chat_template(engine.chat, messages, tokenize=False, add_generation_prompt=True,
+                                   limits=RenderLimits(seconds=seconds))
+    except ChatTemplateTimeout:
+        raise TimeoutError from None
+    except ChatTemplateError as exc:
+        raise RequestError(f"the model's chat template failed on these messages: {exc}", param="messages") from exc
 
 
 # ---- work off the event loop ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ blocking), its own fields winning.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import threading
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from archlab.generation.config import GenerationConfig
 from archlab.nn.fused import DecodeSession
 from archlab.serve.fields import RANGES, RequestError
 from archlab.serve.stops import first_stop, releasable
+from archlab.tokenizer.chat import ChatTokenizer, read_chat_templates, read_special_tokens
 
 __all__ = ["Engine", "CompletionRequest", "RequestError"]
 
@@ -79,13 +81,17 @@ class Engine:
     folder's decoding defaults (archlab.serve.settings), under each request's own fields.
     Example: Engine.from_folder("runs/demo").complete(CompletionRequest("ROMEO:", max_tokens=8))"""
 
-    def __init__(self, model, tokenizer, name: str, chat_template: str | None = None, max_batch: int = 8,
+    def __init__(self, model, tokenizer, name: str, chat_template: str | ChatTokenizer | None = None,
+                 max_batch: int = 8,
                  generation_config: GenerationConfig | None = None):
         from archlab.generation.stepper import vocab_limit
         from archlab.nn.kv_cache import SlotKVCache
         from archlab.serve.settings import applied, defaults_for, not_served
 
-        self.model, self.tokenizer, self.name, self.chat_template = model, tokenizer, name, chat_template
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        # the template and the special tokens it reads (archlab.tokenizer.chat), or None: no chat endpoint
+        self.chat = (chat_template if isinstance(chat_template, ChatTokenizer) or chat_template is None
+                     else dataclasses.replace(ChatTokenizer.of(tokenizer), templates=chat_template))
         _check_vocabulary(model, tokenizer)
         self.vocab_limit = vocab_limit(model, tokenizer)
         self.context = model.config.max_seq_len
@@ -115,7 +121,7 @@ class Engine:
                             f"use `{_OTHER_COMMAND[arch][1].format(path=path)}`")
         model, tokenizer = load_model_and_tokenizer(resolved, device, purpose="serve", generation_config=True)
         folder = Path(str(path).split("@")[0])
-        return cls(model, tokenizer, folder.resolve().name, _chat_template(Path(path)), max_batch,
+        return cls(model, tokenizer, folder.resolve().name, _chat_tokenizer(Path(resolved), tokenizer), max_batch,
                    generation_config=getattr(model, "generation_config", None))
 
     # ---- requests
@@ -294,14 +300,11 @@ def _continuation(whole: str, head: str) -> str:
     return whole[len(head):] if whole.startswith(head) else whole
 
 
-def _chat_template(folder: Path) -> str | None:
-    """The chat template of an HF tokenizer (tokenizer_config.json), if the folder has one."""
-    import json
-    for candidate in (folder / "tokenizer_config.json", folder / "tokenizer" / "tokenizer_config.json"):
-        if candidate.is_file():
-            try:
-                template = json.loads(candidate.read_text()).get("chat_template")
-            except (ValueError, AttributeError):
-                return None
-            return template if isinstance(template, str) else None
+def _chat_tokenizer(folder: Path, tokenizer) -> ChatTokenizer | None:
+    """The folder's chat template(s) and the special tokens they read (a run folder's tokenizer/, or an HF
+    folder itself: chat_template.jinja, or tokenizer_config.json's chat_template), if it has one."""
+    for tok_dir in (folder / "tokenizer", folder):
+        templates = read_chat_templates(tok_dir) if tok_dir.is_dir() else None
+        if templates:
+            return ChatTokenizer(tokenizer, templates, read_special_tokens(tok_dir))
     return None

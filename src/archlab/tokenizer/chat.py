@@ -27,6 +27,7 @@ import numpy as np
 
 from archlab.tokenizer.chat_render import (
     ChatTemplateError,
+    ChatTemplateTimeout,
     Rendered,
     RenderJob,
     RenderLimits,
@@ -35,8 +36,8 @@ from archlab.tokenizer.chat_render import (
     render_many,
 )
 
-__all__ = ["ChatTemplateError", "RenderLimits", "Rendered", "RenderJob", "ChatTokenizer", "render_chat",
-           "render_many", "token_mask",
+__all__ = ["ChatTemplateError", "ChatTemplateTimeout", "RenderLimits", "Rendered", "RenderJob", "ChatTokenizer",
+           "render_chat", "render_many", "token_mask",
            "apply_chat_template", "read_chat_templates", "read_special_tokens", "has_generation_blocks",
            "TEMPLATE_FILE", "TEMPLATE_DIR", "SPECIAL_TOKEN_ROLES"]
 

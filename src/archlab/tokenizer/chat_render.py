@@ -36,6 +36,10 @@ class ChatTemplateError(UserError, ValueError):
     """A chat template that is missing, raises, runs too long or writes too much; or messages it cannot take."""
 
 
+class ChatTemplateTimeout(ChatTemplateError):
+    """A render stopped at its time limit (the worker killed)."""
+
+
 @dataclass(frozen=True)
 class RenderLimits:
     """What one render may take: wall-clock seconds, output characters, worker memory (MiB above its start)."""
@@ -88,7 +92,7 @@ class _Worker:
             left = deadline - time.monotonic()
             if left <= 0 or not poller.poll(left * 1000):
                 self.close()
-                raise ChatTemplateError(f"the chat template ran longer than {seconds:g} s (stopped)")
+                raise ChatTemplateTimeout(f"the chat template ran longer than {seconds:g} s (stopped)")
             chunk = os.read(fd, 1 << 20)
             if not chunk:
                 raise self._stopped()

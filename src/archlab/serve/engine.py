@@ -27,7 +27,7 @@ import torch
 
 from archlab.errors import UserError
 from archlab.generation.config import GenerationConfig
-from archlab.nn.fused import DecodeSession
+from archlab.nn.fused import DecodeSession, direct_calls
 from archlab.serve.fields import RANGES, RequestError
 from archlab.serve.stops import first_stop, releasable
 from archlab.tokenizer.chat import ChatTokenizer, read_chat_templates, read_special_tokens
@@ -185,18 +185,29 @@ class Engine:
             with self._wake:
                 while not self._waiting and not self._active:
                     self._wake.wait()
-                free = [r for r in range(len(self.slots.length)) if r not in self._active]
-                joining = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-            for row, job in zip(free, joining):
-                self._guarded(job, self._prefill, row)
-            for job in [j for j in self._active.values() if j.cancel.is_set()]:
-                self._leave(job, None)
-            if self._active:
-                try:
-                    self._step()
-                except Exception as exc:  # a failed batched forward fails its rows; the scheduler lives on
-                    for job in list(self._active.values()):
-                        self._leave(job, exc)
+            # the scheduler alone runs the model: while it has work, a hook-free model's modules are called
+            # straight into forward (archlab.nn.fused.direct_calls), as in generate's decode loop
+            with direct_calls(self.model):
+                while self._schedule():
+                    pass
+
+    def _schedule(self) -> bool:
+        """Admit waiting requests into free rows, drop cancelled ones, run one decode step; whether work is left."""
+        with self._wake:
+            free = [r for r in range(len(self.slots.length)) if r not in self._active]
+            joining = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        for row, job in zip(free, joining):
+            self._guarded(job, self._prefill, row)
+        for job in [j for j in self._active.values() if j.cancel.is_set()]:
+            self._leave(job, None)
+        if self._active:
+            try:
+                self._step()
+            except Exception as exc:  # a failed batched forward fails its rows; the scheduler lives on
+                for job in list(self._active.values()):
+                    self._leave(job, exc)
+        with self._wake:
+            return bool(self._waiting or self._active)
 
     def _guarded(self, job: _Job, fn, *args) -> None:
         try:

@@ -194,3 +194,20 @@ def test_no_family_drops_a_tensor_transformers_would_use(tmp_path, model_type):
             state = load_file(folder / FILE)
             del state[name]
             save_file(state, str(folder / FILE), metadata={"format": "pt"})
+
+
+def test_convert_from_hf_keeps_a_head_of_its_own(tmp_path):
+    """The run folder `convert --from-hf` writes (what generate and serve then load) holds the file's own head."""
+    from archlab.cli.convert import convert_from_hf
+    from archlab.runs.checkpoint import load_run
+
+    folder = _llama(tmp_path / "hf")
+    _set(folder, "lm_head.weight", _noise(load_file(folder / FILE)["model.embed_tokens.weight"]))
+    convert_from_hf(folder, tmp_path / "run")
+    ours, _ = load_run(tmp_path / "run")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = ours(ids), theirs(input_ids=ids, use_cache=False).logits
+    assert not ours.config.tie_embeddings
+    assert float((a - b).abs().max() / b.abs().max()) < TOLERANCE

@@ -64,6 +64,14 @@ def family_for(hf: dict) -> Family:
     return FAMILIES.get(model_type)  # unknown -> ConfigError listing the known ones
 
 
+def _shard_name(index: Path, name: object) -> str:
+    """A shard file name from an index's weight_map: a path inside the folder (`../` and absolute paths are
+    refused; a shard that is a link, as in the Hugging Face cache, is followed)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise WeightsError(f"{index} names shard {name!r}, not a file inside {index.parent}")
+    return name
+
+
 class SafetensorsFolder:
     """Lazy access to the tensors of a folder: name -> file, opened memory-mapped on first use."""
 
@@ -77,9 +85,9 @@ class SafetensorsFolder:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
+                self.files = {name: folder / _shard_name(index, file) for name, file in weight_map.items()}
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
                 raise WeightsError(f"{index}: not a safetensors index ({exc})") from exc
-            self.files = {name: folder / file for name, file in weight_map.items()}
             for path in set(self.files.values()):
                 if not path.is_file():
                     raise WeightsError(f"{index} names shard {path.name}, which is missing")

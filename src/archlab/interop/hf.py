@@ -3,9 +3,12 @@ EncoderDecoderLM (T5).
 
 `load_hf(folder)` reads config.json, picks the family registered for its `model_type`, builds our
 ModelConfig, and maps every tensor (single `model.safetensors` or a sharded
-`model.safetensors.index.json`; memory-mapped, CPU). Every HF tensor must be used and every one of
-our parameters filled: a missing or a left-over tensor is an error naming it, so a silently
-half-loaded model cannot happen. `save_hf(model, folder)` writes a folder `transformers` loads to
+`model.safetensors.index.json`, whose shard names stay inside the folder; memory-mapped, CPU). Every HF tensor
+must be used and every one of our parameters filled: a missing or a left-over tensor is an error naming it, so a
+silently half-loaded model cannot happen. A stored copy of a tensor that is read (a tied head, BERT's decoder,
+T5's per-stack embeddings) is dropped only when equal to it; one that differs is used as transformers uses it
+(the head unties) or refused by name, so a file never loads to other logits than transformers gives it.
+`save_hf(model, folder)` writes a folder `transformers` loads to
 the same logits; the family is inferred from the config when not given.
 HF names appear only here, in archlab.interop.families and in archlab.interop.tokenizer_files (the tokenizer
 files beside an exported tokenizer.json, `write_tokenizer_files`, re-exported here).
@@ -209,25 +212,25 @@ def _settle_copies(fam: Family, cfg: ModelConfig, source: SafetensorsFolder, sto
         settled: set[str] = set()
         needed = {name for rule in fam.weight_rules(cfg) for name in rule.hf}
         for copy in fam.stored_copies(cfg):
-            if copy.name in needed and copy.name not in stored and copy.source in stored:
-                read_from[copy.name] = copy.source     # a tie transformers makes: the copy is its source
+            tied = copy.source if copy.source in stored else None       # the tensor it copies, when stored
+            if copy.name in needed and copy.name not in stored and tied is not None:
+                read_from[copy.name] = tied           # a tie transformers makes: the copy is its source
             if copy.name not in stored or copy.name in needed:
                 continue
-            if copy.source is not None and copy.source not in stored:
-                read_from[copy.source] = copy.name
+            if copy.source is not None and tied is None:
+                read_from[copy.source] = copy.name    # transformers ties the other way round
                 continue
-            if _same_tensor(source.get(stored[copy.name]), copy.compute() if copy.compute is not None
-                            else source.get(stored[copy.source]), exact=copy.compute is None):
+            expected = source.get(stored[tied]) if tied is not None else copy.compute() if copy.compute else None
+            if expected is not None and _same_tensor(source.get(stored[copy.name]), expected, exact=tied is not None):
                 settled.add(copy.name)
             elif copy.on_difference == "untie_head" and cfg.tie_embeddings:
                 cfg = dataclasses.replace(cfg, tie_embeddings=False)
                 break
-            elif copy.on_difference == "read_copy" and copy.source is not None:
-                read_from[copy.source] = copy.name
-                settled.add(copy.source)
+            elif copy.on_difference == "read_copy" and tied is not None:
+                read_from[tied] = copy.name
+                settled.add(tied)
             else:
-                what = f"differs from {copy.source}, which it is tied to" if copy.source else \
-                    "differs from the values its config implies"
+                what = f"differs from {tied}, which it is tied to" if tied else "differs from what its config implies"
                 raise WeightsError(f"{fam.model_type} checkpoint tensor {copy.name} {what}"
                                    + (f": {copy.why}" if copy.why else "")
                                    + "; archlab will not drop a tensor that holds other values")

@@ -304,6 +304,10 @@ def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Fa
     left = sorted(set(own) - covered)
     if left:
         raise WeightsError(f"{fam.model_type}: no HF name for parameter(s) {', '.join(left)}")
+    if not cfg.tie_embeddings and fam.config_unties:   # transformers ties nothing: BART's stacks read their own
+        for copy in fam.stored_copies(cfg):
+            if copy.source in tensors and copy.name not in tensors:
+                tensors[copy.name] = tensors[copy.source].clone()
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) == 1:
         hf["torch_dtype"] = hf["dtype"] = str(dtypes.pop()).removeprefix("torch.")

@@ -378,6 +378,8 @@ class Family:
     arch: str = "decoder"           # the ModelConfig.arch its configs have (BERT: "encoder")
     base_prefix: str = "model."     # prefix of the base model's tensors inside *ForCausalLM
     save_priority: int = 100        # lower wins when several families express a config exactly
+    config_unties = True            # tie_word_embeddings=false unties every copy in transformers, so save_hf
+                                    # writes each one (False: the HF config class ties them whatever it says)
 
     def to_config(self, hf: dict) -> ModelConfig:
         raise NotImplementedError

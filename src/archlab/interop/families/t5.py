@@ -45,6 +45,7 @@ class T5Family(Family):
     arch = "encoder_decoder"
     base_prefix = ""          # shared., encoder., decoder., lm_head. at the top level
     save_priority = 10
+    config_unties = False     # T5Config sets tie_word_embeddings=True for every T5
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)

@@ -8,8 +8,8 @@ must be used and every one of our parameters filled: a missing or a left-over te
 silently half-loaded model cannot happen. A stored copy of a tensor that is read (a tied head, BERT's decoder,
 T5's per-stack embeddings) is dropped only when equal to it; one that differs is used as transformers uses it
 (the head unties) or refused by name, so a file never loads to other logits than transformers gives it.
-`save_hf(model, folder)` writes a folder `transformers` loads to
-the same logits; the family is inferred from the config when not given.
+`save_hf(model, folder)` writes a folder `transformers` loads to the same logits; the family is inferred from the
+config when not given.
 HF names appear only here, in archlab.interop.families and in archlab.interop.tokenizer_files (the tokenizer
 files beside an exported tokenizer.json, `write_tokenizer_files`, re-exported here).
 """
@@ -278,7 +278,8 @@ def infer_family(cfg: ModelConfig) -> Family:
 
 def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Family:
     """Write config.json + model.safetensors loadable by `transformers`; returns the family used.
-    With `family` given, the round trip must still be exact (error naming the differing switch)."""
+    With `family` given, the round trip must still be exact (error naming the differing switch). An untied
+    config also gets the copies transformers then reads apart (BART's per-stack embed_tokens)."""
     from safetensors.torch import save_file
 
     cfg = model.config

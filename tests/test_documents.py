@@ -244,3 +244,83 @@ def test_the_accounting_counts_only_in_document_pairs(overrides):
     counted = int(spec.allows(pos, pos).sum()) / sum(lengths)
     assert packed_keys_per_query(cfg, 0, lengths) == pytest.approx(counted)
     assert packed_keys_per_query(cfg, 0, lengths) < keys_per_query(cfg, 0, sum(lengths))
+
+
+# ---- pretraining with document masks (train.document_masks) ------------------------------------------------------
+def test_document_masks_split_a_window_at_its_end_of_text_tokens_by_hand():
+    from archlab.data.objectives import IGNORE, DocumentMasks
+    eot = 256
+    x = torch.tensor([[5, 6, eot, 7, 8, eot, 9], [eot, 1, 2, 3, 4, 5, 6]])
+    y = torch.tensor([[6, eot, 7, 8, eot, 9, 4], [1, 2, 3, 4, 5, 6, eot]])
+    inputs, labels = DocumentMasks(eot).batch(x, targets=y)
+    assert torch.equal(inputs["input_ids"], x)
+    assert inputs["document_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 1]]
+    assert labels.tolist() == [[6, eot, IGNORE, 8, eot, IGNORE, 4], [IGNORE, 2, 3, 4, 5, 6, eot]]
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory):
+    import random
+
+    from archlab.data.tokens import prepare
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog".split()
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 3))) for _ in range(600)]
+    path = tmp_path_factory.mktemp("docs") / "d"
+    prepare(docs, "bytes", path, num_workers=0, progress=False)
+    return path
+
+
+def _lm():
+    return BASE.with_overrides({"vocab_size": 257, "attention.window": 6, "position.kind": "alibi"})
+
+
+FAST = dict(batch_size=4, seq_len=32, warmup_steps=2, eval_batches=2, log_every=1, sample_every=-1, lr=3e-3,
+            checkpoint_every=5, device="cpu")
+
+
+def test_a_training_batch_with_document_masks_scores_each_document_alone(short_docs):
+    from archlab.data.batches import TrainBatches, open_splits
+    from archlab.training.config import TrainConfig
+    train_data, _ = open_splits(short_docs)
+    batches = TrainBatches(_lm(), TrainConfig(document_masks=True, **FAST), train_data)
+    inputs, labels = batches.next(step=0, micro=0)
+    docs = inputs["document_ids"]
+    assert int(docs.max()) >= 2                                          # several documents in a row
+    model = _model(_lm())
+    with torch.no_grad():
+        got = model(**inputs, targets=labels).ce
+        nats, n = 0.0, 0
+        for r in range(docs.shape[0]):                                   # each document run alone
+            for d in docs[r].unique():
+                slots = docs[r] == d
+                logits = model(inputs["input_ids"][r, slots][None])[0]
+                scored = labels[r, slots] != -100
+                nats += torch.nn.functional.cross_entropy(logits[scored], labels[r, slots][scored],
+                                                          reduction="sum").item()
+                n += int(scored.sum())
+    assert n == int((labels != -100).sum()) < labels.numel()
+    assert float(got) == pytest.approx(nats / n, rel=1e-5)
+
+
+def test_pretraining_with_document_masks_learns_and_resumes_exactly(short_docs, tmp_path):
+    from run_checks import assert_resume_is_exact
+
+    from archlab.training.config import TrainConfig
+    from archlab.training.trainer import read_metrics
+    cfg = TrainConfig(budget=10, document_masks=True, **FAST)
+    assert_resume_is_exact(_lm(), cfg, short_docs, tmp_path)
+    rows = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses[-1] < losses[0] - 0.5
+    assert any("val_loss" in r and r["val_bpb"] > 0 for r in rows)
+
+
+def test_document_masks_with_another_objective_is_one_line(short_docs, tmp_path):
+    from archlab.errors import UserError
+    from archlab.training.config import TrainConfig
+    from archlab.training.trainer import train
+    cfg = TrainConfig(budget=1, document_masks=True, objective="continuation", **FAST)
+    with pytest.raises(UserError, match="document_masks .* not with train.objective=continuation"):
+        train(_lm(), cfg, short_docs, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()

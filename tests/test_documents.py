@@ -324,3 +324,15 @@ def test_document_masks_with_another_objective_is_one_line(short_docs, tmp_path)
     with pytest.raises(UserError, match="document_masks .* not with train.objective=continuation"):
         train(_lm(), cfg, short_docs, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_flops_per_token_of_packed_documents_count_their_pairs_only():
+    from archlab.config import ConfigError
+    from archlab.models.accounting import flops_per_token
+    lengths = [5, 1, 9, 4]
+    full, packed = flops_per_token(BASE, 19), flops_per_token(BASE, 19, document_lengths=lengths)
+    per_key = 4.0 * BASE.attention.n_heads * BASE.head_dim * BASE.n_layers          # QK^T and PV, every layer
+    fewer_keys = keys_per_query(BASE, 0, 19) - packed_keys_per_query(BASE, 0, lengths)
+    assert full - packed == pytest.approx(per_key * fewer_keys)
+    with pytest.raises(ConfigError, match="sum to 19, not seq_len=20"):
+        flops_per_token(BASE, 20, document_lengths=lengths)

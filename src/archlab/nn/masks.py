@@ -44,7 +44,7 @@ def document_positions(document_ids: torch.Tensor, real: torch.Tensor | None = N
     real = ids >= 0 if real is None else real.bool() & (ids >= 0)
     before = torch.nn.functional.pad(ids[:, :-1], (1, 0), value=-2)         # (b, t) the previous slot's id
     starts = real & (ids != before)                                         # a document's first slot
-    rows, = torch.nonzero(starts, as_tuple=True)[:1]
+    rows = starts.nonzero()[:, 0]                                           # (starts,) the row of each
     ordinal = rows * (int(ids.max()) + 1 if ids.numel() else 1) + ids[starts]   # (starts,) one per (row, id)
     if ordinal.numel() != torch.unique(ordinal).numel():
         raise ValueError("document_ids: each document must be one run of slots in its row (an id came back "

@@ -202,6 +202,8 @@ CASES = [
     ("train span corruption without sentinels", T + ["--preset", "tiny:t5-11b", "--set", "vocab_size=257"],
      "span corruption needs sentinel ids"),
     ("train next sentence without the head", BERT + ["--set", "train.objective=next_sentence"], "nsp_head=true"),
+    ("train document masks with masked LM", BERT + ["--set", "train.document_masks=true"],
+     "train.document_masks keeps next-token documents apart: not with train.objective=mlm"),
     ("train next sentence without sentences",
      BERT + ["--set", "nsp_head=true", "--set", "train.objective=next_sentence"], "--sentences"),
     ("train pairs on a decoder", ["train", "--data", "{tmp}/pairs", "--out", "{new}", "--no-progress", "--preset",

@@ -1,7 +1,7 @@
 """Cached decoding runs through the model's own modules: given a DecodeSession (what generate passes to each
 forward) every variant's decode-step logits equal the plain module forward's (padding, windows, GQA, biases
-included); packed weights follow in-place weight changes; hooks fire, and a hook-free model's modules are called
-directly; the session travels with the forward, so two threads decoding two models each use their own."""
+included); packed weights follow in-place weight changes; hooks fire at every step; the session travels with the
+forward, so two threads decoding two models each use their own."""
 import pytest
 import torch
 from torch import nn
@@ -10,7 +10,7 @@ from variants import VARIANTS, variant
 import archlab
 from archlab import TransformerLM
 from archlab.generation.stepper import Stepper
-from archlab.nn import calls, fused
+from archlab.nn import fused
 from archlab.nn.fused import DecodeSession
 from archlab.nn.kv_cache import StaticKVCache
 
@@ -28,17 +28,18 @@ def _prompt(cfg, b=2, t=7):
 def _decode_logits(model, ids, mask, fast, steps=12):
     with torch.inference_mode():
         st = Stepper(model, ids, mask, steps, fast=fast)
-        logits, out = st.prefill(), []
-        for i in range(steps):
-            tokens = (torch.arange(ids.shape[0]) * 7 + i * 3) % model.config.vocab_size
-            logits = st.step(tokens)
-            out.append(logits)
+        with st.calls():                      # fast: direct module calls for the loop, as generate runs it
+            logits, out = st.prefill(), []
+            for i in range(steps):
+                tokens = (torch.arange(ids.shape[0]) * 7 + i * 3) % model.config.vocab_size
+                logits = st.step(tokens)
+                out.append(logits)
     return st, torch.stack(out, 1)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_session_decode_steps_equal_the_plain_module_forward(name):
-    """fast=True: packed weights and direct module calls (one DecodeSession); fast=False: the plain forward."""
+    """fast=True: packed weights (one DecodeSession) and direct module calls; fast=False: the plain forward."""
     model = TransformerLM(variant(name)).eval()
     ids, mask = _prompt(model.config)
     _, ref = _decode_logits(model, ids, mask, fast=False)
@@ -73,44 +74,26 @@ def test_prepared_weights_follow_in_place_changes():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_a_session_calls_modules_directly_only_for_a_hook_free_model(monkeypatch):
+def test_hooks_inside_a_block_fire_at_every_cached_decode_step():
+    model = TransformerLM(variant("qk-norm-per-head")).eval()      # decodes through its modules
+    seen = {"attn_norm": 0, "mlp": 0}
+    model.blocks[0].attn_norm.register_forward_hook(lambda *a: seen.__setitem__("attn_norm", seen["attn_norm"] + 1))
+    model.blocks[1].mlp.register_forward_pre_hook(lambda *a: seen.__setitem__("mlp", seen["mlp"] + 1))
+    prompt = torch.randint(0, model.config.vocab_size, (2, 5))
+    cached = archlab.generate(model, prompt, max_new_tokens=6)
+    assert seen == {"attn_norm": 6, "mlp": 6}                       # prefill + 5 cached steps
+    assert torch.equal(cached, archlab.generate(model, prompt, max_new_tokens=6, use_cache=False))
+
+
+def test_a_hook_that_changes_a_norm_changes_decoding():
     model = TransformerLM(variant("base")).eval()
-    assert DecodeSession(model).direct and not DecodeSession().direct
-    handle = model.blocks[1].mlp.register_forward_pre_hook(lambda *a: None)
-    assert not DecodeSession(model).direct                # a hook anywhere in the model
+    prompt = torch.randint(0, model.config.vocab_size, (1, 4))
+    plain = archlab.generate(model, prompt, max_new_tokens=8)
+    handle = model.blocks[0].mlp_norm.register_forward_hook(lambda m, args, out: out * 30)
+    hooked = archlab.generate(model, prompt, max_new_tokens=8)
     handle.remove()
-    handle = nn.modules.module.register_module_forward_hook(lambda *a: None)
-    assert not DecodeSession(model).direct                # a global hook
-    handle.remove()
-    x = torch.randint(0, model.config.vocab_size, (1, 4))
-    with torch.no_grad():
-        expected = model(x)
-    session = DecodeSession(model)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a child was checked for hooks or went through nn.Module.__call__")
-    monkeypatch.setattr(nn.Module, "_call_impl", refuse)
-    monkeypatch.setattr(calls, "_hooked", refuse)         # calls.call's per-call check
-    with torch.no_grad():
-        got = model.forward(x, session=session)           # every child called directly: no check, no __call__
-        with pytest.raises(AssertionError, match="checked for hooks"):
-            model.forward(x)                              # no session: every call is checked
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert session.packs                                  # and its modules decoded through the session's packs
-
-
-def test_direct_calls_cover_only_the_session_model():
-    """A session checked for one model, given to another model's forward: that model keeps its hooks firing."""
-    decoded, other = TransformerLM(variant("base")).eval(), TransformerLM(variant("base")).eval()
-    fired = []
-    other.blocks[0].attn_norm.register_forward_hook(lambda *a: fired.append(1))
-    x = torch.randint(0, decoded.config.vocab_size, (1, 3))
-    session = DecodeSession(decoded)
-    assert session.direct and other.blocks[0].attn_norm not in session.direct
-    with torch.no_grad():
-        decoded(x, session=session)
-        other(x, session=session)
-    assert fired == [1]
+    assert not torch.equal(plain, hooked)
+    assert torch.equal(plain, archlab.generate(model, prompt, max_new_tokens=8))
 
 
 def _session_modules(session: DecodeSession) -> set:
@@ -122,8 +105,8 @@ def _session_modules(session: DecodeSession) -> set:
 @pytest.mark.parametrize("worker_leaves_first", [True, False])
 def test_two_threads_decode_two_models_each_in_its_own_session(worker_leaves_first):
     """A server's engine thread and a user's generate overlapping: while one thread is in the middle of its
-    hook-free model's forward, the other decodes a hooked model. Each forward uses its own session's packed
-    weights and direct calls only (none lands in the other's), the hooked model's hooks fire, and both give
+    model's forward, the other decodes a hooked model. Each forward uses its own session's packed weights only
+    (none lands in the other's), the hooked model's hooks fire, and both give
     the logits they give alone, whichever thread finishes first."""
     import threading
 
@@ -134,8 +117,7 @@ def test_two_threads_decode_two_models_each_in_its_own_session(worker_leaves_fir
     with torch.no_grad():
         expected, expected_other = model(x), other(x)
     fired.clear()
-    mine, theirs = DecodeSession(model), DecodeSession(other)
-    assert mine.direct and not theirs.direct               # `other` is hooked: its session checks every call
+    mine, theirs = DecodeSession(), DecodeSession()
     inside, release, left = threading.Event(), threading.Event(), threading.Event()
     mlp = model.blocks[1].mlp
 
@@ -143,7 +125,7 @@ def test_two_threads_decode_two_models_each_in_its_own_session(worker_leaves_fir
         inside.set()
         release.wait(10)
         return type(mlp).forward(mlp, h, session)
-    mlp.forward = paused                                   # an instance attribute: no hook, still direct
+    mlp.forward = paused                                   # an instance attribute: nn.Module.__call__ finds it
     got = {}
 
     def worker_loop():
@@ -198,7 +180,7 @@ def test_cached_generate_agrees_with_uncached():
     assert torch.equal(cached, uncached)
 
 
-# ---- packed weights alone: a session without direct calls ----
+# ---- packed weights, module by module ----
 def _module_decode_logits(model, ids, mask, pack: bool, steps=12):
     """Cached decode through the model's forward, given a session that checked no model (packed weights, every
     call checked for hooks) or none."""
@@ -230,7 +212,7 @@ def test_packed_weights_only_in_a_session_and_never_under_gradients():
     with torch.no_grad():
         model(x)                                         # a user's no-grad forward: no weight copies
     assert len(fused._PACKED) == 0
-    session = DecodeSession(model)
+    session = DecodeSession()
     model(x, session=session).sum().backward()           # gradients: the plain Linears, even in a session
     assert len(fused._PACKED) == 0 and not session.packs
     with torch.no_grad():
@@ -280,3 +262,63 @@ def test_cached_decode_under_bf16_autocast_equals_the_full_forward(name):
     assert dtypes == {torch.bfloat16}                    # queries rotated in bf16, as projected
     assert step.dtype == full.dtype == torch.bfloat16
     torch.testing.assert_close(step[:, 0].float(), full[:, 5].float(), rtol=2e-2, atol=2e-2)
+
+
+# ---- direct module calls: the decode loop's one transformation of the model ----
+def _refuse_module_call(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("went through nn.Module.__call__")
+    monkeypatch.setattr(nn.Module, "_call_impl", refuse)
+
+
+def test_direct_calls_skip_module_call_and_restore_every_class(monkeypatch):
+    model = TransformerLM(variant("gqa")).eval()
+    classes = [type(m) for m in model.modules()]
+    x = torch.randint(0, model.config.vocab_size, (2, 5))
+    with torch.no_grad():
+        expected = model(x)
+    with monkeypatch.context() as patch:
+        _refuse_module_call(patch)
+        with torch.no_grad(), fused.direct_calls(model):
+            got = model(x)                                  # every module straight into forward
+            assert all(isinstance(m, cls) for m, cls in zip(model.modules(), classes))
+        with pytest.raises(AssertionError, match="nn.Module.__call__"):
+            model(x)                                        # outside the block: modules again
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert [type(m) for m in model.modules()] == classes
+    with pytest.raises(RuntimeError, match="boom"), fused.direct_calls(model):
+        raise RuntimeError("boom")
+    assert [type(m) for m in model.modules()] == classes   # restored on an error too
+
+
+@pytest.mark.parametrize("hook", ["module", "global"])
+def test_a_hook_anywhere_leaves_the_model_as_it_is(hook):
+    model = TransformerLM(variant("base")).eval()
+    fired = []
+    if hook == "module":
+        handle = model.blocks[1].mlp.register_forward_pre_hook(lambda *a: fired.append(1))
+    else:
+        handle = nn.modules.module.register_module_forward_pre_hook(lambda *a: fired.append(1))
+    classes = [type(m) for m in model.modules()]
+    try:
+        with torch.no_grad(), fused.direct_calls(model):
+            assert [type(m) for m in model.modules()] == classes
+            model(torch.randint(0, model.config.vocab_size, (1, 3)))
+    finally:
+        handle.remove()
+    assert fired
+
+
+def test_generate_decodes_through_direct_calls_and_an_abandoned_stream_restores_them(monkeypatch):
+    model = TransformerLM(variant("base")).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 4))
+    expected = archlab.generate(model, prompt, max_new_tokens=6, fast_decode=False)
+    classes = [type(m) for m in model.modules()]
+    with monkeypatch.context() as patch:
+        _refuse_module_call(patch)
+        assert torch.equal(archlab.generate(model, prompt, max_new_tokens=6), expected)
+        tokens = archlab.generation.stream(model, prompt, max_new_tokens=6)
+        next(tokens)
+        assert [type(m) for m in model.modules()] != classes    # mid-stream: swapped
+        tokens.close()
+    assert [type(m) for m in model.modules()] == classes

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from archlab.cli import main as cli_main
+from archlab.data.tokens import TokenDataset
 from archlab.demo.run import run_demo
 
 WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
@@ -28,6 +29,15 @@ def test_quick_demo_trains_and_leaves_a_run_folder(tmp_path, corpus):
     result = run_demo(tmp_path / "demo", quick=True, corpus=str(corpus), progress=False, log=lines.append)
     assert result.val_ppl_after < result.val_ppl_before
     assert result.sample.startswith("ROMEO:")
+    # the 5-gram baseline, scored on the same validation targets as the model
+    from archlab.eval.evaluate import evaluate
+    from archlab.eval.ngram import evaluate_ngram
+    from archlab.runs.checkpoint import load_run
+    scored = evaluate(load_run(tmp_path / "demo")[0], TokenDataset(tmp_path / "demo" / "data", "val"), batch_size=4,
+                      seq_len=32, max_batches=2).tokens
+    assert result.ngram_bpb == evaluate_ngram(tmp_path / "demo" / "data", [5], span=(1, 1 + scored))[0].bpb
+    line = next(line for line in lines if "5-gram (modified Kneser-Ney) on the same bytes" in line)
+    assert f"{result.ngram_bpb:.3f} bits/byte; the model: {result.val_bpb_after:.3f} bits/byte" in line
     for name in ("config.yaml", "metrics.jsonl", "loss_curve.png", "samples.txt", "tokenizer", "data"):
         assert (tmp_path / "demo" / name).exists(), name
     assert any("run folder:" in line and str(tmp_path / "demo") in line for line in lines)

@@ -1,4 +1,4 @@
-"""A run folder saved before the core was reshaped (issue 14) loads and gives the same logits after every
+"""A run folder saved by an earlier layout of the model's modules loads and gives the same logits after every
 slice: checkpoints, state-dict keys and the model's math stay compatible."""
 from __future__ import annotations
 

@@ -47,7 +47,9 @@ def register(subparsers) -> None:
                    "schedule; --data must use its tokenizer")
     p.add_argument("--allow-new-data", action="store_true",
                    help="with --resume: continue on a --data other than the run's (refused by default)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: plain log lines instead (the plan, a resume notice, a loss line at most "
+                   "every 30 s)")
     p.set_defaults(func=run_train)
 
     e = subparsers.add_parser("eval", help="evaluate a run's latest checkpoint",
@@ -74,7 +76,7 @@ def register(subparsers) -> None:
 
 
 def resolve_preset(name: str):
-    """A ModelConfig from a preset name: `NAME`, or `tiny:NAME` / `tiny-NAME` for archlab.models.presets.tiny."""
+    """A ModelConfig from a preset name: `NAME`, or `tiny:NAME` / `tiny-NAME` for archlab.presets.tiny."""
     from archlab.config import ConfigError
     from archlab.models import presets
 
@@ -161,7 +163,8 @@ def run_train(args) -> int:
     model_cfg, train_cfg = build_configs(args, init_from.model_config if init_from is not None else None)
     try:
         result = train(model_cfg, train_cfg, args.data, args.out, resume=args.resume,
-                       progress=not args.no_progress, allow_new_data=args.allow_new_data, init_from=init_from)
+                       progress="lines" if args.no_progress else True, allow_new_data=args.allow_new_data,
+                       init_from=init_from)
     except Diverged as exc:
         print(f"archlab train: error: {exc}", file=sys.stderr)
         return 3

@@ -85,7 +85,7 @@ def run_encoder_decoder_demo(out: Path, *, quick: bool, minutes: float, corpus: 
                              progress: bool, log) -> EncoderDecoderDemoResult:
     from archlab.data.batches import objective_for
     from archlab.data.tokens import EOT_TOKEN, TokenDataset, eval_batches
-    from archlab.demo.stages import prepare_demo_data, sign_off, train_and_reload
+    from archlab.demo.stages import busy_machine, prepare_demo_data, sign_off, train_and_reload
     from archlab.eval.evaluate import evaluate
     from archlab.generation import generate
     from archlab.models.encoder_decoder import EncoderDecoderLM
@@ -125,6 +125,7 @@ def run_encoder_decoder_demo(out: Path, *, quick: bool, minutes: float, corpus: 
     seconds = time.perf_counter() - t0
     log(f"      {result.steps} steps, {result.tokens_seen:,} tokens read (source + target), "
         f"{result.tokens_per_s:,.0f} tokens/s")
+    busy_machine(result, progress, log)
     log(f"      validation loss on the held-out spans: {before.loss:.3f} before -> {after.loss:.3f} after")
     log("      a held-out window, its spans filled in greedily:")
     for name, text in (("source", source), ("predicted", predicted), ("truth", truth)):

@@ -7,8 +7,9 @@
        arch="encoder" a BERT-style masked LM (post-norm LayerNorm, GeLU, biases, an MLM head tied to the
        embedding) with RoPE positions, which a small MLM learns far sooner than learned absolute positions;
        with arch="encoder_decoder" a T5-style model on span corruption (demo_encoder_decoder.py)
-    5. report validation perplexity before/after and a sample (an encoder: MLM loss and accuracy on the
-       masked slots before/after and a fill-mask example); leave a run folder with loss_curve.png
+    5. report validation perplexity before/after, bits/byte beside a 5-gram's (modified Kneser-Ney) on the same
+       bytes, and a sample (an encoder: MLM loss and accuracy on the masked slots before/after and a fill-mask
+       example); leave a run folder with loss_curve.png
 """
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
-from archlab.demo.stages import prepare_demo_data, sign_off, train_and_reload
+from archlab.demo.stages import busy_machine, prepare_demo_data, sign_off, train_and_reload
 from archlab.training.trainer import TrainConfig
 
 __all__ = ["DemoResult", "EncoderDemoResult", "demo_configs", "encoder_demo_configs", "run_demo"]
 
 MASK_TOKEN = "[MASK]"
+NGRAM_ORDER = 5                                                 # the baseline beside the decoder's bits/byte
 ENCODER_TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is [MASK] east, and Juliet is "
                 "[MASK] sun.")                                  # the encoder demo's fill-mask line
 
@@ -34,6 +36,7 @@ class DemoResult:
     val_ppl_before: float
     val_ppl_after: float
     val_bpb_after: float
+    ngram_bpb: float            # the 5-gram (modified Kneser-Ney) on the validation tokens the model was scored on
     sample: str
     seconds: float
 
@@ -116,6 +119,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
         raise UserError(f"--arch {arch}: the demo trains a decoder, an encoder or an encoder_decoder")
     from archlab.data.tokens import EOT_TOKEN, TokenDataset
     from archlab.eval.evaluate import evaluate, sample_ids
+    from archlab.eval.ngram import evaluate_ngram
     from archlab.models.decoder import TransformerLM
 
     t0 = time.perf_counter()
@@ -145,12 +149,16 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
         f.write(f"=== demo sample (step {result.steps}) ===\n{sample}\n\n")
     seconds = time.perf_counter() - t0
     log(f"      {result.steps} steps, {result.tokens_seen:,} tokens, {result.tokens_per_s:,.0f} tokens/s")
+    busy_machine(result, progress, log)
     log(f"      validation perplexity: {before.ppl:,.1f} before -> {after.ppl:,.1f} after "
         f"({after.bpb:.3f} bits/byte)")
+    ngram = evaluate_ngram(data_dir, [NGRAM_ORDER], span=(1, 1 + after.tokens))[0]   # the targets evaluate scored
+    log(f"      {NGRAM_ORDER}-gram (modified Kneser-Ney) on the same bytes: {ngram.bpb:.3f} bits/byte; "
+        f"the model: {after.bpb:.3f} bits/byte")
     log("      sample:\n" + "\n".join("        " + line for line in sample.splitlines()))
     sign_off(out, seconds, f"archlab eval {out}", log)
     return DemoResult(run_dir=out, val_ppl_before=before.ppl, val_ppl_after=after.ppl, val_bpb_after=after.bpb,
-                      sample=sample, seconds=seconds)
+                      ngram_bpb=ngram.bpb, sample=sample, seconds=seconds)
 
 
 def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vocab_size: int | None, text: str,
@@ -198,6 +206,7 @@ def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vo
         f.write(f"=== demo fill-mask (step {result.steps}) ===\n{filled.format()}\n\n")
     seconds = time.perf_counter() - t0
     log(f"      {result.steps} steps, {result.tokens_seen:,} tokens, {result.tokens_per_s:,.0f} tokens/s")
+    busy_machine(result, progress, log)
     log(f"      validation MLM loss: {before.loss:.3f} before -> {after.loss:.3f} after; accuracy on the masked "
         f"tokens {before.accuracy:.1%} -> {after.accuracy:.1%}")
     log("      fill-mask:\n" + "\n".join("        " + line for line in filled.format().splitlines()))

@@ -93,6 +93,17 @@ def train_and_reload(model_cfg: Any, train_cfg: TrainConfig, data_dir: Path, out
     return result, model, tokenizer
 
 
+def busy_machine(result: Any, progress: bool, log) -> None:
+    """Under the throughput line: other processes' share of the CPU while the model trained, when it was large
+    enough to cost steps (the trainer says so itself when it shows progress). Example: busy_machine(result, False,
+    print)"""
+    from archlab.training.throughput import busy_note
+
+    note = None if progress else busy_note(result.cpu_others_share, "the model trained")
+    if note:
+        log(f"      note: {note}")
+
+
 def sign_off(out: Path, seconds: float, next_command: str, log) -> None:
     """The closing lines: where the run folder is and what it holds, the time in all, the command to try next.
     Example: sign_off(Path("runs/demo"), 158.0, "archlab eval runs/demo", print)"""

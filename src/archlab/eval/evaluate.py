@@ -1,4 +1,4 @@
-"""Evaluation: validation loss, perplexity and bits per byte; and a small sampler for progress samples.
+"""Evaluation: validation loss, perplexity and bits per byte; and progress samples through archlab.generate.
 
 Bits per byte (bpb) makes losses comparable across tokenizers: the model's total code length in bits
 divided by the UTF-8 bytes it encodes,  bpb = loss_nats * tokens / (bytes * ln 2)  (e.g. Gao et al.
@@ -7,13 +7,11 @@ divided by the UTF-8 bytes it encodes,  bpb = loss_nats * tokens / (bytes * ln 2
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
-from archlab.generation.sampling import SamplingParams, next_token
 from archlab.training.precision import autocast  # re-exported: the step's bf16 / float32 context
 
 __all__ = ["EvalResult", "evaluate", "autocast", "sample_ids", "bits_per_byte"]
@@ -107,47 +105,31 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
 @torch.no_grad()
 def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.8,
                top_k: int | None = 50, seed: int = 0, device: str | torch.device = "cpu",
-               use_generate: bool = True, vocab_limit: int | None = None) -> list[int]:
-    """New token ids after `prompt`: archlab.generate when it is available and the sample fits the
-    context, else a plain loop (full forward per token, no cache, a window sliding past the context)
-    that picks each token with generation's next_token. Temperature 0 (or below) is greedy. Draws from
-    a private generator, so the caller's RNG stream (and hence a resumed run) is untouched.
-    vocab_limit: only ids below it (a model padded past its tokenizer)."""
+               use_cache: bool = True, vocab_limit: int | None = None) -> list[int]:
+    """New token ids after `prompt`, through archlab.generate: over the KV cache, or recomputing every step
+    (use_cache=False: FSDP's sharded forwards, where every rank must run each one). Past the model's context
+    the window slides: each round prompts with the last half-context and fills the rest. Temperature 0 is
+    greedy. Draws from a private generator, so the caller's RNG stream (and a resumed run) is untouched.
+    vocab_limit: only ids below it (a model padded past its tokenizer).
+    Example: sample_ids(model, tok.encode("ROMEO:"), 40, seed=0)"""
+    from archlab.generation import generate
+
     device = torch.device(device)
+    limit = getattr(getattr(model, "config", None), "max_seq_len", None)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    ids, n_new = list(prompt), 0
     was_training = model.training
     model.eval()
     try:
-        limit = model.config.max_seq_len if hasattr(model, "config") else None
-        fits = limit is None or len(prompt) + max_new_tokens <= limit   # else: the sliding loop below
-        if use_generate and fits:
-            ids = _try_archlab_generate(model, prompt, max_new_tokens, temperature, top_k, seed, device,
-                                        vocab_limit)
-            if ids is not None:
-                return ids
-        params = SamplingParams(temperature=max(temperature, 0.0), top_k=top_k)
-        gen = torch.Generator(device=device).manual_seed(seed)
-        x = torch.tensor([prompt], dtype=torch.long, device=device)
-        out = []
-        for _ in range(max_new_tokens):
-            window = x if limit is None else x[:, -limit:]
-            logits = model(window)[:, -1, :vocab_limit].float()              # (1, v)
-            nxt = next_token(logits, params, generator=gen)[:, None]          # (1, 1)
-            x = torch.cat([x, nxt], dim=1)
-            out.append(int(nxt))
-        return out
+        while n_new < max_new_tokens:
+            window = ids if limit is None or len(ids) < limit else ids[-(limit // 2):]
+            room = max_new_tokens - n_new if limit is None else min(max_new_tokens - n_new, limit - len(window))
+            out = generate(model, torch.tensor(window, dtype=torch.long, device=device), room,
+                           temperature=max(temperature, 0.0), top_k=top_k, generator=generator,
+                           use_cache=use_cache, vocab_limit=vocab_limit, eos_token_id=[])
+            fresh = out[len(window):].tolist()
+            ids += fresh
+            n_new += len(fresh)
     finally:
         model.train(was_training)
-
-
-def _try_archlab_generate(model, prompt, max_new_tokens, temperature, top_k, seed, device, vocab_limit=None):
-    """archlab.generation.generate (KV cache): prompt (t,) -> prompt + new ids (t + n,)."""
-    from archlab.generation import generate
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            out = generate(model, torch.tensor(prompt, dtype=torch.long, device=device),
-                           max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                           vocab_limit=vocab_limit)
-    except Exception as exc:  # a sample must never stop a training run
-        warnings.warn(f"archlab.generate failed ({exc}); sampling with the plain loop", stacklevel=2)
-        return None
-    return [int(t) for t in out.reshape(-1)[len(prompt):].tolist()]
+    return ids[len(prompt):]

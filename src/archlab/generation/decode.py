@@ -151,6 +151,11 @@ def _new_tokens(cfg: GenerationConfig, width: int) -> int:
 def _decode(stepper: Stepper, max_new_tokens, params, eos, pad, stops, generator, processors, prompt):
     if max_new_tokens == 0:
         return
+    with stepper.calls():        # a hook-free model's modules called straight into forward, for the whole loop
+        yield from _steps(stepper, max_new_tokens, params, eos, pad, stops, generator, processors, prompt)
+
+
+def _steps(stepper: Stepper, max_new_tokens, params, eos, pad, stops, generator, processors, prompt):
     b, device = stepper.ids.shape[0], stepper.ids.device
     logits = stepper.prefill()                                             # (b, v)
     seqs = prompt.to(device) if processors else None                       # what the processors see

@@ -4,8 +4,9 @@ A `Stepper` owns the running state of one batch: the KV cache (or, uncached, the
 far) and the next positions. `prefill()` runs the prompt, `step(tokens)` feeds one token per row;
 both return the next-token logits (b, v). `reorder(index)` selects rows (beam search). Every step
 runs the model's own forward; fast=True (the default) hands each one the Stepper's DecodeSession
-(`model(..., session=...)`): packed weight copies (archlab.nn.fused) and, for a model without hooks,
-modules called without per-call hook checks (archlab.nn.calls); fast=False: no session, no weight copies.
+(`model(..., session=...)`): packed weight copies, and `calls()` is the context a decode loop runs its steps
+in: a hook-free model's modules called straight into forward (archlab.nn.fused.direct_calls); fast=False: no
+session, no weight copies, every call through nn.Module.__call__.
 
 Batched prompts of different lengths are left-padded: positions = cumsum(mask) - 1 and padded
 slots get position -1, which attention masks out; every row's newest token is then in the last
@@ -18,13 +19,14 @@ projects once; every step then runs the decoder alone over its self-attention KV
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Sequence
 
 import torch
 
 from archlab.config import ABSOLUTE_POSITIONS
-from archlab.nn.fused import DecodeSession
+from archlab.nn.fused import DecodeSession, direct_calls
 from archlab.nn.kv_cache import SinkKVCache, StaticKVCache
 from archlab.nn.masks import Context
 
@@ -211,15 +213,17 @@ class Stepper:
         self._hidden_head = hasattr(model, "head") and config is not None
         # no padding: a TransformerLM is given positions=None and counts them from its cache (0..t-1 at first)
         self.implied = config is not None and bool(self.mask.all())
-        # packed weights and hooks checked once per generate call, not per step; the model called without
-        # __call__'s bookkeeping when the session found no hook on it (hooks on the model fire otherwise)
-        self.session = DecodeSession(model) if fast else None
-        self._forward = model.forward if self.session is not None and model in self.session.direct else model
+        # packed weights looked up once per generate call, not per step
+        self.session = DecodeSession() if fast else None
         # a model whose embedding is padded past its tokenizer (e.g. to a multiple of 64) must never pick
         # an id the tokenizer cannot decode: logits are cut to the first `vocab_limit` ids
         if vocab_limit is not None and vocab_limit < 1:
             raise ValueError(f"vocab_limit={vocab_limit} must be >= 1")
         self.vocab_limit = vocab_limit
+
+    def calls(self) -> contextlib.AbstractContextManager:
+        """The context a decode loop steps in: direct module calls when fast (nn/fused.direct_calls)."""
+        return direct_calls(self.model) if self.session is not None else contextlib.nullcontext()
 
     # ---- checks ------------------------------------------------------------------------------
     def _check_context(self, max_new_tokens: int) -> None:
@@ -269,7 +273,7 @@ class Stepper:
             return self.model.head(hidden[:, -1], self.session)                               # (b, v)
         if self._hidden_head:  # the head over the last position only (the prompt can be long)
             session = self.session
-            hidden = self._forward(ids, positions, cache, return_hidden=True, session=session)   # (b, t, d)
+            hidden = self.model(ids, positions, cache, return_hidden=True, session=session)      # (b, t, d)
             return self.model.head(hidden[:, -1], session)                                    # (b, v)
         return self.model(ids, positions=positions, cache=cache)[:, -1]
 

@@ -24,5 +24,5 @@ def build_model(cfg: ModelConfig) -> LanguageModel:
     """The model `cfg.arch` names, initialised from cfg.seed. Example: build_model(presets.tiny("bert-base"))"""
     cls = MODEL_CLASSES.get(cfg.arch)
     if cls is None:
-        raise ConfigError(f"arch={cfg.arch!r} is not built yet (built: {', '.join(MODEL_CLASSES)})")
+        raise ConfigError(f"arch={cfg.arch!r} is not a kind of model (kinds: {', '.join(MODEL_CLASSES)})")
     return cls(cfg)

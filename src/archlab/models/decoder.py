@@ -15,11 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.nn.calls import call
 from archlab.nn.embedding import Embedder, init_weights
 from archlab.nn.fused import DecodeSession, head_linear
 from archlab.nn.fused_loss import linear_cross_entropy
-from archlab.nn.masks import AttnInputs
+from archlab.nn.masks import AttnInputs, document_positions
 from archlab.nn.mlp import MoEMLP
 from archlab.nn.norms import build_norm
 from archlab.nn.stack import TransformerStack, stack_t5_table
@@ -123,9 +122,16 @@ class TransformerLM(Embedder, NextTokenHead, nn.Module):
         prefix_lengths: torch.Tensor | None = None,   # (b,) for attention.prefix_lm
         return_hidden: bool = False,
         targets: torch.Tensor | None = None,          # (b, t) int: return the LossOutput instead
-        session: DecodeSession | None = None,         # a decode loop's packed weights and direct calls (nn/fused)
+        session: DecodeSession | None = None,         # a decode loop's packed weights (nn/fused)
+        document_ids: torch.Tensor | None = None,     # (b, t) int: packed documents (-1 padding); positions
+                                                      # restart at each, no query sees another document
     ) -> torch.Tensor | LossOutput:                   # (b, t, v) logits, or (b, t, d) hidden
         b, t = input_ids.shape
+        if document_ids is not None:
+            if cache is not None:
+                raise ValueError("document_ids pack whole documents into a forward: not with a KV cache")
+            if positions is None:
+                positions = document_positions(document_ids)
         implied = positions is None
         plain = implied and cache is None
         if positions is None:
@@ -143,13 +149,13 @@ class TransformerLM(Embedder, NextTokenHead, nn.Module):
         if prefix_lengths is not None and not self.config.attention.prefix_lm:
             raise ValueError("prefix_lengths given but config.attention.prefix_lm is False")
         # what attends to what, built once: every block reads it, and its layers share RoPE tables and masks
-        inputs = AttnInputs(positions, self.blocks.mask_spec(prefix_lengths), cache=cache, plain=plain,
-                            continued=cache is not None and implied, fresh=cache is not None and len(cache) == 0,
-                            session=session)
-        x = self.embed_tokens(input_ids, positions, direct=inputs.direct)    # (b, t, d)
-        x = call(self.blocks, x, inputs, direct=inputs.direct)               # (b, t, d)
+        spec = self.blocks.mask_spec(prefix_lengths, document_ids=document_ids)
+        inputs = AttnInputs(positions, spec, cache=cache, plain=plain, continued=cache is not None and implied,
+                            fresh=cache is not None and len(cache) == 0, session=session)
+        x = self.embed_tokens(input_ids, positions)                          # (b, t, d)
+        x = self.blocks(x, inputs)                                           # (b, t, d)
         if self.final_norm is not None:
-            x = call(self.final_norm, x, direct=inputs.direct)
+            x = self.final_norm(x)
         if return_hidden:
             return x
         if targets is not None:  # through forward, so DDP/FSDP/compile wrappers see the whole step

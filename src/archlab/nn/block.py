@@ -26,7 +26,6 @@ from torch import nn
 
 from archlab.config import LayerSpec, ModelConfig
 from archlab.nn.attention import Attention
-from archlab.nn.calls import call
 from archlab.nn.masks import AttnInputs, Context
 from archlab.nn.mlp import build_mlp
 from archlab.nn.norms import build_norm
@@ -62,13 +61,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, inputs: AttnInputs, context: Context | None = None
                 ) -> torch.Tensor:                                               # (b, t, d) -> (b, t, d)
-        # children run through nn.calls.call (hooks honoured, minus __call__'s cost: a decode step pays it ~30x;
-        # `direct`: the modules the forward's decode session checked hook-free, called with no check)
-        attn_norm, mlp_norm, direct = self.attn_norm, self.mlp_norm, inputs.direct
+        attn_norm, mlp_norm = self.attn_norm, self.mlp_norm
         if self.parallel:
-            y = call(attn_norm, x, direct=direct)
-            return x + self._attn(y, inputs) + self._mlp(call(mlp_norm, x, direct=direct) if mlp_norm is not None
-                                                         else y, inputs)
+            y = attn_norm(x)
+            return x + self._attn(y, inputs) + self._mlp(mlp_norm(x) if mlp_norm is not None else y, inputs)
         assert mlp_norm is not None          # a serial block always has its own MLP norm
         x = self._wire(x, attn_norm, self.attn_post_norm, self._attn, inputs)
         if self.cross_attn is not None:
@@ -80,25 +76,25 @@ class Block(nn.Module):
     def _wire(self, x: torch.Tensor, norm: nn.Module, post_norm: nn.Module | None,
               sublayer: Callable[..., torch.Tensor], inputs: AttnInputs, *args: Any) -> torch.Tensor:
         """One residual sublayer in the configured serial wiring (the diagram above): sublayer(h, inputs, *args)."""
-        position, direct = self.position, inputs.direct
+        position = self.position
         if position == "pre":
-            return x + sublayer(call(norm, x, direct=direct), inputs, *args)
+            return x + sublayer(norm(x), inputs, *args)
         if position == "post":
-            return call(norm, x + sublayer(x, inputs, *args), direct=direct)
+            return norm(x + sublayer(x, inputs, *args))
         if position == "sandwich":
             assert post_norm is not None
-            return x + call(post_norm, sublayer(call(norm, x, direct=direct), inputs, *args), direct=direct)
-        return x + call(norm, sublayer(x, inputs, *args), direct=direct)       # post_sublayer
+            return x + post_norm(sublayer(norm(x), inputs, *args))
+        return x + norm(sublayer(x, inputs, *args))                     # post_sublayer
 
     def _attn(self, h: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:    # the sublayer + residual dropout
-        out = call(self.attn, h, inputs, direct=inputs.direct)
+        out = self.attn(h, inputs)
         return self.drop(out) if self.training else out
 
     def _cross(self, h: torch.Tensor, inputs: AttnInputs, context: Context) -> torch.Tensor:
         assert self.cross_attn is not None   # forward calls it only for a layer that has one
-        out = call(self.cross_attn, h, inputs, context, direct=inputs.direct)
+        out = self.cross_attn(h, inputs, context)
         return self.drop(out) if self.training else out
 
     def _mlp(self, h: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:  # the MLP decodes in the forward's session
-        out = call(self.mlp, h, inputs.session, direct=inputs.direct)
+        out = self.mlp(h, inputs.session)
         return self.drop(out) if self.training else out

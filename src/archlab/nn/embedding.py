@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from archlab.config import GATED_ACTIVATIONS, ModelConfig
-from archlab.nn.calls import NO_MODULES, call
 from archlab.nn.fused import head_linear
 from archlab.nn.mlp import ACTIVATIONS
 from archlab.nn.norms import build_norm
@@ -46,20 +45,19 @@ class Embedder:
         self.embed_drop = nn.Dropout(cfg.embedding_dropout)
 
     def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                     token_type_ids: torch.Tensor | None = None, *, direct: frozenset = NO_MODULES,
+                     token_type_ids: torch.Tensor | None = None, *,
                      stack_parts: tuple[AbsolutePosition, nn.Module | None] | None = None) -> torch.Tensor:
         """Token vectors (scaled as Gemma), token types (BERT's segments; 0 where not given), absolute
         positions where the config adds them at the input, the embedding norm and dropout. (b, t) -> (b, t, d).
-        direct: a decode session's hook-free modules (AttnInputs.direct), called with no check (nn/calls).
         stack_parts: (position, embedding norm) of a stack of its own (BART's and Marian's decoder:
         position.per_stack) in place of the model's `abs_position` and `embed_norm`."""
         abs_position, embed_norm = stack_parts or (self.abs_position, self.embed_norm)
-        x = call(self.embed, input_ids, direct=direct)                       # (b, t, d)
+        x = self.embed(input_ids)                                           # (b, t, d)
         if self.config.scale_embeddings:  # Gemma: sqrt(d) rounded to the activation dtype
             x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
         if self.token_types is not None:
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
-            x = x + call(self.token_types, types)
+            x = x + self.token_types(types)
         elif token_type_ids is not None:
             raise ValueError("token_type_ids given but the config has no token types (type_vocab_size=0)")
         if abs_position.at_input:
@@ -84,7 +82,7 @@ class MLMHead(nn.Module):
         self.norm = build_norm(cfg.norm.kind, cfg.d_model, cfg.norm.eps, cfg.bias.norm)
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:           # (b, t, d) -> (b, t, d)
-        return call(self.norm, self.act(call(self.dense, x)))
+        return self.norm(self.act(self.dense(x)))
 
     def forward(self, x: torch.Tensor, owner: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None
                 ) -> torch.Tensor:                                   # (b, t, d) -> (b, t, v)

@@ -17,7 +17,6 @@ from torch import nn
 
 from archlab.config import STACK_ROLES, ConfigError, ModelConfig, StackRole
 from archlab.nn.block import Block
-from archlab.nn.calls import call
 from archlab.nn.masks import AttnInputs, Context, MaskSpec
 from archlab.nn.position import T5RelativeBias
 
@@ -46,12 +45,14 @@ class TransformerStack(nn.ModuleList):
         self.causal = role != "encoder"
         self._structure_only = MaskSpec(causal=self.causal)   # built once: a decode step counts every call
 
-    def mask_spec(self, prefix_lengths: torch.Tensor | None = None,
-                  key_padding: torch.Tensor | None = None) -> MaskSpec:
-        """What attends to what in this stack: causal or not by role, plus a prefix-LM prefix or padding."""
-        if prefix_lengths is None and key_padding is None:
+    def mask_spec(self, prefix_lengths: torch.Tensor | None = None, key_padding: torch.Tensor | None = None,
+                  document_ids: torch.Tensor | None = None) -> MaskSpec:
+        """What attends to what in this stack: causal or not by role, plus a prefix-LM prefix, padding, or packed
+        documents ((b, t) ids: a query sees only its own document's keys)."""
+        if prefix_lengths is None and key_padding is None and document_ids is None:
             return self._structure_only
-        return MaskSpec(causal=self.causal, prefix_lengths=prefix_lengths, key_padding=key_padding)
+        return MaskSpec(causal=self.causal, prefix_lengths=prefix_lengths, key_padding=key_padding,
+                        segment_ids=document_ids)
 
     def forward(self, x: torch.Tensor, inputs: AttnInputs, context: Context | None = None
                 ) -> torch.Tensor:                                       # (b, t, d) -> (b, t, d)
@@ -59,11 +60,10 @@ class TransformerStack(nn.ModuleList):
         if (context is not None) != (self.role == "cross_decoder"):
             raise ValueError(f"a {self.role} stack " + ("needs the encoder's output (a Context)"
                                                       if context is None else "takes no context"))
-        direct = inputs.direct            # a decode session's hook-free modules: blocks called with no check
         if context is None:
             for block in self:
-                x = call(block, x, inputs, direct=direct)
+                x = block(x, inputs)
         else:
             for block in self:
-                x = call(block, x, inputs, context, direct=direct)
+                x = block(x, inputs, context)
         return x

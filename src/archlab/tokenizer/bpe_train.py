@@ -150,6 +150,42 @@ def _desc_key(token: bytes) -> str:
     return token.translate(_INVERT).decode("latin-1") + "\u0100"
 
 
+def merge_pair(pair: tuple[int, int], new_id: int, seqs: list[list[int]], counts: list[int],
+               pair_counts: dict[tuple[int, int], int], where: dict[tuple[int, int], set[int]]
+               ) -> tuple[set[tuple[int, int]], int]:
+    """Replace every occurrence of `pair` in the words that hold it by `new_id` (left to right, as BPE and
+    WordPiece merge), keeping `pair_counts` (pair -> occurrences weighted by word count) and `where` (pair ->
+    words holding it) up to date. Returns (the pairs whose count changed, the merged occurrences weighted by
+    word count). The one pair-merge step of both trainers.
+    Example: changed, n = merge_pair((a, b), c, seqs, counts, pair_counts, where)"""
+    a, b = pair
+    changed: set[tuple[int, int]] = set()
+    merged_weight = 0
+    for wi in sorted(where.pop(pair, ())):
+        seq, n = seqs[wi], counts[wi]
+        out: list[int] = []
+        i = 0
+        while i < len(seq):
+            if i + 1 < len(seq) and seq[i] == a and seq[i + 1] == b:
+                out.append(new_id)
+                merged_weight += n
+                i += 2
+            else:
+                out.append(seq[i])
+                i += 1
+        if len(out) == len(seq):
+            continue
+        for p in zip(seq, seq[1:]):
+            pair_counts[p] -= n
+            changed.add(p)
+        for p in zip(out, out[1:]):
+            pair_counts[p] = pair_counts.get(p, 0) + n
+            where.setdefault(p, set()).add(wi)
+            changed.add(p)
+        seqs[wi] = out
+    return changed, merged_weight
+
+
 def _merge_loop_python(words: list[bytes], counts: list[int], n_merges: int,
                        progress: Callable[[int], None] | None) -> list[tuple[int, int]]:
     token_bytes: list[bytes] = [bytes([i]) for i in range(256)]
@@ -173,30 +209,7 @@ def _merge_loop_python(words: list[bytes], counts: list[int], n_merges: int,
         merges.append((a, b))
         token_bytes.append(token_bytes[a] + token_bytes[b])
         keys.append(_desc_key(token_bytes[c]))
-        changed: set[tuple[int, int]] = set()
-        for wi in sorted(where.pop((a, b), ())):
-            seq = seqs[wi]
-            n = counts[wi]
-            merged: list[int] = []
-            i, found = 0, False
-            while i < len(seq):
-                if i + 1 < len(seq) and seq[i] == a and seq[i + 1] == b:
-                    merged.append(c)
-                    i += 2
-                    found = True
-                else:
-                    merged.append(seq[i])
-                    i += 1
-            if not found:
-                continue
-            for pair in zip(seq, seq[1:]):
-                pair_counts[pair] -= n
-                changed.add(pair)
-            for pair in zip(merged, merged[1:]):
-                pair_counts[pair] = pair_counts.get(pair, 0) + n
-                where.setdefault(pair, set()).add(wi)
-                changed.add(pair)
-            seqs[wi] = merged
+        changed, _ = merge_pair((a, b), c, seqs, counts, pair_counts, where)
         pair_counts.pop((a, b), None)
         changed.discard((a, b))
         for pair in changed:

@@ -29,6 +29,7 @@ import heapq
 from collections.abc import Callable, Iterable
 
 from archlab.tokenizer.base import WordTokenizer, tokenizer_json
+from archlab.tokenizer.bpe_train import merge_pair
 from archlab.tokenizer.pretokenize import GPT2_PATTERN, bytes_to_str, bytes_to_unicode, compile_pattern, str_to_bytes
 
 __all__ = ["WordPieceTokenizer", "train_wordpiece", "wordpiece_from_counts"]
@@ -189,34 +190,13 @@ def wordpiece_from_counts(word_counts: dict[str, int], vocab_size: int, special_
             tokens.append(name)
             ids[name] = c
             freq[c] = 0
-        changed: set[tuple[int, int]] = set()
-        for wi in where.pop(pair, ()):
-            seq, n = seqs[wi], counts[wi]
-            out: list[int] = []
-            i, found = 0, False
-            while i < len(seq):
-                if i + 1 < len(seq) and seq[i] == a and seq[i + 1] == b:
-                    out.append(c)
-                    freq[a] -= n
-                    freq[b] -= n
-                    freq[c] += n
-                    i += 2
-                    found = True
-                else:
-                    out.append(seq[i])
-                    i += 1
-            if not found:
-                continue
-            for p in zip(seq, seq[1:]):
-                pair_counts[p] -= n
-                changed.add(p)
-            for p in zip(out, out[1:]):
-                pair_counts[p] = pair_counts.get(p, 0) + n
-                where.setdefault(p, set()).add(wi)
-                partners.setdefault(p[0], set()).add(p)
-                partners.setdefault(p[1], set()).add(p)
-                changed.add(p)
-            seqs[wi] = out
+        changed, merged = merge_pair(pair, c, seqs, counts, pair_counts, where)
+        freq[a] -= merged
+        freq[b] -= merged
+        freq[c] += merged
+        for p in changed:
+            partners.setdefault(p[0], set()).add(p)
+            partners.setdefault(p[1], set()).add(p)
         pair_counts[pair] = 0
         if likelihood:  # scores of pairs touching a or b rise as freq(a), freq(b) fall: re-queue them
             changed |= partners.get(a, set()) | partners.get(b, set())

@@ -15,7 +15,7 @@ from torch import nn
 
 from archlab.training.config import NO_DECAY_CATEGORIES, TrainConfig
 
-__all__ = ["param_groups", "build_optimizer", "lr_multiplier", "schedule_progress"]
+__all__ = ["param_groups", "build_optimizer", "lr_multiplier", "schedule_progress", "warmup_shortfall"]
 
 
 def _param_category(module: nn.Module, name: str, param: nn.Parameter) -> str:
@@ -84,6 +84,25 @@ def lr_multiplier(cfg: TrainConfig, step: int, progress: float) -> float:
     if p <= start or cfg.decay_fraction == 0:
         return 1.0
     return 1.0 - (1.0 - floor) * (p - start) / cfg.decay_fraction
+
+
+def warmup_shortfall(cfg: TrainConfig, steps: int | None) -> str | None:
+    """One line naming the budget and the warmup when a run of `steps` optimizer steps ends inside its warmup (the LR
+    never reaches train.lr), else None. A warning rather than a warmup scaled to the budget: an explicit
+    warmup_steps keeps its meaning, and runs of different budgets (a lab sweep, a resume with a longer budget)
+    keep one schedule.
+    Example: warmup_shortfall(TrainConfig(budget=30, warmup_steps=100), 30)  # '... the LR peaks at 30% ...'"""
+    if steps is None or steps >= cfg.warmup_steps:
+        return None
+    peak = lr_multiplier(cfg, max(steps - 1, 0), 0.0)
+    if cfg.budget_unit == "minutes":
+        budget = f"train.budget={cfg.budget:g} minutes ended at step {steps:,},"
+    else:
+        budget = f"train.budget={cfg.budget:g} {cfg.budget_unit}" + (
+            f" ({steps:,} steps)" if cfg.budget_unit != "steps" else "") + " ends"
+    verb = "peaked" if cfg.budget_unit == "minutes" else "peaks"
+    return (f"{budget} inside train.warmup_steps={cfg.warmup_steps}: the LR {verb} at {peak:.0%} of "
+            f"train.lr={cfg.lr:g} ({peak * cfg.lr:.2g}); lower train.warmup_steps or raise the budget")
 
 
 def schedule_progress(cfg: TrainConfig, step: int, total_steps: int | None, elapsed_s: float) -> float:

@@ -1,21 +1,25 @@
 """What MFU needs, and what the throughput benchmark reports: training FLOPs per token, the device's
-achievable matmul FLOP/s, and peak memory."""
+achievable matmul FLOP/s, peak memory, and how much of the machine's CPU other processes took meanwhile (a busy
+machine lowers both the tokens/s and the matmul peak MFU divides by, so MFU alone cannot show it)."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
 from archlab.config import ModelConfig
 
-__all__ = ["train_flops_per_token", "matmul_peak_flops", "matmul_weight_shapes", "matmul_ceiling", "peak_memory"]
+__all__ = ["train_flops_per_token", "matmul_peak_flops", "matmul_weight_shapes", "matmul_ceiling", "peak_memory",
+           "CpuShare", "BUSY_SHARE", "busy_note", "machine_cpu_seconds"]
 
 
 def train_flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token = 3 x forward (backward is ~2x forward), the forward counted exactly by
-    archlab.models.accounting.flops_per_token (matmuls and attention; no 6N shortcut to hide a counting bug)."""
+    archlab.accounting.flops_per_token (matmuls and attention; no 6N shortcut to hide a counting bug)."""
     from archlab.models.accounting import flops_per_token
     return 3.0 * float(flops_per_token(model_cfg, seq_len))
 
@@ -128,3 +132,59 @@ def peak_memory(device: torch.device) -> int:
         return int(rss if sys.platform == "darwin" else rss * 1024)
     except Exception:
         return 0
+
+
+# Other processes taking more than this share of the machine's CPU time make a CPU run's speed (and a minutes
+# budget's step count) visibly lower than the same machine idle: say so.
+BUSY_SHARE = 0.25
+
+
+def machine_cpu_seconds() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of the whole machine since boot, summed over its CPUs (/proc/stat; None
+    elsewhere). Busy is every state but idle and iowait."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]           # user nice system idle iowait irq softirq steal
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = sum(ticks)
+    return (total - ticks[3] - ticks[4]) / hz, total / hz
+
+
+@dataclass
+class CpuShare:
+    """The share of the machine's CPU capacity that processes other than this one used since `start()` (or since
+    it was made): (machine busy - this process's CPU time) / machine capacity. None where /proc/stat is missing or
+    too little time has passed to tell.
+    Example: meter = CpuShare(); ...; meter.others()  # 0.48: other processes kept half the machine busy"""
+    since: tuple[float, float, float] | None = field(default=None)
+    read = staticmethod(machine_cpu_seconds)      # the machine's (busy, total) CPU seconds; tests replace it
+
+    def __post_init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        machine = self.read()
+        self.since = None if machine is None else (*machine, time.process_time())
+
+    def others(self) -> float | None:
+        machine = self.read()
+        if machine is None or self.since is None:
+            return None
+        busy, total, own = machine[0] - self.since[0], machine[1] - self.since[1], time.process_time() - self.since[2]
+        if total < 0.05:      # /proc/stat counts in 10 ms ticks: too short a span says nothing
+            return None
+        return min(1.0, max(0.0, (busy - own) / total))
+
+
+def busy_note(share: float | None, what: str) -> str | None:
+    """One line when other processes took more than BUSY_SHARE of the machine's CPU while `what` ran, else None."""
+    if share is None or share <= BUSY_SHARE:
+        return None
+    return (f"other processes used {share:.0%} of this machine's CPU time while {what}: tokens/s is below what "
+            "this machine does idle, a minutes budget buys fewer steps, and MFU (whose matmul peak was measured "
+            "on the same busy CPU) does not show it")

@@ -48,6 +48,7 @@ from archlab.runs.provenance import check_resume_matches, data_fingerprint, prov
 from archlab.training import distributed as dist_util
 from archlab.training.config import TrainConfig
 from archlab.training.init_from import InitSource
+from archlab.training.loglines import LogLines
 from archlab.training.metrics import (
     TensorBoardLogger,
     append_jsonl,
@@ -56,10 +57,10 @@ from archlab.training.metrics import (
     truncate_metrics,
     truncate_samples,
 )
-from archlab.training.optim import build_optimizer, lr_multiplier, param_groups, schedule_progress
+from archlab.training.optim import build_optimizer, lr_multiplier, param_groups, schedule_progress, warmup_shortfall
 from archlab.training.precision import auto_dtype, bf16_warning, read_record
 from archlab.training.rng import rng_state, seed_everything, set_rng_state
-from archlab.training.throughput import matmul_peak_flops, peak_memory, train_flops_per_token
+from archlab.training.throughput import CpuShare, busy_note, matmul_peak_flops, peak_memory, train_flops_per_token
 
 # re-exported: callers import these from archlab.training.trainer
 __all__ = ["TrainConfig", "TrainResult", "Diverged", "Stopped", "MemoryCheckError", "train", "param_groups",
@@ -125,6 +126,7 @@ class TrainResult:
     diverged: bool
     run_dir: Path
     metrics_path: Path
+    cpu_others_share: float | None = None   # CPU runs: the machine's CPU time other processes took meanwhile
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -158,7 +160,7 @@ def fit_vocab(model_cfg: ModelConfig, data_dir: str | os.PathLike) -> ModelConfi
 
 # --------------------------------------------------------------------------- the loop
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.PathLike,
-          out_dir: str | os.PathLike, *, resume: bool = False, progress: bool = True,
+          out_dir: str | os.PathLike, *, resume: bool = False, progress: bool | str = True,
           allow_new_data: bool = False, init_from: InitSource | None = None) -> TrainResult:
     """Train `model_cfg` on the prepared data in `data_dir`; write the run folder `out_dir`.
 
@@ -171,6 +173,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.Pat
     Raises Diverged on a NaN/Inf loss with nan_policy="stop"; ConfigError for impossible settings;
     FileExistsError when out_dir already holds a run and resume is False.
     Under torchrun (WORLD_SIZE > 1) it runs data-parallel (train_cfg.dist_strategy); rank 0 writes.
+    progress: True, the plan and a progress bar on stderr; "lines", the plan and plain log lines instead (a loss
+    line at most every 30 s: batch jobs); False, nothing but warnings.
     """
     cfg = train_cfg
     data_dir, run_dir = Path(data_dir), Path(out_dir)
@@ -395,7 +399,11 @@ class _Run:
         self.tokenizer: Any = None
         self.tb: TensorBoardLogger | None = None
         self.bar: Any = None
+        self.lines: LogLines | None = None        # plain log lines instead of the bar (progress="lines")
         self.peak = 0.0
+        self.resumed_from: Path | None = None
+        self.cpu: CpuShare | None = None          # CPU runs: other processes' share of the machine...
+        self.cpu_others: float | None = None      # ...over the run, read at close()
 
     # ---- before the loop
     def resume_from(self, checkpoint: Path) -> None:
@@ -418,22 +426,39 @@ class _Run:
             truncate_metrics(self.metrics_path, self.step)
             truncate_samples(self.run_dir / "samples.txt", self.step)
         self.last_good = checkpoint if _finite(self.last_val) else None
+        self.resumed_from = checkpoint
 
-    def open_reporting(self, progress: bool) -> None:
-        """Tokenizer (for samples), peak FLOP/s (for MFU), TensorBoard, progress bar. After resume_from,
+    def open_reporting(self, progress: bool | str) -> None:
+        """Tokenizer (for samples), peak FLOP/s (for MFU), TensorBoard, progress bar or lines. After resume_from,
         so that the bar starts at the resumed step and peak memory counts training only."""
         info = self.info
         if (info.is_main or info.strategy == "fsdp") and (self.data_dir / "tokenizer").is_dir():
             self.tokenizer = ckpt_io.load_run_tokenizer(self.data_dir)
+        # one CPU process (data-parallel ranks on one machine would count as each other's load)
+        self.cpu = CpuShare() if self.device.type == "cpu" and info.is_main and not info.enabled else None
         self.peak = matmul_peak_flops(self.device, self.cfg.dtype) if info.is_main else 0.0
+        peak_busy = busy_note(self.cpu.others(), "the matmul peak was measured") if self.cpu else None
         self.tb = TensorBoardLogger(self.run_dir, info.is_main)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         if progress and info.is_main:
             from archlab.progress import progress_bar
             print(self.describe(), file=sys.stderr)
-            self.bar = progress_bar(total=self.total_steps, initial=self.step, desc="train", unit="step",
-                                    file=sys.stderr)
+            if self.resumed_from is not None:
+                print(f"resuming from {self.resumed_from} at step {self.step:,} ({self.tokens:,} tokens)",
+                      file=sys.stderr)
+            if peak_busy:
+                print(f"note: {peak_busy}", file=sys.stderr)
+            if progress == "lines":
+                self.lines = LogLines(self.total_steps)
+            else:
+                self.bar = progress_bar(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                                        file=sys.stderr)
+        short = warmup_shortfall(self.cfg, self.total_steps) if info.is_main else None
+        if short:
+            warnings.warn(short, stacklevel=5)   # at the caller of train()
+        if self.cpu is not None:
+            self.cpu.start()                      # from here: the run
 
     def describe(self) -> str:
         """What is about to run: model size, batch, budget, device, and the memory the accounting
@@ -495,6 +520,9 @@ class _Run:
             t_prev = time.perf_counter()   # eval / sample / checkpoint time is not training time...
             if self.total_steps is None:   # ...except for a minutes budget, which is wall time
                 self.elapsed += t_prev - now
+        short = warmup_shortfall(cfg, self.step) if self.total_steps is None and self.info.is_main else None
+        if short:                          # a minutes budget knows its steps only now
+            warnings.warn(short, stacklevel=5)
 
     def checkpoint(self) -> None:
         """Save; the NaN guard names the checkpoint only when its recorded losses are finite."""
@@ -586,12 +614,14 @@ class _Run:
         if stats.total != stats.ce:
             record["loss_total"] = stats.total
         self.log(record)
+        left = {}
+        if self.total_steps is None:              # a minutes budget: the bar has no total, so say what is left
+            seconds = max(0.0, self.cfg.budget * 60.0 - self.elapsed)
+            left = {"left": f"{int(seconds // 60)}:{int(seconds % 60):02d}"}
         if self.bar is not None:
-            left = {}
-            if self.total_steps is None:          # a minutes budget: the bar has no total, so say what is left
-                seconds = max(0.0, self.cfg.budget * 60.0 - self.elapsed)
-                left = {"left": f"{int(seconds // 60)}:{int(seconds % 60):02d}"}
             self.bar.set_postfix(loss=f"{stats.ce:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{mfu:.1%}", **left, refresh=False)
+        elif self.lines is not None:
+            self.lines.step(self.step, loss=stats.ce, lr=lr, tokens_per_s=tps, mfu=mfu, **left)
         self.window = _Meter()
 
     def validate(self) -> None:
@@ -626,7 +656,7 @@ class _Run:
         prompt = self.tokenizer.encode(cfg.sample_prompt) if cfg.sample_prompt else [self.train_data.eot_id]
         module = self.raw if info.strategy != "fsdp" else self.model
         ids = sample_ids(module, prompt, cfg.sample_tokens, temperature=cfg.sample_temperature,
-                         seed=cfg.seed + self.step, device=self.device, use_generate=info.strategy != "fsdp",
+                         seed=cfg.seed + self.step, device=self.device, use_cache=info.strategy != "fsdp",
                          vocab_limit=vocab_limit(self.raw, self.tokenizer))   # a padded vocabulary: decodable ids
         if info.is_main:
             text = self.tokenizer.decode(ids)
@@ -657,6 +687,10 @@ class _Run:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        self.cpu_others = self.cpu.others() if self.cpu is not None else None
+        busy = busy_note(self.cpu_others, "this run trained")
+        if busy and (self.bar is not None or self.lines is not None):
+            print(f"note: {busy}", file=sys.stderr)
         if self.tb is not None:
             self.tb.close()
         if self.info.is_main:
@@ -670,7 +704,7 @@ class _Run:
                            best_val_loss=self.best_val, final_train_loss=self.last_train_loss,
                            tokens_per_s=self.session.tokens_per_s(), peak_memory_bytes=peak_memory(self.device),
                            device=self.device.type, diverged=diverged, run_dir=self.run_dir,
-                           metrics_path=self.metrics_path)
+                           metrics_path=self.metrics_path, cpu_others_share=self.cpu_others)
 
 
 def _weights_only_message(run_dir: Path, checkpoint: Path) -> str:

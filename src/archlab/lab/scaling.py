@@ -15,6 +15,7 @@ outside their intervals: we always print intervals.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -23,8 +24,8 @@ import numpy as np
 
 from archlab.errors import UserError
 
-__all__ = ["CHINCHILLA", "KAPLAN", "LossLaw", "LossFit", "IsoFLOPProfile", "fit_loss", "isoflop_profiles",
-           "optimal_exponent", "points"]
+__all__ = ["CHINCHILLA", "KAPLAN", "LossLaw", "LossFit", "IsoFLOPProfile", "fit_loss", "fit_rows",
+           "isoflop_profiles", "optimal_exponent", "points"]
 
 PARAMS = ("E", "A", "alpha", "B", "beta")
 
@@ -98,6 +99,22 @@ class LossFit:
         tail = 100 * (1 - self.level) / 2
         return float(np.percentile(ratios, tail)), float(np.percentile(ratios, 100 - tail))
 
+    def fall(self, term: str, lo: float, hi: float) -> tuple[float, float, float]:
+        """How much the law's N term ("N": A/N^alpha) or D term falls from lo to hi, in nats, and its
+        bootstrap interval: an exponent above 0 with a vanishing A is no fall at all."""
+        col = (1, 2) if term == "N" else (3, 4)
+
+        def drop(coef, exp):
+            return coef * (lo ** -exp - hi ** -exp)
+
+        law = self.law.to_dict()
+        point = float(drop(law[PARAMS[col[0]]], law[PARAMS[col[1]]]))
+        if not len(self.boot):
+            return point, float("nan"), float("nan")
+        drops = drop(self.boot[:, col[0]], self.boot[:, col[1]])
+        tail = 100 * (1 - self.level) / 2
+        return point, float(np.percentile(drops, tail)), float(np.percentile(drops, 100 - tail))
+
     def to_dict(self) -> dict:
         return {**self.law.to_dict(), "rms_residual": self.rms_residual, "n_points": self.n_points,
                 "intervals": {k: self.interval(k) for k in PARAMS}, "level": self.level}
@@ -149,7 +166,7 @@ def _minimise(starts: Iterable[np.ndarray], log_n, log_d, log_l, delta: float) -
     best, best_value = None, math.inf
     for x0 in starts:
         res = minimize(_objective, x0, args=(log_n, log_d, log_l, delta), jac=True, method="L-BFGS-B",
-                       options={"maxiter": 2000, "ftol": 1e-15, "gtol": 1e-10})
+                       options={"maxiter": 500, "ftol": 1e-15, "gtol": 1e-10})
         if np.all(np.isfinite(res.x)) and res.fun < best_value:
             best, best_value = res.x, float(res.fun)
     assert best is not None
@@ -298,6 +315,21 @@ def points(rows: Iterable, params: str = "total", metric: str = "final_val_loss"
         loss.append(float(value))
         used.append(row)
     return np.array(n), np.array(d), np.array(loss), used
+
+
+def fit_rows(rows: Iterable, params: str = "total", metric: str = "final_val_loss", n_boot: int = 200,
+             seed: int = 0) -> tuple[LossFit | None, list]:
+    """The law fitted to finished rows (None with fewer than 6 points), and the rows used. The same
+    points give the same fit object: the verdict and the report section share one fit."""
+    n, d, loss, used = points(rows, params, metric)
+    if len(used) < 6:
+        return None, used
+    return _fit_cached(tuple(n), tuple(d), tuple(loss), n_boot, seed), used
+
+
+@functools.lru_cache(maxsize=8)
+def _fit_cached(n: tuple, d: tuple, loss: tuple, n_boot: int, seed: int) -> LossFit:
+    return fit_loss(n, d, loss, n_boot=n_boot, seed=seed)
 
 
 def non_embedding(model: dict) -> int:

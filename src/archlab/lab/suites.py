@@ -74,7 +74,9 @@ class Variant:
 
 _FIELD_TYPES = {"name": str, "claim": str, "variants": list, "axes": list, "base": dict, "match": dict, "seeds": int,
                 "scales": dict, "measure": list, "rules": list, "published": str, "lr_axis": str, "notes": str,
-                "timing_seq_len": int}
+                "timing_seq_len": int, "analysis": str}
+# report sections beyond the rules' table, by name (archlab.lab.report.ANALYSES holds their code)
+ANALYSES = ("scaling",)
 _KIND_NAMES = {str: "a string", list: "a list", dict: "a mapping", int: "an integer"}
 
 
@@ -95,6 +97,7 @@ class Suite:
     notes: str = ""
     timing_seq_len: int | None = None                      # paired step times at this length, batch 1
                                                            # (None: the runs' own batch and length)
+    analysis: str | None = None                            # one of ANALYSES: its own report section
 
     def __post_init__(self):
         for name, kind in _FIELD_TYPES.items():
@@ -115,13 +118,17 @@ class Suite:
             raise ConfigError(f"suite {self.name}: match.by must be 'params' or 'flops'")
         if self.seeds < 1:
             raise ConfigError(f"suite {self.name}: seeds={self.seeds} must be >= 1")
+        if self.analysis is not None and self.analysis not in ANALYSES:
+            raise ConfigError(f"suite {self.name}: analysis={self.analysis!r}; known: {', '.join(ANALYSES)}")
 
     # ---- expansion ---------------------------------------------------------------------------
-    def expand(self) -> list[Variant]:
-        """The variants to run: the axes' product, then the explicit list; names must be unique."""
+    def expand(self, scale: str | None = None) -> list[Variant]:
+        """The variants to run: the axes' product, then the explicit list; names must be unique. A scale
+        may replace axes by name (`scales: {large: {axes: [...]}}`: a model ladder sized for GPUs)."""
         out: list[Variant] = []
         if self.axes:
-            options = [_axis_options(axis, self.name) for axis in self.axes]
+            own = {a.get("name"): a for a in (self.scales.get(scale, {}).get("axes") or [])} if scale else {}
+            options = [_axis_options(own.get(axis.get("name"), axis), self.name) for axis in self.axes]
             for combo in itertools.product(*options):
                 sets: dict[str, Any] = {}
                 for _, _, s in combo:
@@ -629,6 +636,58 @@ def _sinks() -> Suite:
                   "activations up to ~1e4-1e5x the median",
         notes="first_token_mass: attention on position 0 averaged over layers, heads and queries 1..t-1 of "
               "4 validation windows (archlab.eval.diagnostics).",
+    )
+
+
+def _size_axis(shapes: list[tuple[int, int]]) -> dict:
+    """Model sizes as (d_model, n_layers): heads of dim 16, a SwiGLU width of ~8/3 d_model (a multiple of 4)."""
+    return {"name": "size", "values": [
+        {"label": f"d{d}L{n}", "set": {"d_model": d, "n_layers": n, "attention.n_heads": max(1, d // 16),
+                                       "mlp.d_ff": round(8 / 3 * d / 4) * 4}} for d, n in shapes]}
+
+
+def _tokens_axis(budgets: list[float]) -> dict:
+    """Token budgets: each run's budget in tokens, its cosine schedule decaying over exactly that many."""
+    def label(n: float) -> str:
+        return f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}k"
+    return {"name": "tokens", "values": [
+        {"label": label(n), "set": {"train.budget": float(n), "train.budget_unit": "tokens"}} for n in budgets]}
+
+
+@builtin_suite
+def _scaling() -> Suite:
+    # total parameters about doubling along each ladder, tokens doubling: anti-diagonals share C = 6 N D,
+    # so the grid holds IsoFLOP profiles (approach 2) as well as the surface (approach 3)
+    return Suite(
+        name="scaling",
+        claim="Loss falls as a power law in parameters N and in training tokens D: L(N, D) = E + A/N^alpha + "
+              "B/D^beta fits the ladder, and the compute-optimal model grows with the compute budget",
+        axes=[_size_axis([(32, 2), (48, 2), (64, 3), (80, 4), (96, 5)]),
+              _tokens_axis([1e5 * 2 ** k for k in range(5)])],
+        base={"train": {"eval_every": 200, "eval_batches": 32}},
+        seeds=1, analysis="scaling",
+        scales={"small": {"budget": 1e5, "unit": "tokens"},
+                "large": {"budget": 1e7, "unit": "tokens",
+                          "axes": [_size_axis([(128, 4), (192, 6), (256, 8), (384, 8), (512, 10)]),
+                                   _tokens_axis([1e7 * 2 ** k for k in range(5)])]}},
+        rules=[
+            Rule(kind="power_law", metric="final_val_loss", params="total", tol=0.02,
+                 statement="with N all parameters (Chinchilla's count), the fitted law's N and D terms each fall by "
+                           "more than 2% of the loss over the ladder (95% bootstrap) and fit log L within 2% RMS"),
+            Rule(kind="power_law", metric="final_val_loss", params="non_embedding", tol=0.02,
+                 statement="the same with N the non-embedding parameters (Kaplan's count)"),
+        ],
+        published="Hoffmann et al. 2022 (approach 3, eq. 10): L = 1.69 + 406.4/N^0.34 + 410.7/D^0.28, N and D grow "
+                  "about equally with compute, ~20 tokens per parameter (approaches 1-2); Kaplan et al. 2020: "
+                  "L(N) ~ N^-0.076 (non-embedding N), L(D) ~ D^-0.095; Besiroglu et al. 2024 refit Chinchilla's "
+                  "points and found intervals that exclude some published constants",
+        notes="A ladder of 5 sizes (41k to 604k parameters, each about twice the last; 24k to 554k without the "
+              "vocabulary and position matrices) x 5 token budgets (100k to 1.6M tokens, doubling), one seed: the "
+              "fit's bootstrap gives the intervals. At the large scale: d128L4 to d512L10, 10M to 160M tokens. "
+              "Each run's cosine schedule ends at its own budget (Hoffmann et al.: a schedule longer than the run "
+              "overstates its loss). The variants set their budgets in tokens, so --budget does not apply. The "
+              "byte-level Shakespeare corpus holds 4.9M training tokens, so no run repeats data at the small "
+              "scale; the large one needs a corpus of >= 160M tokens for that.",
     )
 
 

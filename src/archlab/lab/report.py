@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-from archlab.lab import scaling_report
+from archlab.lab import emergence_report, scaling_report
 from archlab.lab import suites as suites_mod
 from archlab.lab.document import Block
 from archlab.lab.store import DB_FILE, ResultStore, RunRecord
@@ -23,7 +23,8 @@ from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Verdict, judge_al
 
 STANDARD_METRICS = ("final_val_loss", "step_time_s", "lr_sensitivity", "diverged")
 # a suite's `analysis`: its own section after the plots, (suite, rows, img_dir, rel) -> blocks
-ANALYSES: dict[str, Callable[..., list[Block]]] = {"scaling": scaling_report.section}
+ANALYSES: dict[str, Callable[..., list[Block]]] = {"scaling": scaling_report.section,
+                                                   "emergence": emergence_report.section}
 MEASURED_METRICS = ("val_loss_2x", "max_attn_logit", "first_token_mass", "massive_ratio", "kv_cache_bytes")
 
 

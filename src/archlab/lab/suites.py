@@ -41,7 +41,8 @@ import yaml
 from archlab.config import ConfigError, ModelConfig
 from archlab.lab.verdicts import Rule
 
-MEASUREMENTS = ("val_loss_2x", "max_attn_logit", "sinks", "kv_cache_bytes", "paired_step_time", "effective_rank")
+MEASUREMENTS = ("val_loss_2x", "max_attn_logit", "sinks", "kv_cache_bytes", "paired_step_time", "effective_rank",
+                "addition")
 
 # The tiny model every built-in suite starts from (~0.23M parameters with the byte vocabulary).
 BASE_MODEL: dict[str, Any] = {
@@ -74,9 +75,9 @@ class Variant:
 
 _FIELD_TYPES = {"name": str, "claim": str, "variants": list, "axes": list, "base": dict, "match": dict, "seeds": int,
                 "scales": dict, "measure": list, "rules": list, "published": str, "lr_axis": str, "notes": str,
-                "timing_seq_len": int, "analysis": str}
+                "timing_seq_len": int, "analysis": str, "corpus": str}
 # report sections beyond the rules' table, by name (archlab.lab.report.ANALYSES holds their code)
-ANALYSES = ("scaling",)
+ANALYSES = ("scaling", "emergence")
 _KIND_NAMES = {str: "a string", list: "a list", dict: "a mapping", int: "an integer"}
 
 
@@ -98,6 +99,7 @@ class Suite:
     timing_seq_len: int | None = None                      # paired step times at this length, batch 1
                                                            # (None: the runs' own batch and length)
     analysis: str | None = None                            # one of ANALYSES: its own report section
+    corpus: str | None = None                              # the corpus a sweep prepares unless told otherwise
 
     def __post_init__(self):
         for name, kind in _FIELD_TYPES.items():
@@ -688,6 +690,32 @@ def _scaling() -> Suite:
               "overstates its loss). The variants set their budgets in tokens, so --budget does not apply. The "
               "byte-level Shakespeare corpus holds 4.9M training tokens, so no run repeats data at the small "
               "scale; the large one needs a corpus of >= 160M tokens for that.",
+    )
+
+
+@builtin_suite
+def _emergence() -> Suite:
+    return Suite(
+        name="emergence",
+        claim="The task's metric is not smooth: on 3-digit addition, exact match over the whole answer jumps "
+              "across the model ladder while the per-digit accuracy behind it grows smoothly",
+        axes=[_size_axis([(32, 2), (48, 2), (64, 3), (80, 4), (96, 5)])],
+        base={"train": {"eval_every": 500, "eval_batches": 16}},
+        seeds=2, measure=["addition"], analysis="emergence", corpus="addition",
+        scales={"small": {"budget": 2e6, "unit": "tokens"},
+                "large": {"budget": 2e7, "unit": "tokens",
+                          "axes": [_size_axis([(128, 4), (192, 6), (256, 8), (384, 8), (512, 10)])]}},
+        rules=[Rule(kind="sharper", metric="exact_match", versus="digit_accuracy", tol=0.15,
+                    statement="exact match's largest rise between neighbouring sizes is a larger share of its "
+                              "whole rise than per-digit accuracy's (by 0.15 or more)")],
+        published="Schaeffer et al. 2023: abilities that look emergent under exact match or multiple-choice grade "
+                  "become smooth under per-token or edit-distance metrics (exact match ~ per-token accuracy ^ "
+                  "answer length); Wei et al. 2022: emergent abilities appear abruptly with scale",
+        notes="The corpus is generated (archlab.data.arithmetic): lines `a+b=s` of 3-digit numbers, the 4-digit "
+              "sum written least-significant digit first, 5.2M bytes; 512 held-out problems (pairs never in the "
+              "corpus) are scored after training from one teacher-forced forward: exact match (all 4 digits "
+              "right, what greedy decoding writes), per-digit accuracy, and the answer's NLL per digit. Every "
+              "size reads the same 2M tokens, so compute grows with N.",
     )
 
 

@@ -16,6 +16,10 @@ and prints what comes back. Kinds:
           the D term's, each with its bootstrap interval, against tol x the median loss:
           both falls' lower bounds above it and the RMS log residual <= tol                -> held
           a fall's upper bound at or below it, or the residual above 2 tol                 -> did not hold
+  sharper `metric` and `versus` along the ladder of model sizes (runs grouped by parameters, means over
+          seeds): the sharpness of each is its largest rise between neighbouring sizes over its whole rise
+          (1 = all at one step, 1/(sizes-1) = even steps). sharpness(metric) >= sharpness(versus) + tol
+          -> held; below sharpness(versus) -> did not hold; either metric moving by < 0.05 -> inconclusive
 
 The spread is sqrt(std_a^2 + std_b^2), the standard deviation over seeds of one run of each side (so a
 gap smaller than the seed-to-seed noise of a single comparison is "inconclusive"). A side with fewer
@@ -41,7 +45,7 @@ HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
 
 @dataclass(frozen=True)
 class Rule:
-    kind: Literal["less", "parity", "flat", "ratio", "power_law"]
+    kind: Literal["less", "parity", "flat", "ratio", "power_law", "sharper"]
     statement: str
     metric: str = "final_val_loss"
     a: dict = field(default_factory=dict)
@@ -50,10 +54,13 @@ class Rule:
     expected: float | None = None
     over: str | None = None          # axis for lr_sensitivity
     params: Literal["total", "non_embedding"] = "total"    # power_law: which parameter count is N
+    versus: str | None = None        # sharper: the smooth metric `metric` is compared with
 
     def __post_init__(self):
-        if self.kind not in ("less", "parity", "flat", "ratio", "power_law"):
-            raise ValueError(f"rule kind {self.kind!r} must be less, parity, flat, ratio or power_law")
+        if self.kind not in ("less", "parity", "flat", "ratio", "power_law", "sharper"):
+            raise ValueError(f"rule kind {self.kind!r} must be less, parity, flat, ratio, power_law or sharper")
+        if self.kind == "sharper" and not self.versus:
+            raise ValueError(f"rule {self.statement!r}: kind sharper needs `versus` (the smooth metric)")
         if self.kind == "power_law" and not self.tol > 0:
             raise ValueError(f"rule {self.statement!r}: kind power_law needs `tol` > 0 (the RMS residual allowed)")
         if self.params not in ("total", "non_embedding"):
@@ -184,6 +191,8 @@ def side_values(rows: list, selector: dict, metric: str, over: str | None = None
 def judge(rule: Rule, rows: list) -> Verdict:
     if rule.kind == "flat":
         return _judge_flat(rule, rows)
+    if rule.kind == "sharper":
+        return _judge_sharper(rule, rows)
     if rule.kind == "power_law":
         return _judge_power_law(rule, rows)
     a = Side(describe(rule.a), side_values(rows, rule.a, rule.metric, rule.over))
@@ -281,6 +290,50 @@ def _judge_power_law(rule: Rule, rows: list) -> Verdict:
     return Verdict(rule, verdict, reason, sides, {**fit.law.to_dict(), "rms_residual": rms,
                                                   "alpha_interval": [alo, ahi], "beta_interval": [blo, bhi],
                                                   "fall_N": list(falls["N"]), "fall_D": list(falls["D"])})
+
+
+def ladder(rows: list, metric: str) -> dict[int, dict[int, float]]:
+    """params -> {seed: value} of the finished rows with a value of `metric`, sizes in increasing order."""
+    out: dict[int, dict[int, float]] = {}
+    for r in rows:
+        value = _row_metric(r, metric) if _usable(r) and r.params else None
+        if value is not None:
+            out.setdefault(int(r.params), {})[r.seed] = value
+    return dict(sorted(out.items()))
+
+
+def sharpness(values: list[float]) -> float:
+    """Largest rise between neighbours over the whole range (max - min); nan for a flat or short series."""
+    span = max(values) - min(values) if len(values) > 1 else 0.0
+    if span <= 0:
+        return float("nan")
+    return max(b - a for a, b in zip(values, values[1:])) / span
+
+
+def _judge_sharper(rule: Rule, rows: list) -> Verdict:
+    rows = [r for r in rows if selects(rule.a, _labels(r))]
+    series = {m: ladder(rows, m) for m in (rule.metric, rule.versus)}
+    means = {m: [statistics.fmean(v.values()) for v in s.values()] for m, s in series.items()}
+    seeds = sorted({seed for s in series.values() for v in s.values() for seed in v})
+    sides = [Side(f"sharpness of {m}", {seed: sharpness([v[seed] for v in s.values() if seed in v])
+                                        for seed in seeds}) for m, s in series.items()]
+    if min(len(s) for s in series.values()) < 3:
+        return Verdict(rule, INCONCLUSIVE, "fewer than 3 model sizes with both metrics", sides)
+    moved = {m: max(v) - min(v) for m, v in means.items()}
+    sharp = {m: sharpness(v) for m, v in means.items()}
+    numbers = {"sharpness": sharp, "range": moved, "ladder": {m: dict(zip(series[m], v)) for m, v in means.items()}}
+    reason = (f"sharpness {rule.metric} {sharp[rule.metric]:.2f} vs {rule.versus} {sharp[rule.versus]:.2f} "
+              f"(margin {rule.tol:.2f}); ranges {moved[rule.metric]:.3g} and {moved[rule.versus]:.3g} over "
+              f"{len(means[rule.metric])} sizes")
+    if min(moved.values()) < 0.05:
+        return Verdict(rule, INCONCLUSIVE, reason + ": a metric barely moved across the ladder", sides, numbers)
+    if sharp[rule.metric] >= sharp[rule.versus] + rule.tol:
+        verdict = HELD
+    elif sharp[rule.metric] < sharp[rule.versus]:
+        verdict = NOT_HELD
+    else:
+        verdict = INCONCLUSIVE
+    return Verdict(rule, verdict, reason, sides, numbers)
 
 
 def judge_all(rules: list[Rule], rows: list) -> list[Verdict]:

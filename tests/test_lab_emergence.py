@@ -146,3 +146,10 @@ def test_a_sweep_generates_the_addition_corpus(tmp_path):
     assert meta["corpus"] == "addition" and meta["vocab_size"] == 257
     total = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
     assert total == 400 * (1000 * 13 + 1)             # 1,000 lines of 12 bytes and a line break, + end-of-text
+
+
+def test_every_analysis_a_suite_can_name_has_a_report_section():
+    from archlab.lab import report, suites
+
+    assert set(suites.ANALYSES) == set(report.ANALYSES)
+    assert {s.analysis for s in suites.BUILTIN.values()} - {None} == set(suites.ANALYSES)

@@ -51,6 +51,7 @@ def _plot(series: dict, tokens: dict, axis: str, out: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8), dpi=100)
     for ax, (metric, title) in zip(axes, METRICS.items()):
@@ -64,6 +65,7 @@ def _plot(series: dict, tokens: dict, axis: str, out: Path) -> Path:
             ax.plot(xs, pred, "k--", lw=1, label=f"digit accuracy ^ {DIGITS + 1}")
             ax.legend(fontsize=7)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())                 # minor labels of a short log axis overlap
         ax.set_xlabel("parameters" if axis == "params" else "training compute 6 N D (FLOPs)")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3, which="both")

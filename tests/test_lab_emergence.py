@@ -16,26 +16,29 @@ from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Rule, judge, shar
 
 
 def test_answers_are_reversed_fixed_width_sums_and_held_out_pairs_stay_out():
-    assert arithmetic.answer(57, 68) == "5210"          # 125 -> "0125" -> reversed
-    assert arithmetic.answer(999, 999) == "8991"        # 1998
-    assert arithmetic.prompt(7, 42) == "\n007+042="
-    lines = [ln for doc in arithmetic.documents(n_docs=3, per_doc=200) for ln in doc.splitlines()]
+    assert arithmetic.answer(57, 68, 2) == "521"        # 125 reversed
+    assert arithmetic.answer(57, 68, 3) == "5210"       # 0125 reversed
+    assert arithmetic.answer(99, 99, 2) == "891"        # 198
+    assert arithmetic.prompt(7, 42, 2) == "\n07+42="
+    assert [arithmetic.digits_of(c) for c in ("addition", "addition-4", "addition-x", "shakespeare")] == [2, 4, None,
+                                                                                                          None]
+    lines = [ln for doc in arithmetic.documents(3, n_docs=3, per_doc=200) for ln in doc.splitlines()]
     assert len(lines) == 600 and all(len(ln) == 12 for ln in lines)
     for ln in lines:
         a, rest = ln.split("+")
         b, s = rest.split("=")
-        assert s == arithmetic.answer(int(a), int(b)) and not arithmetic.held_out(int(a), int(b))
-    probs = arithmetic.problems(50)
-    assert probs == arithmetic.problems(50)             # the same problems for every run
-    assert all(arithmetic.held_out(int(p[1:4]), int(p[5:8])) for p, _ in probs)
+        assert s == arithmetic.answer(int(a), int(b), 3) and not arithmetic.held_out(int(a), int(b))
+    probs = arithmetic.problems(3, 50)
+    assert probs == arithmetic.problems(3, 50)          # the same problems for every run
+    assert all(arithmetic.held_out(int(p[1:4]), int(p[5:8])) and len(s) == 4 for p, s in probs)
 
 
 class Oracle(torch.nn.Module):
     """Puts its mass on the true next byte of `rows`, except at the answer digits listed in `wrong`."""
 
-    def __init__(self, rows: torch.Tensor, wrong: tuple[int, ...] = (), vocab: int = 257):
+    def __init__(self, rows: torch.Tensor, k: int, wrong: tuple[int, ...] = (), vocab: int = 257):
         super().__init__()
-        self.rows, self.wrong, self.vocab, self.seen = rows, wrong, vocab, 0
+        self.rows, self.k, self.wrong, self.vocab, self.seen = rows, k, wrong, vocab, 0
 
     def forward(self, x):
         b, t = x.shape
@@ -44,21 +47,24 @@ class Oracle(torch.nn.Module):
         logits = torch.zeros(b, t, self.vocab)
         nxt = full[:, 1:].clone()                                           # (b, t): the true next tokens
         for k in self.wrong:                                                # answer digit k predicted wrong
-            nxt[:, t - 4 + k] = (nxt[:, t - 4 + k] + 1) % self.vocab
+            nxt[:, t - self.k + k] = (nxt[:, t - self.k + k] + 1) % self.vocab
         logits.scatter_(-1, nxt[..., None], math.log(9.0))                  # p(argmax) = 9 / (9 + 256)
         return logits
 
 
 def test_scores_from_hand_built_models():
-    tok, probs = ByteTokenizer(), arithmetic.problems(10)
+    tok, probs = ByteTokenizer(), arithmetic.problems(3, 10)
     rows, k = encode_problems(tok, probs)
     assert rows.shape == (10, 13) and k == 4
     assert bytes(rows[0, -4:].tolist()).decode() == probs[0][1]
-    right = score_addition(Oracle(rows), tok, probs, batch_size=4)
+    right = score_addition(Oracle(rows, k), tok, probs, batch_size=4)
     p = 9 / (9 + 256)
-    assert right == pytest.approx({"exact_match": 1.0, "digit_accuracy": 1.0, "answer_nll": -math.log(p)})
-    last_wrong = score_addition(Oracle(rows, wrong=(3,)), tok, probs)
+    assert right.pop("digit_accuracy_per_position") == [1.0] * 4
+    assert right == pytest.approx({"exact_match": 1.0, "digit_accuracy": 1.0, "answer_nll": -math.log(p),
+                                   "answer_digits": 4})
+    last_wrong = score_addition(Oracle(rows, k, wrong=(3,)), tok, probs)
     assert last_wrong["exact_match"] == 0.0 and last_wrong["digit_accuracy"] == pytest.approx(0.75)
+    assert last_wrong["digit_accuracy_per_position"] == [1.0, 1.0, 1.0, 0.0]
     # three digits at p, one at 1 / 265 (the wrong token took the mass)
     assert last_wrong["answer_nll"] == pytest.approx((-3 * math.log(p) + math.log(265)) / 4)
 
@@ -74,9 +80,9 @@ def test_a_tokenizer_that_merges_digits_is_a_one_line_error():
         def encode(self, text):
             return [7, 7] if text.isdigit() and len(text) == 1 else super().encode(text)
 
-    encode_problems(Merging(), arithmetic.problems(2))
+    encode_problems(Merging(), arithmetic.problems(2, 2))
     with pytest.raises(UserError, match="byte-level tokenizer"):
-        encode_problems(Pairs(), arithmetic.problems(2))
+        encode_problems(Pairs(), arithmetic.problems(2, 2))
 
 
 def test_sharpness_by_hand():
@@ -92,7 +98,8 @@ def _rows(digit_acc: list[float], exact: list[float], seeds=(0, 1), jitter=0.01)
     for i, (d, e) in enumerate(zip(digit_acc, exact)):
         for seed in seeds:
             extra = {"labels": {"size": f"s{i}"}, "digit_accuracy": d + jitter * rng.standard_normal(),
-                     "exact_match": max(0.0, e + jitter * rng.standard_normal()), "answer_nll": 2.0 - 2 * d}
+                     "exact_match": max(0.0, e + jitter * rng.standard_normal()), "answer_nll": 2.0 - 2 * d,
+                     "answer_digits": 4, "digit_accuracy_per_position": [min(1.0, d + 0.05), d, d, d - 0.05]}
             rows.append(RunRecord(suite="emergence", variant=f"size=s{i}", seed=seed, status="done",
                                   params=40_000 * 2 ** i, tokens_seen=2_000_000, extra=extra))
     return rows
@@ -120,11 +127,14 @@ def test_emergence_suite_and_report_from_a_synthetic_table(tmp_path):
     from archlab.lab.plan import plan
     from archlab.lab.report import build_report
     from archlab.lab.store import ResultStore
+    from archlab.models.accounting import param_count
 
     suite = suites.BUILTIN["emergence"]
     planned = plan(suite, tmp_path, vocab_size=257)
-    assert len(planned) == 10 and {p.train.budget_unit for p in planned} == {"tokens"}
-    assert suite.corpus == "addition" and "addition" in suite.measure
+    assert len(planned) == 18 and {p.train.budget_unit for p in planned} == {"tokens"}
+    sizes = [param_count(p.model) for p in planned if p.seed == 0]
+    assert sizes == sorted(sizes) and 3e4 < sizes[0] and sizes[-1] < 4e5          # a ladder, smallest first
+    assert suite.corpus == "addition-2" and suite.scale("large")["corpus"] == "addition-4"
     with ResultStore(tmp_path / "sweep") as store:
         store.set_meta("suite:emergence", suite.to_dict())
         for row in _rows(SMOOTH, [d ** 4 for d in SMOOTH]):
@@ -133,6 +143,7 @@ def test_emergence_suite_and_report_from_a_synthetic_table(tmp_path):
     assert json.loads(paths["json"].read_text())["emergence"][0]["verdict"] == HELD
     md = paths["md"].read_text()
     assert "digit accuracy ^ 4" in md and "Emergence: the sharp metric beside the smooth ones" in md
+    assert "| 40,000 | 4.8e+11 | " in md and "0.35 / 0.30 / 0.30 / 0.25" in md    # per position, units first
     for axis in ("params", "compute"):
         assert (paths["md"].parent / "img" / f"emergence_vs_{axis}.png").stat().st_size > 5000
 
@@ -141,11 +152,11 @@ def test_a_sweep_generates_the_addition_corpus(tmp_path):
     from archlab.data.tokens import load_meta
     from archlab.lab.runner import ensure_data
 
-    data = ensure_data(tmp_path, corpus="addition", progress=False)
+    data = ensure_data(tmp_path, corpus="addition-2", progress=False)
     meta = load_meta(data)
-    assert meta["corpus"] == "addition" and meta["vocab_size"] == 257
+    assert meta["corpus"] == "addition-2" and meta["vocab_size"] == 257
     total = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
-    assert total == 400 * (1000 * 13 + 1)             # 1,000 lines of 12 bytes and a line break, + end-of-text
+    assert total == 400 * (1000 * 10 + 1)             # 1,000 lines of 9 bytes and a line break, + end-of-text
 
 
 def test_every_analysis_a_suite_can_name_has_a_report_section():

@@ -4,6 +4,7 @@
                   teacher forcing is exactly what greedy decoding would write, so no decode loop is needed.
   digit_accuracy  the share of answer digits whose argmax is right (given the true digits before it)
   answer_nll      the answer tokens' mean negative log-likelihood (nats): the smooth, continuous one
+  digit_accuracy_per_position  the sub-tasks: units digit, tens digit with its carry, ..., the carry out
 
 Schaeffer et al. 2023 (arXiv 2304.15004): abilities that look emergent under exact match grow smoothly
 under per-token metrics; with independent digits, exact match ~ digit_accuracy ** digits.
@@ -37,18 +38,19 @@ def encode_problems(tokenizer: Any, problems: list[tuple[str, str]]) -> tuple[to
 
 @torch.no_grad()
 def score_addition(model: torch.nn.Module, tokenizer: Any, problems: list[tuple[str, str]],
-                   batch_size: int = 128) -> dict[str, float]:
-    """exact_match, digit_accuracy and answer_nll of `model` on `problems` (see the module docstring)."""
+                   batch_size: int = 128) -> dict[str, Any]:
+    """exact_match, digit_accuracy, answer_nll and digit_accuracy_per_position of `model` on `problems`
+    (see the module docstring), and answer_digits (the answer's length)."""
     x, k = encode_problems(tokenizer, problems)                       # (n, t), answers are the last k ids
-    exact, digits, nll = [], [], []
+    right, nll = [], []
     for start in range(0, len(x), batch_size):
         rows = x[start:start + batch_size]
         logits = model(rows[:, :-1])                                   # (b, t-1, v)
         logp = torch.log_softmax(logits[:, -k:].float(), -1)           # (b, k, v): the answer positions
         target = rows[:, -k:]                                          # (b, k)
-        right = logp.argmax(-1) == target                              # (b, k)
-        exact.append(right.all(-1).float())
-        digits.append(right.float().mean(-1))
+        right.append(logp.argmax(-1) == target)                        # (b, k)
         nll.append(-logp.gather(-1, target[..., None])[..., 0].mean(-1))
-    return {"exact_match": float(torch.cat(exact).mean()), "digit_accuracy": float(torch.cat(digits).mean()),
-            "answer_nll": float(torch.cat(nll).mean())}
+    hits = torch.cat(right).float()                                    # (n, k)
+    return {"exact_match": float(hits.min(-1).values.mean()), "digit_accuracy": float(hits.mean()),
+            "answer_nll": float(torch.cat(nll).mean()), "answer_digits": k,
+            "digit_accuracy_per_position": hits.mean(0).tolist()}     # least significant digit first

@@ -6,7 +6,6 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from archlab.data.arithmetic import DIGITS
 from archlab.lab.document import Block
 from archlab.lab.verdicts import ladder
 
@@ -26,28 +25,41 @@ def section(suite, rows: list, img_dir: Path, rel: str) -> list[Block]:
     if not sizes:
         return blocks + [Block("p", "No finished run has the addition scores.")]
     tokens = {int(r.params): r.tokens_seen for r in rows if r.params and r.tokens_seen}
+    k = next((int(r.extra["answer_digits"]) for r in rows if r.extra.get("answer_digits")), 0)
+    per_position = _per_position(rows)
     table = []
     for n in sizes:
         cells = [f"{n:,}", f"{6 * n * tokens.get(n, 0):.3g}"]
         for m in METRICS:
-            mean, std = _mean_std(series[m].get(n, {})) if series[m].get(n) else (float("nan"), 0.0)
+            mean, std = _mean_std(series[m][n]) if series[m].get(n) else (float("nan"), 0.0)
             cells.append(f"{mean:.3f} ± {std:.3f}")
         digit = _mean_std(series["digit_accuracy"][n])[0] if series["digit_accuracy"].get(n) else float("nan")
-        cells.append(f"{digit ** (DIGITS + 1):.3f}")
+        cells += [f"{digit ** k:.3f}", " / ".join(f"{p:.2f}" for p in per_position.get(n, []))]
         table.append(cells)
-    blocks.append(Block("table", header=["params", "compute 6ND", *METRICS.values(),
-                                         f"digit accuracy ^ {DIGITS + 1}"], rows=table))
+    blocks.append(Block("table", header=["params", "compute 6ND", *METRICS.values(), f"digit accuracy ^ {k}",
+                                         "per position (units first)"], rows=table))
     blocks.append(Block("p", (
-        f"If each of the {DIGITS + 1} answer digits were right independently with the per-digit accuracy p, exact "
-        f"match would be p^{DIGITS + 1}: a smooth rise of p turns into a late, steep rise of exact match.")))
+        f"If each of the {k} answer digits were right independently with the per-digit accuracy p, exact "
+        f"match would be p^{k}: a smooth rise of p turns into a late, steep rise of exact match. The positions are "
+        "the sub-tasks: the units digit needs no carry, the next ones need the carry from below.")))
     img_dir.mkdir(parents=True, exist_ok=True)
     for axis in ("params", "compute"):
-        out = _plot(series, tokens, axis, img_dir / f"{suite.name}_vs_{axis}.png")
+        out = _plot(series, tokens, k, axis, img_dir / f"{suite.name}_vs_{axis}.png")
         blocks.append(Block("img", f"{rel}/{out.name}", header=[out.stem]))
     return blocks
 
 
-def _plot(series: dict, tokens: dict, axis: str, out: Path) -> Path:
+def _per_position(rows: list) -> dict[int, list[float]]:
+    """params -> per-position digit accuracy, the mean over seeds."""
+    out: dict[int, list[list[float]]] = {}
+    for r in rows:
+        values = r.extra.get("digit_accuracy_per_position")
+        if r.status == "done" and r.params and values:
+            out.setdefault(int(r.params), []).append(values)
+    return {n: [statistics.fmean(col) for col in zip(*vals)] for n, vals in sorted(out.items())}
+
+
+def _plot(series: dict, tokens: dict, k: int, axis: str, out: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -60,16 +72,16 @@ def _plot(series: dict, tokens: dict, axis: str, out: Path) -> Path:
         stats = [_mean_std(series[metric][n]) for n in sizes]
         ax.errorbar(xs, [m for m, _ in stats], yerr=[s for _, s in stats], fmt="o-", capsize=3, label=title)
         if metric == "exact_match" and series["digit_accuracy"]:
-            pred = [_mean_std(series["digit_accuracy"][n])[0] ** (DIGITS + 1) if n in series["digit_accuracy"]
+            pred = [_mean_std(series["digit_accuracy"][n])[0] ** k if n in series["digit_accuracy"]
                     else float("nan") for n in sizes]
-            ax.plot(xs, pred, "k--", lw=1, label=f"digit accuracy ^ {DIGITS + 1}")
+            ax.plot(xs, pred, "k--", lw=1, label=f"digit accuracy ^ {k}")
             ax.legend(fontsize=7)
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())                 # minor labels of a short log axis overlap
         ax.set_xlabel("parameters" if axis == "params" else "training compute 6 N D (FLOPs)")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3, which="both")
-    fig.suptitle("3-digit addition across the model ladder (mean ± std over seeds)", fontsize=10)
+    fig.suptitle(f"addition ({k}-digit answers) across the model ladder (mean ± std over seeds)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

@@ -123,10 +123,13 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
                                           max_batches=run.train.eval_batches).loss
     if "addition" in wanted:      # exact match, digit accuracy, answer NLL on held-out sums (eval.arithmetic)
         from archlab.data import arithmetic
-        from archlab.data.tokens import load_tokenizer
+        from archlab.data.tokens import load_meta, load_tokenizer
         from archlab.eval.arithmetic import score_addition
 
-        out.update(score_addition(model, load_tokenizer(Path(data) / "tokenizer"), arithmetic.problems()))
+        digits = arithmetic.digits_of(str(load_meta(data).get("corpus", "")))
+        if digits is None:
+            raise ValueError("the addition scores need data prepared from an addition-K corpus")
+        out.update(score_addition(model, load_tokenizer(Path(data) / "tokenizer"), arithmetic.problems(digits)))
     if "max_attn_logit" in wanted or "sinks" in wanted or "effective_rank" in wanted:
         from archlab.eval import diagnostics
 

@@ -162,7 +162,14 @@ def test_scaling_suite_is_a_ladder_of_sizes_by_token_budgets_at_both_scales():
     assert 1e13 < sum(6 * param_count(r.model) * r.train.budget for r in small) < 3e13
 
 
-def test_scaling_report_fits_the_ladder_and_judges_the_power_law(tmp_path):
+@pytest.fixture
+def fewer_resamples(monkeypatch):
+    """Reports' intervals from 60 resamples instead of 200: the same code, a third of the fitting time."""
+    from archlab.lab import scaling
+    monkeypatch.setattr(scaling, "REPORT_BOOTSTRAP", 60)
+
+
+def test_scaling_report_fits_the_ladder_and_judges_the_power_law(tmp_path, fewer_resamples):
     import json
 
     from archlab.lab.report import build_report
@@ -183,7 +190,7 @@ def test_scaling_report_fits_the_ladder_and_judges_the_power_law(tmp_path):
         assert f"img/scaling_{name}.png" in md and img.stat().st_size > 5000
 
 
-def test_power_law_verdict_refuses_a_loss_that_does_not_fall_with_n(tmp_path):
+def test_power_law_verdict_refuses_a_loss_that_does_not_fall_with_n(tmp_path, fewer_resamples):
     from archlab.lab.store import ResultStore
     from archlab.lab.verdicts import judge
 

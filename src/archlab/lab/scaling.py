@@ -28,6 +28,10 @@ __all__ = ["CHINCHILLA", "KAPLAN", "LossLaw", "LossFit", "IsoFLOPProfile", "fit_
            "isoflop_profiles", "optimal_exponent", "points"]
 
 PARAMS = ("E", "A", "alpha", "B", "beta")
+REPORT_BOOTSTRAP = 200      # resamples behind a report's intervals (~2 s of fitting for 25 runs)
+# box for (a, b, e, alpha, beta): A, B in [2e-9, 5e21], E in [5e-5, 150] nats, exponents in [0, 5]. Wide of any
+# real law; it stops a term the data do not support from drifting to A -> 0 over hundreds of iterations
+BOUNDS = [(-20.0, 50.0), (-20.0, 50.0), (-10.0, 5.0), (0.0, 5.0), (0.0, 5.0)]
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,7 @@ def _minimise(starts: Iterable[np.ndarray], log_n, log_d, log_l, delta: float) -
     best, best_value = None, math.inf
     for x0 in starts:
         res = minimize(_objective, x0, args=(log_n, log_d, log_l, delta), jac=True, method="L-BFGS-B",
-                       options={"maxiter": 500, "ftol": 1e-15, "gtol": 1e-10})
+                       bounds=BOUNDS, options={"maxiter": 500, "ftol": 1e-15, "gtol": 1e-10})
         if np.all(np.isfinite(res.x)) and res.fun < best_value:
             best, best_value = res.x, float(res.fun)
     assert best is not None
@@ -317,14 +321,14 @@ def points(rows: Iterable, params: str = "total", metric: str = "final_val_loss"
     return np.array(n), np.array(d), np.array(loss), used
 
 
-def fit_rows(rows: Iterable, params: str = "total", metric: str = "final_val_loss", n_boot: int = 200,
+def fit_rows(rows: Iterable, params: str = "total", metric: str = "final_val_loss", n_boot: int | None = None,
              seed: int = 0) -> tuple[LossFit | None, list]:
-    """The law fitted to finished rows (None with fewer than 6 points), and the rows used. The same
-    points give the same fit object: the verdict and the report section share one fit."""
+    """The law fitted to finished rows (None with fewer than 6 points), and the rows used; n_boot defaults
+    to REPORT_BOOTSTRAP. The same points give the same fit object: the verdict and the report share one."""
     n, d, loss, used = points(rows, params, metric)
     if len(used) < 6:
         return None, used
-    return _fit_cached(tuple(n), tuple(d), tuple(loss), n_boot, seed), used
+    return _fit_cached(tuple(n), tuple(d), tuple(loss), n_boot or REPORT_BOOTSTRAP, seed), used
 
 
 @functools.lru_cache(maxsize=8)

@@ -34,9 +34,9 @@ def section(suite, rows: list, img_dir: Path, rel: str) -> list[Block]:
     c_max = float((6 * n * d).max())
     blocks.append(Block("p", (
         f"L(N, D) = E + A/N^alpha + B/D^beta fitted to {len(used)} runs by a Huber loss (delta 1e-3) on log L "
-        "from a 4,500-point grid of starts (L-BFGS-B); brackets: 95% bootstrap intervals over 200 resamples of "
-        f"the runs. Tokens per parameter and N_opt at C = {c_max:.3g} FLOPs (6 N D of the largest run), where the "
-        "fitted law puts its compute-optimal split.")))
+        "from a 4,500-point grid of starts (L-BFGS-B); brackets: 95% bootstrap intervals over "
+        f"{len(fits['total'].boot)} resamples of the runs. Tokens per parameter and N_opt at C = {c_max:.3g} "
+        "FLOPs (6 N D of the largest run), where the fitted law puts its compute-optimal split.")))
     header = ["N counts", "E", "A", "alpha", "B", "beta", "RMS residual", "tokens/param", "N_opt"]
     table = []
     for count, fit in fits.items():

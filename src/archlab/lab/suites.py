@@ -22,6 +22,12 @@ figures in CLAIMS.md). A suite can also come from YAML with the same fields::
     rules:
       - {kind: parity, metric: final_val_loss, a: {norm: rmsnorm}, b: {norm: layernorm}, tol: 0.02,
          statement: "RMSNorm's loss within 2% of LayerNorm's"}
+    analysis: scaling        # optional: a report section of its own (ANALYSES: scaling, emergence)
+    corpus: addition-2       # optional: the corpus a sweep prepares unless --corpus / --data say otherwise
+
+A scale may also carry `axes` (replacing the suite's axes of the same name: a model ladder sized for
+GPUs) and `corpus`. Per-variant `train.budget` / `train.budget_unit` give each run its own budget (the
+scaling suite's token ladder).
 
 Keys starting with `train.` go to TrainConfig, all others to ModelConfig.with_overrides. Variant names
 are the axis labels joined with "," (e.g. "norm=post,lr=1e-2"); each run also records its labels per

@@ -672,13 +672,13 @@ def _scaling() -> Suite:
         claim="Loss falls as a power law in parameters N and in training tokens D: L(N, D) = E + A/N^alpha + "
               "B/D^beta fits the ladder, and the compute-optimal model grows with the compute budget",
         axes=[_size_axis([(32, 2), (48, 2), (64, 3), (80, 4), (96, 5)]),
-              _tokens_axis([1e5 * 2 ** k for k in range(5)])],
+              _tokens_axis([1e5 * 2 ** k for k in range(6)])],
         base={"train": {"eval_every": 200, "eval_batches": 32}},
         seeds=1, analysis="scaling",
         scales={"small": {"budget": 1e5, "unit": "tokens"},
                 "large": {"budget": 1e7, "unit": "tokens",
                           "axes": [_size_axis([(128, 4), (192, 6), (256, 8), (384, 8), (512, 10)]),
-                                   _tokens_axis([1e7 * 2 ** k for k in range(5)])]}},
+                                   _tokens_axis([1e7 * 2 ** k for k in range(6)])]}},
         rules=[
             Rule(kind="power_law", metric="final_val_loss", params="total", tol=0.02,
                  statement="with N all parameters (Chinchilla's count), the fitted law's N and D terms each fall by "
@@ -691,12 +691,12 @@ def _scaling() -> Suite:
                   "L(N) ~ N^-0.076 (non-embedding N), L(D) ~ D^-0.095; Besiroglu et al. 2024 refit Chinchilla's "
                   "points and found intervals that exclude some published constants",
         notes="A ladder of 5 sizes (41k to 604k parameters, each about twice the last; 24k to 554k without the "
-              "vocabulary and position matrices) x 5 token budgets (100k to 1.6M tokens, doubling), one seed: the "
-              "fit's bootstrap gives the intervals. At the large scale: d128L4 to d512L10, 10M to 160M tokens. "
+              "vocabulary and position matrices) x 6 token budgets (100k to 3.2M tokens, doubling), one seed: the "
+              "fit's bootstrap gives the intervals. At the large scale: d128L4 to d512L10, 10M to 320M tokens. "
               "Each run's cosine schedule ends at its own budget (Hoffmann et al.: a schedule longer than the run "
               "overstates its loss). The variants set their budgets in tokens, so --budget does not apply. The "
               "byte-level Shakespeare corpus holds 4.9M training tokens, so no run repeats data at the small "
-              "scale; the large one needs a corpus of >= 160M tokens for that.",
+              "scale; the large one needs a corpus of >= 320M tokens for that.",
     )
 
 

@@ -10,4 +10,4 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 python -c "import torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null \
   || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[hf,fast,data,tb,serve,eval,ray,dev]" "torch==2.13.0"
+python -m pip install -q -e ".[hf,fast,data,tb,serve,eval,ray,lab,dev]" "torch==2.13.0"

@@ -188,3 +188,16 @@ def test_inspect_cli_vs_and_set(capsys):
     assert main(["inspect", "llama2-7b", "--set", "attention.n_kv_heads=3"]) == 2
     assert "must divide" in capsys.readouterr().err     # errors go to stderr, one line
     assert main(["inspect", "gemma3-27b", "--tiny"]) == 0
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama2-7b", "t5-11b"])
+def test_non_embedding_count_is_the_built_model_without_its_vocabulary_and_position_matrices(preset):
+    """Kaplan et al. 2020's N: every parameter but token embeddings, position tables and an untied head."""
+    from archlab.models import build_model
+
+    cfg = presets.tiny(preset)
+    vocabulary_or_position = ("embed.weight", "lm_head.weight", "abs_position.embedding.weight", "t5_bias")
+    model = build_model(cfg)
+    kept = sum(p.numel() for name, p in model.named_parameters() if not any(k in name for k in vocabulary_or_position))
+    assert accounting.non_embedding_param_count(cfg) == kept
+    assert 0 < kept < accounting.param_count(cfg)

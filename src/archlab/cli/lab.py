@@ -18,7 +18,8 @@ Each variant x seed is one training run under OUT/runs/; rows go to OUT/results.
 same command resumes: finished (done / diverged) runs are skipped, crashed ones are run again.
 Whatever the executor, every run trains with --threads torch threads (so its losses equal the serial
 run's bit for bit) and the driver alone writes the table; paired timings run on the driver.
-Without --data the Shakespeare corpus is prepared once with the byte tokenizer into OUT/data.
+Without --data the suite's corpus (Shakespeare, or the generated addition problems of `emergence`) is
+prepared once with the byte tokenizer into OUT/data.
 """
 
 REPORT_EXAMPLE = """\
@@ -45,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ablate.add_argument("--budget-unit", choices=["steps", "tokens", "minutes"], help="unit of --budget")
     ablate.add_argument("--seeds", type=int, help="seeds per variant (default: the suite's)")
     ablate.add_argument("--data", metavar="DIR", help="a prepared data folder (archlab data prepare)")
-    ablate.add_argument("--corpus", default="shakespeare", help="corpus when --data is not given")
+    ablate.add_argument("--corpus", default=None,
+                        help="corpus when --data is not given (default: the suite's own, else shakespeare)")
     ablate.add_argument("--tokenizer", default="bytes", help="tokenizer when --data is not given")
     ablate.add_argument("--set", action="append", default=[], metavar="train.KEY=VALUE",
                         help="extra TrainConfig override for every run (repeatable)")

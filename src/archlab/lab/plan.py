@@ -85,7 +85,7 @@ def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | No
                   else matching.flops_per_token(base_cfg, seq_len))
     n_seeds = seeds or suite.seeds
     out: list[PlannedRun] = []
-    for variant in suite.expand():
+    for variant in suite.expand(scale):
         try:
             cfg = build_model_config({**base_model, **variant.model})
         except ConfigError as exc:

@@ -12,27 +12,23 @@ import html
 import json
 import math
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from archlab.lab import emergence_report, scaling_report
 from archlab.lab import suites as suites_mod
+from archlab.lab.document import Block
 from archlab.lab.store import DB_FILE, ResultStore, RunRecord
 from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Verdict, judge_all, overall
 
 STANDARD_METRICS = ("final_val_loss", "step_time_s", "lr_sensitivity", "diverged")
+# a suite's `analysis`: its own section after the plots, (suite, rows, img_dir, rel) -> blocks
+ANALYSES: dict[str, Callable[..., list[Block]]] = {"scaling": scaling_report.section,
+                                                   "emergence": emergence_report.section}
 MEASURED_METRICS = ("val_loss_2x", "max_attn_logit", "first_token_mass", "massive_ratio", "kv_cache_bytes")
 
 
 # --------------------------------------------------------------------------- document blocks
-@dataclass
-class Block:
-    kind: str          # h1 h2 h3 p table img
-    text: str = ""
-    header: list[str] | None = None
-    rows: list[list[str]] | None = None
-
-
 def to_markdown(blocks: list[Block]) -> str:
     out = []
     for b in blocks:
@@ -355,6 +351,8 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
     for p in plots:
         if p is not None:
             blocks.append(Block("img", f"{rel}/{p.name}", header=[p.stem]))
+    if suite.analysis:
+        blocks.extend(ANALYSES[suite.analysis](suite, rows, img_dir, rel))
     return blocks, verdicts
 
 

@@ -38,15 +38,23 @@ class LabError(UserError, RuntimeError):
 
 def ensure_data(sweep_dir: Path, data_dir: str | Path | None = None, corpus: str = "shakespeare",
                 tokenizer: str = "bytes", progress: bool = True) -> Path:
-    """The prepared data folder: `data_dir` as given, else SWEEP_DIR/data (prepared on first use)."""
+    """The prepared data folder: `data_dir` as given, else SWEEP_DIR/data (prepared on first use; a
+    generated corpus such as "addition-3" is written by archlab.data.arithmetic)."""
     from archlab.data.tokens import load_meta, prepare
 
     if data_dir is not None:
         load_meta(data_dir)  # raises a clear DataError when it is not prepared
         return Path(data_dir)
+    from archlab.data import arithmetic
+
     target = Path(sweep_dir) / DATA_SUBDIR
     if not (target / "meta.json").is_file():
-        prepare(corpus, tokenizer, target, progress=progress, overwrite=True)
+        digits = arithmetic.digits_of(corpus)
+        if digits is not None:                  # generated here (the emergence suite's addition problems)
+            prepare(arithmetic.documents(digits), tokenizer, target, progress=progress, overwrite=True,
+                    corpus_name=corpus)
+        else:
+            prepare(corpus, tokenizer, target, progress=progress, overwrite=True)
     return target
 
 
@@ -59,7 +67,7 @@ def run_suite(
     budget: float | None = None,
     budget_unit: str | None = None,
     data_dir: str | Path | None = None,
-    corpus: str = "shakespeare",
+    corpus: str | None = None,
     tokenizer: str = "bytes",
     train_overrides: dict | None = None,
     device: str | None = None,
@@ -76,6 +84,8 @@ def run_suite(
     threads: torch CPU threads per run (None: leave torch's default). One thread is the default because
     these models are tiny: on a shared 2-core machine two threads ran a step 10x slower than one (thread
     contention); parallelism comes from running several runs at once (`executor`, `workers`).
+    corpus: the corpus prepared when `data_dir` is not given (default: the scale's, else the suite's own,
+    else Shakespeare).
     executor: "serial" (here, one after another), "local" (`workers` processes on this machine) or "ray"
     (Ray tasks; `address` of a cluster, else a local Ray instance), see archlab.lab.executors.
     """
@@ -83,6 +93,7 @@ def run_suite(
         import torch
         torch.set_num_threads(int(threads))
     sweep_dir = Path(sweep_dir)
+    corpus = corpus or suite.scale(scale)["corpus"] or suite.corpus or "shakespeare"
     # every variant's config is checked (with a stand-in vocabulary) before any folder or data work
     checked = plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit,
                    vocab_size=257, train_overrides=train_overrides, device=device)

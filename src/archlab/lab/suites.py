@@ -22,6 +22,12 @@ figures in CLAIMS.md). A suite can also come from YAML with the same fields::
     rules:
       - {kind: parity, metric: final_val_loss, a: {norm: rmsnorm}, b: {norm: layernorm}, tol: 0.02,
          statement: "RMSNorm's loss within 2% of LayerNorm's"}
+    analysis: scaling        # optional: a report section of its own (ANALYSES: scaling, emergence)
+    corpus: addition-2       # optional: the corpus a sweep prepares unless --corpus / --data say otherwise
+
+A scale may also carry `axes` (replacing the suite's axes of the same name: a model ladder sized for
+GPUs) and `corpus`. Per-variant `train.budget` / `train.budget_unit` give each run its own budget (the
+scaling suite's token ladder).
 
 Keys starting with `train.` go to TrainConfig, all others to ModelConfig.with_overrides. Variant names
 are the axis labels joined with "," (e.g. "norm=post,lr=1e-2"); each run also records its labels per
@@ -41,7 +47,8 @@ import yaml
 from archlab.config import ConfigError, ModelConfig
 from archlab.lab.verdicts import Rule
 
-MEASUREMENTS = ("val_loss_2x", "max_attn_logit", "sinks", "kv_cache_bytes", "paired_step_time", "effective_rank")
+MEASUREMENTS = ("val_loss_2x", "max_attn_logit", "sinks", "kv_cache_bytes", "paired_step_time", "effective_rank",
+                "addition")
 
 # The tiny model every built-in suite starts from (~0.23M parameters with the byte vocabulary).
 BASE_MODEL: dict[str, Any] = {
@@ -74,7 +81,9 @@ class Variant:
 
 _FIELD_TYPES = {"name": str, "claim": str, "variants": list, "axes": list, "base": dict, "match": dict, "seeds": int,
                 "scales": dict, "measure": list, "rules": list, "published": str, "lr_axis": str, "notes": str,
-                "timing_seq_len": int}
+                "timing_seq_len": int, "analysis": str, "corpus": str}
+# report sections beyond the rules' table, by name (archlab.lab.report.ANALYSES holds their code)
+ANALYSES = ("scaling", "emergence")
 _KIND_NAMES = {str: "a string", list: "a list", dict: "a mapping", int: "an integer"}
 
 
@@ -95,6 +104,8 @@ class Suite:
     notes: str = ""
     timing_seq_len: int | None = None                      # paired step times at this length, batch 1
                                                            # (None: the runs' own batch and length)
+    analysis: str | None = None                            # one of ANALYSES: its own report section
+    corpus: str | None = None                              # the corpus a sweep prepares unless told otherwise
 
     def __post_init__(self):
         for name, kind in _FIELD_TYPES.items():
@@ -115,13 +126,17 @@ class Suite:
             raise ConfigError(f"suite {self.name}: match.by must be 'params' or 'flops'")
         if self.seeds < 1:
             raise ConfigError(f"suite {self.name}: seeds={self.seeds} must be >= 1")
+        if self.analysis is not None and self.analysis not in ANALYSES:
+            raise ConfigError(f"suite {self.name}: analysis={self.analysis!r}; known: {', '.join(ANALYSES)}")
 
     # ---- expansion ---------------------------------------------------------------------------
-    def expand(self) -> list[Variant]:
-        """The variants to run: the axes' product, then the explicit list; names must be unique."""
+    def expand(self, scale: str | None = None) -> list[Variant]:
+        """The variants to run: the axes' product, then the explicit list; names must be unique. A scale
+        may replace axes by name (`scales: {large: {axes: [...]}}`: a model ladder sized for GPUs)."""
         out: list[Variant] = []
         if self.axes:
-            options = [_axis_options(axis, self.name) for axis in self.axes]
+            own = {a.get("name"): a for a in (self.scales.get(scale, {}).get("axes") or [])} if scale else {}
+            options = [_axis_options(own.get(axis.get("name"), axis), self.name) for axis in self.axes]
             for combo in itertools.product(*options):
                 sets: dict[str, Any] = {}
                 for _, _, s in combo:
@@ -151,6 +166,7 @@ class Suite:
             "unit": own.get("unit", base.get("unit", "steps")),
             "model": {**base.get("model", {}), **own.get("model", {})},
             "train": {**base.get("train", {}), **own.get("train", {})},
+            "corpus": own.get("corpus"),
         }
 
     def base_overrides(self, scale: str) -> tuple[dict, dict]:
@@ -629,6 +645,87 @@ def _sinks() -> Suite:
                   "activations up to ~1e4-1e5x the median",
         notes="first_token_mass: attention on position 0 averaged over layers, heads and queries 1..t-1 of "
               "4 validation windows (archlab.eval.diagnostics).",
+    )
+
+
+def _size_axis(shapes: list[tuple[int, int]]) -> dict:
+    """Model sizes as (d_model, n_layers): heads of dim 16, a SwiGLU width of ~8/3 d_model (a multiple of 4)."""
+    return {"name": "size", "values": [
+        {"label": f"d{d}L{n}", "set": {"d_model": d, "n_layers": n, "attention.n_heads": max(1, d // 16),
+                                       "mlp.d_ff": round(8 / 3 * d / 4) * 4}} for d, n in shapes]}
+
+
+def _tokens_axis(budgets: list[float]) -> dict:
+    """Token budgets: each run's budget in tokens, its cosine schedule decaying over exactly that many."""
+    def label(n: float) -> str:
+        return f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}k"
+    return {"name": "tokens", "values": [
+        {"label": label(n), "set": {"train.budget": float(n), "train.budget_unit": "tokens"}} for n in budgets]}
+
+
+@builtin_suite
+def _scaling() -> Suite:
+    # total parameters about doubling along each ladder, tokens doubling: anti-diagonals share C = 6 N D,
+    # so the grid holds IsoFLOP profiles (approach 2) as well as the surface (approach 3)
+    return Suite(
+        name="scaling",
+        claim="Loss falls as a power law in parameters N and in training tokens D: L(N, D) = E + A/N^alpha + "
+              "B/D^beta fits the ladder, and the compute-optimal model grows with the compute budget",
+        axes=[_size_axis([(32, 2), (48, 2), (64, 3), (80, 4), (96, 5)]),
+              _tokens_axis([1e5 * 2 ** k for k in range(6)])],
+        base={"train": {"eval_every": 200, "eval_batches": 32}},
+        seeds=1, analysis="scaling",
+        scales={"small": {"budget": 1e5, "unit": "tokens"},
+                "large": {"budget": 1e7, "unit": "tokens",
+                          "axes": [_size_axis([(128, 4), (192, 6), (256, 8), (384, 8), (512, 10)]),
+                                   _tokens_axis([1e7 * 2 ** k for k in range(6)])]}},
+        rules=[
+            Rule(kind="power_law", metric="final_val_loss", params="total", tol=0.02,
+                 statement="with N all parameters (Chinchilla's count), the fitted law's N and D terms each fall by "
+                           "more than 2% of the loss over the ladder (95% bootstrap) and fit log L within 2% RMS"),
+            Rule(kind="power_law", metric="final_val_loss", params="non_embedding", tol=0.02,
+                 statement="the same with N the non-embedding parameters (Kaplan's count)"),
+        ],
+        published="Hoffmann et al. 2022 (approach 3, eq. 10): L = 1.69 + 406.4/N^0.34 + 410.7/D^0.28, N and D grow "
+                  "about equally with compute, ~20 tokens per parameter (approaches 1-2); Kaplan et al. 2020: "
+                  "L(N) ~ N^-0.076 (non-embedding N), L(D) ~ D^-0.095; Besiroglu et al. 2024 refit Chinchilla's "
+                  "points and found intervals that exclude some published constants",
+        notes="A ladder of 5 sizes (41k to 604k parameters, each about twice the last; 24k to 554k without the "
+              "vocabulary and position matrices) x 6 token budgets (100k to 3.2M tokens, doubling), one seed: the "
+              "fit's bootstrap gives the intervals. At the large scale: d128L4 to d512L10, 10M to 320M tokens. "
+              "Each run's cosine schedule ends at its own budget (Hoffmann et al.: a schedule longer than the run "
+              "overstates its loss). The variants set their budgets in tokens, so --budget does not apply. The "
+              "byte-level Shakespeare corpus holds 4.9M training tokens, so no run repeats data at the small "
+              "scale; the large one needs a corpus of >= 320M tokens for that.",
+    )
+
+
+@builtin_suite
+def _emergence() -> Suite:
+    return Suite(
+        name="emergence",
+        claim="The task's metric is not smooth: on multi-digit addition, exact match over the whole answer jumps "
+              "across the model ladder while the per-digit accuracy behind it grows smoothly",
+        axes=[_size_axis([(32, 2), (48, 2), (48, 3), (64, 2), (64, 3), (80, 4)])],
+        base={"train": {"eval_every": 500, "eval_batches": 16}},
+        seeds=3, measure=["addition"], analysis="emergence", corpus="addition-2",
+        scales={"small": {"budget": 2e6, "unit": "tokens"},
+                "large": {"budget": 2e7, "unit": "tokens", "corpus": "addition-4",
+                          "axes": [_size_axis([(128, 4), (192, 6), (256, 8), (384, 8), (512, 10)])]}},
+        rules=[Rule(kind="sharper", metric="exact_match", versus="digit_accuracy", tol=0.15,
+                    statement="exact match's largest rise between neighbouring sizes is a larger share of its "
+                              "whole rise than per-digit accuracy's (by 0.15 or more)")],
+        published="Schaeffer et al. 2023: abilities that look emergent under exact match or multiple-choice grade "
+                  "become smooth under per-token or edit-distance metrics (exact match ~ per-token accuracy ^ "
+                  "answer length); Wei et al. 2022: emergent abilities appear abruptly with scale",
+        notes="The corpus is generated (archlab.data.arithmetic): lines `a+b=s` of 2-digit numbers (4-digit at the "
+              "large scale), the sum written least-significant digit first, 4.0M bytes; 512 held-out problems "
+              "(pairs never in the corpus) are scored after training from one teacher-forced forward: exact "
+              "match (every answer digit right, what greedy decoding writes), per-digit accuracy (overall and "
+              "per position), and the answer's NLL per digit. Every size reads the same 2M tokens, so compute "
+              "grows with N. Six sizes from 41k to 348k parameters, denser around 100k-200k, where single runs "
+              "of 2-digit addition went from a plateau (d48L2: per-digit 0.37, exact 0) to solving it (d64L3: "
+              "per-digit 0.95, exact 0.85).",
     )
 
 

@@ -11,6 +11,15 @@ and prints what comes back. Kinds:
   flat    the variants selected by `a`: (max mean - min mean) <= tol * min mean   -> held
           range > tol * min mean + spread (of the two extreme variants)            -> did not hold
   ratio   mean(a) / mean(b) == expected within tol (relative; deterministic metrics like KV bytes)
+  power_law  L(N, D) = E + A/N^alpha + B/D^beta fitted to the runs `a` selects (archlab.lab.scaling; N the
+          `params` count). Over the ladder's range, the N term's fall A (N_min^-alpha - N_max^-alpha) and
+          the D term's, each with its bootstrap interval, against tol x the median loss:
+          both falls' lower bounds above it and the RMS log residual <= tol                -> held
+          a fall's upper bound at or below it, or the residual above 2 tol                 -> did not hold
+  sharper `metric` and `versus` along the ladder of model sizes (runs grouped by parameters, means over
+          seeds): the sharpness of each is its largest rise between neighbouring sizes over its whole rise
+          (1 = all at one step, 1/(sizes-1) = even steps). sharpness(metric) >= sharpness(versus) + tol
+          -> held; below sharpness(versus) -> did not hold; either metric moving by < 0.05 -> inconclusive
 
 The spread is sqrt(std_a^2 + std_b^2), the standard deviation over seeds of one run of each side (so a
 gap smaller than the seed-to-seed noise of a single comparison is "inconclusive"). A side with fewer
@@ -29,12 +38,14 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
+import numpy as np
+
 HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
 
 
 @dataclass(frozen=True)
 class Rule:
-    kind: Literal["less", "parity", "flat", "ratio"]
+    kind: Literal["less", "parity", "flat", "ratio", "power_law", "sharper"]
     statement: str
     metric: str = "final_val_loss"
     a: dict = field(default_factory=dict)
@@ -42,10 +53,18 @@ class Rule:
     tol: float = 0.0
     expected: float | None = None
     over: str | None = None          # axis for lr_sensitivity
+    params: Literal["total", "non_embedding"] = "total"    # power_law: which parameter count is N
+    versus: str | None = None        # sharper: the smooth metric `metric` is compared with
 
     def __post_init__(self):
-        if self.kind not in ("less", "parity", "flat", "ratio"):
-            raise ValueError(f"rule kind {self.kind!r} must be less, parity, flat or ratio")
+        if self.kind not in ("less", "parity", "flat", "ratio", "power_law", "sharper"):
+            raise ValueError(f"rule kind {self.kind!r} must be less, parity, flat, ratio, power_law or sharper")
+        if self.kind == "sharper" and not self.versus:
+            raise ValueError(f"rule {self.statement!r}: kind sharper needs `versus` (the smooth metric)")
+        if self.kind == "power_law" and not self.tol > 0:
+            raise ValueError(f"rule {self.statement!r}: kind power_law needs `tol` > 0 (the RMS residual allowed)")
+        if self.params not in ("total", "non_embedding"):
+            raise ValueError(f"rule {self.statement!r}: params={self.params!r} must be total or non_embedding")
         if self.kind in ("less", "parity", "ratio") and self.b is None:
             raise ValueError(f"rule {self.statement!r}: kind {self.kind} needs a `b` selector")
         if self.kind == "ratio" and self.expected is None:
@@ -172,6 +191,10 @@ def side_values(rows: list, selector: dict, metric: str, over: str | None = None
 def judge(rule: Rule, rows: list) -> Verdict:
     if rule.kind == "flat":
         return _judge_flat(rule, rows)
+    if rule.kind == "sharper":
+        return _judge_sharper(rule, rows)
+    if rule.kind == "power_law":
+        return _judge_power_law(rule, rows)
     a = Side(describe(rule.a), side_values(rows, rule.a, rule.metric, rule.over))
     b = Side(describe(rule.b), side_values(rows, rule.b, rule.metric, rule.over))
     sides = [a, b]
@@ -238,6 +261,79 @@ def _judge_flat(rule: Rule, rows: list) -> Verdict:
               f"{allowed:.3g} ({rule.tol:.0%}) + spread {spread:.3g}")
     return Verdict(rule, verdict, reason, sides,
                    {"range": gap, "allowed": allowed, "spread": spread, "best": lo.label, "worst": hi.label})
+
+
+def _judge_power_law(rule: Rule, rows: list) -> Verdict:
+    from archlab.lab import scaling
+
+    fit, used = scaling.fit_rows([r for r in rows if selects(rule.a, _labels(r))], rule.params, rule.metric)
+    if fit is None:
+        return Verdict(rule, INCONCLUSIVE, f"{len(used)} finished runs: a fit of 5 constants needs at least 6")
+    n, d, loss, _ = scaling.points(used, rule.params, rule.metric)
+    noise = rule.tol * float(np.median(loss))          # a fall smaller than the residual allowed is no fall
+    falls = {"N": fit.fall("N", n.min(), n.max()), "D": fit.fall("D", d.min(), d.max())}
+    rms = fit.rms_residual
+    if all(lo > noise for _, lo, _ in falls.values()) and rms <= rule.tol:
+        verdict = HELD
+    elif any(hi <= noise for _, _, hi in falls.values()) or rms > 2 * rule.tol:
+        verdict = NOT_HELD
+    else:
+        verdict = INCONCLUSIVE
+    (alo, ahi), (blo, bhi) = fit.interval("alpha"), fit.interval("beta")
+    reason = (f"alpha {fit.law.alpha:.3g} [{alo:.3g}, {ahi:.3g}], beta {fit.law.beta:.3g} [{blo:.3g}, {bhi:.3g}]; "
+              + "; ".join(f"the {t} term falls {p:.3g} [{lo:.3g}, {hi:.3g}] nats over the ladder"
+                          for t, (p, lo, hi) in falls.items())
+              + f" ({fit.level:.0%} bootstrap) vs {noise:.3g} ({rule.tol:.0%} of the median loss); RMS residual of "
+              f"log L {rms:.2%} vs {rule.tol:.0%}; {fit.n_points} runs, N = {rule.params.replace('_', '-')} parameters")
+    sides = [Side(name, dict(enumerate(fit.boot[:, scaling.PARAMS.index(name)].tolist())))
+             for name in ("alpha", "beta")]
+    return Verdict(rule, verdict, reason, sides, {**fit.law.to_dict(), "rms_residual": rms,
+                                                  "alpha_interval": [alo, ahi], "beta_interval": [blo, bhi],
+                                                  "fall_N": list(falls["N"]), "fall_D": list(falls["D"])})
+
+
+def ladder(rows: list, metric: str) -> dict[int, dict[int, float]]:
+    """params -> {seed: value} of the finished rows with a value of `metric`, sizes in increasing order."""
+    out: dict[int, dict[int, float]] = {}
+    for r in rows:
+        value = _row_metric(r, metric) if _usable(r) and r.params else None
+        if value is not None:
+            out.setdefault(int(r.params), {})[r.seed] = value
+    return dict(sorted(out.items()))
+
+
+def sharpness(values: list[float]) -> float:
+    """Largest rise between neighbours over the whole range (max - min); nan for a flat or short series."""
+    span = max(values) - min(values) if len(values) > 1 else 0.0
+    if span <= 0:
+        return float("nan")
+    return max(b - a for a, b in zip(values, values[1:])) / span
+
+
+def _judge_sharper(rule: Rule, rows: list) -> Verdict:
+    rows = [r for r in rows if selects(rule.a, _labels(r))]
+    series = {m: ladder(rows, m) for m in (rule.metric, rule.versus)}
+    means = {m: [statistics.fmean(v.values()) for v in s.values()] for m, s in series.items()}
+    seeds = sorted({seed for s in series.values() for v in s.values() for seed in v})
+    sides = [Side(f"sharpness of {m}", {seed: sharpness([v[seed] for v in s.values() if seed in v])
+                                        for seed in seeds}) for m, s in series.items()]
+    if min(len(s) for s in series.values()) < 3:
+        return Verdict(rule, INCONCLUSIVE, "fewer than 3 model sizes with both metrics", sides)
+    moved = {m: max(v) - min(v) for m, v in means.items()}
+    sharp = {m: sharpness(v) for m, v in means.items()}
+    numbers = {"sharpness": sharp, "range": moved, "ladder": {m: dict(zip(series[m], v)) for m, v in means.items()}}
+    reason = (f"sharpness {rule.metric} {sharp[rule.metric]:.2f} vs {rule.versus} {sharp[rule.versus]:.2f} "
+              f"(margin {rule.tol:.2f}); ranges {moved[rule.metric]:.3g} and {moved[rule.versus]:.3g} over "
+              f"{len(means[rule.metric])} sizes")
+    if min(moved.values()) < 0.05:
+        return Verdict(rule, INCONCLUSIVE, reason + ": a metric barely moved across the ladder", sides, numbers)
+    if sharp[rule.metric] >= sharp[rule.versus] + rule.tol:
+        verdict = HELD
+    elif sharp[rule.metric] < sharp[rule.versus]:
+        verdict = NOT_HELD
+    else:
+        verdict = INCONCLUSIVE
+    return Verdict(rule, verdict, reason, sides, numbers)
 
 
 def judge_all(rules: list[Rule], rows: list) -> list[Verdict]:

@@ -121,6 +121,15 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
         else:
             out["val_loss_2x"] = evaluate(model, val, batch_size=max(1, bs // 2), seq_len=2 * seq,
                                           max_batches=run.train.eval_batches).loss
+    if "addition" in wanted:      # exact match, digit accuracy, answer NLL on held-out sums (eval.arithmetic)
+        from archlab.data import arithmetic
+        from archlab.data.tokens import load_meta, load_tokenizer
+        from archlab.eval.arithmetic import score_addition
+
+        digits = arithmetic.digits_of(str(load_meta(data).get("corpus", "")))
+        if digits is None:
+            raise ValueError("the addition scores need data prepared from an addition-K corpus")
+        out.update(score_addition(model, load_tokenizer(Path(data) / "tokenizer"), arithmetic.problems(digits)))
     if "max_attn_logit" in wanted or "sinks" in wanted or "effective_rank" in wanted:
         from archlab.eval import diagnostics
 

@@ -2,6 +2,7 @@
 
     param_count(cfg)                     unique parameters, == build_model(cfg).num_params()
     param_breakdown(cfg)                 the same, split into embeddings/position/attention/mlp/norms/head
+    non_embedding_param_count(cfg)       attention + mlp + norms (Kaplan et al. 2020's N)
     flops_per_token(cfg, seq_len)        forward FLOPs per token (Kaplan et al. 2020 convention, below)
     keys_per_query(cfg, layer, seq_len)  attended pairs per query: windows, dilation, global tokens, sparse patterns
     packed_keys_per_query(cfg, layer, lengths)   the same over a row of packed documents (document masks)
@@ -148,6 +149,13 @@ def param_count(cfg: ModelConfig) -> int:
     """Unique parameters; equals build_model(cfg).num_params() (TransformerLM, EncoderLM or EncoderDecoderLM;
     tied embeddings count once)."""
     return sum(param_breakdown(cfg).values())
+
+
+def non_embedding_param_count(cfg: ModelConfig) -> int:
+    """Parameters outside the vocabulary and position matrices (token/type embeddings, learned or T5
+    position tables, an untied head): Kaplan et al. 2020's N, the blocks' weights and the norms."""
+    parts = param_breakdown(cfg)
+    return parts["attention"] + parts["mlp"] + parts["norms"]
 
 
 def active_param_count(cfg: ModelConfig) -> int:

@@ -205,6 +205,10 @@ def matrix(lin: nn.Linear) -> torch.Tensor | None:
     return lin.weight if effective is None else effective()
 
 
+def _always() -> bool:
+    return True
+
+
 def _matrix_sources(lin: nn.Linear) -> list[torch.Tensor]:
     sources = getattr(lin, "weight_sources", None)
     return [lin.weight] if sources is None else sources()
@@ -218,7 +222,7 @@ def packed_linears(linears: tuple[nn.Linear, ...]) -> _Packed | None:
         return None
     if not any(hasattr(lin, "effective_weight") for lin in linears):
         return packed(linears[0], f"project{len(linears)}", [lin.weight for lin in linears], biases)
-    if not all(lin.has_matrix() for lin in linears if hasattr(lin, "has_matrix")):
+    if not all(getattr(lin, "has_matrix", _always)() for lin in linears):
         return None
     sources = [t for lin in linears for t in _matrix_sources(lin)]
     hit = _PACKED.get(linears[0], {}).get(f"project{len(linears)}")

@@ -82,9 +82,9 @@ class LoRALinear(nn.Linear):
             if not name.startswith("_") and name not in ("in_features", "out_features", "training"):
                 setattr(self, name, value)
         self.train(base.training)
-        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_A = nn.Parameter(torch.empty(r, self.in_features, **factory))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, **factory))
+        device, dtype = base.weight.device, base.weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device=device, dtype=dtype))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))   # PEFT's default (init_lora_weights=True)
         self.scaling = scaling
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()

@@ -107,10 +107,11 @@ class SafetensorsFolder:
 
 # ---- loading -----------------------------------------------------------------------------------
 def load_hf(folder: str | Path, dtype: torch.dtype | None = torch.float32,
-            family: str | None = None) -> HFModel:
+            family: str | None = None, adapter: str | Path | None = None) -> HFModel:
     """HF folder -> the model its config's arch names (TransformerLM, EncoderLM for BERT and RoBERTa, or
     EncoderDecoderLM for T5) in eval mode (`.config` set). `dtype=None` keeps the checkpoint's dtype; `family`
-    overrides config.json's model_type."""
+    overrides config.json's model_type; `adapter`: a PEFT LoRA adapter folder for this base, loaded onto the
+    model (archlab.interop.peft; nn.lora.merge_lora folds it in)."""
     hf = read_hf_config(folder)
     fam = FAMILIES.get(family) if family else family_for(hf)
     cfg = fam.to_config(hf)
@@ -124,6 +125,9 @@ def load_hf(folder: str | Path, dtype: torch.dtype | None = torch.float32,
         model = cast(HFModel, build_model(cfg))
     load_our_state(model, {k: v.to(dtype) if v.is_floating_point() else v
                            for k, v in tensors.items()})
+    if adapter is not None:
+        from archlab.interop.peft import load_peft
+        load_peft(model, adapter, family=fam.model_type)
     return model.eval()
 
 

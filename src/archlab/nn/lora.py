@@ -28,7 +28,7 @@ from torch import nn
 from archlab.config import ConfigError
 
 __all__ = ["LoRAConfig", "LoRALinear", "ALIASES", "ALL_LINEAR", "apply_lora", "merge_lora", "lora_modules",
-           "lora_state", "adapter_names", "linear_paths"]
+           "lora_state", "adapter_names", "linear_paths", "select", "wrap"]
 
 ALIASES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
            "down": "down_proj"}
@@ -173,11 +173,22 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig,
     paths = select(model, cfg.targets, module_names)
     model.requires_grad_(False)
     for path in paths:
-        parent_path, _, name = path.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        setattr(parent, name, LoRALinear(getattr(parent, name), cfg.r, cfg.scaling, cfg.dropout))
+        wrap(model, path, cfg.r, cfg.scaling, cfg.dropout)
     model.lora_config = cfg      # type: ignore[assignment]  # read by saving and merging
     return model
+
+
+def wrap(model: nn.Module, path: str, r: int, scaling: float, dropout: float = 0.0) -> LoRALinear:
+    """Swap the nn.Linear at `path` for a LoRALinear around it (in place); returns it. For adapters whose ranks
+    differ by module (a PEFT adapter's rank_pattern); `apply_lora` is the usual entry."""
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    base = getattr(parent, name)
+    if not isinstance(base, nn.Linear) or isinstance(base, LoRALinear):
+        raise ConfigError(f"{path} is not a plain Linear: no adapter can wrap it")
+    adapted = LoRALinear(base, r, scaling, dropout)
+    setattr(parent, name, adapted)
+    return adapted
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:

@@ -46,6 +46,7 @@ from archlab.runs import checkpoint as ckpt_io
 from archlab.runs.lock import RunLock
 from archlab.runs.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
 from archlab.training import distributed as dist_util
+from archlab.training import lora as lora_stage
 from archlab.training.config import TrainConfig
 from archlab.training.loglines import LogLines
 from archlab.training.metrics import (
@@ -193,6 +194,7 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_
     # (no sentinels, no sentence index, pairs too long) is an error that leaves nothing behind
     batches = TrainBatches(model_cfg, cfg, train_data, rank=info.rank, world_size=info.world_size)
     eval_objective = batches.objective_on(val_data) if can_eval else None
+    lora_stage.check(model_cfg, cfg)                   # LoRA targets this model lacks: refused before any write
     if cfg.memory_check:
         check_memory_fits(model_cfg, cfg, device, info)
     # 2. run folder: rank 0 locks and writes it, the others wait
@@ -371,6 +373,7 @@ class _Run:
 
         seed_everything(cfg.seed + info.rank)
         self.raw = build_model(model_cfg).to(device)        # TransformerLM, EncoderLM or EncoderDecoderLM by arch
+        self.lora = lora_stage.attach(self.raw, cfg)        # train.lora_r: adapters on, the base frozen (lora.py)
         # (inputs, labels) per micro-step (batches.TrainBatches): the objective's (train.objective) or the pairs',
         # a function of (seed, step, micro-batch, rank)
         self.batches, self.eval_objective = batches, eval_objective
@@ -497,6 +500,8 @@ class _Run:
                 self.stop_or_skip(stats)                # raises Diverged, or warns and moves on
                 continue
             self.last_train_loss = stats.ce
+            if self.lora is not None:
+                self.lora.after_step(self)                # once: the optimizer's memory, measured and printed
             if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                 self.log_step(stats, lr)
             if self.bar is not None:

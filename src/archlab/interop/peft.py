@@ -31,7 +31,7 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families import FAMILIES, Family
 from archlab.interop.families.base import Rule, _identity
 from archlab.interop.hf import WeightsError, infer_family
-from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, wrap
+from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, parse_targets, wrap
 from archlab.runs.checkpoint import make_readable
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "PREFIX", "save_peft", "load_peft", "export_peft", "hf_module_names",
@@ -216,8 +216,8 @@ def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = No
     first = next(iter(lora_modules(model).values()))
     model.lora_config = LoRAConfig(                                   # type: ignore[assignment]
         r=int(train.get("lora_r") or first.r), alpha=float(train.get("lora_alpha", 16.0)),
-        dropout=float(train.get("lora_dropout", 0.0)), targets=str(train.get("lora_targets") or "all-linear"),
-        use_rslora=bool(train.get("lora_rslora", False)))
+        dropout=float(train.get("lora_dropout", 0.0)), use_rslora=bool(train.get("lora_rslora", False)),
+        targets=parse_targets(str(train.get("lora_targets") or "all-linear")))
     return save_peft(model, out, family=family, overwrite=overwrite)
 
 

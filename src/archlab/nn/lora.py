@@ -28,7 +28,7 @@ from torch import nn
 from archlab.config import ConfigError
 
 __all__ = ["LoRAConfig", "LoRALinear", "ALIASES", "ALL_LINEAR", "apply_lora", "merge_lora", "lora_modules",
-           "lora_state", "adapter_names", "linear_paths", "select", "wrap"]
+           "lora_state", "adapter_names", "linear_paths", "select", "wrap", "parse_targets"]
 
 ALIASES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
            "down": "down_proj"}
@@ -48,10 +48,8 @@ class LoRAConfig:
     use_rslora: bool = False
 
     def __post_init__(self):
-        if isinstance(self.targets, str):
-            object.__setattr__(self, "targets", tuple(t.strip() for t in self.targets.split(",") if t.strip()))
-        else:
-            object.__setattr__(self, "targets", tuple(self.targets))
+        targets: object = self.targets
+        object.__setattr__(self, "targets", parse_targets(targets) if isinstance(targets, str) else tuple(self.targets))
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise ConfigError(f"lora.r={self.r!r} must be an integer >= 1")
         if not 0.0 <= self.dropout < 1.0:
@@ -69,6 +67,11 @@ class LoRAConfig:
         d = dataclasses.asdict(self)
         d["targets"] = list(self.targets)
         return d
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """"q, v,down" -> ("q", "v", "down"): a comma list as the command line gives it."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 class LoRALinear(nn.Linear):

@@ -15,7 +15,7 @@ from torch import nn
 
 from archlab.config import ModelConfig
 from archlab.interop.peft import hf_module_names
-from archlab.nn.lora import LoRAConfig, apply_lora, select
+from archlab.nn.lora import LoRAConfig, apply_lora, parse_targets, select
 from archlab.training.config import TrainConfig
 
 __all__ = ["lora_config", "attach", "check", "optimizer_bytes", "LoRAStep"]
@@ -25,8 +25,8 @@ def lora_config(cfg: TrainConfig) -> LoRAConfig | None:
     """The adapters the train config asks for (None: full training)."""
     if cfg.lora_r is None:
         return None
-    return LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets,
-                      use_rslora=cfg.lora_rslora)
+    return LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                      targets=parse_targets(cfg.lora_targets), use_rslora=cfg.lora_rslora)
 
 
 def attach(model: nn.Module, cfg: TrainConfig) -> LoRAStep | None:

@@ -20,9 +20,8 @@ from typing import cast
 import torch
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.errors import UserError
-from archlab.interop.families import FAMILIES, Family
-from archlab.interop.families.base import Rule, config_diff
+from archlab.interop.families import FAMILIES, Family, infer_family  # noqa: F401 - re-exported
+from archlab.interop.families.base import Rule, WeightsError, config_diff
 from archlab.interop.tokenizer_files import write_tokenizer_files  # noqa: F401 - convert calls it from here
 from archlab.models import build_model
 from archlab.models.decoder import TransformerLM
@@ -35,10 +34,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 HFModel = TransformerLM | EncoderLM | EncoderDecoderLM   # what load_hf builds (by the config's arch) and save_hf writes
-
-
-class WeightsError(UserError, ValueError):
-    """A checkpoint whose tensors do not match the family's mapping (missing, extra, wrong shape)."""
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -192,34 +187,6 @@ def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder) -> dic
 
 
 # ---- saving ------------------------------------------------------------------------------------
-def infer_family(cfg: ModelConfig) -> Family:
-    """The HF family whose switches express `cfg` exactly (round trip equal on every architectural
-    field) among the families of `cfg.arch`; on failure the error names the mismatching switches
-    of the closest families."""
-    matches, near = [], []
-    for name in FAMILIES.names():
-        fam = FAMILIES.get(name)
-        if fam.arch != cfg.arch:
-            continue
-        try:
-            back = fam.to_config(fam.to_hf(cfg))
-        except NotImplementedError:
-            continue
-        except ConfigError as exc:
-            near.append((1.5, name, str(exc)))  # after configs one switch away
-            continue
-        diff = config_diff(cfg, back)
-        if diff:
-            near.append((len(diff), name, "differs in " + ", ".join(diff[:6])))
-        else:
-            matches.append(fam)
-    if matches:
-        return min(matches, key=lambda f: f.save_priority)
-    near.sort(key=lambda item: item[0])  # stable: registry order among equals
-    detail = "".join(f"\n  {n}: {why}" for _, n, why in near)
-    raise ConfigError(f"no Hugging Face family expresses this config exactly:{detail}")
-
-
 def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Family:
     """Write config.json + model.safetensors loadable by `transformers`; returns the family used.
     With `family` given, the round trip must still be exact (error naming the differing switch)."""

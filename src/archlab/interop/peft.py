@@ -28,9 +28,8 @@ import torch
 from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.interop.families import FAMILIES, Family
-from archlab.interop.families.base import Rule, _identity
-from archlab.interop.hf import WeightsError, infer_family
+from archlab.interop.families import FAMILIES, Family, infer_family
+from archlab.interop.families.base import Rule, WeightsError, _identity
 from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, parse_targets, wrap
 from archlab.runs.checkpoint import make_readable
 

@@ -81,6 +81,46 @@ def truncate(rel: str):
     return damage
 
 
+def flip_byte(rel: str):
+    """One byte of the tensor data changed: same size, a readable file, other weights."""
+    def damage(folder: Path) -> None:
+        path = next(folder.glob(rel))
+        data = bytearray(path.read_bytes())
+        data[-9] ^= 0x40
+        path.write_bytes(bytes(data))
+    return damage
+
+
+def foreign_link(rel: str):
+    """The weights file replaced by a link to a file outside the folder (here a copy of the same bytes, so only
+    the link gives it away)."""
+    def damage(folder: Path) -> None:
+        path = next(folder.glob(rel))
+        foreign = folder.parent / "foreign.safetensors"
+        shutil.move(path, foreign)
+        path.symlink_to(foreign)
+    return damage
+
+
+def edit_json(rel: str, change):
+    def damage(folder: Path) -> None:
+        path = next(folder.glob(rel))
+        data = json.loads(path.read_text())
+        change(data)
+        path.write_text(json.dumps(data))
+    return damage
+
+
+def shard_index(names):
+    """An HF folder whose model.safetensors.index.json names `names` as the shard of every tensor."""
+    def damage(folder: Path) -> None:
+        from safetensors import safe_open
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            keys = list(f.keys())
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: names for k in keys}}))
+    return damage
+
+
 def replace_text(rel: str, text: str):
     def damage(folder: Path) -> None:
         next(folder.glob(rel)).write_text(text)
@@ -162,6 +202,8 @@ CASES = [
     ("train span corruption without sentinels", T + ["--preset", "tiny:t5-11b", "--set", "vocab_size=257"],
      "span corruption needs sentinel ids"),
     ("train next sentence without the head", BERT + ["--set", "train.objective=next_sentence"], "nsp_head=true"),
+    ("train document masks with masked LM", BERT + ["--set", "train.document_masks=true"],
+     "train.document_masks keeps next-token documents apart: not with train.objective=mlm"),
     ("train next sentence without sentences",
      BERT + ["--set", "nsp_head=true", "--set", "train.objective=next_sentence"], "--sentences"),
     ("train pairs on a decoder", ["train", "--data", "{tmp}/pairs", "--out", "{new}", "--no-progress", "--preset",
@@ -264,6 +306,17 @@ CASES = [
      copy_of("run", other_model_config)),
     ("generate truncated weights", ["generate", "{tmp}/copy", "--prompt", "x"], "model.safetensors",
      copy_of("run", truncate(CKPT))),
+    ("generate flipped byte", ["generate", "{tmp}/copy", "--prompt", "x"], "its sha256 differs",
+     copy_of("run", flip_byte(CKPT))),
+    ("generate foreign weights link", ["generate", "{tmp}/copy", "--prompt", "x"], "outside",
+     copy_of("run", foreign_link(CKPT))),
+    ("generate meta names a file outside", ["generate", "{tmp}/copy", "--prompt", "x"], "not a file inside",
+     copy_of("run", edit_json("checkpoints/step_*/meta.json",
+                              lambda m: m["files"].update({"../../config.yaml": 1})))),
+    ("generate hf index climbs out", ["generate", "{tmp}/copy", "--prompt", "x"], "not a file inside",
+     copy_of("hf", shard_index("../hf/model.safetensors"))),
+    ("generate hf index absolute", ["generate", "{tmp}/copy", "--prompt", "x"], "not a file inside",
+     copy_of("hf", shard_index("/etc/hostname"))),
     ("generate no tokenizer", ["generate", "{tmp}/copy", "--prompt", "x"], "no tokenizer",
      copy_of("run", lambda f: shutil.rmtree(f / "tokenizer"))),
     ("generate corrupt tokenizer", ["generate", "{tmp}/copy", "--prompt", "x"], "tokenizer",
@@ -314,6 +367,12 @@ CASES = [
     ("convert to unknown family", ["convert", "--to-hf", "{run}", "--out", "{new}", "--family", "bert2"], "bert2"),
     ("convert to damaged run", ["convert", "--to-hf", "{tmp}/copy", "--out", "{new}"], "model.safetensors",
      copy_of("run", truncate(CKPT))),
+    ("convert to flipped byte", ["convert", "--to-hf", "{tmp}/copy", "--out", "{new}"], "its sha256 differs",
+     copy_of("run", flip_byte(CKPT))),
+    ("convert to foreign weights link", ["convert", "--to-hf", "{tmp}/copy", "--out", "{new}"], "outside",
+     copy_of("run", foreign_link(CKPT))),
+    ("convert from index climbs out", ["convert", "--from-hf", "{tmp}/copy", "--out", "{new}"], "not a file inside",
+     copy_of("hf", shard_index("../../x.safetensors"))),
     ("convert to peft without adapters", ["convert", "--to-peft", "{run}", "--out", "{new}"], "holds no LoRA adapters"),
     ("convert to peft into nonempty", ["convert", "--to-peft", "{run}", "--out", "{tmp}/out"], "--overwrite",
      nonempty_dir),
@@ -418,6 +477,10 @@ CASES = [
     ("serve not a model", ["serve", "{corpus}"], "neither a run folder"),
     ("serve bad port", ["serve", "{run}", "--port", "70000"], "--port 70000"),
     ("serve bad device", ["serve", "{run}", "--device", "tpu"], "--device tpu"),
+    ("serve no request size", ["serve", "{run}", "--max-request-mb", "0"], "--max-request-mb 0"),
+    ("serve infinite request size", ["serve", "{run}", "--max-request-mb", "inf"], "--max-request-mb inf"),
+    ("serve negative shutdown timeout", ["serve", "{run}", "--shutdown-timeout", "-1"], "--shutdown-timeout -1"),
+    ("serve nan shutdown timeout", ["serve", "{run}", "--shutdown-timeout", "nan"], "--shutdown-timeout nan"),
     ("check not a run", ["check", "{corpus}"], "not a run folder"),
     ("ngram missing data", ["ngram", "{tmp}/nodata"], "nodata"),
     ("ngram not a data folder", ["ngram", "{run}"], "not a prepared data folder"),

@@ -24,7 +24,7 @@ def test_every_lecture_family_has_a_preset():
         "command-a", "deepseek-67b", "yi-34b", "smollm2-1.7b", "bert-base", "bert-large", "roberta-base",
     }
     assert required <= set(NAMES)
-    assert archlab.models.presets.get("llama2-7b") == presets.get("llama2-7b")
+    assert archlab.presets.get("llama2-7b") == presets.get("llama2-7b")
 
 
 def test_unknown_preset_is_a_config_error_naming_it():

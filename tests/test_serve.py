@@ -203,7 +203,8 @@ def test_the_readme_openai_client_snippet_talks_to_the_server(engine, capsys):
     """The README's `openai` snippet, as written but for the port, against a live server; then the
     client's greedy and streamed completions equal archlab.generate's text."""
     openai = pytest.importorskip("openai")
-    server, thread, port = _live_server(engine)
+    demo = Engine(engine.model, engine.tokenizer, "demo")     # the README names the model `demo`
+    server, thread, port = _live_server(demo)
     try:
         code = _readme_client_snippet().replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         assert f"127.0.0.1:{port}" in code
@@ -211,9 +212,9 @@ def test_the_readme_openai_client_snippet_talks_to_the_server(engine, capsys):
         assert capsys.readouterr().out.strip()               # it printed the completion
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         want = expected_text(engine, "hello", 10)
-        got = client.completions.create(model="tiny", prompt="hello", max_tokens=10, temperature=0)
+        got = client.completions.create(model="demo", prompt="hello", max_tokens=10, temperature=0)
         assert got.choices[0].text == want and got.usage.completion_tokens == 10
-        chunks = client.completions.create(model="tiny", prompt="hello", max_tokens=10, temperature=0, stream=True)
+        chunks = client.completions.create(model="demo", prompt="hello", max_tokens=10, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in chunks) == want
     finally:
         server.should_exit = True

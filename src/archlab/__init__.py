@@ -22,7 +22,7 @@ _LAZY = {
 _SUBMODULES = {"accounting": "archlab.models.accounting", "presets": "archlab.models.presets",
                "interop": "archlab.interop", "tokenizer": "archlab.tokenizer", "data": "archlab.data",
                "corpora": "archlab.data.corpora", "train": "archlab.training.trainer",
-               "diagnostics": "archlab.eval.diagnostics", "lab": "archlab.lab"}
+               "diagnostics": "archlab.eval.diagnostics", "lab": "archlab.lab", "chat": "archlab.tokenizer.chat"}
 __all__ = [*_LAZY, *_SUBMODULES]
 
 

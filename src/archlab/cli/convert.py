@@ -37,7 +37,7 @@ over a fixed random token batch; exits 1 when the relative difference exceeds --
 """
 
 # files of an HF folder that make up its tokenizer (copied beside tokenizer.json when present)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,4 +1,5 @@
-"""`archlab data prepare`: tokenize a corpus into a self-describing data folder."""
+"""`archlab data prepare`: tokenize a corpus into a self-describing data folder; `archlab data inspect-chat`:
+what a chat .jsonl becomes (counts, and examples with the tokens the loss scores marked)."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,18 @@ OUT/meta.json and OUT/tokenizer/.
 OUT/{train,val}.source.bin, .target.bin (ids, end-of-text after each side) and .offsets.bin (int64, where each
 pair starts), OUT/meta.json and OUT/tokenizer/.
 """
+
+INSPECT_CHAT_EXAMPLE = """\
+examples:
+  archlab data inspect-chat sft.jsonl --tokenizer runs/tok
+  archlab data inspect-chat sft.jsonl --tokenizer runs/tok --mask last --max-tokens 512 --truncation keep_start
+  archlab data inspect-chat pc.jsonl --tokenizer runs/tok --mask completion --show 3
+
+lines: {"messages": [{"role": "system|user|assistant|tool", "content": ...}, ...]} or {"prompt": ..., "completion":
+...} (strings, or lists of messages); the tokenizer folder's chat template renders conversations.
+masks: assistant (default), all, last, completion. truncation: refuse (default), keep_start, keep_end, skip.
+"""
+SCORED = ("\u27e6", "\u27e7")      # the brackets around scored text in the examples shown
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,6 +73,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare.add_argument("--quiet", action="store_true", help="no progress bar")
     prepare.set_defaults(func=run_prepare)
 
+    inspect = commands.add_parser(
+        "inspect-chat", help="show what a chat .jsonl becomes: tokens, and which ones the loss scores",
+        description="Read a chat or prompt/completion .jsonl through a tokenizer's chat template and print its "
+        "token counts and the first examples, the text the loss scores between \u27e6 and \u27e7.",
+        epilog=INSPECT_CHAT_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    inspect.add_argument("file", metavar="FILE.jsonl", help="the chat data, e.g. sft.jsonl")
+    inspect.add_argument("--tokenizer", required=True, metavar="DIR",
+                         help="tokenizer folder with a chat template (archlab tokenizer chat-template), e.g. runs/tok")
+    inspect.add_argument("--mask", default="assistant", metavar="NAME",
+                         help="the tokens the loss scores: assistant, all, last, completion (default assistant)")
+    inspect.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                         help="the longest example (train.seq_len), e.g. --max-tokens 512")
+    inspect.add_argument("--truncation", default="refuse", metavar="POLICY",
+                         help="longer examples: refuse, keep_start, keep_end, skip (default refuse)")
+    inspect.add_argument("--chat-template", default=None, metavar="NAME_OR_FILE",
+                         help="a template of the folder by name, or a .jinja file (default: the folder's)")
+    inspect.add_argument("--show", type=int, default=1, metavar="K", help="examples to print (default 1)")
+    inspect.set_defaults(func=run_inspect_chat)
+
 
 def run_prepare(args: argparse.Namespace) -> int:
     from archlab.data import tokens as data
@@ -98,3 +131,47 @@ def run_prepare_pairs(args: argparse.Namespace) -> int:
               f"(longest {info['max_source_len']:,}) {info['target_tokens']:>12,} target tokens "
               f"(longest {info['max_target_len']:,})")
     return 0
+
+
+def run_inspect_chat(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from archlab.data.chat import load_chat_data
+    from archlab.errors import UserError
+    from archlab.tokenizer.chat import ChatTokenizer
+
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise UserError(f"--max-tokens {args.max_tokens} must be at least 2")
+    if args.show < 0:
+        raise UserError(f"--show {args.show} must be >= 0")
+    template = args.chat_template
+    if template is not None and template.endswith(".jinja"):
+        template = Path(template).read_text(encoding="utf-8")
+    chat = ChatTokenizer.of(args.tokenizer)
+    data = load_chat_data(args.file, chat, mask=args.mask, max_tokens=args.max_tokens, truncation=args.truncation,
+                          chat_template=template)
+    tokens = sum(len(e.input_ids) for e in data.examples)
+    scored = sum(e.n_scored for e in data.examples)
+    longest = max((len(e.input_ids) for e in data.examples), default=0)
+    print(f"{args.file}: {len(data.examples):,} examples, {tokens:,} tokens (longest {longest:,}), {scored:,} scored "
+          f"with mask {args.mask!r} ({100 * scored / max(tokens, 1):.1f}%); {data.truncated} truncated "
+          f"({args.truncation}), {data.skipped} skipped")
+    for example in data.examples[:args.show]:
+        print(f"\n-- line {example.line}: {len(example.input_ids)} tokens, {example.n_scored} scored "
+              f"(between {SCORED[0]} and {SCORED[1]}):")
+        print(_marked(chat.tokenizer, example))
+    return 0
+
+
+def _marked(tokenizer, example) -> str:
+    """The example's text with each run of scored tokens (token j + 1 is scored when labels[j] is) bracketed."""
+    from archlab.data.objectives import IGNORE
+
+    flags = [False] + [label != IGNORE for label in example.labels[:-1]]
+    out, start = [], 0
+    for i in range(1, len(flags) + 1):
+        if i == len(flags) or flags[i] != flags[start]:
+            text = tokenizer.decode(example.input_ids[start:i])
+            out.append(f"{SCORED[0]}{text}{SCORED[1]}" if flags[start] else text)
+            start = i
+    return "".join(out)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import math
+
+from archlab.serve.limits import MB, Limits
 
 SERVE_EXAMPLE = """example:
   archlab serve runs/demo --port 8000
@@ -19,12 +22,19 @@ def register(subparsers) -> None:
                               "as server-sent events. The folder's generation_config.json (EOS ids, sampling, stop "
                               "strings, no_repeat_ngram_size, bad_words_ids, forced bos/eos, min lengths, "
                               "repetition_penalty, max_new_tokens) gives the defaults a request's own fields "
-                              "override; the startup line and /v1/models list them.",
+                              "override; the startup line and /v1/models list them. A field the server does not honour "
+                              "is refused as OpenAI refuses it (a JSON 400 naming it); a request body past "
+                              "--max-request-mb is a 413; SIGTERM cancels open requests after --shutdown-timeout "
+                              "seconds.",
                               epilog=SERVE_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", metavar="RUN_OR_HF_FOLDER", help="a run folder or a Hugging Face model folder")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--max-request-mb", type=float, default=Limits.max_body_bytes / MB,
+                   help="largest request body in MB; a larger one is refused with 413 (default %(default)g)")
+    p.add_argument("--shutdown-timeout", type=float, default=Limits.shutdown_timeout_s,
+                   help="seconds SIGTERM waits for open requests before cancelling them (default %(default)g)")
     p.set_defaults(func=run)
 
 
@@ -33,6 +43,10 @@ def run(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} must be in 0..65535")
+    if not 0 < args.max_request_mb < math.inf:
+        raise UserError(f"--max-request-mb {args.max_request_mb:g} must be a number of MB > 0")
+    if not 0 <= args.shutdown_timeout < math.inf:
+        raise UserError(f"--shutdown-timeout {args.shutdown_timeout:g} must be a number of seconds >= 0")
     try:
         import uvicorn
     except ImportError:
@@ -49,5 +63,8 @@ def run(args) -> int:
     if engine.not_applied:
         print("generation_config.json, not applied (one sequence a request, no beam search): "
               + ", ".join(engine.not_applied), flush=True)
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level="warning")
+    limits = Limits(max_body_bytes=int(args.max_request_mb * MB), shutdown_timeout_s=args.shutdown_timeout)
+    # a client holding a half-sent body cannot keep a stopping server up past the graceful-shutdown timeout
+    uvicorn.run(create_app(engine, limits), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=limits.shutdown_timeout_s)
     return 0

@@ -16,6 +16,13 @@ TRAIN_EXAMPLE = """example:
 STATS_EXAMPLE = """example:
   archlab tokenizer stats runs/tok-shakespeare --input data/shakespeare/hamlet.txt"""
 
+CHAT_EXAMPLE = """example:
+  archlab tokenizer chat-template runs/tok-shakespeare --format chatml
+  archlab tokenizer chat-template runs/tok-shakespeare --format llama3 --overwrite
+
+formats: chatml (<|im_start|>role ... <|im_end|>), llama3 (<|start_header_id|>role<|end_header_id|> ...
+<|eot_id|>), plain (User: / Assistant:, the answer ends with the end-of-text token)"""
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -62,6 +69,17 @@ def register(subparsers) -> None:
     stats.add_argument("--top", type=int, default=10, metavar="K",
                        help="also list the K most frequent tokens (default 10), e.g. --top 20")
     stats.set_defaults(func=cmd_stats)
+
+    chat = sub.add_parser(
+        "chat-template", help="give a tokenizer a built-in chat template and its special tokens",
+        description="Add a built-in chat format to a tokenizer folder: its special tokens into tokenizer.json "
+        "(new ids after the vocabulary) and its Jinja template as chat_template.jinja.\n\n" + CHAT_EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    chat.add_argument("dir", metavar="DIR", help="folder holding tokenizer.json, e.g. runs/tok-shakespeare")
+    chat.add_argument("--format", required=True, metavar="NAME",
+                      help="chatml, llama3 or plain, e.g. --format chatml")
+    chat.add_argument("--overwrite", action="store_true", help="replace a chat template the folder has already")
+    chat.set_defaults(func=cmd_chat_template)
 
 
 def cmd_train(args) -> int:
@@ -147,4 +165,16 @@ def cmd_stats(args) -> int:
     print(f"encoding speed: {result['encode_mb_per_s']:.2f} MB/s")
     for text, c in result["top_tokens"]:
         print(f"  {c:>10,}  {text!r}")
+    return 0
+
+
+def cmd_chat_template(args) -> int:
+    from archlab.tokenizer.chat_builtin import install_chat_template
+    from archlab.tokenizer.loading import load
+
+    new_ids = install_chat_template(args.dir, args.format, overwrite=args.overwrite)
+    size = load(args.dir).vocab_size
+    added = f"added {len(new_ids)} special tokens (ids {new_ids[0]}..{new_ids[-1]})" if new_ids else "no new tokens"
+    print(f"{args.format} chat template written to {Path(args.dir) / 'chat_template.jinja'}; {added}; "
+          f"vocabulary {size} tokens (a model needs vocab_size >= {size})")
     return 0

@@ -68,7 +68,7 @@ def register(subparsers) -> None:
 
 
 def resolve_preset(name: str):
-    """A ModelConfig from a preset name: `NAME`, or `tiny:NAME` / `tiny-NAME` for archlab.models.presets.tiny."""
+    """A ModelConfig from a preset name: `NAME`, or `tiny:NAME` / `tiny-NAME` for archlab.presets.tiny."""
     from archlab.config import ConfigError
     from archlab.models import presets
 

@@ -69,9 +69,14 @@ def _continuation(model_cfg: Any, train_cfg: Any, dataset: Any) -> objectives.Co
     return objectives.Continuation(prefix, model_cfg.arch, model_cfg.attention.prefix_lm)
 
 
+def _next_token(model_cfg: Any, train_cfg: Any, dataset: Any) -> objectives.DocumentMasks | None:
+    """The sampler's (x, y) as they are (None), or with train.document_masks its documents kept apart."""
+    return objectives.DocumentMasks(dataset.eot_id) if train_cfg.document_masks else None
+
+
 # objective name -> (the kinds of model it trains, its builder from (model_cfg, train_cfg, a TokenDataset))
 OBJECTIVES: dict[str, tuple[tuple[str, ...], Any]] = {
-    "next_token": (("decoder",), lambda model_cfg, train_cfg, dataset: None),   # the sampler's (x, y) as they are
+    "next_token": (("decoder",), _next_token),
     "mlm": (("encoder",), _mlm),
     "next_sentence": (("encoder",), _next_sentence),     # draws its own [CLS] A [SEP] B [SEP] rows (NextSentence)
     "span_corruption": (("encoder_decoder",), _span_corruption),
@@ -97,7 +102,10 @@ def objective_for(model_cfg: Any, train_cfg: Any, dataset: Any) -> Any:
     """What the trainer turns each window batch with (None: next-token targets as sampled): train.objective's
     builder, given the tokenizer of `dataset` (an archlab.data.tokens.TokenDataset, loaded only when the objective needs
     it). Example: objective_for(model_cfg, train_cfg, TokenDataset(data_dir, "val"))"""
-    return OBJECTIVES[objective_name(model_cfg, train_cfg)][1](model_cfg, train_cfg, dataset)
+    name = objective_name(model_cfg, train_cfg)
+    if train_cfg.document_masks and name != "next_token":
+        raise UserError(f"train.document_masks keeps next-token documents apart: not with train.objective={name}")
+    return OBJECTIVES[name][1](model_cfg, train_cfg, dataset)
 
 
 # --------------------------------------------------------------------------- datasets and batches
@@ -112,6 +120,13 @@ def _draws_own_rows(objective: Any) -> bool:
     return isinstance(objective, objectives.NextSentence)
 
 
+def _turn(objective: Any, x: torch.Tensor, y: torch.Tensor, step: int, micro: int = 0, rank: int = 0) -> Batch:
+    """A window batch x (its next-token targets y) as `objective` turns it (y given where it reads them)."""
+    if getattr(objective, "reads_targets", False):
+        return _as_batch(objective.batch(x, step, micro, rank, targets=y))
+    return _as_batch(objective.batch(x, step, micro, rank))
+
+
 def _as_batch(out: Any) -> Batch:
     """An objective's (inputs, labels), inputs given as a dict or as the input_ids tensor alone."""
     inputs, labels = out
@@ -122,8 +137,10 @@ def _check_pairs_objective(model_cfg: Any, train_cfg: Any) -> None:
     if model_cfg.arch != "encoder_decoder":
         raise UserError(f"paired source/target data trains encoder-decoders, not arch={model_cfg.arch}: "
                         "prepare a token stream for it (archlab data prepare without --pairs)")
-    if train_cfg.objective != "auto":
-        raise UserError(f"train.objective={train_cfg.objective} reads a token stream; paired data is its own "
+    if train_cfg.objective != "auto" or train_cfg.document_masks:
+        setting = ("train.document_masks" if train_cfg.document_masks
+                   else f"train.objective={train_cfg.objective}")
+        raise UserError(f"{setting} reads a token stream; paired data is its own "
                         "objective (source -> target): leave train.objective=auto")
 
 
@@ -163,8 +180,8 @@ class TrainBatches:
         if _draws_own_rows(self.objective):   # rows from the sentence index: only the counter a checkpoint keeps
             self.sampler.step += 1
             return _as_batch(self.objective.batch(step, micro, self.rank))
-        x, _ = next(self.sampler)
-        return _as_batch(self.objective.batch(x, step, micro, self.rank))
+        x, y = next(self.sampler)
+        return _turn(self.objective, x, y, step, micro, self.rank)
 
     @property
     def epoch(self) -> float:
@@ -195,7 +212,7 @@ def validation_batches(dataset: Any, *, batch_size: int, seq_len: int, max_batch
         if objective is None:
             yield {"input_ids": x}, y
         else:
-            yield _as_batch(objective.batch(x, step=-1 - (i * world_size + rank)))
+            yield _turn(objective, x, y, step=-1 - (i * world_size + rank))
 
 
 def tokens_processed(inputs: dict[str, torch.Tensor], labels: torch.Tensor, arch: str) -> int:
@@ -210,6 +227,7 @@ def tokens_processed(inputs: dict[str, torch.Tensor], labels: torch.Tensor, arch
 
 
 def scores_text(objective: Any) -> bool:
-    """Whether the loss is a code length of the text (next-token prediction, a continuation): bits per byte
-    means something; masked or noised slots are not a compression of the text. Example: scores_text(None) -> True"""
-    return objective is None or isinstance(objective, objectives.Continuation)
+    """Whether the loss is a code length of the text (next-token prediction, with document masks too, a
+    continuation): bits per byte means something; masked or noised slots are not a compression of the text.
+    Example: scores_text(None) -> True"""
+    return objective is None or isinstance(objective, (objectives.Continuation, objectives.DocumentMasks))

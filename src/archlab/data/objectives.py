@@ -1,6 +1,7 @@
 """Training objectives: what a batch of token windows becomes before the model sees it.
 
-    next_token   decoder LMs: inputs x, targets y = x shifted by one (GPT)
+    next_token   decoder LMs: inputs x, targets y = x shifted by one (GPT); with train.document_masks, the
+                 window's documents (ended by the end-of-text id) attend only within themselves (DocumentMasks)
     mlm          encoders: BERT's masked LM (Devlin et al. 2019). Each token (special tokens never) is chosen
                  with probability 0.15; a chosen token becomes [MASK] 80% of the time, a random token 10%,
                  and stays itself 10%; the loss is scored on the chosen tokens only. Whole-word masking
@@ -13,8 +14,9 @@
                  decoder-only vs prefix-LM vs encoder-decoder comparison: the same scored tokens for all three)
 
 An objective turns a window batch x (b, n) into (inputs, labels): inputs a dict of the model's forward keywords
-(input_ids, attention_mask, prefix_lengths, ...), labels (b, t) with IGNORE on unscored slots. train.objective
-names one; archlab.data.batches.objective_for builds it.
+(input_ids, attention_mask, prefix_lengths, document_ids, ...), labels (b, t) with IGNORE on unscored slots (one
+with `reads_targets` is also given the sampler's next-token targets). train.objective names one;
+archlab.data.batches.objective_for builds it.
 
 Masking is a pure function of (seed, step, micro-batch, rank): a resumed run masks exactly as the uninterrupted
 one did, with no random state to save.
@@ -22,7 +24,7 @@ one did, with no random state to save.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -30,8 +32,8 @@ import torch
 from archlab.data.tokens import _mix_seed
 from archlab.errors import UserError
 
-__all__ = ["MaskedLM", "Continuation", "mask_tokens", "word_starts", "masked_lm_for", "IGNORE", "NextSentence",
-           "next_sentence_for", "truncated_lengths"]
+__all__ = ["MaskedLM", "Continuation", "DocumentMasks", "mask_tokens", "word_starts", "masked_lm_for", "IGNORE",
+           "NextSentence", "next_sentence_for", "truncated_lengths"]
 
 IGNORE = -100                 # the label of a slot the loss does not score
 MASK_TOKENS = ("[MASK]", "<mask>")
@@ -164,6 +166,27 @@ class Continuation:
         if self.prefix_lm:
             inputs["prefix_lengths"] = torch.full((b,), self.prefix, dtype=torch.long)
         return inputs, labels
+
+
+@dataclass(frozen=True)
+class DocumentMasks:
+    """Next-token prediction over the documents of a window (train.document_masks; Llama 3 report §3.2): the token
+    stream ends each document with the end-of-text id, so slot j belongs to document k when k end-of-text tokens
+    come before it (an end-of-text token belongs to the document it ends). The model gets these as
+    `document_ids` (no slot attends across a boundary, positions restart at each document), and the label that
+    would predict a document's first token from the previous one's end-of-text token is ignored, as transformers'
+    DataCollatorWithFlattening ignores each example's first label.
+    Example: DocumentMasks(eot_id=2).batch(x, targets=y)   # x = [[5, 2, 7, 8]] -> document_ids [[0, 0, 1, 1]]"""
+
+    eot_id: int
+    reads_targets: ClassVar[bool] = True       # labels are the sampler's targets, one slot ignored per boundary
+
+    def batch(self, x: torch.Tensor, step: int = 0, micro: int = 0, rank: int = 0, *, targets: torch.Tensor
+              ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        ends = (x == self.eot_id).long()                                        # (b, n)
+        documents = ends.cumsum(-1) - ends                                      # end-of-text tokens before slot j
+        labels = targets.masked_fill(ends.bool(), IGNORE)   # slot j predicts token j + 1: a new document's first
+        return {"input_ids": x, "document_ids": documents}, labels
 
 
 # ---- next-sentence prediction -------------------------------------------------------------------------------

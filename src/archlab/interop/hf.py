@@ -3,15 +3,19 @@ EncoderDecoderLM (T5).
 
 `load_hf(folder)` reads config.json, picks the family registered for its `model_type`, builds our
 ModelConfig, and maps every tensor (single `model.safetensors` or a sharded
-`model.safetensors.index.json`; memory-mapped, CPU). Every HF tensor must be used and every one of
-our parameters filled: a missing or a left-over tensor is an error naming it, so a silently
-half-loaded model cannot happen. `save_hf(model, folder)` writes a folder `transformers` loads to
-the same logits; the family is inferred from the config when not given.
+`model.safetensors.index.json`, whose shard names stay inside the folder; memory-mapped, CPU). Every HF tensor
+must be used and every one of our parameters filled: a missing or a left-over tensor is an error naming it, so a
+silently half-loaded model cannot happen. A stored copy of a tensor that is read (a tied head, BERT's decoder,
+T5's per-stack embeddings) is dropped only when equal to it; one that differs is used as transformers uses it
+(the head unties) or refused by name, so a file never loads to other logits than transformers gives it.
+`save_hf(model, folder)` writes a folder `transformers` loads to the same logits; the family is inferred from the
+config when not given.
 HF names appear only here, in archlab.interop.families and in archlab.interop.tokenizer_files (the tokenizer
 files beside an exported tokenizer.json, `write_tokenizer_files`, re-exported here).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -58,6 +62,14 @@ def family_for(hf: dict) -> Family:
     return FAMILIES.get(model_type)  # unknown -> ConfigError listing the known ones
 
 
+def _shard_name(index: Path, name: object) -> str:
+    """A shard file name from an index's weight_map: a path inside the folder (`../` and absolute paths are
+    refused; a shard that is a link, as in the Hugging Face cache, is followed)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise WeightsError(f"{index} names shard {name!r}, not a file inside {index.parent}")
+    return name
+
+
 class SafetensorsFolder:
     """Lazy access to the tensors of a folder: name -> file, opened memory-mapped on first use."""
 
@@ -71,9 +83,9 @@ class SafetensorsFolder:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
+                self.files = {name: folder / _shard_name(index, file) for name, file in weight_map.items()}
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
                 raise WeightsError(f"{index}: not a safetensors index ({exc})") from exc
-            self.files = {name: folder / file for name, file in weight_map.items()}
             for path in set(self.files.values()):
                 if not path.is_file():
                     raise WeightsError(f"{index} names shard {path.name}, which is missing")
@@ -111,8 +123,7 @@ def load_hf(folder: str | Path, dtype: torch.dtype | None = torch.float32,
     fam = FAMILIES.get(family) if family else family_for(hf)
     cfg = fam.to_config(hf)
     source = SafetensorsFolder(folder)
-    cfg = fam.with_checkpoint(cfg, source)   # what config.json cannot say (T5: a separate lm_head unties)
-    tensors = map_from_hf(fam, cfg, source)
+    cfg, tensors = map_from_hf(fam, cfg, source)   # what config.json cannot say: a head stored apart unties
     if dtype is None:
         dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
@@ -155,19 +166,22 @@ def _prefix_fix(fam: Family, names: list[str]) -> dict[str, str]:
     return {fam.hf_name(prefix + n if bare else n): n for n in names}
 
 
-def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder) -> dict[str, torch.Tensor]:
-    """All of our parameters from the HF tensors; errors name missing and left-over tensors."""
+def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder
+                ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(the config the checkpoint holds, all of our parameters from its HF tensors). Every stored tensor is read,
+    or equal to one read (a stored copy), or one transformers does not load either (`ignored_hf`); a copy that
+    differs unties the config or is read in its source's place (as transformers does) or is refused by name.
+    Errors name missing and left-over tensors."""
     stored = _prefix_fix(fam, source.names())
+    cfg, read_from, settled = _settle_copies(fam, cfg, source, stored)
     rules = fam.weight_rules(cfg)
-    needed = [name for rule in rules for name in rule.hf]
+    needed = [read_from.get(name, name) for rule in rules for name in rule.hf]
     missing = [n for n in needed if n not in stored]
     if missing:
         raise WeightsError(f"{fam.model_type} checkpoint is missing tensor(s): {', '.join(missing[:10])}"
                            + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
     ignored = [re.compile(p) for p in fam.ignored_hf(cfg)]
-    if cfg.tie_embeddings:
-        ignored.append(re.compile(r"lm_head\.weight"))
-    used = set(needed)
+    used = set(needed) | settled
     leftover = [n for n in stored if n not in used and not any(p.fullmatch(n) for p in ignored)]
     if leftover:
         raise WeightsError(f"{fam.model_type} checkpoint has tensor(s) archlab does not use: "
@@ -176,20 +190,67 @@ def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder) -> dic
     out: dict[str, torch.Tensor] = {}
     for rule in progress_bar(rules, desc=f"loading {fam.model_type} tensors", unit="tensor",
                              disable=len(rules) < 200, leave=False):
-        values = rule.to_ours([source.get(stored[n]) for n in rule.hf])
+        values = rule.to_ours([source.get(stored[read_from.get(n, n)]) for n in rule.hf])
         if len(values) != len(rule.ours):
             raise WeightsError(f"rule for {rule.hf} produced {len(values)} tensors for {rule.ours}")
         for name, value in zip(rule.ours, values):
             if name in out:
                 raise WeightsError(f"{fam.model_type}: parameter {name} mapped twice (family bug)")
             out[name] = value
-    return out
+    return cfg, out
+
+
+def _settle_copies(fam: Family, cfg: ModelConfig, source: SafetensorsFolder, stored: dict[str, str]
+                   ) -> tuple[ModelConfig, dict[str, str], set[str]]:
+    """(config, HF name -> the HF name read in its place, HF names accounted for without being read) after
+    comparing every stored copy the config does not read with what it copies (Family.stored_copies). A copy
+    whose source is absent is read as the source (transformers ties the other way round); a copy the config reads
+    but the file lacks is read from its source."""
+    while True:   # an untied head changes the config, and with it the copies: settle them again
+        read_from: dict[str, str] = {}
+        settled: set[str] = set()
+        needed = {name for rule in fam.weight_rules(cfg) for name in rule.hf}
+        for copy in fam.stored_copies(cfg):
+            tied = copy.source if copy.source in stored else None       # the tensor it copies, when stored
+            if copy.name in needed and copy.name not in stored and tied is not None:
+                read_from[copy.name] = tied           # a tie transformers makes: the copy is its source
+            if copy.name not in stored or copy.name in needed:
+                continue
+            if copy.source is not None and tied is None:
+                read_from[copy.source] = copy.name    # transformers ties the other way round
+                continue
+            expected = source.get(stored[tied]) if tied is not None else copy.compute() if copy.compute else None
+            if expected is not None and _same_tensor(source.get(stored[copy.name]), expected, exact=tied is not None):
+                settled.add(copy.name)
+            elif copy.on_difference == "untie_head" and cfg.tie_embeddings:
+                cfg = dataclasses.replace(cfg, tie_embeddings=False)
+                break
+            elif copy.on_difference == "read_copy" and tied is not None:
+                read_from[tied] = copy.name
+                settled.add(tied)
+            else:
+                what = f"differs from {tied}, which it is tied to" if tied else "differs from what its config implies"
+                raise WeightsError(f"{fam.model_type} checkpoint tensor {copy.name} {what}"
+                                   + (f": {copy.why}" if copy.why else "")
+                                   + "; archlab will not drop a tensor that holds other values")
+        else:
+            return cfg, read_from, settled
+
+
+def _same_tensor(stored: torch.Tensor, expected: torch.Tensor, exact: bool) -> bool:
+    """Equal shapes and values (in the expected tensor's dtype); `exact` False allows float32 rounding (a table
+    computed by another program)."""
+    if stored.shape != expected.shape:
+        return False
+    stored = stored.to(expected.dtype)
+    return torch.equal(stored, expected) if exact else torch.allclose(stored, expected, rtol=0.0, atol=1e-6)
 
 
 # ---- saving ------------------------------------------------------------------------------------
 def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Family:
     """Write config.json + model.safetensors loadable by `transformers`; returns the family used.
-    With `family` given, the round trip must still be exact (error naming the differing switch)."""
+    With `family` given, the round trip must still be exact (error naming the differing switch). An untied
+    config also gets the copies transformers then reads apart (BART's per-stack embed_tokens)."""
     from safetensors.torch import save_file
 
     cfg = model.config
@@ -215,6 +276,10 @@ def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Fa
     left = sorted(set(own) - covered)
     if left:
         raise WeightsError(f"{fam.model_type}: no HF name for parameter(s) {', '.join(left)}")
+    if not cfg.tie_embeddings and fam.config_unties:   # transformers ties nothing: BART's stacks read their own
+        for copy in fam.stored_copies(cfg):
+            if copy.source in tensors and copy.name not in tensors:
+                tensors[copy.name] = tensors[copy.source].clone()
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) == 1:
         hf["torch_dtype"] = hf["dtype"] = str(dtypes.pop()).removeprefix("torch.")

@@ -7,10 +7,11 @@ Two sources, one rule each:
     <extra_id_N> sentinels as additional_special_tokens, BART's <s>/</s>/<mask>) and settings (do_lower_case,
     extra_ids, model_max_length) that archlab's tokenizers do not model; the post-processor ([CLS] $A [SEP],
     T5's trailing </s>, RoBERTa's <s> $A </s>) lives in tokenizer.json, copied as is.
-  * a tokenizer archlab trained (tokenizer.json alone): the roles come from its own special tokens (ROLES),
-    so a tokenizer with [CLS]/[SEP]/[MASK]/[PAD] exports them; archlab's `<|endoftext|>` ends a document and
-    serves as bos, eos and pad where nothing else fills those roles. Specials without a role become
-    additional_special_tokens.
+  * a tokenizer archlab trained (tokenizer.json alone): the roles come from its own special tokens (ROLES,
+    archlab.tokenizer.roles), so a tokenizer with [CLS]/[SEP]/[MASK]/[PAD] exports them; archlab's
+    `<|endoftext|>` ends a document and serves as bos, eos and pad where nothing else fills those roles.
+    Specials without a role become additional_special_tokens. Its chat template (chat_template.jinja,
+    archlab.tokenizer.chat_builtin) goes into tokenizer_config.json's `chat_template` as well.
 config.json gains bos/eos/pad ids only where the family wrote none: a family's own ids can carry meaning
 (RoBERTa numbers its positions from pad_token_id + 1, T5 and BART start the decoder from theirs).
 """
@@ -19,33 +20,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from archlab.tokenizer.chat import read_chat_templates
+from archlab.tokenizer.roles import ROLES, added_specials, special_roles
+
 __all__ = ["ROLES", "special_roles", "write_tokenizer_files"]
 
-ROLES = {   # role -> the special tokens that fill it, the first one present wins
-    "bos_token": ("<s>", "<bos>", "<|begin_of_text|>", "<|endoftext|>"),
-    "eos_token": ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"),    # BERT's [SEP] is no eos in transformers
-    "unk_token": ("[UNK]", "<unk>"),
-    "sep_token": ("[SEP]",),
-    "pad_token": ("[PAD]", "<pad>", "<|endoftext|>"),
-    "cls_token": ("[CLS]",),
-    "mask_token": ("[MASK]", "<mask>"),
-}
 _IDS = ("bos", "eos", "pad")        # roles whose ids config.json and generation_config.json carry
-
-
-def special_roles(specials: list[str]) -> dict:
-    """{role: token} for a tokenizer's special tokens (ROLES), the rest as additional_special_tokens.
-    Example: special_roles(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])["cls_token"] == "[CLS]" """
-    present = set(specials)
-    roles: dict = {}
-    for role, candidates in ROLES.items():
-        token = next((t for t in candidates if t in present), None)
-        if token is not None:
-            roles[role] = token
-    rest = [t for t in specials if t not in roles.values()]
-    if rest:
-        roles["additional_special_tokens"] = rest
-    return roles
 
 
 def write_tokenizer_files(folder: str | Path, max_length: int, *, decoder_start_token_id: int | None = None) -> dict:
@@ -59,11 +39,12 @@ def write_tokenizer_files(folder: str | Path, max_length: int, *, decoder_start_
     if config_file.is_file():
         roles = _roles_of(json.loads(config_file.read_text()))
     else:
-        specials = [t["content"] for t in sorted(data.get("added_tokens") or [], key=lambda t: t["id"])
-                    if t.get("special", True)]
-        roles = special_roles(specials)
+        roles = special_roles(added_specials(data))
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
                   "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False, **roles}
+        template = read_chat_templates(folder)      # chat_template.jinja of a tokenizer given a chat format here
+        if isinstance(template, str):
+            config["chat_template"] = template
         _write(config_file, config)
         _write(folder / "special_tokens_map.json", roles)
     ids = {f"{role}_token_id": _token_id(data, roles.get(f"{role}_token")) for role in _IDS}

@@ -4,6 +4,7 @@
     param_breakdown(cfg)                 the same, split into embeddings/position/attention/mlp/norms/head
     flops_per_token(cfg, seq_len)        forward FLOPs per token (Kaplan et al. 2020 convention, below)
     keys_per_query(cfg, layer, seq_len)  attended pairs per query: windows, dilation, global tokens, sparse patterns
+    packed_keys_per_query(cfg, layer, lengths)   the same over a row of packed documents (document masks)
     training_flops_per_token(cfg, T)     3x forward (backward costs twice the forward)
     kv_cache_bytes(cfg, seq_len, ...)    K and V cache honouring GQA/MQA and sliding windows
     training_memory_bytes(cfg, ...)      weights + grads + optimizer state + activations (estimate)
@@ -17,6 +18,7 @@ keys and values plus the cross-attention's, projected once from the source.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from archlab.config import ConfigError, ModelConfig, StackRole
@@ -203,6 +205,18 @@ def keys_per_query(cfg: ModelConfig, layer: int, seq_len: int, prefix_len: int =
     return float(counts.mean())
 
 
+def packed_keys_per_query(cfg: ModelConfig, layer: int, document_lengths: Sequence[int],
+                          stack: str | None = None) -> float:
+    """Mean keys per query over a row packed with documents of these lengths under document masks (each query
+    sees only its own document, positions restart at each): every document's `keys_per_query`, weighted by its
+    length. Tested equal to counting MaskSpec.allows' pairs with segment ids.
+    Example: packed_keys_per_query(cfg, 0, [100, 28]) < keys_per_query(cfg, 0, 128)"""
+    lengths = [int(n) for n in document_lengths]
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(f"document_lengths={lengths} must be one or more lengths >= 1")
+    return sum(n * keys_per_query(cfg, layer, n, stack=stack) for n in lengths) / sum(lengths)
+
+
 def _bidirectional_keys_per_query(cfg: ModelConfig, layer: int, seq_len: int, rows: int = 1024) -> float:
     """An encoder layer: every key (T) on a global layer; a local layer's pairs counted from MaskSpec.allows,
     the one predicate, `rows` queries at a time."""
@@ -258,14 +272,16 @@ def _matmul_params_per_token(cfg: ModelConfig) -> int:
     return cfg.n_layers * (attn + mlp) + d * cfg.vocab_size + mlm_transform
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int, prefix_len: int = 0) -> float:
+def flops_per_token(cfg: ModelConfig, seq_len: int, prefix_len: int = 0,
+                    document_lengths: Sequence[int] | None = None) -> float:
     """Forward FLOPs per token for a sequence of `seq_len` tokens (Kaplan et al. 2020, Table 1).
 
     Convention: 2 FLOPs per multiply-add. Counted: 2 x every weight matrix a token is multiplied by
     (q/k/v/o and gate projections, the top_k routed experts + shared expert + router for MoE, the
     LM head, tied or not) plus, per layer, 2 x 2 x ctx x n_heads x head_dim for QK^T and PV, where ctx
     is the mean number of keys a query attends to (`keys_per_query`: windows, dilation, global tokens,
-    sparse patterns, a prefix-LM prefix of `prefix_len` tokens). Not counted: embedding
+    sparse patterns, a prefix-LM prefix of `prefix_len` tokens; with `document_lengths`, a row of packed
+    documents under document masks: `packed_keys_per_query`). Not counted: embedding
     lookups, norms, biases, softmax, activations, position encodings (all O(d) per token).
     """
     att = cfg.attention
@@ -273,10 +289,18 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, prefix_len: int = 0) -> floa
         if prefix_len:
             raise ConfigError(f"prefix_len={prefix_len}: an encoder-decoder has no prefix "
                               "(its encoder reads the source)")
+        if document_lengths is not None:
+            raise ConfigError("document_lengths: an encoder-decoder's FLOPs are per source and target "
+                              "(encoder_decoder_flops)")
         return sum(encoder_decoder_flops(cfg, seq_len, seq_len).values()) / (2 * seq_len)
+    if document_lengths is not None and (prefix_len or sum(document_lengths) != seq_len):
+        raise ConfigError(f"document_lengths sum to {sum(document_lengths)}, not seq_len={seq_len} "
+                          f"(and take no prefix_len)")
     flops = 2.0 * _matmul_params_per_token(cfg)
     for layer in range(cfg.n_layers):
-        flops += 4.0 * keys_per_query(cfg, layer, seq_len, prefix_len) * att.n_heads * cfg.head_dim
+        keys = (keys_per_query(cfg, layer, seq_len, prefix_len) if document_lengths is None
+                else packed_keys_per_query(cfg, layer, document_lengths))
+        flops += 4.0 * keys * att.n_heads * cfg.head_dim
     return flops
 
 

@@ -18,7 +18,7 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.nn.embedding import Embedder, init_weights
 from archlab.nn.fused import DecodeSession, head_linear
 from archlab.nn.fused_loss import linear_cross_entropy
-from archlab.nn.masks import AttnInputs
+from archlab.nn.masks import AttnInputs, document_positions
 from archlab.nn.mlp import MoEMLP
 from archlab.nn.norms import build_norm
 from archlab.nn.stack import TransformerStack, stack_t5_table
@@ -123,8 +123,15 @@ class TransformerLM(Embedder, NextTokenHead, nn.Module):
         return_hidden: bool = False,
         targets: torch.Tensor | None = None,          # (b, t) int: return the LossOutput instead
         session: DecodeSession | None = None,         # a decode loop's packed weights (nn/fused)
+        document_ids: torch.Tensor | None = None,     # (b, t) int: packed documents (-1 padding); positions
+                                                      # restart at each, no query sees another document
     ) -> torch.Tensor | LossOutput:                   # (b, t, v) logits, or (b, t, d) hidden
         b, t = input_ids.shape
+        if document_ids is not None:
+            if cache is not None:
+                raise ValueError("document_ids pack whole documents into a forward: not with a KV cache")
+            if positions is None:
+                positions = document_positions(document_ids)
         implied = positions is None
         plain = implied and cache is None
         if positions is None:
@@ -142,11 +149,11 @@ class TransformerLM(Embedder, NextTokenHead, nn.Module):
         if prefix_lengths is not None and not self.config.attention.prefix_lm:
             raise ValueError("prefix_lengths given but config.attention.prefix_lm is False")
         # what attends to what, built once: every block reads it, and its layers share RoPE tables and masks
-        inputs = AttnInputs(positions, self.blocks.mask_spec(prefix_lengths), cache=cache, plain=plain,
-                            continued=cache is not None and implied, fresh=cache is not None and len(cache) == 0,
-                            session=session)
-        x = self.embed_tokens(input_ids, positions)    # (b, t, d)
-        x = self.blocks(x, inputs)               # (b, t, d)
+        spec = self.blocks.mask_spec(prefix_lengths, document_ids=document_ids)
+        inputs = AttnInputs(positions, spec, cache=cache, plain=plain, continued=cache is not None and implied,
+                            fresh=cache is not None and len(cache) == 0, session=session)
+        x = self.embed_tokens(input_ids, positions)                          # (b, t, d)
+        x = self.blocks(x, inputs)                                           # (b, t, d)
         if self.final_norm is not None:
             x = self.final_norm(x)
         if return_hidden:

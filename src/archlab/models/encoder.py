@@ -7,7 +7,8 @@ With `nsp_head`, BERT's next-sentence prediction (§3.1, task #2) sits beside th
 Padding: `attention_mask` (b, t), 1 for a real token. Padded keys are never attended; positions count the
 real tokens of each row from 0 (padded slots get -1), so left- and right-padded rows embed alike. That is
 RoBERTa's convention (positions from the non-pad tokens, offset 2); BERT's checkpoints number every slot, which
-agrees on the real tokens of right-padded rows (BERT tokenizers pad on the right).
+agrees on the real tokens of right-padded rows (BERT tokenizers pad on the right). Packed documents:
+`document_ids` (b, t); positions count from 0 in each document, and no token sees another's.
 """
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.models.decoder import LossOutput
 from archlab.nn.embedding import Embedder, MLMHead, init_weights
 from archlab.nn.fused_loss import linear_cross_entropy
-from archlab.nn.masks import AttnInputs
+from archlab.nn.masks import AttnInputs, document_positions
 from archlab.nn.norms import build_norm
 from archlab.nn.stack import TransformerStack, stack_t5_table
 
-__all__ = ["EncoderLM", "padded_positions"]
+__all__ = ["EncoderLM", "padded_positions", "stack_positions"]
 
 
 def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -33,6 +34,17 @@ def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     Example: padded_positions(torch.tensor([[0, 1, 1]])) -> tensor([[-1, 0, 1]])"""
     real = attention_mask.bool()
     return torch.where(real, real.long().cumsum(-1) - 1, -1)
+
+
+def stack_positions(ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """A stack's (b|1, t) positions: 0..t-1 shared by every row, each row's real tokens counted from 0
+    (padded_positions), or counted from 0 in each packed document (nn/masks.document_positions)."""
+    if document_ids is not None:
+        return document_positions(document_ids, attention_mask)
+    if attention_mask is not None:
+        return padded_positions(attention_mask)
+    return torch.arange(ids.shape[1], device=ids.device)[None]
 
 
 class EncoderLM(Embedder, nn.Module):
@@ -69,19 +81,21 @@ class EncoderLM(Embedder, nn.Module):
         return_hidden: bool = False,
         targets: torch.Tensor | None = None,             # (b, t) MLM labels: return the LossOutput instead
         next_sentence_labels: torch.Tensor | None = None,   # (b,) 0 IsNext / 1 NotNext: NSP loss added (nsp_head)
+        document_ids: torch.Tensor | None = None,        # (b, t) packed documents (-1 padding): positions restart
+                                                         # at each, no token sees another document
     ) -> torch.Tensor | LossOutput:                      # (b, t, v) logits, or (b, t, d) hidden
         if next_sentence_labels is not None and targets is None:
             raise ValueError("next_sentence_labels are scored beside the MLM loss: pass targets too")
         b, t = input_ids.shape
-        plain = attention_mask is None and positions is None
+        plain = attention_mask is None and positions is None and document_ids is None
         if positions is None:
-            positions = (torch.arange(t, device=input_ids.device)[None] if attention_mask is None
-                         else padded_positions(attention_mask))
+            positions = stack_positions(input_ids, attention_mask, document_ids)
         if self.abs_position.kind == "learned" and int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}: "
                              "learned position embeddings have no row for it")
         padding = None if attention_mask is None else attention_mask.bool()
-        inputs = AttnInputs(positions, self.blocks.mask_spec(key_padding=padding), plain=plain)
+        inputs = AttnInputs(positions, self.blocks.mask_spec(key_padding=padding, document_ids=document_ids),
+                            plain=plain)
         x = self.embed_tokens(input_ids, positions, token_type_ids)         # (b, t, d)
         x = self.blocks(x, inputs)                                    # (b, t, d)
         if self.final_norm is not None:

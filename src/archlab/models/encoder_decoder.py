@@ -18,12 +18,14 @@ decoder start token (T5: 0, its pad id), as transformers' `_shift_right`.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.models.decoder import LossOutput, NextTokenHead
-from archlab.models.encoder import padded_positions
+from archlab.models.encoder import stack_positions
 from archlab.nn.block import Block
 from archlab.nn.embedding import Embedder, init_weights
 from archlab.nn.fused import DecodeSession
@@ -35,11 +37,15 @@ from archlab.nn.stack import TransformerStack, stack_t5_table
 __all__ = ["EncoderDecoderLM", "shift_right"]
 
 
-def shift_right(labels: torch.Tensor, start_token_id: int, ignore_index: int = -100) -> torch.Tensor:
+def shift_right(labels: torch.Tensor, start_token_id: int, ignore_index: int = -100,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """(b, t) labels -> (b, t) decoder inputs: the start token, then labels[:, :-1]; ignored slots (-100) read as
-    the start token (transformers puts the pad id there, which T5's start token is)."""
+    the start token (transformers puts the pad id there, which T5's start token is). Packed targets
+    (`document_ids` (b, t)): each document starts with the start token, as it would alone."""
     shifted = labels.new_full(labels.shape, start_token_id)
     shifted[:, 1:] = labels[:, :-1]
+    if document_ids is not None:
+        shifted[:, 1:].masked_fill_(document_ids[:, 1:] != document_ids[:, :-1], start_token_id)
     return shifted.masked_fill(shifted == ignore_index, start_token_id)
 
 
@@ -74,14 +80,14 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
         """Every block, the encoder's then the decoder's: what activation checkpointing and FSDP wrap one by one."""
         return (*self.encoder, *self.decoder)
 
-    def _stack_inputs(self, stack: TransformerStack, ids: torch.Tensor, mask: torch.Tensor | None) -> AttnInputs:
+    def _stack_inputs(self, stack: TransformerStack, ids: torch.Tensor, mask: torch.Tensor | None,
+                      documents: torch.Tensor | None = None) -> AttnInputs:
         """One stack's AttnInputs: positions 0..t-1 (plain), or counted over each row's real tokens with the
-        padding as key padding (as EncoderLM: left- and right-padded rows agree)."""
-        t = ids.shape[1]
-        if mask is None:
-            return AttnInputs(torch.arange(t, device=ids.device)[None], stack.mask_spec(), plain=True)
-        positions = padded_positions(mask)
-        return AttnInputs(positions, stack.mask_spec(key_padding=mask.bool()))
+        padding as key padding (as EncoderLM: left- and right-padded rows agree), or from 0 in each packed
+        document, which no other document sees."""
+        positions = stack_positions(ids, mask, documents)
+        spec = stack.mask_spec(key_padding=None if mask is None else mask.bool(), document_ids=documents)
+        return AttnInputs(positions, spec, plain=mask is None and documents is None)
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor, decoder: bool = False) -> torch.Tensor:
         table = self.abs_position.kind == "learned" or self.abs_position.table is not None
@@ -93,11 +99,13 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
             parts = (self.decoder_abs_position, self.decoder_embed_norm)
         return self.embed_tokens(ids, positions, stack_parts=parts)          # (b, t, d)
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Context:
-        """(b, s) source ids (attention_mask (b, s): 1 = real token) -> the Context the decoder attends to: the
-        encoder's normed output, its positions and padding. Run once per source; each cross-attention layer
-        projects its keys and values from it once (a generation's decode steps reuse them)."""
-        inputs = self._stack_inputs(self.encoder, input_ids, attention_mask)
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               document_ids: torch.Tensor | None = None) -> Context:
+        """(b, s) source ids (attention_mask (b, s): 1 = real token; document_ids (b, s): packed sources) -> the
+        Context the decoder attends to: the encoder's normed output, its positions, padding and documents. Run
+        once per source; each cross-attention layer projects its keys and values from it once (a generation's
+        decode steps reuse them)."""
+        inputs = self._stack_inputs(self.encoder, input_ids, attention_mask, document_ids)
         x = self._embed(input_ids, inputs.positions)                         # (b, s, d)
         x = self.encoder(x, inputs)                                     # (b, s, d)
         if self.encoder_norm is not None:
@@ -106,12 +114,23 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
 
     def decode(self, decoder_input_ids: torch.Tensor, context: Context,
                decoder_attention_mask: torch.Tensor | None = None, return_hidden: bool = False, *,
-               cache=None, session: DecodeSession | None = None) -> torch.Tensor:
+               cache=None, session: DecodeSession | None = None, document_ids: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """(b, t) decoder ids attending to `context` -> (b, t, v) logits, or (b, t, d) final hidden states.
         cache: the decoder's self-attention KV cache (archlab.nn.kv_cache, one layer per decoder layer): the ids
-        continue the tokens it holds (unpadded rows of one length); session: a decode loop's DecodeSession."""
+        continue the tokens it holds (unpadded rows of one length); session: a decode loop's DecodeSession;
+        document_ids (b, t): packed targets, each attending to its own document and to the source document of
+        the same id (the context's documents)."""
+        if (document_ids is None) != (context.spec.segment_ids is None):
+            raise ValueError("packed documents on one side only: give the source's document_ids and the "
+                             "target's decoder_document_ids together")
+        if document_ids is not None:
+            if cache is not None or session is not None:
+                raise ValueError("document_ids pack whole documents into a forward: not with a KV cache")
+            context = dataclasses.replace(context, spec=dataclasses.replace(   # queries: the target's documents
+                context.spec, segment_ids=document_ids, key_segment_ids=context.spec.segment_ids))
         if cache is None and session is None:
-            inputs = self._stack_inputs(self.decoder, decoder_input_ids, decoder_attention_mask)
+            inputs = self._stack_inputs(self.decoder, decoder_input_ids, decoder_attention_mask, document_ids)
         else:
             if decoder_attention_mask is not None:
                 raise ValueError("cached decoding takes unpadded decoder rows (no decoder_attention_mask)")
@@ -134,13 +153,17 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
         decoder_attention_mask: torch.Tensor | None = None,   # (b, t) the same for the decoder's inputs
         return_hidden: bool = False,
         targets: torch.Tensor | None = None,                  # (b, t) labels: return the LossOutput instead
+        document_ids: torch.Tensor | None = None,             # (b, s) packed sources (-1 padding)
+        decoder_document_ids: torch.Tensor | None = None,     # (b, t) their targets: document i reads source i
     ) -> torch.Tensor | LossOutput:                           # (b, t, v) logits, or (b, t, d) hidden
         if decoder_input_ids is None:
             if targets is None:
                 raise ValueError("EncoderDecoderLM needs decoder_input_ids (or targets to shift right)")
-            decoder_input_ids = shift_right(targets, self.config.decoder_start_token_id)
-        context = self.encode(input_ids, attention_mask)
-        hidden = self.decode(decoder_input_ids, context, decoder_attention_mask, return_hidden=True)
+            decoder_input_ids = shift_right(targets, self.config.decoder_start_token_id,
+                                            document_ids=decoder_document_ids)
+        context = self.encode(input_ids, attention_mask, document_ids)
+        hidden = self.decode(decoder_input_ids, context, decoder_attention_mask, return_hidden=True,
+                             document_ids=decoder_document_ids)
         if return_hidden:
             return hidden
         if targets is not None:   # through forward, so DDP/FSDP/compile wrappers see the whole step
@@ -149,14 +172,17 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, decoder_input_ids: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
-             ignore_index: int = -100) -> LossOutput:
+             ignore_index: int = -100, document_ids: torch.Tensor | None = None,
+             decoder_document_ids: torch.Tensor | None = None) -> LossOutput:
         """Cross-entropy of the decoder's predictions against `labels` (b, t) (ignore_index where unscored), the
         decoder fed `decoder_input_ids`, by default the labels shifted right behind the start token (teacher
         forcing). Example: model.loss(source_ids, target_ids)"""
         if decoder_input_ids is None:
-            decoder_input_ids = shift_right(labels, self.config.decoder_start_token_id, ignore_index)
-        context = self.encode(input_ids, attention_mask)
-        hidden = self.decode(decoder_input_ids, context, decoder_attention_mask, return_hidden=True)
+            decoder_input_ids = shift_right(labels, self.config.decoder_start_token_id, ignore_index,
+                                            decoder_document_ids)
+        context = self.encode(input_ids, attention_mask, document_ids)
+        hidden = self.decode(decoder_input_ids, context, decoder_attention_mask, return_hidden=True,
+                             document_ids=decoder_document_ids)
         return self.loss_from_hidden(hidden, labels, ignore_index)
 
     def num_params(self) -> int:

@@ -5,9 +5,9 @@ each names its source (paper table or HF config.json) beside it. Where a detail 
 comment says so and the closest documented choice is used; `PresetInfo.approximation` records it.
 Behaviour never depends on a preset's *name*: everything is in the returned ModelConfig.
 
-    archlab.models.presets.names()            -> ["transformer-2017", "transformer-2017-big", "gpt", ...]
-    archlab.models.presets.get("llama2-7b")   -> ModelConfig at the published size
-    archlab.models.presets.tiny("gemma3-27b") -> same switches, test-sized (builds and runs on CPU in ms)
+    archlab.presets.names()            -> ["transformer-2017", "transformer-2017-big", "gpt", ...]
+    archlab.presets.get("llama2-7b")   -> ModelConfig at the published size
+    archlab.presets.tiny("gemma3-27b") -> same switches, test-sized (builds and runs on CPU in ms)
 """
 from __future__ import annotations
 

@@ -107,11 +107,12 @@ class Attention(nn.Module):
 
         # what attends to what, as the layer's spec and positions: a backend builds the dense mask (once per
         # forward, through `inputs`) or the position bias (over the pairs it visits) only if it needs them
-        # aligned (key j is query j's token): no cache on the plain path, or a prefill whose cache hands back
-        # exactly this forward's keys over contiguous positions; blocked kernels need it
-        aligned = (inputs.plain and cache is None) or (
-            inputs.fresh and k.shape[2] == t and t > 1 and not getattr(cache, "rotates_keys", False)
-            and inputs.contiguous())
+        # aligned (key j is query j's token): no cache on the plain path, or packed documents with their own
+        # positions, or a prefill whose cache hands back exactly this forward's keys over contiguous positions;
+        # blocked kernels need it
+        aligned = (cache is None and (inputs.plain or (inputs.spec.segment_ids is not None and inputs.contiguous()))
+                   ) or (inputs.fresh and k.shape[2] == t and t > 1 and not getattr(cache, "rotates_keys", False)
+                         and inputs.contiguous())
         call = self._call(q, k, v, inputs.layer_spec(self.local), positions, k_pos, inputs, aligned=aligned)
         return self._finish(x, call, packs, session)
 

@@ -48,10 +48,11 @@ def _kernel(device: torch.device) -> Callable[..., Any]:
 def spec_mask_mod(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> Callable[..., torch.Tensor]:
     """mask_mod of `spec` over (b, t) query and (b, s) key positions: MaskSpec.pairs on one pair."""
     b = q_pos.shape[0]
-    prefix, padding, seg = spec.prefix_lengths, spec.key_padding, spec.segment_ids
+    prefix, padding, seg, key_seg = spec.prefix_lengths, spec.key_padding, spec.segment_ids, spec.keys_segments()
     prefix = None if prefix is None else prefix.expand(b)                       # (b,)
     padding = None if padding is None else padding.expand(b, -1)                # (b, s)
-    seg = None if seg is None else seg.expand(b, -1)                            # (b, t), t == s
+    seg = None if seg is None else seg.expand(b, -1)                            # (b, t) the queries' documents
+    key_seg = None if key_seg is None else key_seg.expand(b, -1)                # (b, s) the keys' documents
     g = torch.tensor(spec.global_indices or (-2,), device=q_pos.device)        # -2: no position
     q_global, k_global = torch.isin(q_pos, g), torch.isin(k_pos, g)              # (b, t), (b, s)
 
@@ -60,7 +61,7 @@ def spec_mask_mod(spec: MaskSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> C
                           global_pair=q_global[b, q] | k_global[b, kv] if spec.global_indices else None,
                           prefix=None if prefix is None else prefix[b],
                           key_real=None if padding is None else padding[b, kv],
-                          same_segment=None if seg is None else seg[b, q] == seg[b, kv])
+                          same_segment=None if seg is None or key_seg is None else seg[b, q] == key_seg[b, kv])
     return mask_mod
 
 
@@ -94,7 +95,8 @@ def _spec_pairs(call: AttnCall) -> _Pairs:
     hit = shared.get(key)
     if hit is None:
         b, t, s = call.q.shape[0], call.q.shape[2], call.k.shape[2]
-        per_row = [x for x in (q_pos, k_pos, spec.prefix_lengths, spec.key_padding, spec.segment_ids) if x is not None]
+        per_row = [x for x in (q_pos, k_pos, spec.prefix_lengths, spec.key_padding, spec.segment_ids,
+                               spec.key_segment_ids) if x is not None]
         rows = max(x.shape[0] for x in per_row)                                  # 1: shared by every row
         q_pos, k_pos = q_pos.expand(b, t), k_pos.expand(b, s)
         mask_mod = spec_mask_mod(spec, q_pos, k_pos)

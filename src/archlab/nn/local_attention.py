@@ -73,16 +73,22 @@ def block_positions(pos: torch.Tensor, t: int, block: int, before: int, after: i
 
 
 def block_spec(spec: MaskSpec, rows: int, t: int, block: int, before: int, after: int) -> MaskSpec:
-    """`spec` for the (rows·nb) blocks: per-row fields repeated per block, key padding cut into key ranges.
-    (Segment ids, which index queries and keys alike, have no blocked form here.)"""
+    """`spec` for the (rows·nb) blocks: per-row fields repeated per block, key padding cut into key ranges,
+    segment ids (self-attention's, one per token) cut into query blocks and key ranges alike."""
     nb, span = n_blocks(t, block), block + before + after
-    prefix, padding = spec.prefix_lengths, spec.key_padding
+    prefix, padding, seg = spec.prefix_lengths, spec.key_padding, spec.segment_ids
     if prefix is not None:
         prefix = prefix.expand(rows).repeat_interleave(nb)                        # (rows·nb,)
     if padding is not None:
         padding = F.pad(padding.expand(rows, -1), (before, nb * block - t + after), value=False)
         padding = padding.unfold(1, span, block).reshape(rows * nb, span)          # (rows·nb, K)
-    return replace(spec, prefix_lengths=prefix, key_padding=padding)
+    key_seg = None
+    if seg is not None:                       # padded slots in segment -1: their positions (-1) rule them out
+        seg = seg.expand(rows, -1)
+        key_seg = F.pad(seg, (before, nb * block - t + after), value=-1).unfold(1, span, block)
+        key_seg = key_seg.reshape(rows * nb, span)                                 # (rows·nb, K)
+        seg = F.pad(seg, (0, nb * block - t), value=-1).reshape(rows * nb, block)  # (rows·nb, B)
+    return replace(spec, prefix_lengths=prefix, key_padding=padding, segment_ids=seg, key_segment_ids=key_seg)
 
 
 def dilate(x: torch.Tensor, d: int, fill: float | bool = 0) -> torch.Tensor:
@@ -124,8 +130,10 @@ class BlockLocal(Backend):
         spec = call.spec
         if spec is None or not call.aligned or call.q_pos is None:
             return "a layer's spec over aligned queries and keys (no cache, or a fresh cache's prefill)"
-        if spec.segment_ids is not None or call.keep_probs or call.bias is not None:
-            return "no segment ids, kept probabilities or bias tensor (a position bias as a function is fine)"
+        if spec.key_segment_ids is not None or call.keep_probs or call.bias is not None:
+            return "no keys' own segment ids, kept probabilities or bias tensor (a position bias as a function is fine)"
+        if spec.segment_ids is not None and (spec.global_indices or spec.pattern == "fixed"):
+            return "segment ids without global tokens or a fixed pattern (their keys are indexed by position)"
         layout = self._layout(spec)
         if isinstance(layout, str):
             return layout
@@ -167,13 +175,15 @@ class BlockLocal(Backend):
         if d == 1:
             out = self._blocks(call)
         else:   # each residue class mod d a plain window, as batch rows (positions stay the real ones)
-            padding, q_pos = spec.key_padding, call.q_pos
-            if padding is not None:        # per-row padding: per-row positions, dilated alike
-                q_pos, padding = dilate(q_pos.expand(padding.shape[0], t), d, -1), dilate(padding, d, False)
-            else:
-                q_pos = dilate(q_pos, d, -1)
+            padding, seg, q_pos = spec.key_padding, spec.segment_ids, call.q_pos
+            rows = max(x.shape[0] for x in (q_pos, padding, seg) if x is not None)
+            if rows > q_pos.shape[0]:      # per-row padding or documents: per-row positions, dilated alike
+                q_pos = q_pos.expand(rows, t)
+            q_pos = dilate(q_pos, d, -1)
+            padding = None if padding is None else dilate(padding.expand(rows, t), d, False)
+            seg = None if seg is None else dilate(seg.expand(rows, t), d, -1)
             classes = replace(call, q=dilate(call.q, d), k=dilate(call.k, d), v=dilate(call.v, d), q_pos=q_pos,
-                              spec=replace(spec, key_padding=padding))
+                              spec=replace(spec, key_padding=padding, segment_ids=seg))
             out = undilate(self._blocks(classes), d, t)
         if spec.global_indices:
             out = self._global_rows(call, out)
@@ -239,7 +249,8 @@ class BlockLocal(Backend):
         shared = call.inputs.shared if call.inputs is not None else {}
         hit = shared.get(key)
         if hit is None:
-            spec, per_row = call.spec, (call.q_pos, call.spec.prefix_lengths, call.spec.key_padding)
+            spec = call.spec
+            per_row = (call.q_pos, spec.prefix_lengths, spec.key_padding, spec.segment_ids)
             rows = max(x.shape[0] for x in per_row if x is not None)             # 1 (plain positions) or b
             q_pos, k_pos = block_positions(call.q_pos.expand(rows, t), t, block, before, after)
             blocked = block_spec(spec, rows, t, block, before, after)

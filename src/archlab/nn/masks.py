@@ -1,11 +1,12 @@
 """Masks as data: what may attend to what, built once per forward and read by every layer.
 
 A `MaskSpec` holds the structure (causal or not, a window as (left, right), prefix lengths, key padding,
-segment ids, and room for block-sparse kernels: block size, global indices, dilation) and one predicate,
-`allows(q_pos, k_pos)`, that every kernel form is compiled from: "no mask at all" where nothing binds
-(SDPA's is_causal, or a bidirectional encoder's full attention), a dense boolean mask for the eager
-reference and SDPA, and later block lists for sparse kernels. `AttnInputs` carries one forward's
-positions, spec, KV cache, decode session and the tables its layers share.
+segment ids (packed documents: a query sees only keys of its own document), and room for block-sparse
+kernels: block size, global indices, dilation) and one predicate, `allows(q_pos, k_pos)`, that every kernel
+form is compiled from: "no mask at all" where nothing binds (SDPA's is_causal, or a bidirectional encoder's
+full attention), a dense boolean mask for the eager reference and SDPA, and later block lists for sparse
+kernels. `AttnInputs` carries one forward's positions, spec, KV cache, decode session and the tables its
+layers share.
 
 Windows follow OLMo-core: (left, right) counts the positions a query may see before and after itself,
 so Mistral's 4,096-token sliding window (the query and the 4,095 before it) is (4095, 0).
@@ -21,7 +22,7 @@ import torch
 if TYPE_CHECKING:
     from archlab.nn.fused import DecodeSession
 
-__all__ = ["MaskSpec", "LocalPattern", "AttnInputs", "Context", "window_bounds"]
+__all__ = ["MaskSpec", "LocalPattern", "AttnInputs", "Context", "window_bounds", "document_positions"]
 
 
 def window_bounds(window: int | None, causal: bool) -> tuple[int | None, int | None]:
@@ -30,6 +31,25 @@ def window_bounds(window: int | None, causal: bool) -> tuple[int | None, int | N
     if window is None:
         return None, None
     return (window - 1, 0) if causal else (window // 2, window // 2)
+
+
+def document_positions(document_ids: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """(b, t) document ids of packed rows -> (b, t) positions that restart at 0 with each document (counting its
+    real tokens), -1 on padding (an id < 0, or `real` False where given). Each document must be one run of
+    slots in its row: an id that comes back after another document is a ValueError (its halves would see each
+    other). Example: document_positions(torch.tensor([[0, 0, 0, 1, 1, -1]])) -> tensor([[0, 1, 2, 0, 1, -1]])"""
+    ids = document_ids.long()
+    real = ids >= 0 if real is None else real.bool() & (ids >= 0)
+    before = torch.nn.functional.pad(ids[:, :-1], (1, 0), value=-2)         # (b, t) the previous slot's id
+    starts = real & (ids != before)                                         # a document's first slot
+    rows = starts.nonzero()[:, 0]                                           # (starts,) the row of each
+    ordinal = rows * (int(ids.max()) + 1 if ids.numel() else 1) + ids[starts]   # (starts,) one per (row, id)
+    if ordinal.numel() != torch.unique(ordinal).numel():
+        raise ValueError("document_ids: each document must be one run of slots in its row (an id came back "
+                         "after another document)")
+    count = real.long().cumsum(-1) - 1                                      # (b, t) index among real tokens
+    first = torch.where(starts, count, -1).cummax(-1).values                # (b, t) its document's first index
+    return torch.where(real, count - first, -1)
 
 
 @dataclass(frozen=True)
@@ -55,7 +75,9 @@ class MaskSpec:
     window: tuple[int | None, int | None] = (None, None)  # (left, right); None: unbounded on that side
     prefix_lengths: torch.Tensor | None = None            # (b,): a bidirectional prefix (prefix-LM, T5 style)
     key_padding: torch.Tensor | None = None               # (b, s) bool, True = a real key
-    segment_ids: torch.Tensor | None = None               # (b, t): packed documents attend within their own
+    segment_ids: torch.Tensor | None = None               # (b, t) the queries' documents: a query sees its own
+    key_segment_ids: torch.Tensor | None = None           # (b, s) the keys' documents; None: segment_ids (self-
+                                                          # attention); cross-attention: the encoder's
     dilation: int = 1                                     # window keys this many positions apart (Longformer)
     global_indices: tuple[int, ...] = ()                  # positions that see all and that all see (Longformer)
     pattern: str | None = None                            # "strided" | "fixed" (Sparse Transformer)
@@ -69,10 +91,12 @@ class MaskSpec:
                              "is 'strided' or 'fixed', with a block size")
         if self.dilation < 1:
             raise ValueError(f"MaskSpec.dilation={self.dilation} must be >= 1")
+        if self.key_segment_ids is not None and self.segment_ids is None:
+            raise ValueError("MaskSpec.key_segment_ids needs the queries' segment_ids")
         # what identifies this structure within one forward (layers share masks under it): the plain fields
         # and the identity of its tensors (a stack builds them once per forward). Computed here, not cached
         # lazily: functools.cached_property takes a lock that torch.compile cannot trace.
-        tensors = (self.prefix_lengths, self.key_padding, self.segment_ids)
+        tensors = (self.prefix_lengths, self.key_padding, self.segment_ids, self.key_segment_ids)
         plain = (self.causal, self.window, self.dilation, self.global_indices, self.pattern, self.block_size,
                  self.summary)
         object.__setattr__(self, "key", (*plain, *(None if x is None else id(x) for x in tensors)))
@@ -123,15 +147,31 @@ class MaskSpec:
     def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """The predicate: (b, t) query and (b, s) key positions (-1 = an empty or padded slot) ->
         (b, 1, t, s) bool, True where the query may attend to the key."""
-        global_pair, seg = None, self.segment_ids
+        global_pair, seg, key_seg = None, self.segment_ids, self.keys_segments()
         if self.global_indices:
             g = torch.tensor(self.global_indices, device=q_pos.device)
             global_pair = torch.isin(q_pos, g)[:, :, None] | torch.isin(k_pos, g)[:, None, :]     # (b, t, s)
         ok = self.pairs(q_pos[:, :, None], k_pos[:, None, :], global_pair=global_pair,   # (b, t, 1), (b, 1, s)
                         prefix=None if self.prefix_lengths is None else self.prefix_lengths[:, None, None],
                         key_real=None if self.key_padding is None else self.key_padding[:, None, :],
-                        same_segment=None if seg is None else seg[:, :, None] == seg[:, None, :])
+                        same_segment=None if seg is None or key_seg is None
+                        else seg[:, :, None] == key_seg[:, None, :])
         return ok[:, None]
+
+    def keys_segments(self) -> torch.Tensor | None:
+        """(b, s) the keys' documents: key_segment_ids, or the queries' own in self-attention (None: no documents)."""
+        return self.segment_ids if self.key_segment_ids is None else self.key_segment_ids
+
+    def sliced(self, queries: slice, keys: slice) -> MaskSpec:
+        """This spec over a run of queries and a run of keys (a tile of a tiled kernel): the per-query and
+        per-key tensors (segment ids, key padding) cut alike; the rest as is."""
+        seg, key_seg, padding = self.segment_ids, self.keys_segments(), self.key_padding
+        if seg is None and padding is None:
+            return self
+        return dataclasses.replace(
+            self, key_padding=None if padding is None else padding[:, keys],
+            segment_ids=None if seg is None else seg[:, queries],
+            key_segment_ids=None if key_seg is None else key_seg[:, keys])
 
     def pairs(self, q: torch.Tensor, k: torch.Tensor, *, global_pair: torch.Tensor | None = None,
               prefix: torch.Tensor | None = None, key_real: torch.Tensor | None = None,
@@ -206,12 +246,15 @@ class AttnInputs:
     session: DecodeSession | None = None     # a decode loop's session (nn/fused), or None
 
     def contiguous(self) -> bool:
-        """Each row's positions run on by one (padding, -1, aside): key index distance = position distance, what
-        a blocked kernel over a prefill needs. A host sync, once per forward."""
+        """Each row's positions run on by one (padding, -1, aside; packed documents each on their own): key index
+        distance = position distance wherever a query may see a key, what a blocked kernel needs. A host sync,
+        once per forward."""
         hit = self.shared.get("contiguous")
         if hit is None:
-            pos = self.positions
+            pos, seg = self.positions, self.spec.segment_ids
             steps = (pos[:, 1:] - pos[:, :-1] == 1) | (pos[:, :-1] < 0)
+            if seg is not None:                                # a new document may restart its positions
+                steps = steps | (seg[:, 1:] != seg[:, :-1])
             hit = self.shared["contiguous"] = bool(steps.all())
         return hit
 

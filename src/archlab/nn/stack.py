@@ -45,12 +45,14 @@ class TransformerStack(nn.ModuleList):
         self.causal = role != "encoder"
         self._structure_only = MaskSpec(causal=self.causal)   # built once: a decode step counts every call
 
-    def mask_spec(self, prefix_lengths: torch.Tensor | None = None,
-                  key_padding: torch.Tensor | None = None) -> MaskSpec:
-        """What attends to what in this stack: causal or not by role, plus a prefix-LM prefix or padding."""
-        if prefix_lengths is None and key_padding is None:
+    def mask_spec(self, prefix_lengths: torch.Tensor | None = None, key_padding: torch.Tensor | None = None,
+                  document_ids: torch.Tensor | None = None) -> MaskSpec:
+        """What attends to what in this stack: causal or not by role, plus a prefix-LM prefix, padding, or packed
+        documents ((b, t) ids: a query sees only its own document's keys)."""
+        if prefix_lengths is None and key_padding is None and document_ids is None:
             return self._structure_only
-        return MaskSpec(causal=self.causal, prefix_lengths=prefix_lengths, key_padding=key_padding)
+        return MaskSpec(causal=self.causal, prefix_lengths=prefix_lengths, key_padding=key_padding,
+                        segment_ids=document_ids)
 
     def forward(self, x: torch.Tensor, inputs: AttnInputs, context: Context | None = None
                 ) -> torch.Tensor:                                       # (b, t, d) -> (b, t, d)

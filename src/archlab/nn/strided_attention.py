@@ -54,8 +54,8 @@ class Strided(Backend):
         spec = call.spec
         if spec is None or spec.pattern != "strided" or not call.aligned or call.q_pos is None:
             return "a strided pattern's spec over aligned queries and keys (no cache, or a fresh cache's prefill)"
-        if spec.prefix_lengths is not None or spec.global_indices or spec.segment_ids is not None:
-            return "no prefix, global tokens or segment ids (their pairs fall outside both parts)"
+        if spec.prefix_lengths is not None or spec.global_indices or spec.key_segment_ids is not None:
+            return "no prefix, global tokens or keys' own segment ids (their pairs fall outside both parts)"
         if call.keep_probs or call.bias is not None:
             return "no kept probabilities or bias tensor"
         return None
@@ -79,12 +79,15 @@ class Strided(Backend):
         out_local = unblock(out_local, b, t)
         lse_local = unblock(lse_local[..., None], b, t)[..., 0]                          # (b, h, t)
         # the strided part: residue classes mod l as batch rows, every same-class pair beyond the window
-        padding, q_pos = spec.key_padding, call.q_pos
-        if padding is not None:
-            q_pos, padding = q_pos.expand(padding.shape[0], t), dilate(padding, stride, False)
-        q_pos = dilate(q_pos, stride, -1)                                                 # (r·l, t/l)
-        classes = replace(spec, key_padding=padding)
-        mask = classes.allows(q_pos, q_pos) & ~replace(window, key_padding=padding).allows(q_pos, q_pos)
+        padding, seg, q_pos = spec.key_padding, spec.segment_ids, call.q_pos
+        rows = max(x.shape[0] for x in (q_pos, padding, seg) if x is not None)
+        q_pos = dilate(q_pos.expand(rows, t), stride, -1)                                 # (r·l, t/l)
+        padding = None if padding is None else dilate(padding.expand(rows, t), stride, False)
+        seg = None if seg is None else dilate(seg.expand(rows, t), stride, -1)
+        classes = replace(spec, key_padding=padding, segment_ids=seg)
+        # beyond the window: the pattern's pairs (documents included) less the window's, whatever their documents
+        near = replace(window, key_padding=padding, segment_ids=None)
+        mask = classes.allows(q_pos, q_pos) & ~near.allows(q_pos, q_pos)
         bias = None if call.position_bias is None else call.position_bias(q_pos, q_pos)   # (r·l, h, t/l, t/l)
         far = AttnCall(dilate(call.q, stride), dilate(call.k, stride), dilate(call.v, stride), call.scale,
                        mask=_rows(mask, b * stride), softcap=call.softcap, dropout=call.dropout,

@@ -78,7 +78,8 @@ class TilePlan:
         for r0 in range(0, t, tile):
             r1 = min(r0 + tile, t)
             lo, hi = (max(0, r0 - before), min(s, r1 + after)) if bounded else (0, s)
-            allowed = spec.allows(q_pos[:, r0:r1], k_pos[:, lo:hi])             # (b|1, 1, rows, hi - lo)
+            tile_spec = spec.sliced(slice(r0, r1), slice(lo, hi))               # its documents and padding
+            allowed = tile_spec.allows(q_pos[:, r0:r1], k_pos[:, lo:hi])        # (b|1, 1, rows, hi - lo)
             hit = allowed.flatten(0, 2).any(0)                                  # (hi - lo,) keys some row sees
             spans = []
             for k0, k1 in _runs(hit, tile):

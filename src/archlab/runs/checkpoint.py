@@ -20,8 +20,10 @@ A checkpoint is written into `checkpoints/.tmp-step_XXXXXXX-PID/`, flushed to di
 deleted only after the new one is in place, so the last good checkpoint always survives a crash.
 
 Nothing in a checkpoint can run code when loaded: weights and trainer state are safetensors, metadata
-JSON. Every load checks each file's size against meta.json; `verify_checkpoint(..., full=True)` also
-checks the sha256 (resume does; a damaged newest checkpoint is skipped for the previous good one).
+JSON. Every load checks each file's size against meta.json, and every name meta.json gives stays inside its
+folder; `verify_checkpoint(..., full=True)` also checks the sha256 (resume does; a damaged newest checkpoint is
+skipped for the previous good one), and `load_run` (generate, serve, convert --to-hf) checks the sha256 of the
+weights it loads and refuses a weights file linked from outside the run folder.
 Checkpoints of format 1 (trainer.pt, a pickle) load through an explicit allow-list of tensors,
 containers and NumPy arrays (`statefile.load_legacy_pickle`); the resumed run saves format 2.
 """
@@ -49,7 +51,7 @@ from archlab.runs.statefile import load_legacy_pickle, load_state, save_state
 __all__ = [
     "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint",
     "write_run_config", "read_run_config", "load_run", "MODEL_FILE", "TRAINER_FILE", "META_FILE",
-    "verify_checkpoint", "resumable_checkpoint", "FORMAT_VERSION",
+    "verify_checkpoint", "verified_weights", "resumable_checkpoint", "FORMAT_VERSION",
 ]
 
 FORMAT_VERSION = 2                 # 1: trainer.pt (pickle); 2: trainer.safetensors + sha256 in meta.json
@@ -179,7 +181,9 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    found = list_checkpoints(root)
+    """The newest checkpoint folder that has its meta.json (written last by save_checkpoint): a stray `step_*`
+    folder without one is not a checkpoint (`archlab check` lists it as damaged)."""
+    found = [ckpt for ckpt in list_checkpoints(root) if (ckpt / META_FILE).is_file()]
     return found[-1] if found else None
 
 
@@ -255,7 +259,7 @@ def verify_checkpoint(path: str | os.PathLike, *, full: bool = False) -> dict:
     path = Path(path)
     meta = read_meta(path)
     for name, size in meta.get("files", {}).items():
-        file = path / name
+        file = confined(path, name, META_FILE)
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {file} is missing")
         if file.stat().st_size != size:
@@ -265,6 +269,34 @@ def verify_checkpoint(path: str | os.PathLike, *, full: bool = False) -> dict:
         if full and expected is not None and sha256_file(file) != expected:
             raise CheckpointError(f"checkpoint file {file} is corrupt: its sha256 differs from {META_FILE}'s")
     return meta
+
+
+def confined(folder: Path, name: str, named_by: str) -> Path:
+    """folder / name, which must stay inside `folder` once links are resolved: a name in `named_by` that climbs
+    out (`../`, an absolute path) or a link to a file elsewhere is a CheckpointError naming it."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointError(f"{folder / named_by} names {name!r}, not a file inside {folder}")
+    file = folder / name
+    inside = folder.resolve()
+    if not file.resolve().is_relative_to(inside):
+        raise CheckpointError(f"{file} is a link to {file.resolve()}, outside {inside}: not loaded")
+    return file
+
+
+def verified_weights(ckpt: Path, run_dir: Path | None = None) -> dict[str, torch.Tensor]:
+    """The model state of checkpoint folder `ckpt` once its model.safetensors matched the size and sha256 that
+    meta.json records (format 1 records sizes only), no file it lists a link out of `ckpt`, and `ckpt` itself
+    inside `run_dir` when given. What generate, serve and convert --to-hf load: a flipped byte or a foreign file
+    is a CheckpointError naming it, not text from other weights."""
+    meta = verify_checkpoint(ckpt)
+    if run_dir is not None:
+        confined(run_dir, ckpt.relative_to(run_dir).as_posix(), CHECKPOINT_DIR)
+    file = confined(ckpt, MODEL_FILE, META_FILE)
+    expected = (meta.get("sha256") or {}).get(MODEL_FILE)
+    if expected is not None and sha256_file(file) != expected:
+        raise CheckpointError(f"checkpoint file {file} is corrupt or was replaced: its sha256 differs from "
+                              f"{ckpt / META_FILE}'s")
+    return load_weights(file)
 
 
 def load_checkpoint(path: str | os.PathLike, *, weights_only_model: bool = False, full_verify: bool = False
@@ -350,15 +382,16 @@ def read_run_config(run_dir: str | os.PathLike) -> dict:
 def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
              device: str | torch.device = "cpu", *, merge_adapters: bool = True):
     """(model in eval mode with the latest (or given) checkpoint's weights, tokenizer or None): a TransformerLM,
-    or the class the config's `arch` names (archlab.models.build_model). A LoRA run's adapters (train.lora_r) are
-    folded into the weights, or with merge_adapters=False kept as adapters (nn.lora.LoRALinear)."""
+    or the class the config's `arch` names (archlab.models.build_model). The weights file is verified first
+    (`verified_weights`: sha256 against meta.json, no link out of the run folder). A LoRA run's adapters
+    (train.lora_r) are folded into the weights, or with merge_adapters=False kept as adapters (nn.lora.LoRALinear)."""
     run_dir = Path(run_dir)
     run_cfg = read_run_config(run_dir)
     cfg = ModelConfig.from_dict(run_cfg["model"])
     ckpt = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no checkpoint under {run_dir / CHECKPOINT_DIR}")
-    state, _ = load_checkpoint(ckpt, weights_only_model=True)
+    state = verified_weights(ckpt, run_dir if checkpoint is None else None)
     model = model_with_weights(cfg, state, ckpt / MODEL_FILE, train=run_cfg.get("train"))
     if merge_adapters:
         from archlab.nn.lora import merge_lora

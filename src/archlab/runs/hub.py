@@ -46,7 +46,8 @@ def probe_dataset(spec: str, name: str, timeout: float = 10.0) -> None:
 # ---- model ids ------------------------------------------------------------------------------------
 MODEL_FILES = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-               "tokenizer.model"]     # never *.py (remote code), *.bin / *.pt (pickles)
+               "tokenizer.model", "chat_template.jinja",
+               "additional_chat_templates/*.jinja"]     # never *.py (remote code), *.bin / *.pt (pickles)
 
 
 def parse_model_id(spec: str) -> tuple[str, str | None]:

@@ -70,9 +70,9 @@ def _load_flat_run(path: Path):
     from safetensors.torch import load_file
 
     from archlab.config import ModelConfig
-    from archlab.runs.checkpoint import model_with_weights, read_run_config
+    from archlab.runs.checkpoint import MODEL_FILE, confined, model_with_weights, read_run_config
 
-    weights = path / "model.safetensors"
+    weights = confined(path, MODEL_FILE, "config.yaml")   # no meta.json, so no sha256: at least not a foreign link
     return model_with_weights(ModelConfig.from_dict(read_run_config(path)["model"]), load_file(weights), weights)
 
 

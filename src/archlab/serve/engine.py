@@ -5,7 +5,9 @@ prefilled into its row), every step runs ONE forward over all active rows (each 
 finished or cancelled request leaves its row to the next one in the queue. Rows of different lengths mask
 their empty slots through the positions the cache returns, so a row's tokens are those it would get alone.
 The scheduler runs on its own thread: the event loop (health, model list, other connections) never waits
-on a forward. `rows_per_step` counts how many rows each decode step carried.
+on a forward; a forward that fails fails the requests in it, not the scheduler. `rows_per_step` counts how
+many rows each decode step carried. A request's deltas hold back a tail that may still become a stop string
+(archlab.serve.stops), so they join to exactly the text cut just before the stop.
 
 A model folder's generation_config.json gives each request its defaults (archlab.serve.settings): EOS ids,
 sampling, stop strings and the logits processors, each request with its own (its own history for n-gram
@@ -14,6 +16,7 @@ blocking), its own fields winning.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import threading
 from collections.abc import Iterator
@@ -24,13 +27,15 @@ import torch
 
 from archlab.errors import UserError
 from archlab.generation.config import GenerationConfig
-from archlab.nn.fused import DecodeSession
+from archlab.nn.fused import DecodeSession, direct_calls
+from archlab.serve.fields import RANGES, RequestError
+from archlab.serve.stops import first_stop, releasable
+from archlab.tokenizer.chat import ChatTokenizer, read_chat_templates, read_special_tokens
 
 __all__ = ["Engine", "CompletionRequest", "RequestError"]
 
-
-class RequestError(UserError):
-    """A request the model cannot serve (an HTTP 400): the message says what and by how much."""
+# below this temperature a request decodes greedily (vLLM's _SAMPLING_EPS): dividing logits by 1e-45 overflows
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -64,7 +69,8 @@ class _Job:
     out: queue.Queue = field(default_factory=queue.Queue)
     row: int = -1
     new: list[int] = field(default_factory=list)
-    sent: str = ""
+    sent: str = ""                         # the text handed out so far: never a part a stop string may still cut
+    text: str = ""                         # the whole text decoded so far (past any stop string: cut)
     head: str = ""
     generator: torch.Generator | None = None
     processors: list = field(default_factory=list)
@@ -75,13 +81,18 @@ class Engine:
     folder's decoding defaults (archlab.serve.settings), under each request's own fields.
     Example: Engine.from_folder("runs/demo").complete(CompletionRequest("ROMEO:", max_tokens=8))"""
 
-    def __init__(self, model, tokenizer, name: str, chat_template: str | None = None, max_batch: int = 8,
+    def __init__(self, model, tokenizer, name: str, chat_template: str | ChatTokenizer | None = None,
+                 max_batch: int = 8,
                  generation_config: GenerationConfig | None = None):
         from archlab.generation.stepper import vocab_limit
         from archlab.nn.kv_cache import SlotKVCache
         from archlab.serve.settings import applied, defaults_for, not_served
 
-        self.model, self.tokenizer, self.name, self.chat_template = model, tokenizer, name, chat_template
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        # the template and the special tokens it reads (archlab.tokenizer.chat), or None: no chat endpoint
+        self.chat = (chat_template if isinstance(chat_template, ChatTokenizer) or chat_template is None
+                     else dataclasses.replace(ChatTokenizer.of(tokenizer), templates=chat_template))
+        _check_vocabulary(model, tokenizer)
         self.vocab_limit = vocab_limit(model, tokenizer)
         self.context = model.config.max_seq_len
         self.defaults = defaults_for(generation_config, getattr(tokenizer, "eot_id", None),
@@ -110,22 +121,22 @@ class Engine:
                             f"use `{_OTHER_COMMAND[arch][1].format(path=path)}`")
         model, tokenizer = load_model_and_tokenizer(resolved, device, purpose="serve", generation_config=True)
         folder = Path(str(path).split("@")[0])
-        return cls(model, tokenizer, folder.resolve().name, _chat_template(Path(path)), max_batch,
+        return cls(model, tokenizer, folder.resolve().name, _chat_tokenizer(Path(resolved), tokenizer), max_batch,
                    generation_config=getattr(model, "generation_config", None))
 
     # ---- requests
     def encode(self, request: CompletionRequest) -> list[int]:
         """The prompt's ids, checked against the context: a RequestError names the numbers."""
-        return self._prepare(request)[0]
+        return self.prepare(request)[0]
 
-    def _prepare(self, request: CompletionRequest) -> tuple[list[int], GenerationConfig]:
+    def prepare(self, request: CompletionRequest) -> tuple[list[int], GenerationConfig]:
         """(prompt ids, the request's settings over the folder's), checked: a RequestError names the numbers."""
         from archlab.serve.settings import request_settings
 
         _check(request)
         ids = self.tokenizer.encode(request.prompt)
         if not ids:
-            raise RequestError("the prompt encodes to no tokens")
+            raise RequestError("the prompt encodes to no tokens", param="prompt", code="invalid_value")
         settings = request_settings(self.defaults, prompt_tokens=len(ids), max_tokens=request.max_tokens,
                                     temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                     min_p=request.min_p, repetition_penalty=request.repetition_penalty,
@@ -136,15 +147,18 @@ class Engine:
                                f"tokens after a prompt of {len(ids)}: pass max_tokens")
         if len(ids) + new > self.context:
             raise RequestError(f"the prompt has {len(ids)} tokens and max_tokens is {new}: "
-                               f"{len(ids) + new} tokens do not fit the model's context of {self.context}")
+                               f"{len(ids) + new} tokens do not fit the model's context of {self.context}",
+                               param="prompt", code="context_length_exceeded")
         return ids, settings
 
-    def complete(self, request: CompletionRequest, cancel: threading.Event | None = None) -> Iterator[Delta]:
+    def complete(self, request: CompletionRequest, cancel: threading.Event | None = None,
+                 prepared: tuple[list[int], GenerationConfig] | None = None) -> Iterator[Delta]:
         """Text deltas of one completion (the last one carries finish_reason and token counts), decoded in
-        the shared batch. Stops early, with no final delta, once `cancel` is set."""
+        the shared batch; `prepared`: what prepare(request) gave, so a prompt is encoded once. Stops early, with
+        no final delta, once `cancel` is set. A delta never holds text that a stop string may still cut."""
         from archlab.serve.settings import processors_for
 
-        ids, settings = self._prepare(request)
+        ids, settings = prepared or self.prepare(request)
         job = _Job(ids, settings, cancel or threading.Event(), processors=processors_for(settings, len(ids)))
         if request.seed is not None:
             job.generator = torch.Generator(self.slots.pos.device).manual_seed(request.seed)
@@ -171,14 +185,29 @@ class Engine:
             with self._wake:
                 while not self._waiting and not self._active:
                     self._wake.wait()
-                free = [r for r in range(len(self.slots.length)) if r not in self._active]
-                joining = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-            for row, job in zip(free, joining):
-                self._guarded(job, self._prefill, row)
-            for job in [j for j in self._active.values() if j.cancel.is_set()]:
-                self._leave(job, None)
-            if self._active:
+            # the scheduler alone runs the model: while it has work, a hook-free model's modules are called
+            # straight into forward (archlab.nn.fused.direct_calls), as in generate's decode loop
+            with direct_calls(self.model):
+                while self._schedule():
+                    pass
+
+    def _schedule(self) -> bool:
+        """Admit waiting requests into free rows, drop cancelled ones, run one decode step; whether work is left."""
+        with self._wake:
+            free = [r for r in range(len(self.slots.length)) if r not in self._active]
+            joining = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        for row, job in zip(free, joining):
+            self._guarded(job, self._prefill, row)
+        for job in [j for j in self._active.values() if j.cancel.is_set()]:
+            self._leave(job, None)
+        if self._active:
+            try:
                 self._step()
+            except Exception as exc:  # a failed batched forward fails its rows; the scheduler lives on
+                for job in list(self._active.values()):
+                    self._leave(job, exc)
+        with self._wake:
+            return bool(self._waiting or self._active)
 
     def _guarded(self, job: _Job, fn, *args) -> None:
         try:
@@ -217,7 +246,8 @@ class Engine:
         from archlab.generation.sampling import SamplingParams, next_token
 
         cfg = job.settings
-        params = SamplingParams(temperature=cfg.temperature or 0.0, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+        temperature = cfg.temperature if (cfg.temperature or 0.0) >= GREEDY_BELOW else 0.0
+        params = SamplingParams(temperature=temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
         if self.vocab_limit is not None:      # a padded embedding: ids the tokenizer cannot decode never win
             logits = logits[:self.vocab_limit]
         scores = logits[None].float()                                                  # (1, v)
@@ -228,19 +258,22 @@ class Engine:
         if token in cfg.eos:
             return self._finish(job, "stop")
         job.new.append(token)
-        text = _continuation(self.tokenizer.decode(job.ids + job.new), job.head)
-        cut = _first_stop(text, list(cfg.stop_strings or ()))
+        stops = cfg.stop_strings or ()
+        job.text = _continuation(self.tokenizer.decode(job.ids + job.new), job.head)
+        cut = first_stop(job.text, stops)
         if cut is not None:
-            return self._finish(job, "stop", text[:cut])
+            job.text = job.text[:cut]
+            return self._finish(job, "stop")
         if len(job.new) >= (cfg.max_new_tokens or 0):
-            return self._finish(job, "length", text)
-        if not text.endswith("\ufffd"):                  # hold back a partly decoded character
-            job.out.put(Delta(text[len(job.sent):]))
-            job.sent = text
+            return self._finish(job, "length")
+        ready = job.text[:releasable(job.text, stops)]      # a tail that may still become a stop string waits
+        if len(ready) > len(job.sent):
+            job.out.put(Delta(ready[len(job.sent):]))
+            job.sent = ready
 
-    def _finish(self, job: _Job, reason: str, text: str | None = None) -> None:
-        text = job.sent if text is None else text
-        job.out.put(Delta(text[len(job.sent):], reason, len(job.ids), len(job.new)))
+    def _finish(self, job: _Job, reason: str) -> None:
+        """The last delta: all the text not yet sent (what was held back for a stop that never came)."""
+        job.out.put(Delta(job.text[len(job.sent):], reason, len(job.ids), len(job.new)))
         self._leave(job, "done")
 
     def _leave(self, job: _Job, why) -> None:
@@ -255,37 +288,34 @@ class Engine:
 
 _OTHER_COMMAND = {"encoder_decoder": ("an encoder-decoder", "archlab generate {path} --source TEXT"),
                   "encoder": ("an encoder (a masked LM)", "archlab fill-mask {path} TEXT")}
-_RANGES = {   # field -> (test, what it must be); None: not given
-    "max_tokens": (lambda v: v >= 1, "at least 1"), "temperature": (lambda v: 0 <= v <= 2, "in [0, 2]"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"), "top_k": (lambda v: v >= -1, "at least 1 (0 or -1: no top-k)"),
-    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"), "repetition_penalty": (lambda v: v > 0, "> 0"),
-}
 
 
 def _check(request: CompletionRequest) -> None:
-    for name, (ok, what) in _RANGES.items():
-        value = getattr(request, name)
+    for name, (ok, what) in RANGES.items():
+        value = getattr(request, name, None)
         if value is not None and not ok(value):
-            raise RequestError(f"{name}={value} must be {what}")
+            raise RequestError(f"{name}={value} must be {what}", param=name, code="invalid_value")
+    if any(not s for s in request.stop):
+        raise RequestError("stop strings must be non-empty", param="stop", code="invalid_value")
+
+
+def _check_vocabulary(model, tokenizer) -> None:
+    """A tokenizer with ids the model cannot embed would fail every prompt that holds one: refused at start."""
+    size, vocab = getattr(tokenizer, "vocab_size", None), model.config.vocab_size
+    if size is not None and size > vocab:
+        raise UserError(f"the tokenizer has {size} tokens but the model's vocabulary has {vocab}: ids {vocab}.."
+                        f"{size - 1} cannot be embedded (a tokenizer from another model?)")
 
 
 def _continuation(whole: str, head: str) -> str:
     return whole[len(head):] if whole.startswith(head) else whole
 
 
-def _first_stop(text: str, stops: list[str]) -> int | None:
-    found = [text.find(s) for s in stops if s and s in text]
-    return min(found) if found else None
-
-
-def _chat_template(folder: Path) -> str | None:
-    """The chat template of an HF tokenizer (tokenizer_config.json), if the folder has one."""
-    import json
-    for candidate in (folder / "tokenizer_config.json", folder / "tokenizer" / "tokenizer_config.json"):
-        if candidate.is_file():
-            try:
-                template = json.loads(candidate.read_text()).get("chat_template")
-            except (ValueError, AttributeError):
-                return None
-            return template if isinstance(template, str) else None
+def _chat_tokenizer(folder: Path, tokenizer) -> ChatTokenizer | None:
+    """The folder's chat template(s) and the special tokens they read (a run folder's tokenizer/, or an HF
+    folder itself: chat_template.jinja, or tokenizer_config.json's chat_template), if it has one."""
+    for tok_dir in (folder / "tokenizer", folder):
+        templates = read_chat_templates(tok_dir) if tok_dir.is_dir() else None
+        if templates:
+            return ChatTokenizer(tokenizer, templates, read_special_tokens(tok_dir))
     return None

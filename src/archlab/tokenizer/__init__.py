@@ -5,12 +5,16 @@ fallback), WordPiece and Unigram, all saved as an HF-style tokenizer.json folder
     tok = Tokenizer(vocab, merges, ["<|endoftext|>"])
     tok.save("out/tok"); tok = load("out/tok")       # also loads HF byte-level BPE tokenizer.json folders
 
+Chat templates (chat.py: `apply_chat_template`, rendered in a sandboxed worker process) and the built-in
+formats chatml, llama3 and plain (chat_builtin.py) live beside them.
+
 Any other HF tokenizer.json (SentencePiece-style: Llama 2, Gemma, Mistral) loads as an `HFTokenizer`
 wrapping the `tokenizers` library, when it is installed (archlab[hf]). Loading lives in loading.py alone.
 """
 from archlab.tokenizer.base import BaseTokenizer
 from archlab.tokenizer.bpe import Tokenizer
 from archlab.tokenizer.bpe_train import bpe_from_counts, c_backend_available, train_bpe
+from archlab.tokenizer.chat import apply_chat_template
 from archlab.tokenizer.hf_wrapper import HFTokenizer
 from archlab.tokenizer.loading import load
 from archlab.tokenizer.pretokenize import GPT2_PATTERN
@@ -21,6 +25,7 @@ load_tokenizer = from_pretrained = load   # older names of the one loader (loadi
 
 __all__ = [
     "BaseTokenizer", "GPT2_PATTERN", "HFTokenizer", "Tokenizer", "UnigramTokenizer", "WordPieceTokenizer",
+    "apply_chat_template",
     "bpe_from_counts", "c_backend_available", "from_pretrained", "load", "load_tokenizer",
     "train", "train_bpe", "train_unigram", "train_wordpiece",
 ]

@@ -69,6 +69,8 @@ class TrainConfig:
     mean_span: float | None = None         # their mean span length (None: T5's 3, BART's Poisson lambda 3.5)
     permute_sentences: bool = True         # text_infilling: BART's sentence permutation too
     prefix_fraction: float = 0.5           # continuation: the window's share given as context, the rest scored
+    document_masks: bool = False           # next_token: end-of-text ends a document; no token attends across,
+                                           # positions restart, the label across a boundary is ignored
     lora_r: int | None = None              # LoRA adapters of this rank (None: every parameter trains); the base frozen
     lora_alpha: float = 16.0               # the adapter's scale is alpha / r (alpha / sqrt(r) with lora_rslora)
     lora_dropout: float = 0.0              # dropout on the adapters' input

@@ -19,7 +19,7 @@ __all__ = ["train_flops_per_token", "matmul_peak_flops", "matmul_weight_shapes",
 
 def train_flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token = 3 x forward (backward is ~2x forward), the forward counted exactly by
-    archlab.models.accounting.flops_per_token (matmuls and attention; no 6N shortcut to hide a counting bug)."""
+    archlab.accounting.flops_per_token (matmuls and attention; no 6N shortcut to hide a counting bug)."""
     from archlab.models.accounting import flops_per_token
     return 3.0 * float(flops_per_token(model_cfg, seq_len))
 

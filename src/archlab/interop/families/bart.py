@@ -14,8 +14,9 @@ transformers: bias.head_buffer, loaded and saved, not counted). Each stack has i
 Positions: transformers counts them 0..t-1 whatever the padding; archlab counts them over each row's real
 tokens, so right-padded rows (what both tokenizers make) agree exactly, left-padded rows do not. Marian's
 sinusoid table is a function of the config: it is computed at load (checkpoints may lack it: transformers
-ignores it when missing) and not written by save_hf (transformers recomputes it). The tied copies
-`encoder.embed_tokens` / `decoder.embed_tokens` are ignored.
+ignores it when missing) and not written by save_hf (transformers recomputes it); a stored table is compared with
+it. The copies `encoder.embed_tokens` / `decoder.embed_tokens` of `shared` are dropped when equal to it; a copy that
+differs (transformers would use it) is refused, naming it.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import Family, HFConfig, Rule, register_family, rename
+from archlab.interop.families.base import Family, HFConfig, Rule, StoredCopy, register_family, rename
 from archlab.nn.position import sinusoid_table
 
 # transformers' activation_function (ACT2FN names) -> ours, and back
@@ -130,10 +131,21 @@ class _BartLike(Family):
         return hf
 
     def ignored_hf(self, cfg: ModelConfig) -> list[str]:
-        ignored = [r"model\.(encoder|decoder)\.embed_tokens\.weight"]     # tied copies of `shared`
+        return []
+
+    def stored_copies(self, cfg: ModelConfig) -> list[StoredCopy]:
+        """The head's copy (as every family), each stack's `embed_tokens` (tied to `shared` in transformers) and,
+        for Marian, each stack's sinusoid table (computed here; transformers loads a stored one)."""
+        copies = super().stored_copies(cfg) + [
+            StoredCopy(f"model.{side}.embed_tokens.weight", "model.shared.weight",
+                       why="archlab's encoder-decoder has one embedding for both stacks and a tied head")
+            for side in ("encoder", "decoder")]
         if self.sinusoidal:
-            ignored.append(r"model\.(encoder|decoder)\.embed_positions\.weight")   # computed (see table_rule)
-        return ignored
+            table = lambda: sinusoid_table(cfg.max_seq_len, cfg.d_model, "split")  # noqa: E731
+            copies += [StoredCopy(f"model.{side}.embed_positions.weight", compute=table,
+                                  why="archlab computes the sinusoids from config.json")
+                       for side in ("encoder", "decoder")]
+        return copies
 
     def _table_rule(self, cfg: ModelConfig, ours: str) -> Rule:
         """Marian's frozen sinusoid table from the config alone (nothing read, nothing written)."""

@@ -28,10 +28,14 @@ How to add a family (one file in this package, ~100 lines):
    the HF tensor names it comes from. `rename(ours, hf)` for 1:1 tensors, `transposed` for GPT-2's
    Conv1D, `fused(ours_list, hf, dim)` for one HF tensor split into several of ours (fused qkv,
    gate_up) -- the inverse (concatenation) is used when saving. Tensors that old checkpoints
-   store but that are not weights (rotary `inv_freq`, causal `masked_bias`) go in
-   `ignored_hf(cfg)` as regular expressions. With tied embeddings `lm_head.weight` is ignored
-   automatically. Tensors stored under a legacy name (BERT's `LayerNorm.gamma`) are renamed by
-   `hf_name(stored)` before matching.
+   store but that transformers does not load either (rotary `inv_freq`, causal `masked_bias`)
+   go in `ignored_hf(cfg)` as regular expressions. Tensors transformers ties to one that is read
+   (its `_tied_weights_keys`: a tied head, T5's and BART's per-stack embeddings, BERT's decoder)
+   or computes from the config (Marian's sinusoids) go in `stored_copies(cfg)` (a tied head's
+   copy is declared by default): the loader drops a stored copy only when it equals what is read,
+   and otherwise does what transformers does (a head of its own) or refuses naming it. Tensors
+   stored under a legacy name (BERT's `LayerNorm.gamma`) are renamed by `hf_name(stored)` before
+   matching.
 
    Encoder families (BERT) set `arch = "encoder"`: load_hf builds the model `cfg.arch` names
    (archlab.models.build_model) and save_hf only considers families of the model's arch.
@@ -48,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 import torch
 
@@ -83,6 +87,28 @@ class Rule:
     hf: tuple[str, ...]
     to_ours: Callable[[Tensors], Tensors] = _identity
     to_hf: Callable[[Tensors], Tensors] = _identity
+
+
+@dataclass(frozen=True)
+class StoredCopy:
+    """A checkpoint tensor `name` that this config does not read because it holds what another tensor holds:
+    the HF tensor `source` (a tie) or, with `source` None, the value `compute()` gives (a table the config
+    implies). The loader compares them; equal, the copy is dropped. Different, transformers uses the stored
+    tensor, and so does archlab by `on_difference`: "untie_head" (the config with `tie_embeddings` false reads
+    it as a head of its own), "read_copy" (the rule that reads `source` reads `name` in its place: the HF
+    forward applies the copy, the source is only what it is tied to), or "refuse" (one model tensor holds both:
+    a WeightsError names it)."""
+
+    name: str
+    source: str | None = None
+    compute: Callable[[], torch.Tensor] | None = None
+    on_difference: Literal["untie_head", "read_copy", "refuse"] = "refuse"
+    why: str = ""            # for "refuse": what archlab's model cannot hold apart
+
+
+def hf_names_of(rules: Sequence[Rule], ours: str) -> tuple[str, ...]:
+    """The HF tensors the rule filling our parameter `ours` reads (empty if no rule fills it)."""
+    return next((rule.hf for rule in rules if ours in rule.ours), ())
 
 
 def rename(ours: str, hf: str) -> Rule:
@@ -358,6 +384,8 @@ class Family:
     arch: str = "decoder"           # the ModelConfig.arch its configs have (BERT: "encoder")
     base_prefix: str = "model."     # prefix of the base model's tensors inside *ForCausalLM
     save_priority: int = 100        # lower wins when several families express a config exactly
+    config_unties = True            # tie_word_embeddings=false unties every copy in transformers, so save_hf
+                                    # writes each one (False: the HF config class ties them whatever it says)
 
     def to_config(self, hf: dict) -> ModelConfig:
         raise NotImplementedError
@@ -376,12 +404,6 @@ class Family:
             hf["max_position_embeddings"] = scaling.original_max_seq_len
         return hf
 
-    def with_checkpoint(self, cfg: ModelConfig, source: Any) -> ModelConfig:
-        """`cfg` revised by what the checkpoint's tensors say where its config.json cannot (T5: transformers 5
-        writes tie_word_embeddings=true for every T5 and unties a head stored apart from the embedding);
-        `source` answers names() and get(name). The config as is by default."""
-        return cfg
-
     def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
         raise NotImplementedError
 
@@ -391,8 +413,20 @@ class Family:
         return stored
 
     def ignored_hf(self, cfg: ModelConfig) -> list[str]:
-        """Regular expressions (full match) of HF tensor names that are not weights."""
+        """Regular expressions (full match) of HF tensor names that transformers does not load either
+        (buffers it recomputes, modules its class lacks)."""
         return [r".*rotary_emb\.inv_freq", r".*\.attn\.bias", r".*\.attn\.masked_bias"]
+
+    def stored_copies(self, cfg: ModelConfig) -> list[StoredCopy]:
+        """Checkpoint tensors `cfg` reads through another (see StoredCopy). By default a tied head's stored copy
+        of the embedding (`lm_head.weight` in most families), untied when it differs, as transformers does."""
+        if not cfg.tie_embeddings:
+            return []
+        head = hf_names_of(self.weight_rules(dataclasses.replace(cfg, tie_embeddings=False)), "lm_head.weight")
+        embed = hf_names_of(self.weight_rules(cfg), "embed.weight")
+        if len(head) != 1 or len(embed) != 1:
+            return []
+        return [StoredCopy(head[0], embed[0], on_difference="untie_head")]
 
     # ---- helpers for from_config -------------------------------------------------------------
     def base_hf(self, cfg: ModelConfig) -> dict:

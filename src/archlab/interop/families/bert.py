@@ -21,12 +21,13 @@ Checkpoint tensors read but not used: the `position_ids` / `token_type_ids` buff
 and otherwise the pooler (`bert.pooler.*`, `roberta.pooler.*`: BertModel checkpoints carry it) and the next-
 sentence head, so a bert-base-uncased checkpoint (its config.json says BertForMaskedLM; it stores both, and
 LayerNorm weights under their TF names `gamma` / `beta`) loads as its masked LM. With tied embeddings the
-decoder's stored copies (`cls.predictions.decoder.*`, `lm_head.decoder.*`) are ignored: the decoder is the
-embedding and its bias `cls.predictions.bias` / `lm_head.bias`. Untied (tie_word_embeddings=false),
-transformers 5 gives the decoder its own bias, which is the one applied: ours comes from (and goes to) the
-decoder's bias; the head's `bias`, unused by transformers 5's forward, is read past and written equal to it
-(its vocab_size entries are all that transformers counts beyond ours). A checkpoint without the MLM head
-(BertModel, a classifier) is refused: the error names the missing `cls.predictions.*` tensors.
+decoder is the embedding and its bias `cls.predictions.bias` / `lm_head.bias`; the decoder's stored copies
+(`cls.predictions.decoder.*`, `lm_head.decoder.*`) are dropped when equal, and otherwise used as transformers 5
+uses them: a decoder weight of its own unties the head, a decoder bias of its own is the bias applied. Untied
+(tie_word_embeddings=false), transformers 5 gives the decoder its own bias, which is the one applied: ours comes
+from (and goes to) the decoder's bias; the head's `bias`, unused by transformers 5's forward, is read past and
+written equal to it (its vocab_size entries are all that transformers counts beyond ours). A checkpoint without
+the MLM head (BertModel, a classifier) is refused: the error names the missing `cls.predictions.*` tensors.
 
 Not supported (ConfigError naming the field): `position_embedding_type` other than "absolute"
 (relative_key / relative_key_query), `is_decoder` / `add_cross_attention` (BERT as a decoder),
@@ -47,7 +48,7 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import Family, HFConfig, Rule, register_family, rename
+from archlab.interop.families.base import Family, HFConfig, Rule, StoredCopy, register_family, rename
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     plain_activation,
@@ -193,13 +194,22 @@ class _BertLike(Family):
         return rules
 
     def ignored_hf(self, cfg: ModelConfig) -> list[str]:
-        p, h = self.base_prefix.replace(".", r"\."), self.head.replace(".", r"\.")
+        p = self.base_prefix.replace(".", r"\.")
         ignored = [rf"{p}embeddings\.(position_ids|token_type_ids)"]
         if not cfg.nsp_head:
             ignored += [rf"{p}pooler\.dense\.(weight|bias)", r"cls\.seq_relationship\.(weight|bias)"]
-        if cfg.tie_embeddings:
-            ignored.append(rf"{h}decoder\.(weight|bias)")
         return ignored
+
+    def stored_copies(self, cfg: ModelConfig) -> list[StoredCopy]:
+        """Tied, transformers 5 ties the decoder to the embedding and its bias to the head's `bias`; a stored
+        decoder weight that differs is a head of its own, a stored decoder bias that differs is the bias its
+        forward adds (read in place of `bias`); an untied head without a stored decoder bias reads `bias`."""
+        p, h = self.base_prefix, self.head
+        bias = StoredCopy(f"{h}decoder.bias", f"{h}bias", on_difference="read_copy")
+        if not cfg.tie_embeddings:
+            return [bias]
+        return [StoredCopy(f"{h}decoder.weight", f"{p}embeddings.word_embeddings.weight", on_difference="untie_head"),
+                bias]
 
 
 @register_family

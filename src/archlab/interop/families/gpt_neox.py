@@ -168,4 +168,4 @@ class GPTNeoXFamily(Family):
 
     def ignored_hf(self, cfg: ModelConfig) -> list[str]:
         extra = [r".*attention\.(bias|masked_bias)"]
-        return super().ignored_hf(cfg) + extra + ([r"embed_out\.weight"] if cfg.tie_embeddings else [])
+        return super().ignored_hf(cfg) + extra

@@ -9,17 +9,13 @@ the up projection; "gated-gelu" means gelu_new, the tanh form), no rescale, a se
 
 Tying: transformers 5 builds every T5 tied and moved the rescale to `scale_decoder_outputs` (it writes
 `tie_word_embeddings: true` for all), untying the head at load time when the checkpoint holds an lm_head.weight
-different from shared.weight; `with_checkpoint` does the same. Configs written by transformers 4 say
-`tie_word_embeddings: false` for v1.1, which then also means no rescale. `save_hf` writes both fields.
-Old checkpoints also store the tied copies `encoder.embed_tokens` / `decoder.embed_tokens` and an unused
-cross-attention bias table; they are ignored.
+different from shared.weight; the loader does the same (Family.stored_copies). Configs written by transformers 4
+say `tie_word_embeddings: false` for v1.1, which then also means no rescale. `save_hf` writes both fields.
+Old checkpoints also store the copies `encoder.embed_tokens` / `decoder.embed_tokens`: dropped when equal to
+`shared`, refused when not (transformers would embed each stack's tokens with its own; archlab has one embedding),
+and a cross-attention bias table that transformers' class lacks (ignored).
 """
 from __future__ import annotations
-
-import dataclasses
-from typing import Any
-
-import torch
 
 from archlab.config import (
     Activation,
@@ -30,13 +26,14 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import Family, HFConfig, Rule, register_family, rename
+from archlab.interop.families.base import Family, HFConfig, Rule, StoredCopy, register_family, rename
 
 # transformers' dense_act_fn (ACT2FN names) -> our activation, plain and gated
 ACT: dict[str, Activation] = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                               "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
 GATED: dict[str, Activation] = {"relu": "reglu", "gelu": "geglu", "gelu_new": "geglu_tanh",
                                 "gelu_pytorch_tanh": "geglu_tanh", "silu": "swiglu", "swish": "swiglu"}
+ONE_EMBEDDING = "archlab's encoder-decoder has one embedding for both stacks and a tied head"
 ACT_BACK = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new", "silu": "silu",
             "reglu": "relu", "geglu": "gelu", "geglu_tanh": "gelu_new", "swiglu": "silu"}
 
@@ -48,6 +45,7 @@ class T5Family(Family):
     arch = "encoder_decoder"
     base_prefix = ""          # shared., encoder., decoder., lm_head. at the top level
     save_priority = 10
+    config_unties = False     # T5Config sets tie_word_embeddings=True for every T5
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
@@ -119,16 +117,14 @@ class T5Family(Family):
         )
         return hf
 
-    def with_checkpoint(self, cfg: ModelConfig, source: Any) -> ModelConfig:
-        names = set(source.names())
-        if cfg.tie_embeddings and {"lm_head.weight", "shared.weight"} <= names and not torch.equal(
-                source.get("lm_head.weight"), source.get("shared.weight")):
-            return dataclasses.replace(cfg, tie_embeddings=False)   # a head of its own (v1.1 checkpoints)
-        return cfg
-
     def ignored_hf(self, cfg: ModelConfig) -> list[str]:
-        return [r"(encoder|decoder)\.embed_tokens\.weight",   # tied copies of `shared`
-                r"decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight"]  # unused
+        return [r"decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight"]  # not in HF's class
+
+    def stored_copies(self, cfg: ModelConfig) -> list[StoredCopy]:
+        """The head's copy (as every family) and each stack's `embed_tokens`, tied to `shared` in transformers 5."""
+        stacks = [StoredCopy(f"{side}.embed_tokens.weight", "shared.weight", why=ONE_EMBEDDING)
+                  for side in ("encoder", "decoder")]
+        return super().stored_copies(cfg) + stacks
 
     def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
         rules = [rename("embed.weight", "shared.weight")]

@@ -108,3 +108,18 @@ def test_lora_settings_as_dotted_keys():
                                         "lora.rslora": "true"})
     assert (cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_rslora) == (8, 32.0, "all-linear", True)
     assert TrainConfig().lora_r is None
+
+
+def test_adapters_draw_from_the_run_seed_alone():
+    """Data-parallel ranks seed the global RNG by rank; the adapters must start equal on all of them."""
+    from archlab.training.lora import attach
+
+    def adapters(global_seed: int, run_seed: int):
+        model = archlab.build_model(archlab.presets.tiny("llama3-8b"))
+        torch.manual_seed(global_seed)
+        attach(model, TrainConfig(lora_r=2, seed=run_seed))
+        return {k: v for k, v in model.state_dict().items() if k.endswith("lora_A")}
+
+    a, b, c = adapters(0, 5), adapters(1, 5), adapters(0, 6)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)

@@ -77,7 +77,8 @@ def parse_targets(text: str) -> tuple[str, ...]:
 class LoRALinear(nn.Linear):
     """nn.Linear plus a rank-r update: base `weight` / `bias` (frozen) and `lora_A` (r, in), `lora_B` (out, r)."""
 
-    def __init__(self, base: nn.Linear, r: int, scaling: float, dropout: float = 0.0):
+    def __init__(self, base: nn.Linear, r: int, scaling: float, dropout: float = 0.0,
+                 generator: torch.Generator | None = None):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias          # the same Parameters: base keys unchanged
@@ -86,9 +87,10 @@ class LoRALinear(nn.Linear):
                 setattr(self, name, value)
         self.train(base.training)
         device, dtype = base.weight.device, base.weight.dtype
-        self.lora_A = nn.Parameter(torch.empty(r, self.in_features, device=device, dtype=dtype))
+        a = torch.empty(r, self.in_features)               # drawn on the CPU: one generator gives one A anywhere
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)   # PEFT's default (init_lora_weights=True)
+        self.lora_A = nn.Parameter(a.to(device=device, dtype=dtype))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device=device, dtype=dtype))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))   # PEFT's default (init_lora_weights=True)
         self.scaling = scaling
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
@@ -166,22 +168,23 @@ def select(model: nn.Module, targets: Iterable[str],
     return [p for p in paths if p in chosen]
 
 
-def apply_lora(model: nn.Module, cfg: LoRAConfig,
-               module_names: Callable[[str], Iterable[str]] | None = None) -> nn.Module:
+def apply_lora(model: nn.Module, cfg: LoRAConfig, module_names: Callable[[str], Iterable[str]] | None = None,
+               generator: torch.Generator | None = None) -> nn.Module:
     """Wrap the Linears `cfg.targets` name in LoRALinear (in place) and freeze every other parameter; returns the
-    model. The adapters' A draws from torch's global RNG (seed it for a reproducible init).
+    model. The adapters' A draws from `generator` (a CPU generator), else torch's global RNG.
     Example: apply_lora(model, LoRAConfig(r=8, alpha=16, targets=("q", "v")))"""
     if lora_modules(model):
         raise ConfigError("this model already carries LoRA adapters (merge_lora first to add another)")
     paths = select(model, cfg.targets, module_names)
     model.requires_grad_(False)
     for path in paths:
-        wrap(model, path, cfg.r, cfg.scaling, cfg.dropout)
+        wrap(model, path, cfg.r, cfg.scaling, cfg.dropout, generator)
     model.lora_config = cfg      # type: ignore[assignment]  # read by saving and merging
     return model
 
 
-def wrap(model: nn.Module, path: str, r: int, scaling: float, dropout: float = 0.0) -> LoRALinear:
+def wrap(model: nn.Module, path: str, r: int, scaling: float, dropout: float = 0.0,
+         generator: torch.Generator | None = None) -> LoRALinear:
     """Swap the nn.Linear at `path` for a LoRALinear around it (in place); returns it. For adapters whose ranks
     differ by module (a PEFT adapter's rank_pattern); `apply_lora` is the usual entry."""
     parent_path, _, name = path.rpartition(".")
@@ -189,7 +192,7 @@ def wrap(model: nn.Module, path: str, r: int, scaling: float, dropout: float = 0
     base = getattr(parent, name)
     if not isinstance(base, nn.Linear) or isinstance(base, LoRALinear):
         raise ConfigError(f"{path} is not a plain Linear: no adapter can wrap it")
-    adapted = LoRALinear(base, r, scaling, dropout)
+    adapted = LoRALinear(base, r, scaling, dropout, generator)
     setattr(parent, name, adapted)
     return adapted
 

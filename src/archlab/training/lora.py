@@ -35,7 +35,8 @@ def attach(model: nn.Module, cfg: TrainConfig) -> LoRAStep | None:
     settings = lora_config(cfg)
     if settings is None:
         return None
-    apply_lora(model, settings, module_names=hf_module_names(model))
+    # A from the run's seed alone: every data-parallel rank draws the same adapters, the global RNG untouched
+    apply_lora(model, settings, module_names=hf_module_names(model), generator=torch.Generator().manual_seed(cfg.seed))
     return LoRAStep(model)
 
 

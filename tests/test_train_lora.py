@@ -53,6 +53,11 @@ def test_lora_run_trains_adapters_only_and_reports_optimizer_memory(data_dir, tm
     assert record["optimizer_bytes"] == trainable * 4 * 2 + len(adapters) * 4   # exp_avg, exp_avg_sq, step
     assert record["optimizer_bytes"] * 10 < record["optimizer_bytes_full"]
     assert "LoRA: " in capsys.readouterr().err
+    # the plan's memory estimate counts gradients and optimizer state for the adapters alone
+    from archlab.training.lora import scale_memory
+    parts = scale_memory({"weights": 10**6, "grads": 10**6, "optimizer": 2 * 10**6}, _cfg(data_dir), cfg)
+    share = record["trainable_params"] / record["params"]
+    assert parts == {"weights": 10**6, "grads": int(10**6 * share), "optimizer": int(2 * 10**6 * share)}
 
 
 def test_lora_run_resumes_exactly(data_dir, tmp_path):

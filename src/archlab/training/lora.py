@@ -18,7 +18,7 @@ from archlab.interop.peft import hf_module_names
 from archlab.nn.lora import LoRAConfig, apply_lora, parse_targets, select
 from archlab.training.config import TrainConfig
 
-__all__ = ["lora_config", "attach", "check", "optimizer_bytes", "LoRAStep"]
+__all__ = ["lora_config", "attach", "check", "scale_memory", "optimizer_bytes", "LoRAStep"]
 
 
 def lora_config(cfg: TrainConfig) -> LoRAConfig | None:
@@ -51,6 +51,22 @@ def check(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
     with torch.device("meta"):
         model = build_model(model_cfg)
     select(model, settings.targets, hf_module_names(model))
+
+
+def scale_memory(parts: dict[str, int], model_cfg: ModelConfig, cfg: TrainConfig) -> dict[str, int]:
+    """accounting.training_memory's parts for a LoRA run: grads and optimizer state scaled to the adapters'
+    share of the parameters (counted on a meta model); the parts as they are without train.lora_r."""
+    settings = lora_config(cfg)
+    if settings is None or not {"grads", "optimizer"} <= set(parts):
+        return parts
+    from archlab.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+        apply_lora(model, settings, hf_module_names(model))
+    step = LoRAStep(model)
+    share = step.trainable / max(step.total, 1)
+    return {k: int(v * share) if k in ("grads", "optimizer") else v for k, v in parts.items()}
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:

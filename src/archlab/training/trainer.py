@@ -285,6 +285,7 @@ def memory_per_device(model_cfg: ModelConfig, cfg: TrainConfig, info) -> dict[st
 
     local_batch = max(1, cfg.batch_size // info.world_size)
     parts = training_memory(model_cfg, local_batch, cfg.seq_len, "bfloat16" if cfg.dtype == "bfloat16" else "float32")
+    parts = lora_stage.scale_memory(parts, model_cfg, cfg)          # LoRA: grads and optimizer for adapters only
     if info.strategy == "fsdp":
         parts = {k: v // info.world_size if k in ("weights", "grads", "optimizer") else v for k, v in parts.items()}
     return parts

@@ -128,3 +128,13 @@ def test_adapters_draw_from_the_run_seed_alone():
     a, b, c = adapters(0, 5), adapters(1, 5), adapters(0, 6)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_resume_with_other_lora_settings_is_refused_and_writes_nothing(data_dir, tmp_path):
+    cfg = TrainConfig(budget=2, **FAST)
+    train(_cfg(data_dir), cfg, data_dir, tmp_path / "run", progress=False)
+    before = (tmp_path / "run" / "config.yaml").read_bytes()
+    with pytest.raises(ConfigError, match=r"train.lora_r=8 differs from the run's 4"):
+        train(_cfg(data_dir), TrainConfig(budget=3, **{**FAST, "lora_r": 8}), data_dir, tmp_path / "run",
+              resume=True, progress=False)
+    assert (tmp_path / "run" / "config.yaml").read_bytes() == before

@@ -8,17 +8,18 @@ fine-tuning would keep at the same bytes per parameter; it is logged once to met
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from archlab.config import ModelConfig
+from archlab.config import ConfigError, ModelConfig
 from archlab.interop.peft import hf_module_names
 from archlab.nn.lora import LoRAConfig, apply_lora, parse_targets, select
 from archlab.training.config import TrainConfig
 
-__all__ = ["lora_config", "attach", "check", "scale_memory", "optimizer_bytes", "LoRAStep"]
+__all__ = ["lora_config", "attach", "check", "check_resume", "scale_memory", "optimizer_bytes", "LoRAStep"]
 
 
 def lora_config(cfg: TrainConfig) -> LoRAConfig | None:
@@ -51,6 +52,23 @@ def check(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
     with torch.device("meta"):
         model = build_model(model_cfg)
     select(model, settings.targets, hf_module_names(model))
+
+
+LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_rslora")
+
+
+def check_resume(run_dir: Path, cfg: TrainConfig) -> None:
+    """A resumed run keeps the adapters it began with: a LoRA setting that differs from the run's config.yaml is
+    a ConfigError naming it (the checkpoint's tensors would not fit)."""
+    from archlab.runs.checkpoint import read_run_config
+
+    recorded = read_run_config(run_dir).get("train") or {}
+    defaults = TrainConfig()
+    for name in LORA_FIELDS:
+        before, now = recorded.get(name, getattr(defaults, name)), getattr(cfg, name)
+        if before != now:
+            raise ConfigError(f"train.{name}={now!r} differs from the run's {before!r} ({run_dir}/config.yaml): "
+                              "a run resumes with the adapters it began with")
 
 
 def scale_memory(parts: dict[str, int], model_cfg: ModelConfig, cfg: TrainConfig) -> dict[str, int]:

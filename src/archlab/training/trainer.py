@@ -726,6 +726,7 @@ def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, re
                  "fingerprint": data_fingerprint(data_dir)}
     if latest is not None:
         check_resume_matches(run_dir, model_cfg, data_info, tok_src, allow_new_data)
+        lora_stage.check_resume(run_dir, cfg)
     ckpt_io.write_run_config(run_dir, model_cfg.to_dict(), cfg.to_dict(), data_info)
     if tok_src.is_dir() and not (run_dir / "tokenizer").exists():
         shutil.copytree(tok_src, run_dir / "tokenizer")

@@ -30,7 +30,7 @@ from torch import nn
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families import FAMILIES, Family, infer_family
 from archlab.interop.families.base import Rule, WeightsError, _identity
-from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, parse_targets, wrap
+from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, lora_scaling, parse_targets, wrap
 from archlab.runs.checkpoint import make_readable
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "PREFIX", "save_peft", "load_peft", "export_peft", "hf_module_names",
@@ -124,8 +124,8 @@ def hf_module_names(model: nn.Module) -> Callable[[str], list[str]]:
 
 # ---- saving ------------------------------------------------------------------------------------------
 def _scale_alpha(scaling: float, rank: int, rslora: bool) -> float:
-    """PEFT's lora_alpha giving `scaling` at `rank` (alpha / r, or alpha / sqrt(r) with rsLoRA)."""
-    return scaling * (math.sqrt(rank) if rslora else rank)
+    """PEFT's lora_alpha giving `scaling` at `rank` (the inverse of nn.lora.lora_scaling)."""
+    return scaling / lora_scaling(1.0, rank, rslora)
 
 
 def _slot_tensors(slot: Slot, adapted: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -299,7 +299,7 @@ def load_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
                                f"{tuple(b.shape)} do not fit its weight ({slot.out_features}, {n_in})")
         rank = int(_pattern(config.get("rank_pattern"), module, config["r"]))
         alpha = float(_pattern(config.get("alpha_pattern"), module, config["lora_alpha"]))
-        plan.append((slot, a, b, alpha / (math.sqrt(rank) if rslora else rank)))
+        plan.append((slot, a, b, lora_scaling(alpha, rank, rslora)))
     model.requires_grad_(False)
     for slot, a, b, scaling in plan:
         for path, rows in slot.members:

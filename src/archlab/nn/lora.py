@@ -28,7 +28,7 @@ from torch import nn
 from archlab.config import ConfigError
 
 __all__ = ["LoRAConfig", "LoRALinear", "ALIASES", "ALL_LINEAR", "apply_lora", "merge_lora", "lora_modules",
-           "lora_state", "adapter_names", "linear_paths", "select", "wrap", "parse_targets"]
+           "lora_state", "adapter_names", "linear_paths", "select", "wrap", "parse_targets", "lora_scaling"]
 
 ALIASES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
            "down": "down_proj"}
@@ -61,12 +61,17 @@ class LoRAConfig:
 
     @property
     def scaling(self) -> float:
-        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+        return lora_scaling(self.alpha, self.r, self.use_rslora)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["targets"] = list(self.targets)
         return d
+
+
+def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
+    """The update's scale: alpha / r (Hu et al. 2021), or alpha / sqrt(r) (rsLoRA)."""
+    return alpha / (math.sqrt(r) if rslora else r)
 
 
 def parse_targets(text: str) -> tuple[str, ...]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -403,7 +402,7 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = 
 def _adapters_for(model, state: dict, train: dict | None) -> None:
     """Wrap the Linears whose adapters `state` holds (`<path>.lora_A` / `.lora_B`, a LoRA run's checkpoint), at
     the rank their A has and the scale the run's train section (lora_alpha, lora_rslora) gives."""
-    from archlab.nn.lora import wrap
+    from archlab.nn.lora import lora_scaling, wrap
 
     paths = [name[: -len(".lora_A")] for name in state if name.endswith(".lora_A")]
     if not paths:
@@ -413,7 +412,7 @@ def _adapters_for(model, state: dict, train: dict | None) -> None:
     for path in paths:
         rank = int(state[f"{path}.lora_A"].shape[0])
         try:
-            wrap(model, path, rank, alpha / (math.sqrt(rank) if rslora else rank))
+            wrap(model, path, rank, lora_scaling(alpha, rank, rslora))
         except (AttributeError, ConfigError) as exc:
             raise CheckpointError(f"adapter {path}.lora_A names no Linear of the model in config.yaml") from exc
 

@@ -83,6 +83,21 @@ def test_training_starts_from_the_imported_weights(world, tmp_path, source, caps
     assert latest_checkpoint(out).name == "step_0000003"
 
 
+def test_lora_fine_tuning_starts_from_the_imported_weights(world, tmp_path):
+    """--init-from with train.lora: the adapters start at zero (the first loss is the source's own) and train
+    alone; the base weights in the checkpoint are the source's."""
+    from safetensors.torch import load_file
+    out = tmp_path / "lora"
+    assert main(["train", "--init-from", str(world / "hf"), "--data", str(world / "data"), "--out", str(out),
+                 "--set", "train.lora.r=4", "--set", "train.lora.targets=q,v", *TRAIN]) == 0
+    first = next(r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r)
+    assert first["loss"] == pytest.approx(_first_batch_loss_by_transformers(world / "hf", out), rel=1e-5)
+    state = load_file(latest_checkpoint(out) / "model.safetensors")
+    source = load_file(latest_checkpoint(world / "imported") / "model.safetensors")
+    assert any(".lora_B" in k and bool(v.abs().sum() > 0) for k, v in state.items())   # the adapters trained
+    assert all(torch.equal(state[k], v) for k, v in source.items())                  # the base did not move
+
+
 def test_fingerprint_is_over_what_encodes(world):
     """The HF folder (tokenizer.json beside tokenizer_config.json, config.json, ...) and the data folder's re-saved
     copy (tokenizer.json, vocab.json, merges.txt) are one tokenizer; the byte tokenizer is another."""

@@ -24,6 +24,7 @@ examples:
   archlab convert --from-hf hf:Qwen/Qwen2.5-0.5B@main --out runs/qwen    # a hub id (safetensors only)
   archlab convert --to-hf runs/my-run --out exported/my-run          # family inferred from the config
   archlab convert --to-hf runs/my-run --out exported/my-run --family mistral
+  archlab convert --to-peft runs/my-lora-run --out exported/my-adapter    # adapter_config.json + safetensors
 """
 
 VERIFY_EXAMPLE = """\
@@ -175,6 +176,10 @@ def run_convert(args: argparse.Namespace) -> int:
             out = convert_from_hf(args.from_hf, args.out, dtype=dtype, overwrite=args.overwrite)
             print(f"wrote run folder {out} (config.yaml, checkpoints/step_0000000"
                   + (", tokenizer/" if (out / "tokenizer").is_dir() else "") + ")")
+        elif args.to_peft:
+            from archlab.interop.peft import CONFIG_FILE, WEIGHTS_FILE, export_peft
+            out = export_peft(args.to_peft, args.out, family=args.family, overwrite=args.overwrite)
+            print(f"wrote PEFT adapter {out} ({CONFIG_FILE}, {WEIGHTS_FILE})")
         else:
             model_type = convert_to_hf(args.to_hf, args.out, family=args.family, overwrite=args.overwrite)
             print(f"wrote Hugging Face folder {args.out} (model_type {model_type!r})")
@@ -216,12 +221,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="HF_DIR", help="Hugging Face folder to import")
-    src.add_argument("--to-hf", metavar="RUN_DIR", help="archlab run folder to export (latest checkpoint)")
+    src.add_argument("--to-hf", metavar="RUN_DIR",
+                     help="archlab run folder to export (latest checkpoint; a LoRA run's adapters merged in)")
+    src.add_argument("--to-peft", metavar="RUN_DIR",
+                     help="a LoRA run's adapters (latest checkpoint) as a PEFT adapter folder for its base")
     c.add_argument("--out", required=True, metavar="DIR", help="folder to write (must be new or empty)")
     c.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out folder (atomically: a failure leaves the old one intact)")
     c.add_argument("--family", default=None, metavar="MODEL_TYPE",
-                   help="with --to-hf: HF model_type to write (default: inferred from the config)")
+                   help="with --to-hf / --to-peft: HF model_type to write (default: inferred from the config)")
     c.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="with --from-hf: weight dtype of the run (default: the checkpoint's)")
     c.set_defaults(func=run_convert)

@@ -24,9 +24,8 @@ from typing import cast
 import torch
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.errors import UserError
-from archlab.interop.families import FAMILIES, Family
-from archlab.interop.families.base import Rule, config_diff
+from archlab.interop.families import FAMILIES, Family, infer_family  # noqa: F401 - re-exported
+from archlab.interop.families.base import Rule, WeightsError, config_diff
 from archlab.interop.tokenizer_files import write_tokenizer_files  # noqa: F401 - convert calls it from here
 from archlab.models import build_model
 from archlab.models.decoder import TransformerLM
@@ -39,10 +38,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 HFModel = TransformerLM | EncoderLM | EncoderDecoderLM   # what load_hf builds (by the config's arch) and save_hf writes
-
-
-class WeightsError(UserError, ValueError):
-    """A checkpoint whose tensors do not match the family's mapping (missing, extra, wrong shape)."""
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -119,10 +114,11 @@ class SafetensorsFolder:
 
 # ---- loading -----------------------------------------------------------------------------------
 def load_hf(folder: str | Path, dtype: torch.dtype | None = torch.float32,
-            family: str | None = None) -> HFModel:
+            family: str | None = None, adapter: str | Path | None = None) -> HFModel:
     """HF folder -> the model its config's arch names (TransformerLM, EncoderLM for BERT and RoBERTa, or
     EncoderDecoderLM for T5) in eval mode (`.config` set). `dtype=None` keeps the checkpoint's dtype; `family`
-    overrides config.json's model_type."""
+    overrides config.json's model_type; `adapter`: a PEFT LoRA adapter folder for this base, loaded onto the
+    model (archlab.interop.peft; nn.lora.merge_lora folds it in)."""
     hf = read_hf_config(folder)
     fam = FAMILIES.get(family) if family else family_for(hf)
     cfg = fam.to_config(hf)
@@ -135,6 +131,9 @@ def load_hf(folder: str | Path, dtype: torch.dtype | None = torch.float32,
         model = cast(HFModel, build_model(cfg))
     load_our_state(model, {k: v.to(dtype) if v.is_floating_point() else v
                            for k, v in tensors.items()})
+    if adapter is not None:
+        from archlab.interop.peft import load_peft
+        load_peft(model, adapter, family=fam.model_type)
     return model.eval()
 
 
@@ -248,34 +247,6 @@ def _same_tensor(stored: torch.Tensor, expected: torch.Tensor, exact: bool) -> b
 
 
 # ---- saving ------------------------------------------------------------------------------------
-def infer_family(cfg: ModelConfig) -> Family:
-    """The HF family whose switches express `cfg` exactly (round trip equal on every architectural
-    field) among the families of `cfg.arch`; on failure the error names the mismatching switches
-    of the closest families."""
-    matches, near = [], []
-    for name in FAMILIES.names():
-        fam = FAMILIES.get(name)
-        if fam.arch != cfg.arch:
-            continue
-        try:
-            back = fam.to_config(fam.to_hf(cfg))
-        except NotImplementedError:
-            continue
-        except ConfigError as exc:
-            near.append((1.5, name, str(exc)))  # after configs one switch away
-            continue
-        diff = config_diff(cfg, back)
-        if diff:
-            near.append((len(diff), name, "differs in " + ", ".join(diff[:6])))
-        else:
-            matches.append(fam)
-    if matches:
-        return min(matches, key=lambda f: f.save_priority)
-    near.sort(key=lambda item: item[0])  # stable: registry order among equals
-    detail = "".join(f"\n  {n}: {why}" for _, n, why in near)
-    raise ConfigError(f"no Hugging Face family expresses this config exactly:{detail}")
-
-
 def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Family:
     """Write config.json + model.safetensors loadable by `transformers`; returns the family used.
     With `family` given, the round trip must still be exact (error naming the differing switch). An untied

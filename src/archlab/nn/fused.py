@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import weakref
-from typing import Any, Callable, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, cast
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 __all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed", "packed_linears",
-           "packed_matmul", "packed_split", "packed_groups", "packable", "decode_weights", "DecodeSession",
+           "packed_matmul", "packed_split", "packed_groups", "packable", "decode_weights", "DecodeSession", "matrix",
            "DECODE_ROWS", "direct_calls"]
 
 DECODE_ROWS = 32   # at most this many rows without gradients: the packed (decode) path of project/linear
@@ -171,11 +171,13 @@ _VERSION = operator.attrgetter("_version")
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # first Linear (or owner) -> {key: _Packed}
 
 
-def packed(owner: nn.Module, key: str, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> _Packed:
+def packed(owner: nn.Module, key: str, weights: list[torch.Tensor], biases: list[torch.Tensor],
+           sources: list[torch.Tensor] | None = None) -> _Packed:
     """`weights` (out_i, in) concatenated and transposed to (in, sum out_i), `biases` (all or none of
     them) concatenated; kept per `owner` and `key` across sessions, rebuilt when a tensor is replaced or
-    changed in place."""
-    sources = weights + biases
+    changed in place. `sources`: the tensors the weights are computed from, when they are not the weights
+    themselves (an adapted Linear's W + s B A is computed from W, A and B)."""
+    sources = (weights if sources is None else sources) + biases
     slot = _PACKED.get(owner)
     if slot is None:
         slot = _PACKED[owner] = {}
@@ -195,13 +197,39 @@ def packed_groups(x: torch.Tensor, *groups: tuple[nn.Linear, ...]) -> tuple[_Pac
     return tuple(pack for pack in packs if pack is not None) if None not in packs else None
 
 
+def matrix(lin: nn.Linear) -> torch.Tensor | None:
+    """The (out, in) matrix `lin(x)` multiplies by: its weight, or an adapted Linear's merged W + s B A
+    (nn/lora.LoRALinear.effective_weight); None when no single matrix is the layer (adapter dropout in
+    training): it must run as itself."""
+    effective = getattr(lin, "effective_weight", None)
+    return lin.weight if effective is None else effective()
+
+
+def _always() -> bool:
+    return True
+
+
+def _matrix_sources(lin: nn.Linear) -> list[torch.Tensor]:
+    sources = getattr(lin, "weight_sources", None)
+    return [lin.weight] if sources is None else sources()
+
+
 def packed_linears(linears: tuple[nn.Linear, ...]) -> _Packed | None:
-    """The packed weights of `linears` (None when some have a bias and some do not)."""
-    weights: list[torch.Tensor] = [lin.weight for lin in linears]
+    """The packed weights of `linears` (None when some have a bias and some do not, or one has no single matrix:
+    `matrix`)."""
     biases: list[torch.Tensor] = [lin.bias for lin in linears if lin.bias is not None]
-    if biases and len(biases) != len(weights):
+    if biases and len(biases) != len(linears):
         return None
-    return packed(linears[0], f"project{len(linears)}", weights, biases)
+    if not any(hasattr(lin, "effective_weight") for lin in linears):
+        return packed(linears[0], f"project{len(linears)}", [lin.weight for lin in linears], biases)
+    if not all(getattr(lin, "has_matrix", _always)() for lin in linears):
+        return None
+    sources = [t for lin in linears for t in _matrix_sources(lin)]
+    hit = _PACKED.get(linears[0], {}).get(f"project{len(linears)}")
+    if hit is not None and hit.fresh(sources + biases):   # adapters unchanged: no new W + s B A
+        return hit
+    weights = cast(list[torch.Tensor], [matrix(lin) for lin in linears])
+    return packed(linears[0], f"project{len(linears)}", weights, biases, sources)
 
 
 def packed_matmul(x: torch.Tensor, pack: _Packed) -> torch.Tensor:   # (..., in) -> (..., sum of outs)
@@ -236,8 +264,8 @@ def project(x: torch.Tensor, linears: tuple[nn.Linear, ...], session: DecodeSess
     if not (torch.is_autocast_enabled(x.device.type) and x.shape[:-1].numel() >= x.shape[-1]):
         return tuple(linear(x) for linear in linears)
     biases = [linear.bias for linear in linears]
-    if len({bias is None for bias in biases}) != 1:
-        return tuple(linear(x) for linear in linears)
+    if len({bias is None for bias in biases}) != 1 or any(hasattr(lin, "effective_weight") for lin in linears):
+        return tuple(linear(x) for linear in linears)                    # adapters run as themselves (dropout, grads)
     weight = torch.cat([linear.weight for linear in linears], dim=0)    # (sum of outs, d)
     bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
     out = F.linear(x, weight, bias)                                      # (..., sum of outs)

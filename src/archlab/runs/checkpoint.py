@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import yaml
 
-from archlab.config import ModelConfig
+from archlab.config import ConfigError, ModelConfig
 from archlab.errors import UserError
 from archlab.faults import fault_point
 from archlab.runs.lock import pid_alive
@@ -399,28 +399,53 @@ def read_run_config(run_dir: str | os.PathLike) -> dict:
 
 
 def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
-             device: str | torch.device = "cpu"):
+             device: str | torch.device = "cpu", *, merge_adapters: bool = True):
     """(model in eval mode with the latest (or given) checkpoint's weights, tokenizer or None): a TransformerLM,
     or the class the config's `arch` names (archlab.models.build_model). The weights file is verified first
-    (`verified_weights`: sha256 against meta.json, no link out of the run folder)."""
+    (`verified_weights`: sha256 against meta.json, no link out of the run folder). A LoRA run's adapters
+    (train.lora_r) are folded into the weights, or with merge_adapters=False kept as adapters (nn.lora.LoRALinear)."""
     run_dir = Path(run_dir)
-    cfg = ModelConfig.from_dict(read_run_config(run_dir)["model"])
+    run_cfg = read_run_config(run_dir)
+    cfg = ModelConfig.from_dict(run_cfg["model"])
     ckpt = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no checkpoint under {run_dir / CHECKPOINT_DIR}")
     state = verified_weights(ckpt, run_dir if checkpoint is None else None)
-    model = model_with_weights(cfg, state, ckpt / MODEL_FILE)
+    model = model_with_weights(cfg, state, ckpt / MODEL_FILE, train=run_cfg.get("train"))
+    if merge_adapters:
+        from archlab.nn.lora import merge_lora
+        merge_lora(model)
     model.to(device).eval()
     return model, load_run_tokenizer(run_dir)
 
 
-def model_with_weights(cfg: ModelConfig, state: dict, source: Path):
+def _adapters_for(model, state: dict, train: dict | None) -> None:
+    """Wrap the Linears whose adapters `state` holds (`<path>.lora_A` / `.lora_B`, a LoRA run's checkpoint), at
+    the rank their A has and the scale the run's train section (lora_alpha, lora_rslora) gives."""
+    from archlab.nn.lora import lora_scaling, wrap
+
+    paths = [name[: -len(".lora_A")] for name in state if name.endswith(".lora_A")]
+    if not paths:
+        return
+    train = train if isinstance(train, dict) else {}
+    alpha, rslora = float(train.get("lora_alpha", 16.0)), bool(train.get("lora_rslora", False))
+    for path in paths:
+        rank = int(state[f"{path}.lora_A"].shape[0])
+        try:
+            wrap(model, path, rank, lora_scaling(alpha, rank, rslora))
+        except (AttributeError, ConfigError) as exc:
+            raise CheckpointError(f"adapter {path}.lora_A names no Linear of the model in config.yaml") from exc
+
+
+def model_with_weights(cfg: ModelConfig, state: dict, source: Path, train: dict | None = None):
     """The model `cfg.arch` names (archlab.models.build_model) holding `state`, every parameter exactly once; a
-    mismatch is a CheckpointError naming `source`, the file the weights came from.
+    mismatch is a CheckpointError naming `source`, the file the weights came from. LoRA adapters in `state` are
+    put on their Linears (scaled by the run's `train` section).
     Example: model = model_with_weights(cfg, load_file(path), path)"""
     from archlab.models import build_model
 
     model = build_model(cfg)
+    _adapters_for(model, state, train)
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:

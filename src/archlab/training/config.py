@@ -15,7 +15,9 @@ from archlab.config import ConfigError, _check_literals, _parse_value
 __all__ = ["TrainConfig", "NO_DECAY_CATEGORIES"]
 
 NO_DECAY_CATEGORIES = ("norms", "biases", "embeddings")
-ALIASES = {"dist.strategy": "dist_strategy"}   # --set dist.strategy=fsdp, as torchrun users write it
+ALIASES = {"dist.strategy": "dist_strategy",   # --set dist.strategy=fsdp, as torchrun users write it
+           "lora.r": "lora_r", "lora.alpha": "lora_alpha", "lora.dropout": "lora_dropout",
+           "lora.targets": "lora_targets", "lora.rslora": "lora_rslora", "lora.use_rslora": "lora_rslora"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +71,11 @@ class TrainConfig:
     prefix_fraction: float = 0.5           # continuation: the window's share given as context, the rest scored
     document_masks: bool = False           # next_token: end-of-text ends a document; no token attends across,
                                            # positions restart, the label across a boundary is ignored
+    lora_r: int | None = None              # LoRA adapters of this rank (None: every parameter trains); the base frozen
+    lora_alpha: float = 16.0               # the adapter's scale is alpha / r (alpha / sqrt(r) with lora_rslora)
+    lora_dropout: float = 0.0              # dropout on the adapters' input
+    lora_targets: str = "q,v"              # comma list: q, k, v, o, gate, up, down, module names, HF names, all-linear
+    lora_rslora: bool = False              # rank-stabilised scaling (Kalajdzievski 2023)
 
     def __post_init__(self):
         if isinstance(self.betas, list):
@@ -99,6 +106,15 @@ class TrainConfig:
             raise ConfigError(f"train.betas={self.betas!r} must be two numbers in [0, 1)")
         if self.grad_clip is not None and self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip={self.grad_clip} must be >= 0 (or None)")
+        if self.lora_r is not None:
+            if self.lora_r < 1:
+                raise ConfigError(f"train.lora_r={self.lora_r} must be >= 1 (or None: no adapters)")
+            if not 0.0 <= self.lora_dropout < 1.0:
+                raise ConfigError(f"train.lora_dropout={self.lora_dropout} must be in [0, 1)")
+            if not 0 < self.lora_alpha < math.inf:
+                raise ConfigError(f"train.lora_alpha={self.lora_alpha} must be a positive number")
+            if not self.lora_targets.strip(" ,"):
+                raise ConfigError("train.lora_targets is empty: name Linears (q,v ...) or all-linear")
         parts = self.no_decay_set  # validates
         del parts
 

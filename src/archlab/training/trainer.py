@@ -46,6 +46,7 @@ from archlab.runs import checkpoint as ckpt_io
 from archlab.runs.lock import RunLock
 from archlab.runs.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
 from archlab.training import distributed as dist_util
+from archlab.training import lora as lora_stage
 from archlab.training.config import TrainConfig
 from archlab.training.init_from import InitSource
 from archlab.training.loglines import LogLines
@@ -197,6 +198,7 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_
     # (no sentinels, no sentence index, pairs too long) is an error that leaves nothing behind
     batches = TrainBatches(model_cfg, cfg, train_data, rank=info.rank, world_size=info.world_size)
     eval_objective = batches.objective_on(val_data) if can_eval else None
+    lora_stage.check(model_cfg, cfg)                   # LoRA targets this model lacks: refused before any write
     if cfg.memory_check:
         check_memory_fits(model_cfg, cfg, device, info)
     # 2. run folder: rank 0 locks and writes it, the others wait
@@ -221,8 +223,9 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
     # 4. resume, or start from another model's weights
     if latest is not None:
         run.resume_from(latest)
-    elif init_from is not None:
-        dist_util.load_full_model_state(run.model, init_from.state, info)
+    elif init_from is not None:   # the source's weights; LoRA adapters (train.lora) keep their fresh init
+        from archlab.nn.lora import lora_state
+        dist_util.load_full_model_state(run.model, {**lora_state(run.raw), **init_from.state}, info)
     # 5. the loop
     run.open_reporting(progress)
     try:
@@ -289,6 +292,7 @@ def memory_per_device(model_cfg: ModelConfig, cfg: TrainConfig, info) -> dict[st
 
     local_batch = max(1, cfg.batch_size // info.world_size)
     parts = training_memory(model_cfg, local_batch, cfg.seq_len, "bfloat16" if cfg.dtype == "bfloat16" else "float32")
+    parts = lora_stage.scale_memory(parts, model_cfg, cfg)          # LoRA: grads and optimizer for adapters only
     if info.strategy == "fsdp":
         parts = {k: v // info.world_size if k in ("weights", "grads", "optimizer") else v for k, v in parts.items()}
     return parts
@@ -377,6 +381,7 @@ class _Run:
 
         seed_everything(cfg.seed + info.rank)
         self.raw = build_model(model_cfg).to(device)        # TransformerLM, EncoderLM or EncoderDecoderLM by arch
+        self.lora = lora_stage.attach(self.raw, cfg)        # train.lora_r: adapters on, the base frozen (lora.py)
         # (inputs, labels) per micro-step (batches.TrainBatches): the objective's (train.objective) or the pairs',
         # a function of (seed, step, micro-batch, rank)
         self.batches, self.eval_objective = batches, eval_objective
@@ -503,6 +508,8 @@ class _Run:
                 self.stop_or_skip(stats)                # raises Diverged, or warns and moves on
                 continue
             self.last_train_loss = stats.ce
+            if self.lora is not None:
+                self.lora.after_step(self)                # once: the optimizer's memory, measured and printed
             if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                 self.log_step(stats, lr)
             if self.bar is not None:
@@ -733,6 +740,7 @@ def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, re
         raise ckpt_io.CheckpointError(_weights_only_message(run_dir, latest))
     if latest is not None:
         check_resume_matches(run_dir, model_cfg, data_info, tok_src, allow_new_data)
+        lora_stage.check_resume(run_dir, cfg)
         started_from = ckpt_io.read_run_config(run_dir).get("init_from")
     elif init_from is not None:
         init_from.check_model(model_cfg)

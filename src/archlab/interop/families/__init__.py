@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import importlib
 
+from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families.base import (  # noqa: F401  (re-exported for family modules)
     FAMILIES,
     Family,
     HFConfig,
     Rule,
+    WeightsError,
+    config_diff,
     fused,
     read_rope,
     register_family,
@@ -33,3 +36,31 @@ FAMILY_MODULES = [
 
 for _name in FAMILY_MODULES:
     importlib.import_module(f"{__name__}.{_name}")
+
+
+def infer_family(cfg: ModelConfig) -> Family:
+    """The HF family whose switches express `cfg` exactly (round trip equal on every architectural
+    field) among the families of `cfg.arch`; on failure the error names the mismatching switches
+    of the closest families."""
+    matches, near = [], []
+    for name in FAMILIES.names():
+        fam = FAMILIES.get(name)
+        if fam.arch != cfg.arch:
+            continue
+        try:
+            back = fam.to_config(fam.to_hf(cfg))
+        except NotImplementedError:
+            continue
+        except ConfigError as exc:
+            near.append((1.5, name, str(exc)))  # after configs one switch away
+            continue
+        diff = config_diff(cfg, back)
+        if diff:
+            near.append((len(diff), name, "differs in " + ", ".join(diff[:6])))
+        else:
+            matches.append(fam)
+    if matches:
+        return min(matches, key=lambda f: f.save_priority)
+    near.sort(key=lambda item: item[0])  # stable: registry order among equals
+    detail = "".join(f"\n  {n}: {why}" for _, n, why in near)
+    raise ConfigError(f"no Hugging Face family expresses this config exactly:{detail}")

@@ -63,7 +63,13 @@ from archlab.config import (
     PositionConfig,
     RopeScaling,
 )
+from archlab.errors import UserError
 from archlab.nn.registry import Registry
+
+
+class WeightsError(UserError, ValueError):
+    """A checkpoint whose tensors do not match the family's mapping (missing, extra, wrong shape)."""
+
 
 Tensors = list[torch.Tensor]
 

@@ -1,0 +1,313 @@
+"""LoRA adapters in PEFT's format: `adapter_config.json` + `adapter_model.safetensors`.
+
+PEFT names an adapter tensor after the HF module it wraps (`base_model.model.<module>.lora_A.weight`, (r, in);
+`lora_B.weight`, (out, r)). Those module names come from the same family rules that name the base weights
+(interop/families): the rule whose `ours` holds `blocks.0.attn.q_proj.weight` names the HF tensor
+`model.layers.0.self_attn.q_proj.weight`, so the adapter of our `blocks.0.attn.q_proj` is PEFT's adapter of
+`model.layers.0.self_attn.q_proj`. What a rule does to the weight's rows (a fused q/k/v split, a head
+reorder, GPT-2's Conv1D transpose) is read off by pushing an index tensor through it, and done to B's rows:
+  - one HF module = one Linear of ours: A and B as they are;
+  - one HF module = several of ours (GPT-2's c_attn = q, k, v): loading gives each of ours PEFT's A and its rows
+    of B (the same function); saving stacks our A's (rank r * n) and puts each B in its rows and its own
+    columns, with that module's rank and alpha in PEFT's `rank_pattern` / `alpha_pattern`, so PEFT computes
+    the same update.
+`save_peft(model, folder)` writes an adapted model's adapters; `load_peft(model, folder)` wraps a model loaded from
+the base's HF folder (`archlab.interop.load_hf(base, adapter=folder)`); `hf_module_names(model)` lets LoRA targets
+name a family's HF modules (q_proj, c_attn, query, SelfAttention.q, ...).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from archlab.config import ConfigError, ModelConfig
+from archlab.interop.families import FAMILIES, Family, infer_family
+from archlab.interop.families.base import Rule, WeightsError, _identity
+from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, lora_scaling, parse_targets, wrap
+from archlab.runs.checkpoint import make_readable
+
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "PREFIX", "save_peft", "load_peft", "export_peft", "hf_module_names",
+           "hf_slots"]
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PREFIX = "base_model.model."          # PeftModel -> LoraModel -> the HF model
+TASK_TYPES = {"decoder": "CAUSAL_LM", "encoder_decoder": "SEQ_2_SEQ_LM", "encoder": None}
+# adapter_config.json switches whose non-default values change the function: refused rather than ignored
+REFUSED = {"use_dora": False, "lora_bias": False, "bias": "none", "modules_to_save": None,
+           "trainable_token_indices": None, "target_parameters": None, "layer_replication": None,
+           "use_qalora": False, "alora_invocation_tokens": None}
+
+
+@dataclass
+class Slot:
+    """One HF module and the Linears of ours it holds: (our path, the HF output rows its weight comes from)."""
+
+    module: str
+    out_features: int
+    conv1d: bool                                   # HF stores the weight (in, out): PEFT's fan_in_fan_out
+    members: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def single(self) -> bool:
+        """One of ours, all of the HF rows in order: the adapter tensors pass unchanged."""
+        if len(self.members) != 1:
+            return False
+        rows = self.members[0][1]
+        return bool(torch.equal(rows, torch.arange(self.out_features)))
+
+
+def _row_map(rule: Rule, shapes: list[tuple[int, int]]) -> tuple[list[torch.Tensor], bool] | None:
+    """For each of the rule's `ours` (out_i, in): the HF output row each of its rows comes from, and whether HF
+    stores the matrix transposed; None when the rule is not a rearrangement of whole rows (no adapter maps)."""
+    n_in, n_out = shapes[0][1], sum(s[0] for s in shapes)
+    if any(s[1] != n_in for s in shapes):
+        return None
+    if rule.to_ours is _identity and len(shapes) == 1:       # a rename: the rows as they are, no probe
+        return [torch.arange(n_out)], False
+    index = (torch.arange(n_out, dtype=torch.float64)[:, None] * n_in
+             + torch.arange(n_in, dtype=torch.float64)[None])          # (out, in): o * in + i, exact in float64
+    for conv1d in (False, True):
+        probe = index.t().contiguous() if conv1d else index
+        try:
+            ours = rule.to_ours([probe])
+        except (ConfigError, RuntimeError, ValueError):
+            continue
+        if len(ours) != len(shapes) or any(tuple(t.shape) != s for t, s in zip(ours, shapes)):
+            continue
+        rows = [torch.div(t, n_in, rounding_mode="floor") for t in ours]
+        cols_ok = all(torch.equal(t - r * n_in, torch.arange(n_in, dtype=torch.float64).expand_as(t))
+                      for t, r in zip(ours, rows))
+        if cols_ok and all(bool((r == r[:, :1]).all()) for r in rows):
+            return [r[:, 0].long() for r in rows], conv1d
+    return None
+
+
+def hf_slots(model: nn.Module, fam: Family | None = None) -> dict[str, Slot]:
+    """Our Linear path -> the Slot of the HF module holding it, for every Linear a family rule names alone
+    (a rule from one HF `.weight` tensor whose rows it rearranges). `fam`: the config's family by default."""
+    cfg: ModelConfig = model.config                                   # type: ignore[assignment]
+    fam = fam or infer_family(cfg)
+    linears = {f"{p}.weight": p for p in linear_paths(model)}
+    shapes = {name: tuple(model.get_parameter(name).shape) for name in linears}
+    slots: dict[str, Slot] = {}
+    for rule in fam.weight_rules(cfg):
+        if len(rule.hf) != 1 or not rule.hf[0].endswith(".weight") or not all(o in linears for o in rule.ours):
+            continue
+        mapped = _row_map(rule, [shapes[o] for o in rule.ours])      # type: ignore[misc]
+        if mapped is None:
+            continue
+        rows, conv1d = mapped
+        slot = Slot(rule.hf[0][: -len(".weight")], sum(int(shapes[o][0]) for o in rule.ours), conv1d)
+        slot.members = [(linears[o], r) for o, r in zip(rule.ours, rows)]
+        for path, _ in slot.members:
+            slots[path] = slot
+    return slots
+
+
+def hf_module_names(model: nn.Module) -> Callable[[str], list[str]]:
+    """For nn.lora.apply_lora: the HF module name of each Linear of ours (none where no family expresses the
+    model's config), so targets may name the checkpoint family's modules (q_proj, c_attn, SelfAttention.q)."""
+    try:
+        slots = hf_slots(model)
+    except ConfigError:
+        slots = {}
+    return lambda path: [slots[path].module] if path in slots else []
+
+
+# ---- saving ------------------------------------------------------------------------------------------
+def _scale_alpha(scaling: float, rank: int, rslora: bool) -> float:
+    """PEFT's lora_alpha giving `scaling` at `rank` (the inverse of nn.lora.lora_scaling)."""
+    return scaling / lora_scaling(1.0, rank, rslora)
+
+
+def _slot_tensors(slot: Slot, adapted: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(A, B, scaling) of PEFT's adapter on `slot` from our adapters on its members (absent members: zero rows)."""
+    present = [(path, rows, adapted[path]) for path, rows in slot.members if path in adapted]
+    scalings = {m.scaling for _, _, m in present}
+    if len(scalings) != 1:
+        raise ConfigError(f"{slot.module}: its parts carry adapters of different scales; PEFT has one per module")
+    scaling = scalings.pop()
+    if slot.single:
+        m = present[0][2]
+        return m.lora_A.detach(), m.lora_B.detach(), scaling
+    first = present[0][2].lora_A.detach()
+    shared = len(present) == len(slot.members) and all(torch.equal(m.lora_A, first) for _, _, m in present)
+    ranks = [0 if shared else m.r for _, _, m in present]
+    a = first if shared else torch.cat([m.lora_A.detach() for _, _, m in present])       # (R, in)
+    b = torch.zeros(slot.out_features, a.shape[0], dtype=a.dtype)                        # (out, R)
+    col = 0
+    for (_, rows, m), rank in zip(present, ranks):
+        width = m.r if not shared else a.shape[0]
+        b[rows, col:col + width] = m.lora_B.detach()
+        col += rank
+    return a, b, scaling
+
+
+def save_peft(model: nn.Module, folder: str | Path, *, family: str | None = None, base_model: str | None = None,
+              overwrite: bool = False) -> Path:
+    """Write the model's LoRA adapters as PEFT does (`adapter_config.json`, `adapter_model.safetensors`), for the
+    HF family of its config (inferred unless `family`); `base_model`: written as base_model_name_or_path. An
+    existing non-empty folder is refused unless `overwrite` (replaced atomically)."""
+    from safetensors.torch import save_file
+
+    from archlab.runs.outputs import fresh_output, refuse_existing
+
+    adapted = lora_modules(model)
+    if not adapted:
+        raise ConfigError("this model carries no LoRA adapters to save")
+    refuse_existing(folder, overwrite)
+    cfg: ModelConfig = model.config                                   # type: ignore[assignment]
+    fam = FAMILIES.get(family) if family else infer_family(cfg)
+    first = next(iter(adapted.values()))
+    lora_cfg: LoRAConfig = getattr(model, "lora_config", None) or LoRAConfig(r=first.r, alpha=first.scaling * first.r)
+    slots = hf_slots(model, fam)
+    missing = [p for p in adapted if p not in slots]
+    if missing:
+        raise ConfigError(f"{fam.model_type}: no HF module holds {', '.join(missing[:4])} alone; "
+                          "PEFT cannot name its adapter")
+    tensors: dict[str, torch.Tensor] = {}
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    for slot in {id(slots[p]): slots[p] for p in adapted}.values():
+        a, b, scaling = _slot_tensors(slot, adapted)
+        tensors[f"{PREFIX}{slot.module}.lora_A.weight"] = a.contiguous().cpu()
+        tensors[f"{PREFIX}{slot.module}.lora_B.weight"] = b.contiguous().cpu()
+        rank = a.shape[0]
+        if rank != lora_cfg.r or not math.isclose(scaling, lora_cfg.scaling, rel_tol=1e-12):
+            ranks[slot.module] = rank
+            alphas[slot.module] = _scale_alpha(scaling, rank, lora_cfg.use_rslora)
+    modules = sorted({slots[p].module for p in adapted})
+    config = {
+        "peft_type": "LORA", "task_type": TASK_TYPES.get(cfg.arch), "base_model_name_or_path": base_model,
+        "r": lora_cfg.r, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
+        "use_rslora": lora_cfg.use_rslora, "target_modules": modules,
+        "fan_in_fan_out": any(slots[p].conv1d for p in adapted), "bias": "none", "inference_mode": True,
+        "init_lora_weights": True, "modules_to_save": None, "rank_pattern": ranks, "alpha_pattern": alphas,
+        "use_dora": False,
+    }
+    with fresh_output(Path(folder), overwrite=overwrite) as tmp:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        make_readable(tmp / WEIGHTS_FILE)
+    return Path(folder)
+
+
+def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = None, overwrite: bool = False) -> Path:
+    """A LoRA run folder's adapters (latest checkpoint) in PEFT's format, for the HF export of the run's base
+    (the model the run started from). A run without adapters is a UserError."""
+    from archlab.errors import UserError
+    from archlab.runs.checkpoint import load_run, read_run_config
+    from archlab.runs.outputs import refuse_existing
+
+    refuse_existing(out, overwrite)                 # before loading anything
+    model, _ = load_run(run_dir, merge_adapters=False)
+    if not lora_modules(model):
+        raise UserError(f"{run_dir} holds no LoRA adapters (train.lora_r was not set): export it with --to-hf")
+    train = read_run_config(run_dir).get("train") or {}
+    first = next(iter(lora_modules(model).values()))
+    model.lora_config = LoRAConfig(                                   # type: ignore[assignment]
+        r=int(train.get("lora_r") or first.r), alpha=float(train.get("lora_alpha", 16.0)),
+        dropout=float(train.get("lora_dropout", 0.0)), use_rslora=bool(train.get("lora_rslora", False)),
+        targets=parse_targets(str(train.get("lora_targets") or "all-linear")))
+    return save_peft(model, out, family=family, overwrite=overwrite)
+
+
+# ---- loading -----------------------------------------------------------------------------------------
+def read_adapter_config(folder: str | Path) -> dict:
+    """adapter_config.json as data, checked: a LoRA adapter whose switches archlab computes alike."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"{folder}: no {CONFIG_FILE} (is this a PEFT adapter folder?)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict) or data.get("peft_type") != "LORA":
+        raise ConfigError(f"{path}: peft_type {data.get('peft_type') if isinstance(data, dict) else None!r} "
+                          "is not LORA (archlab loads LoRA adapters)")
+    for key, default in REFUSED.items():
+        value = data.get(key, default)
+        if value not in (default, None, False, [], {}):
+            raise ConfigError(f"{path}: {key}={value!r} is not supported by archlab (needs {default!r})")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(data.get(key), (int, float)) or data[key] <= 0:
+            raise ConfigError(f"{path}: {key}={data.get(key)!r} must be a positive number")
+    return data
+
+
+def _pattern(patterns: dict | None, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key matching the module name's end."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _adapter_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """HF module -> {"A": (r, in), "B": (out, r)} from adapter_model.safetensors (read as data)."""
+    from safetensors.torch import load_file
+
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise WeightsError(f"{folder}: no {WEIGHTS_FILE}")
+    try:
+        stored = load_file(str(path))
+    except Exception as exc:   # safetensors raises its own types for truncated files
+        raise WeightsError(f"corrupt or unreadable adapter file {path}: {exc}") from exc
+    by_module: dict[str, dict[str, torch.Tensor]] = {}
+    pattern = re.compile(rf"{re.escape(PREFIX)}(.+)\.lora_([AB])(?:\.default)?\.weight")
+    for name, tensor in stored.items():
+        match = pattern.fullmatch(name)
+        if match is None:
+            raise WeightsError(f"{path}: tensor {name} is not a LoRA A or B matrix archlab can load")
+        by_module.setdefault(match[1], {})[match[2]] = tensor
+    for module, pair in by_module.items():
+        if set(pair) != {"A", "B"}:
+            raise WeightsError(f"{path}: {module} has lora_{'A' if 'A' not in pair else 'B'} missing")
+    return by_module
+
+
+def load_peft(model: nn.Module, folder: str | Path, *, family: str | None = None) -> nn.Module:
+    """Wrap `model` (built from the adapter's base, e.g. by load_hf) with the PEFT adapter in `folder`, in place:
+    its output equals PeftModel.from_pretrained(base, folder)'s. An adapter for another base (a module this
+    model lacks, a shape that differs) is a WeightsError naming it."""
+    folder = Path(folder)
+    config = read_adapter_config(folder)
+    tensors = _adapter_tensors(folder)
+    cfg: ModelConfig = model.config                                   # type: ignore[assignment]
+    fam = FAMILIES.get(family) if family else infer_family(cfg)
+    by_module: dict[str, Slot] = {slot.module: slot for slot in hf_slots(model, fam).values()}
+    rslora = bool(config.get("use_rslora", False))
+    dropout = float(config.get("lora_dropout") or 0.0)
+    plan = []
+    for module, pair in tensors.items():
+        slot = by_module.get(module)
+        if slot is None:
+            raise WeightsError(f"adapter for another base: {module} is not a Linear of this {fam.model_type} model")
+        a, b = pair["A"], pair["B"]
+        n_in = model.get_submodule(slot.members[0][0]).in_features
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != n_in or b.shape != (slot.out_features, a.shape[0]):
+            raise WeightsError(f"adapter for another base: {module} lora_A {tuple(a.shape)}, lora_B "
+                               f"{tuple(b.shape)} do not fit its weight ({slot.out_features}, {n_in})")
+        rank = int(_pattern(config.get("rank_pattern"), module, config["r"]))
+        alpha = float(_pattern(config.get("alpha_pattern"), module, config["lora_alpha"]))
+        plan.append((slot, a, b, lora_scaling(alpha, rank, rslora)))
+    model.requires_grad_(False)
+    for slot, a, b, scaling in plan:
+        for path, rows in slot.members:
+            adapted = wrap(model, path, a.shape[0], scaling, dropout)
+            with torch.no_grad():
+                adapted.lora_A.copy_(a)
+                adapted.lora_B.copy_(b[rows])
+    targets = sorted({slot.module.rsplit(".", 1)[-1] for slot, *_ in plan})
+    model.lora_config = LoRAConfig(r=int(config["r"]), alpha=float(config["lora_alpha"]), dropout=dropout,
+                                   targets=tuple(targets) or ("all-linear",), use_rslora=rslora)   # type: ignore
+    return model

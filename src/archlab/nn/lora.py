@@ -1,0 +1,229 @@
+"""LoRA: low-rank adapters on a model's Linears (Hu et al. 2021, arXiv 2106.09685).
+
+    y = W x + b + s * B (A dropout(x))       A (r, in), B (out, r), s = alpha / r (or alpha / sqrt(r): rsLoRA,
+                                             Kalajdzievski 2023, arXiv 2312.03732)
+
+`apply_lora(model, cfg)` swaps the targeted nn.Linear modules for `LoRALinear` in place and freezes every other
+parameter. A LoRALinear is an nn.Linear that keeps the base `weight` and `bias` under their own names (state-dict
+keys of the base are unchanged) and adds `lora_A` and `lora_B` beside them; A starts kaiming-uniform and B at zero,
+as PEFT's default, so a fresh adapter changes nothing. `merge_lora(model)` folds W += s * B A and puts plain
+Linears back. Decoding reads a Linear's matrix through `effective_weight()` (nn/fused packs the merged matrix), so
+a packed decode step multiplies by W + s B A, not by the base alone.
+
+Targets name Linears by archlab's short names (q, k, v, o, gate, up, down), by module names or dotted suffixes
+(`q_proj`, `attn.q_proj`, `cross_attn.v_proj`), or `all-linear` (every Linear but the LM head, as PEFT does);
+the interop layer adds the checkpoint family's HF names (`module_names`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archlab.config import ConfigError
+
+__all__ = ["LoRAConfig", "LoRALinear", "ALIASES", "ALL_LINEAR", "apply_lora", "merge_lora", "lora_modules",
+           "lora_state", "adapter_names", "linear_paths", "select", "wrap", "parse_targets", "lora_scaling"]
+
+ALIASES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+           "down": "down_proj"}
+ALL_LINEAR = "all-linear"
+HEAD_NAMES = ("lm_head",)          # the output layer all-linear leaves alone, as PEFT does
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """r: the rank; alpha: the scale's numerator; dropout on the adapter's input; targets: Linears by name (see
+    the module docstring); use_rslora: scale alpha / sqrt(r) instead of alpha / r."""
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "v")
+    use_rslora: bool = False
+
+    def __post_init__(self):
+        targets: object = self.targets
+        object.__setattr__(self, "targets", parse_targets(targets) if isinstance(targets, str) else tuple(self.targets))
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ConfigError(f"lora.r={self.r!r} must be an integer >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout={self.dropout!r} must be in [0, 1)")
+        if not self.targets:
+            raise ConfigError("lora.targets is empty: name Linears (q, v, ...) or all-linear")
+        if not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ConfigError(f"lora.alpha={self.alpha!r} must be a positive number")
+
+    @property
+    def scaling(self) -> float:
+        return lora_scaling(self.alpha, self.r, self.use_rslora)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["targets"] = list(self.targets)
+        return d
+
+
+def lora_scaling(alpha: float, r: int, rslora: bool = False) -> float:
+    """The update's scale: alpha / r (Hu et al. 2021), or alpha / sqrt(r) (rsLoRA)."""
+    return alpha / (math.sqrt(r) if rslora else r)
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """"q, v,down" -> ("q", "v", "down"): a comma list as the command line gives it."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+class LoRALinear(nn.Linear):
+    """nn.Linear plus a rank-r update: base `weight` / `bias` (frozen) and `lora_A` (r, in), `lora_B` (out, r)."""
+
+    def __init__(self, base: nn.Linear, r: int, scaling: float, dropout: float = 0.0,
+                 generator: torch.Generator | None = None):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias          # the same Parameters: base keys unchanged
+        for name, value in vars(base).items():                   # plain flags the init reads (is_residual_out)
+            if not name.startswith("_") and name not in ("in_features", "out_features", "training"):
+                setattr(self, name, value)
+        self.train(base.training)
+        device, dtype = base.weight.device, base.weight.dtype
+        a = torch.empty(r, self.in_features)               # drawn on the CPU: one generator gives one A anywhere
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)   # PEFT's default (init_lora_weights=True)
+        self.lora_A = nn.Parameter(a.to(device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, device=device, dtype=dtype))
+        self.scaling = scaling
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    @property
+    def r(self) -> int:
+        return self.lora_A.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:          # (..., in) -> (..., out)
+        update = F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B)   # (..., r) -> (..., out)
+        return F.linear(x, self.weight, self.bias) + update * self.scaling
+
+    def delta_weight(self) -> torch.Tensor:                       # (out, in)
+        return (self.lora_B @ self.lora_A) * self.scaling
+
+    def effective_weight(self) -> torch.Tensor | None:
+        """The matrix this layer multiplies by, W + s B A (nn/fused packs it for decoding); None while adapter
+        dropout is active (training mode), when no single matrix is the layer."""
+        if not self.has_matrix():
+            return None
+        with torch.no_grad():
+            return self.weight + self.delta_weight().to(self.weight.dtype)
+
+    def has_matrix(self) -> bool:
+        """Whether one matrix is the layer now (not while adapter dropout is active)."""
+        return not (self.training and isinstance(self.dropout, nn.Dropout))
+
+    def weight_sources(self) -> list[torch.Tensor]:
+        """The tensors effective_weight reads (a packed copy is rebuilt when one of them changes)."""
+        return [self.weight, self.lora_A, self.lora_B]
+
+    def merged(self) -> nn.Linear:
+        """A plain nn.Linear holding W + s B A (the base Parameter updated in place) and the base bias."""
+        out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        with torch.no_grad():
+            self.weight += self.delta_weight().to(self.weight.dtype)
+        out.weight, out.bias = self.weight, self.bias
+        for name, value in vars(self).items():
+            if not name.startswith("_") and name not in ("in_features", "out_features", "training", "scaling"):
+                setattr(out, name, value)
+        return out.train(self.training)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling:g}"
+
+
+def linear_paths(model: nn.Module) -> list[str]:
+    """Dotted paths of the model's nn.Linear modules that an adapter may wrap (the LM head excluded)."""
+    return [path for path, m in model.named_modules()
+            if isinstance(m, nn.Linear) and path.rsplit(".", 1)[-1] not in HEAD_NAMES]
+
+
+def _matches(target: str, names: Iterable[str]) -> bool:
+    """PEFT's rule for a list of target names: the module's name equals the target or ends with '.' + target."""
+    target = ALIASES.get(target, target)
+    return any(n == target or n.endswith("." + target) for n in names)
+
+
+def select(model: nn.Module, targets: Iterable[str],
+           module_names: Callable[[str], Iterable[str]] | None = None) -> list[str]:
+    """The Linear paths `targets` name (in model order); a target naming nothing is a ConfigError naming it.
+    module_names(path): other names the Linear at `path` answers to (the family's HF module paths)."""
+    paths = linear_paths(model)
+    names = {p: [p, *(module_names(p) if module_names else ())] for p in paths}
+    chosen: set[str] = set()
+    for target in targets:
+        if target == ALL_LINEAR:
+            chosen.update(paths)
+            continue
+        hits = [p for p in paths if _matches(target, names[p])]
+        if not hits:
+            short = sorted({p.rsplit(".", 1)[-1] for p in paths})
+            raise ConfigError(f"lora target {target!r} matches no Linear of this model "
+                              f"(its Linears: {', '.join(short)}; or all-linear)")
+        chosen.update(hits)
+    return [p for p in paths if p in chosen]
+
+
+def apply_lora(model: nn.Module, cfg: LoRAConfig, module_names: Callable[[str], Iterable[str]] | None = None,
+               generator: torch.Generator | None = None) -> nn.Module:
+    """Wrap the Linears `cfg.targets` name in LoRALinear (in place) and freeze every other parameter; returns the
+    model. The adapters' A draws from `generator` (a CPU generator), else torch's global RNG.
+    Example: apply_lora(model, LoRAConfig(r=8, alpha=16, targets=("q", "v")))"""
+    if lora_modules(model):
+        raise ConfigError("this model already carries LoRA adapters (merge_lora first to add another)")
+    paths = select(model, cfg.targets, module_names)
+    model.requires_grad_(False)
+    for path in paths:
+        wrap(model, path, cfg.r, cfg.scaling, cfg.dropout, generator)
+    model.lora_config = cfg      # type: ignore[assignment]  # read by saving and merging
+    return model
+
+
+def wrap(model: nn.Module, path: str, r: int, scaling: float, dropout: float = 0.0,
+         generator: torch.Generator | None = None) -> LoRALinear:
+    """Swap the nn.Linear at `path` for a LoRALinear around it (in place); returns it. For adapters whose ranks
+    differ by module (a PEFT adapter's rank_pattern); `apply_lora` is the usual entry."""
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    base = getattr(parent, name)
+    if not isinstance(base, nn.Linear) or isinstance(base, LoRALinear):
+        raise ConfigError(f"{path} is not a plain Linear: no adapter can wrap it")
+    adapted = LoRALinear(base, r, scaling, dropout, generator)
+    setattr(parent, name, adapted)
+    return adapted
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """Path -> LoRALinear, in model order."""
+    return {path: m for path, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """State-dict keys of the adapters' tensors (`...q_proj.lora_A`, `...q_proj.lora_B`)."""
+    return [f"{path}.{part}" for path in lora_modules(model) for part in ("lora_A", "lora_B")]
+
+
+def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' tensors by state-dict key (detached)."""
+    own = model.state_dict()
+    return {name: own[name].detach() for name in adapter_names(model)}
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (W += s B A) and put plain Linears back, in place; the logits are
+    the adapted model's. Parameters become trainable again, as in a freshly built model."""
+    for path, m in lora_modules(model).items():
+        parent_path, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), name, m.merged())
+    if hasattr(model, "lora_config"):
+        del model.lora_config
+    return model.requires_grad_(True)

@@ -1,0 +1,126 @@
+"""LoRA fine-tuning on the trainer: `train.lora_r` (with lora_alpha, lora_dropout, lora_targets, lora_rslora) puts
+adapters on the built model's Linears (nn/lora.py) before the optimizer is made, so only the adapters train and
+only they have optimizer state; checkpoints hold the base and the adapters (a resume restores both).
+
+After the first optimizer step the AdamW state is measured (its tensors' bytes) and printed beside what full
+fine-tuning would keep at the same bytes per parameter; it is logged once to metrics.jsonl (`optimizer_bytes`).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from archlab.config import ConfigError, ModelConfig
+from archlab.interop.peft import hf_module_names
+from archlab.nn.lora import LoRAConfig, apply_lora, parse_targets, select
+from archlab.training.config import TrainConfig
+
+__all__ = ["lora_config", "attach", "check", "check_resume", "scale_memory", "optimizer_bytes", "LoRAStep"]
+
+
+def lora_config(cfg: TrainConfig) -> LoRAConfig | None:
+    """The adapters the train config asks for (None: full training)."""
+    if cfg.lora_r is None:
+        return None
+    return LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                      targets=parse_targets(cfg.lora_targets), use_rslora=cfg.lora_rslora)
+
+
+def attach(model: nn.Module, cfg: TrainConfig) -> LoRAStep | None:
+    """Adapters on `model` as `cfg` asks (targets may use the model's HF family names), the base frozen; None
+    when train.lora_r is unset."""
+    settings = lora_config(cfg)
+    if settings is None:
+        return None
+    # A from the run's seed alone: every data-parallel rank draws the same adapters, the global RNG untouched
+    apply_lora(model, settings, module_names=hf_module_names(model), generator=torch.Generator().manual_seed(cfg.seed))
+    return LoRAStep(model)
+
+
+def check(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
+    """Raise ConfigError for train.lora_targets that name no Linear of this model, before anything is written
+    (checked on a model built on the meta device: no memory, no init)."""
+    settings = lora_config(cfg)
+    if settings is None:
+        return
+    from archlab.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    select(model, settings.targets, hf_module_names(model))
+
+
+LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_rslora")
+
+
+def check_resume(run_dir: Path, cfg: TrainConfig) -> None:
+    """A resumed run keeps the adapters it began with: a LoRA setting that differs from the run's config.yaml is
+    a ConfigError naming it (the checkpoint's tensors would not fit)."""
+    from archlab.runs.checkpoint import read_run_config
+
+    recorded = read_run_config(run_dir).get("train") or {}
+    defaults = TrainConfig()
+    for name in LORA_FIELDS:
+        before, now = recorded.get(name, getattr(defaults, name)), getattr(cfg, name)
+        if before != now:
+            raise ConfigError(f"train.{name}={now!r} differs from the run's {before!r} ({run_dir}/config.yaml): "
+                              "a run resumes with the adapters it began with")
+
+
+def scale_memory(parts: dict[str, int], model_cfg: ModelConfig, cfg: TrainConfig) -> dict[str, int]:
+    """accounting.training_memory's parts for a LoRA run: grads and optimizer state scaled to the adapters'
+    share of the parameters (counted on a meta model); the parts as they are without train.lora_r."""
+    settings = lora_config(cfg)
+    if settings is None or not {"grads", "optimizer"} <= set(parts):
+        return parts
+    from archlab.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+        apply_lora(model, settings, hf_module_names(model))
+    step = LoRAStep(model)
+    share = step.trainable / max(step.total, 1)
+    return {k: int(v * share) if k in ("grads", "optimizer") else v for k, v in parts.items()}
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors (AdamW: exp_avg, exp_avg_sq, step), as allocated now."""
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor))
+
+
+class LoRAStep:
+    """The trainer's LoRA stage: counts, and the optimizer's memory reported once after the first step."""
+
+    def __init__(self, model: nn.Module):
+        params = {id(p): p for p in model.parameters()}.values()
+        self.trainable = sum(p.numel() for p in params if p.requires_grad)
+        self.total = sum(p.numel() for p in params)
+        self.reported = False
+
+    def after_step(self, run: Any) -> None:
+        """Once per process, after its first optimizer step: measure the optimizer state, print it (rank 0, when
+        reporting) and log it at step 1."""
+        if self.reported:
+            return
+        self.reported = True
+        from archlab.units import human_bytes, human_count
+
+        measured = optimizer_bytes(run.optimizer)
+        per_param = measured / max(self.trainable, 1)
+        full = per_param * self.total
+        if run.step == 1:
+            run.log({"step": run.step, "optimizer_bytes": measured, "optimizer_bytes_full": int(full),
+                     "trainable_params": self.trainable, "params": self.total})
+        if run.info.is_main and (run.bar is not None or run.lines is not None):
+            line = (f"LoRA: {human_count(self.trainable)} trainable of {human_count(self.total)} parameters "
+                    f"({self.trainable / self.total:.2%}); optimizer state {human_bytes(measured)} measured "
+                    f"(full fine-tuning: {human_bytes(full)})")
+            if run.bar is not None:
+                run.bar.write(line, file=sys.stderr)
+            else:
+                print(line, file=sys.stderr)

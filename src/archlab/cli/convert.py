@@ -60,8 +60,9 @@ def convert_from_hf(hf_dir: str | Path, run_dir: str | Path, dtype: torch.dtype 
     """HF folder -> run folder (config.yaml, tokenizer/, checkpoints/step_0000000/). An existing non-empty
     run_dir is refused unless `overwrite`, which replaces it atomically (archlab.runs.outputs)."""
     from archlab.interop.hf import load_hf, read_hf_config
-    from archlab.runs.checkpoint import CHECKPOINT_DIR, save_checkpoint, write_run_config
+    from archlab.runs.checkpoint import CHECKPOINT_DIR, save_checkpoint
     from archlab.runs.hub import resolve_model
+    from archlab.runs.model_folder import write_run_config
     from archlab.runs.outputs import check_output, fresh_output
 
     run_dir = Path(run_dir)
@@ -108,7 +109,7 @@ def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None =
     tokenizer_files); returns the HF model_type used. An existing non-empty out_dir is replaced only with
     `overwrite` (atomically)."""
     from archlab.interop.hf import save_hf, write_tokenizer_files
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
     from archlab.runs.outputs import check_output, fresh_output
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
@@ -177,7 +178,8 @@ def run_convert(args: argparse.Namespace) -> int:
             print(f"wrote run folder {out} (config.yaml, checkpoints/step_0000000"
                   + (", tokenizer/" if (out / "tokenizer").is_dir() else "") + ")")
         elif args.to_peft:
-            from archlab.interop.peft import CONFIG_FILE, WEIGHTS_FILE, export_peft
+            from archlab.interop.peft import CONFIG_FILE, WEIGHTS_FILE
+            from archlab.runs.model_folder import export_peft
             out = export_peft(args.to_peft, args.out, family=args.family, overwrite=args.overwrite)
             print(f"wrote PEFT adapter {out} ({CONFIG_FILE}, {WEIGHTS_FILE})")
         else:

@@ -221,7 +221,7 @@ def run_eval(args) -> int:
     from archlab.data.tokens import TokenDataset
     from archlab.errors import DataError, UserError
     from archlab.eval.evaluate import evaluate
-    from archlab.runs.checkpoint import load_run, read_run_config
+    from archlab.runs.model_folder import load_run, read_run_config
 
     for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
         if value is not None and value < 1:

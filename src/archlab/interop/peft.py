@@ -30,10 +30,10 @@ from torch import nn
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families import FAMILIES, Family, infer_family
 from archlab.interop.families.base import Rule, WeightsError, _identity
-from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, lora_scaling, parse_targets, wrap
+from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, lora_scaling, wrap
 from archlab.runs.checkpoint import make_readable
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "PREFIX", "save_peft", "load_peft", "export_peft", "hf_module_names",
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "PREFIX", "save_peft", "load_peft", "hf_module_names",
            "hf_slots"]
 
 CONFIG_FILE = "adapter_config.json"
@@ -198,26 +198,6 @@ def save_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         make_readable(tmp / WEIGHTS_FILE)
     return Path(folder)
-
-
-def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = None, overwrite: bool = False) -> Path:
-    """A LoRA run folder's adapters (latest checkpoint) in PEFT's format, for the HF export of the run's base
-    (the model the run started from). A run without adapters is a UserError."""
-    from archlab.errors import UserError
-    from archlab.runs.checkpoint import load_run, read_run_config
-    from archlab.runs.outputs import refuse_existing
-
-    refuse_existing(out, overwrite)                 # before loading anything
-    model, _ = load_run(run_dir, merge_adapters=False)
-    if not lora_modules(model):
-        raise UserError(f"{run_dir} holds no LoRA adapters (train.lora_r was not set): export it with --to-hf")
-    train = read_run_config(run_dir).get("train") or {}
-    first = next(iter(lora_modules(model).values()))
-    model.lora_config = LoRAConfig(                                   # type: ignore[assignment]
-        r=int(train.get("lora_r") or first.r), alpha=float(train.get("lora_alpha", 16.0)),
-        dropout=float(train.get("lora_dropout", 0.0)), use_rslora=bool(train.get("lora_rslora", False)),
-        targets=parse_targets(str(train.get("lora_targets") or "all-linear")))
-    return save_peft(model, out, family=family, overwrite=overwrite)
 
 
 # ---- loading -----------------------------------------------------------------------------------------

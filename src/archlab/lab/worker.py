@@ -104,7 +104,7 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
 
     from archlab.data.tokens import TokenDataset, eval_batches
     from archlab.eval.evaluate import evaluate
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
 
     model, _ = load_run(run.run_dir)
     model.eval()

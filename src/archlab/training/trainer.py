@@ -43,6 +43,7 @@ from archlab.errors import UserError
 from archlab.eval.evaluate import autocast, evaluate, sample_ids
 from archlab.generation.stepper import vocab_limit
 from archlab.runs import checkpoint as ckpt_io
+from archlab.runs import model_folder
 from archlab.runs.lock import RunLock
 from archlab.runs.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
 from archlab.training import distributed as dist_util
@@ -438,7 +439,7 @@ class _Run:
         so that the bar starts at the resumed step and peak memory counts training only."""
         info = self.info
         if (info.is_main or info.strategy == "fsdp") and (self.data_dir / "tokenizer").is_dir():
-            self.tokenizer = ckpt_io.load_run_tokenizer(self.data_dir)
+            self.tokenizer = model_folder.load_run_tokenizer(self.data_dir)
         # one CPU process (data-parallel ranks on one machine would count as each other's load)
         self.cpu = CpuShare() if self.device.type == "cpu" and info.is_main and not info.enabled else None
         self.peak = matmul_peak_flops(self.device, self.cfg.dtype) if info.is_main else 0.0
@@ -741,14 +742,14 @@ def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, re
     if latest is not None:
         check_resume_matches(run_dir, model_cfg, data_info, tok_src, allow_new_data)
         lora_stage.check_resume(run_dir, cfg)
-        started_from = ckpt_io.read_run_config(run_dir).get("init_from")
+        started_from = model_folder.read_run_config(run_dir).get("init_from")
     elif init_from is not None:
         init_from.check_model(model_cfg)
         init_from.check_tokenizer(tok_src, data_dir)
         started_from = init_from.record()
     else:
         started_from = None
-    ckpt_io.write_run_config(run_dir, model_cfg.to_dict(), cfg.to_dict(), data_info, init_from=started_from)
+    model_folder.write_run_config(run_dir, model_cfg.to_dict(), cfg.to_dict(), data_info, init_from=started_from)
     if tok_src.is_dir() and not (run_dir / "tokenizer").exists():
         shutil.copytree(tok_src, run_dir / "tokenizer")
     if latest is None and metrics_path.exists():

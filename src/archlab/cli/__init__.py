@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     previous = warnings.formatwarning
     warnings.formatwarning = lambda message, *_, **__: f"{prog}: warning: {message}\n"
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()      # a reader that left early shows here, inside the error path
+        return status
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - the CLI's one error path (archlab.errors)

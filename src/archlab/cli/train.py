@@ -165,7 +165,7 @@ def run_train(args) -> int:
 
 def run_tasks(args) -> int:
     """`archlab eval RUN --tasks ...`: the harness's table (or its results as JSON)."""
-    from archlab.errors import UserError
+    from archlab.errors import UserError, is_network_error, one_line
     from archlab.runs.model_folder import load_model_and_tokenizer
 
     for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot)):
@@ -185,6 +185,12 @@ def run_tasks(args) -> int:
                       num_fewshot=args.num_fewshot, batch_size=args.batch_size or 8)
     except KeyError as exc:                  # the harness's "task not found"
         raise UserError(f"--tasks: {exc}") from exc
+    except Exception as exc:                 # datasets' ConnectionError, raised as the harness loads a task
+        if not is_network_error(exc):
+            raise
+        raise UserError(f"--tasks {','.join(tasks)}: the task's dataset needs the network: {one_line(exc)} "
+                        "(connect, or set HF_DATASETS_OFFLINE=1 with the dataset in the local Hugging Face "
+                        "cache, or give a local task with --include-path)") from exc
     if args.json:
         print(json.dumps(results["results"], default=str))
     else:

@@ -38,6 +38,16 @@ QKNorm = Literal["none", "per_head", "per_head_untied", "full"]
 SparsePattern = Literal["none", "strided", "fixed"]
 
 
+SEED_LIMIT = 2**63   # torch.manual_seed takes up to 2**64 - 1; below 2**63 leaves room for per-rank offsets
+
+
+def check_seed(name: str, seed: int) -> None:
+    """A seed every generator takes (torch, numpy, random): a whole number in [0, 2**63)."""
+    if not 0 <= seed < SEED_LIMIT:
+        raise ConfigError(f"{name}={seed:.4g} must be in [0, 2**63)" if abs(seed) >= 1e6 else
+                          f"{name}={seed} must be in [0, 2**63)")
+
+
 def _positive(owner: str, **values: float | int | None) -> None:
     for name, value in values.items():
         if value is not None and not value > 0:
@@ -443,6 +453,7 @@ class ModelConfig:
                   logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap)
         if self.z_loss < 0:
             raise ConfigError(f"z_loss={self.z_loss} must be >= 0")
+        check_seed("seed", self.seed)
         if self.type_vocab_size < 0:
             raise ConfigError(f"type_vocab_size={self.type_vocab_size} must be >= 0")
         if self.nsp_head and (self.arch != "encoder" or self.type_vocab_size < 2):

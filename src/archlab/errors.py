@@ -38,7 +38,8 @@ class UserError(Exception):
 # paths, read-only or full disks, a port in use, no network.
 _USER_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
                 errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ENOTEMPTY, errno.EADDRINUSE,
-                errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNREFUSED, errno.ENAMETOOLONG}
+                errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ECONNREFUSED, errno.ENAMETOOLONG, errno.EFBIG}
+_ERRNO_HINTS = {errno.EFBIG: "a file-size limit (ulimit -f) or the file system's largest file"}
 
 
 # Connection failures of the HTTP clients that datasets / huggingface_hub use, by class name so that
@@ -72,7 +73,8 @@ def one_line(exc: BaseException) -> str:
     """The message of `exc` on one line (an OSError names its file, a MemoryError says what to do)."""
     if isinstance(exc, OSError) and exc.strerror:
         where = f"{exc.filename}: " if exc.filename else ""
-        text = f"{where}{exc.strerror}"
+        hint = f" ({_ERRNO_HINTS[exc.errno]})" if exc.errno in _ERRNO_HINTS else ""
+        text = f"{where}{exc.strerror}{hint}"
     elif isinstance(exc, MemoryError):
         text = "out of memory" + (f": {exc}" if str(exc) else "") + " (try a smaller model, batch or seq_len)"
     else:

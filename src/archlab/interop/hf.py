@@ -102,7 +102,14 @@ class SafetensorsFolder:
         return list(self.files)
 
     def get(self, name: str) -> torch.Tensor:
-        return self._open(self.files[name]).get_tensor(name)
+        """The tensor `name`; a NaN or infinity in a floating-point tensor is a WeightsError naming it (such
+        weights load without a word and sample garbage)."""
+        tensor = self._open(self.files[name]).get_tensor(name)
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise WeightsError(f"{self.files[name]}: tensor {name} holds {bad:,} NaN or infinite value(s) of "
+                               f"{tensor.numel():,}; refusing weights that are not finite")
+        return tensor
 
 
 # ---- loading -----------------------------------------------------------------------------------

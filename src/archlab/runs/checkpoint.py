@@ -105,7 +105,13 @@ def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike) -> Non
     from safetensors.torch import save_file
 
     unique, aliases = _dedupe_aliases(state)
-    save_file(unique, str(path), metadata={"format": "pt", "aliases": json.dumps(aliases)})
+    try:
+        save_file(unique, str(path), metadata={"format": "pt", "aliases": json.dumps(aliases)})
+    except Exception as exc:  # safetensors reports a failed write as its own error, "... (os error 27)"
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from exc
     make_readable(path)
 
 
@@ -366,7 +372,9 @@ def model_with_weights(cfg: ModelConfig, state: dict, source: Path):
     mismatch is a CheckpointError naming `source`, the file the weights came from.
     Example: model = model_with_weights(cfg, load_file(path), path)"""
     from archlab.models import build_model
+    from archlab.models.accounting import check_weights_fit
 
+    check_weights_fit(cfg, what=f"the model in {CONFIG_FILE} (for {source})")
     model = build_model(cfg)
     try:
         model.load_state_dict(state)

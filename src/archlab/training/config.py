@@ -10,7 +10,7 @@ from typing import Any, Literal, get_type_hints
 
 import yaml
 
-from archlab.config import ConfigError, _check_literals, _parse_value
+from archlab.config import ConfigError, _check_literals, _parse_value, check_seed
 
 __all__ = ["TrainConfig", "NO_DECAY_CATEGORIES"]
 
@@ -97,6 +97,7 @@ class TrainConfig:
             raise ConfigError(f"train.betas={self.betas!r} must be two numbers in [0, 1)")
         if self.grad_clip is not None and self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip={self.grad_clip} must be >= 0 (or None)")
+        check_seed("train.seed", self.seed)
         parts = self.no_decay_set  # validates
         del parts
 

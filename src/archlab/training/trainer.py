@@ -39,9 +39,9 @@ import torch
 from archlab.config import ConfigError, ModelConfig
 from archlab.data.batches import tokens_processed
 from archlab.data.pairs import PairDataset
-from archlab.errors import UserError
 from archlab.eval.evaluate import autocast, evaluate, sample_ids
 from archlab.generation.stepper import vocab_limit
+from archlab.models.accounting import MemoryCheckError, available_memory
 from archlab.runs import checkpoint as ckpt_io
 from archlab.runs.lock import RunLock
 from archlab.runs.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
@@ -248,27 +248,6 @@ def _resolve_precision(cfg: TrainConfig, device: torch.device, info, run_dir: Pa
         (run_dir / PRECISION_FILE).write_text(json.dumps({"requested": cfg.dtype, "dtype": dtype,
                                                           "reason": reason}, indent=2) + "\n")
     return dataclasses.replace(cfg, dtype=dtype)
-
-
-class MemoryCheckError(UserError):
-    """The accounting's training-memory estimate exceeds the memory this device has free."""
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes free for a new run: CUDA's free memory, or the kernel's MemAvailable (None where unknown)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def memory_per_device(model_cfg: ModelConfig, cfg: TrainConfig, info) -> dict[str, int]:

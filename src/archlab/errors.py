@@ -18,11 +18,14 @@ archlab.errors.UserError: runs/x exists: pass --overwrite to replace it
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
 import sys
 import traceback
+import warnings
+from collections.abc import Iterator
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -80,6 +83,18 @@ def one_line(exc: BaseException) -> str:
     else:
         text = str(exc) or type(exc).__name__
     return " ".join(text.split())
+
+
+@contextlib.contextmanager
+def one_line_warnings(prog: str) -> Iterator[None]:
+    """Warnings print as `PROG: warning: message`, one line, without the source line Python adds (the CLI, and
+    a lab worker process, which the CLI's setting does not reach)."""
+    previous = warnings.formatwarning
+    warnings.formatwarning = lambda message, *_, **__: f"{prog}: warning: {message}\n"
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
 
 
 def debug_enabled() -> bool:

@@ -130,6 +130,9 @@ def cmd_train(args) -> int:
     out = Path(args.out)
     print(f"{args.kind} tokenizer with {tok.vocab_size} tokens saved to {out / 'tokenizer.json'} "
           f"({time.perf_counter() - start:.1f} s)")
+    if tok.vocab_size < args.vocab_size:
+        print(f"note: {tok.vocab_size:,} tokens, not the {args.vocab_size:,} asked for: the training text yields "
+              "no more (more text does)", file=sys.stderr)
     return 0
 
 

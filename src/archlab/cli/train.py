@@ -67,16 +67,12 @@ def register(subparsers) -> None:
 
 def resolve_preset(name: str):
     """A ModelConfig from a preset name: `NAME`, or `tiny:NAME` / `tiny-NAME` for archlab.models.presets.tiny."""
-    from archlab.config import ConfigError
     from archlab.models import presets
 
     for prefix in ("tiny:", "tiny-", "tiny/"):
         if name.startswith(prefix):
             return presets.tiny(name[len(prefix):])
-    try:
-        return presets.get(name)
-    except (KeyError, ValueError, ConfigError) as first:
-        raise ConfigError(f"unknown preset {name!r}: {first}") from first
+    return presets.get(name)       # an unknown name: ConfigError naming it, the closest and the known ones
 
 
 def parse_sets(pairs: list[str]) -> tuple[dict, dict]:
@@ -94,8 +90,27 @@ def parse_sets(pairs: list[str]) -> tuple[dict, dict]:
         elif key.startswith("dist."):          # dist.strategy=fsdp: train.dist_strategy's other spelling
             train[key] = value
         else:
-            model[key.removeprefix("model.")] = value
+            key = key.removeprefix("model.")
+            top = key.split(".")[0]
+            if top not in _model_fields() and top in _train_fields():
+                raise ConfigError(f"--set {pair}: {top!r} is a training setting, not a model field: "
+                                  f"--set train.{key}={value}")
+            model[key] = value
     return model, train
+
+
+def _model_fields() -> set[str]:
+    import dataclasses
+
+    from archlab.config import ModelConfig
+    return {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def _train_fields() -> set[str]:
+    import dataclasses
+
+    from archlab.training.config import TrainConfig
+    return {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 def build_configs(args):

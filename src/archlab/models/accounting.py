@@ -32,6 +32,12 @@ DTYPE_BYTES = {
 }
 
 
+def trains_in(dtype: Any) -> bool:
+    """Whether gradients and activations can be kept in `dtype`: the float formats of 2 bytes or more. int8,
+    int4 and fp8 are formats weights and caches are stored in; training computes in a wider float."""
+    return dtype_bytes(dtype) >= 2
+
+
 def dtype_bytes(dtype: Any) -> float:
     """Bytes per element for a dtype name ("bfloat16", "fp32", ...) or a torch.dtype."""
     itemsize = getattr(dtype, "itemsize", None)
@@ -396,6 +402,9 @@ def training_memory(cfg: ModelConfig, batch: int, seq_len: int, dtype: Any = "bf
         raise ConfigError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATES)}")
     if batch < 1 or seq_len < 1:
         raise ConfigError(f"batch={batch} and seq_len={seq_len} must be >= 1")
+    if not trains_in(dtype):
+        raise ConfigError(f"training memory in {dtype}: gradients and activations are not kept in {dtype} "
+                          "(a storage format for weights and caches); give the float dtype training computes in")
     p, nbytes = param_count(cfg), dtype_bytes(dtype)
     optimizer_bytes = p * 4 * OPTIMIZER_STATES[optimizer] + (p * 4 if nbytes < 4 else 0)
     tokens = batch * seq_len

@@ -287,6 +287,11 @@ def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
                           f"(archlab.training.trainer.fit_vocab does it)")
     if model_cfg.position.kind == "learned" and cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
+    if cfg.seq_len > model_cfg.max_seq_len:     # computed positions run past it; the model's context stays there
+        warnings.warn(f"train.seq_len={cfg.seq_len} is past max_seq_len={model_cfg.max_seq_len}: position.kind="
+                      f"{model_cfg.position.kind} trains on it, but generate, eval and export keep "
+                      f"{model_cfg.max_seq_len} as the model's context (set max_seq_len={cfg.seq_len} to match)",
+                      stacklevel=2)
     if cfg.batch_size % info.world_size:
         raise ConfigError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the "
                           f"world size {info.world_size}")

@@ -115,3 +115,13 @@ def test_binary_input_is_refused_naming_the_file(tmp_path, capsys):
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert "train.bin is binary (a NUL byte at offset 0)" in err
     assert not (tmp_path / "tok").exists()
+
+
+def test_a_vocabulary_the_text_cannot_fill_is_reported(tmp_path, capsys):
+    """`--vocab-size 1000000000` on a small text: as many tokens as the text yields, and a note saying so."""
+    (tmp_path / "a.txt").write_text(TEXT)
+    assert main(["tokenizer", "train", "--input", str(tmp_path / "a.txt"), "--vocab-size", "1000000000",
+                 "--no-progress", "--workers", "1", "--out", str(tmp_path / "tok")]) == 0
+    n = load(tmp_path / "tok").vocab_size
+    assert n < 1000
+    assert f"note: {n:,} tokens, not the 1,000,000,000 asked for" in capsys.readouterr().err

@@ -205,6 +205,8 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
     if info.enabled:
         torch.distributed.barrier()
     # 3. model, optimizer, sampler; config.yaml keeps dtype "auto", precision.json what it resolved to
+    if info.is_main:
+        _warn_past_context(model_cfg, cfg)            # said once every check has passed
     cfg = _resolve_precision(cfg, device, info, run_dir, resuming=latest is not None)
     run = _Run(model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval, batches,
                eval_objective)
@@ -278,6 +280,15 @@ def check_memory_fits(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.de
             "or --set train.memory_check=false to try anyway")
 
 
+def _warn_past_context(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
+    """Computed positions (RoPE, ALiBi, T5, ...) train past max_seq_len; the model's context stays there."""
+    if cfg.seq_len > model_cfg.max_seq_len:
+        warnings.warn(f"train.seq_len={cfg.seq_len} is past max_seq_len={model_cfg.max_seq_len}: position.kind="
+                      f"{model_cfg.position.kind} trains on it, but generate, eval and export keep "
+                      f"{model_cfg.max_seq_len} as the model's context (set max_seq_len={cfg.seq_len} to match)",
+                      stacklevel=4)
+
+
 def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
     """Raises ConfigError for settings this data cannot train. Returns whether the val split is long
     enough to evaluate (warning when it is not)."""
@@ -287,11 +298,6 @@ def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
                           f"(archlab.training.trainer.fit_vocab does it)")
     if model_cfg.position.kind == "learned" and cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
-    if cfg.seq_len > model_cfg.max_seq_len:     # computed positions run past it; the model's context stays there
-        warnings.warn(f"train.seq_len={cfg.seq_len} is past max_seq_len={model_cfg.max_seq_len}: position.kind="
-                      f"{model_cfg.position.kind} trains on it, but generate, eval and export keep "
-                      f"{model_cfg.max_seq_len} as the model's context (set max_seq_len={cfg.seq_len} to match)",
-                      stacklevel=2)
     if cfg.batch_size % info.world_size:
         raise ConfigError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the "
                           f"world size {info.world_size}")

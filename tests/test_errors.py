@@ -170,3 +170,40 @@ def test_a_closed_pipe_ends_quietly_with_141(argv, tmp_path):
         os.close(write_end)
     assert proc.returncode == 141, proc.stderr
     assert proc.stderr == ""
+
+
+# ---- a write that hits a file-size limit or a full disk --------------------------------------------
+def test_os_errors_of_raises_the_os_error_a_library_names_in_its_message():
+    from archlab.errors import os_errors_of
+
+    with pytest.raises(OSError) as info:
+        with os_errors_of("/out/model.safetensors"):
+            raise RuntimeError("Error while serializing: I/O error: File too large (os error 27)")
+    assert info.value.errno == errno.EFBIG and info.value.filename == "/out/model.safetensors"
+    assert is_user_error(info.value)
+    assert one_line(info.value) == ("/out/model.safetensors: File too large (a file-size limit (ulimit -f) or the "
+                                    "file system's largest file)")
+    with pytest.raises(RuntimeError, match="a bug"):       # anything else passes through untouched
+        with os_errors_of("/out/x"):
+            raise RuntimeError("a bug")
+
+
+def test_convert_under_a_file_size_limit_is_one_line_and_leaves_nothing(tmp_path):
+    """A real RLIMIT_FSIZE (Python ignores SIGXFSZ, so the write fails with EFBIG): safetensors' error becomes
+    the OSError, one line, exit 2, and the output folder is never created."""
+    import os
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = Path(__file__).parent / "fixtures" / "run_v1"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16_384, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    proc = subprocess.run([sys.executable, "-m", "archlab.cli", "convert", "--to-hf", str(run), "--out",
+                           str(tmp_path / "hf")], capture_output=True, text=True, preexec_fn=limit, timeout=120,
+                          env={**os.environ, "ARCHLAB_DEBUG": ""})
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "File too large (a file-size limit" in proc.stderr, proc.stderr
+    assert not (tmp_path / "hf").exists()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import socket
 import sys
 import traceback
@@ -83,6 +84,21 @@ def one_line(exc: BaseException) -> str:
     else:
         text = str(exc) or type(exc).__name__
     return " ".join(text.split())
+
+
+@contextlib.contextmanager
+def os_errors_of(path: str | os.PathLike) -> Iterator[None]:
+    """A library's failed write that names its OS error only in its message (safetensors: "... I/O error: File
+    too large (os error 27)") raised as that OSError on `path`, so a full disk or a file-size limit is one line."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), os.fspath(path)) from exc
 
 
 @contextlib.contextmanager

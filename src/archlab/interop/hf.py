@@ -20,7 +20,7 @@ from typing import cast
 import torch
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.errors import UserError
+from archlab.errors import UserError, os_errors_of
 from archlab.interop.families import FAMILIES, Family
 from archlab.interop.families.base import Rule, config_diff
 from archlab.interop.tokenizer_files import write_tokenizer_files  # noqa: F401 - convert calls it from here
@@ -259,7 +259,8 @@ def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Fa
     for stale in [*folder.glob("model-*-of-*.safetensors"), folder / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)     # an earlier sharded export would shadow the new single file
     (folder / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    with os_errors_of(folder / SINGLE_FILE):
+        save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
     make_readable(folder / SINGLE_FILE)
     return fam
 

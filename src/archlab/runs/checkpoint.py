@@ -40,7 +40,7 @@ import torch
 import yaml
 
 from archlab.config import ModelConfig
-from archlab.errors import UserError
+from archlab.errors import UserError, os_errors_of
 from archlab.faults import fault_point
 from archlab.runs.lock import pid_alive
 from archlab.runs.statefile import load_legacy_pickle, load_state, save_state
@@ -105,13 +105,8 @@ def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike) -> Non
     from safetensors.torch import save_file
 
     unique, aliases = _dedupe_aliases(state)
-    try:
+    with os_errors_of(path):
         save_file(unique, str(path), metadata={"format": "pt", "aliases": json.dumps(aliases)})
-    except Exception as exc:  # safetensors reports a failed write as its own error, "... (os error 27)"
-        code = re.search(r"os error (\d+)", str(exc))
-        if code is None:
-            raise
-        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from exc
     make_readable(path)
 
 

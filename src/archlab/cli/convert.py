@@ -9,6 +9,7 @@ reads: natively, or through the `tokenizers` library; otherwise put aside in tok
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shutil
 import sys
@@ -126,6 +127,20 @@ def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None =
     return fam.model_type
 
 
+def _no_hf_tokenizer(run_dir: Path) -> str:
+    """Why a run's HF export has no tokenizer.json, and what encodes text for it instead."""
+    byte_file = run_dir / "tokenizer" / "byte_tokenizer.json"
+    if byte_file.is_file():
+        try:
+            specials = json.loads(byte_file.read_text()).get("special_tokens") or {}
+        except (ValueError, AttributeError):
+            specials = {}
+        extra = "".join(f", {i} = {name}" for name, i in specials.items())
+        return (f"the run's tokenizer is archlab's byte tokenizer ({byte_file}), which has no Hugging Face file: "
+                f"encode text as its UTF-8 bytes (token id = byte value{extra})")
+    return f"the run has no tokenizer ({run_dir / 'tokenizer'} holds no tokenizer.json)"
+
+
 def compare_with_transformers(hf_dir: str | Path, seq_len: int = 32, batch: int = 2, seed: int = 0,
                               dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Logits of archlab.load_hf and transformers on the same random tokens:
@@ -163,10 +178,15 @@ def compare_with_transformers(hf_dir: str | Path, seq_len: int = 32, batch: int 
             a = ours(ids).float()
             b = (theirs(input_ids=ids) if encoder else theirs(input_ids=ids, use_cache=False)).logits.float()
     diff = (a - b).abs()
-    log_p, log_q = b.log_softmax(-1), a.log_softmax(-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
     return {"max_abs": float(diff.max()), "max_rel": float(diff.max() / b.abs().max()),
-            "mean_kl": float(kl)}
+            "mean_kl": mean_kl(b, a)}
+
+
+def mean_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """Mean over positions of KL(p || q) from logits (..., v). Each position's KL is clamped at 0: it is never
+    negative, and float rounding on near-identical logits gives -1e-8 otherwise."""
+    log_p, log_q = p_logits.float().log_softmax(-1), q_logits.float().log_softmax(-1)
+    return float((log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0).mean())      # (...,) -> scalar
 
 
 # ---- command entry points ------------------------------------------------------------------------
@@ -185,6 +205,8 @@ def run_convert(args: argparse.Namespace) -> int:
         else:
             model_type = convert_to_hf(args.to_hf, args.out, family=args.family, overwrite=args.overwrite)
             print(f"wrote Hugging Face folder {args.out} (model_type {model_type!r})")
+            if not (Path(args.out) / "tokenizer.json").is_file():
+                print(f"note: {args.out} holds no tokenizer: {_no_hf_tokenizer(Path(args.to_hf))}", file=sys.stderr)
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"archlab convert: error: {exc}", file=sys.stderr)
         return 2

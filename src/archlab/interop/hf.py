@@ -24,6 +24,7 @@ from typing import cast
 import torch
 
 from archlab.config import ConfigError, ModelConfig
+from archlab.errors import os_errors_of
 from archlab.interop.families import FAMILIES, Family, infer_family  # noqa: F401 - re-exported
 from archlab.interop.families.base import Rule, WeightsError, config_diff
 from archlab.interop.tokenizer_files import write_tokenizer_files  # noqa: F401 - convert calls it from here
@@ -109,7 +110,14 @@ class SafetensorsFolder:
         return list(self.files)
 
     def get(self, name: str) -> torch.Tensor:
-        return self._open(self.files[name]).get_tensor(name)
+        """The tensor `name`; a NaN or infinity in a floating-point tensor is a WeightsError naming it (such
+        weights load without a word and sample garbage)."""
+        tensor = self._open(self.files[name]).get_tensor(name)
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise WeightsError(f"{self.files[name]}: tensor {name} holds {bad:,} NaN or infinite value(s) of "
+                               f"{tensor.numel():,}; refusing weights that are not finite")
+        return tensor
 
 
 # ---- loading -----------------------------------------------------------------------------------
@@ -288,7 +296,8 @@ def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Fa
     for stale in [*folder.glob("model-*-of-*.safetensors"), folder / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)     # an earlier sharded export would shadow the new single file
     (folder / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    with os_errors_of(folder / SINGLE_FILE):
+        save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
     make_readable(folder / SINGLE_FILE)
     return fam
 

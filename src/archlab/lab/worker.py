@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from archlab.config import ModelConfig
+from archlab.errors import one_line_warnings
 from archlab.lab.plan import INTERRUPTED, PlannedRun, RunJob
 from archlab.lab.store import RunRecord
 from archlab.lab.suites import Suite
@@ -25,7 +26,8 @@ def run_job(job: RunJob) -> RunRecord:
     if job.threads:
         import torch
         torch.set_num_threads(int(job.threads))
-    return train_and_measure(job.suite, job.run, job.data, job.record, job.train_fn, job.measure)
+    with one_line_warnings(f"archlab ablate: {job.run.variant.name}/seed{job.run.seed}"):
+        return train_and_measure(job.suite, job.run, job.data, job.record, job.train_fn, job.measure)
 
 
 def train_and_measure(suite: Suite, run: PlannedRun, data: Path, record: RunRecord, train_fn: Callable | None,

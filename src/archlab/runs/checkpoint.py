@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from archlab.errors import UserError
+from archlab.errors import UserError, os_errors_of
 from archlab.faults import fault_point
 from archlab.runs.lock import pid_alive
 from archlab.runs.statefile import load_legacy_pickle, load_state, save_state
@@ -105,7 +105,8 @@ def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike) -> Non
     from safetensors.torch import save_file
 
     unique, aliases = _dedupe_aliases(state)
-    save_file(unique, str(path), metadata={"format": "pt", "aliases": json.dumps(aliases)})
+    with os_errors_of(path):
+        save_file(unique, str(path), metadata={"format": "pt", "aliases": json.dumps(aliases)})
     make_readable(path)
 
 

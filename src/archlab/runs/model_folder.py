@@ -227,7 +227,9 @@ def model_with_weights(cfg: ModelConfig, state: dict, source: Path, train: dict 
     put on their Linears (scaled by the run's `train` section).
     Example: model = model_with_weights(cfg, load_file(path), path)"""
     from archlab.models import build_model
+    from archlab.models.accounting import check_weights_fit
 
+    check_weights_fit(cfg, what=f"the model in {CONFIG_FILE} (for {source})")
     model = build_model(cfg)
     _adapters_for(model, state, train)
     try:

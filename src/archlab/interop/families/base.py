@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, Sequence
 
@@ -141,8 +142,14 @@ def fused(ours: Sequence[str], hf: str, sizes: Sequence[int], dim: int = 0,
     return Rule(tuple(ours), (hf,), split, cat)
 
 
+# Fields that count something (sizes, heads, layers, positions) by their HF names: they must be integers.
+_COUNT_FIELD = re.compile(r"(num_|n_).*|.*(_size|_dim|_layers|_heads|position_embeddings|_positions|_buckets|_distance)"
+                          r"|d_model|d_ff|d_kv|rotary_dim|sliding_window")
+
+
 class HFConfig:
-    """Read access to an HF config.json dict that names the family and field in every error."""
+    """Read access to an HF config.json dict that names the family and field in every error, and checks
+    the type of what it hands out: a count is an integer, a field with a numeric default a number."""
 
     def __init__(self, data: dict, model_type: str):
         self.data, self.model_type = data, model_type
@@ -152,12 +159,21 @@ class HFConfig:
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.data.get(key)
-        return default if value is None else value
+        return default if value is None else self._typed(key, value, default)
 
     def require(self, key: str) -> Any:
         if self.data.get(key) is None:
             raise ConfigError(f"{self.model_type} config.json lacks the required field {key!r}")
-        return self.data[key]
+        return self._typed(key, self.data[key])
+
+    def _typed(self, key: str, value: Any, default: Any = None) -> Any:
+        def number(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        if _COUNT_FIELD.fullmatch(key) and not (isinstance(value, int) and not isinstance(value, bool)):
+            raise self.error(f"field {key}={value!r} must be a whole number")
+        if number(default) and not number(value):
+            raise self.error(f"field {key}={value!r} must be a number")
+        return value
 
     def only(self, key: str, allowed: Iterable[Any], default: Any = None) -> Any:
         """The value of `key` (default if absent), which must be one of `allowed`."""

@@ -26,11 +26,13 @@ from pathlib import Path
 import torch
 
 from archlab.errors import UserError
+from archlab.generation.chat import end_of_turn_ids
 from archlab.generation.config import GenerationConfig
 from archlab.nn.fused import DecodeSession, direct_calls
+from archlab.runs.chat_folder import chat_tokenizer
 from archlab.serve.fields import RANGES, RequestError
 from archlab.serve.stops import first_stop, releasable
-from archlab.tokenizer.chat import ChatTokenizer, read_chat_templates, read_special_tokens
+from archlab.tokenizer.chat import ChatTokenizer
 
 __all__ = ["Engine", "CompletionRequest", "RequestError"]
 
@@ -51,6 +53,7 @@ class CompletionRequest:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    end_ids: tuple[int, ...] = ()          # ids that also end the answer: a chat turn's end-of-turn tokens
 
 
 @dataclass
@@ -106,6 +109,7 @@ class Engine:
         self._session: DecodeSession | None = None   # one per batch composition: renewed as jobs join or leave
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._end_of_turn: tuple[int, ...] | None = None
 
     @classmethod
     def from_folder(cls, path: str | Path, device: str = "cpu", max_batch: int = 8) -> Engine:
@@ -121,8 +125,15 @@ class Engine:
                             f"use `{_OTHER_COMMAND[arch][1].format(path=path)}`")
         model, tokenizer = load_model_and_tokenizer(resolved, device, purpose="serve", generation_config=True)
         folder = Path(str(path).split("@")[0])
-        return cls(model, tokenizer, folder.resolve().name, _chat_tokenizer(Path(resolved), tokenizer), max_batch,
+        return cls(model, tokenizer, folder.resolve().name, chat_tokenizer(Path(resolved), tokenizer), max_batch,
                    generation_config=getattr(model, "generation_config", None))
+
+    def end_of_turn(self) -> tuple[int, ...]:
+        """The ids the chat template writes after an assistant's text (archlab.generation.chat), found once:
+        a chat answer stops there, as `archlab chat` stops."""
+        if self._end_of_turn is None:
+            self._end_of_turn = tuple(end_of_turn_ids(self.chat)) if self.chat is not None else ()
+        return self._end_of_turn
 
     # ---- requests
     def encode(self, request: CompletionRequest) -> list[int]:
@@ -141,6 +152,8 @@ class Engine:
                                     temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                     min_p=request.min_p, repetition_penalty=request.repetition_penalty,
                                     stop=request.stop)
+        if request.end_ids:
+            settings = settings.merged(eos_token_id=tuple(dict.fromkeys([*settings.eos, *request.end_ids])))
         new = settings.max_new_tokens or 0
         if new < 1:
             raise RequestError(f"the model's generation_config.json max_length={settings.max_length} leaves no "
@@ -309,13 +322,3 @@ def _check_vocabulary(model, tokenizer) -> None:
 
 def _continuation(whole: str, head: str) -> str:
     return whole[len(head):] if whole.startswith(head) else whole
-
-
-def _chat_tokenizer(folder: Path, tokenizer) -> ChatTokenizer | None:
-    """The folder's chat template(s) and the special tokens they read (a run folder's tokenizer/, or an HF
-    folder itself: chat_template.jinja, or tokenizer_config.json's chat_template), if it has one."""
-    for tok_dir in (folder / "tokenizer", folder):
-        templates = read_chat_templates(tok_dir) if tok_dir.is_dir() else None
-        if templates:
-            return ChatTokenizer(tokenizer, templates, read_special_tokens(tok_dir))
-    return None

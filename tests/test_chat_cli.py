@@ -11,6 +11,7 @@ from chat_run import END, FIRST, make_chat_run, render
 from archlab.cli import main
 
 N = "12"
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -125,3 +125,20 @@ def test_help_shows_an_example(capsys):
         main(["chat", "--help"])
     out = capsys.readouterr().out
     assert "archlab chat runs/sft" in out and "/reset" in out
+
+
+def test_a_template_whose_tokens_the_model_lacks_is_one_line(tmp_path, capsys, monkeypatch):
+    """`archlab tokenizer chat-template` on a trained run's tokenizer adds ids past the model's vocabulary:
+    chat names the numbers instead of failing inside the embedding."""
+    import archlab
+    from archlab.runs.checkpoint import save_checkpoint, write_run_config
+    from archlab.tokenizer import Tokenizer
+
+    cfg = archlab.presets.tiny("llama2-7b").with_overrides({"vocab_size": 257, "max_seq_len": 64})
+    write_run_config(tmp_path, cfg.to_dict(), {}, {})
+    save_checkpoint(tmp_path / "checkpoints", 1, archlab.TransformerLM(cfg).state_dict(), {})
+    Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]).save(tmp_path / "tokenizer")
+    assert main(["tokenizer", "chat-template", str(tmp_path / "tokenizer"), "--format", "chatml"]) == 0
+    rc, out, err = chat(tmp_path, [FIRST], capsys, monkeypatch)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "the tokenizer has 259 tokens but the model's vocabulary has 257" in err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 EXAMPLE = """example:
   archlab tokenizer chat-template runs/sft/tokenizer --format chatml     # once, if the folder has no template
@@ -51,17 +52,24 @@ def run(args) -> int:
     from archlab.errors import UserError
     from archlab.runs.chat_folder import chat_tokenizer, has_chat_template, tokenizer_dir
     from archlab.runs.hub import resolve_model
-    from archlab.runs.model_folder import load_model_and_tokenizer
+    from archlab.runs.model_folder import check_vocabulary, folder_arch, load_model_and_tokenizer
 
     for name in ("num_beams", "sink_window", "sink_tokens", "no_repeat_ngram_size", "length_penalty",
                  "early_stopping", "stop"):
         setattr(args, name, None)        # generate's flags that chat does not take
     check_args(args)
     folder = resolve_model(args.path)
+    arch = folder_arch(folder)
+    if arch is None:                   # not a model folder: the loader names what is missing
+        load_model_and_tokenizer(folder, args.device, purpose="chat")
+    if arch != "decoder":
+        raise UserError(f"{args.path} holds a model with arch={arch}: archlab chat needs a decoder-only LM")
     if not has_chat_template(folder):
         raise UserError(f"{args.path} has no chat template: add one with `archlab tokenizer chat-template "
-                        f"{tokenizer_dir(args.path)} --format chatml` (or llama3, plain)")
+                        f"{tokenizer_dir(args.path if Path(args.path).is_dir() else folder)} --format chatml` "
+                        "(or llama3, plain)")
     model, tok = load_model_and_tokenizer(folder, args.device, purpose="chat", generation_config=True)
+    check_vocabulary(model, tok)
     chat = chat_tokenizer(folder, tok)
     assert chat is not None                     # has_chat_template said so
     session = _Session.start(args, model, chat)

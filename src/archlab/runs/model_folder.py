@@ -10,7 +10,7 @@ from pathlib import Path
 
 from archlab.errors import UserError
 
-__all__ = ["folder_arch", "load_masked_lm", "load_model_and_tokenizer"]
+__all__ = ["check_vocabulary", "folder_arch", "load_masked_lm", "load_model_and_tokenizer"]
 
 
 def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_tokenizer: bool = True,
@@ -112,6 +112,14 @@ def load_masked_lm(path: str | Path, device: str = "cpu"):
         model = load_hf(path).to(device).eval()
         return model, _with_post_processor(load_tokenizer(path), path)
     raise UserError(f"{path} is neither a run folder (config.yaml) nor an HF folder (config.json)")
+
+
+def check_vocabulary(model, tokenizer) -> None:
+    """A tokenizer with ids the model cannot embed would fail every prompt that holds one: refused before use."""
+    size, vocab = getattr(tokenizer, "vocab_size", None), model.config.vocab_size
+    if size is not None and size > vocab:
+        raise UserError(f"the tokenizer has {size} tokens but the model's vocabulary has {vocab}: ids {vocab}.."
+                        f"{size - 1} cannot be embedded (a tokenizer from another model?)")
 
 
 def folder_arch(path: Path) -> str | None:

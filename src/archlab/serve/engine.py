@@ -30,6 +30,7 @@ from archlab.generation.chat import end_of_turn_ids
 from archlab.generation.config import GenerationConfig
 from archlab.nn.fused import DecodeSession, direct_calls
 from archlab.runs.chat_folder import chat_tokenizer
+from archlab.runs.model_folder import check_vocabulary
 from archlab.serve.fields import RANGES, RequestError
 from archlab.serve.stops import first_stop, releasable
 from archlab.tokenizer.chat import ChatTokenizer
@@ -95,7 +96,7 @@ class Engine:
         # the template and the special tokens it reads (archlab.tokenizer.chat), or None: no chat endpoint
         self.chat = (chat_template if isinstance(chat_template, ChatTokenizer) or chat_template is None
                      else dataclasses.replace(ChatTokenizer.of(tokenizer), templates=chat_template))
-        _check_vocabulary(model, tokenizer)
+        check_vocabulary(model, tokenizer)
         self.vocab_limit = vocab_limit(model, tokenizer)
         self.context = model.config.max_seq_len
         self.defaults = defaults_for(generation_config, getattr(tokenizer, "eot_id", None),
@@ -310,14 +311,6 @@ def _check(request: CompletionRequest) -> None:
             raise RequestError(f"{name}={value} must be {what}", param=name, code="invalid_value")
     if any(not s for s in request.stop):
         raise RequestError("stop strings must be non-empty", param="stop", code="invalid_value")
-
-
-def _check_vocabulary(model, tokenizer) -> None:
-    """A tokenizer with ids the model cannot embed would fail every prompt that holds one: refused at start."""
-    size, vocab = getattr(tokenizer, "vocab_size", None), model.config.vocab_size
-    if size is not None and size > vocab:
-        raise UserError(f"the tokenizer has {size} tokens but the model's vocabulary has {vocab}: ids {vocab}.."
-                        f"{size - 1} cannot be embedded (a tokenizer from another model?)")
 
 
 def _continuation(whole: str, head: str) -> str:

@@ -142,3 +142,30 @@ def test_a_template_whose_tokens_the_model_lacks_is_one_line(tmp_path, capsys, m
     rc, out, err = chat(tmp_path, [FIRST], capsys, monkeypatch)
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert "the tokenizer has 259 tokens but the model's vocabulary has 257" in err
+
+
+def test_chat_on_the_hf_export_equals_transformers(chat_run, tmp_path, capsys, monkeypatch):
+    """The run exported as an HF folder (its template carried along): each answer equals transformers' greedy
+    generate on AutoTokenizer.apply_chat_template of the same history, stopped at <|im_end|> / end-of-text."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    root, _, _ = chat_run
+    assert main(["convert", "--to-hf", str(root), "--out", str(tmp_path / "hf")]) == 0
+    users = [FIRST, "and then?", "one more"]
+    rc, out, _ = chat(tmp_path / "hf", users, capsys, monkeypatch)
+    assert rc == 0
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ends = [tok.convert_tokens_to_ids(END), tok.convert_tokens_to_ids("<|endoftext|>")]
+    history, answers = [], []
+    for user in users:
+        history.append({"role": "user", "content": user})
+        ids = tok.apply_chat_template(history, add_generation_prompt=True, return_dict=True,
+                                      return_tensors="pt")["input_ids"]                   # (1, t)
+        with torch.no_grad():
+            new = model.generate(ids, max_new_tokens=int(N), do_sample=False, eos_token_id=ends,
+                                 pad_token_id=ends[1])[0, ids.shape[1]:].tolist()
+        answers.append(tok.decode([t for t in new if t not in ends]))
+        history.append({"role": "assistant", "content": answers[-1]})
+    assert out == printed(answers)

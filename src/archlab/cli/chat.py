@@ -109,12 +109,9 @@ class _Session:
 
     def loop(self, lines) -> int:
         """Read user turns until /exit or the end of input; 2 if any turn was refused, else 0."""
-        interactive = lines.isatty()
+        read = _prompted if lines.isatty() else lines.readline
         while True:
-            if interactive:
-                sys.stdout.write("> ")
-                sys.stdout.flush()
-            line = lines.readline()
+            line = read()
             if not line:
                 break
             text = line.rstrip("\n")
@@ -159,6 +156,19 @@ class _Session:
             pass
         printer.finish()
         self.convo.answer(printer.text())
+
+
+def _prompted() -> str:
+    """One line typed at a `> ` prompt (line editing and history where readline exists); "" at Ctrl-D."""
+    try:
+        import readline  # noqa: F401 - input() edits lines through it once imported
+    except ImportError:
+        pass
+    try:
+        return input("> ") + "\n"
+    except EOFError:
+        print()
+        return ""
 
 
 def _note(message: str) -> None:

@@ -92,18 +92,20 @@ class _Session:
         from archlab.cli.generate import _settings
         from archlab.errors import UserError
         from archlab.generation import GenerationConfig
-        from archlab.generation.chat import Conversation, end_of_turn_ids
+        from archlab.generation.chat import Conversation, end_of_turn_ids, stopping_at
         from archlab.generation.stepper import vocab_limit
 
         folder = getattr(model, "generation_config", None) or GenerationConfig()
         cfg = _settings(folder, args, getattr(chat.tokenizer, "eot_id", None))
-        cfg = dataclasses.replace(cfg, num_beams=None, length_penalty=None, early_stopping=None,
-                                  eos_token_id=tuple(dict.fromkeys([*cfg.eos, *end_of_turn_ids(chat)])))
+        cfg = dataclasses.replace(cfg, num_beams=None, length_penalty=None, early_stopping=None)  # one answer
+        cfg = stopping_at(cfg, end_of_turn_ids(chat))
         context = model.config.max_seq_len
         reserve = cfg.max_new_tokens if cfg.max_new_tokens is not None else 1    # else max_length bounds it
         if reserve >= context:
-            raise UserError(f"--max-new-tokens {reserve} leaves no room for a prompt in the model's context of "
-                            f"{context} tokens: use at most {context - 1}")
+            named = "--max-new-tokens" if args.max_new_tokens is not None else \
+                "the folder's generation_config.json max_new_tokens"
+            raise UserError(f"{named} {reserve} leaves no room for a prompt in the model's context of "
+                            f"{context} tokens: use --max-new-tokens {context // 4} (at most {context - 1})")
         convo = Conversation(chat, context=context, reserve=reserve, system=args.system)
         return cls(model, convo, cfg, args.seed, vocab_limit(model, chat.tokenizer))
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from archlab.errors import UserError
+from archlab.generation.config import GenerationConfig
 from archlab.tokenizer.chat import ChatTemplateError, ChatTokenizer, apply_chat_template
 
-__all__ = ["Conversation", "end_of_turn_ids", "ContextFull"]
+__all__ = ["Conversation", "ContextFull", "end_of_turn_ids", "stopping_at"]
 
 _PROBE = "\u2063archlab-probe\u2063"        # text no template changes, found again in the rendered output
 
@@ -43,6 +44,13 @@ def end_of_turn_ids(chat: ChatTokenizer) -> list[int]:
     # the longest special token the text after the answer starts with (one token is an end of turn)
     found = max((s for s in specials if s and after.startswith(s)), key=len, default=None)
     return [specials[found]] if found is not None else []
+
+
+def stopping_at(settings: GenerationConfig, end_ids) -> GenerationConfig:
+    """`settings` whose EOS ids also hold `end_ids` (a template's end-of-turn tokens), each id once."""
+    if not end_ids:
+        return settings
+    return settings.merged(eos_token_id=tuple(dict.fromkeys([*settings.eos, *end_ids])))
 
 
 @dataclass

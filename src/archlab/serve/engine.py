@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from archlab.errors import UserError
-from archlab.generation.chat import end_of_turn_ids
+from archlab.generation.chat import end_of_turn_ids, stopping_at
 from archlab.generation.config import GenerationConfig
 from archlab.nn.fused import DecodeSession, direct_calls
 from archlab.runs.chat_folder import chat_tokenizer
@@ -153,8 +153,7 @@ class Engine:
                                     temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                     min_p=request.min_p, repetition_penalty=request.repetition_penalty,
                                     stop=request.stop)
-        if request.end_ids:
-            settings = settings.merged(eos_token_id=tuple(dict.fromkeys([*settings.eos, *request.end_ids])))
+        settings = stopping_at(settings, request.end_ids)
         new = settings.max_new_tokens or 0
         if new < 1:
             raise RequestError(f"the model's generation_config.json max_length={settings.max_length} leaves no "

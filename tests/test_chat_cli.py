@@ -106,7 +106,7 @@ def test_a_folder_without_a_template_names_the_command_that_adds_one(tmp_path, c
     (root / "tokenizer" / "chat_template.jinja").unlink()
     rc, out, err = chat(root, [FIRST], capsys, monkeypatch)
     assert rc == 2 and out == "" and err.count("\n") == 1
-    assert f"archlab tokenizer chat-template {root / 'tokenizer'} --format chatml" in err
+    assert f"archlab tokenizer chat-template {root / 'tokenizer'} --format plain" in err
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -127,17 +127,37 @@ def test_help_shows_an_example(capsys):
     assert "archlab chat runs/sft" in out and "/reset" in out
 
 
-def test_a_template_whose_tokens_the_model_lacks_is_one_line(tmp_path, capsys, monkeypatch):
-    """`archlab tokenizer chat-template` on a trained run's tokenizer adds ids past the model's vocabulary:
-    chat names the numbers instead of failing inside the embedding."""
+def plain_run(root):
+    """A run trained without chat tokens: a byte tokenizer with <|endoftext|> and a 257-row vocabulary."""
     import archlab
     from archlab.runs.checkpoint import save_checkpoint, write_run_config
     from archlab.tokenizer import Tokenizer
 
-    cfg = archlab.presets.tiny("llama2-7b").with_overrides({"vocab_size": 257, "max_seq_len": 64})
-    write_run_config(tmp_path, cfg.to_dict(), {}, {})
-    save_checkpoint(tmp_path / "checkpoints", 1, archlab.TransformerLM(cfg).state_dict(), {})
-    Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]).save(tmp_path / "tokenizer")
+    cfg = archlab.presets.tiny("llama2-7b").with_overrides({"vocab_size": 257, "max_seq_len": 128})
+    write_run_config(root, cfg.to_dict(), {}, {})
+    save_checkpoint(root / "checkpoints", 1, archlab.TransformerLM(cfg).state_dict(), {})
+    Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]).save(root / "tokenizer")
+    return root
+
+
+def test_the_hinted_plain_template_makes_a_trained_run_chat(tmp_path, capsys, monkeypatch):
+    """The no-template error's command adds no token the model lacks; then each answer is generate's."""
+    root = plain_run(tmp_path)
+    rc, _, err = chat(root, [FIRST], capsys, monkeypatch)
+    hint = err.split("`")[1].split()
+    assert rc == 2 and hint[:3] == ["archlab", "tokenizer", "chat-template"]
+    assert main(hint[1:]) == 0
+    rc, out, err = chat(root, [FIRST, "and?"], capsys, monkeypatch)
+    first = generated(root, render(root, [{"role": "user", "content": FIRST}]), capsys)[0]
+    second = generated(root, render(root, [{"role": "user", "content": FIRST}, {"role": "assistant", "content": first},
+                                           {"role": "user", "content": "and?"}]), capsys)[0]
+    assert rc == 0 and err == "" and out == printed([first, second])
+
+
+def test_a_template_whose_tokens_the_model_lacks_is_one_line(tmp_path, capsys, monkeypatch):
+    """`archlab tokenizer chat-template --format chatml` on a trained run's tokenizer adds ids past the model's
+    vocabulary: chat names the numbers instead of failing inside the embedding."""
+    plain_run(tmp_path)
     assert main(["tokenizer", "chat-template", str(tmp_path / "tokenizer"), "--format", "chatml"]) == 0
     rc, out, err = chat(tmp_path, [FIRST], capsys, monkeypatch)
     assert rc == 2 and out == "" and err.count("\n") == 1

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 EXAMPLE = """example:
-  archlab tokenizer chat-template runs/sft/tokenizer --format chatml     # once, if the folder has no template
+  archlab tokenizer chat-template runs/demo/tokenizer --format plain    # a template with no new tokens
   archlab chat runs/sft --system "You answer in one line." --max-new-tokens 64
   printf 'Hi\\n/reset\\nWhat is 2+2?\\n' | archlab chat runs/sft      # piped: one user turn per line
 
@@ -66,8 +66,8 @@ def run(args) -> int:
         raise UserError(f"{args.path} holds a model with arch={arch}: archlab chat needs a decoder-only LM")
     if not has_chat_template(folder):
         raise UserError(f"{args.path} has no chat template: add one with `archlab tokenizer chat-template "
-                        f"{tokenizer_dir(args.path if Path(args.path).is_dir() else folder)} --format chatml` "
-                        "(or llama3, plain)")
+                        f"{tokenizer_dir(args.path if Path(args.path).is_dir() else folder)} --format plain` "
+                        "(chatml and llama3 add tokens the model must be fine-tuned with)")
     model, tok = load_model_and_tokenizer(folder, args.device, purpose="chat", generation_config=True)
     check_vocabulary(model, tok)
     chat = chat_tokenizer(folder, tok)

@@ -338,6 +338,13 @@ CASES = [
     ("generate negative sink tokens", G + ["--sink-window", "8", "--sink-tokens", "-1"], "--sink-tokens -1"),
     ("generate sink past context", G + ["--sink-window", "64"], "must fit the model's context"),
     ("generate unknown device", G + ["--device", "tpu"], "--device tpu"),
+    # ---- chat (every case fails before stdin is read) -------------------------------------------
+    ("chat without a chat template", ["chat", "{run}"], "add one with `archlab tokenizer chat-template"),
+    ("chat on an encoder", ["chat", "{enc_run}"], "archlab chat needs a decoder-only LM"),
+    ("chat on a folder that is not a model", ["chat", "{tmp}"], "neither a run folder"),
+    ("chat nan temperature", ["chat", "{run}", "--temperature", "nan"], "--temperature nan"),
+    ("chat zero new tokens", ["chat", "{run}", "--max-new-tokens", "0"], "--max-new-tokens 0"),
+    ("chat unknown device", ["chat", "{run}", "--device", "tpu"], "--device tpu"),
     ("generate cuda missing", G + ["--device", "cuda"], "CUDA is not available"),
     ("generate missing path", ["generate", "{tmp}/nothing", "--prompt", "x"], "nothing"),
     ("generate malformed hub id", ["generate", "hf:a/b/c", "--prompt", "x"], "expected hf:ORG/NAME"),

@@ -18,8 +18,9 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.errors import UserError
 from archlab.runs.checkpoint import CHECKPOINT_DIR, MODEL_FILE, CheckpointError, latest_checkpoint, verified_weights
 
-__all__ = ["folder_arch", "load_masked_lm", "load_model_and_tokenizer", "load_run", "load_run_tokenizer",
-           "model_with_weights", "read_run_config", "write_run_config", "export_peft", "CONFIG_FILE"]
+__all__ = ["check_vocabulary", "folder_arch", "load_masked_lm", "load_model_and_tokenizer", "load_run",
+           "load_run_tokenizer", "model_with_weights", "read_run_config", "write_run_config", "export_peft",
+           "CONFIG_FILE"]
 
 CONFIG_FILE = "config.yaml"
 
@@ -122,6 +123,14 @@ def load_masked_lm(path: str | Path, device: str = "cpu"):
         model = load_hf(path).to(device).eval()
         return model, _with_post_processor(load_tokenizer(path), path)
     raise UserError(f"{path} is neither a run folder (config.yaml) nor an HF folder (config.json)")
+
+
+def check_vocabulary(model, tokenizer) -> None:
+    """A tokenizer with ids the model cannot embed would fail every prompt that holds one: refused before use."""
+    size, vocab = getattr(tokenizer, "vocab_size", None), model.config.vocab_size
+    if size is not None and size > vocab:
+        raise UserError(f"the tokenizer has {size} tokens but the model's vocabulary has {vocab}: ids {vocab}.."
+                        f"{size - 1} cannot be embedded (a tokenizer from another model?)")
 
 
 def folder_arch(path: Path) -> str | None:

@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-from archlab.lab import emergence_report, scaling_report
+from archlab.lab import baseline, emergence_report, ngram_report, scaling_report
 from archlab.lab import suites as suites_mod
 from archlab.lab.document import Block
 from archlab.lab.store import DB_FILE, ResultStore, RunRecord
@@ -24,7 +24,8 @@ from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Verdict, judge_al
 STANDARD_METRICS = ("final_val_loss", "step_time_s", "lr_sensitivity", "diverged")
 # a suite's `analysis`: its own section after the plots, (suite, rows, img_dir, rel) -> blocks
 ANALYSES: dict[str, Callable[..., list[Block]]] = {"scaling": scaling_report.section,
-                                                   "emergence": emergence_report.section}
+                                                   "emergence": emergence_report.section,
+                                                   "ngram": ngram_report.section}
 MEASURED_METRICS = ("val_loss_2x", "max_attn_logit", "first_token_mass", "massive_ratio", "kv_cache_bytes")
 
 
@@ -283,8 +284,9 @@ def plot_lr(rows: list[RunRecord], lr_axis: str, out: Path, title: str) -> Path 
 
 
 # --------------------------------------------------------------------------- the report
-def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path, rel: str
-                  ) -> tuple[list[Block], list[Verdict]]:
+def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path, rel: str,
+                  ngram_line: str | None = None) -> tuple[list[Block], list[Verdict]]:
+    """One suite's blocks; `ngram_line`: the n-gram baseline (archlab.lab.baseline), after the runs' summary."""
     verdicts = judge_all(suite.rules, rows)
     blocks = [Block("h2", f"{suite.name}: {overall(verdicts)}"), Block("p", f"**Claim.** {suite.claim}")]
     if suite.published:
@@ -298,6 +300,8 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
         f"Runs: {len(rows)} ({', '.join(f'{v} {k}' for k, v in status.items() if v)}); budget "
         f"{_fmt(cfg.get('budget'))} {cfg.get('budget_unit', '')}, batch {cfg.get('batch_size')} x seq "
         f"{cfg.get('seq_len')}; total wall time {wall / 60:.1f} min.")))
+    if ngram_line:
+        blocks.append(Block("p", ngram_line))
     blocks.append(Block("h3", "Verdicts (computed from the table below by each rule)"))
     vrows = []
     for v in verdicts:
@@ -372,7 +376,9 @@ def build_report(path: str | Path, out_dir: str | Path | None = None) -> dict[st
                 rows = store.runs(name)
                 if suite is None:
                     continue
-                sec, verdicts = suite_section(suite, rows, img_dir, "img")
+                recorded = (store.get_meta(f"sweep:{name}") or {}).get("data")
+                line = baseline.ngram_line(rows, recorded, db.parent)
+                sec, verdicts = suite_section(suite, rows, img_dir, "img", line)
                 sections.extend(sec)
                 all_verdicts[name] = [v.to_dict() for v in verdicts]
                 counts = {k: sum(v.verdict == k for v in verdicts) for k in (HELD, NOT_HELD, INCONCLUSIVE)}

@@ -296,10 +296,11 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
     status = {s: sum(r.status == s for r in rows) for s in ("done", "diverged", "failed", "running")}
     cfg = rows[0].config.get("train", {}) if rows else {}
     wall = sum(r.wall_s or 0 for r in rows)
+    what = (f"budget {_fmt(cfg.get('budget'))} {cfg.get('budget_unit', '')}, batch {cfg.get('batch_size')} x seq "
+            f"{cfg.get('seq_len')}" if suite.runs == "train" else "n-gram models counted and scored, none trained")
     blocks.append(Block("p", (
-        f"Runs: {len(rows)} ({', '.join(f'{v} {k}' for k, v in status.items() if v)}); budget "
-        f"{_fmt(cfg.get('budget'))} {cfg.get('budget_unit', '')}, batch {cfg.get('batch_size')} x seq "
-        f"{cfg.get('seq_len')}; total wall time {wall / 60:.1f} min.")))
+        f"Runs: {len(rows)} ({', '.join(f'{v} {k}' for k, v in status.items() if v)}); {what}; total wall time "
+        f"{wall / 60:.1f} min.")))
     if ngram_line:
         blocks.append(Block("p", ngram_line))
     blocks.append(Block("h3", "Verdicts (computed from the table below by each rule)"))
@@ -308,6 +309,17 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
         ours = "; ".join(f"{s.label}: {_fmt(s.mean)} ± {_fmt(s.std, 2)} (n={s.n})" for s in v.sides)
         vrows.append([v.rule.statement, f"**{v.verdict}**", ours, v.reason])
     blocks.append(Block("table", header=["rule", "verdict", "ours (mean ± std over seeds)", "test"], rows=vrows))
+    if suite.runs == "train":           # an n-gram suite's runs have no curves, sizes or step times
+        blocks.extend(_variant_blocks(suite, rows, verdicts, img_dir, rel))
+    if suite.analysis:
+        blocks.extend(ANALYSES[suite.analysis](suite, rows, img_dir, rel))
+    return blocks, verdicts
+
+
+def _variant_blocks(suite: suites_mod.Suite, rows: list[RunRecord], verdicts: list[Verdict], img_dir: Path,
+                    rel: str) -> list[Block]:
+    """The table per variant of trained runs and the standard plots (curves, final loss, step time, metrics)."""
+    blocks: list[Block] = []
     measured = {k for r in rows for k, x in r.extra.items()
                 if k in MEASURED_METRICS and isinstance(x, (int, float))}
     extra_metrics = sorted(({v.rule.metric for v in verdicts} | measured) - set(STANDARD_METRICS))
@@ -355,9 +367,7 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
     for p in plots:
         if p is not None:
             blocks.append(Block("img", f"{rel}/{p.name}", header=[p.stem]))
-    if suite.analysis:
-        blocks.extend(ANALYSES[suite.analysis](suite, rows, img_dir, rel))
-    return blocks, verdicts
+    return blocks
 
 
 def build_report(path: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:

@@ -374,26 +374,29 @@ def _fmt_label(x: float) -> str:
 
 def _judge_falls(rule: Rule, rows: list) -> Verdict:
     points = curve(rows, rule.metric, rule.over, rule.a)
-    side = Side(f"{rule.metric} over {rule.over}", dict(enumerate(points.values())))
     if len(points) < 3:
-        return Verdict(rule, INCONCLUSIVE, f"{len(points)} values of {rule.over} with {rule.metric}: need 3", [side])
+        return Verdict(rule, INCONCLUSIVE, f"{len(points)} values of {rule.over} with {rule.metric}: need 3")
     first = next(iter(points))
     best, low, _ = _past_best(points)
+    sides = [Side(f"{rule.metric} at {rule.over}={_fmt_label(first)}", {0: points[first]}),
+             Side(f"at {rule.over}={_fmt_label(best)} (lowest)", {0: low})]
     fall = points[first] - low
     allowed = rule.tol * abs(low)
     reason = (f"{rule.metric} {points[first]:.4g} at {rule.over}={_fmt_label(first)}, lowest {low:.4g} at "
               f"{rule.over}={_fmt_label(best)}: falls {fall:.4g} vs tolerance {allowed:.3g} ({rule.tol:.0%})")
     numbers = {"curve": {_fmt_label(x): v for x, v in points.items()}, "best": best, "fall": fall, "allowed": allowed}
-    return Verdict(rule, HELD if fall > allowed else NOT_HELD, reason, [side], numbers)
+    return Verdict(rule, HELD if fall > allowed else NOT_HELD, reason, sides, numbers)
 
 
 def _judge_rises_past_best(rule: Rule, rows: list) -> Verdict:
     assert rule.versus is not None and rule.over is not None
     curves = {m: curve(rows, m, rule.over, rule.a) for m in (rule.metric, rule.versus)}
-    sides = [Side(f"{m} over {rule.over}", dict(enumerate(c.values()))) for m, c in curves.items()]
     if min(len(c) for c in curves.values()) < 3:
-        return Verdict(rule, INCONCLUSIVE, f"fewer than 3 values of {rule.over} with both metrics", sides)
+        return Verdict(rule, INCONCLUSIVE, f"fewer than 3 values of {rule.over} with both metrics")
     (best, low, high), (vbest, vlow, vhigh) = (_past_best(c) for c in curves.values())
+    sides = [Side(f"{m} lowest (at {rule.over}={_fmt_label(at)})", {0: lo}) for m, at, lo in
+             ((rule.metric, best, low), (rule.versus, vbest, vlow))]
+    sides += [Side(f"{m} highest past it", {0: hi}) for m, hi in ((rule.metric, high), (rule.versus, vhigh))]
     rise, vrise = high - low, vhigh - vlow
     allowed, vallowed = rule.tol * abs(low), rule.tol * abs(vlow)
     reason = (f"past {rule.over}={_fmt_label(best)}, {rule.metric} rises {rise:.4g} (from {low:.4g}) vs "

@@ -25,9 +25,18 @@ def section(suite, rows: list, img_dir: Path, rel: str) -> list[Block]:
                         rows=[[f"{n:g}", fmt(curves["kn_bpb"], n), fmt(curves["add_k_bpb"], n),
                                f"{seen[n]:.1%}" if n in seen else "–"] for n in orders]))
     blocks.append(Block("p", (
-        "As n grows, fewer validation n-grams occur in training. Add-k gives an unseen history the uniform 1/V and "
-        "an unseen continuation of a seen history almost nothing, so its bits/byte rise once counts run out; "
-        "Kneser-Ney interpolates with the lower orders and keeps what the shorter histories know.")))
+        "As n grows, fewer validation n-grams occur in training. Add-k has no back-off: an unseen history gets the "
+        "uniform 1/V and a rarely seen one little more than its few counts, so its bits/byte rise once counts run "
+        "out; Kneser-Ney interpolates with the lower orders and keeps what the shorter histories know.")))
+    devices = sorted({r.extra["device"] for r in rows if r.extra.get("device")})
+    seconds = sum(r.extra.get("seconds", 0.0) for r in rows)
+    first = next((r.extra for r in rows if r.extra.get("device")), None)
+    if first:
+        blocks.append(Block("p", (
+            f"Data: corpus {first.get('corpus')}, vocabulary {first.get('vocab_size')}, {first.get('val_tokens'):,} "
+            f"validation tokens ({first.get('val_bytes'):,} bytes), every one scored. Counted and scored on "
+            f"{', '.join(devices)}: {seconds:.0f} s over the {len(orders)} orders (each run counts every order up "
+            "to its own).")))
     img_dir.mkdir(parents=True, exist_ok=True)
     out = _plot(curves, k, img_dir / f"{suite.name}_bpb_vs_order.png")
     blocks.append(Block("img", f"{rel}/{out.name}", header=[out.stem]))

@@ -398,7 +398,9 @@ def build_report(path: str | Path, out_dir: str | Path | None = None) -> dict[st
         "Verdicts are computed from the recorded numbers by each suite's rules (archlab.lab.verdicts): "
         "`less` holds when the gap exceeds the spread over seeds sqrt(std_a² + std_b²), `parity` when the "
         "gap is within the tolerance, `flat` when the range of means is within the tolerance; "
-        "otherwise inconclusive (or did not hold when the gap is beyond tolerance + spread). "
+        "otherwise inconclusive (or did not hold when the gap is beyond tolerance + spread). `falls` and "
+        "`rises_past_best` compare a deterministic curve over a numeric axis (an n-gram order) with a relative "
+        "tolerance. "
         "Small models, short budgets: read 'inconclusive' as 'not resolved at this budget'.")))
     blocks.append(Block("table", header=["suite", "overall", "held", "did not hold", "inconclusive", "claim"],
                         rows=summary_rows))

@@ -757,9 +757,9 @@ def _ngram_baseline() -> Suite:
                  statement="past its best n, the add-1 estimate's bits/byte rises by more than 2% of its best, "
                            "while Kneser-Ney's stays within 2% of its own best (flattens)"),
         ],
-        published="Chen & Goodman 1998: interpolated modified Kneser-Ney is the best of the smoothing methods "
-                  "they compared at every n-gram order and corpus size; add-one (Laplace) is among the worst, and "
-                  "its cross-entropy grows with n (their Fig. 2 / Section 5)",
+        published="Chen & Goodman 1998 compared n-gram smoothing methods across orders and training-set sizes: "
+                  "interpolated modified Kneser-Ney was consistently the best, additive (add-k) smoothing among the "
+                  "worst",
         notes="No model is trained: each run counts n-grams (n = 1..8) on the train split and scores every "
               "validation token (archlab.eval.ngram), once with interpolated modified Kneser-Ney and once with "
               "maximum likelihood plus add-1 (Laplace: (c(hw) + 1) / (c(h.) + V); an unseen history gets 1/V). "

@@ -32,7 +32,9 @@ def run_job(job: RunJob) -> RunRecord:
 def evaluate_ngram_run(job: RunJob) -> RunRecord:
     """An n-gram run: Kneser-Ney and add-k of `ngram.order`, counted on the train split, scored on every validation
     token. The row's val losses are Kneser-Ney's nats per token; both estimates' bits/byte go to `extra`."""
+    from archlab.data.tokens import load_meta
     from archlab.eval.ngram import evaluate_ngram
+    from archlab.runs.provenance import device_name
 
     record, settings = job.record, job.run.variant.ngram
     t0 = time.perf_counter()
@@ -48,7 +50,9 @@ def evaluate_ngram_run(job: RunJob) -> RunRecord:
         record.peak_memory_bytes = kn.peak_rss_bytes
         record.extra.update({"kn_bpb": kn.bpb, "add_k_bpb": add_k.bpb, "add_k": float(settings.get("add_k", 1.0)),
                              "seen": kn.seen, "ngrams": kn.ngrams, "table_bytes": kn.table_bytes,
-                             "val_tokens": kn.tokens, "val_bytes": kn.n_bytes})
+                             "val_tokens": kn.tokens, "val_bytes": kn.n_bytes, "seconds": kn.seconds,
+                             "device": device_name("cpu"), "corpus": str(load_meta(job.data).get("corpus", "?")),
+                             "vocab_size": int(load_meta(job.data)["vocab_size"])})
     record.wall_s = time.perf_counter() - t0
     record.finished_at = time.time()
     return record

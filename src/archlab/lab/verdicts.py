@@ -355,8 +355,9 @@ def curve(rows: list, metric: str, over: str, selector: dict | None = None) -> d
     values: dict[float, list[float]] = {}
     for r in rows:
         label = _labels(r).get(over)
-        value = _row_metric(r, metric) if _usable(r) and label is not None and selects(selector or {}, _labels(r)) \
-            else None
+        if label is None or not _usable(r) or not selects(selector or {}, _labels(r)):
+            continue
+        value = _row_metric(r, metric)
         if value is not None:
             values.setdefault(float(label), []).append(value)
     return {x: statistics.fmean(v) for x, v in sorted(values.items())}
@@ -373,6 +374,7 @@ def _fmt_label(x: float) -> str:
 
 
 def _judge_falls(rule: Rule, rows: list) -> Verdict:
+    assert rule.over is not None                          # Rule.__post_init__ requires it
     points = curve(rows, rule.metric, rule.over, rule.a)
     if len(points) < 3:
         return Verdict(rule, INCONCLUSIVE, f"{len(points)} values of {rule.over} with {rule.metric}: need 3")

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from archlab.config import ConfigError
-from archlab.data.tokens import TokenDataset, prepare
+from archlab.data.prepare import prepare
+from archlab.data.tokens import TokenDataset
 from archlab.eval.ngram import NgramCounts, evaluate_ngram
 from archlab.lab import baseline, runner, suites
 from archlab.lab.plan import plan

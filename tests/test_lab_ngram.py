@@ -163,3 +163,13 @@ def test_the_line_says_when_the_data_folder_is_gone(tmp_path):
     _synthetic_sweep(sweep, tmp_path / "moved", {"rmsnorm": 1.0})
     md = build_report(sweep)["md"].read_text()
     assert "5-gram (modified KN): not computed" in md and str(tmp_path / "moved") in md
+
+
+def test_the_line_says_why_a_folder_it_cannot_count_is_skipped(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"format": "something-else"}))
+    sweep = tmp_path / "sweep"
+    _synthetic_sweep(sweep, data, {"rmsnorm": 1.0})
+    md = build_report(sweep)["md"].read_text()
+    assert "5-gram (modified KN): not computed (" in md

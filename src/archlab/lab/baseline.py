@@ -64,14 +64,18 @@ def ngram_line(rows: list, recorded_data: str | None, sweep_dir: Path, order: in
     """One paragraph: the n-gram's bits/byte and the runs' (final validation loss per token / ln 2 / the
     validation split's bytes per token), best and worst variant."""
     from archlab.data.tokens import TokenDataset
+    from archlab.errors import UserError
 
     data = data_folder(recorded_data, Path(sweep_dir))
     name = f"{order}-gram (modified KN)"
     if data is None:
         return f"**Baseline.** {name}: not computed, the sweep's data folder ({recorded_data or 'none recorded'}) " \
                "is not prepared here."
-    bpb = ngram_bpb(data, Path(sweep_dir), order)
-    bytes_per_token = TokenDataset(data, "val").bytes_per_token
+    try:
+        bpb = ngram_bpb(data, Path(sweep_dir), order)
+        bytes_per_token = TokenDataset(data, "val").bytes_per_token
+    except UserError as exc:                   # e.g. a folder of source/target pairs: no single token stream
+        return f"**Baseline.** {name}: not computed ({exc})."
     by_variant: dict[str, list[float]] = {}
     for r in rows:
         if r.status == "done" and r.final_val_loss is not None and math.isfinite(r.final_val_loss):

@@ -190,7 +190,10 @@ def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder
     out: dict[str, torch.Tensor] = {}
     for rule in progress_bar(rules, desc=f"loading {fam.model_type} tensors", unit="tensor",
                              disable=len(rules) < 200, leave=False):
-        values = rule.to_ours([source.get(stored[read_from.get(n, n)]) for n in rule.hf])
+        try:
+            values = rule.to_ours([source.get(stored[read_from.get(n, n)]) for n in rule.hf])
+        except ConfigError as exc:
+            raise ConfigError(f"{fam.model_type} checkpoint tensor {', '.join(rule.hf)}: {exc}") from exc
         if len(values) != len(rule.ours):
             raise WeightsError(f"rule for {rule.hf} produced {len(values)} tensors for {rule.ours}")
         for name, value in zip(rule.ours, values):

@@ -24,10 +24,19 @@ How to add a family (one file in this package, ~100 lines):
    Families that cannot be saved leave `from_config` unimplemented (NotImplementedError).
    save_hf calls `Family.to_hf(cfg)`: `from_config` plus the fields all families write alike.
 
-4. `weight_rules(cfg) -> list[Rule]`: every one of OUR parameter names covered exactly once, with
-   the HF tensor names it comes from. `rename(ours, hf)` for 1:1 tensors, `transposed` for GPT-2's
-   Conv1D, `fused(ours_list, hf, dim)` for one HF tensor split into several of ours (fused qkv,
-   gate_up) -- the inverse (concatenation) is used when saving. Tensors that old checkpoints
+4. `weight_table(cfg) -> list[Rule]`: the family's weights as a table, in the manner of torchtitan's
+   state-dict adapters: HF name -> our name, `{i}` standing for the layer index (`{j}` a decoder layer of an
+   encoder-decoder, `{e}` an expert), every tensor the family's checkpoints may hold listed once:
+
+       renames({"model.embed_tokens.weight": "embed.weight",
+                "model.layers.{i}.self_attn.q_proj.weight": "blocks.{i}.attn.q_proj.weight", ...})
+
+   `renames(table, "weight", "bias")` reads a table of modules. `weight_rules(cfg)` expands the table over the
+   layers and keeps the rules whose parameters the model of `cfg` has (a bias, a q/k norm, an untied head exist
+   only where the config asks for them), so a table holds no conditions but the names that change with the
+   config (which norm HF calls `post_attention_layernorm`). Tensors that are not renamed keep their Rule kinds:
+   `transposed` for GPT-2's Conv1D, `fused(ours_list, hf, sizes)` for one HF tensor split into several of ours
+   (fused qkv, gate_up) -- the inverse (concatenation) is used when saving. Tensors that old checkpoints
    store but that transformers does not load either (rotary `inv_freq`, causal `masked_bias`)
    go in `ignored_hf(cfg)` as regular expressions. Tensors transformers ties to one that is read
    (its `_tied_weights_keys`: a tied head, T5's and BART's per-stack embeddings, BERT's decoder)
@@ -50,9 +59,12 @@ Checkpoints saved from the bare base model (LlamaModel instead of LlamaForCausal
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
+import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import torch
 
@@ -64,6 +76,7 @@ from archlab.config import (
     RopeScaling,
 )
 from archlab.errors import UserError
+from archlab.models import build_model
 from archlab.nn.registry import Registry
 
 
@@ -115,6 +128,78 @@ def rename(ours: str, hf: str) -> Rule:
     return Rule((ours,), (hf,))
 
 
+def renames(table: Mapping[str, str], *params: str) -> list[Rule]:
+    """One `rename` per entry of a table HF name -> our name. With `params` ("weight", "bias") the table
+    names modules, and each module gives one rule per parameter."""
+    suffixes = [f".{p}" for p in params] or [""]
+    return [rename(ours + s, hf + s) for hf, ours in table.items() for s in suffixes]
+
+
+def layers(table: Mapping[str, str], hf: str, ours: str = "blocks.{i}.") -> dict[str, str]:
+    """A table of one layer's modules (HF -> ours) with each side's per-layer prefix put in front."""
+    return {hf + h: ours + o for h, o in table.items()}
+
+
+def attention(hf: str, names: str = "q_proj k_proj v_proj o_proj", ours: str = "attn.") -> dict[str, str]:
+    """The table of an attention module's projections: HF's `names` of q, k, v and the output under the prefix
+    `hf` -> ours (`q_proj` ... `o_proj`) under `ours`."""
+    return {hf + theirs: f"{ours}{x}_proj" for theirs, x in zip(names.split(), "qkvo")}
+
+
+QKV = ("blocks.{i}.attn.q_proj", "blocks.{i}.attn.k_proj", "blocks.{i}.attn.v_proj")   # ours, split from a fused qkv
+
+
+def fused_params(split: Callable[[list[str], str], Rule], ours: Sequence[str], hf: str,
+                 params: Sequence[str] = ("weight", "bias")) -> list[Rule]:
+    """One rule `split(our names, HF name)` (a `fused` kind) per parameter of the modules `ours` and `hf`."""
+    return [split([f"{o}.{p}" for o in ours], f"{hf}.{p}") for p in params]
+
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+def expand(rules: Iterable[Rule], counts: Mapping[str, int]) -> list[Rule]:
+    """Rules whose names hold placeholders (`{i}`) -> one rule per index (`counts`: placeholder -> how many),
+    layer by layer; rules without one as they are, first."""
+    groups: dict[tuple[str, ...], list[Rule]] = {}
+    for rule in rules:
+        keys = tuple(sorted({k for n in rule.ours + rule.hf for k in _PLACEHOLDER.findall(n)}))
+        groups.setdefault(keys, []).append(rule)
+    out = list(groups.pop((), []))
+    for keys, group in groups.items():
+        for values in itertools.product(*(range(counts[k]) for k in keys)):
+            at = dict(zip(keys, values))
+            out += [dataclasses.replace(rule, ours=tuple(n.format_map(at) for n in rule.ours),
+                                        hf=tuple(n.format_map(at) for n in rule.hf)) for rule in group]
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def parameter_names(cfg: ModelConfig) -> frozenset[str]:
+    """The state-dict keys of the model `cfg` builds (built on the meta device: no memory, no init)."""
+    with torch.device("meta"):
+        return frozenset(build_model(cfg).state_dict())
+
+
+def table_rules(table: Iterable[Rule], cfg: ModelConfig) -> list[Rule]:
+    """A family's table expanded over the layers of `cfg` (and its experts), kept where the model has the
+    parameters a rule fills."""
+    counts = {"i": cfg.n_layers}
+    if cfg.arch == "encoder_decoder":
+        counts["j"] = cfg.stack_depth("cross_decoder")
+    if cfg.mlp.moe is not None:
+        counts["e"] = cfg.mlp.moe.n_experts
+    names = parameter_names(cfg)
+    rules = []
+    for rule in expand(table, counts):
+        present = [n in names for n in rule.ours]
+        if all(present):
+            rules.append(rule)
+        elif any(present):
+            raise ValueError(f"weight rule for {rule.hf} fills {rule.ours}, of which the model has only some")
+    return rules
+
+
 def transposed(ours: str, hf: str) -> Rule:
     """GPT-2's Conv1D stores weights (in, out); ours are nn.Linear (out, in)."""
     flip = lambda ts: [ts[0].t().contiguous()]  # noqa: E731
@@ -130,7 +215,7 @@ def fused(ours: Sequence[str], hf: str, sizes: Sequence[int], dim: int = 0,
     def split(ts: Tensors) -> Tensors:
         t = pre(ts[0]) if pre else ts[0]
         if t.shape[dim] != sum(sizes):
-            raise ConfigError(f"tensor {hf!r} has size {t.shape[dim]} along dim {dim}, "
+            raise ConfigError(f"size {t.shape[dim]} along dim {dim}, "
                               f"expected {sum(sizes)} = {' + '.join(map(str, sizes))}")
         return [p.contiguous() for p in torch.split(t, list(sizes), dim=dim)]
 
@@ -404,8 +489,17 @@ class Family:
             hf["max_position_embeddings"] = scaling.original_max_seq_len
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        """Every tensor of the family's checkpoints, HF name -> ours, `{i}` the layer (see the module docstring)."""
         raise NotImplementedError
+
+    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+        """The table's rules for `cfg`: over its layers, for the parameters its model has (each one named)."""
+        rules = table_rules(self.weight_table(cfg), cfg)
+        left = parameter_names(cfg).difference(name for rule in rules for name in rule.ours)
+        if left:
+            raise WeightsError(f"{self.model_type}: no HF name for parameter(s) {', '.join(sorted(left))}")
+        return rules
 
     def hf_name(self, stored: str) -> str:
         """The name `weight_rules` uses for a tensor stored under `stored` (legacy spellings:

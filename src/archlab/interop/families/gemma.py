@@ -34,13 +34,13 @@ from archlab.interop.families.llama import (
     GATED_ACT_BACK,
     PRE_NORMS,
     layer_types,
-    llama_rules,
+    llama_table,
     pattern_from_types,
     require_serial_full_rope,
 )
 
-SANDWICH_NORMS = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
-                  "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+SANDWICH_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_post_norm",
+                  "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "mlp_post_norm"}
 
 
 class GemmaLike(Family):
@@ -189,9 +189,8 @@ class GemmaLike(Family):
             hf["sliding_window"] = 4096  # unused: every layer is global, but HF wants an int
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        norms = SANDWICH_NORMS if self.version >= 2 else PRE_NORMS
-        return llama_rules(cfg, self.base_prefix, qk_norm=self.version == 3, norms=norms)
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        return llama_table(SANDWICH_NORMS if self.version >= 2 else PRE_NORMS)
 
 
 @register_family

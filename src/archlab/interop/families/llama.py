@@ -17,6 +17,8 @@ dynamic (read_rope); other types (e.g. proportional) raise ConfigError.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 from archlab.config import (
     AttentionConfig,
     BiasConfig,
@@ -31,9 +33,11 @@ from archlab.interop.families.base import (
     Family,
     HFConfig,
     Rule,
+    attention,
+    layers,
     read_rope,
     register_family,
-    rename,
+    renames,
     write_rope,
 )
 
@@ -72,36 +76,17 @@ def gated_activation(c: HFConfig, key: str = "hidden_act", default: str = "silu"
     return GATED_ACT[act]
 
 
-PRE_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+# one LLaMA layer's modules, HF -> ours (the norms apart: their HF names follow the block's wiring)
+LLAMA_LAYER = {**attention("self_attn."), "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm",
+               "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj"}
+PRE_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
 
 
-def llama_rules(cfg: ModelConfig, prefix: str = "model.", qk_norm: bool = False,
-                norms: dict[str, str] = PRE_NORMS) -> list[Rule]:
-    """Weight names shared by the LLaMA-like families (and Gemma, OLMo). `norms` maps our block
-    norm names to HF's (sandwich and post-sublayer wirings name them differently)."""
-    rules = [rename("embed.weight", f"{prefix}embed_tokens.weight")]
-    for i in range(cfg.n_layers):
-        h, o = f"{prefix}layers.{i}.", f"blocks.{i}."
-        for p in "qkvo":
-            rules.append(rename(f"{o}attn.{p}_proj.weight", f"{h}self_attn.{p}_proj.weight"))
-        if cfg.bias.qkv:
-            rules += [rename(f"{o}attn.{p}_proj.bias", f"{h}self_attn.{p}_proj.bias") for p in "qkv"]
-        if cfg.bias.attn_out:
-            rules.append(rename(f"{o}attn.o_proj.bias", f"{h}self_attn.o_proj.bias"))
-        if qk_norm:
-            rules += [rename(f"{o}attn.{p}_norm.weight", f"{h}self_attn.{p}_norm.weight") for p in "qk"]
-        if cfg.mlp.moe is None:
-            for p in ("gate", "up", "down"):
-                rules.append(rename(f"{o}mlp.{p}_proj.weight", f"{h}mlp.{p}_proj.weight"))
-                if cfg.bias.mlp:
-                    rules.append(rename(f"{o}mlp.{p}_proj.bias", f"{h}mlp.{p}_proj.bias"))
-        if cfg.norm.kind != "nonparametric":
-            rules += [rename(f"{o}{ours}.weight", f"{h}{theirs}.weight") for ours, theirs in norms.items()]
-    if cfg.norm.kind != "nonparametric":
-        rules.append(rename("final_norm.weight", f"{prefix}norm.weight"))
-    if not cfg.tie_embeddings:
-        rules.append(rename("lm_head.weight", "lm_head.weight"))
-    return rules
+def llama_table(norms: Mapping[str, str] = PRE_NORMS) -> list[Rule]:
+    """The weights of the LLaMA-like families (and Gemma, OLMo). `norms` names the block norms (sandwich and
+    post-sublayer wirings name them differently)."""
+    return (renames({"model.embed_tokens": "embed", "model.norm": "final_norm", "lm_head": "lm_head"}, "weight")
+            + renames(layers({**LLAMA_LAYER, **norms}, "model.layers.{i}."), "weight", "bias"))
 
 
 def require_serial_full_rope(fam: Family, cfg: ModelConfig) -> None:
@@ -281,8 +266,8 @@ class LlamaLike(Family):
         return {"use_sliding_window": True, "sliding_window": cfg.attention.window,
                 "max_window_layers": first, "layer_types": layer_types(cfg)}
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        return llama_rules(cfg, self.base_prefix, qk_norm=self.qk_norm != "none", norms=self.norms)
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        return llama_table(self.norms)
 
 
 @register_family
@@ -362,14 +347,9 @@ class MixtralFamily(LlamaLike):
             raise ConfigError("mixtral config without experts")
         return cfg
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
         if cfg.mlp.moe is None:
             raise ConfigError("HF family 'mixtral' needs mlp.moe set")
-        rules = llama_rules(cfg, self.base_prefix)
-        for i in range(cfg.n_layers):
-            h, o = f"{self.base_prefix}layers.{i}.block_sparse_moe.", f"blocks.{i}.mlp."
-            rules.append(rename(f"{o}router.weight", f"{h}gate.weight"))
-            for e in range(cfg.mlp.moe.n_experts):
-                for ours, theirs in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")):
-                    rules.append(rename(f"{o}experts.{e}.{ours}.weight", f"{h}experts.{e}.{theirs}.weight"))
-        return rules
+        moe = {"gate": "router", "experts.{e}.w1": "experts.{e}.gate_proj", "experts.{e}.w2": "experts.{e}.down_proj",
+               "experts.{e}.w3": "experts.{e}.up_proj"}
+        return llama_table() + renames(layers(moe, "model.layers.{i}.block_sparse_moe.", "blocks.{i}.mlp."), "weight")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from archlab.interop.families.base import HFConfig, register_family
 from archlab.interop.families.llama import LlamaLike
 
-POST_SUBLAYER_NORMS = {"attn_norm": "post_attention_layernorm", "mlp_norm": "post_feedforward_layernorm"}
+POST_SUBLAYER_NORMS = {"post_attention_layernorm": "attn_norm", "post_feedforward_layernorm": "mlp_norm"}
 
 
 @register_family

@@ -12,6 +12,8 @@ before the first layer and weights moved between layers.
 """
 from __future__ import annotations
 
+import functools
+
 from archlab.config import (
     AttentionConfig,
     BiasConfig,
@@ -20,8 +22,17 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import Family, HFConfig, Rule, register_family, rename
-from archlab.interop.families.gpt_neox import per_head_qkv, require_plain_transformer, weight_bias
+from archlab.interop.families.base import (
+    QKV,
+    Family,
+    HFConfig,
+    Rule,
+    fused_params,
+    layers,
+    register_family,
+    renames,
+)
+from archlab.interop.families.gpt_neox import per_head_qkv, require_plain_transformer
 
 
 @register_family
@@ -64,22 +75,12 @@ class BloomFamily(Family):
                   pretraining_tp=1, slow_but_exact=False, seq_length=cfg.max_seq_len)
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        rules = [rename("embed.weight", f"{p}word_embeddings.weight")]
-        rules += weight_bias("embed_norm", f"{p}word_embeddings_layernorm", True)
-        rules += weight_bias("final_norm", f"{p}ln_f", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}h.{i}.", f"blocks.{i}."
-            for part in ("weight", "bias"):
-                rules.append(per_head_qkv([f"{o}attn.{x}_proj.{part}" for x in "qkv"],
-                                          f"{h}self_attention.query_key_value.{part}",
-                                          cfg.attention.n_heads, cfg.head_dim))
-            rules += weight_bias(f"{o}attn.o_proj", f"{h}self_attention.dense", True)
-            rules += weight_bias(f"{o}mlp.up_proj", f"{h}mlp.dense_h_to_4h", True)
-            rules += weight_bias(f"{o}mlp.down_proj", f"{h}mlp.dense_4h_to_h", True)
-            rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
-            rules += weight_bias(f"{o}mlp_norm", f"{h}post_attention_layernorm", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        qkv = functools.partial(per_head_qkv, n_heads=cfg.attention.n_heads, head_dim=cfg.head_dim)
+        layer = {"self_attention.dense": "attn.o_proj", "mlp.dense_h_to_4h": "mlp.up_proj",
+                 "mlp.dense_4h_to_h": "mlp.down_proj", "input_layernorm": "attn_norm",
+                 "post_attention_layernorm": "mlp_norm"}
+        return (fused_params(qkv, QKV, "transformer.h.{i}.self_attention.query_key_value")
+                + renames({"transformer.word_embeddings": "embed", "transformer.ln_f": "final_norm",
+                           "transformer.word_embeddings_layernorm": "embed_norm", "lm_head": "lm_head",
+                           **layers(layer, "transformer.h.{i}.")}, "weight", "bias"))

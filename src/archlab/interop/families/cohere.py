@@ -23,14 +23,16 @@ from archlab.interop.families.base import (
     Family,
     HFConfig,
     Rule,
+    layers,
     read_rope,
     register_family,
-    rename,
+    renames,
     write_rope,
 )
 from archlab.interop.families.gpt_neox import require_plain_transformer
 from archlab.interop.families.llama import (
     GATED_ACT_BACK,
+    LLAMA_LAYER,
     gated_activation,
     layer_types,
     pattern_from_types,
@@ -99,24 +101,10 @@ class CohereFamily(Family):
         self.require(cfg, "attention.window", None)
         return {"use_qk_norm": cfg.attention.qk_norm == "per_head_untied", "head_dim": cfg.head_dim}
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        rules = [rename("embed.weight", f"{p}embed_tokens.weight"),
-                 rename("final_norm.weight", f"{p}norm.weight")]
-        for i in range(cfg.n_layers):
-            h, o = f"{p}layers.{i}.", f"blocks.{i}."
-            for x in "qkvo":
-                rules.append(rename(f"{o}attn.{x}_proj.weight", f"{h}self_attn.{x}_proj.weight"))
-                if (cfg.bias.attn_out if x == "o" else cfg.bias.qkv):
-                    rules.append(rename(f"{o}attn.{x}_proj.bias", f"{h}self_attn.{x}_proj.bias"))
-            if cfg.attention.qk_norm != "none":
-                rules += [rename(f"{o}attn.{x}_norm.weight", f"{h}self_attn.{x}_norm.weight") for x in "qk"]
-            for x in ("gate", "up", "down"):
-                rules.append(rename(f"{o}mlp.{x}_proj.weight", f"{h}mlp.{x}_proj.weight"))
-            rules.append(rename(f"{o}attn_norm.weight", f"{h}input_layernorm.weight"))
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        layer = {**LLAMA_LAYER, "input_layernorm": "attn_norm"}   # no post_attention_layernorm: one norm
+        return renames({"model.embed_tokens": "embed", "model.norm": "final_norm", "lm_head": "lm_head",
+                        **layers(layer, "model.layers.{i}.")}, "weight", "bias")
 
 
 @register_family

@@ -11,6 +11,8 @@ ALiBi Falcon (`alibi=true`) adds the bias before the 1/sqrt(d) scale: not suppor
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from archlab.config import (
@@ -24,20 +26,22 @@ from archlab.config import (
     PositionConfig,
 )
 from archlab.interop.families.base import (
+    QKV,
     Family,
     HFConfig,
     Rule,
     fused,
+    fused_params,
+    layers,
     read_rope,
     register_family,
-    rename,
+    renames,
     write_rope,
 )
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     plain_activation,
     require_plain_transformer,
-    weight_bias,
 )
 
 
@@ -136,27 +140,15 @@ class FalconFamily(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        h_, kv, e = cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
-        rules = [rename("embed.weight", f"{p}word_embeddings.weight")]
-        rules += weight_bias("final_norm", f"{p}ln_f", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}h.{i}.", f"blocks.{i}."
-            for part in ("weight", "bias") if cfg.bias.qkv else ("weight",):
-                ours = [f"{o}attn.{x}_proj.{part}" for x in "qkv"]
-                hf_name = f"{h}self_attention.query_key_value.{part}"
-                rules.append(grouped_qkv(ours, hf_name, h_, kv, e))
-            rules += weight_bias(f"{o}attn.o_proj", f"{h}self_attention.dense", cfg.bias.attn_out)
-            rules += weight_bias(f"{o}mlp.up_proj", f"{h}mlp.dense_h_to_4h", cfg.bias.mlp)
-            rules += weight_bias(f"{o}mlp.down_proj", f"{h}mlp.dense_4h_to_h", cfg.bias.mlp)
-            if cfg.block.parallel and cfg.block.parallel_norms == 2:   # new architecture
-                rules += weight_bias(f"{o}attn_norm", f"{h}ln_attn", True)
-                rules += weight_bias(f"{o}mlp_norm", f"{h}ln_mlp", True)
-            else:
-                rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
-                if not cfg.block.parallel:
-                    rules += weight_bias(f"{o}mlp_norm", f"{h}post_attention_layernorm", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        qkv = functools.partial(grouped_qkv, n_heads=cfg.attention.n_heads, n_kv=cfg.n_kv_heads,
+                                head_dim=cfg.head_dim)
+        layer = {"self_attention.dense": "attn.o_proj", "mlp.dense_h_to_4h": "mlp.up_proj",
+                 "mlp.dense_4h_to_h": "mlp.down_proj"}
+        if cfg.block.parallel and cfg.block.parallel_norms == 2:   # new architecture
+            layer.update(ln_attn="attn_norm", ln_mlp="mlp_norm")
+        else:
+            layer.update(input_layernorm="attn_norm", post_attention_layernorm="mlp_norm")
+        return (fused_params(qkv, QKV, "transformer.h.{i}.self_attention.query_key_value")
+                + renames({"transformer.word_embeddings": "embed", "transformer.ln_f": "final_norm",
+                           "lm_head": "lm_head", **layers(layer, "transformer.h.{i}.")}, "weight", "bias"))

@@ -8,6 +8,8 @@ per-head fused-qkv layout, the switches none of these HF families can express).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from archlab.config import (
@@ -20,13 +22,16 @@ from archlab.config import (
     PositionConfig,
 )
 from archlab.interop.families.base import (
+    QKV,
     Family,
     HFConfig,
     Rule,
     fused,
+    fused_params,
+    layers,
     read_rope,
     register_family,
-    rename,
+    renames,
     write_rope,
 )
 
@@ -85,11 +90,6 @@ def require_plain_transformer(fam: Family, cfg: ModelConfig) -> None:
         fam.require(cfg, key, None)
 
 
-def weight_bias(ours: str, hf: str, bias: bool) -> list[Rule]:
-    rules = [rename(f"{ours}.weight", f"{hf}.weight")]
-    return rules + [rename(f"{ours}.bias", f"{hf}.bias")] if bias else rules
-
-
 @register_family
 class GPTNeoXFamily(Family):
     model_type = "gpt_neox"
@@ -143,29 +143,14 @@ class GPTNeoXFamily(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        rules = [rename("embed.weight", f"{p}embed_in.weight")]
-        rules += weight_bias("final_norm", f"{p}final_layer_norm", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}layers.{i}.", f"blocks.{i}."
-            qkv = [f"{o}attn.{x}_proj" for x in "qkv"]
-            rules.append(per_head_qkv([f"{n}.weight" for n in qkv], f"{h}attention.query_key_value.weight",
-                                      cfg.attention.n_heads, cfg.head_dim))
-            rules.append(rename(f"{o}attn.o_proj.weight", f"{h}attention.dense.weight"))
-            if cfg.bias.qkv:
-                rules.append(per_head_qkv([f"{n}.bias" for n in qkv], f"{h}attention.query_key_value.bias",
-                                          cfg.attention.n_heads, cfg.head_dim))
-            if cfg.bias.attn_out:
-                rules.append(rename(f"{o}attn.o_proj.bias", f"{h}attention.dense.bias"))
-            for ours, theirs in (("up_proj", "dense_h_to_4h"), ("down_proj", "dense_4h_to_h")):
-                rules += weight_bias(f"{o}mlp.{ours}", f"{h}mlp.{theirs}", cfg.bias.mlp)
-            rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
-            rules += weight_bias(f"{o}mlp_norm", f"{h}post_attention_layernorm", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "embed_out.weight"))
-        return rules
-
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        qkv = functools.partial(per_head_qkv, n_heads=cfg.attention.n_heads, head_dim=cfg.head_dim)
+        layer = {"attention.dense": "attn.o_proj", "mlp.dense_h_to_4h": "mlp.up_proj",
+                 "mlp.dense_4h_to_h": "mlp.down_proj", "input_layernorm": "attn_norm",
+                 "post_attention_layernorm": "mlp_norm"}
+        return (fused_params(qkv, QKV, "gpt_neox.layers.{i}.attention.query_key_value")
+                + renames({"gpt_neox.embed_in": "embed", "gpt_neox.final_layer_norm": "final_norm",
+                           "embed_out": "lm_head", **layers(layer, "gpt_neox.layers.{i}.")}, "weight", "bias"))
     def ignored_hf(self, cfg: ModelConfig) -> list[str]:
         extra = [r".*attention\.(bias|masked_bias)"]
         return super().ignored_hf(cfg) + extra

@@ -12,12 +12,11 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import Family, HFConfig, Rule, register_family, rename
+from archlab.interop.families.base import Family, HFConfig, Rule, attention, layers, register_family, rename, renames
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     plain_activation,
     require_plain_transformer,
-    weight_bias,
 )
 
 
@@ -69,17 +68,9 @@ class GPTJFamily(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        rules = [rename("embed.weight", f"{p}wte.weight"), rename("head_bias", "lm_head.bias")]
-        rules += weight_bias("final_norm", f"{p}ln_f", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}h.{i}.", f"blocks.{i}."
-            for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out")):
-                rules.append(rename(f"{o}attn.{ours}_proj.weight", f"{h}attn.{theirs}_proj.weight"))
-            rules += weight_bias(f"{o}mlp.up_proj", f"{h}mlp.fc_in", True)
-            rules += weight_bias(f"{o}mlp.down_proj", f"{h}mlp.fc_out", True)
-            rules += weight_bias(f"{o}attn_norm", f"{h}ln_1", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        layer = {**attention("attn.", "q_proj k_proj v_proj out_proj"), "ln_1": "attn_norm",
+                 "mlp.fc_in": "mlp.up_proj", "mlp.fc_out": "mlp.down_proj"}
+        return [rename("head_bias", "lm_head.bias")] + renames(
+            {"transformer.wte": "embed", "transformer.ln_f": "final_norm", "lm_head": "lm_head",
+             **layers(layer, "transformer.h.{i}.")}, "weight", "bias")

@@ -12,13 +12,12 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import Family, HFConfig, Rule, read_rope, register_family, rename
+from archlab.interop.families.base import Family, HFConfig, Rule, attention, layers, read_rope, register_family, renames
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     partial_rotary,
     plain_activation,
     require_plain_transformer,
-    weight_bias,
     write_partial_rope,
 )
 
@@ -72,19 +71,8 @@ class NemotronFamily(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        rules = [rename("embed.weight", f"{p}embed_tokens.weight")]
-        rules += weight_bias("final_norm", f"{p}norm", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}layers.{i}.", f"blocks.{i}."
-            for x in "qkv":
-                rules += weight_bias(f"{o}attn.{x}_proj", f"{h}self_attn.{x}_proj", cfg.bias.qkv)
-            rules += weight_bias(f"{o}attn.o_proj", f"{h}self_attn.o_proj", cfg.bias.attn_out)
-            for x in ("up", "down"):
-                rules += weight_bias(f"{o}mlp.{x}_proj", f"{h}mlp.{x}_proj", cfg.bias.mlp)
-            rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
-            rules += weight_bias(f"{o}mlp_norm", f"{h}post_attention_layernorm", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        layer = {**attention("self_attn."), "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj",
+                 "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
+        return renames({"model.embed_tokens": "embed", "model.norm": "final_norm", "lm_head": "lm_head",
+                        **layers(layer, "model.layers.{i}.")}, "weight", "bias")

@@ -16,12 +16,11 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import Family, HFConfig, Rule, register_family, rename
+from archlab.interop.families.base import Family, HFConfig, Rule, attention, layers, register_family, renames
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     plain_activation,
     require_plain_transformer,
-    weight_bias,
 )
 
 OFFSET = 2   # OPTLearnedPositionalEmbedding.offset
@@ -81,23 +80,9 @@ class OPTFamily(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = f"{self.base_prefix}decoder."
-        affine = cfg.norm.kind != "nonparametric"
-        rules = [rename("embed.weight", f"{p}embed_tokens.weight"),
-                 rename("abs_position.embedding.weight", f"{p}embed_positions.weight")]
-        if cfg.norm.final_norm and affine:
-            rules += weight_bias("final_norm", f"{p}final_layer_norm", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}layers.{i}.", f"blocks.{i}."
-            for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v")):
-                rules += weight_bias(f"{o}attn.{ours}_proj", f"{h}self_attn.{theirs}_proj", cfg.bias.qkv)
-            rules += weight_bias(f"{o}attn.o_proj", f"{h}self_attn.out_proj", cfg.bias.attn_out)
-            rules += weight_bias(f"{o}mlp.up_proj", f"{h}fc1", cfg.bias.mlp)
-            rules += weight_bias(f"{o}mlp.down_proj", f"{h}fc2", cfg.bias.mlp)
-            if affine:
-                rules += weight_bias(f"{o}attn_norm", f"{h}self_attn_layer_norm", True)
-                rules += weight_bias(f"{o}mlp_norm", f"{h}final_layer_norm", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        layer = {**attention("self_attn.", "q_proj k_proj v_proj out_proj"), "self_attn_layer_norm": "attn_norm",
+                 "fc1": "mlp.up_proj", "fc2": "mlp.down_proj", "final_layer_norm": "mlp_norm"}
+        return renames({"model.decoder.embed_tokens": "embed", "model.decoder.final_layer_norm": "final_norm",
+                        "model.decoder.embed_positions": "abs_position.embedding", "lm_head": "lm_head",
+                        **layers(layer, "model.decoder.layers.{i}.")}, "weight", "bias")

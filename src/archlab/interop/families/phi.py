@@ -14,13 +14,22 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import Family, HFConfig, Rule, read_rope, register_family, rename
+from archlab.interop.families.base import (
+    Family,
+    HFConfig,
+    Rule,
+    attention,
+    layers,
+    read_rope,
+    register_family,
+    rename,
+    renames,
+)
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     partial_rotary,
     plain_activation,
     require_plain_transformer,
-    weight_bias,
     write_partial_rope,
 )
 
@@ -77,21 +86,10 @@ class PhiFamily(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        rules = [rename("embed.weight", f"{p}embed_tokens.weight"), rename("head_bias", "lm_head.bias")]
-        rules += weight_bias("final_norm", f"{p}final_layernorm", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}layers.{i}.", f"blocks.{i}."
-            for x in "qkv":
-                rules += weight_bias(f"{o}attn.{x}_proj", f"{h}self_attn.{x}_proj", True)
-            rules += weight_bias(f"{o}attn.o_proj", f"{h}self_attn.dense", True)
-            rules += weight_bias(f"{o}mlp.up_proj", f"{h}mlp.fc1", True)
-            rules += weight_bias(f"{o}mlp.down_proj", f"{h}mlp.fc2", True)
-            rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
-            if cfg.attention.qk_norm == "per_head":
-                for x in "qk":
-                    rules += weight_bias(f"{o}attn.{x}_norm", f"{h}self_attn.{x}_layernorm", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        layer = {**attention("self_attn.", "q_proj k_proj v_proj dense"), "input_layernorm": "attn_norm",
+                 "self_attn.q_layernorm": "attn.q_norm", "self_attn.k_layernorm": "attn.k_norm",
+                 "mlp.fc1": "mlp.up_proj", "mlp.fc2": "mlp.down_proj"}
+        return [rename("head_bias", "lm_head.bias")] + renames(
+            {"model.embed_tokens": "embed", "model.final_layernorm": "final_norm", "lm_head": "lm_head",
+             **layers(layer, "model.layers.{i}.")}, "weight", "bias")

@@ -16,13 +16,15 @@ from archlab.config import (
     PositionConfig,
 )
 from archlab.interop.families.base import (
+    QKV,
     Family,
     HFConfig,
     Rule,
     fused,
+    layers,
     read_rope,
     register_family,
-    rename,
+    renames,
 )
 from archlab.interop.families.gpt_neox import (
     partial_rotary,
@@ -86,21 +88,12 @@ class Phi3Family(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
         q, kv = cfg.attention.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        rules = [rename("embed.weight", f"{p}embed_tokens.weight"),
-                 rename("final_norm.weight", f"{p}norm.weight")]
-        for i in range(cfg.n_layers):
-            h, o = f"{p}layers.{i}.", f"blocks.{i}."
-            rules.append(fused([f"{o}attn.{x}_proj.weight" for x in "qkv"],
-                               f"{h}self_attn.qkv_proj.weight", [q, kv, kv]))
-            rules.append(rename(f"{o}attn.o_proj.weight", f"{h}self_attn.o_proj.weight"))
-            rules.append(fused([f"{o}mlp.gate_proj.weight", f"{o}mlp.up_proj.weight"],
-                               f"{h}mlp.gate_up_proj.weight", [cfg.d_ff, cfg.d_ff]))
-            rules.append(rename(f"{o}mlp.down_proj.weight", f"{h}mlp.down_proj.weight"))
-            rules.append(rename(f"{o}attn_norm.weight", f"{h}input_layernorm.weight"))
-            rules.append(rename(f"{o}mlp_norm.weight", f"{h}post_attention_layernorm.weight"))
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+        layer = {"self_attn.o_proj": "attn.o_proj", "mlp.down_proj": "mlp.down_proj",
+                 "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
+        return [fused([f"{o}.weight" for o in QKV], "model.layers.{i}.self_attn.qkv_proj.weight", [q, kv, kv]),
+                fused(["blocks.{i}.mlp.gate_proj.weight", "blocks.{i}.mlp.up_proj.weight"],
+                      "model.layers.{i}.mlp.gate_up_proj.weight", [cfg.d_ff, cfg.d_ff]),
+                *renames({"model.embed_tokens": "embed", "model.norm": "final_norm", "lm_head": "lm_head",
+                          **layers(layer, "model.layers.{i}.")}, "weight")]

@@ -21,12 +21,14 @@ from archlab.config import (
     PositionConfig,
 )
 from archlab.interop.families.base import (
+    QKV,
     Family,
     HFConfig,
     Rule,
     fused,
+    layers,
     register_family,
-    rename,
+    renames,
     transposed,
 )
 
@@ -110,28 +112,13 @@ class GPT2Family(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p, d = self.base_prefix, cfg.d_model
-        rules = [rename("embed.weight", f"{p}wte.weight"),
-                 rename("abs_position.embedding.weight", f"{p}wpe.weight")]
-        for i in range(cfg.n_layers):
-            h, o = f"{p}h.{i}.", f"blocks.{i}."
-            qkv = [f"{o}attn.{x}_proj" for x in "qkv"]
-            rules += [
-                fused([f"{n}.weight" for n in qkv], f"{h}attn.c_attn.weight", [d, d, d], pre=_t, post=_t),
-                fused([f"{n}.bias" for n in qkv], f"{h}attn.c_attn.bias", [d, d, d]),
-                transposed(f"{o}attn.o_proj.weight", f"{h}attn.c_proj.weight"),
-                rename(f"{o}attn.o_proj.bias", f"{h}attn.c_proj.bias"),
-                transposed(f"{o}mlp.up_proj.weight", f"{h}mlp.c_fc.weight"),
-                rename(f"{o}mlp.up_proj.bias", f"{h}mlp.c_fc.bias"),
-                transposed(f"{o}mlp.down_proj.weight", f"{h}mlp.c_proj.weight"),
-                rename(f"{o}mlp.down_proj.bias", f"{h}mlp.c_proj.bias"),
-            ]
-            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-                rules += [rename(f"{o}{ours}.weight", f"{h}{theirs}.weight"),
-                          rename(f"{o}{ours}.bias", f"{h}{theirs}.bias")]
-        rules += [rename("final_norm.weight", f"{p}ln_f.weight"),
-                  rename("final_norm.bias", f"{p}ln_f.bias")]
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        d, h = cfg.d_model, "transformer.h.{i}."
+        conv1d = layers({"attn.c_proj": "attn.o_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}, h)
+        return [fused([f"{o}.weight" for o in QKV], f"{h}attn.c_attn.weight", [d, d, d], pre=_t, post=_t),
+                fused([f"{o}.bias" for o in QKV], f"{h}attn.c_attn.bias", [d, d, d]),
+                *(transposed(f"{ours}.weight", f"{theirs}.weight") for theirs, ours in conv1d.items()),
+                *renames(conv1d, "bias"),
+                *renames({"transformer.wte": "embed", "transformer.wpe": "abs_position.embedding",
+                          "transformer.ln_f": "final_norm", "lm_head": "lm_head",
+                          **layers({"ln_1": "attn_norm", "ln_2": "mlp_norm"}, h)}, "weight", "bias")]

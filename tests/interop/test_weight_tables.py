@@ -5,8 +5,8 @@ import pytest
 
 import archlab
 from archlab.interop.families import FAMILIES, infer_family
-from archlab.interop.families.base import (
-    Family,
+from archlab.interop.families.base import Family
+from archlab.interop.families.tables import (
     Rule,
     WeightsError,
     attention,

@@ -25,7 +25,8 @@ import torch
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families import FAMILIES, Family, infer_family  # noqa: F401 - re-exported
-from archlab.interop.families.base import Rule, WeightsError, config_diff
+from archlab.interop.families.base import config_diff
+from archlab.interop.families.tables import Rule, WeightsError
 from archlab.interop.tokenizer_files import write_tokenizer_files  # noqa: F401 - convert calls it from here
 from archlab.models import build_model
 from archlab.models.decoder import TransformerLM

@@ -29,7 +29,7 @@ from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families import FAMILIES, Family, infer_family
-from archlab.interop.families.base import Rule, WeightsError, _identity
+from archlab.interop.families.tables import Rule, WeightsError, _identity
 from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, lora_scaling, parse_targets, wrap
 from archlab.runs.checkpoint import make_readable
 

@@ -34,16 +34,8 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    StoredCopy,
-    attention,
-    layers,
-    register_family,
-    renames,
-)
+from archlab.interop.families.base import Family, HFConfig, StoredCopy, register_family
+from archlab.interop.families.tables import Rule, attention, layers, renames
 from archlab.nn.position import sinusoid_table
 
 # transformers' activation_function (ACT2FN names) -> ours, and back

@@ -15,7 +15,7 @@ How to add a family (one file in this package, ~100 lines):
    `c.get("rms_norm_eps", 1e-6)`, `c.require("hidden_size")`, and `c.unsupported(field, bad_if)` /
    `c.only(field, allowed)` so that an HF switch we cannot express raises ConfigError naming the
    field and its value instead of silently loading a different model. RoPE settings (legacy
-   `rope_theta`/`rope_scaling` and transformers-5 `rope_parameters`) go through `read_rope`.
+   `rope_theta`/`rope_scaling` and transformers-5 `rope_parameters`) go through `read_rope` (families/rope.py).
 
 3. `from_config(cfg) -> dict`: our config -> config.json dict for `save_hf`. Raise ConfigError naming
    the switch HF cannot express (`require_switch(cfg, "norm.kind", "rmsnorm", family)`). The
@@ -31,9 +31,10 @@ How to add a family (one file in this package, ~100 lines):
        renames({"model.embed_tokens.weight": "embed.weight",
                 "model.layers.{i}.self_attn.q_proj.weight": "blocks.{i}.attn.q_proj.weight", ...})
 
-   `renames(table, "weight", "bias")` reads a table of modules. `weight_rules(cfg)` expands the table over the
-   layers and keeps the rules whose parameters the model of `cfg` has (a bias, a q/k norm, an untied head exist
-   only where the config asks for them), so a table holds no conditions but the names that change with the
+   `renames(table, "weight", "bias")` reads a table of modules (the helpers are in families/tables.py).
+   `weight_rules(cfg)` expands the table over the layers and keeps the rules whose parameters the model of
+   `cfg` has (a bias, a q/k norm, an untied head exist only where the config asks for them), so a table holds
+   no conditions but the names that change with the
    config (which norm HF calls `post_attention_layernorm`). Tensors that are not renamed keep their Rule kinds:
    `transposed` for GPT-2's Conv1D, `fused(ours_list, hf, sizes)` for one HF tensor split into several of ours
    (fused qkv, gate_up) -- the inverse (concatenation) is used when saving. Tensors that old checkpoints
@@ -59,47 +60,14 @@ Checkpoints saved from the bare base model (LlamaModel instead of LlamaForCausal
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
-import math
-import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 import torch
 
-from archlab.config import (
-    ROPE_SCALING_FIELDS,
-    ConfigError,
-    ModelConfig,
-    PositionConfig,
-    RopeScaling,
-)
-from archlab.errors import UserError
-from archlab.models import build_model
+from archlab.config import ROPE_SCALING_FIELDS, ConfigError, ModelConfig, PositionConfig, RopeScaling
+from archlab.interop.families.tables import Rule, WeightsError, hf_names_of, parameter_names, table_rules
 from archlab.nn.registry import Registry
-
-
-class WeightsError(UserError, ValueError):
-    """A checkpoint whose tensors do not match the family's mapping (missing, extra, wrong shape)."""
-
-
-Tensors = list[torch.Tensor]
-
-
-def _identity(tensors: Tensors) -> Tensors:
-    return list(tensors)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """HF tensors `hf` <-> our parameters `ours`. `to_ours` maps the list of HF tensors (in `hf`
-    order) to the list of ours (in `ours` order); `to_hf` is its inverse, used by save_hf."""
-
-    ours: tuple[str, ...]
-    hf: tuple[str, ...]
-    to_ours: Callable[[Tensors], Tensors] = _identity
-    to_hf: Callable[[Tensors], Tensors] = _identity
 
 
 @dataclass(frozen=True)
@@ -117,113 +85,6 @@ class StoredCopy:
     compute: Callable[[], torch.Tensor] | None = None
     on_difference: Literal["untie_head", "read_copy", "refuse"] = "refuse"
     why: str = ""            # for "refuse": what archlab's model cannot hold apart
-
-
-def hf_names_of(rules: Sequence[Rule], ours: str) -> tuple[str, ...]:
-    """The HF tensors the rule filling our parameter `ours` reads (empty if no rule fills it)."""
-    return next((rule.hf for rule in rules if ours in rule.ours), ())
-
-
-def rename(ours: str, hf: str) -> Rule:
-    return Rule((ours,), (hf,))
-
-
-def renames(table: Mapping[str, str], *params: str) -> list[Rule]:
-    """One `rename` per entry of a table HF name -> our name. With `params` ("weight", "bias") the table
-    names modules, and each module gives one rule per parameter."""
-    suffixes = [f".{p}" for p in params] or [""]
-    return [rename(ours + s, hf + s) for hf, ours in table.items() for s in suffixes]
-
-
-def layers(table: Mapping[str, str], hf: str, ours: str = "blocks.{i}.") -> dict[str, str]:
-    """A table of one layer's modules (HF -> ours) with each side's per-layer prefix put in front."""
-    return {hf + h: ours + o for h, o in table.items()}
-
-
-def attention(hf: str, names: str = "q_proj k_proj v_proj o_proj", ours: str = "attn.") -> dict[str, str]:
-    """The table of an attention module's projections: HF's `names` of q, k, v and the output under the prefix
-    `hf` -> ours (`q_proj` ... `o_proj`) under `ours`."""
-    return {hf + theirs: f"{ours}{x}_proj" for theirs, x in zip(names.split(), "qkvo")}
-
-
-QKV = ("blocks.{i}.attn.q_proj", "blocks.{i}.attn.k_proj", "blocks.{i}.attn.v_proj")   # ours, split from a fused qkv
-
-
-def fused_params(split: Callable[[list[str], str], Rule], ours: Sequence[str], hf: str,
-                 params: Sequence[str] = ("weight", "bias")) -> list[Rule]:
-    """One rule `split(our names, HF name)` (a `fused` kind) per parameter of the modules `ours` and `hf`."""
-    return [split([f"{o}.{p}" for o in ours], f"{hf}.{p}") for p in params]
-
-
-_PLACEHOLDER = re.compile(r"\{(\w+)\}")
-
-
-def expand(rules: Iterable[Rule], counts: Mapping[str, int]) -> list[Rule]:
-    """Rules whose names hold placeholders (`{i}`) -> one rule per index (`counts`: placeholder -> how many),
-    layer by layer; rules without one as they are, first."""
-    groups: dict[tuple[str, ...], list[Rule]] = {}
-    for rule in rules:
-        keys = tuple(sorted({k for n in rule.ours + rule.hf for k in _PLACEHOLDER.findall(n)}))
-        groups.setdefault(keys, []).append(rule)
-    out = list(groups.pop((), []))
-    for keys, group in groups.items():
-        for values in itertools.product(*(range(counts[k]) for k in keys)):
-            at = dict(zip(keys, values))
-            out += [dataclasses.replace(rule, ours=tuple(n.format_map(at) for n in rule.ours),
-                                        hf=tuple(n.format_map(at) for n in rule.hf)) for rule in group]
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def parameter_names(cfg: ModelConfig) -> frozenset[str]:
-    """The state-dict keys of the model `cfg` builds (built on the meta device: no memory, no init)."""
-    with torch.device("meta"):
-        return frozenset(build_model(cfg).state_dict())
-
-
-def table_rules(table: Iterable[Rule], cfg: ModelConfig) -> list[Rule]:
-    """A family's table expanded over the layers of `cfg` (and its experts), kept where the model has the
-    parameters a rule fills."""
-    counts = {"i": cfg.n_layers}
-    if cfg.arch == "encoder_decoder":
-        counts["j"] = cfg.stack_depth("cross_decoder")
-    if cfg.mlp.moe is not None:
-        counts["e"] = cfg.mlp.moe.n_experts
-    names = parameter_names(cfg)
-    rules = []
-    for rule in expand(table, counts):
-        present = [n in names for n in rule.ours]
-        if all(present):
-            rules.append(rule)
-        elif any(present):
-            raise ValueError(f"weight rule for {rule.hf} fills {rule.ours}, of which the model has only some")
-    return rules
-
-
-def transposed(ours: str, hf: str) -> Rule:
-    """GPT-2's Conv1D stores weights (in, out); ours are nn.Linear (out, in)."""
-    flip = lambda ts: [ts[0].t().contiguous()]  # noqa: E731
-    return Rule((ours,), (hf,), flip, flip)
-
-
-def fused(ours: Sequence[str], hf: str, sizes: Sequence[int], dim: int = 0,
-          pre: Callable[[torch.Tensor], torch.Tensor] | None = None,
-          post: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Rule:
-    """One HF tensor = concatenation of several of ours along `dim` (fused qkv, gate_up).
-    `pre` is applied to the HF tensor before splitting (e.g. a transpose or a head reorder) and
-    `post` (its inverse) after concatenating when saving."""
-    def split(ts: Tensors) -> Tensors:
-        t = pre(ts[0]) if pre else ts[0]
-        if t.shape[dim] != sum(sizes):
-            raise ConfigError(f"size {t.shape[dim]} along dim {dim}, "
-                              f"expected {sum(sizes)} = {' + '.join(map(str, sizes))}")
-        return [p.contiguous() for p in torch.split(t, list(sizes), dim=dim)]
-
-    def cat(ts: Tensors) -> Tensors:
-        t = torch.cat(ts, dim=dim)
-        return [(post(t) if post else t).contiguous()]
-
-    return Rule(tuple(ours), (hf,), split, cat)
 
 
 class HFConfig:
@@ -267,119 +128,6 @@ class HFConfig:
 
     def error(self, message: str) -> ConfigError:
         return ConfigError(f"{self.model_type} config.json: {message}")
-
-
-def read_rope(c: HFConfig, default_theta: float = 10_000.0, params: dict | None = None,
-              aliases: dict[str, str] | None = None,
-              kinds: Sequence[str] | None = None) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from legacy `rope_theta` + `rope_scaling` or transformers-5 `rope_parameters`
-    (pass `params` to read one entry of a per-layer-type `rope_parameters`). `aliases` renames
-    rope types the way a family's HF config class does (Phi-3: su, yarn -> longrope); `kinds`
-    limits the types the family's HF model accepts. Defaults follow transformers'
-    modeling_rope_utils (a top-level `original_max_position_embeddings` wins over the one in
-    the rope dict; yarn/longrope `factor` defaults to max_position_embeddings / original)."""
-    nested = params is not None
-    if params is None:
-        params = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta") or c.get("rope_theta", default_theta))
-    kind = params.get("rope_type", params.get("type", "default"))
-    kind = (aliases or {}).get(kind, kind)
-    supported = list(kinds) if kinds is not None else ["default", *ROPE_READERS.names()]
-    if kind not in supported:
-        raise c.error(f"rope type {kind!r} (rope_scaling / rope_parameters) is not supported by "
-                      f"archlab here (supported: {', '.join(map(repr, supported))})")
-    if kind == "default":
-        return theta, None
-    top = None if nested else c.get("original_max_position_embeddings")
-    original = top or params.get("original_max_position_embeddings")
-    original = int(original or c.require("max_position_embeddings"))
-    try:
-        return theta, ROPE_READERS.get(kind)(params, original, c)
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise c.error(f"rope type {kind!r}: missing or malformed field {exc}") from exc
-
-
-# rope type -> reader(params, original_max_position_embeddings, config) -> RopeScaling
-ROPE_READERS: Registry[Callable[[dict, int, HFConfig], RopeScaling]] = Registry("HF rope type")
-
-
-def _implied_factor(params: dict, original: int, c: HFConfig) -> float:
-    """transformers: a missing yarn/longrope factor is max_position_embeddings / original."""
-    return float(params.get("factor") or c.require("max_position_embeddings") / original)
-
-
-@ROPE_READERS.register("linear")
-def _read_linear(params: dict, original: int, c: HFConfig) -> RopeScaling:
-    return RopeScaling(kind="linear", factor=float(params["factor"]))
-
-
-@ROPE_READERS.register("llama3")
-def _read_llama3(params: dict, original: int, c: HFConfig) -> RopeScaling:
-    return RopeScaling(kind="llama3", factor=float(params["factor"]),
-                       low_freq_factor=float(params["low_freq_factor"]),
-                       high_freq_factor=float(params["high_freq_factor"]),
-                       original_max_seq_len=original)
-
-
-@ROPE_READERS.register("yarn")
-def _read_yarn(params: dict, original: int, c: HFConfig) -> RopeScaling:
-    factor = _implied_factor(params, original, c)
-    attention = params.get("attention_factor")
-    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-    if attention is None and mscale and mscale_all_dim:  # DeepSeek: a ratio of two mscales
-        def get_mscale(m: float) -> float:
-            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
-        attention = get_mscale(mscale) / get_mscale(mscale_all_dim)
-    return RopeScaling(kind="yarn", factor=factor, original_max_seq_len=original,
-                       beta_fast=float(params.get("beta_fast") or 32),   # `or`: as transformers
-                       beta_slow=float(params.get("beta_slow") or 1),
-                       truncate=bool(params.get("truncate", True)),
-                       attention_factor=None if attention is None else float(attention))
-
-
-@ROPE_READERS.register("longrope")
-def _read_longrope(params: dict, original: int, c: HFConfig) -> RopeScaling:
-    attention = params.get("attention_factor")
-    return RopeScaling(kind="longrope", factor=_implied_factor(params, original, c),
-                       original_max_seq_len=original,
-                       short_factor=params["short_factor"], long_factor=params["long_factor"],
-                       attention_factor=None if attention is None else float(attention))
-
-
-@ROPE_READERS.register("dynamic")
-def _read_dynamic(params: dict, original: int, c: HFConfig) -> RopeScaling:
-    # transformers scales past max_position_embeddings (not original_max_position_embeddings)
-    return RopeScaling(kind="dynamic", factor=float(params["factor"]),
-                       original_max_seq_len=int(c.require("max_position_embeddings")))
-
-
-def write_rope(theta: float, scaling: RopeScaling | None) -> dict:
-    """HF rope fields: `rope_parameters` (transformers >= 5) plus legacy `rope_theta`/`rope_scaling`.
-    Dynamic NTK scales past max_position_embeddings: `Family.to_hf` sets it."""
-    theta = float(theta)
-    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    if scaling is not None:
-        params.update(rope_type=scaling.kind, factor=float(scaling.factor))
-        if scaling.kind == "llama3":
-            params.update(low_freq_factor=float(scaling.low_freq_factor),
-                          high_freq_factor=float(scaling.high_freq_factor))
-        if scaling.kind in ("llama3", "yarn", "longrope"):
-            params["original_max_position_embeddings"] = scaling.original_max_seq_len
-        if scaling.kind == "yarn":
-            params.update(beta_fast=float(scaling.beta_fast), beta_slow=float(scaling.beta_slow),
-                          truncate=scaling.truncate)
-        if scaling.kind == "longrope":
-            params.update(short_factor=list(scaling.short_factor),
-                          long_factor=list(scaling.long_factor))
-        if scaling.attention_factor is not None:
-            params["attention_factor"] = float(scaling.attention_factor)
-    legacy = None
-    if params["rope_type"] != "default":
-        legacy = {k: v for k, v in params.items() if k != "rope_theta"}
-        legacy["type"] = params["rope_type"]
-    return {"rope_theta": theta, "rope_scaling": legacy, "rope_parameters": params}
 
 
 def require_switch(cfg: ModelConfig, key: str, allowed: Any | Sequence[Any], family: str) -> None:

@@ -39,31 +39,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    ConfigError,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    StoredCopy,
-    attention,
-    layers,
-    register_family,
-    rename,
-    renames,
-)
+from archlab.config import AttentionConfig, BiasConfig, ConfigError, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, StoredCopy, register_family
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     plain_activation,
     require_plain_transformer,
 )
+from archlab.interop.families.tables import Rule, attention, layers, rename, renames
 
 
 class _BertLike(Family):

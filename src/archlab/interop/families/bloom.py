@@ -14,25 +14,10 @@ from __future__ import annotations
 
 import functools
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    QKV,
-    Family,
-    HFConfig,
-    Rule,
-    fused_params,
-    layers,
-    register_family,
-    renames,
-)
+from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.gpt_neox import per_head_qkv, require_plain_transformer
+from archlab.interop.families.tables import QKV, Rule, fused_params, layers, renames
 
 
 @register_family

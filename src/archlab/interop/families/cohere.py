@@ -10,25 +10,8 @@ shared LayerNorm without bias, interleaved RoPE, SwiGLU, tied head, logits * `lo
 """
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    BlockConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    layers,
-    read_rope,
-    register_family,
-    renames,
-    write_rope,
-)
+from archlab.config import AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.gpt_neox import require_plain_transformer
 from archlab.interop.families.llama import (
     GATED_ACT_BACK,
@@ -37,6 +20,8 @@ from archlab.interop.families.llama import (
     layer_types,
     pattern_from_types,
 )
+from archlab.interop.families.rope import read_rope, write_rope
+from archlab.interop.families.tables import Rule, layers, renames
 
 
 @register_family

@@ -25,24 +25,14 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import (
-    QKV,
-    Family,
-    HFConfig,
-    Rule,
-    fused,
-    fused_params,
-    layers,
-    read_rope,
-    register_family,
-    renames,
-    write_rope,
-)
+from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     plain_activation,
     require_plain_transformer,
 )
+from archlab.interop.families.rope import read_rope, write_rope
+from archlab.interop.families.tables import QKV, Rule, fused, fused_params, layers, renames
 
 
 def grouped_qkv(ours: list[str], hf: str, n_heads: int, n_kv: int, head_dim: int) -> Rule:

@@ -12,23 +12,8 @@ GeGLU with tanh GeLU, explicit head_dim, tied head.
 """
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    ConfigError,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    read_rope,
-    register_family,
-    write_rope,
-)
+from archlab.config import AttentionConfig, BiasConfig, ConfigError, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.llama import (
     GATED_ACT,
     GATED_ACT_BACK,
@@ -38,6 +23,8 @@ from archlab.interop.families.llama import (
     pattern_from_types,
     require_serial_full_rope,
 )
+from archlab.interop.families.rope import read_rope, write_rope
+from archlab.interop.families.tables import Rule
 
 SANDWICH_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_post_norm",
                   "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "mlp_post_norm"}

@@ -12,25 +12,9 @@ float32 (an fp16/bf16 overflow guard) and is read as a no-op. Not supported: `ad
 """
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    QKV,
-    Family,
-    HFConfig,
-    Rule,
-    fused,
-    layers,
-    register_family,
-    renames,
-    transposed,
-)
+from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
+from archlab.interop.families.tables import QKV, Rule, fused, layers, renames, transposed
 
 ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
        "silu": "silu", "swish": "silu"}

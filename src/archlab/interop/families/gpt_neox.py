@@ -12,28 +12,10 @@ import functools
 
 import torch
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    BlockConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    QKV,
-    Family,
-    HFConfig,
-    Rule,
-    fused,
-    fused_params,
-    layers,
-    read_rope,
-    register_family,
-    renames,
-    write_rope,
-)
+from archlab.config import AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
+from archlab.interop.families.rope import read_rope, write_rope
+from archlab.interop.families.tables import QKV, Rule, fused, fused_params, layers, renames
 
 # HF hidden_act of a plain (non-gated) MLP -> ours. gelu_new / gelu_fast / bloom's gelu are the
 # tanh approximation (Hendrycks & Gimpel 2016), equal to torch's approximate="tanh" to rounding.

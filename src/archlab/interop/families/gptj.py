@@ -3,21 +3,14 @@
 no q/k/v/out biases, MLP biases, and an LM-head bias. Activation gelu_new (tanh GeLU)."""
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    BlockConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import Family, HFConfig, Rule, attention, layers, register_family, rename, renames
+from archlab.config import AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     plain_activation,
     require_plain_transformer,
 )
+from archlab.interop.families.tables import Rule, attention, layers, rename, renames
 
 
 @register_family

@@ -29,17 +29,9 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    attention,
-    layers,
-    read_rope,
-    register_family,
-    renames,
-    write_rope,
-)
+from archlab.interop.families.base import Family, HFConfig, register_family
+from archlab.interop.families.rope import read_rope, write_rope
+from archlab.interop.families.tables import Rule, attention, layers, renames
 
 # HF hidden_act of a gated MLP -> our gated activation
 GATED_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh",

@@ -4,15 +4,8 @@ bias; eps `norm_eps`), serial pre-norm, non-gated squared-ReLU MLP (So et al. 20
 `attention_bias` / `mlp_bias`, untied head."""
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import Family, HFConfig, Rule, attention, layers, read_rope, register_family, renames
+from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     partial_rotary,
@@ -20,6 +13,8 @@ from archlab.interop.families.gpt_neox import (
     require_plain_transformer,
     write_partial_rope,
 )
+from archlab.interop.families.rope import read_rope
+from archlab.interop.families.tables import Rule, attention, layers, renames
 
 
 @register_family

@@ -8,20 +8,14 @@ Not supported: `word_embed_proj_dim != hidden_size` (opt-350m's project_in/proje
 """
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import Family, HFConfig, Rule, attention, layers, register_family, renames
+from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     plain_activation,
     require_plain_transformer,
 )
+from archlab.interop.families.tables import Rule, attention, layers, renames
 
 OFFSET = 2   # OPTLearnedPositionalEmbedding.offset
 

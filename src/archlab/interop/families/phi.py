@@ -5,26 +5,8 @@ head's dims, one weight shared by all heads, before RoPE: attention.qk_norm='per
 bias.qk_norm."""
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    BlockConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    attention,
-    layers,
-    read_rope,
-    register_family,
-    rename,
-    renames,
-)
+from archlab.config import AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     partial_rotary,
@@ -32,6 +14,8 @@ from archlab.interop.families.gpt_neox import (
     require_plain_transformer,
     write_partial_rope,
 )
+from archlab.interop.families.rope import read_rope
+from archlab.interop.families.tables import Rule, attention, layers, rename, renames
 
 
 @register_family

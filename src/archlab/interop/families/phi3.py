@@ -8,30 +8,16 @@ original_max_position_embeddings (not by max_position_embeddings); archlab's Rot
 does the same. Other rope types are refused, as Phi3Config refuses them."""
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    QKV,
-    Family,
-    HFConfig,
-    Rule,
-    fused,
-    layers,
-    read_rope,
-    register_family,
-    renames,
-)
+from archlab.config import AttentionConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.gpt_neox import (
     partial_rotary,
     require_plain_transformer,
     write_partial_rope,
 )
 from archlab.interop.families.llama import GATED_ACT_BACK, gated_activation
+from archlab.interop.families.rope import read_rope
+from archlab.interop.families.tables import QKV, Rule, fused, layers, renames
 
 LONGROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # as Phi3Config renames them
 

@@ -17,25 +17,9 @@ and a cross-attention bias table that transformers' class lacks (ignored).
 """
 from __future__ import annotations
 
-from archlab.config import (
-    Activation,
-    AttentionConfig,
-    BlockConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    StoredCopy,
-    attention,
-    layers,
-    register_family,
-    renames,
-)
+from archlab.config import Activation, AttentionConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, StoredCopy, register_family
+from archlab.interop.families.tables import Rule, attention, layers, renames
 
 # transformers' dense_act_fn (ACT2FN names) -> our activation, plain and gated
 ACT: dict[str, Activation] = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",

@@ -216,7 +216,8 @@ class Family:
     architecture: str = ""          # HF class written to config.json "architectures"
     arch: str = "decoder"           # the ModelConfig.arch its configs have (BERT: "encoder")
     base_prefix: str = "model."     # prefix of the base model's tensors inside *ForCausalLM
-    save_priority: int = 100        # lower wins when several families express a config exactly
+    save_priority: int = 50         # lower wins when several families express a config exactly
+    ties_by_default = False         # the HF config class's tie_word_embeddings default
     config_unties = True            # tie_word_embeddings=false unties every copy in transformers, so save_hf
                                     # writes each one (False: the HF config class ties them whatever it says)
 
@@ -270,7 +271,15 @@ class Family:
             return []
         return [StoredCopy(head[0], embed[0], on_difference="untie_head")]
 
-    # ---- helpers for from_config -------------------------------------------------------------
+    # ---- helpers for to_config and from_config ------------------------------------------------
+    def model_config(self, c: HFConfig, **fields: Any) -> ModelConfig:
+        """ModelConfig(**fields) with the fields families read alike: name, vocab_size, tie_word_embeddings (its
+        default `ties_by_default`) and initializer_range (a field given wins)."""
+        alike = dict(name=f"hf-{self.model_type}", vocab_size=c.require("vocab_size"),
+                     tie_embeddings=bool(c.get("tie_word_embeddings", self.ties_by_default)),
+                     init={"std": c.get("initializer_range", 0.02)})
+        return ModelConfig(**(alike | fields))
+
     def base_hf(self, cfg: ModelConfig) -> dict:
         """Fields every config.json written by save_hf carries."""
         return {

@@ -53,7 +53,7 @@ class _BertLike(Family):
     """What BERT and RoBERTa share; subclasses name their prefix, head and position convention."""
 
     arch = "encoder"
-    save_priority = 50
+    ties_by_default = True
     head = ""                  # the MLM head's module ("cls.predictions." / "lm_head.")
     head_dense = ""            # its transform's dense and norm, under `head`
     head_norm = ""
@@ -80,10 +80,9 @@ class _BertLike(Family):
                           f"(pad_token_id + 1)")
         eps = float(c.get("layer_norm_eps", 1e-12))
         dropout = float(c.get("hidden_dropout_prob", 0.0))
-        return ModelConfig(
-            name=f"hf-{self.model_type}",
+        return self.model_config(
+            c,
             arch="encoder",
-            vocab_size=c.require("vocab_size"),
             d_model=c.require("hidden_size"),
             n_layers=c.require("num_hidden_layers"),
             max_seq_len=rows - offset,
@@ -96,9 +95,7 @@ class _BertLike(Family):
             position=PositionConfig(kind="learned", learned_offset=offset),
             bias=BiasConfig(qkv=True, attn_out=True, mlp=True, norm=True, head=True),
             type_vocab_size=types,
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
             embedding_dropout=dropout,
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def from_config(self, cfg: ModelConfig) -> dict:
@@ -172,6 +169,7 @@ class _BertLike(Family):
         return rules + [rename("lm_head.weight", f"{h}decoder.weight"),
                         Rule(("head_bias",), (f"{h}decoder.bias", f"{h}bias"), lambda ts: [ts[0]],
                              lambda ts: [ts[0], ts[0].clone()])]
+
     def ignored_hf(self, cfg: ModelConfig) -> list[str]:
         p = self.base_prefix.replace(".", r"\.")
         ignored = [rf"{p}embeddings\.(position_ids|token_type_ids)"]

@@ -12,20 +12,18 @@ before the first layer and weights moved between layers.
 """
 from __future__ import annotations
 
-import functools
-
 from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
 from archlab.interop.families.base import Family, HFConfig, register_family
-from archlab.interop.families.gpt_neox import per_head_qkv, require_plain_transformer
-from archlab.interop.families.tables import QKV, Rule, fused_params, layers, renames
+from archlab.interop.families.gpt_neox import neox_table, require_plain_transformer
+from archlab.interop.families.tables import Rule
 
 
 @register_family
 class BloomFamily(Family):
     model_type = "bloom"
     architecture = "BloomForCausalLM"
+    ties_by_default = True
     base_prefix = "transformer."
-    save_priority = 50
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
@@ -33,9 +31,8 @@ class BloomFamily(Family):
                       why="the residual taken after the LayerNorm, n(x) + f(n(x)), "
                           "is no archlab norm.position")
         d = c.get("hidden_size") or c.require("n_embed")
-        return ModelConfig(
-            name="hf-bloom",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.get("n_layer") or c.require("num_hidden_layers"),
             max_seq_len=c.get("seq_length", 2048),
@@ -46,8 +43,6 @@ class BloomFamily(Family):
                             embedding_norm=True),
             position=PositionConfig(kind="alibi"),
             bias=BiasConfig(qkv=True, attn_out=True, mlp=True, norm=True),
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def from_config(self, cfg: ModelConfig) -> dict:
@@ -61,11 +56,6 @@ class BloomFamily(Family):
         return hf
 
     def weight_table(self, cfg: ModelConfig) -> list[Rule]:
-        qkv = functools.partial(per_head_qkv, n_heads=cfg.attention.n_heads, head_dim=cfg.head_dim)
-        layer = {"self_attention.dense": "attn.o_proj", "mlp.dense_h_to_4h": "mlp.up_proj",
-                 "mlp.dense_4h_to_h": "mlp.down_proj", "input_layernorm": "attn_norm",
-                 "post_attention_layernorm": "mlp_norm"}
-        return (fused_params(qkv, QKV, "transformer.h.{i}.self_attention.query_key_value")
-                + renames({"transformer.word_embeddings": "embed", "transformer.ln_f": "final_norm",
-                           "transformer.word_embeddings_layernorm": "embed_norm", "lm_head": "lm_head",
-                           **layers(layer, "transformer.h.{i}.")}, "weight", "bias"))
+        return neox_table(cfg, "transformer.h.{i}.", "self_attention.", {
+            "transformer.word_embeddings": "embed", "transformer.word_embeddings_layernorm": "embed_norm",
+            "transformer.ln_f": "final_norm", "lm_head": "lm_head"})

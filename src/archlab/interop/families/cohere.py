@@ -28,8 +28,7 @@ from archlab.interop.families.tables import Rule, layers, renames
 class CohereFamily(Family):
     model_type = "cohere"
     architecture = "CohereForCausalLM"
-    base_prefix = "model."
-    save_priority = 50
+    ties_by_default = True
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
@@ -37,9 +36,8 @@ class CohereFamily(Family):
         theta, scaling = read_rope(c)
         attn_bias = bool(c.get("attention_bias", False))
         window, pattern, global_kind = self.read_window(c)
-        return ModelConfig(
-            name=f"hf-{self.model_type}",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.require("num_hidden_layers"),
             max_seq_len=c.get("max_position_embeddings", 8192),
@@ -54,9 +52,7 @@ class CohereFamily(Family):
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling,
                                     rope_layout="interleaved", global_kind=global_kind),
             bias=BiasConfig(qkv=attn_bias, attn_out=attn_bias),
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
             logit_scale=c.get("logit_scale"),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def read_head_dim(self, c: HFConfig, default: int) -> int:

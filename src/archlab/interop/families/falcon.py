@@ -26,13 +26,9 @@ from archlab.config import (
     PositionConfig,
 )
 from archlab.interop.families.base import Family, HFConfig, register_family
-from archlab.interop.families.gpt_neox import (
-    PLAIN_ACT_BACK,
-    plain_activation,
-    require_plain_transformer,
-)
+from archlab.interop.families.gpt_neox import NEOX_MLP, PLAIN_ACT_BACK, plain_activation, require_plain_transformer
 from archlab.interop.families.rope import read_rope, write_rope
-from archlab.interop.families.tables import QKV, Rule, fused, fused_params, layers, renames
+from archlab.interop.families.tables import PRE_NORMS, QKV, Rule, fused, fused_params, layers, renames
 
 
 def grouped_qkv(ours: list[str], hf: str, n_heads: int, n_kv: int, head_dim: int) -> Rule:
@@ -61,8 +57,8 @@ def grouped_qkv(ours: list[str], hf: str, n_heads: int, n_kv: int, head_dim: int
 class FalconFamily(Family):
     model_type = "falcon"
     architecture = "FalconForCausalLM"
+    ties_by_default = True
     base_prefix = "transformer."
-    save_priority = 50
 
     def layout(self, hf: dict) -> tuple[bool, int, int]:
         """(new_decoder_architecture, number of norms in a parallel block, kv heads)."""
@@ -92,9 +88,8 @@ class FalconFamily(Family):
         parallel = new or bool(c.get("parallel_attn", True))
         theta, scaling = read_rope(c)
         bias = bool(c.get("bias", False))
-        return ModelConfig(
-            name="hf-falcon",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.get("num_hidden_layers") or c.require("n_layer"),
             max_seq_len=c.get("max_position_embeddings", 2048),
@@ -106,8 +101,6 @@ class FalconFamily(Family):
             block=BlockConfig(parallel=parallel, parallel_norms=n_norms),
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling),
             bias=BiasConfig(qkv=bias, attn_out=bias, mlp=bias, norm=True),
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def from_config(self, cfg: ModelConfig) -> dict:
@@ -133,12 +126,11 @@ class FalconFamily(Family):
     def weight_table(self, cfg: ModelConfig) -> list[Rule]:
         qkv = functools.partial(grouped_qkv, n_heads=cfg.attention.n_heads, n_kv=cfg.n_kv_heads,
                                 head_dim=cfg.head_dim)
-        layer = {"self_attention.dense": "attn.o_proj", "mlp.dense_h_to_4h": "mlp.up_proj",
-                 "mlp.dense_4h_to_h": "mlp.down_proj"}
+        layer = {"self_attention.dense": "attn.o_proj", **NEOX_MLP}
         if cfg.block.parallel and cfg.block.parallel_norms == 2:   # new architecture
             layer.update(ln_attn="attn_norm", ln_mlp="mlp_norm")
         else:
-            layer.update(input_layernorm="attn_norm", post_attention_layernorm="mlp_norm")
+            layer.update(PRE_NORMS)
         return (fused_params(qkv, QKV, "transformer.h.{i}.self_attention.query_key_value")
                 + renames({"transformer.word_embeddings": "embed", "transformer.ln_f": "final_norm",
                            "lm_head": "lm_head", **layers(layer, "transformer.h.{i}.")}, "weight", "bias"))

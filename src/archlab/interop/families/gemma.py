@@ -17,20 +17,21 @@ from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.llama import (
     GATED_ACT,
     GATED_ACT_BACK,
-    PRE_NORMS,
     layer_types,
     llama_table,
     pattern_from_types,
     require_serial_full_rope,
 )
 from archlab.interop.families.rope import read_rope, write_rope
-from archlab.interop.families.tables import Rule
+from archlab.interop.families.tables import PRE_NORMS, Rule
 
 SANDWICH_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_post_norm",
                   "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "mlp_post_norm"}
 
 
 class GemmaLike(Family):
+    ties_by_default = True
+    save_priority = 100
     version = 1
     act_key = "hidden_act"
 
@@ -62,9 +63,8 @@ class GemmaLike(Family):
             theta, scaling, local_theta = self.read_gemma3_rope(c)
             if pattern is None or (local_theta == theta and scaling is None):
                 local_theta = None
-        return ModelConfig(
-            name=f"hf-{self.model_type}",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=n_layers,
             max_seq_len=c.get("max_position_embeddings", 8192),
@@ -86,10 +86,8 @@ class GemmaLike(Family):
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling,
                                     local_rope_theta=local_theta),
             bias=BiasConfig(qkv=attn_bias, attn_out=attn_bias),
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
             scale_embeddings=True,
             final_logit_softcap=c.get("final_logit_softcapping") if self.version >= 2 else None,
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def read_gemma3_rope(self, c: HFConfig):

@@ -27,6 +27,7 @@ def _t(x):
 
 @register_family
 class GPT2Family(Family):
+    ties_by_default = True
     model_type = "gpt2"
     architecture = "GPT2LMHeadModel"
     base_prefix = "transformer."
@@ -39,9 +40,8 @@ class GPT2Family(Family):
         c.unsupported("add_cross_attention", why="encoder-decoder cross-attention")
         scaled = bool(c.get("scale_attn_weights", True))
         n_positions = c.get("n_positions", c.get("n_ctx", 1024))
-        return ModelConfig(
-            name="hf-gpt2",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.require("n_layer"),
             max_seq_len=n_positions,
@@ -54,7 +54,6 @@ class GPT2Family(Family):
             block={"residual_dropout": float(c.get("resid_pdrop", 0.0))},
             position=PositionConfig(kind="learned"),
             bias=BiasConfig(qkv=True, attn_out=True, mlp=True, norm=True),
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
             embedding_dropout=float(c.get("embd_pdrop", 0.0)),
             init={"std": c.get("initializer_range", 0.02), "scaled_residual": True},
         )

@@ -18,7 +18,6 @@ class GPTJFamily(Family):
     model_type = "gptj"
     architecture = "GPTJForCausalLM"
     base_prefix = "transformer."
-    save_priority = 50
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
@@ -28,9 +27,8 @@ class GPTJFamily(Family):
         fraction = rotary_dim / head_dim
         if int(head_dim * fraction) != rotary_dim or rotary_dim > head_dim:
             raise c.error(f"rotary_dim={rotary_dim} cannot be expressed for head_dim={head_dim}")
-        return ModelConfig(
-            name="hf-gptj",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.require("n_layer"),
             max_seq_len=c.get("n_positions", 2048),
@@ -42,8 +40,6 @@ class GPTJFamily(Family):
             position=PositionConfig(kind="rope", rope_theta=10_000.0, rope_layout="interleaved",
                                     rotary_fraction=fraction),
             bias=BiasConfig(qkv=False, attn_out=False, mlp=True, norm=True, head=True),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def from_config(self, cfg: ModelConfig) -> dict:

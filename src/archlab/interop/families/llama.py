@@ -31,7 +31,7 @@ from archlab.config import (
 )
 from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.rope import read_rope, write_rope
-from archlab.interop.families.tables import Rule, attention, layers, renames
+from archlab.interop.families.tables import PRE_NORMS, Rule, attention, layers, renames
 
 # HF hidden_act of a gated MLP -> our gated activation
 GATED_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh",
@@ -71,7 +71,6 @@ def gated_activation(c: HFConfig, key: str = "hidden_act", default: str = "silu"
 # one LLaMA layer's modules, HF -> ours (the norms apart: their HF names follow the block's wiring)
 LLAMA_LAYER = {**attention("self_attn."), "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm",
                "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj"}
-PRE_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
 
 
 def llama_table(norms: Mapping[str, str] = PRE_NORMS) -> list[Rule]:
@@ -118,9 +117,8 @@ class LlamaLike(Family):
             c.unsupported("mlp_bias", why="MLP biases")
         c.unsupported("pretraining_tp", lambda v: v != 1, "tensor-parallel slicing of the MLP")
         window, pattern = self.read_window(c)
-        return ModelConfig(
-            name=f"hf-{self.model_type}",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.require("num_hidden_layers"),
             max_seq_len=c.get("max_position_embeddings", 2048),
@@ -140,8 +138,6 @@ class LlamaLike(Family):
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling),
             bias=BiasConfig(qkv=attn_bias or self.qkv_bias, attn_out=attn_bias,
                             mlp=bool(c.get("mlp_bias", False))),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def read_window(self, c: HFConfig) -> tuple[int | None, str | None]:

@@ -6,32 +6,23 @@ from __future__ import annotations
 
 from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
 from archlab.interop.families.base import Family, HFConfig, register_family
-from archlab.interop.families.gpt_neox import (
-    PLAIN_ACT_BACK,
-    partial_rotary,
-    plain_activation,
-    require_plain_transformer,
-    write_partial_rope,
-)
-from archlab.interop.families.rope import read_rope
-from archlab.interop.families.tables import Rule, attention, layers, renames
+from archlab.interop.families.gpt_neox import PLAIN_ACT_BACK, plain_activation, require_plain_transformer
+from archlab.interop.families.rope import partial_rotary, read_rope, write_partial_rope
+from archlab.interop.families.tables import PRE_NORMS, Rule, attention, layers, renames
 
 
 @register_family
 class NemotronFamily(Family):
     model_type = "nemotron"
     architecture = "NemotronForCausalLM"
-    base_prefix = "model."
-    save_priority = 50
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
         d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
         theta, scaling = read_rope(c)
         attn_bias = bool(c.get("attention_bias", False))
-        return ModelConfig(
-            name="hf-nemotron",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.require("num_hidden_layers"),
             max_seq_len=c.get("max_position_embeddings", 4096),
@@ -45,7 +36,6 @@ class NemotronFamily(Family):
                                     rotary_fraction=partial_rotary(c, "partial_rotary_factor", 0.5)),
             bias=BiasConfig(qkv=attn_bias, attn_out=attn_bias, mlp=bool(c.get("mlp_bias", False)),
                             norm=True),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             init={"std": c.get("initializer_range", 0.0134)},
         )
 
@@ -68,6 +58,6 @@ class NemotronFamily(Family):
 
     def weight_table(self, cfg: ModelConfig) -> list[Rule]:
         layer = {**attention("self_attn."), "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj",
-                 "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
+                 **PRE_NORMS}
         return renames({"model.embed_tokens": "embed", "model.norm": "final_norm", "lm_head": "lm_head",
                         **layers(layer, "model.layers.{i}.")}, "weight", "bias")

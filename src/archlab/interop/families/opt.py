@@ -22,10 +22,9 @@ OFFSET = 2   # OPTLearnedPositionalEmbedding.offset
 
 @register_family
 class OPTFamily(Family):
+    ties_by_default = True
     model_type = "opt"
     architecture = "OPTForCausalLM"
-    base_prefix = "model."
-    save_priority = 50
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
@@ -35,9 +34,8 @@ class OPTFamily(Family):
         pre = bool(c.get("do_layer_norm_before", True))
         affine = bool(c.get("layer_norm_elementwise_affine", True))
         bias = bool(c.get("enable_bias", True))
-        return ModelConfig(
-            name="hf-opt",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.require("num_hidden_layers"),
             max_seq_len=c.get("max_position_embeddings", 2048),
@@ -50,7 +48,6 @@ class OPTFamily(Family):
                             final_norm=pre and not c.get("_remove_final_layer_norm", False)),
             position=PositionConfig(kind="learned", learned_offset=OFFSET),
             bias=BiasConfig(qkv=bias, attn_out=bias, mlp=bias, norm=affine),
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
             block={"residual_dropout": float(c.get("dropout", 0.0))},
             init={"std": c.get("init_std", 0.02)},
         )

@@ -7,14 +7,8 @@ from __future__ import annotations
 
 from archlab.config import AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
 from archlab.interop.families.base import Family, HFConfig, register_family
-from archlab.interop.families.gpt_neox import (
-    PLAIN_ACT_BACK,
-    partial_rotary,
-    plain_activation,
-    require_plain_transformer,
-    write_partial_rope,
-)
-from archlab.interop.families.rope import read_rope
+from archlab.interop.families.gpt_neox import PLAIN_ACT_BACK, plain_activation, require_plain_transformer
+from archlab.interop.families.rope import partial_rotary, read_rope, write_partial_rope
 from archlab.interop.families.tables import Rule, attention, layers, rename, renames
 
 
@@ -22,17 +16,14 @@ from archlab.interop.families.tables import Rule, attention, layers, rename, ren
 class PhiFamily(Family):
     model_type = "phi"
     architecture = "PhiForCausalLM"
-    base_prefix = "model."
-    save_priority = 50
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
         qk_norm = bool(c.get("qk_layernorm", False))
         d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
         theta, scaling = read_rope(c)
-        return ModelConfig(
-            name="hf-phi",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.require("num_hidden_layers"),
             max_seq_len=c.get("max_position_embeddings", 2048),
@@ -46,8 +37,6 @@ class PhiFamily(Family):
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling,
                                     rotary_fraction=partial_rotary(c, "partial_rotary_factor", 0.5)),
             bias=BiasConfig(qkv=True, attn_out=True, mlp=True, norm=True, head=True, qk_norm=qk_norm),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def from_config(self, cfg: ModelConfig) -> dict:

@@ -10,14 +10,10 @@ from __future__ import annotations
 
 from archlab.config import AttentionConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
 from archlab.interop.families.base import Family, HFConfig, register_family
-from archlab.interop.families.gpt_neox import (
-    partial_rotary,
-    require_plain_transformer,
-    write_partial_rope,
-)
+from archlab.interop.families.gpt_neox import require_plain_transformer
 from archlab.interop.families.llama import GATED_ACT_BACK, gated_activation
-from archlab.interop.families.rope import read_rope
-from archlab.interop.families.tables import QKV, Rule, fused, layers, renames
+from archlab.interop.families.rope import partial_rotary, read_rope, write_partial_rope
+from archlab.interop.families.tables import PRE_NORMS, QKV, Rule, fused, layers, renames
 
 LONGROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # as Phi3Config renames them
 
@@ -26,7 +22,6 @@ LONGROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # as Phi3Config renam
 class Phi3Family(Family):
     model_type = "phi3"
     architecture = "Phi3ForCausalLM"
-    base_prefix = "model."
     save_priority = 60
 
     def to_config(self, hf: dict) -> ModelConfig:
@@ -34,9 +29,8 @@ class Phi3Family(Family):
         c = HFConfig({"original_max_position_embeddings": 4096, **hf}, self.model_type)
         d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
         theta, scaling = read_rope(c, aliases=LONGROPE_ALIASES, kinds=("default", "longrope"))
-        return ModelConfig(
-            name="hf-phi3",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.require("num_hidden_layers"),
             max_seq_len=c.get("max_position_embeddings", 4096),
@@ -48,8 +42,6 @@ class Phi3Family(Family):
             norm=NormConfig(kind="rmsnorm", eps=c.get("rms_norm_eps", 1e-5), position="pre"),
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling,
                                     rotary_fraction=partial_rotary(c, "partial_rotary_factor", 1.0)),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def from_config(self, cfg: ModelConfig) -> dict:
@@ -76,8 +68,7 @@ class Phi3Family(Family):
 
     def weight_table(self, cfg: ModelConfig) -> list[Rule]:
         q, kv = cfg.attention.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        layer = {"self_attn.o_proj": "attn.o_proj", "mlp.down_proj": "mlp.down_proj",
-                 "input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
+        layer = {"self_attn.o_proj": "attn.o_proj", "mlp.down_proj": "mlp.down_proj", **PRE_NORMS}
         return [fused([f"{o}.weight" for o in QKV], "model.layers.{i}.self_attn.qkv_proj.weight", [q, kv, kv]),
                 fused(["blocks.{i}.mlp.gate_proj.weight", "blocks.{i}.mlp.up_proj.weight"],
                       "model.layers.{i}.mlp.gate_up_proj.weight", [cfg.d_ff, cfg.d_ff]),

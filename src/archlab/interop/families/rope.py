@@ -1,11 +1,12 @@
 """HF RoPE settings both ways: legacy `rope_theta` / `rope_scaling` and transformers-5 `rope_parameters` ->
-(theta, RopeScaling), one reader per rope type (`ROPE_READERS`), and back (`write_rope`)."""
+(theta, RopeScaling), one reader per rope type (`ROPE_READERS`), and back (`write_rope`); the partial-rotary
+fraction likewise (`partial_rotary`, `write_partial_rope`)."""
 from __future__ import annotations
 
 import math
 from typing import Any, Callable, Sequence
 
-from archlab.config import ConfigError, RopeScaling
+from archlab.config import ConfigError, ModelConfig, RopeScaling
 from archlab.interop.families.base import HFConfig
 from archlab.nn.registry import Registry
 
@@ -121,3 +122,18 @@ def write_rope(theta: float, scaling: RopeScaling | None) -> dict:
         legacy = {k: v for k, v in params.items() if k != "rope_theta"}
         legacy["type"] = params["rope_type"]
     return {"rope_theta": theta, "rope_scaling": legacy, "rope_parameters": params}
+
+
+def partial_rotary(c: HFConfig, legacy_key: str, default: float) -> float:
+    """Fraction of each head's dims that RoPE rotates: transformers-5 `rope_parameters
+    .partial_rotary_factor`, else the legacy top-level field."""
+    params = c.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor") or c.get(legacy_key, default))
+
+
+def write_partial_rope(cfg: ModelConfig) -> dict:
+    """The inverse of `partial_rotary`: HF rope fields (`write_rope`) with the rotary fraction in
+    `rope_parameters.partial_rotary_factor` (each family writes its own legacy top-level field)."""
+    rope = write_rope(cfg.position.rope_theta, cfg.position.rope_scaling)
+    rope["rope_parameters"]["partial_rotary_factor"] = cfg.position.rotary_fraction
+    return rope

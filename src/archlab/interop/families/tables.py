@@ -67,6 +67,7 @@ def attention(hf: str, names: str = "q_proj k_proj v_proj o_proj", ours: str = "
     return {hf + theirs: f"{ours}{x}_proj" for theirs, x in zip(names.split(), "qkvo")}
 
 
+PRE_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}   # HF's names of a pre-norm
 QKV = ("blocks.{i}.attn.q_proj", "blocks.{i}.attn.k_proj", "blocks.{i}.attn.v_proj")   # ours, split from a fused qkv
 
 

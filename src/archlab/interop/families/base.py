@@ -126,6 +126,13 @@ class HFConfig:
                 + (f": {why}" if why else "")
             )
 
+    def heads(self) -> dict[str, int]:
+        """n_heads, n_kv_heads and head_dim from the fields most HF configs name alike: num_attention_heads,
+        num_key_value_heads (MHA when absent), head_dim (hidden_size // num_attention_heads when absent)."""
+        n = self.require("num_attention_heads")
+        return {"n_heads": n, "n_kv_heads": self.get("num_key_value_heads", n),
+                "head_dim": self.get("head_dim", self.require("hidden_size") // n)}
+
     def error(self, message: str) -> ConfigError:
         return ConfigError(f"{self.model_type} config.json: {message}")
 
@@ -218,6 +225,7 @@ class Family:
     base_prefix: str = "model."     # prefix of the base model's tensors inside *ForCausalLM
     save_priority: int = 50         # lower wins when several families express a config exactly
     ties_by_default = False         # the HF config class's tie_word_embeddings default
+    positions_default = 2048        # and its max_position_embeddings default
     config_unties = True            # tie_word_embeddings=false unties every copy in transformers, so save_hf
                                     # writes each one (False: the HF config class ties them whatever it says)
 
@@ -274,10 +282,16 @@ class Family:
     # ---- helpers for to_config and from_config ------------------------------------------------
     def model_config(self, c: HFConfig, **fields: Any) -> ModelConfig:
         """ModelConfig(**fields) with the fields families read alike: name, vocab_size, tie_word_embeddings (its
-        default `ties_by_default`) and initializer_range (a field given wins)."""
+        default `ties_by_default`), initializer_range, and unless given, d_model, n_layers and max_seq_len from
+        hidden_size, num_hidden_layers and max_position_embeddings (default `positions_default`)."""
         alike = dict(name=f"hf-{self.model_type}", vocab_size=c.require("vocab_size"),
                      tie_embeddings=bool(c.get("tie_word_embeddings", self.ties_by_default)),
                      init={"std": c.get("initializer_range", 0.02)})
+        for field, key in (("d_model", "hidden_size"), ("n_layers", "num_hidden_layers")):
+            if field not in fields:
+                alike[field] = c.require(key)
+        if "max_seq_len" not in fields:
+            alike["max_seq_len"] = c.get("max_position_embeddings", self.positions_default)
         return ModelConfig(**(alike | fields))
 
     def base_hf(self, cfg: ModelConfig) -> dict:
@@ -290,6 +304,12 @@ class Family:
             "torch_dtype": "float32",
             "initializer_range": float(cfg.init.std),
         }
+
+    def sizes_hf(self, cfg: ModelConfig) -> dict:
+        """The size fields most config.json files name alike (what HFConfig.heads and the families read back)."""
+        return {"hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+                "num_attention_heads": cfg.attention.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+                "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len}
 
     def require(self, cfg: ModelConfig, key: str, allowed: Any) -> None:
         require_switch(cfg, key, allowed, self.model_type)

@@ -29,6 +29,7 @@ class CohereFamily(Family):
     model_type = "cohere"
     architecture = "CohereForCausalLM"
     ties_by_default = True
+    positions_default = 8192
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
@@ -38,9 +39,6 @@ class CohereFamily(Family):
         window, pattern, global_kind = self.read_window(c)
         return self.model_config(
             c,
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 8192),
             attention=AttentionConfig(
                 n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
                 head_dim=self.read_head_dim(c, d // n_heads), window=window, layer_pattern=pattern,

@@ -131,9 +131,7 @@ class GemmaLike(Family):
             req(cfg, "position.local_rope_theta", None)
         hf = self.base_hf(cfg)
         hf.update(
-            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len,
+            **self.sizes_hf(cfg),
             rms_norm_eps=float(cfg.norm.eps), attention_bias=cfg.bias.qkv,
             attention_dropout=float(cfg.attention.dropout),
         )

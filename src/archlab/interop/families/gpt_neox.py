@@ -84,9 +84,6 @@ class GPTNeoXFamily(Family):
         parallel = bool(c.get("use_parallel_residual", True))
         return self.model_config(
             c,
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 2048),
             attention=AttentionConfig(n_heads=n_heads, dropout=float(c.get("attention_dropout", 0.0))),
             mlp=MLPConfig(activation=plain_activation(c, "hidden_act", "gelu"),
                           d_ff=c.get("intermediate_size", 4 * d)),

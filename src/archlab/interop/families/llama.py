@@ -110,7 +110,6 @@ class LlamaLike(Family):
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
-        d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
         theta, scaling = read_rope(c)
         attn_bias = bool(c.get("attention_bias", False)) if self.has_attention_bias_field else False
         if self.model_type != "llama":
@@ -119,13 +118,8 @@ class LlamaLike(Family):
         window, pattern = self.read_window(c)
         return self.model_config(
             c,
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 2048),
             attention=AttentionConfig(
-                n_heads=n_heads,
-                n_kv_heads=c.get("num_key_value_heads", n_heads),
-                head_dim=c.get("head_dim", d // n_heads),
+                **c.heads(),
                 window=window,
                 layer_pattern=pattern,
                 qk_norm=self.qk_norm,
@@ -187,10 +181,8 @@ class LlamaLike(Family):
         self.check_switches(cfg)
         hf = self.base_hf(cfg)
         hf.update(
-            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim, hidden_act=GATED_ACT_BACK[cfg.mlp.activation],
-            max_position_embeddings=cfg.max_seq_len, attention_dropout=float(cfg.attention.dropout),
+            **self.sizes_hf(cfg), hidden_act=GATED_ACT_BACK[cfg.mlp.activation],
+            attention_dropout=float(cfg.attention.dropout),
             **write_rope(cfg.position.rope_theta, cfg.position.rope_scaling),
         )
         if self.norm_kind != "nonparametric":

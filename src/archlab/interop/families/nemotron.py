@@ -15,20 +15,15 @@ from archlab.interop.families.tables import PRE_NORMS, Rule, attention, layers, 
 class NemotronFamily(Family):
     model_type = "nemotron"
     architecture = "NemotronForCausalLM"
+    positions_default = 4096
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
-        d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
         theta, scaling = read_rope(c)
         attn_bias = bool(c.get("attention_bias", False))
         return self.model_config(
             c,
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 4096),
-            attention=AttentionConfig(n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
-                                      head_dim=c.get("head_dim", d // n_heads),
-                                      dropout=float(c.get("attention_dropout", 0.0))),
+            attention=AttentionConfig(**c.heads(), dropout=float(c.get("attention_dropout", 0.0))),
             mlp=MLPConfig(activation=plain_activation(c, "hidden_act", "relu2"),
                           d_ff=c.require("intermediate_size")),
             norm=NormConfig(kind="layernorm_1p", eps=c.get("norm_eps", 1e-5), position="pre"),
@@ -46,10 +41,8 @@ class NemotronFamily(Family):
         hf = self.base_hf(cfg)
         rope = write_partial_rope(cfg)
         hf.update(
-            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim, hidden_act=PLAIN_ACT_BACK[cfg.mlp.activation],
-            norm_eps=cfg.norm.eps, max_position_embeddings=cfg.max_seq_len,
+            **self.sizes_hf(cfg), hidden_act=PLAIN_ACT_BACK[cfg.mlp.activation],
+            norm_eps=cfg.norm.eps,
             attention_bias=cfg.bias.qkv, mlp_bias=cfg.bias.mlp,
             partial_rotary_factor=cfg.position.rotary_fraction,
             attention_dropout=cfg.attention.dropout, **rope,

@@ -36,9 +36,6 @@ class OPTFamily(Family):
         bias = bool(c.get("enable_bias", True))
         return self.model_config(
             c,
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 2048),
             attention=AttentionConfig(n_heads=c.require("num_attention_heads"),
                                       dropout=float(c.get("attention_dropout", 0.0))),
             mlp=MLPConfig(activation=plain_activation(c, "activation_function", "relu"),

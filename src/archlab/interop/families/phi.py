@@ -20,13 +20,10 @@ class PhiFamily(Family):
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
         qk_norm = bool(c.get("qk_layernorm", False))
-        d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
+        n_heads = c.require("num_attention_heads")
         theta, scaling = read_rope(c)
         return self.model_config(
             c,
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 2048),
             attention=AttentionConfig(n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
                                       qk_norm="per_head" if qk_norm else "none",
                                       dropout=float(c.get("attention_dropout", 0.0))),

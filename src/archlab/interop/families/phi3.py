@@ -22,21 +22,16 @@ LONGROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # as Phi3Config renam
 class Phi3Family(Family):
     model_type = "phi3"
     architecture = "Phi3ForCausalLM"
+    positions_default = 4096
     save_priority = 60
 
     def to_config(self, hf: dict) -> ModelConfig:
         # Phi3Config: a top-level original_max_position_embeddings (default 4096) wins
         c = HFConfig({"original_max_position_embeddings": 4096, **hf}, self.model_type)
-        d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
         theta, scaling = read_rope(c, aliases=LONGROPE_ALIASES, kinds=("default", "longrope"))
         return self.model_config(
             c,
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 4096),
-            attention=AttentionConfig(n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
-                                      head_dim=c.get("head_dim", d // n_heads),
-                                      window=c.get("sliding_window"),
+            attention=AttentionConfig(**c.heads(), window=c.get("sliding_window"),
                                       dropout=float(c.get("attention_dropout", 0.0))),
             mlp=MLPConfig(activation=gated_activation(c), d_ff=c.require("intermediate_size")),
             norm=NormConfig(kind="rmsnorm", eps=c.get("rms_norm_eps", 1e-5), position="pre"),
@@ -54,10 +49,8 @@ class Phi3Family(Family):
         hf = self.base_hf(cfg)
         rope = write_partial_rope(cfg)
         hf.update(
-            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim, hidden_act=GATED_ACT_BACK[cfg.mlp.activation],
-            rms_norm_eps=cfg.norm.eps, max_position_embeddings=cfg.max_seq_len,
+            **self.sizes_hf(cfg), hidden_act=GATED_ACT_BACK[cfg.mlp.activation],
+            rms_norm_eps=cfg.norm.eps,
             original_max_position_embeddings=(scaling.original_max_seq_len if scaling
                                               else cfg.max_seq_len),
             sliding_window=cfg.attention.window,

@@ -26,7 +26,9 @@ import torch
 from archlab.config import ConfigError, ModelConfig
 from archlab.errors import os_errors_of
 from archlab.interop.families import FAMILIES, Family, infer_family  # noqa: F401 - re-exported
-from archlab.interop.families.base import Rule, WeightsError, config_diff
+from archlab.interop.families.base import config_diff
+from archlab.interop.families.tables import Rule, WeightsError
+from archlab.interop.folders import read_json_object
 from archlab.interop.tokenizer_files import write_tokenizer_files  # noqa: F401 - convert calls it from here
 from archlab.models import build_model
 from archlab.models.decoder import TransformerLM
@@ -43,16 +45,7 @@ HFModel = TransformerLM | EncoderLM | EncoderDecoderLM   # what load_hf builds (
 
 # ---- reading -----------------------------------------------------------------------------------
 def read_hf_config(folder: str | Path) -> dict:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(folder, "config.json", "Hugging Face model folder")
 
 
 def family_for(hf: dict) -> Family:
@@ -198,7 +191,10 @@ def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder
     out: dict[str, torch.Tensor] = {}
     for rule in progress_bar(rules, desc=f"loading {fam.model_type} tensors", unit="tensor",
                              disable=len(rules) < 200, leave=False):
-        values = rule.to_ours([source.get(stored[read_from.get(n, n)]) for n in rule.hf])
+        try:
+            values = rule.to_ours([source.get(stored[read_from.get(n, n)]) for n in rule.hf])
+        except ConfigError as exc:
+            raise ConfigError(f"{fam.model_type} checkpoint tensor {', '.join(rule.hf)}: {exc}") from exc
         if len(values) != len(rule.ours):
             raise WeightsError(f"rule for {rule.hf} produced {len(values)} tensors for {rule.ours}")
         for name, value in zip(rule.ours, values):

@@ -29,7 +29,8 @@ from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families import FAMILIES, Family, infer_family
-from archlab.interop.families.base import Rule, WeightsError, _identity
+from archlab.interop.families.tables import Rule, WeightsError, _identity
+from archlab.interop.folders import read_json_object
 from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, lora_scaling, wrap
 from archlab.runs.checkpoint import make_readable
 
@@ -204,15 +205,9 @@ def save_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
 def read_adapter_config(folder: str | Path) -> dict:
     """adapter_config.json as data, checked: a LoRA adapter whose switches archlab computes alike."""
     path = Path(folder) / CONFIG_FILE
-    if not path.is_file():
-        raise ConfigError(f"{folder}: no {CONFIG_FILE} (is this a PEFT adapter folder?)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict) or data.get("peft_type") != "LORA":
-        raise ConfigError(f"{path}: peft_type {data.get('peft_type') if isinstance(data, dict) else None!r} "
-                          "is not LORA (archlab loads LoRA adapters)")
+    data = read_json_object(folder, CONFIG_FILE, "PEFT adapter folder")
+    if data.get("peft_type") != "LORA":
+        raise ConfigError(f"{path}: peft_type {data.get('peft_type')!r} is not LORA (archlab loads LoRA adapters)")
     for key, default in REFUSED.items():
         value = data.get(key, default)
         if value not in (default, None, False, [], {}):

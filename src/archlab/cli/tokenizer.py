@@ -121,7 +121,8 @@ def cmd_train(args) -> int:
         if not token:
             raise UserError("--special-tokens: an empty string is not a token")
     files = text_files(args.input)
-    check_output(args.out, inputs=[str(f) for f in files], overwrite=args.overwrite)
+    check_output(args.out, inputs=[*(i for i in args.input if Path(i).exists()), *map(str, files)],
+                 overwrite=args.overwrite)
     report = scan_files(files)
     if not report.clean:
         print(f"warning: {report.summary()}", file=sys.stderr)

@@ -16,8 +16,8 @@ import warnings
 
 # In the order `archlab --help` lists them.
 COMMAND_MODULES = [
-    "demo", "presets", "tokenizer", "data", "train", "generate", "fill_mask", "convert", "lab", "diagnose", "check",
-    "serve", "ngram",
+    "demo", "presets", "tokenizer", "data", "train", "finetune", "generate", "fill_mask", "convert", "lab",
+    "diagnose", "check", "serve", "ngram",
 ]
 
 

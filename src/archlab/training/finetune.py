@@ -212,10 +212,10 @@ def _prepare(base, data_path: Path, val_path: Path | None, out: Path, train_cfg:
         if resume and (data_dir / META_FILE).is_file():
             _check_same_data(data_dir, settings)
         else:
-            examples = _read_examples(model_cfg.arch, data_path, staged, train_cfg, bool(progress))
+            examples = _read_examples(model_cfg.arch, data_path, staged, train_cfg, progress is True)
             if val_path is not None:
                 splits = {"train": examples,
-                          "val": _read_examples(model_cfg.arch, val_path, staged, train_cfg, bool(progress))}
+                          "val": _read_examples(model_cfg.arch, val_path, staged, train_cfg, progress is True)}
             else:
                 train_part, val_part = split_by_line(data_path, examples, train_cfg.seed, val_fraction)
                 splits = {"train": train_part, "val": val_part}

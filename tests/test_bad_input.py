@@ -186,6 +186,7 @@ CKPT = "checkpoints/step_*/model.safetensors"
 FT = ["finetune", "{bpe_run}", "--out", "{new}", "--no-progress", "--set", "train.memory_check=false"]
 PC = '{"prompt": "to be or ", "completion": "not to be"}\n'
 CHAT = '{"messages": [{"role": "user", "content": "to be"}, {"role": "assistant", "content": "or not"}]}\n'
+LONG = '{"prompt": "to be or not to be", "completion": "' + "be " * 20 + '"}\n'
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
 
 CASES = [
@@ -518,8 +519,10 @@ CASES = [
      write("bad.jsonl", PC + '{"messages": [{"content": "hi"}]}\n')),
     ("finetune unknown role", FT + ["--data", "{bad}"], "bad.jsonl:2: messages[0] has unknown role 'wizard'",
      write("bad.jsonl", PC + '{"messages": [{"role": "wizard", "content": "hi"}]}\n')),
-    ("finetune example past seq_len", FT + ["--data", "{bad}", "--set", "train.seq_len=8"],
-     "bad.jsonl:2: ", write("bad.jsonl", PC + '{"prompt": "to be or not to be", "completion": "' + "be " * 20 + '"}\n')),
+    ("finetune example past seq_len", FT + ["--data", "{bad}", "--set", "train.seq_len=8"], "bad.jsonl:2: ",
+     write("bad.jsonl", PC + LONG)),
+    ("finetune example past seq_len names the limit", FT + ["--data", "{bad}", "--set", "train.seq_len=8"],
+     "more than the limit of 8", write("bad.jsonl", PC + LONG)),
     ("finetune lora target matches nothing", FT + ["--data", "{bad}", "--lora-r", "2", "--lora-targets", "qkv"],
      "lora target 'qkv' matches no Linear", write("bad.jsonl", PC)),
     ("finetune template loops", FT + ["--data", "{bad}", "--chat-template", "{tmp}/loop.jinja"],

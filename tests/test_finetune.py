@@ -223,3 +223,15 @@ def test_resume_with_other_data_is_refused_naming_the_setting(world, tmp_path):
         finetune(world["base"], other, out, train_cfg=_cfg(budget=2), resume=True, progress=False)
     result = finetune(world["base"], world["data"], out, train_cfg=_cfg(budget=2), resume=True, progress=False)
     assert result.steps == 2
+
+
+def test_finetune_from_an_hf_folder_keeps_its_tokenizer_and_template(world, tmp_path):
+    assert main(["convert", "--to-hf", str(world["base"]), "--out", str(tmp_path / "hf")]) == 0
+    out = tmp_path / "run"
+    result = finetune(tmp_path / "hf", world["data"], out, train_cfg=_cfg(budget=2, lr=1e-9), progress=False)
+    assert result.steps == 2
+    assert read_chat_templates(out / "tokenizer") == read_chat_templates(world["tok"])
+    assert yaml.safe_load((out / "config.yaml").read_text())["init_from"]["source"] == str(tmp_path / "hf")
+    state, _ = load_checkpoint(latest_checkpoint(out))          # lr ~0: the weights are the HF folder's
+    base, _ = load_checkpoint(latest_checkpoint(world["base"]))
+    assert all(torch.allclose(state[k], base[k], atol=1e-6) for k in base)

@@ -506,6 +506,7 @@ def _write_json(path: Path, obj: dict) -> None:
 FORMATS = {
     "archlab-tokens": ("a token-stream folder", "archlab.data.tokens.TokenDataset"),
     "archlab-pairs": ("a source/target pairs folder", "archlab.data.pairs.PairDataset"),
+    "archlab-sft": ("a folder of chat examples (archlab finetune)", "archlab.data.sft.SFTDataset"),
 }
 
 

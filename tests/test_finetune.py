@@ -21,7 +21,8 @@ from archlab.data.objectives import IGNORE
 from archlab.data.sft import SFTDataset, SFTSampler, collate_examples, pack_rows, real_token_share, write_sft_folder
 from archlab.eval.evaluate import evaluate
 from archlab.models import build_model
-from archlab.runs.checkpoint import latest_checkpoint, load_checkpoint, load_run, save_checkpoint
+from archlab.runs.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from archlab.runs.model_folder import load_run
 from archlab.tokenizer import train as train_bpe
 from archlab.tokenizer.chat import read_chat_templates
 from archlab.tokenizer.chat_builtin import CHAT_FORMATS, install_chat_template

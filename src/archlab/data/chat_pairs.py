@@ -22,7 +22,8 @@ import numpy as np
 
 from archlab.data.chat import TRUNCATIONS, ChatDataError, Conversation, read_conversations
 from archlab.data.pairs import FORMAT_VERSION, PAIRS_FORMAT, _PairWriter
-from archlab.data.tokens import META_FILE, _token_dtype, _write_json
+from archlab.data.prepare import _token_dtype, write_json
+from archlab.data.tokens import META_FILE
 from archlab.errors import UserError
 from archlab.tokenizer.chat import ChatTemplateError, ChatTokenizer, render_chat
 
@@ -101,5 +102,5 @@ def write_pairs_folder(folder: str | os.PathLike, splits: dict[str, list[ChatPai
     shutil.copytree(tokenizer_dir, folder / "tokenizer")
     meta = {"format": PAIRS_FORMAT, "version": FORMAT_VERSION, **described, "dtype": dtype.name,
             "vocab_size": int(vocab_size), "eot_id": int(eot_id), "splits": info, "tokenizer": "tokenizer"}
-    _write_json(folder / META_FILE, meta)
+    write_json(folder / META_FILE, meta)
     return meta

@@ -32,16 +32,10 @@ import numpy as np
 import torch
 
 from archlab.data.objectives import IGNORE
-from archlab.data.tokens import (
-    META_FILE,
-    DataError,
-    StepSampler,
-    _mix_seed,
-    _token_dtype,
-    _write_json,
-    load_meta,
-    load_tokenizer,
-)
+from archlab.data.prepare import _token_dtype, write_json
+from archlab.data.tokenizer_adapter import load_tokenizer
+from archlab.data.tokens import META_FILE, StepSampler, _mix_seed, load_meta
+from archlab.errors import DataError
 
 __all__ = ["SFT_FORMAT", "is_sft", "write_sft_folder", "SFTDataset", "SFTSampler", "sft_eval_batches",
            "pack_rows", "collate_examples", "real_token_share", "describe"]
@@ -79,7 +73,7 @@ def write_sft_folder(folder: str | os.PathLike, splits: dict[str, Sequence[Any]]
     shutil.copytree(tokenizer_dir, folder / "tokenizer")
     meta = {"format": SFT_FORMAT, "version": FORMAT_VERSION, **described, "dtype": dtype.name,
             "vocab_size": int(vocab_size), "eot_id": int(eot_id), "splits": info, "tokenizer": "tokenizer"}
-    _write_json(folder / META_FILE, meta)
+    write_json(folder / META_FILE, meta)
     return meta
 
 

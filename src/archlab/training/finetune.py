@@ -29,7 +29,9 @@ from typing import Any
 import torch
 
 from archlab.config import ConfigError
-from archlab.data.tokens import META_FILE, _doc_score, _vocab_size
+from archlab.data.prepare import doc_score
+from archlab.data.tokenizer_adapter import vocab_size_of
+from archlab.data.tokens import META_FILE
 from archlab.errors import UserError
 from archlab.training import lora as lora_stage
 from archlab.training.config import TrainConfig
@@ -61,7 +63,7 @@ def stage_tokenizer(source_dir: Path, staged: Path, chat_template: str | None) -
                 shutil.copy2(source_dir / name, staged / name)
     if not (staged / "tokenizer.json").is_file():
         raise UserError(f"{source_dir} has no tokenizer.json: chat fine-tuning needs a tokenizer with a chat template")
-    before = _vocab_size(load(staged))
+    before = vocab_size_of(load(staged))
     if chat_template is None:
         return [], before
     if chat_template in CHAT_FORMATS:
@@ -99,7 +101,7 @@ def split_by_line(path: Path, examples: list, seed: int, val_fraction: float) ->
     """(train, val): an example is validation when a seeded hash of its line's text is below val_fraction; with
     two or more examples neither split is empty (the one nearest the threshold moves over)."""
     lines = path.read_bytes().splitlines()
-    scores = [_doc_score(lines[e.line - 1], seed) for e in examples]
+    scores = [doc_score(lines[e.line - 1], seed) for e in examples]
     is_val = [s < val_fraction for s in scores]
     if len(examples) >= 2 and val_fraction > 0:
         if not any(is_val):
@@ -156,7 +158,7 @@ def _write_data(folder: Path, arch: str, splits: dict, tokenizer_dir: Path, desc
         from archlab.data.chat_pairs import write_pairs_folder as write
     else:
         from archlab.data.sft import write_sft_folder as write
-    write(tmp, splits, tokenizer_dir, _vocab_size(tokenizer), eot_id, **described)
+    write(tmp, splits, tokenizer_dir, vocab_size_of(tokenizer), eot_id, **described)
     os.replace(tmp, folder)
 
 

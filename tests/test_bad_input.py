@@ -209,6 +209,11 @@ TP = T + ["--preset", "tiny:llama2-7b"]
 G = ["generate", "{run}", "--prompt", "to be"]
 FM = ["fill-mask", "{enc_run}"]
 CKPT = "checkpoints/step_*/model.safetensors"
+FT = ["finetune", "{bpe_run}", "--out", "{new}", "--no-progress", "--set", "train.memory_check=false"]
+PC = '{"prompt": "to be or ", "completion": "not to be"}\n'
+CHAT = '{"messages": [{"role": "user", "content": "to be"}, {"role": "assistant", "content": "or not"}]}\n'
+LONG = '{"prompt": "to be or not to be", "completion": "' + "be " * 20 + '"}\n'
+LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
 
 CASES = [
     # ---- top level and argparse ---------------------------------------------------------------
@@ -566,6 +571,28 @@ CASES = [
     ("report no results", ["report", "{corpus}"], "results"),
     ("report corrupt db", ["report", "{tmp}/sweep"], "not a readable archlab results table",
      write("sweep/results.sqlite", b"garbage" * 200)),
+    # ---- finetune: chat data, templates, LoRA ---------------------------------------------------
+    ("finetune malformed line", FT + ["--data", "{bad}"], "bad.jsonl:2: not valid JSON",
+     write("bad.jsonl", PC + "{not json\n")),
+    ("finetune message without role", FT + ["--data", "{bad}"], "bad.jsonl:2: messages[0] has no 'role'",
+     write("bad.jsonl", PC + '{"messages": [{"content": "hi"}]}\n')),
+    ("finetune unknown role", FT + ["--data", "{bad}"], "bad.jsonl:2: messages[0] has unknown role 'wizard'",
+     write("bad.jsonl", PC + '{"messages": [{"role": "wizard", "content": "hi"}]}\n')),
+    ("finetune example past seq_len", FT + ["--data", "{bad}", "--set", "train.seq_len=8"], "bad.jsonl:2: ",
+     write("bad.jsonl", PC + LONG)),
+    ("finetune example past seq_len names the limit", FT + ["--data", "{bad}", "--set", "train.seq_len=8"],
+     "more than the limit of 8", write("bad.jsonl", PC + LONG)),
+    ("finetune lora target matches nothing", FT + ["--data", "{bad}", "--lora-r", "2", "--lora-targets", "qkv"],
+     "lora target 'qkv' matches no Linear", write("bad.jsonl", PC)),
+    ("finetune template loops", FT + ["--data", "{bad}", "--chat-template", "{tmp}/loop.jinja"],
+     "bad.jsonl:1: the chat template", combine(write("bad.jsonl", CHAT), write("loop.jinja", LOOP))),
+    ("finetune unknown template", FT + ["--data", "{bad}", "--chat-template", "chatml2"], "chatml2",
+     write("bad.jsonl", PC)),
+    ("finetune unknown loss mask", FT + ["--data", "{bad}", "--set", "train.loss_mask=answers"], "answers",
+     write("bad.jsonl", PC)),
+    ("finetune not jsonl", FT + ["--data", "{prompt}"], "is a .jsonl file"),
+    ("finetune out not empty", ["finetune", "{bpe_run}", "--data", "{bad}", "--out", "{tmp}/full"],
+     "exists and is not empty", combine(write("bad.jsonl", PC), write("full/x.txt", "x"))),
     # ---- diagnose, inspect, check, demo ---------------------------------------------------------
     ("diagnose missing model", ["diagnose", "{tmp}/nomodel", "--text", "{prompt}"], "nomodel"),
     ("diagnose missing text", ["diagnose", "{run}", "--text", "{tmp}/notext"], "notext"),

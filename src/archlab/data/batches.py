@@ -8,6 +8,8 @@ unscored slots, passed as `targets=`. Two kinds of data make them:
                                    targets as sampled, BERT's masks, T5's spans, BART's infilling, a continuation;
                                    BERT's next-sentence rows are drawn from the split's sentence index instead
     pairs (archlab.data.pairs)          source -> target rows, padded; the objective is the pairing itself
+    SFT examples (archlab.data.sft)     chat examples packed into rows with document_ids (or padded one per row),
+                                   labels on the slots the loss mask scores
 
 Every batch is a pure function of (seed, step, micro-step, rank): the trainer's checkpoint holds the sampler's
 step counter and nothing else, so a resumed run sees exactly the batches the uninterrupted one would have.
@@ -23,6 +25,7 @@ import torch
 from archlab.data import objectives
 from archlab.data.noising import span_corruption_for, text_infilling_for
 from archlab.data.pairs import PairDataset, PairSampler, is_pairs, pair_eval_batches
+from archlab.data.sft import SFTDataset, SFTSampler, is_sft, sft_eval_batches
 from archlab.data.tokens import BatchSampler, TokenDataset, eval_batches
 from archlab.errors import UserError
 
@@ -112,7 +115,7 @@ def objective_for(model_cfg: Any, train_cfg: Any, dataset: Any) -> Any:
 def open_splits(data_dir: str | Path) -> tuple[Any, Any]:
     """(train, val) datasets of a prepared folder: archlab.data.tokens.TokenDataset for a token stream,
     archlab.data.pairs.PairDataset for source/target pairs. Example: train_data, val_data = open_splits("data/pairs")"""
-    kind = PairDataset if is_pairs(data_dir) else TokenDataset
+    kind = PairDataset if is_pairs(data_dir) else SFTDataset if is_sft(data_dir) else TokenDataset
     return kind(data_dir, "train"), kind(data_dir, "val")
 
 
@@ -144,6 +147,14 @@ def _check_pairs_objective(model_cfg: Any, train_cfg: Any) -> None:
                         "objective (source -> target): leave train.objective=auto")
 
 
+def _check_sft_objective(model_cfg: Any, train_cfg: Any) -> None:
+    if model_cfg.arch != "decoder":
+        raise UserError(f"chat examples (an SFT folder) train decoders, not arch={model_cfg.arch}")
+    if train_cfg.objective not in ("auto", "next_token") or train_cfg.document_masks:
+        raise UserError("an SFT folder is its own objective (the loss mask's tokens): leave train.objective=auto "
+                        "and train.document_masks=false")
+
+
 class TrainBatches:
     """The training batches of one rank: `next(step, micro)` -> (inputs, labels); its state is the sampler's.
     Example: inputs, labels = TrainBatches(model_cfg, train_cfg, train_data).next(step=0, micro=0)"""
@@ -152,7 +163,11 @@ class TrainBatches:
         local_batch = train_cfg.batch_size // world_size        # batch_size is global
         self.model_cfg, self.train_cfg, self.rank, self.local_batch = model_cfg, train_cfg, rank, local_batch
         self.objective: Any = None
-        if isinstance(dataset, PairDataset):
+        if isinstance(dataset, SFTDataset):
+            _check_sft_objective(model_cfg, train_cfg)
+            self.sampler = SFTSampler(dataset, local_batch, train_cfg.seq_len, packing=train_cfg.packing,
+                                      seed=train_cfg.seed, rank=rank, world_size=world_size)
+        elif isinstance(dataset, PairDataset):
             _check_pairs_objective(model_cfg, train_cfg)
             self.sampler: Any = PairSampler(dataset, local_batch, max_source_len=train_cfg.seq_len,
                                             max_target_len=train_cfg.seq_len, seed=train_cfg.seed, rank=rank,
@@ -166,7 +181,7 @@ class TrainBatches:
         """The objective over `dataset`'s split (None for pairs): the training one for every objective that only
         turns the windows it is given, a new one for next-sentence rows, which come from the split's own
         sentences (validation rows from the validation split)."""
-        if isinstance(dataset, PairDataset):
+        if isinstance(dataset, (PairDataset, SFTDataset)):
             return None
         objective = objective_for(self.model_cfg, self.train_cfg, dataset)
         if _draws_own_rows(objective):
@@ -196,12 +211,15 @@ class TrainBatches:
 
 def validation_batches(dataset: Any, *, batch_size: int, seq_len: int, max_batches: int | None = None,
                        objective: Any = None, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
-    """The deterministic validation batches: pairs in order, or token windows in order turned by `objective`
-    (batch i with the fixed step -1 - i: the same masks / spans at every evaluation).
+    """The deterministic validation batches: pairs in order, SFT examples packed in order, or token windows in
+    order turned by `objective` (batch i with the fixed step -1 - i: the same masks / spans at every evaluation).
     Example: for inputs, labels in validation_batches(val, batch_size=8, seq_len=128, objective=obj): ..."""
     if isinstance(dataset, PairDataset):
         yield from pair_eval_batches(dataset, batch_size, max_batches, rank=rank, world_size=world_size,
                                      max_source_len=seq_len, max_target_len=seq_len, setting="train.seq_len")
+        return
+    if isinstance(dataset, SFTDataset):
+        yield from sft_eval_batches(dataset, batch_size, seq_len, max_batches, rank=rank, world_size=world_size)
         return
     if _draws_own_rows(objective):          # next-sentence rows of the validation split, fixed per batch
         for i in range(rank, max_batches or 1, world_size):
@@ -220,6 +238,8 @@ def tokens_processed(inputs: dict[str, torch.Tensor], labels: torch.Tensor, arch
     an encoder-decoder's target tokens (the decoder reads the labels shifted right; padding is unscored).
     Example: tokens_processed({"input_ids": src}, labels, "encoder_decoder") -> src.numel() + scored labels"""
     source = inputs.get("attention_mask")
+    if source is None and "document_ids" in inputs:          # packed or padded examples: -1 marks padding
+        source = inputs["document_ids"] >= 0
     n = int(source.sum()) if source is not None else inputs["input_ids"].numel()
     if arch == "encoder_decoder":
         n += int((labels != objectives.IGNORE).sum())

@@ -292,10 +292,12 @@ def _rendered_chunk(chat: ChatTokenizer, template: str | None, chunk: list[Conve
     one runs past the time limit, each conversation is rendered alone, so the error can name its line."""
     plans = [None if c.is_plain or template is None else _jobs(chat, template, c) for c in chunk]
     flat = [job for plan in plans if plan for job in plan]
+    failed: ChatTemplateError | None = None
     try:
         results = render_many(flat, limits) if flat else []
-    except ChatTemplateError:
-        results = None
+    except ChatTemplateError as exc:
+        results, failed = None, exc
+    alone = sum(1 for plan in plans if plan) == 1          # the chunk's error is this conversation's: no rerun
     out: list[list | None] = []
     at = 0
     for conv, plan in zip(chunk, plans):
@@ -303,6 +305,8 @@ def _rendered_chunk(chat: ChatTokenizer, template: str | None, chunk: list[Conve
             out.append(None)
             continue
         try:
+            if failed is not None and alone:
+                raise failed
             mine = results[at:at + len(plan)] if results is not None else render_many(plan, limits)
         except ChatTemplateError as exc:
             raise ChatDataError(f"{conv.line}: {exc}") from None

@@ -60,6 +60,7 @@ SENTENCES_SUFFIX = ".sentences.bin"
 FORMATS = {
     "archlab-tokens": ("a token-stream folder", "archlab.data.tokens.TokenDataset"),
     "archlab-pairs": ("a source/target pairs folder", "archlab.data.pairs.PairDataset"),
+    "archlab-sft": ("a folder of chat examples (archlab finetune)", "archlab.data.sft.SFTDataset"),
 }
 
 

@@ -76,6 +76,10 @@ class TrainConfig:
     lora_dropout: float = 0.0              # dropout on the adapters' input
     lora_targets: str = "q,v"              # comma list: q, k, v, o, gate, up, down, module names, HF names, all-linear
     lora_rslora: bool = False              # rank-stabilised scaling (Kalajdzievski 2023)
+    packing: bool = True                   # chat examples (archlab finetune): whole examples packed into rows of
+                                           # seq_len with document ids; false: one example per row, padded per batch
+    loss_mask: str = "assistant"           # archlab finetune: the tokens the loss scores (data/chat.LOSS_MASKS)
+    truncation: str = "refuse"             # archlab finetune: an example past seq_len (data/chat.TRUNCATIONS)
 
     def __post_init__(self):
         if isinstance(self.betas, list):

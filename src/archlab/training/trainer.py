@@ -39,6 +39,7 @@ import torch
 from archlab.config import ConfigError, ModelConfig
 from archlab.data.batches import tokens_processed
 from archlab.data.pairs import PairDataset
+from archlab.data.sft import SFTDataset
 from archlab.eval.evaluate import autocast, evaluate, sample_ids
 from archlab.generation.stepper import vocab_limit
 from archlab.models.accounting import MemoryCheckError, available_memory
@@ -316,11 +317,11 @@ def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
     if cfg.batch_size % info.world_size:
         raise ConfigError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the "
                           f"world size {info.world_size}")
-    if isinstance(val_data, PairDataset):
+    if isinstance(val_data, (PairDataset, SFTDataset)):
         if cfg.budget_unit == "tokens":
-            raise ConfigError("train.budget_unit=tokens counts fixed windows; paired data has rows of every "
-                              "length: give the budget in steps or minutes")
-        can_eval, why = len(val_data) > 0, "validation split has no pairs"
+            raise ConfigError("train.budget_unit=tokens counts fixed windows; paired data and chat examples have "
+                              "rows of every length: give the budget in steps or minutes")
+        can_eval, why = len(val_data) > 0, "validation split has no examples"
     else:                                              # a token stream
         can_eval = val_data.n_tokens >= cfg.seq_len + 1
         why = f"validation split has {val_data.n_tokens} tokens < seq_len + 1"

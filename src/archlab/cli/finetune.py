@@ -1,0 +1,76 @@
+"""`archlab finetune`: instruction tuning of a trained model on chat data (full or LoRA)."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+EXAMPLE = """example:
+  archlab finetune runs/base --data sft.jsonl --out runs/sft --set train.lr=1e-4 --set train.budget=200
+  archlab finetune runs/base --data sft.jsonl --out runs/sft-lora --lora-r 8 --lora-targets all-linear
+  archlab finetune runs/base --data sft.jsonl --out runs/sft --chat-template chatml --set train.seq_len=512
+  archlab finetune runs/t5 --data pairs.jsonl --out runs/t5-sft          # encoder-decoder: prompt -> completion
+  (lines: {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"}; the loss on train.loss_mask:
+  assistant (default), all, last, completion; examples packed into rows of train.seq_len with no attention
+  across them, or one per row with --set train.packing=false; OUT/data keeps the prepared examples)"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("finetune", help="fine-tune a trained model on chat data (full or LoRA)",
+                              description="Instruction tuning: start from BASE's weights, train on the chat "
+                              "examples of --data (decoders: the loss on the assistant's tokens; encoder-decoders: "
+                              "prompt -> completion) and write a run folder.",
+                              epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("base", metavar="BASE", help="a run folder, an HF folder, or hf:ORG/NAME")
+    p.add_argument("--data", required=True, help="chat data: a .jsonl of messages or prompt/completion lines")
+    p.add_argument("--out", required=True, help="run folder to write")
+    p.add_argument("--val", help="validation .jsonl (default: a seeded hash of each --data line picks "
+                   "--val-fraction of them)")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="share of --data held out (default 0.05)")
+    p.add_argument("--chat-template", metavar="chatml|llama3|plain|FILE",
+                   help="template to train with instead of the base tokenizer's own; a built-in one adds its "
+                   "special tokens (new embedding rows = the mean embedding)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override: train.lr=1e-4, train.loss_mask=last, train.packing=false, dropout=0.1 ...")
+    p.add_argument("--lora-r", type=int, help="LoRA rank (train.lora.r): adapters only, the base frozen")
+    p.add_argument("--lora-alpha", type=float, help="LoRA alpha (train.lora.alpha, default 16)")
+    p.add_argument("--lora-targets", help="LoRA targets (train.lora.targets): q,v (default), all-linear, ...")
+    p.add_argument("--resume", action="store_true", help="continue the fine-tune in --out from its newest checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.set_defaults(func=run_finetune)
+
+
+def _lora_sets(args) -> list[str]:
+    from archlab.errors import UserError
+
+    if args.lora_alpha is not None and not math.isfinite(args.lora_alpha):
+        raise UserError(f"--lora-alpha {args.lora_alpha} must be a finite number")
+    flags = (("lora_r", args.lora_r), ("lora_alpha", args.lora_alpha), ("lora_targets", args.lora_targets))
+    return [f"train.{key}={value}" for key, value in flags if value is not None]
+
+
+def run_finetune(args) -> int:
+    from archlab.cli.train import parse_sets
+    from archlab.errors import UserError
+    from archlab.training.finetune import finetune
+    from archlab.training.trainer import Diverged, TrainConfig
+    from archlab.units import human_bytes
+
+    if not math.isfinite(args.val_fraction):
+        raise UserError(f"--val-fraction {args.val_fraction} must be in [0, 1)")
+    model_over, train_over = parse_sets(args.set + _lora_sets(args))
+    train_cfg = TrainConfig().with_overrides(train_over) if train_over else TrainConfig()
+    try:
+        result = finetune(args.base, args.data, args.out, train_cfg=train_cfg, model_overrides=model_over or None,
+                          val=args.val, chat_template=args.chat_template, val_fraction=args.val_fraction,
+                          resume=args.resume, progress="lines" if args.no_progress else True)
+    except Diverged as exc:
+        print(f"archlab finetune: error: {exc}", file=sys.stderr)
+        return 3
+    except FileExistsError as exc:
+        raise UserError(str(exc)) from exc
+    val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
+    print(f"done: {result.steps} steps, {result.tokens_seen:,} real tokens, val loss {val} (on the scored tokens), "
+          f"{result.tokens_per_s:,.0f} tokens/s, peak memory {human_bytes(result.peak_memory_bytes)}; "
+          f"run folder {result.run_dir} (started from {args.base})")
+    return 0

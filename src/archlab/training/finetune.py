@@ -1,0 +1,254 @@
+"""Fine-tuning a trained model on chat data: `archlab finetune BASE --data FILE.jsonl --out DIR`.
+
+The stages, in order; every check passes before anything is written:
+
+    1. the base (training.init_from): a run folder, an HF folder or an hf: id; its config, weights, tokenizer
+    2. the tokenizer, staged with its chat template: the base's own, or a built-in one / a Jinja file
+       (--chat-template); a built-in one's new special tokens grow the embedding and head by as many rows,
+       each set to the mean embedding row
+    3. the examples: decoders read archlab.data.chat (loss mask train.loss_mask, truncation train.truncation),
+       encoder-decoders archlab.data.chat_pairs (source -> target); the validation split is a seeded hash of
+       each line (train.seed, val_fraction) or a --val file
+    4. OUT/data: an SFT folder (archlab.data.sft) or a pairs folder, with the staged tokenizer
+    5. the trainer on OUT/data from the base's weights: full fine-tuning, or LoRA with train.lora_r; exact
+       resume as any run. The run folder's tokenizer holds the template, so generate / serve / chat use it.
+
+    result = finetune("runs/base", "sft.jsonl", "runs/sft", train_cfg=TrainConfig(lora_r=8, seq_len=256))
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from archlab.config import ConfigError
+from archlab.data.prepare import doc_score
+from archlab.data.tokenizer_adapter import vocab_size_of
+from archlab.data.tokens import META_FILE
+from archlab.errors import UserError
+from archlab.training import lora as lora_stage
+from archlab.training.config import TrainConfig
+from archlab.training.init_from import InitSource, read_init_source
+
+__all__ = ["finetune", "stage_tokenizer", "grow_vocab", "split_by_line"]
+
+# files of an HF folder that belong to its tokenizer (a run folder's tokenizer/ is copied whole)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "additional_chat_templates")
+
+
+def stage_tokenizer(source_dir: Path, staged: Path, chat_template: str | None) -> tuple[list[int], int]:
+    """Copy the base's tokenizer into `staged` and install the chat template asked for: a built-in name
+    (archlab.tokenizer.chat_builtin, its special tokens added) or a Jinja file. Returns (new token ids, the
+    tokenizer's vocabulary size before them)."""
+    from archlab.tokenizer.chat import TEMPLATE_FILE
+    from archlab.tokenizer.chat_builtin import CHAT_FORMATS, install_chat_template
+    from archlab.tokenizer.loading import load
+
+    if source_dir.name == "tokenizer" or not (source_dir / "config.json").is_file():
+        shutil.copytree(source_dir, staged)
+    else:
+        staged.mkdir()
+        for name in TOKENIZER_FILES:
+            if (source_dir / name).is_dir():
+                shutil.copytree(source_dir / name, staged / name)
+            elif (source_dir / name).is_file():
+                shutil.copy2(source_dir / name, staged / name)
+    if not (staged / "tokenizer.json").is_file():
+        raise UserError(f"{source_dir} has no tokenizer.json: chat fine-tuning needs a tokenizer with a chat template")
+    before = vocab_size_of(load(staged))
+    if chat_template is None:
+        return [], before
+    if chat_template in CHAT_FORMATS:
+        return install_chat_template(staged, chat_template, overwrite=True), before
+    file = Path(chat_template)
+    if not file.is_file():
+        raise UserError(f"--chat-template {chat_template}: neither a built-in template "
+                        f"({', '.join(CHAT_FORMATS)}) nor a file")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--chat-template {chat_template}: cannot read it as UTF-8 text ({exc})") from None
+    (staged / TEMPLATE_FILE).write_text(text, encoding="utf-8")
+    return [], before
+
+
+def grow_vocab(source: InitSource, new_ids: list[int], old_rows: int) -> tuple[InitSource, str]:
+    """The base with embedding / head rows for `new_ids` (grown when they lie past its vocabulary), each set to
+    the mean of the first `old_rows` rows (the tokens it was trained on); and a line saying so."""
+    vocab = source.model_config.vocab_size
+    size = max(vocab, max(new_ids) + 1)
+    state = dict(source.state)
+    for name, weight in source.state.items():
+        if name.split(".")[0] in ("embed", "lm_head") and weight.shape[0] == vocab:
+            grown = torch.cat([weight, weight.new_zeros((size - vocab, *weight.shape[1:]))])   # (size, ...)
+            grown[new_ids] = weight[:old_rows].mean(dim=0)
+            state[name] = grown
+    cfg = source.model_config.with_overrides({"vocab_size": size}) if size != vocab else source.model_config
+    line = (f"added {len(new_ids)} special tokens to the tokenizer: embedding and head rows {vocab} -> {size}, "
+            f"the new rows {new_ids[0]}..{new_ids[-1]} set to the mean embedding")
+    return dataclasses.replace(source, model_config=cfg, state=state), line
+
+
+def split_by_line(path: Path, examples: list, seed: int, val_fraction: float) -> tuple[list, list]:
+    """(train, val): an example is validation when a seeded hash of its line's text is below val_fraction; with
+    two or more examples neither split is empty (the one nearest the threshold moves over)."""
+    lines = path.read_bytes().splitlines()
+    scores = [doc_score(lines[e.line - 1], seed) for e in examples]
+    is_val = [s < val_fraction for s in scores]
+    if len(examples) >= 2 and val_fraction > 0:
+        if not any(is_val):
+            is_val[min(range(len(scores)), key=scores.__getitem__)] = True
+        elif all(is_val):
+            is_val[max(range(len(scores)), key=scores.__getitem__)] = False
+    return ([e for e, v in zip(examples, is_val) if not v], [e for e, v in zip(examples, is_val) if v])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _checked_file(path: str | os.PathLike, flag: str) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{flag} {path}: no such file")
+    if path.suffix.lower() != ".jsonl":
+        raise UserError(f"{flag} {path}: chat data is a .jsonl file of messages or prompt/completion lines")
+    return path
+
+
+def _read_examples(arch: str, path: Path, tokenizer_dir: Path, cfg: TrainConfig, progress: bool) -> list:
+    if arch == "encoder_decoder":
+        from archlab.data.chat_pairs import read_chat_pairs
+        return list(read_chat_pairs(path, tokenizer_dir, max_len=cfg.seq_len, truncation=cfg.truncation))
+    if arch != "decoder":
+        raise UserError(f"archlab finetune trains decoders and encoder-decoders, not arch={arch}")
+    from archlab.data.chat import load_chat_data
+    data = load_chat_data(path, tokenizer_dir, mask=cfg.loss_mask, max_tokens=cfg.seq_len, truncation=cfg.truncation,
+                          progress=progress)
+    if data.truncated or data.skipped:
+        print(f"{path}: {data.truncated} examples truncated, {data.skipped} skipped (train.truncation="
+              f"{cfg.truncation})", file=sys.stderr)
+    return data.examples
+
+
+def _write_data(folder: Path, arch: str, splits: dict, tokenizer_dir: Path, described: dict) -> None:
+    """The data folder, built under a temporary name beside `folder` and renamed into place."""
+    from archlab.tokenizer.loading import load
+
+    tokenizer = load(tokenizer_dir)
+    eot_id = getattr(tokenizer, "eot_id", None)
+    if eot_id is None:
+        raise UserError(f"the tokenizer of {tokenizer_dir} has no end-of-text token to pad and end examples with")
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if arch == "encoder_decoder":
+        from archlab.data.chat_pairs import write_pairs_folder as write
+    else:
+        from archlab.data.sft import write_sft_folder as write
+    write(tmp, splits, tokenizer_dir, vocab_size_of(tokenizer), eot_id, **described)
+    os.replace(tmp, folder)
+
+
+def _data_settings(data: Path, val: Path | None, cfg: TrainConfig, chat_template: str | None,
+                   val_fraction: float) -> dict:
+    """What the examples depend on, kept in the data folder's meta.json (a resume must find the same)."""
+    return {"corpus": str(data), "sha256": _sha256(data), "val_corpus": str(val) if val else None,
+            "val_sha256": _sha256(val) if val else None, "loss_mask": cfg.loss_mask, "truncation": cfg.truncation,
+            "seq_len": cfg.seq_len, "seed": cfg.seed, "val_fraction": None if val else val_fraction,
+            "chat_template": chat_template}
+
+
+def _check_same_data(folder: Path, settings: dict) -> None:
+    import json
+
+    meta = json.loads((folder / META_FILE).read_text())
+    for key, value in settings.items():
+        if key not in ("corpus", "val_corpus") and meta.get(key) != value:
+            raise UserError(f"--resume: {folder} was prepared with {key}={meta.get(key)!r}, this command gives "
+                            f"{value!r}: resume with the run's data and settings, or fine-tune into a new --out")
+
+
+def _check_settings(cfg: TrainConfig, val_fraction: float) -> None:
+    from archlab.data.chat import LOSS_MASKS, TRUNCATIONS
+
+    if cfg.loss_mask not in LOSS_MASKS:
+        raise ConfigError(f"train.loss_mask={cfg.loss_mask!r}: choose one of {', '.join(LOSS_MASKS)}")
+    if cfg.truncation not in TRUNCATIONS:
+        raise ConfigError(f"train.truncation={cfg.truncation!r}: choose one of {', '.join(TRUNCATIONS)}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise UserError(f"--val-fraction {val_fraction} must be in [0, 1)")
+
+
+def _prepare(base, data_path: Path, val_path: Path | None, out: Path, train_cfg: TrainConfig,
+             model_overrides: dict | None, chat_template: str | None, val_fraction: float, resume: bool,
+             progress: bool | str) -> tuple[Any, Path, InitSource]:
+    """Stages 1-4: (model config, the data folder, the base to start from)."""
+    source = read_init_source(base)
+    if source.tokenizer_dir is None:
+        raise UserError(f"{base} holds no tokenizer: chat fine-tuning needs one")
+    data_dir = out / "data"
+    with tempfile.TemporaryDirectory(prefix="archlab-finetune-") as tmp:
+        staged = Path(tmp) / "tokenizer"
+        new_ids, old_rows = stage_tokenizer(Path(source.tokenizer_dir), staged, chat_template)
+        if new_ids:
+            source, line = grow_vocab(source, new_ids, old_rows)
+            if progress:
+                print(line, file=sys.stderr)
+        model_cfg = source.model_config.with_overrides(model_overrides) if model_overrides else source.model_config
+        source.check_model(model_cfg)
+        lora_stage.check(model_cfg, train_cfg)
+        settings = _data_settings(data_path, val_path, train_cfg, chat_template, val_fraction)
+        if resume and (data_dir / META_FILE).is_file():
+            _check_same_data(data_dir, settings)
+        else:
+            examples = _read_examples(model_cfg.arch, data_path, staged, train_cfg, progress is True)
+            if val_path is not None:
+                splits = {"train": examples,
+                          "val": _read_examples(model_cfg.arch, val_path, staged, train_cfg, progress is True)}
+            else:
+                train_part, val_part = split_by_line(data_path, examples, train_cfg.seed, val_fraction)
+                splits = {"train": train_part, "val": val_part}
+            if not splits["train"]:
+                raise UserError(f"--data {data_path}: no examples to train on")
+            out.mkdir(parents=True, exist_ok=True)
+            _write_data(data_dir, model_cfg.arch, splits, staged, settings)
+    return model_cfg, data_dir, dataclasses.replace(source, tokenizer_dir=data_dir / "tokenizer")
+
+
+def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.PathLike, *,
+             train_cfg: TrainConfig, model_overrides: dict | None = None, val: str | os.PathLike | None = None,
+             chat_template: str | None = None, val_fraction: float = 0.05, resume: bool = False,
+             progress: bool | str = True) -> Any:
+    """Fine-tune `base` on the chat .jsonl `data` into the run folder `out` (training.trainer.TrainResult).
+    Bad input (a line, a setting, a LoRA target) is a UserError / ConfigError, and a folder this call created
+    is removed again: nothing is left behind."""
+    from archlab.training.trainer import train
+
+    out = Path(out)
+    if not resume and out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out} exists and is not empty: choose a new folder (or --resume a fine-tune there)")
+    data_path = _checked_file(data, "--data")
+    val_path = _checked_file(val, "--val") if val is not None else None
+    _check_settings(train_cfg, val_fraction)
+    created = not out.exists()
+    try:
+        model_cfg, data_dir, source = _prepare(base, data_path, val_path, out, train_cfg, model_overrides,
+                                               chat_template, val_fraction, resume, progress)
+        return train(model_cfg, train_cfg, data_dir, out, resume=resume, progress=progress, init_from=source)
+    except (UserError, ConfigError, FileExistsError):
+        if created and not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists():
+            shutil.rmtree(out, ignore_errors=True)      # refused before training: leave nothing behind
+        raise

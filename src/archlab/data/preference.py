@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from archlab.data.chat import TRUNCATIONS, ChatDataError, _conversation, encode_conversation
+from archlab.data.chat import TRUNCATIONS, ChatDataError, Conversation, _conversation, encode_conversation
 from archlab.data.corpora import CorpusError, jsonl_records
 from archlab.data.objectives import IGNORE
 from archlab.errors import UserError
@@ -99,24 +99,32 @@ def _record(value: Any, where: str) -> dict:
     return value
 
 
-def _side(chat: ChatTokenizer, template: str | None, record: dict, side: str, where: str, line: int,
-          max_tokens: int | None, truncation: str) -> tuple[list[int], list[int]] | None:
+def _conversations(record: dict, where: str, line: int) -> list[Conversation]:
+    """The chosen and rejected sides of a line as prompt/completion conversations, checked."""
+    out = []
+    for side in SIDES:
+        try:
+            conv = _conversation({"prompt": record["prompt"], "completion": record[side]}, where, line)
+        except ChatDataError as exc:
+            raise ChatDataError(str(exc).replace("completion", side)) from None
+        if not conv.is_plain and any(m["role"] != "assistant" for m in conv.messages[conv.prompt_len:]):
+            raise ChatDataError(f"{where}: {side} must hold assistant messages only")
+        out.append(conv)
+    return out
+
+
+def _side(chat: ChatTokenizer, template: str | None, conv: Conversation, side: str, where: str,
+          max_tokens: int | None, truncation: str, setting: str) -> tuple[list[int], list[int]] | None:
     """(ids, labels) of one side, truncated by the policy (None: skipped)."""
-    try:
-        conv = _conversation({"prompt": record["prompt"], "completion": record[side]}, where, line)
-    except ChatDataError as exc:
-        raise ChatDataError(str(exc).replace("completion", side)) from None
-    if not conv.is_plain and any(m["role"] != "assistant" for m in conv.messages[conv.prompt_len:]):
-        raise ChatDataError(f"{where}: {side} must hold assistant messages only")
     try:
         ids, mask = encode_conversation(chat, conv, mask="completion", template=template)
     except UserError as exc:
         raise ChatDataError(f"{where}: {side}: {exc}") from None
     if max_tokens is not None and len(ids) > max_tokens:
-        try:
-            cut = TRUNCATIONS[truncation](ids, mask, max_tokens)
-        except UserError as exc:
-            raise ChatDataError(f"{where}: {side} has {exc}") from None
+        if truncation == "refuse":
+            raise ChatDataError(f"{where}: {side} has {len(ids)} tokens, more than the limit of {max_tokens}: choose "
+                                f"a policy with {setting} ({', '.join(TRUNCATIONS)})")
+        cut = TRUNCATIONS[truncation](ids, mask, max_tokens)
         if cut is None:
             return None
         ids, mask = cut
@@ -128,10 +136,11 @@ def _side(chat: ChatTokenizer, template: str | None, record: dict, side: str, wh
 
 
 def load_preference_data(path: str | os.PathLike, tokenizer: str | os.PathLike, *, max_tokens: int | None = None,
-                         truncation: str = "refuse", chat_template: str | None = None,
-                         progress: bool = True) -> PreferenceData:
+                         truncation: str = "refuse", chat_template: str | None = None, progress: bool = True,
+                         setting: str = "truncation") -> PreferenceData:
     """Every line of `path` as a PreferencePair, encoded with the tokenizer folder `tokenizer` (its chat template for
-    message lines). Example: data = load_preference_data("prefs.jsonl", "runs/base/tokenizer", max_tokens=256)"""
+    message lines); `setting` is how errors name the truncation option.
+    Example: data = load_preference_data("prefs.jsonl", "runs/base/tokenizer", max_tokens=256)"""
     path, tokenizer = Path(path), Path(tokenizer)
     if truncation not in TRUNCATIONS:
         raise UserError(f"unknown truncation policy {truncation!r}: choose one of {', '.join(TRUNCATIONS)}")
@@ -145,13 +154,14 @@ def load_preference_data(path: str | os.PathLike, tokenizer: str | os.PathLike, 
     try:
         for line, value in jsonl_records(path):
             where = f"{path}:{line}"
-            record = _record(value, where)
-            if template is None and not isinstance(record["prompt"], str):
+            convs = _conversations(_record(value, where), where, line)
+            if template is None and not convs[0].is_plain:
                 try:
                     template = chat.template(chat_template)
                 except UserError as exc:
                     raise ChatDataError(f"{where}: {exc}") from None
-            sides = [_side(chat, template, record, side, where, line, max_tokens, truncation) for side in SIDES]
+            sides = [_side(chat, template, conv, side, where, max_tokens, truncation, setting)
+                     for conv, side in zip(convs, SIDES)]
             if sides[0] is None or sides[1] is None:
                 data.skipped += 1
                 continue

@@ -139,7 +139,8 @@ class DPOBatches:
         return out
 
 
-def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: Any, info: Any) -> DPOBatches:
+def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: Any, info: Any, *,
+                         progress: bool = True) -> DPOBatches:
     """The DPO batches of `data_path`, encoded with the --init-from source's tokenizer; a UserError for data or
     settings DPO cannot train, before anything is written."""
     if cfg.objective != "dpo":
@@ -164,7 +165,8 @@ def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: A
         raise UserError("train.budget_unit=tokens counts fixed windows; preference pairs have every length: give "
                         "the budget in steps or minutes")
     data = load_preference_data(data_path, init_from.tokenizer_dir, max_tokens=cfg.seq_len,
-                                truncation=cfg.dpo_truncation, progress=info.is_main)
+                                truncation=cfg.dpo_truncation, progress=progress and info.is_main,
+                                setting="train.dpo_truncation")
     if model_cfg.vocab_size < data.vocab_size:
         raise UserError(f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                         f"{data.vocab_size} ({init_from.tokenizer_dir})")
@@ -222,13 +224,13 @@ def _read(path: Path, data: PreferenceData) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def prepare_reference(batches: DPOBatches, model: torch.nn.Module, run_dir: Path, *, device: torch.device,
-                      dtype: str, info: Any, resuming: bool) -> None:
+                      dtype: str, info: Any, resuming: bool, progress: bool = True) -> None:
     """Set batches.reference: scored now from `model` (the starting weights) and written to the run folder by rank
     0, or, resuming, read back from it."""
     path = run_dir / REFERENCE_FILE
     if not resuming:
         chosen, rejected = reference_logps(model, batches.data, batch_size=batches.cfg.batch_size, device=device,
-                                           dtype=dtype, progress=info.is_main)
+                                           dtype=dtype, progress=progress and info.is_main)
         if not (torch.isfinite(chosen).all() and torch.isfinite(rejected).all()):
             raise UserError("the starting model gives a non-finite log-probability to a completion: no reference")
         if info.is_main:

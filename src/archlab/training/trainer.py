@@ -194,7 +194,7 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_
     # 1. data, checked against the settings
     device = _resolve_device(cfg, info)
     if cfg.objective == "dpo" or data_dir.is_file():    # preference pairs (.jsonl): training/dpo.py
-        batches: Any = dpo.open_preference_data(model_cfg, cfg, data_dir, init_from, info)
+        batches: Any = dpo.open_preference_data(model_cfg, cfg, data_dir, init_from, info, progress=progress is True)
         train_data, val_data, can_eval, eval_objective = batches.data, batches.data.without_pairs(), False, None
     else:
         train_data, val_data = open_splits(data_dir)       # a token stream, or source/target pairs
@@ -233,7 +233,7 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
         dist_util.load_full_model_state(run.model, {**lora_state(run.raw), **init_from.state}, info)
     if isinstance(batches := data[3], dpo.DPOBatches):   # the reference log-probs: scored now, or read back
         dpo.prepare_reference(batches, run.raw, run_dir, device=device, dtype=cfg.dtype, info=info,
-                              resuming=latest is not None)
+                              resuming=latest is not None, progress=progress is True)
     # 5. the loop
     run.open_reporting(progress)
     try:

@@ -198,3 +198,54 @@ def test_preference_lines_score_the_completion_only(world, tmp_path):
     sampler = PreferenceBatches(data, batch_size=2, seed=0)
     inputs, labels = sampler.next(0, 0)
     assert inputs["input_ids"].shape[0] == 4 and sorted(inputs["pair_index"].tolist()) == [0, 1]
+
+
+def _trl_loss(loss_type: str, beta: float, ids, labels, logprobs, ref) -> tuple[float, dict]:
+    """TRL's DPOTrainer._compute_loss on one batch, given the per-token log-probs our model gives (TRL's fused head
+    hands it the same quantity: slot j holds log p(token j + 1), 0 off the completion) and the stored reference."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from trl import DPOTrainer
+
+    scored = labels != IGNORE                                                        # (2b, t)
+    completion_mask = torch.cat([torch.zeros_like(scored[:, :1]), scored[:, :-1]], 1).long()   # token j scored
+    per_token = (logprobs * scored)[:, :-1]                                          # (2b, t - 1)
+    outputs = SimpleNamespace(log_probs=per_token, entropy=torch.zeros_like(per_token),
+                              mean_logits=torch.zeros_like(per_token), is_top1=torch.zeros_like(per_token).bool())
+    same = lambda x: x                                                               # noqa: E731 (one process)
+    accelerator = SimpleNamespace(device=torch.device("cpu"), gather=same, gather_for_metrics=same)
+    stub = SimpleNamespace(model=SimpleNamespace(training=True), aux_loss_enabled=False, ld_alpha=None,
+                           accelerator=accelerator,
+                           precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type],
+                           loss_weights=[1.0], beta=beta, label_smoothing=0.0, use_weighting=False,
+                           _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion_mask,
+              "ref_chosen_logps": ref[0], "ref_rejected_logps": ref[1]}
+    loss = DPOTrainer._compute_loss(stub, lambda **kw: outputs, inputs, False)
+    return float(loss), {k: v[0] for k, v in stub._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo"])
+def test_loss_and_logs_equal_trls_on_one_batch(world, tmp_path, kind):
+    pytest.importorskip("trl")
+    run = tmp_path / "run"
+    _dpo(world, run, "--set", "train.budget=2", "--set", "train.lr=1e-2", "--set", f"train.dpo_loss={kind}")
+    policy, _ = load_run(run)
+    cfg = TrainConfig(batch_size=4, seq_len=32, objective="dpo", dpo_beta=0.1, dpo_loss=kind)
+    data = load_preference_data(world / "prefs.jsonl", world / "tok", max_tokens=32, progress=False)
+    stored = load_file(str(run / REFERENCE_FILE))
+    batches = DPOBatches(data, cfg)
+    batches.reference = (stored["chosen"], stored["rejected"])
+    inputs, labels = batches.next(2, 0)
+    with torch.no_grad():
+        ours = float(batches.loss(policy.eval(), inputs, labels).total)
+        logits = policy(input_ids=inputs["input_ids"]).float()                      # (2b, t, v)
+    logprobs = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    index = inputs["pair_index"]
+    theirs, logs = _trl_loss(kind, 0.1, inputs["input_ids"], labels, logprobs,
+                             (stored["chosen"][index], stored["rejected"][index]))
+    assert abs(logs["rewards/margins"]) > 1e-4            # the policy has left the reference
+    assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-7)
+    for name, value in batches.metrics().items():
+        assert value == pytest.approx(logs[name], rel=1e-5, abs=1e-6), name

@@ -23,6 +23,7 @@ logps/rejected. The model's z-loss and MoE auxiliary losses are not added to a p
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,12 @@ from archlab.eval.evaluate import autocast
 from archlab.models.decoder import LossOutput
 from archlab.progress import progress_bar
 
-__all__ = ["LOSSES", "REFERENCE_FILE", "sequence_logps", "preference_loss", "implicit_rewards", "DPOBatches",
+__all__ = ["LOSSES", "METRICS", "REFERENCE_FILE", "sequence_logps", "preference_loss", "implicit_rewards", "DPOBatches",
            "open_preference_data", "reference_logps", "prepare_reference"]
 
 REFERENCE_FILE = "reference_logps.safetensors"
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")     # logged as TRL's DPOTrainer names them
 
 Loss = Callable[..., torch.Tensor]
 
@@ -90,7 +93,7 @@ class DPOBatches:
         self.data, self.cfg = data, cfg
         self.sampler = PreferenceBatches(data, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world_size)
         self.reference: tuple[torch.Tensor, torch.Tensor] | None = None     # (chosen, rejected), (pairs,) each
-        self._sums: dict[str, float] = {}
+        self._sums: torch.Tensor | None = None
         self._count = 0
 
     def next(self, step: int, micro: int):
@@ -124,18 +127,15 @@ class DPOBatches:
 
     def _gather(self, logp_c, logp_r, ref_c, ref_r, beta) -> None:
         chosen, rejected = implicit_rewards(logp_c, ref_c, beta), implicit_rewards(logp_r, ref_r, beta)
-        values = {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
-                  "rewards/margins": (chosen - rejected).mean(),
-                  "rewards/accuracies": (chosen > rejected).float().mean(),
-                  "logps/chosen": logp_c.mean(), "logps/rejected": logp_r.mean()}
-        for name, value in zip(values, torch.stack(list(values.values())).tolist()):    # one host sync
-            self._sums[name] = self._sums.get(name, 0.0) + value
+        values = torch.stack([chosen.mean(), rejected.mean(), (chosen - rejected).mean(),
+                              (chosen > rejected).float().mean(), logp_c.mean(), logp_r.mean()])   # (METRICS,)
+        self._sums = values if self._sums is None else self._sums + values     # on device: no host sync per batch
         self._count += 1
 
     def metrics(self) -> dict[str, float]:
         """The means of the logged quantities over the micro-batches since the last call."""
-        out = {name: total / self._count for name, total in self._sums.items()} if self._count else {}
-        self._sums, self._count = {}, 0
+        out = dict(zip(METRICS, (self._sums / self._count).tolist())) if self._sums is not None else {}
+        self._sums, self._count = None, 0
         return out
 
 
@@ -164,6 +164,11 @@ def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: A
     if cfg.budget_unit == "tokens":
         raise UserError("train.budget_unit=tokens counts fixed windows; preference pairs have every length: give "
                         "the budget in steps or minutes")
+    if (model_cfg.attention.dropout or model_cfg.block.residual_dropout or model_cfg.embedding_dropout) \
+            and info.is_main:
+        warnings.warn("dropout is on: the policy's log-probs are noisy against the reference's (scored without "
+                      "dropout), so the first loss is not ln 2; TRL's DPOTrainer turns dropout off",
+                      stacklevel=3)
     data = load_preference_data(data_path, init_from.tokenizer_dir, max_tokens=cfg.seq_len,
                                 truncation=cfg.dpo_truncation, progress=progress and info.is_main,
                                 setting="train.dpo_truncation")

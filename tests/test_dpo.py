@@ -18,6 +18,7 @@ from test_checkpoint import tiny_model
 from archlab.cli import main
 from archlab.data.objectives import IGNORE
 from archlab.data.preference import PreferenceBatches, load_preference_data
+from archlab.errors import UserError
 from archlab.runs.checkpoint import latest_checkpoint, load_checkpoint, load_run
 from archlab.tokenizer import train as train_tokenizer
 from archlab.tokenizer.chat import ChatTokenizer
@@ -249,3 +250,19 @@ def test_loss_and_logs_equal_trls_on_one_batch(world, tmp_path, kind):
     assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-7)
     for name, value in batches.metrics().items():
         assert value == pytest.approx(logs[name], rel=1e-5, abs=1e-6), name
+
+
+def test_truncation_policies_keep_the_completion_or_refuse(world, tmp_path):
+    long_prompt = " ".join(["red cat"] * 30) + ":"
+    path = _jsonl(tmp_path / "long.jsonl", [{"prompt": long_prompt, "chosen": " good", "rejected": " bad"},
+                                            {"prompt": "sky:", "chosen": " good", "rejected": " bad"}])
+    tok = ChatTokenizer.of(world / "tok").tokenizer
+    kept = load_preference_data(path, world / "tok", max_tokens=12, truncation="keep_end", progress=False)
+    ids, labels = kept.pairs[0].chosen
+    assert len(ids) == 12 and tok.decode([t for t in labels if t != IGNORE]) == " good<|endoftext|>"
+    skipped = load_preference_data(path, world / "tok", max_tokens=12, truncation="skip", progress=False)
+    assert [p.line for p in skipped.pairs] == [2]
+    with pytest.raises(UserError, match=r"long.jsonl:1: chosen keeps no completion token under truncation"):
+        load_preference_data(path, world / "tok", max_tokens=12, truncation="keep_start", progress=False)
+    with pytest.raises(UserError, match=r"long.jsonl:1: chosen has \d+ tokens, more than the limit of 12"):
+        load_preference_data(path, world / "tok", max_tokens=12, progress=False)

@@ -266,3 +266,21 @@ def test_truncation_policies_keep_the_completion_or_refuse(world, tmp_path):
         load_preference_data(path, world / "tok", max_tokens=12, truncation="keep_start", progress=False)
     with pytest.raises(UserError, match=r"long.jsonl:1: chosen has \d+ tokens, more than the limit of 12"):
         load_preference_data(path, world / "tok", max_tokens=12, progress=False)
+
+
+def test_from_an_hf_folder_the_run_copies_its_tokenizer_not_its_weights(world, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    tok_file = world / "tok" / "tokenizer.json"
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tok_file), eos_token="<|endoftext|>")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(hf)
+    tokenizer.save_pretrained(hf)
+    out = tmp_path / "run"
+    assert main(["train", "--init-from", str(hf), "--data", str(world / "prefs.jsonl"), "--out", str(out), *COMMON,
+                 "--set", "train.objective=dpo", "--set", "train.budget=1"]) == 0
+    assert abs(_steps(out)[0]["loss"] - math.log(2)) < 1e-6
+    assert (out / "tokenizer" / "tokenizer.json").is_file()
+    assert not list((out / "tokenizer").glob("*.safetensors")) and not (out / "tokenizer" / "config.json").exists()

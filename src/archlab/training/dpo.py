@@ -23,6 +23,8 @@ logps/rejected. The model's z-loss and MoE auxiliary losses are not added to a p
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -95,6 +97,7 @@ class DPOBatches:
         self.reference: tuple[torch.Tensor, torch.Tensor] | None = None     # (chosen, rejected), (pairs,) each
         self._sums: torch.Tensor | None = None
         self._count = 0
+        self.staged_tokenizer: tempfile.TemporaryDirectory | None = None
 
     def next(self, step: int, micro: int):
         return self.sampler.next(step, micro)
@@ -169,13 +172,32 @@ def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: A
         warnings.warn("dropout is on: the policy's log-probs are noisy against the reference's (scored without "
                       "dropout), so the first loss is not ln 2; TRL's DPOTrainer turns dropout off",
                       stacklevel=3)
-    data = load_preference_data(data_path, init_from.tokenizer_dir, max_tokens=cfg.seq_len,
+    staged = _tokenizer_only(init_from.tokenizer_dir)
+    data = load_preference_data(data_path, staged.name if staged else init_from.tokenizer_dir, max_tokens=cfg.seq_len,
                                 truncation=cfg.dpo_truncation, progress=progress and info.is_main,
                                 setting="train.dpo_truncation")
     if model_cfg.vocab_size < data.vocab_size:
         raise UserError(f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                         f"{data.vocab_size} ({init_from.tokenizer_dir})")
-    return DPOBatches(data, cfg, rank=info.rank, world_size=info.world_size)
+    batches = DPOBatches(data, cfg, rank=info.rank, world_size=info.world_size)
+    batches.staged_tokenizer = staged           # removed with the batches, after the run folder has its copy
+    return batches
+
+
+def _tokenizer_only(folder: Path) -> tempfile.TemporaryDirectory | None:
+    """For an HF model folder, a temporary folder of its tokenizer files alone (the run folder copies the data's
+    tokenizer folder whole, and must not copy the weights); None for a tokenizer folder (a run's tokenizer/)."""
+    from archlab.runs.hub import MODEL_FILES
+
+    if not (folder / "config.json").is_file():
+        return None
+    staged = tempfile.TemporaryDirectory(prefix="archlab-tokenizer-")
+    for pattern in (p for p in MODEL_FILES if "safetensors" not in p and p != "config.json"):
+        for path in folder.glob(pattern):
+            target = Path(staged.name) / path.relative_to(folder)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+    return staged
 
 
 @torch.no_grad()

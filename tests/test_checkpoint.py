@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from archlab.config import ModelConfig
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.models.decoder import TransformerLM
 from archlab.runs.checkpoint import (
     CheckpointError,

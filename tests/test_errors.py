@@ -12,7 +12,7 @@ from archlab.errors import UserError, is_user_error, one_line, report
 
 def test_library_errors_are_user_errors():
     from archlab.data.corpora import CorpusError
-    from archlab.data.tokens import DataError
+    from archlab.errors import DataError
     from archlab.runs.checkpoint import CheckpointError
     for cls in (ConfigError, CheckpointError, CorpusError, DataError):
         assert issubclass(cls, UserError)

@@ -15,7 +15,7 @@ from test_train_mlm import FAST, _docs, encoder
 
 from archlab.cli import main
 from archlab.config import ModelConfig
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.errors import UserError
 from archlab.eval.fill_mask import encode_for_model, fill_mask
 from archlab.models.encoder import EncoderLM

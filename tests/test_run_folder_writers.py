@@ -16,7 +16,8 @@ from test_checkpoint import make_data, tiny_model
 import archlab
 from archlab.cli import main as cli_main
 from archlab.config import ConfigError
-from archlab.data.tokens import DataError, prepare
+from archlab.data.prepare import prepare
+from archlab.errors import DataError
 from archlab.runs.checkpoint import latest_checkpoint
 from archlab.runs.lock import LOCK_FILE, LockedError, RunLock
 from archlab.training.trainer import TrainConfig, train

@@ -12,7 +12,7 @@ import torch
 
 from archlab.cli import main as cli_main
 from archlab.config import ConfigError, ModelConfig
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.eval.evaluate import bits_per_byte, evaluate
 from archlab.models.decoder import TransformerLM
 from archlab.training.trainer import Diverged, TrainConfig, lr_multiplier, param_groups, read_metrics, train

@@ -10,7 +10,7 @@ import torch
 from run_checks import assert_resume_is_exact
 
 from archlab.config import ModelConfig
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.errors import UserError
 from archlab.models.encoder import EncoderLM
 from archlab.runs.checkpoint import latest_checkpoint, load_run

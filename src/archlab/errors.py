@@ -29,6 +29,10 @@ class UserError(Exception):
     """A mistake the user can fix; the message names the problem (and, where it helps, the fix)."""
 
 
+class DataError(UserError, ValueError):
+    """A data folder, split, tokenizer or sampling request that cannot be served."""
+
+
 # OS errors that come from the user's environment, not from archlab's code: missing or unreadable
 # paths, read-only or full disks, a port in use, no network.
 _USER_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,

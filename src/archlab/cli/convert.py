@@ -92,7 +92,7 @@ def convert_from_hf(hf_dir: str | Path, run_dir: str | Path, dtype: torch.dtype 
 
 def _tokenizer_problem(folder: Path) -> str | None:
     """None when archlab.tokenizer loads folder/tokenizer.json, else the reason."""
-    from archlab.data.tokens import load_tokenizer as load  # what load_run uses
+    from archlab.data.tokenizer_adapter import load_tokenizer as load  # what load_run uses
     try:
         load(folder)
     except Exception as exc:  # any failure means a run folder could not load it

@@ -225,8 +225,8 @@ def run_tasks(args) -> int:
 def run_eval(args) -> int:
     import torch
 
-    from archlab.data.tokens import DataError, TokenDataset
-    from archlab.errors import UserError
+    from archlab.data.tokens import TokenDataset
+    from archlab.errors import DataError, UserError
     from archlab.eval.evaluate import evaluate
     from archlab.runs.checkpoint import load_run, read_run_config
 

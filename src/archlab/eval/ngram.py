@@ -265,7 +265,8 @@ def evaluate_ngram(data_dir: str | os.PathLike, orders: list[int], *, span: tupl
     scored on its validation split: every token, or the tokens [start, end) of `span` (each still given the tokens
     before it), e.g. the targets a model's evaluation scored, (1, 1 + EvalResult.tokens).
     Example: evaluate_ngram("runs/demo/data", [5])[0].bpb"""
-    from archlab.data.tokens import DataError, TokenDataset
+    from archlab.data.tokens import TokenDataset
+    from archlab.errors import DataError
     from archlab.eval.evaluate import bits_per_byte
 
     if not orders or min(orders) < 1:

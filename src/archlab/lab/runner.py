@@ -40,7 +40,8 @@ def ensure_data(sweep_dir: Path, data_dir: str | Path | None = None, corpus: str
                 tokenizer: str = "bytes", progress: bool = True) -> Path:
     """The prepared data folder: `data_dir` as given, else SWEEP_DIR/data (prepared on first use; a
     generated corpus such as "addition-3" is written by archlab.data.arithmetic)."""
-    from archlab.data.tokens import load_meta, prepare
+    from archlab.data.prepare import prepare
+    from archlab.data.tokens import load_meta
 
     if data_dir is not None:
         load_meta(data_dir)  # raises a clear DataError when it is not prepared

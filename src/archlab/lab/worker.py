@@ -123,7 +123,8 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
                                           max_batches=run.train.eval_batches).loss
     if "addition" in wanted:      # exact match, digit accuracy, answer NLL on held-out sums (eval.arithmetic)
         from archlab.data import arithmetic
-        from archlab.data.tokens import load_meta, load_tokenizer
+        from archlab.data.tokenizer_adapter import load_tokenizer
+        from archlab.data.tokens import load_meta
         from archlab.eval.arithmetic import score_addition
 
         digits = arithmetic.digits_of(str(load_meta(data).get("corpus", "")))

@@ -457,6 +457,6 @@ def load_run_tokenizer(run_dir: str | os.PathLike):
     tok_dir = Path(run_dir) / "tokenizer"
     if not tok_dir.is_dir():
         return None
-    from archlab.data.tokens import load_tokenizer
+    from archlab.data.tokenizer_adapter import load_tokenizer
 
     return load_tokenizer(tok_dir)

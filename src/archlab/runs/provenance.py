@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from archlab.data.tokens import DataError
+from archlab.errors import DataError
 from archlab.training.precision import cpu_model
 
 __all__ = ["provenance", "provenance_line", "write_provenance", "device_name", "data_fingerprint",
@@ -150,7 +150,7 @@ def tokenizer_fingerprint(tok_dir: str | os.PathLike) -> str | None:
     tok_dir = Path(tok_dir)
     if not tok_dir.is_dir():
         return None
-    from archlab.data.tokens import ByteTokenizer
+    from archlab.data.tokenizer_adapter import ByteTokenizer
 
     digest = hashlib.sha256()
     if (tok_dir / ByteTokenizer.FILE).is_file():

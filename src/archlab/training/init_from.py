@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.data.tokens import DataError
-from archlab.errors import UserError
+from archlab.errors import DataError, UserError
 
 __all__ = ["InitSource", "read_init_source"]
 

@@ -199,6 +199,11 @@ def test_preference_lines_score_the_completion_only(world, tmp_path):
     sampler = PreferenceBatches(data, batch_size=2, seed=0)
     inputs, labels = sampler.next(0, 0)
     assert inputs["input_ids"].shape[0] == 4 and sorted(inputs["pair_index"].tolist()) == [0, 1]
+    rows = [data.pairs[i].chosen for i in inputs["pair_index"]] + [data.pairs[i].rejected for i in inputs["pair_index"]]
+    assert inputs["attention_mask"].sum(1).tolist() == [len(ids) for ids, _ in rows]     # padding is not counted
+    for row, (ids, row_labels) in enumerate(rows):
+        assert inputs["input_ids"][row, :len(ids)].tolist() == ids and labels[row, :len(ids)].tolist() == row_labels
+        assert (labels[row, len(ids):] == IGNORE).all()
 
 
 def _trl_loss(loss_type: str, beta: float, ids, labels, logprobs, ref) -> tuple[float, dict]:

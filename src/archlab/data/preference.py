@@ -15,7 +15,7 @@ UserError naming the file and line: not JSON, a missing field, a bad message, ch
 
 PreferenceBatches draws pairs in a shuffled order per epoch, a pure function of (seed, draw): its state is one
 counter. A batch is (inputs, labels) with 2b rows, the b chosen sides then the b rejected ones, right-padded:
-inputs {"input_ids": (2b, t), "pair_index": (b,)}, labels (2b, t).
+inputs {"input_ids": (2b, t), "attention_mask": (2b, t) (1 on real tokens), "pair_index": (b,)}, labels (2b, t).
 """
 from __future__ import annotations
 
@@ -214,8 +214,11 @@ class PreferenceBatches:
     def next(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         index = self.indices(self.draws)
         self.draws += 1
-        ids, labels = pad_pairs([self.data.pairs[i] for i in index], self.data.eot_id or 0)
-        return {"input_ids": ids, "pair_index": torch.tensor(index, dtype=torch.long)}, labels
+        pairs = [self.data.pairs[i] for i in index]
+        ids, labels = pad_pairs(pairs, self.data.eot_id or 0)
+        lengths = torch.tensor([len(p.chosen[0]) for p in pairs] + [len(p.rejected[0]) for p in pairs])   # (2b,)
+        real = (torch.arange(ids.shape[1]) < lengths[:, None]).long()      # (2b, t): what tokens/s counts
+        return {"input_ids": ids, "attention_mask": real, "pair_index": torch.tensor(index, dtype=torch.long)}, labels
 
     @property
     def epoch(self) -> float:

@@ -21,9 +21,9 @@ from archlab.runs.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    load_run,
     save_checkpoint,
 )
+from archlab.runs.model_folder import load_run
 from archlab.training.trainer import TrainConfig, read_metrics, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()

@@ -19,7 +19,8 @@ from archlab.cli import main
 from archlab.data.objectives import IGNORE
 from archlab.data.preference import PreferenceBatches, load_preference_data
 from archlab.errors import UserError
-from archlab.runs.checkpoint import latest_checkpoint, load_checkpoint, load_run
+from archlab.runs.checkpoint import latest_checkpoint, load_checkpoint
+from archlab.runs.model_folder import load_run
 from archlab.tokenizer import train as train_tokenizer
 from archlab.tokenizer.chat import ChatTokenizer
 from archlab.tokenizer.chat_builtin import install_chat_template

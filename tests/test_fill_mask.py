@@ -19,8 +19,8 @@ from archlab.data.prepare import prepare
 from archlab.errors import UserError
 from archlab.eval.fill_mask import encode_for_model, fill_mask
 from archlab.models.encoder import EncoderLM
-from archlab.runs.checkpoint import load_run, save_checkpoint, write_run_config
-from archlab.runs.model_folder import load_masked_lm
+from archlab.runs.checkpoint import save_checkpoint
+from archlab.runs.model_folder import load_masked_lm, load_run, write_run_config
 from archlab.tokenizer import HFTokenizer
 from archlab.tokenizer import train as train_tokenizer
 from archlab.training.trainer import TrainConfig, train

@@ -80,7 +80,7 @@ def train_and_reload(model_cfg: Any, train_cfg: TrainConfig, data_dir: Path, out
     what="a small model", before="loss before: 7.6", progress=False, log=print)"""
     import torch
 
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
     from archlab.training.precision import resolve_dtype
     from archlab.training.trainer import train
 

@@ -190,7 +190,7 @@ def _loaded_tokenizer_json(tok_dir: Path) -> dict:
 def check_resume_matches(run_dir: Path, model_cfg, data_info: dict, tok_src: Path, allow_new_data: bool) -> None:
     """Raise (ConfigError / DataError) when a resume would continue a different model, tokenizer or data."""
     from archlab.config import ConfigError, ModelConfig
-    from archlab.runs.checkpoint import read_run_config
+    from archlab.runs.model_folder import read_run_config
 
     saved = read_run_config(run_dir)
     # through ModelConfig, so a run saved before a field existed compares with that field's default

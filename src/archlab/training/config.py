@@ -10,7 +10,7 @@ from typing import Any, Literal, get_type_hints
 
 import yaml
 
-from archlab.config import ConfigError, _check_literals, _parse_value
+from archlab.config import ConfigError, _check_literals, _parse_value, check_seed
 
 __all__ = ["TrainConfig", "NO_DECAY_CATEGORIES"]
 
@@ -123,6 +123,7 @@ class TrainConfig:
             raise ConfigError(f"train.dpo_beta={self.dpo_beta} must be a positive number")
         if not 0 <= self.dpo_simpo_gamma < math.inf:
             raise ConfigError(f"train.dpo_simpo_gamma={self.dpo_simpo_gamma} must be >= 0")
+        check_seed("train.seed", self.seed)
         parts = self.no_decay_set  # validates
         del parts
 

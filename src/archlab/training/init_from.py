@@ -88,8 +88,9 @@ def read_init_source(spec: str | os.PathLike) -> InitSource:
 
 def _from_run(spec: str, folder: Path) -> InitSource:
     from archlab.runs import checkpoint as ckpt_io
+    from archlab.runs import model_folder
 
-    cfg = ModelConfig.from_dict(ckpt_io.read_run_config(folder)["model"])
+    cfg = ModelConfig.from_dict(model_folder.read_run_config(folder)["model"])
     latest = ckpt_io.latest_checkpoint(folder)
     if latest is None:
         raise ckpt_io.CheckpointError(f"--init-from {spec}: no checkpoint under {folder / ckpt_io.CHECKPOINT_DIR}")

@@ -214,6 +214,9 @@ PC = '{"prompt": "to be or ", "completion": "not to be"}\n'
 CHAT = '{"messages": [{"role": "user", "content": "to be"}, {"role": "assistant", "content": "or not"}]}\n'
 LONG = '{"prompt": "to be or not to be", "completion": "' + "be " * 20 + '"}\n'
 LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+DPO = ["train", "--init-from", "{bpe_run}", "--data", "{bad}", "--out", "{new}", "--no-progress", "--set",
+       "train.seq_len=16", "--set", "train.objective=dpo"]
+PREF = '{"prompt": "to be", "chosen": " or not", "rejected": " that is"}\n'
 
 CASES = [
     # ---- top level and argparse ---------------------------------------------------------------
@@ -245,6 +248,27 @@ CASES = [
                                        "--out", "{tmp}/copy", "--no-progress"], "--init-from",
      lambda tmp, w: main(["convert", "--from-hf", str(w["hf"]), "--out", str(tmp / "copy")])),
     ("train set without =", TP + ["--set", "n_layers"], "key=value"),
+    # ---- train.objective=dpo on preference .jsonl ----------------------------------------------
+    ("dpo malformed line", DPO, "bad.jsonl:2: not valid JSON", write("bad.jsonl", PREF + '{"prompt": broken\n')),
+    ("dpo missing field", DPO, "bad.jsonl:2 has no 'rejected'", write("bad.jsonl", PREF + '{"prompt": "a", '
+                                                                      '"chosen": "b"}\n')),
+    ("dpo chosen equals rejected", DPO, "bad.jsonl:1: chosen equals rejected",
+     write("bad.jsonl", '{"prompt": "to be", "chosen": " or", "rejected": " or"}\n')),
+    ("dpo side too long", DPO, "more than the limit of 16: choose a policy with train.dpo_truncation",
+     write("bad.jsonl", PREF + json.dumps({"prompt": "to be or not to be " * 9, "chosen": " yes",
+                                           "rejected": " no"}) + "\n")),
+    ("dpo chosen not the assistant's", DPO, "bad.jsonl:1: chosen must hold assistant messages only",
+     write("bad.jsonl", json.dumps({"prompt": [{"role": "user", "content": "hi"}], "chosen": [
+         {"role": "user", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]}) + "\n")),
+    ("dpo unknown role", DPO, "bad.jsonl:1: prompt[0] has unknown role 'boss'",
+     write("bad.jsonl", json.dumps({"prompt": [{"role": "boss", "content": "hi"}], "chosen": [
+         {"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]}) + "\n")),
+    ("dpo on a token folder", DPO[:4] + ["{data}"] + DPO[5:], "reads a .jsonl file"),
+    ("dpo without init-from", ["train", "--preset", "tiny:llama2-7b"] + DPO[3:], "--init-from BASE",
+     write("bad.jsonl", PREF)),
+    ("jsonl without objective dpo", DPO[:-2], "--set train.objective=dpo", write("bad.jsonl", PREF)),
+    ("dpo beta zero", DPO + ["--set", "train.dpo_beta=0"], "train.dpo_beta=0", write("bad.jsonl", PREF)),
+    ("dpo unknown loss", DPO + ["--set", "train.dpo_loss=kto"], "dpo_loss", write("bad.jsonl", PREF)),
     ("train unknown key", TP + ["--set", "n_layerz=2"], "n_layerz"),
     ("train unknown train key", TP + ["--set", "train.lrr=1"], "lrr"),
     ("train unknown objective", TP + ["--set", "train.objective=denoise"], "denoise"),

@@ -124,9 +124,11 @@ def _hash_edges(digest, path: Path) -> None:
 
 
 def data_fingerprint(data_dir: str | os.PathLike) -> str:
-    """sha256 (16 hex digits) of a data folder's meta.json and the edges of each split's files (a token stream's
-    "file"; a pairs folder's "source_file", "target_file", "offsets_file")."""
+    """sha256 (16 hex digits) of a data file, or of a data folder's meta.json and the edges of each split's files
+    (a token stream's "file"; a pairs folder's "source_file", "target_file", "offsets_file")."""
     data_dir = Path(data_dir)
+    if data_dir.is_file():                              # a .jsonl of preference pairs: the whole file
+        return hashlib.sha256(data_dir.read_bytes()).hexdigest()[:16]
     meta = json.loads((data_dir / "meta.json").read_text())
     digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
     for split in sorted(meta.get("splits", {})):

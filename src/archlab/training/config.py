@@ -61,7 +61,7 @@ class TrainConfig:
     mask_token_id: int | None = None       # encoders: the [MASK] id; None: the tokenizer's [MASK] / <mask>. An id
                                            # past the tokenizer (a padded vocabulary) gives a byte-level run one
     objective: Literal["auto", "next_token", "mlm", "next_sentence", "span_corruption", "text_infilling",
-                       "continuation"] = "auto"
+                       "continuation", "dpo"] = "auto"
                                            # auto: the kind's own (decoder next_token, encoder mlm, encoder-decoder
                                            # span_corruption; paired data: source -> target); objectives.py
     noise_density: float | None = None     # span_corruption / text_infilling: share of tokens noised (None: T5's
@@ -80,6 +80,10 @@ class TrainConfig:
                                            # seq_len with document ids; false: one example per row, padded per batch
     loss_mask: str = "assistant"           # archlab finetune: the tokens the loss scores (data/chat.LOSS_MASKS)
     truncation: str = "refuse"             # archlab finetune: an example past seq_len (data/chat.TRUNCATIONS)
+    dpo_beta: float = 0.1                  # dpo: the strength of the pull toward the reference (training/dpo.py)
+    dpo_loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"   # DPO, IPO, or SimPO (reference-free)
+    dpo_simpo_gamma: float = 0.5           # simpo: the target reward margin
+    dpo_truncation: Literal["refuse", "keep_start", "keep_end", "skip"] = "refuse"   # a side past seq_len
 
     def __post_init__(self):
         if isinstance(self.betas, list):
@@ -119,6 +123,10 @@ class TrainConfig:
                 raise ConfigError(f"train.lora_alpha={self.lora_alpha} must be a positive number")
             if not self.lora_targets.strip(" ,"):
                 raise ConfigError("train.lora_targets is empty: name Linears (q,v ...) or all-linear")
+        if not 0 < self.dpo_beta < math.inf:
+            raise ConfigError(f"train.dpo_beta={self.dpo_beta} must be a positive number")
+        if not 0 <= self.dpo_simpo_gamma < math.inf:
+            raise ConfigError(f"train.dpo_simpo_gamma={self.dpo_simpo_gamma} must be >= 0")
         check_seed("train.seed", self.seed)
         parts = self.no_decay_set  # validates
         del parts

@@ -48,6 +48,7 @@ from archlab.runs import model_folder
 from archlab.runs.lock import RunLock
 from archlab.runs.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
 from archlab.training import distributed as dist_util
+from archlab.training import dpo
 from archlab.training import lora as lora_stage
 from archlab.training.config import TrainConfig
 from archlab.training.init_from import InitSource
@@ -194,12 +195,16 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_
 
     # 1. data, checked against the settings
     device = _resolve_device(cfg, info)
-    train_data, val_data = open_splits(data_dir)       # a token stream, or source/target pairs
-    can_eval = _check_data(model_cfg, cfg, data_dir, train_data, val_data, info)
-    # the objective and the sampler, built before the run folder is touched: a setting this data cannot train
-    # (no sentinels, no sentence index, pairs too long) is an error that leaves nothing behind
-    batches = TrainBatches(model_cfg, cfg, train_data, rank=info.rank, world_size=info.world_size)
-    eval_objective = batches.objective_on(val_data) if can_eval else None
+    if cfg.objective == "dpo" or data_dir.is_file():    # preference pairs (.jsonl): training/dpo.py
+        batches: Any = dpo.open_preference_data(model_cfg, cfg, data_dir, init_from, info, progress=progress is True)
+        train_data, val_data, can_eval, eval_objective = batches.data, batches.data.without_pairs(), False, None
+    else:
+        train_data, val_data = open_splits(data_dir)       # a token stream, or source/target pairs
+        can_eval = _check_data(model_cfg, cfg, data_dir, train_data, val_data, info)
+        # the objective and the sampler, built before the run folder is touched: a setting this data cannot train
+        # (no sentinels, no sentence index, pairs too long) is an error that leaves nothing behind
+        batches = TrainBatches(model_cfg, cfg, train_data, rank=info.rank, world_size=info.world_size)
+        eval_objective = batches.objective_on(val_data) if can_eval else None
     lora_stage.check(model_cfg, cfg)                   # LoRA targets this model lacks: refused before any write
     if cfg.memory_check:
         check_memory_fits(model_cfg, cfg, device, info)
@@ -230,6 +235,9 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
     elif init_from is not None:   # the source's weights; LoRA adapters (train.lora) keep their fresh init
         from archlab.nn.lora import lora_state
         dist_util.load_full_model_state(run.model, {**lora_state(run.raw), **init_from.state}, info)
+    if isinstance(batches := data[3], dpo.DPOBatches):   # the reference log-probs: scored now, or read back
+        dpo.prepare_reference(batches, run.raw, run_dir, device=device, dtype=cfg.dtype, info=info,
+                              resuming=latest is not None, progress=progress is True)
     # 5. the loop
     run.open_reporting(progress)
     try:
@@ -558,7 +566,7 @@ class _Run:
             # gradients are all-reduced across ranks once, on the last micro-step
             with dist_util.no_grad_sync(self.model, info, sync=micro == cfg.grad_accum - 1):
                 with autocast(device, cfg.dtype):
-                    out = self.step_model(**inputs, targets=y)                    # LossOutput
+                    out = self.forward_loss(inputs, y)                            # LossOutput
                 (out.total / cfg.grad_accum).backward()
             sums += torch.stack((out.ce.detach(), out.total.detach()))
         ce, total_loss = (sums / cfg.grad_accum).tolist()   # one host sync per optimizer step
@@ -572,6 +580,11 @@ class _Run:
             self.skipped = 0
         self.optimizer.zero_grad(set_to_none=True)
         return _StepStats(ce, total_loss, grad_norm, finite, stop > 0, round(tokens_mean * info.world_size))
+
+    def forward_loss(self, inputs: dict[str, torch.Tensor], y: torch.Tensor) -> Any:
+        """The model's own loss, or the batches' where they bring one (DPO's pairs against the reference)."""
+        loss = getattr(self.batches, "loss", None)
+        return loss(self.step_model, inputs, y) if loss is not None else self.step_model(**inputs, targets=y)
 
     def _grad_norm(self) -> float:
         """Global gradient norm, after clipping to cfg.grad_clip when set."""
@@ -612,6 +625,8 @@ class _Run:
                   "grad_norm": stats.grad_norm, "tokens_per_s": tps, "mfu": mfu}
         if stats.total != stats.ce:
             record["loss_total"] = stats.total
+        if hasattr(self.batches, "metrics"):      # DPO: rewards/..., logps/... (this rank's, since the last line)
+            record.update(self.batches.metrics())
         self.log(record)
         left = {}
         if self.total_steps is None:              # a minutes budget: the bar has no total, so say what is left

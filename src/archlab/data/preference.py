@@ -1,0 +1,231 @@
+"""Preference data for DPO: `.jsonl` lines of a prompt and two completions, one preferred.
+
+Two shapes of line, as TRL's preference datasets have them:
+
+    {"prompt": "...", "chosen": "...", "rejected": "..."}                 plain text, no template
+    {"prompt": [messages], "chosen": [assistant messages], "rejected": [assistant messages]}
+
+Each side becomes one sequence, encoded as archlab.data.chat encodes a prompt/completion line with the loss mask
+"completion": plain text is prompt + completion + the end-of-text token; messages render through the tokenizer's
+chat template and the completion is what the assistant's messages add. labels score the completion only
+(slot j holds token j + 1 or IGNORE), so a model's summed log-probability of a side is its completion's.
+A side longer than `max_tokens` (train.seq_len) is handled by the policy `truncation` names (chat.TRUNCATIONS:
+refuse, keep_start, keep_end, skip); a policy that leaves no completion token refuses the line. Every bad line is a
+UserError naming the file and line: not JSON, a missing field, a bad message, chosen equal to rejected.
+
+PreferenceBatches draws pairs in a shuffled order per epoch, a pure function of (seed, draw): its state is one
+counter. A batch is (inputs, labels) with 2b rows, the b chosen sides then the b rejected ones, right-padded:
+inputs {"input_ids": (2b, t), "attention_mask": (2b, t) (1 on real tokens), "pair_index": (b,)}, labels (2b, t).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from archlab.data.chat import TRUNCATIONS, ChatDataError, Conversation, _conversation, encode_conversation
+from archlab.data.corpora import CorpusError, jsonl_records
+from archlab.data.objectives import IGNORE
+from archlab.errors import UserError
+from archlab.progress import progress_bar
+from archlab.tokenizer.chat import ChatTokenizer
+
+__all__ = ["SIDES", "PreferencePair", "PreferenceData", "load_preference_data", "pad_pairs", "PreferenceBatches"]
+
+SIDES = ("chosen", "rejected")
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One line: per side its ids (n,) and labels (n,) (labels[j] = ids[j + 1] on the completion, else IGNORE)."""
+    line: int
+    chosen: tuple[list[int], list[int]]
+    rejected: tuple[list[int], list[int]]
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The ids before the chosen completion's first scored token (the prompt as the model reads it)."""
+        ids, labels = self.chosen
+        first = next(j for j, t in enumerate(labels) if t != IGNORE)
+        return ids[:first + 1]
+
+
+@dataclass
+class PreferenceData:
+    """The pairs of one file and what the trainer records of a data source (the file's sha256 as fingerprint)."""
+    path: Path
+    pairs: list[PreferencePair]
+    tokenizer_dir: Path
+    vocab_size: int
+    eot_id: int | None
+    fingerprint: str
+    skipped: int = 0
+    bytes_per_token: float | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(p.chosen[0]) + len(p.rejected[0]) for p in self.pairs)
+
+    def without_pairs(self) -> PreferenceData:
+        """The same source with no pairs: what stands for a validation split (DPO runs have none)."""
+        return dataclasses.replace(self, pairs=[])
+
+    @property
+    def meta(self) -> dict:
+        return {"corpus": str(self.path), "tokenizer": str(self.tokenizer_dir.resolve())}
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _record(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise ChatDataError(f"{where} is a JSON {type(value).__name__}, not an object with prompt, chosen, rejected")
+    for needed in ("prompt", *SIDES):
+        if needed not in value:
+            raise ChatDataError(f"{where} has no {needed!r} (a preference line has prompt, chosen and rejected)")
+    if value["chosen"] == value["rejected"]:
+        raise ChatDataError(f"{where}: chosen equals rejected, so there is no preference to learn")
+    return value
+
+
+def _conversations(record: dict, where: str, line: int) -> list[Conversation]:
+    """The chosen and rejected sides of a line as prompt/completion conversations, checked."""
+    out = []
+    for side in SIDES:
+        try:
+            conv = _conversation({"prompt": record["prompt"], "completion": record[side]}, where, line)
+        except ChatDataError as exc:
+            raise ChatDataError(str(exc).replace("completion", side)) from None
+        if not conv.is_plain and any(m["role"] != "assistant" for m in conv.messages[conv.prompt_len:]):
+            raise ChatDataError(f"{where}: {side} must hold assistant messages only")
+        out.append(conv)
+    return out
+
+
+def _side(chat: ChatTokenizer, template: str | None, conv: Conversation, side: str, where: str,
+          max_tokens: int | None, truncation: str, setting: str) -> tuple[list[int], list[int]] | None:
+    """(ids, labels) of one side, truncated by the policy (None: skipped)."""
+    try:
+        ids, mask = encode_conversation(chat, conv, mask="completion", template=template)
+    except UserError as exc:
+        raise ChatDataError(f"{where}: {side}: {exc}") from None
+    if max_tokens is not None and len(ids) > max_tokens:
+        if truncation == "refuse":
+            raise ChatDataError(f"{where}: {side} has {len(ids)} tokens, more than the limit of {max_tokens}: choose "
+                                f"a policy with {setting} ({', '.join(TRUNCATIONS)})")
+        cut = TRUNCATIONS[truncation](ids, mask, max_tokens)
+        if cut is None:
+            return None
+        ids, mask = cut
+        if not any(mask[1:]):
+            raise ChatDataError(f"{where}: {side} keeps no completion token under truncation {truncation!r} "
+                                f"within {max_tokens} tokens")
+    labels = [ids[j + 1] if mask[j + 1] else IGNORE for j in range(len(ids) - 1)] + [IGNORE]   # (n,)
+    return ids, labels
+
+
+def load_preference_data(path: str | os.PathLike, tokenizer: str | os.PathLike, *, max_tokens: int | None = None,
+                         truncation: str = "refuse", chat_template: str | None = None, progress: bool = True,
+                         setting: str = "truncation") -> PreferenceData:
+    """Every line of `path` as a PreferencePair, encoded with the tokenizer folder `tokenizer` (its chat template for
+    message lines); `setting` is how errors name the truncation option.
+    Example: data = load_preference_data("prefs.jsonl", "runs/base/tokenizer", max_tokens=256)"""
+    path, tokenizer = Path(path), Path(tokenizer)
+    if truncation not in TRUNCATIONS:
+        raise UserError(f"unknown truncation policy {truncation!r}: choose one of {', '.join(TRUNCATIONS)}")
+    if not path.is_file():
+        raise UserError(f"{path}: no such file (preference data is a .jsonl file)")
+    chat = ChatTokenizer.of(tokenizer)
+    template: str | None = None
+    data = PreferenceData(path, [], tokenizer, int(chat.tokenizer.vocab_size),
+                          getattr(chat.tokenizer, "eot_id", None), file_sha256(path))
+    bar = progress_bar(desc=f"reading {path.name}", unit=" pairs", disable=not progress)
+    try:
+        for line, value in jsonl_records(path):
+            where = f"{path}:{line}"
+            convs = _conversations(_record(value, where), where, line)
+            if template is None and not convs[0].is_plain:
+                try:
+                    template = chat.template(chat_template)
+                except UserError as exc:
+                    raise ChatDataError(f"{where}: {exc}") from None
+            sides = [_side(chat, template, conv, side, where, max_tokens, truncation, setting)
+                     for conv, side in zip(convs, SIDES)]
+            if sides[0] is None or sides[1] is None:
+                data.skipped += 1
+                continue
+            data.pairs.append(PreferencePair(line, sides[0], sides[1]))
+            bar.update()
+    except CorpusError as exc:
+        raise ChatDataError(str(exc)) from None
+    finally:
+        bar.close()
+    if not data.pairs:
+        raise ChatDataError(f"{path}: no preference pairs (an empty file, or every line skipped)")
+    return data
+
+
+def pad_pairs(pairs: list[PreferencePair], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (2b, t), labels (2b, t)): the chosen sides, then the rejected ones, right-padded (labels IGNORE)."""
+    rows = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for i, (row_ids, row_labels) in enumerate(rows):
+        ids[i, :len(row_ids)] = torch.tensor(row_ids)
+        labels[i, :len(row_labels)] = torch.tensor(row_labels)
+    return ids, labels
+
+
+class PreferenceBatches:
+    """The training batches of one rank: `next(step, micro)` -> (inputs, labels) of `batch_size` pairs (global; this
+    rank's share), drawn in a shuffled order per epoch from (seed, epoch); state: the draws made so far.
+    Example: inputs, labels = PreferenceBatches(data, batch_size=8, seed=0).next(0, 0)"""
+
+    def __init__(self, data: PreferenceData, batch_size: int, *, seed: int = 0, rank: int = 0, world_size: int = 1):
+        self.data, self.batch_size, self.seed, self.rank, self.world_size = data, batch_size, seed, rank, world_size
+        self.draws = 0
+        self._order: tuple[int, torch.Tensor] | None = None
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if self._order is None or self._order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._order = (epoch, torch.randperm(len(self.data.pairs), generator=generator))
+        return self._order[1]
+
+    def indices(self, draw: int) -> list[int]:
+        """The pair indices (into data.pairs) of this rank's share of global draw `draw`."""
+        n = len(self.data.pairs)
+        positions = range(draw * self.batch_size, (draw + 1) * self.batch_size)
+        mine = list(positions)[self.rank::self.world_size]
+        return [int(self._epoch_order(p // n)[p % n]) for p in mine]
+
+    def next(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        index = self.indices(self.draws)
+        self.draws += 1
+        pairs = [self.data.pairs[i] for i in index]
+        ids, labels = pad_pairs(pairs, self.data.eot_id or 0)
+        lengths = torch.tensor([len(p.chosen[0]) for p in pairs] + [len(p.rejected[0]) for p in pairs])   # (2b,)
+        real = (torch.arange(ids.shape[1]) < lengths[:, None]).long()      # (2b, t): what tokens/s counts
+        return {"input_ids": ids, "attention_mask": real, "pair_index": torch.tensor(index, dtype=torch.long)}, labels
+
+    @property
+    def epoch(self) -> float:
+        return self.draws * self.batch_size / len(self.data.pairs)
+
+    def state_dict(self) -> dict:
+        return {"draws": self.draws}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.draws = int(state["draws"])

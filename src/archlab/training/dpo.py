@@ -1,0 +1,270 @@
+"""Preference tuning on the trainer: `train.objective=dpo` over a `.jsonl` of prompt / chosen / rejected lines.
+
+    archlab train --init-from BASE --data prefs.jsonl --out runs/dpo --set train.objective=dpo
+
+The policy starts from BASE's weights. The reference is that same starting model, scored ONCE before the first
+step: the summed log-probability of every line's chosen and rejected completion is written to the run folder
+(REFERENCE_FILE, safetensors keyed by line, with the data file's sha256) and read back on --resume, so no second
+model is held in memory. With LoRA (train.lora_r) the adapters start at zero, so the reference is the frozen base.
+
+Per pair, with logp the policy's summed completion log-probability, ref the reference's, n the completion tokens
+and beta = train.dpo_beta, the losses of LOSSES (train.dpo_loss):
+
+    sigmoid   -log sigmoid(beta * ((logp_c - ref_c) - (logp_r - ref_r)))           DPO, Rafailov et al. 2023
+    ipo       ((logp_c - ref_c) / n_c - (logp_r - ref_r) / n_r - 1 / (2 beta))^2      IPO, Azar et al. 2023
+              (per-token log-ratios, as TRL's DPOTrainer computes loss_type="ipo")
+    simpo     -log sigmoid(beta * (logp_c / n_c - logp_r / n_r) - gamma)             SimPO, Meng et al. 2024,
+              reference-free; gamma = train.dpo_simpo_gamma
+
+Logged as TRL names them: rewards/chosen and rewards/rejected (the implicit reward beta * (logp - ref), batch
+means), rewards/margins, rewards/accuracies (share of pairs whose chosen reward is the larger), logps/chosen,
+logps/rejected. The model's z-loss and MoE auxiliary losses are not added to a preference loss.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from archlab.data.objectives import IGNORE
+from archlab.data.preference import PreferenceBatches, PreferenceData, load_preference_data, pad_pairs
+from archlab.errors import UserError
+from archlab.eval.evaluate import autocast
+from archlab.models.decoder import LossOutput
+from archlab.progress import progress_bar
+
+__all__ = ["LOSSES", "METRICS", "REFERENCE_FILE", "sequence_logps", "preference_loss", "implicit_rewards", "DPOBatches",
+           "open_preference_data", "reference_logps", "prepare_reference"]
+
+REFERENCE_FILE = "reference_logps.safetensors"
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")     # logged as TRL's DPOTrainer names them
+
+Loss = Callable[..., torch.Tensor]
+
+
+def _sigmoid(logp_c, logp_r, ref_c, ref_r, n_c, n_r, beta, gamma) -> torch.Tensor:
+    return -F.logsigmoid(beta * ((logp_c - ref_c) - (logp_r - ref_r)))
+
+
+def _ipo(logp_c, logp_r, ref_c, ref_r, n_c, n_r, beta, gamma) -> torch.Tensor:
+    return ((logp_c - ref_c) / n_c - (logp_r - ref_r) / n_r - 1 / (2 * beta)) ** 2
+
+
+def _simpo(logp_c, logp_r, ref_c, ref_r, n_c, n_r, beta, gamma) -> torch.Tensor:
+    return -F.logsigmoid(beta * (logp_c / n_c - logp_r / n_r) - gamma)
+
+
+# train.dpo_loss -> per-pair loss from (policy logps, reference logps, completion lengths, beta, gamma), all (b,)
+LOSSES: dict[str, Loss] = {"sigmoid": _sigmoid, "ipo": _ipo, "simpo": _simpo}
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of the scored labels, number of scored labels), each (rows,), from logits (rows, t, v)
+    and labels (rows, t) (slot j holds the target of position j, or IGNORE). In float32."""
+    scored = labels != IGNORE                                                           # (rows, t)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)                                # (rows, t, v)
+    picked = logprobs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)         # (rows, t)
+    return (picked * scored).sum(-1), scored.sum(-1)
+
+
+def preference_loss(kind: str, logp_c: torch.Tensor, logp_r: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor,
+                    n_c: torch.Tensor, n_r: torch.Tensor, *, beta: float, gamma: float = 0.0) -> torch.Tensor:
+    """The mean over pairs of LOSSES[kind]. Example: preference_loss("sigmoid", lc, lr, rc, rr, nc, nr, beta=0.1)"""
+    return LOSSES[kind](logp_c, logp_r, ref_c, ref_r, n_c, n_r, beta, gamma).mean()
+
+
+def implicit_rewards(logp: torch.Tensor, ref: torch.Tensor, beta: float) -> torch.Tensor:
+    """DPO's implicit reward beta * log(pi / pi_ref) of each completion."""
+    return beta * (logp - ref)
+
+
+class DPOBatches:
+    """The trainer's batches for train.objective=dpo: PreferenceBatches' pairs, and the loss the trainer calls instead
+    of the model's own (`loss(model, inputs, labels)` -> LossOutput) with the reference log-probs (`reference`, set
+    by prepare_reference). Metrics gather between `metrics()` calls."""
+
+    def __init__(self, data: PreferenceData, cfg: Any, *, rank: int = 0, world_size: int = 1):
+        self.data, self.cfg = data, cfg
+        self.sampler = PreferenceBatches(data, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world_size)
+        self.reference: tuple[torch.Tensor, torch.Tensor] | None = None     # (chosen, rejected), (pairs,) each
+        self._sums: torch.Tensor | None = None
+        self._count = 0
+        self.staged_tokenizer: tempfile.TemporaryDirectory | None = None
+
+    def next(self, step: int, micro: int):
+        return self.sampler.next(step, micro)
+
+    @property
+    def epoch(self) -> float:
+        return self.sampler.epoch
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+    def loss(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> LossOutput:
+        """The preference loss of one batch (2b rows: b chosen, then b rejected) under `model`."""
+        assert self.reference is not None, "prepare_reference sets the reference log-probs before training"
+        index = inputs["pair_index"].cpu()                                              # (b,)
+        logits = model(input_ids=inputs["input_ids"])                                   # (2b, t, v)
+        logps, counts = sequence_logps(logits, labels)                                  # (2b,) each
+        logp_c, logp_r = logps.chunk(2)
+        n_c, n_r = counts.chunk(2)
+        ref_c, ref_r = (r[index].to(logps.device) for r in self.reference)
+        beta = self.cfg.dpo_beta
+        loss = preference_loss(self.cfg.dpo_loss, logp_c, logp_r, ref_c, ref_r, n_c, n_r, beta=beta,
+                               gamma=self.cfg.dpo_simpo_gamma)
+        self._gather(logp_c.detach(), logp_r.detach(), ref_c, ref_r, beta)
+        zero = loss.new_zeros(())
+        return LossOutput(total=loss, ce=loss.detach(), z_loss=zero, aux_loss=zero)
+
+    def _gather(self, logp_c, logp_r, ref_c, ref_r, beta) -> None:
+        chosen, rejected = implicit_rewards(logp_c, ref_c, beta), implicit_rewards(logp_r, ref_r, beta)
+        values = torch.stack([chosen.mean(), rejected.mean(), (chosen - rejected).mean(),
+                              (chosen > rejected).float().mean(), logp_c.mean(), logp_r.mean()])   # (METRICS,)
+        self._sums = values if self._sums is None else self._sums + values     # on device: no host sync per batch
+        self._count += 1
+
+    def metrics(self) -> dict[str, float]:
+        """The means of the logged quantities over the micro-batches since the last call."""
+        out = dict(zip(METRICS, (self._sums / self._count).tolist())) if self._sums is not None else {}
+        self._sums, self._count = None, 0
+        return out
+
+
+def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: Any, info: Any, *,
+                         progress: bool = True) -> DPOBatches:
+    """The DPO batches of `data_path`, encoded with the --init-from source's tokenizer; a UserError for data or
+    settings DPO cannot train, before anything is written."""
+    if cfg.objective != "dpo":
+        raise UserError(f"--data {data_path} is a file: preference .jsonl trains with --set train.objective=dpo "
+                        "(token data is a folder from archlab data prepare)")
+    if not (data_path.is_file() and data_path.suffix == ".jsonl"):
+        raise UserError(f"train.objective=dpo reads a .jsonl file of prompt / chosen / rejected lines; "
+                        f"--data {data_path} is not one")
+    if model_cfg.arch != "decoder":
+        raise UserError(f"train.objective=dpo trains decoder models, not arch={model_cfg.arch}")
+    if init_from is None:
+        raise UserError("train.objective=dpo starts from a trained model: pass --init-from RUN_OR_HF_FOLDER (its "
+                        "weights begin the policy and score the reference)")
+    if init_from.tokenizer_dir is None:
+        raise UserError(f"--init-from {init_from.spec} holds no tokenizer to encode {data_path} with")
+    if model_cfg.position.kind == "learned" and cfg.seq_len > model_cfg.max_seq_len:
+        raise UserError(f"train.seq_len={cfg.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
+    if cfg.batch_size % info.world_size:
+        raise UserError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the world size "
+                        f"{info.world_size}")
+    if cfg.budget_unit == "tokens":
+        raise UserError("train.budget_unit=tokens counts fixed windows; preference pairs have every length: give "
+                        "the budget in steps or minutes")
+    if (model_cfg.attention.dropout or model_cfg.block.residual_dropout or model_cfg.embedding_dropout) \
+            and info.is_main:
+        warnings.warn("dropout is on: the policy's log-probs are noisy against the reference's (scored without "
+                      "dropout), so the first loss is not ln 2; TRL's DPOTrainer turns dropout off",
+                      stacklevel=3)
+    staged = _tokenizer_only(init_from.tokenizer_dir)
+    data = load_preference_data(data_path, staged.name if staged else init_from.tokenizer_dir, max_tokens=cfg.seq_len,
+                                truncation=cfg.dpo_truncation, progress=progress and info.is_main,
+                                setting="train.dpo_truncation")
+    if model_cfg.vocab_size < data.vocab_size:
+        raise UserError(f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+                        f"{data.vocab_size} ({init_from.tokenizer_dir})")
+    batches = DPOBatches(data, cfg, rank=info.rank, world_size=info.world_size)
+    batches.staged_tokenizer = staged           # removed with the batches, after the run folder has its copy
+    return batches
+
+
+def _tokenizer_only(folder: Path) -> tempfile.TemporaryDirectory | None:
+    """For an HF model folder, a temporary folder of its tokenizer files alone (the run folder copies the data's
+    tokenizer folder whole, and must not copy the weights); None for a tokenizer folder (a run's tokenizer/)."""
+    from archlab.runs.hub import MODEL_FILES
+
+    if not (folder / "config.json").is_file():
+        return None
+    staged = tempfile.TemporaryDirectory(prefix="archlab-tokenizer-")
+    for pattern in (p for p in MODEL_FILES if "safetensors" not in p and p != "config.json"):
+        for path in folder.glob(pattern):
+            target = Path(staged.name) / path.relative_to(folder)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+    return staged
+
+
+@torch.no_grad()
+def reference_logps(model: torch.nn.Module, data: PreferenceData, *, batch_size: int, device: torch.device,
+                    dtype: str = "float32", progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) summed completion log-probabilities of every pair under `model` (eval mode), (pairs,)
+    each, in float32, in the order of data.pairs."""
+    was_training = model.training
+    model.eval()
+    out: list[torch.Tensor] = []
+    bar = progress_bar(total=len(data.pairs), desc="reference log-probs", unit=" pairs", disable=not progress)
+    try:
+        for start in range(0, len(data.pairs), batch_size):
+            chunk = data.pairs[start:start + batch_size]
+            ids, labels = pad_pairs(chunk, data.eot_id or 0)                        # (2b, t) each
+            with autocast(device, dtype):
+                logits = model(input_ids=ids.to(device))
+            out.append(sequence_logps(logits, labels.to(device))[0].view(2, -1).cpu())   # (2, b)
+            bar.update(len(chunk))
+    finally:
+        bar.close()
+        model.train(was_training)
+    both = torch.cat(out, dim=1)                                                     # (2, pairs)
+    return both[0].contiguous(), both[1].contiguous()
+
+
+def _write(path: Path, data: PreferenceData, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    lines = torch.tensor([p.line for p in data.pairs], dtype=torch.long)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"line": lines, "chosen": chosen, "rejected": rejected}, str(tmp),
+              metadata={"data_sha256": data.fingerprint, "data": str(data.path)})
+    os.replace(tmp, path)
+
+
+def _read(path: Path, data: PreferenceData) -> tuple[torch.Tensor, torch.Tensor]:
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise UserError(f"cannot resume {path.parent}: {path.name} (the reference log-probs, written before the "
+                        "first step) is missing, and the starting weights are gone: start a new run")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {name: f.get_tensor(name) for name in ("line", "chosen", "rejected")}
+    lines = [p.line for p in data.pairs]
+    if meta.get("data_sha256") != data.fingerprint or tensors["line"].tolist() != lines:
+        raise UserError(f"cannot resume {path.parent}: its reference log-probs score {meta.get('data')}, and "
+                        f"--data {data.path} holds other lines")
+    return tensors["chosen"], tensors["rejected"]
+
+
+def prepare_reference(batches: DPOBatches, model: torch.nn.Module, run_dir: Path, *, device: torch.device,
+                      dtype: str, info: Any, resuming: bool, progress: bool = True) -> None:
+    """Set batches.reference: scored now from `model` (the starting weights) and written to the run folder by rank
+    0, or, resuming, read back from it."""
+    path = run_dir / REFERENCE_FILE
+    if not resuming:
+        chosen, rejected = reference_logps(model, batches.data, batch_size=batches.cfg.batch_size, device=device,
+                                           dtype=dtype, progress=progress and info.is_main)
+        if not (torch.isfinite(chosen).all() and torch.isfinite(rejected).all()):
+            raise UserError("the starting model gives a non-finite log-probability to a completion: no reference")
+        if info.is_main:
+            _write(path, batches.data, chosen, rejected)
+        if info.enabled:
+            torch.distributed.barrier()
+    else:
+        chosen, rejected = _read(path, batches.data)
+    batches.reference = (chosen, rejected)
+

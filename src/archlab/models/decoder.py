@@ -18,7 +18,6 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.nn.embedding import Embedder, init_weights
 from archlab.nn.fused import DecodeSession, head_linear
 from archlab.nn.fused_loss import linear_cross_entropy
-from archlab.nn.masks import AttnInputs, document_positions
 from archlab.nn.mlp import MoEMLP
 from archlab.nn.norms import build_norm
 from archlab.nn.stack import TransformerStack, stack_t5_table
@@ -126,33 +125,9 @@ class TransformerLM(Embedder, NextTokenHead, nn.Module):
         document_ids: torch.Tensor | None = None,     # (b, t) int: packed documents (-1 padding); positions
                                                       # restart at each, no query sees another document
     ) -> torch.Tensor | LossOutput:                   # (b, t, v) logits, or (b, t, d) hidden
-        b, t = input_ids.shape
-        if document_ids is not None:
-            if cache is not None:
-                raise ValueError("document_ids pack whole documents into a forward: not with a KV cache")
-            if positions is None:
-                positions = document_positions(document_ids)
-        implied = positions is None
-        plain = implied and cache is None
-        if positions is None:
-            start = len(cache) if cache is not None else 0
-            # plain causal: one (1, t) row that RoPE tables, biases and masks broadcast over the batch
-            # (b x less table work); the KV cache keeps positions per row, so it gets (b, t)
-            positions = torch.arange(start, start + t, device=input_ids.device)[None]
-            if not plain:
-                positions = positions.expand(b, t)
-        if self.config.position.kind == "learned" and int(positions.max()) >= self.config.max_seq_len:
-            raise ValueError(
-                f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}: "
-                "learned position embeddings have no row for it"
-            )
-        if prefix_lengths is not None and not self.config.attention.prefix_lm:
-            raise ValueError("prefix_lengths given but config.attention.prefix_lm is False")
-        # what attends to what, built once: every block reads it, and its layers share RoPE tables and masks
-        spec = self.blocks.mask_spec(prefix_lengths, document_ids=document_ids)
-        inputs = AttnInputs(positions, spec, cache=cache, plain=plain, continued=cache is not None and implied,
-                            fresh=cache is not None and len(cache) == 0, session=session)
-        x = self.embed_tokens(input_ids, positions)                          # (b, t, d)
+        inputs = self.blocks.inputs(input_ids, positions=positions, document_ids=document_ids, cache=cache,
+                                    prefix_lengths=prefix_lengths, session=session)
+        x = self.embed_tokens(input_ids, inputs.positions)                          # (b, t, d)
         x = self.blocks(x, inputs)                                           # (b, t, d)
         if self.final_norm is not None:
             x = self.final_norm(x)

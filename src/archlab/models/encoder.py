@@ -22,29 +22,10 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.models.decoder import LossOutput
 from archlab.nn.embedding import Embedder, MLMHead, init_weights
 from archlab.nn.fused_loss import linear_cross_entropy
-from archlab.nn.masks import AttnInputs, document_positions
 from archlab.nn.norms import build_norm
-from archlab.nn.stack import TransformerStack, stack_t5_table
+from archlab.nn.stack import TransformerStack, padded_positions, stack_t5_table
 
-__all__ = ["EncoderLM", "padded_positions", "stack_positions"]
-
-
-def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(b, t) 0/1 mask -> (b, t) positions: each row's real tokens numbered 0, 1, ... in order, padding -1.
-    Example: padded_positions(torch.tensor([[0, 1, 1]])) -> tensor([[-1, 0, 1]])"""
-    real = attention_mask.bool()
-    return torch.where(real, real.long().cumsum(-1) - 1, -1)
-
-
-def stack_positions(ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """A stack's (b|1, t) positions: 0..t-1 shared by every row, each row's real tokens counted from 0
-    (padded_positions), or counted from 0 in each packed document (nn/masks.document_positions)."""
-    if document_ids is not None:
-        return document_positions(document_ids, attention_mask)
-    if attention_mask is not None:
-        return padded_positions(attention_mask)
-    return torch.arange(ids.shape[1], device=ids.device)[None]
+__all__ = ["EncoderLM", "padded_positions"]
 
 
 class EncoderLM(Embedder, nn.Module):
@@ -86,17 +67,9 @@ class EncoderLM(Embedder, nn.Module):
     ) -> torch.Tensor | LossOutput:                      # (b, t, v) logits, or (b, t, d) hidden
         if next_sentence_labels is not None and targets is None:
             raise ValueError("next_sentence_labels are scored beside the MLM loss: pass targets too")
-        b, t = input_ids.shape
-        plain = attention_mask is None and positions is None and document_ids is None
-        if positions is None:
-            positions = stack_positions(input_ids, attention_mask, document_ids)
-        if self.abs_position.kind == "learned" and int(positions.max()) >= self.config.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}: "
-                             "learned position embeddings have no row for it")
-        padding = None if attention_mask is None else attention_mask.bool()
-        inputs = AttnInputs(positions, self.blocks.mask_spec(key_padding=padding, document_ids=document_ids),
-                            plain=plain)
-        x = self.embed_tokens(input_ids, positions, token_type_ids)         # (b, t, d)
+        inputs = self.blocks.inputs(input_ids, positions=positions, attention_mask=attention_mask,
+                                    document_ids=document_ids)
+        x = self.embed_tokens(input_ids, inputs.positions, token_type_ids)         # (b, t, d)
         x = self.blocks(x, inputs)                                    # (b, t, d)
         if self.final_norm is not None:
             x = self.final_norm(x)

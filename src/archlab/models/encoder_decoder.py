@@ -25,11 +25,10 @@ from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.models.decoder import LossOutput, NextTokenHead
-from archlab.models.encoder import stack_positions
 from archlab.nn.block import Block
 from archlab.nn.embedding import Embedder, init_weights
 from archlab.nn.fused import DecodeSession
-from archlab.nn.masks import AttnInputs, Context
+from archlab.nn.masks import Context
 from archlab.nn.norms import build_norm
 from archlab.nn.position import AbsolutePosition
 from archlab.nn.stack import TransformerStack, stack_t5_table
@@ -80,20 +79,7 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
         """Every block, the encoder's then the decoder's: what activation checkpointing and FSDP wrap one by one."""
         return (*self.encoder, *self.decoder)
 
-    def _stack_inputs(self, stack: TransformerStack, ids: torch.Tensor, mask: torch.Tensor | None,
-                      documents: torch.Tensor | None = None) -> AttnInputs:
-        """One stack's AttnInputs: positions 0..t-1 (plain), or counted over each row's real tokens with the
-        padding as key padding (as EncoderLM: left- and right-padded rows agree), or from 0 in each packed
-        document, which no other document sees."""
-        positions = stack_positions(ids, mask, documents)
-        spec = stack.mask_spec(key_padding=None if mask is None else mask.bool(), document_ids=documents)
-        return AttnInputs(positions, spec, plain=mask is None and documents is None)
-
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor, decoder: bool = False) -> torch.Tensor:
-        table = self.abs_position.kind == "learned" or self.abs_position.table is not None
-        if table and int(positions.max()) >= self.config.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}: "
-                             "the position table has no row for it")
         parts = None
         if decoder and self.decoder_abs_position is not None:
             parts = (self.decoder_abs_position, self.decoder_embed_norm)
@@ -105,7 +91,7 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
         Context the decoder attends to: the encoder's normed output, its positions, padding and documents. Run
         once per source; each cross-attention layer projects its keys and values from it once (a generation's
         decode steps reuse them)."""
-        inputs = self._stack_inputs(self.encoder, input_ids, attention_mask, document_ids)
+        inputs = self.encoder.inputs(input_ids, attention_mask=attention_mask, document_ids=document_ids)
         x = self._embed(input_ids, inputs.positions)                         # (b, s, d)
         x = self.encoder(x, inputs)                                     # (b, s, d)
         if self.encoder_norm is not None:
@@ -124,21 +110,11 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
         if (document_ids is None) != (context.spec.segment_ids is None):
             raise ValueError("packed documents on one side only: give the source's document_ids and the "
                              "target's decoder_document_ids together")
-        if document_ids is not None:
-            if cache is not None or session is not None:
-                raise ValueError("document_ids pack whole documents into a forward: not with a KV cache")
-            context = dataclasses.replace(context, spec=dataclasses.replace(   # queries: the target's documents
+        if document_ids is not None:     # queries: the target's documents, keys: the source's
+            context = dataclasses.replace(context, spec=dataclasses.replace(
                 context.spec, segment_ids=document_ids, key_segment_ids=context.spec.segment_ids))
-        if cache is None and session is None:
-            inputs = self._stack_inputs(self.decoder, decoder_input_ids, decoder_attention_mask, document_ids)
-        else:
-            if decoder_attention_mask is not None:
-                raise ValueError("cached decoding takes unpadded decoder rows (no decoder_attention_mask)")
-            (b, t), start = decoder_input_ids.shape, 0 if cache is None else len(cache)
-            positions = torch.arange(start, start + t, device=decoder_input_ids.device)[None].expand(b, t)
-            inputs = AttnInputs(positions, self.decoder.mask_spec(), cache=cache, plain=cache is None,
-                                continued=cache is not None, fresh=cache is not None and start == 0,
-                                session=session)
+        inputs = self.decoder.inputs(decoder_input_ids, attention_mask=decoder_attention_mask,
+                                     document_ids=document_ids, cache=cache, session=session)
         x = self._embed(decoder_input_ids, inputs.positions, decoder=True)   # (b, t, d)
         x = self.decoder(x, inputs, context)      # (b, t, d)
         if self.final_norm is not None:

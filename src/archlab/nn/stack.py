@@ -17,10 +17,18 @@ from torch import nn
 
 from archlab.config import STACK_ROLES, ConfigError, ModelConfig, StackRole
 from archlab.nn.block import Block
-from archlab.nn.masks import AttnInputs, Context, MaskSpec
+from archlab.nn.masks import AttnInputs, Context, MaskSpec, document_positions
 from archlab.nn.position import T5RelativeBias
 
-__all__ = ["TransformerStack", "stack_t5_table"]
+__all__ = ["TransformerStack", "padded_positions", "stack_t5_table"]
+
+
+def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(b, t) 0/1 mask -> (b, t) positions: each row's real tokens numbered 0, 1, ... in order, padding -1, so
+    left- and right-padded rows embed alike (RoBERTa's convention).
+    Example: padded_positions(torch.tensor([[0, 1, 1]])) -> tensor([[-1, 0, 1]])"""
+    real = attention_mask.bool()
+    return torch.where(real, real.long().cumsum(-1) - 1, -1)
 
 
 def stack_t5_table(cfg: ModelConfig, role: StackRole) -> T5RelativeBias | None:
@@ -36,7 +44,7 @@ def stack_t5_table(cfg: ModelConfig, role: StackRole) -> T5RelativeBias | None:
 class TransformerStack(nn.ModuleList):
     def __init__(self, cfg: ModelConfig, role: StackRole = "decoder", t5_table: T5RelativeBias | None = None):
         """t5_table: the stack's one T5 bias table (built by the model that owns its weights), if any.
-        Example: enc = TransformerStack(cfg, "encoder"); y = enc(x, AttnInputs(pos, enc.mask_spec(), plain=True))"""
+        Example: enc = TransformerStack(cfg, "encoder"); y = enc(x, enc.inputs(ids, attention_mask=mask))"""
         if role not in STACK_ROLES:
             raise ConfigError(f"unknown stack role {role!r}: one of {', '.join(STACK_ROLES)}")
         specs = [cfg.layer_spec(i, role) for i in range(cfg.stack_depth(role))]   # every per-layer decision, once
@@ -44,6 +52,46 @@ class TransformerStack(nn.ModuleList):
         self.role = role
         self.causal = role != "encoder"
         self._structure_only = MaskSpec(causal=self.causal)   # built once: a decode step counts every call
+        self.prefix_lm = cfg.attention.prefix_lm
+        self.max_seq_len = cfg.max_seq_len
+        # a learned table, or Marian's stored sinusoids, has max_seq_len rows: a position past them has no vector
+        self.bounded = cfg.position.kind == "learned" or (cfg.position.kind == "sinusoidal"
+                                                          and cfg.position.sinusoid_table)
+
+    def inputs(self, ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+               attention_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+               cache=None, prefix_lengths: torch.Tensor | None = None, session=None) -> AttnInputs:
+        """The one AttnInputs of a forward over (b, t) `ids`, every block reads it. Positions, unless given: from
+        0 in each packed document (`document_ids`, -1 padding), each row's real tokens counted from 0
+        (`attention_mask`, 1 = real; its zeros become key padding), or 0..t-1 continuing the `cache` (rows
+        unpadded, of one length). Without any of them the forward is plain: one (1, t) row that RoPE tables,
+        biases and masks broadcast over the batch (b x less table work); the KV cache keeps positions per row.
+        Example: x = stack(x, stack.inputs(ids, attention_mask=mask))"""
+        (b, t), implied = ids.shape, positions is None and attention_mask is None and document_ids is None
+        if document_ids is not None and (cache is not None or session is not None):
+            raise ValueError("document_ids pack whole documents into a forward: not with a KV cache")
+        if attention_mask is not None and cache is not None:
+            raise ValueError("cached decoding takes unpadded rows (no attention mask)")
+        if prefix_lengths is not None and not self.prefix_lm:
+            raise ValueError("prefix_lengths given but config.attention.prefix_lm is False")
+        if positions is None:
+            if document_ids is not None:
+                positions = document_positions(document_ids, attention_mask)
+            elif attention_mask is not None:
+                positions = padded_positions(attention_mask)
+            else:
+                start = len(cache) if cache is not None else 0
+                positions = torch.arange(start, start + t, device=ids.device)[None]         # (1, t)
+                if cache is not None:
+                    positions = positions.expand(b, t)                                     # (b, t)
+        if self.bounded and int(positions.max()) >= self.max_seq_len:
+            raise ValueError(f"position {int(positions.max())} is past max_seq_len={self.max_seq_len}: "
+                             "the position table has no row for it")
+        padding = None if attention_mask is None else attention_mask.bool()
+        spec = self.mask_spec(prefix_lengths, padding, document_ids)
+        return AttnInputs(positions, spec, cache=cache, plain=implied and cache is None,
+                          continued=implied and cache is not None, fresh=cache is not None and len(cache) == 0,
+                          session=session)
 
     def mask_spec(self, prefix_lengths: torch.Tensor | None = None, key_padding: torch.Tensor | None = None,
                   document_ids: torch.Tensor | None = None) -> MaskSpec:

@@ -26,6 +26,7 @@ import torch
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families import FAMILIES, Family, infer_family  # noqa: F401 - re-exported
 from archlab.interop.families.base import Rule, WeightsError, config_diff
+from archlab.interop.names import model_rules
 from archlab.interop.tokenizer_files import write_tokenizer_files  # noqa: F401 - convert calls it from here
 from archlab.models import build_model
 from archlab.models.decoder import TransformerLM
@@ -174,7 +175,7 @@ def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder
     Errors name missing and left-over tensors."""
     stored = _prefix_fix(fam, source.names())
     cfg, read_from, settled = _settle_copies(fam, cfg, source, stored)
-    rules = fam.weight_rules(cfg)
+    rules = model_rules(fam, cfg)
     needed = [read_from.get(name, name) for rule in rules for name in rule.hf]
     missing = [n for n in needed if n not in stored]
     if missing:
@@ -266,7 +267,7 @@ def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Fa
     own = {k: v.detach() for k, v in model.state_dict().items()}
     tensors: dict[str, torch.Tensor] = {}
     covered: set[str] = set()
-    rules = fam.weight_rules(cfg)
+    rules = model_rules(fam, cfg)
     for rule in progress_bar(rules, desc=f"mapping to {fam.model_type}", unit="tensor",
                              disable=len(rules) < 200, leave=False):
         values = rule.to_hf([own[n] for n in rule.ours])
@@ -295,4 +296,4 @@ def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Fa
 
 def rules_for(model_type: str, cfg: ModelConfig) -> list[Rule]:
     """The weight mapping of a family (for tools that inspect it)."""
-    return FAMILIES.get(model_type).weight_rules(cfg)
+    return model_rules(FAMILIES.get(model_type), cfg)

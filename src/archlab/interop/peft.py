@@ -30,6 +30,7 @@ from torch import nn
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families import FAMILIES, Family, infer_family
 from archlab.interop.families.base import Rule, WeightsError, _identity
+from archlab.interop.names import model_rules
 from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, lora_scaling, parse_targets, wrap
 from archlab.runs.checkpoint import make_readable
 
@@ -98,7 +99,7 @@ def hf_slots(model: nn.Module, fam: Family | None = None) -> dict[str, Slot]:
     linears = {f"{p}.weight": p for p in linear_paths(model)}
     shapes = {name: tuple(model.get_parameter(name).shape) for name in linears}
     slots: dict[str, Slot] = {}
-    for rule in fam.weight_rules(cfg):
+    for rule in model_rules(fam, cfg):
         if len(rule.hf) != 1 or not rule.hf[0].endswith(".weight") or not all(o in linears for o in rule.ours):
             continue
         mapped = _row_map(rule, [shapes[o] for o in rule.ours])      # type: ignore[misc]

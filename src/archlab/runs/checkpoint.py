@@ -443,8 +443,10 @@ def model_with_weights(cfg: ModelConfig, state: dict, source: Path, train: dict 
     put on their Linears (scaled by the run's `train` section).
     Example: model = model_with_weights(cfg, load_file(path), path)"""
     from archlab.models import build_model
+    from archlab.models.legacy_keys import upgrade_keys
 
     model = build_model(cfg)
+    state = upgrade_keys(state, cfg.arch)              # a run folder of an earlier module layout
     _adapters_for(model, state, train)
     try:
         model.load_state_dict(state)

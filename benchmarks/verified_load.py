@@ -1,4 +1,4 @@
-"""What verifying a checkpoint costs on the load path: archlab.runs.checkpoint.load_run (generate, serve and
+"""What verifying a checkpoint costs on the load path: archlab.runs.model_folder.load_run (generate, serve and
 convert --to-hf load through it) hashes model.safetensors against meta.json's sha256 before reading it. Timed
 against the same load_run with the hash skipped (sizes checked only), interleaved in one process; and the
 sha256 of the file alone.
@@ -34,6 +34,7 @@ def main() -> None:
     from archlab.config import ModelConfig
     from archlab.models import build_model
     from archlab.runs import checkpoint as ck
+    from archlab.runs import model_folder
 
     cfg = ModelConfig(vocab_size=8192, d_model=512, n_layers=args.layers, max_seq_len=256, attention={"n_heads": 8})
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,10 +46,11 @@ def main() -> None:
 
         def sizes_only():
             with mock.patch.object(ck, "sha256_file", lambda *a, **k: recorded):
-                ck.load_run(run)
+                model_folder.load_run(run)
 
         times = interleaved({"sha256 alone": lambda: ck.sha256_file(weights),
-                             "load_run verified": lambda: ck.load_run(run), "load_run sizes only": sizes_only},
+                             "load_run verified": lambda: model_folder.load_run(run),
+                             "load_run sizes only": sizes_only},
                             args.rounds)
         size = weights.stat().st_size
     print(f"model.safetensors {size / 1e6:.0f} MB; {args.rounds} interleaved rounds")

@@ -133,6 +133,32 @@ def other_model_config(folder: Path) -> None:
     (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
 
 
+def hf_field(key: str, value):
+    def damage(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    return damage
+
+
+def model_field(key: str, value):
+    def damage(folder: Path) -> None:
+        cfg = yaml.safe_load((folder / "config.yaml").read_text())
+        cfg["model"][key] = value
+        (folder / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return damage
+
+
+def nan_in(rel: str):
+    def damage(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+        path = next(folder.glob(rel))
+        tensors = load_file(path)
+        name = sorted(tensors)[-1]
+        tensors[name].view(-1)[0] = float("nan")
+        save_file(tensors, path, metadata={"format": "pt"})
+    return damage
+
+
 def nonempty_dir(tmp: Path, w: dict) -> None:
     (tmp / "out").mkdir()
     (tmp / "out" / "keep.txt").write_text("mine")
@@ -276,6 +302,8 @@ CASES = [
     ("train resume damaged", ["train", "--data", "{data}", "--out", "{tmp}/copy", "--resume", "--config",
                               "{tmp}/copy/config.yaml", "--no-progress"], "verifies", copy_of("run", truncate(CKPT))),
     ("train cannot fit", T + ["--preset", "llama2-7b", "--set", "train.seq_len=4096"], "needs about"),
+    ("train seed past every generator", TP + ["--set", "train.seed=1e100"], "train.seed=1e+100 must be in"),
+    ("train negative seed", TP + ["--set", "train.seed=-1"], "train.seed=-1 must be in"),
     # ---- eval ----------------------------------------------------------------------------------
     ("eval missing run", ["eval", "{tmp}/norun"], "norun"),
     ("eval not a run", ["eval", "{corpus}"], "not a run folder"),
@@ -310,6 +338,13 @@ CASES = [
     ("generate negative sink tokens", G + ["--sink-window", "8", "--sink-tokens", "-1"], "--sink-tokens -1"),
     ("generate sink past context", G + ["--sink-window", "64"], "must fit the model's context"),
     ("generate unknown device", G + ["--device", "tpu"], "--device tpu"),
+    # ---- chat (every case fails before stdin is read) -------------------------------------------
+    ("chat without a chat template", ["chat", "{run}"], "add one with `archlab tokenizer chat-template"),
+    ("chat on an encoder", ["chat", "{enc_run}"], "archlab chat needs a decoder-only LM"),
+    ("chat on a folder that is not a model", ["chat", "{tmp}"], "neither a run folder"),
+    ("chat nan temperature", ["chat", "{run}", "--temperature", "nan"], "--temperature nan"),
+    ("chat zero new tokens", ["chat", "{run}", "--max-new-tokens", "0"], "--max-new-tokens 0"),
+    ("chat unknown device", ["chat", "{run}", "--device", "tpu"], "--device tpu"),
     ("generate cuda missing", G + ["--device", "cuda"], "CUDA is not available"),
     ("generate missing path", ["generate", "{tmp}/nothing", "--prompt", "x"], "nothing"),
     ("generate malformed hub id", ["generate", "hf:a/b/c", "--prompt", "x"], "expected hf:ORG/NAME"),
@@ -321,6 +356,11 @@ CASES = [
     ("generate source past the encoder", ["generate", "{tmp}/s2s", "--source", "to be " * 20],
      "longer than the encoder takes", seq2seq_run),
     ("generate prompt past context", ["generate", "{run}", "--prompt", "x" * 200], "context"),
+    ("generate model past memory", ["generate", "{tmp}/copy", "--prompt", "x"], "GiB free",
+     copy_of("run", model_field("d_model", 10**11))),
+    ("generate tokenizer model not an object", ["generate", "{tmp}/copy", "--prompt", "x"],
+     '"model" is a JSON int, not an object',
+     copy_of("bpe_run", replace_text("tokenizer/tokenizer.json", '{"model": 5}'))),
     ("generate mismatched checkpoint", ["generate", "{tmp}/copy", "--prompt", "x"], "does not match",
      copy_of("run", other_model_config)),
     ("generate truncated weights", ["generate", "{tmp}/copy", "--prompt", "x"], "model.safetensors",
@@ -377,6 +417,14 @@ CASES = [
      copy_of("hf", truncate("model.safetensors"))),
     ("convert from no weights", ["convert", "--from-hf", "{tmp}/copy", "--out", "{new}"], "safetensors",
      copy_of("hf", lambda f: (f / "model.safetensors").unlink())),
+    ("convert from heads not a number", ["convert", "--from-hf", "{tmp}/copy", "--out", "{new}"],
+     "num_attention_heads='four' must be a whole number", copy_of("hf", hf_field("num_attention_heads", "four"))),
+    ("convert from eps not a number", ["convert", "--from-hf", "{tmp}/copy", "--out", "{new}"],
+     "rms_norm_eps='small' must be a number", copy_of("hf", hf_field("rms_norm_eps", "small"))),
+    ("convert from nan weights", ["convert", "--from-hf", "{tmp}/copy", "--out", "{new}"], "NaN or infinite",
+     copy_of("hf", nan_in("model.safetensors"))),
+    ("generate hf nan weights", ["generate", "{tmp}/copy", "--prompt", "x"], "NaN or infinite",
+     copy_of("hf", nan_in("model.safetensors"))),
     ("convert from into run", ["convert", "--from-hf", "{hf}", "--out", "{run}"], "--overwrite"),
     ("convert from into nonempty", ["convert", "--from-hf", "{hf}", "--out", "{tmp}/out"], "--overwrite",
      nonempty_dir),
@@ -431,6 +479,10 @@ CASES = [
                                              "--kind", "wordpiece", "--out", "{new}", "--no-progress"], "300"),
     ("tokenizer empty special", ["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "300",
                                  "--special-tokens", "", "--out", "{new}"], "empty string"),
+    ("tokenizer on token ids", ["tokenizer", "train", "--input", "{data}", "--vocab-size", "300", "--out", "{new}"],
+     "train.bin is binary"),
+    ("tokenizer unknown corpus name", ["tokenizer", "train", "--input", "shakespear", "--vocab-size", "300", "--out",
+                                       "{new}"], "nor a built-in corpus (shakespeare,"),
     ("tokenizer out exists", ["tokenizer", "train", "--input", "{corpus}", "--vocab-size", "300", "--out",
                               "{tok}"], "--overwrite"),
     ("tokenizer train into its input", ["tokenizer", "train", "--input", "{tmp}/copy", "--vocab-size", "300",
@@ -482,6 +534,13 @@ CASES = [
     ("prepare jsonl field not text", ["data", "prepare", "--corpus", "{bad}", "--tokenizer", "bytes", "--out",
                                       "{new}", "--quiet", "--workers", "0"], "not a string",
      write("bad.jsonl", '{"text": 42}\n')),
+    ("prepare jsonl nested deep", ["data", "prepare", "--corpus", "{bad}", "--tokenizer", "bytes", "--out",
+                                   "{new}", "--quiet", "--workers", "0"], "nested too deeply",
+     write("bad.jsonl", "[" * 50_000 + "]" * 50_000 + "\n")),
+    ("prepare pairs nested deep", ["data", "prepare", "--pairs", "--corpus", "{bad}", "--tokenizer", "bytes",
+                                   "--out", "{new}", "--quiet", "--workers", "0"],
+     "bad.jsonl:2: JSON nested too deeply",
+     write("bad.jsonl", '{"source": "a", "target": "b"}\n' + '{"source": ' * 50_000 + "1" + "}" * 50_000 + "\n")),
     ("prepare unknown eot", ["data", "prepare", "--corpus", "{corpus}", "--tokenizer", "{tok}", "--out", "{new}",
                              "--eot-token", "<eos>", "--quiet", "--workers", "0"], "<eos>"),
     # ---- lab -----------------------------------------------------------------------------------
@@ -603,6 +662,40 @@ def test_a_full_or_read_only_output_folder_is_one_line(world, tmp_path, capsys, 
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert os.strerror(code) in lines[0]
     assert _snapshot(world["root"]) == shared and not (tmp_path / "new").exists()
+
+
+def test_a_checkpoint_past_the_file_size_limit_is_one_line_and_keeps_the_older_ones(world, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """safetensors reports EFBIG (a `ulimit -f`) as its own error, "... (os error 27)": the third save fails
+    the way it does under that limit; the run stops with one line and the saved checkpoints stay whole."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from archlab.runs.checkpoint import list_checkpoints, verify_checkpoint
+
+    real, calls, before = safetensors.torch.save_file, [], []
+
+    def limited(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            before.extend(list_checkpoints(tmp_path / "run" / "checkpoints"))
+            raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(safetensors.torch, "save_file", limited)
+    monkeypatch.delenv("ARCHLAB_DEBUG", raising=False)
+    out = tmp_path / "run"
+    rc, err = _run(["train", "--data", str(world["data"]), "--out", str(out), "--no-progress", "--preset",
+                    "tiny:llama2-7b", "--set", "vocab_size=257", "--set", "train.budget=6", "--set",
+                    "train.checkpoint_every=2", "--set", "train.seq_len=16", "--set", "train.batch_size=2", "--set",
+                    "train.eval_batches=1", "--set", "train.sample_every=-1"], capsys)
+    lines = [line for line in err.splitlines() if line.strip() and "error" in line]
+    assert rc == 2 and "Traceback" not in err, err
+    assert len(lines) == 1 and "File too large (a file-size limit" in lines[0], err
+    kept = list_checkpoints(out / "checkpoints")
+    assert kept and kept == before
+    for ckpt in kept:
+        verify_checkpoint(ckpt, full=True)
+    assert not list((out / "checkpoints").glob(".tmp-*"))
 
 
 def test_the_suite_is_large():

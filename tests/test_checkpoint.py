@@ -14,16 +14,16 @@ import torch
 import yaml
 
 from archlab.config import ModelConfig
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.models.decoder import TransformerLM
 from archlab.runs.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    load_run,
     save_checkpoint,
 )
+from archlab.runs.model_folder import load_run
 from archlab.training.trainer import TrainConfig, read_metrics, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()

@@ -222,7 +222,8 @@ def test_empty_files_and_undecodable_bytes_are_counted_and_reported(tmp_path, ca
 
     from archlab.cli import main
     from archlab.data.corpora import scan_files
-    from archlab.data.tokens import load_meta, prepare
+    from archlab.data.prepare import prepare
+    from archlab.data.tokens import load_meta
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text("good text " * 50)

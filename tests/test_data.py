@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from archlab.data import tokens as data
-from archlab.data.tokens import BatchSampler, ByteTokenizer, DataError, TokenDataset, eval_batches, prepare
+from archlab.data import prepare as preparing
+from archlab.data.prepare import prepare
+from archlab.data.tokenizer_adapter import ByteTokenizer, load_tokenizer
+from archlab.data.tokens import BatchSampler, TokenDataset, eval_batches, load_meta
+from archlab.errors import DataError
 
 EOT = "<|endoftext|>"
 
@@ -71,7 +74,7 @@ def test_split_is_by_whole_document_and_covers_the_corpus(tmp_path):
 def test_split_is_deterministic_and_independent_of_workers_and_order(tmp_path, monkeypatch):
     docs = _docs(60)
     _prepare(docs, tmp_path / "a", val_fraction=0.2, seed=3)
-    monkeypatch.setattr(data, "BATCH_DOCS", 3)  # 20 batches over 2 processes: order must still hold
+    monkeypatch.setattr(preparing, "BATCH_DOCS", 3)  # 20 batches over 2 processes: order must still hold
     _prepare(docs, tmp_path / "b", val_fraction=0.2, seed=3, num_workers=2)
     for name in ("train.bin", "val.bin", "meta.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
@@ -82,7 +85,7 @@ def test_split_is_deterministic_and_independent_of_workers_and_order(tmp_path, m
 
 
 def test_tokenizing_streams_with_a_bounded_read_ahead(monkeypatch):
-    monkeypatch.setattr(data, "BATCH_DOCS", 1)
+    monkeypatch.setattr(preparing, "BATCH_DOCS", 1)
     pulled = 0
 
     def endless():
@@ -90,7 +93,7 @@ def test_tokenizing_streams_with_a_bounded_read_ahead(monkeypatch):
         while True:
             pulled += 1
             yield f"document {pulled}"
-    stream = data._encoded(endless(), ByteTokenizer(), 0, np.dtype(np.uint16), num_workers=2)
+    stream = preparing.encoded(endless(), ByteTokenizer(), 0, np.dtype(np.uint16), num_workers=2)
     first = [next(stream) for _ in range(3)]
     assert bytes(first[2][0][0].tolist()) == b"document 3"
     assert pulled <= 3 + 2 * 2  # what was consumed plus at most 2 * workers batches in flight
@@ -112,7 +115,7 @@ def test_moving_a_document_into_val_keeps_both_files_consistent(tmp_path):
     _prepare(docs, tmp_path / "d", val_fraction=1e-9)  # no document scores below: one is moved
     train, val = _read_docs(tmp_path / "d", "train"), _read_docs(tmp_path / "d", "val")
     assert len(val) == 1 and sorted(train + val) == sorted(docs)
-    meta = data.load_meta(tmp_path / "d")
+    meta = load_meta(tmp_path / "d")
     assert meta["splits"]["val"]["bytes"] == len(val[0].encode())
     assert meta["splits"]["val"]["tokens"] == len(val[0].encode()) + 1
 
@@ -156,7 +159,7 @@ def test_data_folder_carries_its_byte_tokenizer(tmp_path):
     _prepare(["x", "y"], tmp_path / "d")
     tok = TokenDataset(tmp_path / "d").load_tokenizer()
     assert isinstance(tok, ByteTokenizer) and tok.decode(tok.encode("h\u00e9")) == "h\u00e9"
-    assert data.load_tokenizer(tmp_path / "d" / "tokenizer") == ByteTokenizer()
+    assert load_tokenizer(tmp_path / "d" / "tokenizer") == ByteTokenizer()
 
 
 def test_prepare_reads_a_corpus_path(tmp_path):

@@ -12,7 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from archlab.data.tokens import ByteTokenizer, DataError, TokenDataset, prepare, split_sentences
+from archlab.data.prepare import prepare, split_sentences
+from archlab.data.tokenizer_adapter import ByteTokenizer
+from archlab.data.tokens import TokenDataset
+from archlab.errors import DataError
 from archlab.tokenizer import train as train_tokenizer
 
 DOCS = [

@@ -32,7 +32,7 @@ def test_quick_demo_trains_and_leaves_a_run_folder(tmp_path, corpus):
     # the 5-gram baseline, scored on the same validation targets as the model
     from archlab.eval.evaluate import evaluate
     from archlab.eval.ngram import evaluate_ngram
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
     scored = evaluate(load_run(tmp_path / "demo")[0], TokenDataset(tmp_path / "demo" / "data", "val"), batch_size=4,
                       seq_len=32, max_batches=2).tokens
     assert result.ngram_bpb == evaluate_ngram(tmp_path / "demo" / "data", [5], span=(1, 1 + scored))[0].bpb

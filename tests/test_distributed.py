@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from archlab.config import ModelConfig
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.training.trainer import TrainConfig, read_metrics, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()

@@ -262,7 +262,7 @@ def test_document_masks_split_a_window_at_its_end_of_text_tokens_by_hand():
 def short_docs(tmp_path_factory):
     import random
 
-    from archlab.data.tokens import prepare
+    from archlab.data.prepare import prepare
     rng = random.Random(0)
     words = "the quick brown fox jumps over a lazy dog".split()
     docs = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 3))) for _ in range(600)]

@@ -12,7 +12,7 @@ from archlab.errors import UserError, is_user_error, one_line, report
 
 def test_library_errors_are_user_errors():
     from archlab.data.corpora import CorpusError
-    from archlab.data.tokens import DataError
+    from archlab.errors import DataError
     from archlab.runs.checkpoint import CheckpointError
     for cls in (ConfigError, CheckpointError, CorpusError, DataError):
         assert issubclass(cls, UserError)
@@ -85,3 +85,125 @@ def test_cli_user_mistake_exits_2_without_traceback(argv, capsys, tmp_path, monk
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# ---- no network: one line, exit 2 ----------------------------------------------------------------
+def _network_errors():
+    errors = [ConnectionError("Couldn't reach 'Rowan/hellaswag' on the Hub (OfflineModeIsEnabled)")]
+    try:
+        import requests
+        errors.append(requests.exceptions.ConnectionError("Max retries exceeded with url: /datasets"))
+    except ImportError:
+        pass
+    try:
+        import httpx
+        errors.append(httpx.ConnectError("[Errno -3] Temporary failure in name resolution"))
+    except ImportError:
+        pass
+    return errors
+
+
+@pytest.mark.parametrize("exc", _network_errors(), ids=lambda e: type(e).__module__ + "." + type(e).__name__)
+def test_no_network_is_a_user_error(exc):
+    assert is_user_error(exc)
+    assert not is_user_error(BrokenPipeError(errno.EPIPE, "Broken pipe"))
+
+
+@pytest.mark.parametrize("exc", _network_errors(), ids=lambda e: type(e).__module__ + "." + type(e).__name__)
+def test_eval_tasks_offline_names_the_dataset_in_one_line(exc, capsys, monkeypatch):
+    """The harness loads a hub task's dataset through `datasets`, which raises ConnectionError offline (and
+    with HF_DATASETS_OFFLINE=1); simulated here, so the test never reaches the network."""
+    pytest.importorskip("lm_eval")
+    import archlab.eval.lmeval as lmeval
+    from archlab.runs import model_folder
+
+    def offline(*args, **kwargs):
+        raise exc
+    monkeypatch.delenv("ARCHLAB_DEBUG", raising=False)
+    monkeypatch.setattr(lmeval, "run_tasks", offline)
+    monkeypatch.setattr(model_folder, "load_model_and_tokenizer", lambda *a, **k: (None, None))
+    assert cli.main(["eval", "some-run", "--tasks", "hellaswag"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("archlab eval: error: --tasks hellaswag: the task's dataset needs the network")
+    assert str(exc).split()[0] in err
+
+
+@pytest.mark.slow
+def test_eval_hub_task_with_hf_datasets_offline_is_one_line(tmp_path):
+    """The real harness and datasets with HF_DATASETS_OFFLINE=1 (no network reached), in a fresh process so
+    that the offline switches are read at import."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("lm_eval")
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "ARCHLAB_DEBUG": ""}
+    run = Path(__file__).parent / "fixtures" / "run_v1"
+    proc = subprocess.run([sys.executable, "-m", "archlab.cli", "eval", str(run), "--tasks", "hellaswag",
+                           "--limit", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "hellaswag" in proc.stderr and "network" in proc.stderr
+
+
+# ---- a reader that leaves early (`archlab presets | head`) ----------------------------------------
+@pytest.mark.parametrize("argv", [["presets"], ["tokenizer", "stats", "{tmp}/tok", "--input", "{tmp}/text.txt"]],
+                         ids=["presets", "tokenizer stats"])
+def test_a_closed_pipe_ends_quietly_with_141(argv, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    if "stats" in argv:
+        (tmp_path / "text.txt").write_text("to be or not to be, that is the question. " * 50)
+        assert cli.main(["tokenizer", "train", "--input", str(tmp_path / "text.txt"), "--vocab-size", "270",
+                         "--no-progress", "--workers", "1", "--out", str(tmp_path / "tok")]) == 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)                # the reader has left before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "archlab.cli", *[a.format(tmp=tmp_path) for a in argv]],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert proc.stderr == ""
+
+
+# ---- a write that hits a file-size limit or a full disk --------------------------------------------
+def test_os_errors_of_raises_the_os_error_a_library_names_in_its_message():
+    from archlab.errors import os_errors_of
+
+    with pytest.raises(OSError) as info:
+        with os_errors_of("/out/model.safetensors"):
+            raise RuntimeError("Error while serializing: I/O error: File too large (os error 27)")
+    assert info.value.errno == errno.EFBIG and info.value.filename == "/out/model.safetensors"
+    assert is_user_error(info.value)
+    assert one_line(info.value) == ("/out/model.safetensors: File too large (a file-size limit (ulimit -f) or the "
+                                    "file system's largest file)")
+    with pytest.raises(RuntimeError, match="a bug"):       # anything else passes through untouched
+        with os_errors_of("/out/x"):
+            raise RuntimeError("a bug")
+
+
+def test_convert_under_a_file_size_limit_is_one_line_and_leaves_nothing(tmp_path):
+    """A real RLIMIT_FSIZE (Python ignores SIGXFSZ, so the write fails with EFBIG): safetensors' error becomes
+    the OSError, one line, exit 2, and the output folder is never created."""
+    import os
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = Path(__file__).parent / "fixtures" / "run_v1"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16_384, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    proc = subprocess.run([sys.executable, "-m", "archlab.cli", "convert", "--to-hf", str(run), "--out",
+                           str(tmp_path / "hf")], capture_output=True, text=True, preexec_fn=limit, timeout=120,
+                          env={**os.environ, "ARCHLAB_DEBUG": ""})
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and "File too large (a file-size limit" in proc.stderr, proc.stderr
+    assert not (tmp_path / "hf").exists()

@@ -15,12 +15,12 @@ from test_train_mlm import FAST, _docs, encoder
 
 from archlab.cli import main
 from archlab.config import ModelConfig
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.errors import UserError
 from archlab.eval.fill_mask import encode_for_model, fill_mask
 from archlab.models.encoder import EncoderLM
-from archlab.runs.checkpoint import load_run, save_checkpoint, write_run_config
-from archlab.runs.model_folder import load_masked_lm
+from archlab.runs.checkpoint import save_checkpoint
+from archlab.runs.model_folder import load_masked_lm, load_run, write_run_config
 from archlab.tokenizer import HFTokenizer
 from archlab.tokenizer import train as train_tokenizer
 from archlab.training.trainer import TrainConfig, train

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from archlab.runs.checkpoint import latest_checkpoint, load_run, verify_checkpoint
+from archlab.runs.checkpoint import latest_checkpoint, verify_checkpoint
+from archlab.runs.model_folder import load_run
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run_v1"
 

@@ -199,7 +199,7 @@ def test_store_roundtrip(tmp_path):
 
 
 def _tiny_data(tmp_path) -> Path:
-    from archlab.data.tokens import prepare
+    from archlab.data.prepare import prepare
     docs = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 20 for i in range(12)]
     prepare(docs, "bytes", tmp_path / "data", progress=False, num_workers=0)
     return tmp_path / "data"
@@ -391,7 +391,7 @@ def test_lm_architecture_compares_kinds_at_matched_params_tokens_and_targets(tmp
     import torch
 
     from archlab.data.batches import objective_for, tokens_processed
-    from archlab.data.tokens import prepare
+    from archlab.data.prepare import prepare
 
     prepare(["to be or not to be that is the question " * 40] * 3, "bytes", tmp_path / "data", num_workers=0,
             progress=False)

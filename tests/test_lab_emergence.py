@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from archlab.data import arithmetic
-from archlab.data.tokens import ByteTokenizer
+from archlab.data.tokenizer_adapter import ByteTokenizer
 from archlab.eval.arithmetic import encode_problems, score_addition
 from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Rule, judge, sharpness
 

@@ -35,7 +35,7 @@ COMPARED = ("status", "steps", "tokens_seen", "final_val_loss", "best_val_loss",
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    from archlab.data.tokens import prepare
+    from archlab.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("exec_data")
     text = "Now is the winter of our discontent made glorious summer by this sun of York. "

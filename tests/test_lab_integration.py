@@ -16,7 +16,7 @@ from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Rule
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
-    from archlab.data.tokens import prepare
+    from archlab.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("lab")
     text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. "

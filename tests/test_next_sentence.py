@@ -11,7 +11,8 @@ import torch
 
 from archlab.config import ModelConfig
 from archlab.data.objectives import IGNORE, MaskedLM, NextSentence, next_sentence_for, truncated_lengths
-from archlab.data.tokens import TokenDataset, prepare
+from archlab.data.prepare import prepare
+from archlab.data.tokens import TokenDataset
 from archlab.errors import UserError
 from archlab.models.encoder import EncoderLM
 from archlab.tokenizer import train as train_tokenizer

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from archlab.cli import main
-from archlab.data.tokens import TokenDataset, prepare
+from archlab.data.prepare import prepare
+from archlab.data.tokens import TokenDataset
 from archlab.eval.ngram import NgramCounts, evaluate_ngram
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -14,8 +14,10 @@ import torch
 
 from archlab.data.batches import tokens_processed
 from archlab.data.pairs import PairDataset, PairSampler, is_pairs, pair_eval_batches, prepare_pairs
-from archlab.data.tokens import ByteTokenizer, DataError, TokenDataset, prepare
-from archlab.errors import UserError
+from archlab.data.prepare import prepare
+from archlab.data.tokenizer_adapter import ByteTokenizer
+from archlab.data.tokens import TokenDataset
+from archlab.errors import DataError, UserError
 from archlab.faults import FAULT_EXIT
 from archlab.runs.outputs import OutputExistsError
 from archlab.runs.provenance import data_fingerprint

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.models.decoder import TransformerLM
 from archlab.training import precision
 from archlab.training.precision import autocast, bf16_warning, has_native_bf16, resolve_dtype

@@ -34,7 +34,7 @@ def readme_demo_commands() -> list[str]:
 def demo_folder(tmp_path_factory):
     """A folder whose runs/demo has the demo's model and context (256 tokens), briefly trained, whose
     runs/demo-encoder has the encoder demo's model and runs/demo-encoder_decoder the encoder-decoder demo's."""
-    from archlab.data.tokens import prepare
+    from archlab.data.prepare import prepare
     from archlab.tokenizer import Tokenizer, train_bpe
 
     root = tmp_path_factory.mktemp("readme")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from archlab.config import ModelConfig
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.models.decoder import TransformerLM
 from archlab.training.recompute import checkpoint_blocks
 from archlab.training.trainer import TrainConfig, read_metrics, train

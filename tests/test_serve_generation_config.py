@@ -14,7 +14,8 @@ from variants import BASE
 import archlab
 from archlab.cli import main
 from archlab.generation import read_generation_config
-from archlab.runs.checkpoint import save_checkpoint, write_run_config
+from archlab.runs.checkpoint import save_checkpoint
+from archlab.runs.model_folder import write_run_config
 from archlab.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")

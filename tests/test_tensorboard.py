@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from archlab.config import ModelConfig
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.training.trainer import TrainConfig, read_metrics, train
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")

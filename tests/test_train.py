@@ -12,7 +12,7 @@ import torch
 
 from archlab.cli import main as cli_main
 from archlab.config import ConfigError, ModelConfig
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.eval.evaluate import bits_per_byte, evaluate
 from archlab.models.decoder import TransformerLM
 from archlab.training.trainer import Diverged, TrainConfig, lr_multiplier, param_groups, read_metrics, train
@@ -179,7 +179,7 @@ def test_nan_policy_skip_keeps_weights_finite(data_dir, tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="skipping the update"):
         result = train(tiny(), cfg, data_dir, tmp_path / "run", progress=False)
     assert result.steps == 6 and not result.diverged
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
     model, _ = load_run(tmp_path / "run")
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert [r.get("nonfinite") for r in read_metrics(result.metrics_path) if r["step"] == 3][0]
@@ -226,7 +226,7 @@ def test_train_states_its_plan_and_expected_memory_then_the_peak(data_dir, tmp_p
 
 def test_bf16_autocast_trains_with_float32_master_weights(data_dir, tmp_path):
     """dtype=bfloat16 autocasts the matmuls; parameters and optimizer state stay float32."""
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
     from archlab.training.precision import has_native_bf16
 
     cfg = TrainConfig(**FAST, budget=30, eval_every=30, checkpoint_every=30, dtype="bfloat16")

@@ -14,8 +14,9 @@ from run_checks import assert_resume_is_exact
 import archlab
 from archlab.cli import main
 from archlab.config import ConfigError
-from archlab.data.tokens import prepare
-from archlab.runs.checkpoint import list_checkpoints, load_checkpoint, load_run, load_trainer_state
+from archlab.data.prepare import prepare
+from archlab.runs.checkpoint import list_checkpoints, load_checkpoint, load_trainer_state
+from archlab.runs.model_folder import load_run
 from archlab.training.trainer import TrainConfig, fit_vocab, read_metrics, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()

@@ -10,10 +10,11 @@ import torch
 from run_checks import assert_resume_is_exact
 
 from archlab.config import ModelConfig
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.errors import UserError
 from archlab.models.encoder import EncoderLM
-from archlab.runs.checkpoint import latest_checkpoint, load_run
+from archlab.runs.checkpoint import latest_checkpoint
+from archlab.runs.model_folder import load_run
 from archlab.tokenizer import train as train_tokenizer
 from archlab.training.trainer import TrainConfig, read_metrics, train
 

@@ -11,7 +11,7 @@ import pytest
 
 from archlab.cli import main as cli_main
 from archlab.config import ModelConfig
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.training import throughput
 from archlab.training.loglines import LogLines
 from archlab.training.optim import warmup_shortfall

@@ -12,7 +12,7 @@ from run_checks import assert_resume_is_exact
 from archlab.config import ModelConfig
 from archlab.data.batches import objective_for
 from archlab.data.objectives import Continuation
-from archlab.data.tokens import prepare
+from archlab.data.prepare import prepare
 from archlab.errors import UserError
 from archlab.training.trainer import TrainConfig, read_metrics, train
 

@@ -17,10 +17,10 @@ from archlab.runs.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
-    load_run,
     save_checkpoint,
     verified_weights,
 )
+from archlab.runs.model_folder import load_run
 from archlab.training.trainer import TrainConfig, train
 
 

@@ -8,6 +8,7 @@ embeddings/head, init). "Off" is `None`. Cross-field rules live in `__post_init_
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -36,6 +37,22 @@ RopeLayout = Literal["half", "interleaved"]
 SinusoidLayout = Literal["interleaved", "split"]
 QKNorm = Literal["none", "per_head", "per_head_untied", "full"]
 SparsePattern = Literal["none", "strided", "fixed"]
+
+
+def did_you_mean(name: str, known, before: str = " (", after: str = ")") -> str:
+    """` (did you mean 'x'?)` for the closest of `known` to a misspelt `name`, else ''."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"{before}did you mean {close[0]!r}?{after}" if close else ""
+
+
+SEED_LIMIT = 2**63   # torch.manual_seed takes up to 2**64 - 1; below 2**63 leaves room for per-rank offsets
+
+
+def check_seed(name: str, seed: int) -> None:
+    """A seed every generator takes (torch, numpy, random): a whole number in [0, 2**63)."""
+    if not 0 <= seed < SEED_LIMIT:
+        raise ConfigError(f"{name}={seed:.4g} must be in [0, 2**63)" if abs(seed) >= 1e6 else
+                          f"{name}={seed} must be in [0, 2**63)")
 
 
 def _positive(owner: str, **values: float | int | None) -> None:
@@ -443,6 +460,7 @@ class ModelConfig:
                   logit_scale=self.logit_scale, final_logit_softcap=self.final_logit_softcap)
         if self.z_loss < 0:
             raise ConfigError(f"z_loss={self.z_loss} must be >= 0")
+        check_seed("seed", self.seed)
         if self.type_vocab_size < 0:
             raise ConfigError(f"type_vocab_size={self.type_vocab_size} must be >= 0")
         if self.nsp_head and (self.arch != "encoder" or self.type_vocab_size < 2):
@@ -601,7 +619,8 @@ class ModelConfig:
             for i, part in enumerate(parts):
                 hints = get_type_hints(cls)
                 if part not in hints:
-                    raise ConfigError(f"unknown config key {key!r} (no field {part!r})")
+                    hint = did_you_mean(part, hints, "; ", "")
+                    raise ConfigError(f"unknown config key {key!r} (no field {part!r}{hint})")
                 if i == len(parts) - 1:
                     node[part] = _parse_value(hints[part], value, key)
                     break

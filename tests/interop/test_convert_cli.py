@@ -31,7 +31,7 @@ def test_non_byte_level_tokenizer_is_copied_to_tokenizer(tmp_path, hf_folder):
     it through the `tokenizers` library, with the same ids."""
     import tokenizers
 
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
 
     folder, _ = hf_folder
     word = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
@@ -52,7 +52,7 @@ def test_unreadable_tokenizer_goes_aside(tmp_path, hf_folder, capsys, monkeypatc
 
     import tokenizers
 
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
 
     folder, _ = hf_folder
     word = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
@@ -67,7 +67,7 @@ def test_unreadable_tokenizer_goes_aside(tmp_path, hf_folder, capsys, monkeypatc
 
 
 def test_convert_round_trip_and_verify(tmp_path, hf_folder, capsys):
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
 
     folder, hf_model = hf_folder
     run = tmp_path / "run"

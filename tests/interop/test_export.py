@@ -11,7 +11,8 @@ import torch
 from archlab.cli import main
 from archlab.config import ModelConfig
 from archlab.models.decoder import TransformerLM
-from archlab.runs.checkpoint import CHECKPOINT_DIR, save_checkpoint, write_run_config
+from archlab.runs.checkpoint import CHECKPOINT_DIR, save_checkpoint
+from archlab.runs.model_folder import write_run_config
 
 transformers = pytest.importorskip("transformers")
 EOT = "<|endoftext|>"

@@ -52,7 +52,7 @@ def test_adapter_scores_equal_the_hf_backend(task_and_export):
     from lm_eval.tasks import TaskManager
 
     from archlab.eval.lmeval import run_tasks
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
     run, exported, tasks = task_and_export
     model, tok = load_run(run)
     ours = run_tasks(model, tok, ["tiny_choice"], include_path=str(tasks))["results"]["tiny_choice"]
@@ -70,7 +70,7 @@ def test_adapter_loglikelihoods_equal_hf_per_request(task_and_export):
     from lm_eval.models.huggingface import HFLM
 
     from archlab.eval.lmeval import ArchlabLM
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
     run, exported, _ = task_and_export
     model, tok = load_run(run)
     pairs = [("a", " b"), ("abc", " def"), ("say ", "abc"), ("", "a"), ("x", " y z")]   # a BPE merge across

@@ -12,7 +12,7 @@ import torch
 from archlab import ConfigError, ModelConfig
 from archlab.config import AttentionConfig, PositionConfig, RopeScaling, RopeScalingKind
 from archlab.interop import FAMILIES
-from archlab.interop.families.base import ROPE_READERS
+from archlab.interop.families.rope import ROPE_READERS
 from archlab.models.decoder import TransformerLM
 from archlab.nn.position import ROPE_SCALINGS, RotaryEmbedding
 

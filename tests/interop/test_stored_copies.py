@@ -207,7 +207,7 @@ def test_no_family_drops_a_tensor_transformers_would_use(tmp_path, model_type):
 def test_convert_from_hf_keeps_a_head_of_its_own(tmp_path):
     """The run folder `convert --from-hf` writes (what generate and serve then load) holds the file's own head."""
     from archlab.cli.convert import convert_from_hf
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
 
     folder = _llama(tmp_path / "hf")
     _set(folder, "lm_head.weight", _noise(load_file(folder / FILE)["model.embed_tokens.weight"]))

@@ -6,7 +6,7 @@ import pytest
 
 import archlab.tokenizer as tk
 from archlab.data.corpora import corpus_files
-from archlab.data.tokens import ByteTokenizer
+from archlab.data.tokenizer_adapter import ByteTokenizer
 from archlab.tokenizer.base import TokenIdError
 
 

@@ -79,3 +79,49 @@ def test_a_single_byte_special_token_is_refused_clearly(tmp_path, capsys, kind):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "'a' must be at least two bytes" in err
     assert not (tmp_path / "tok").exists()
+
+
+def test_input_takes_builtin_corpus_names_as_data_prepare_does(tmp_path):
+    """`--input pystdlib` reads the files `data prepare --corpus pystdlib` reads (listing only: no training)."""
+    from archlab.cli.tokenizer import text_files
+    from archlab.data.corpora import corpus_files
+
+    (tmp_path / "extra.txt").write_text(TEXT)
+    assert text_files(["pystdlib", str(tmp_path / "extra.txt")]) == [*corpus_files("pystdlib"), tmp_path / "extra.txt"]
+
+
+def test_help_example_inputs_are_text():
+    """The first --help example trains on a corpus name, not on a prepared data folder's token files."""
+    import shlex
+
+    from archlab.cli.tokenizer import TRAIN_EXAMPLE
+    from archlab.data.corpora import BUILTIN_CORPORA
+
+    first = shlex.split(TRAIN_EXAMPLE.split("\n", 1)[1].replace("\\\n", " ").split("\n")[0])
+    assert first[first.index("--input") + 1] in BUILTIN_CORPORA
+
+
+def test_binary_input_is_refused_naming_the_file(tmp_path, capsys):
+    """A prepared data folder (token ids in train.bin) is refused before any training, not warned about."""
+    import numpy as np
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    np.arange(300, dtype=np.uint16).tofile(folder / "train.bin")
+    (folder / "meta.json").write_text("{}")
+    rc = main(["tokenizer", "train", "--input", str(folder), "--vocab-size", "300", "--no-progress",
+               "--out", str(tmp_path / "tok")])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "train.bin is binary (a NUL byte at offset 0)" in err
+    assert not (tmp_path / "tok").exists()
+
+
+def test_a_vocabulary_the_text_cannot_fill_is_reported(tmp_path, capsys):
+    """`--vocab-size 1000000000` on a small text: as many tokens as the text yields, and a note saying so."""
+    (tmp_path / "a.txt").write_text(TEXT)
+    assert main(["tokenizer", "train", "--input", str(tmp_path / "a.txt"), "--vocab-size", "1000000000",
+                 "--no-progress", "--workers", "1", "--out", str(tmp_path / "tok")]) == 0
+    n = load(tmp_path / "tok").vocab_size
+    assert n < 1000
+    assert f"note: {n:,} tokens, not the 1,000,000,000 asked for" in capsys.readouterr().err

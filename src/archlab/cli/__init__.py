@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-import warnings
+
+from archlab.errors import one_line_warnings, report
 
 # In the order `archlab --help` lists them.
 COMMAND_MODULES = [
-    "demo", "presets", "tokenizer", "data", "train", "generate", "fill_mask", "convert", "lab", "diagnose", "check",
-    "serve", "ngram",
+    "demo", "presets", "tokenizer", "data", "train", "generate", "chat", "fill_mask", "convert", "lab", "diagnose",
+    "check", "serve", "ngram",
 ]
 
 
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build, train, compare and explain LM architectures. "
         "Example: archlab inspect llama2-7b --seq-len 4096",
     )
+    from archlab import __version__
+    parser.add_argument("--version", action="version", version=f"archlab {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"archlab.cli.{name}").register(subparsers)
@@ -47,17 +50,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     prog = f"archlab {args.command}"
-    previous = warnings.formatwarning
-    warnings.formatwarning = lambda message, *_, **__: f"{prog}: warning: {message}\n"
-    try:
-        return int(args.func(args) or 0)
-    except SystemExit:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - the CLI's one error path (archlab.errors)
-        from archlab.errors import report
-        return report(exc, prog)
-    finally:
-        warnings.formatwarning = previous
+    with one_line_warnings(prog):
+        try:
+            status = int(args.func(args) or 0)
+            sys.stdout.flush()      # a reader that left early shows here, inside the error path
+            return status
+        except SystemExit:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the CLI's one error path (archlab.errors)
+            return report(exc, prog)
 
 
 if __name__ == "__main__":

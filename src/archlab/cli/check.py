@@ -23,15 +23,9 @@ def register(subparsers) -> None:
 
 def run_check(args) -> int:
     from archlab.config import ModelConfig
-    from archlab.runs.checkpoint import (
-        CheckpointError,
-        list_checkpoints,
-        load_run_tokenizer,
-        load_trainer_state,
-        read_run_config,
-        verify_checkpoint,
-    )
+    from archlab.runs.checkpoint import CheckpointError, list_checkpoints, load_trainer_state, verify_checkpoint
     from archlab.runs.lock import LOCK_FILE
+    from archlab.runs.model_folder import load_run_tokenizer, read_run_config
 
     run_dir = Path(args.run_dir)
     ModelConfig.from_dict(read_run_config(run_dir)["model"])     # not a run folder / bad config: exit 2

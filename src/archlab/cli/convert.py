@@ -9,6 +9,7 @@ reads: natively, or through the `tokenizers` library; otherwise put aside in tok
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shutil
 import sys
@@ -60,8 +61,9 @@ def convert_from_hf(hf_dir: str | Path, run_dir: str | Path, dtype: torch.dtype 
     """HF folder -> run folder (config.yaml, tokenizer/, checkpoints/step_0000000/). An existing non-empty
     run_dir is refused unless `overwrite`, which replaces it atomically (archlab.runs.outputs)."""
     from archlab.interop.hf import load_hf, read_hf_config
-    from archlab.runs.checkpoint import CHECKPOINT_DIR, save_checkpoint, write_run_config
+    from archlab.runs.checkpoint import CHECKPOINT_DIR, save_checkpoint
     from archlab.runs.hub import resolve_model
+    from archlab.runs.model_folder import write_run_config
     from archlab.runs.outputs import check_output, fresh_output
 
     run_dir = Path(run_dir)
@@ -92,7 +94,7 @@ def convert_from_hf(hf_dir: str | Path, run_dir: str | Path, dtype: torch.dtype 
 
 def _tokenizer_problem(folder: Path) -> str | None:
     """None when archlab.tokenizer loads folder/tokenizer.json, else the reason."""
-    from archlab.data.tokens import load_tokenizer as load  # what load_run uses
+    from archlab.data.tokenizer_adapter import load_tokenizer as load  # what load_run uses
     try:
         load(folder)
     except Exception as exc:  # any failure means a run folder could not load it
@@ -108,7 +110,7 @@ def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None =
     tokenizer_files); returns the HF model_type used. An existing non-empty out_dir is replaced only with
     `overwrite` (atomically)."""
     from archlab.interop.hf import save_hf, write_tokenizer_files
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
     from archlab.runs.outputs import check_output, fresh_output
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
@@ -123,6 +125,20 @@ def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None =
             write_tokenizer_files(tmp, model.config.max_seq_len,
                                   decoder_start_token_id=model.config.decoder_start_token_id if seq2seq else None)
     return fam.model_type
+
+
+def _no_hf_tokenizer(run_dir: Path) -> str:
+    """Why a run's HF export has no tokenizer.json, and what encodes text for it instead."""
+    byte_file = run_dir / "tokenizer" / "byte_tokenizer.json"
+    if byte_file.is_file():
+        try:
+            specials = json.loads(byte_file.read_text()).get("special_tokens") or {}
+        except (ValueError, AttributeError):
+            specials = {}
+        extra = "".join(f", {i} = {name}" for name, i in specials.items())
+        return (f"the run's tokenizer is archlab's byte tokenizer ({byte_file}), which has no Hugging Face file: "
+                f"encode text as its UTF-8 bytes (token id = byte value{extra})")
+    return f"the run has no tokenizer ({run_dir / 'tokenizer'} holds no tokenizer.json)"
 
 
 def compare_with_transformers(hf_dir: str | Path, seq_len: int = 32, batch: int = 2, seed: int = 0,
@@ -162,10 +178,15 @@ def compare_with_transformers(hf_dir: str | Path, seq_len: int = 32, batch: int 
             a = ours(ids).float()
             b = (theirs(input_ids=ids) if encoder else theirs(input_ids=ids, use_cache=False)).logits.float()
     diff = (a - b).abs()
-    log_p, log_q = b.log_softmax(-1), a.log_softmax(-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
     return {"max_abs": float(diff.max()), "max_rel": float(diff.max() / b.abs().max()),
-            "mean_kl": float(kl)}
+            "mean_kl": mean_kl(b, a)}
+
+
+def mean_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """Mean over positions of KL(p || q) from logits (..., v). Each position's KL is clamped at 0: it is never
+    negative, and float rounding on near-identical logits gives -1e-8 otherwise."""
+    log_p, log_q = p_logits.float().log_softmax(-1), q_logits.float().log_softmax(-1)
+    return float((log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0).mean())      # (...,) -> scalar
 
 
 # ---- command entry points ------------------------------------------------------------------------
@@ -177,12 +198,15 @@ def run_convert(args: argparse.Namespace) -> int:
             print(f"wrote run folder {out} (config.yaml, checkpoints/step_0000000"
                   + (", tokenizer/" if (out / "tokenizer").is_dir() else "") + ")")
         elif args.to_peft:
-            from archlab.interop.peft import CONFIG_FILE, WEIGHTS_FILE, export_peft
+            from archlab.interop.peft import CONFIG_FILE, WEIGHTS_FILE
+            from archlab.runs.model_folder import export_peft
             out = export_peft(args.to_peft, args.out, family=args.family, overwrite=args.overwrite)
             print(f"wrote PEFT adapter {out} ({CONFIG_FILE}, {WEIGHTS_FILE})")
         else:
             model_type = convert_to_hf(args.to_hf, args.out, family=args.family, overwrite=args.overwrite)
             print(f"wrote Hugging Face folder {args.out} (model_type {model_type!r})")
+            if not (Path(args.out) / "tokenizer.json").is_file():
+                print(f"note: {args.out} holds no tokenizer: {_no_hf_tokenizer(Path(args.to_hf))}", file=sys.stderr)
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"archlab convert: error: {exc}", file=sys.stderr)
         return 2

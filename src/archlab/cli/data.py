@@ -95,13 +95,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from archlab.data import tokens as data
+    from archlab.data.prepare import prepare
+    from archlab.errors import DataError
 
     if args.workers is not None and args.workers < 0:
-        raise data.DataError(f"--workers {args.workers} must be >= 0")
+        raise DataError(f"--workers {args.workers} must be >= 0")
     if args.pairs:
         return run_prepare_pairs(args)
-    meta = data.prepare(
+    meta = prepare(
         args.corpus, args.tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed,
         num_workers=args.workers, eot_token=args.eot_token, text_field=args.text_field,
         overwrite=args.overwrite, progress=not args.quiet, sentences=args.sentences,

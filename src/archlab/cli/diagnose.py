@@ -22,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", metavar="RUN_DIR_OR_HF_DIR", help="an archlab run folder or an HF model folder")
     p.add_argument("--text", required=True, metavar="FILE", help="text file to run the model on")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens of the text to use (default 256)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="tokens of the text to use, at most the model's context (default 256; a longer text is "
+                   "cut, and the command says so)")
     p.add_argument("--out", metavar="DIR", help="output folder (default MODEL/diagnostics)")
     p.add_argument("--top-k", type=int, default=5, help="largest activations listed per layer")
     p.set_defaults(func=run)
@@ -42,7 +44,12 @@ def run(args: argparse.Namespace) -> int:
     text = Path(args.text).read_bytes().decode("utf-8", errors="replace")
     model, tokenizer = diagnostics.load_model_and_tokenizer(args.model)
     limit = min(args.max_tokens, model.config.max_seq_len)
-    ids, pieces = diagnostics.encode_text(tokenizer, text, limit)
+    ids, pieces = diagnostics.encode_text(tokenizer, text, limit + 1)     # one past the limit: is it cut?
+    if len(ids) > limit:
+        ids, pieces = ids[:limit], pieces[:limit]
+        why = (f"--max-tokens {args.max_tokens}" if limit == args.max_tokens
+               else f"the model's context, max_seq_len {limit}")
+        print(f"--text {args.text} is longer than {limit} tokens: diagnosing its first {limit} ({why})")
     if len(ids) < 2:
         raise UserError(f"--text {args.text} encodes to {len(ids)} token(s); need at least 2")
     result = diagnostics.diagnose(model, torch.tensor([ids]), pieces, top_k=args.top_k)

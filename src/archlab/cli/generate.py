@@ -70,7 +70,7 @@ class _TextPrinter:
     def __init__(self, tokenizer, out=None, prefix: list[int] | None = None):
         self.tokenizer, self.out = tokenizer, out or sys.stdout
         self.ids: list[int] = list(prefix or [])
-        self.printed = len(tokenizer.decode(self.ids)) if self.ids else 0
+        self.printed = self.start = len(tokenizer.decode(self.ids)) if self.ids else 0
 
     def add(self, token: int) -> None:
         self.ids.append(token)
@@ -85,6 +85,10 @@ class _TextPrinter:
         text = self.tokenizer.decode(self.ids)
         self.out.write(text[self.printed:] + "\n")
         self.out.flush()
+
+    def text(self) -> str:
+        """All the text the tokens after the prefix add (what finish() has printed)."""
+        return self.tokenizer.decode(self.ids)[self.start:]
 
 
 _POSITIVE_INT = (lambda v: v >= 1, "at least 1")

@@ -135,8 +135,12 @@ def inspect_rows(cfg: ModelConfig, seq_len: int, batch: int, dtype: str) -> list
         (f"KV cache / token ({dtype})", accounting.kv_bytes_per_token(cfg, dtype), "bytes"),
         (f"KV cache @ {seq_len} x batch {batch}", accounting.kv_cache_bytes(cfg, seq_len, batch, dtype), "bytes"),
     ]
-    memory = accounting.training_memory(cfg, batch, seq_len, dtype)
-    rows.append((f"training memory (AdamW, batch {batch})", sum(memory.values()), "bytes"))
+    train_dtype = dtype if accounting.trains_in(dtype) else "bfloat16"     # int4 weights still train in a float
+    if train_dtype != dtype:
+        rows.append((f"weights ({dtype})", accounting.param_count(cfg) * accounting.dtype_bytes(dtype), "bytes"))
+    memory = accounting.training_memory(cfg, batch, seq_len, train_dtype)
+    note = "" if train_dtype == dtype else f", {train_dtype}: {dtype} stores, it does not train"
+    rows.append((f"training memory (AdamW, batch {batch}{note})", sum(memory.values()), "bytes"))
     rows += [(f"  {part}", n, "bytes") for part, n in memory.items()]
     return rows
 
@@ -202,7 +206,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--seq-len", type=int, default=None,
                    help="sequence length for FLOPs, KV cache and memory (default: max_seq_len, capped at 4096)")
     q.add_argument("--batch", type=int, default=1, help="batch size for KV cache and memory (default 1)")
-    q.add_argument("--dtype", default="bfloat16", help="dtype for weights/activations/cache (default bfloat16)")
+    q.add_argument("--dtype", default="bfloat16",
+                   help="dtype for weights, activations and KV cache (default bfloat16); int8 / int4 / fp8 size the "
+                   "weights and cache, training memory then counts bfloat16")
     q.add_argument("--vs", default=None, metavar="OTHER", help="a second preset: two columns and ratios")
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field of PRESET (repeatable), e.g. attention.n_kv_heads=1")

@@ -9,12 +9,12 @@ from collections import Counter
 from pathlib import Path
 
 TRAIN_EXAMPLE = """example:
-  archlab tokenizer train --input data/shakespeare/ --vocab-size 10000 --kind bpe \\
+  archlab tokenizer train --input shakespeare --vocab-size 10000 --kind bpe \\
       --special-tokens '<|endoftext|>' --out runs/tok-shakespeare
-  archlab tokenizer train --input a.txt b.txt --vocab-size 8000 --kind unigram --out runs/tok-uni"""
+  archlab tokenizer train --input a.txt notes/ --vocab-size 8000 --kind unigram --out runs/tok-uni"""
 
 STATS_EXAMPLE = """example:
-  archlab tokenizer stats runs/tok-shakespeare --input data/shakespeare/hamlet.txt"""
+  archlab tokenizer stats runs/tok-shakespeare --input shakespeare-folio"""
 
 CHAT_EXAMPLE = """example:
   archlab tokenizer chat-template runs/tok-shakespeare --format chatml
@@ -38,8 +38,9 @@ def register(subparsers) -> None:
         description="Train a tokenizer on text files and save it as a folder holding tokenizer.json "
         "(loadable by archlab.tokenizer.load and by HF tokenizers).\n\n" + TRAIN_EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    train.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR",
-                       help="text files or folders (searched recursively), e.g. --input corpus/ extra.txt")
+    train.add_argument("--input", nargs="+", required=True, metavar="CORPUS",
+                       help="text files, folders (searched recursively) or built-in corpus names as `data "
+                       "prepare --corpus` takes them (shakespeare, pystdlib, ...), e.g. --input corpus/ extra.txt")
     train.add_argument("--vocab-size", type=int, required=True, metavar="N",
                        help="final vocabulary size including special tokens, e.g. --vocab-size 10000")
     train.add_argument("--kind", choices=["bpe", "wordpiece", "unigram"], default="bpe",
@@ -63,8 +64,8 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     stats.add_argument("dir", metavar="DIR",
                        help="folder holding tokenizer.json (or the file), e.g. runs/tok-shakespeare")
-    stats.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_DIR",
-                       help="text to encode, e.g. --input data/valid.txt")
+    stats.add_argument("--input", nargs="+", required=True, metavar="CORPUS",
+                       help="text to encode: files, folders or built-in corpus names, e.g. --input data/valid.txt")
     stats.add_argument("--json", action="store_true", help="print the numbers as one JSON object, e.g. for scripts")
     stats.add_argument("--top", type=int, default=10, metavar="K",
                        help="also list the K most frequent tokens (default 10), e.g. --top 20")
@@ -82,13 +83,36 @@ def register(subparsers) -> None:
     chat.set_defaults(func=cmd_chat_template)
 
 
+def text_files(inputs: list[str]) -> list[Path]:
+    """The files of --input: built-in corpus names as `data prepare --corpus` reads them, files and folders
+    as they are; a binary file (a prepared folder's train.bin) is refused, naming it."""
+    from archlab.data.corpora import BUILTIN_CORPORA, corpus_files, first_nul
+    from archlab.errors import UserError
+    from archlab.tokenizer.pretokenize import resolve_inputs
+
+    files: list[Path] = []
+    for item in inputs:
+        if item in BUILTIN_CORPORA:
+            files += corpus_files(item)
+        elif not Path(item).exists():
+            raise UserError(f"--input {item}: no such file or folder, nor a built-in corpus "
+                            f"({', '.join(BUILTIN_CORPORA)})")
+        else:
+            files += resolve_inputs(item)
+    for path in files:
+        offset = first_nul(path)
+        if offset is not None:
+            raise UserError(f"--input: {path} is binary (a NUL byte at offset {offset:,}), not text: give the "
+                            "text a data folder was prepared from (a corpus name, files or folders of text)")
+    return files
+
+
 def cmd_train(args) -> int:
     import archlab.tokenizer as tk
     from archlab.data.corpora import scan_files
     from archlab.errors import UserError
     from archlab.progress import progress_bar
     from archlab.runs.outputs import check_output, fresh_output
-    from archlab.tokenizer.pretokenize import resolve_inputs
 
     # every check before any work (and before the progress bar)
     if args.vocab_size <= 0:
@@ -96,8 +120,8 @@ def cmd_train(args) -> int:
     for token in args.special_tokens:
         if not token:
             raise UserError("--special-tokens: an empty string is not a token")
-    check_output(args.out, inputs=args.input, overwrite=args.overwrite)
-    files = resolve_inputs(args.input)
+    files = text_files(args.input)
+    check_output(args.out, inputs=[str(f) for f in files], overwrite=args.overwrite)
     report = scan_files(files)
     if not report.clean:
         print(f"warning: {report.summary()}", file=sys.stderr)
@@ -124,16 +148,18 @@ def cmd_train(args) -> int:
     out = Path(args.out)
     print(f"{args.kind} tokenizer with {tok.vocab_size} tokens saved to {out / 'tokenizer.json'} "
           f"({time.perf_counter() - start:.1f} s)")
+    if tok.vocab_size < args.vocab_size:
+        print(f"note: {tok.vocab_size:,} tokens, not the {args.vocab_size:,} asked for: the training text yields "
+              "no more (more text does)", file=sys.stderr)
     return 0
 
 
 def cmd_stats(args) -> int:
     import archlab.tokenizer as tk
     from archlab.errors import UserError
-    from archlab.tokenizer.pretokenize import resolve_inputs
     if args.top < 0:
         raise UserError(f"--top {args.top} must be >= 0")
-    files = resolve_inputs(args.input)
+    files = text_files(args.input)
     try:
         tok = tk.load(args.dir)
     except (ValueError, KeyError) as e:   # a tokenizer.json that is not one

@@ -77,16 +77,12 @@ def register(subparsers) -> None:
 
 def resolve_preset(name: str):
     """A ModelConfig from a preset name: `NAME`, or `tiny:NAME` / `tiny-NAME` for archlab.presets.tiny."""
-    from archlab.config import ConfigError
     from archlab.models import presets
 
     for prefix in ("tiny:", "tiny-", "tiny/"):
         if name.startswith(prefix):
             return presets.tiny(name[len(prefix):])
-    try:
-        return presets.get(name)
-    except (KeyError, ValueError, ConfigError) as first:
-        raise ConfigError(f"unknown preset {name!r}: {first}") from first
+    return presets.get(name)       # an unknown name: ConfigError naming it, the closest and the known ones
 
 
 def parse_sets(pairs: list[str]) -> tuple[dict, dict]:
@@ -104,8 +100,27 @@ def parse_sets(pairs: list[str]) -> tuple[dict, dict]:
         elif key.startswith("dist."):          # dist.strategy=fsdp: train.dist_strategy's other spelling
             train[key] = value
         else:
-            model[key.removeprefix("model.")] = value
+            key = key.removeprefix("model.")
+            top = key.split(".")[0]
+            if top not in _model_fields() and top in _train_fields():
+                raise ConfigError(f"--set {pair}: {top!r} is a training setting, not a model field: "
+                                  f"--set train.{key}={value}")
+            model[key] = value
     return model, train
+
+
+def _model_fields() -> set[str]:
+    import dataclasses
+
+    from archlab.config import ModelConfig
+    return {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def _train_fields() -> set[str]:
+    import dataclasses
+
+    from archlab.training.config import TrainConfig
+    return {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 def build_configs(args, base_model=None):
@@ -188,7 +203,7 @@ def run_train(args) -> int:
 
 def run_tasks(args) -> int:
     """`archlab eval RUN --tasks ...`: the harness's table (or its results as JSON)."""
-    from archlab.errors import UserError
+    from archlab.errors import UserError, is_network_error, one_line
     from archlab.runs.model_folder import load_model_and_tokenizer
 
     for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot)):
@@ -208,6 +223,12 @@ def run_tasks(args) -> int:
                       num_fewshot=args.num_fewshot, batch_size=args.batch_size or 8)
     except KeyError as exc:                  # the harness's "task not found"
         raise UserError(f"--tasks: {exc}") from exc
+    except Exception as exc:                 # datasets' ConnectionError, raised as the harness loads a task
+        if not is_network_error(exc):
+            raise
+        raise UserError(f"--tasks {','.join(tasks)}: the task's dataset needs the network: {one_line(exc)} "
+                        "(connect, or set HF_DATASETS_OFFLINE=1 with the dataset in the local Hugging Face "
+                        "cache, or give a local task with --include-path)") from exc
     if args.json:
         print(json.dumps(results["results"], default=str))
     else:
@@ -218,10 +239,10 @@ def run_tasks(args) -> int:
 def run_eval(args) -> int:
     import torch
 
-    from archlab.data.tokens import DataError, TokenDataset
-    from archlab.errors import UserError
+    from archlab.data.tokens import TokenDataset
+    from archlab.errors import DataError, UserError
     from archlab.eval.evaluate import evaluate
-    from archlab.runs.checkpoint import load_run, read_run_config
+    from archlab.runs.model_folder import load_run, read_run_config
 
     for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
         if value is not None and value < 1:

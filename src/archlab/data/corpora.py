@@ -46,7 +46,7 @@ from archlab.paths import cache_dir
 
 __all__ = [
     "BUILTIN_CORPORA", "CorpusError", "cache_dir", "corpus_files", "iter_documents", "jsonl_records",
-    "fetch_shakespeare", "CorpusReport", "scan_files",
+    "fetch_shakespeare", "CorpusReport", "scan_files", "first_nul",
 ]
 
 BUILTIN_CORPORA = ("shakespeare", "shakespeare-folio", "pystdlib", "pystdlib-full")
@@ -249,6 +249,14 @@ def scan_files(files: list[Path], chunk: int = 1 << 22) -> CorpusReport:
     return report
 
 
+def first_nul(path: Path, limit: int = 1 << 16) -> int | None:
+    """Offset of the first NUL byte in the first `limit` bytes of `path`, or None. Text (UTF-8 or not) has
+    none; token ids (a prepared folder's train.bin), archives and weights have them early."""
+    with open(path, "rb") as f:
+        offset = f.read(limit).find(b"\0")
+    return None if offset < 0 else offset
+
+
 def _count_invalid(decoder, data: bytes, final: bool = False) -> int:
     """Decode `data` strictly, counting (and skipping past) each invalid byte run's length."""
     bad = 0
@@ -278,6 +286,8 @@ def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise CorpusError(f"{path}:{lineno}: not valid JSON ({err})") from err
+            except RecursionError:         # json's decoder recurses once per level of nesting
+                raise CorpusError(f"{path}:{lineno}: JSON nested too deeply to read") from None
             yield lineno, record
 
 

@@ -37,23 +37,18 @@ import torch
 
 from archlab.data import corpora
 from archlab.data.objectives import IGNORE
-from archlab.data.tokens import (
-    EOT_TOKEN,
-    META_FILE,
-    DataError,
-    StepSampler,
-    TokenizerLike,
-    _checked_output,
-    _default_workers,
-    _doc_score,
-    _encoded,
-    _mix_seed,
-    _SplitWriter,
-    _write_json,
+from archlab.data.prepare import (
+    SplitWriter,
+    checked_output,
+    default_workers,
+    doc_score,
+    encoded,
     input_paths,
-    load_meta,
-    load_tokenizer,
+    write_json,
 )
+from archlab.data.tokenizer_adapter import EOT_TOKEN, TokenizerLike, load_tokenizer
+from archlab.data.tokens import META_FILE, StepSampler, _mix_seed, load_meta
+from archlab.errors import DataError
 from archlab.faults import fault_point
 from archlab.runs.outputs import fresh_output
 
@@ -97,7 +92,7 @@ def _splits(path: Path, fields: tuple[str, str], seed: int, val_fraction: float)
     highest_val: tuple[float, int] | None = None    # ... and if train is empty
     for i, (source, target) in enumerate(_read_pairs(path, *fields)):
         src, tgt = _pair_bytes(source, target)
-        score = _doc_score(len(src).to_bytes(8, "little") + src + tgt, seed)
+        score = doc_score(len(src).to_bytes(8, "little") + src + tgt, seed)
         val = score < val_fraction
         is_val.append(val)
         if val and (highest_val is None or score > highest_val[0]):
@@ -119,8 +114,8 @@ class _PairWriter:
     """One split: source and target token files (ids + eot each) and the offsets of every pair."""
 
     def __init__(self, tmp: Path, split: str, eot: np.ndarray) -> None:
-        self.source = _SplitWriter(tmp / f"{split}.source.bin", eot)
-        self.target = _SplitWriter(tmp / f"{split}.target.bin", eot)
+        self.source = SplitWriter(tmp / f"{split}.source.bin", eot)
+        self.target = SplitWriter(tmp / f"{split}.target.bin", eot)
         self.offsets_path = tmp / f"{split}.offsets.bin"
         self.offsets = open(self.offsets_path, "wb")
         self.longest = [0, 0]   # source, target, in tokens with the eot
@@ -175,11 +170,11 @@ def prepare_pairs(
     if not path.is_file():
         raise DataError(f"pairs corpus {str(corpus_jsonl)!r} does not exist")
     inputs = input_paths(path, tokenizer)
-    out, tok, vocab_size, eot_id, dtype = _checked_output(out_dir, tokenizer, eot_token, val_fraction, overwrite,
+    out, tok, vocab_size, eot_id, dtype = checked_output(out_dir, tokenizer, eot_token, val_fraction, overwrite,
                                                           inputs)
     fields = (source_field, target_field)
     is_val = _splits(path, fields, seed, val_fraction)
-    workers = _default_workers() if num_workers is None else max(0, int(num_workers))
+    workers = default_workers() if num_workers is None else max(0, int(num_workers))
 
     with fresh_output(out, overwrite=overwrite, inputs=inputs) as tmp:
         splits = _write_pairs(path, fields, is_val, tok, tmp, dtype=dtype, eot_id=eot_id, seed=seed,
@@ -191,7 +186,7 @@ def prepare_pairs(
                 "target_field": target_field, "splits": splits, "tokenizer": "tokenizer"}
         (tmp / "tokenizer").mkdir()
         tok.save(tmp / "tokenizer")
-        _write_json(tmp / META_FILE, meta)  # written last: its presence marks completeness
+        write_json(tmp / META_FILE, meta)  # written last: its presence marks completeness
     return load_meta(out, expect=PAIRS_FORMAT)
 
 
@@ -204,10 +199,10 @@ def _write_pairs(path: Path, fields: tuple[str, str], is_val: bytearray, tok: An
     # sources and targets interleaved through archlab.data.tokens's tokenizing pool, paired up again in order
     texts = (text for pair in _read_pairs(path, *fields) for text in pair)
     # each encoded document is (ids, split score, byte count, ...): the score is the pair's, from _splits
-    encoded = ((doc[0], doc[2]) for batch in _encoded(texts, tok, seed, dtype, workers) for doc in batch)
+    sides = ((doc[0], doc[2]) for batch in encoded(texts, tok, seed, dtype, workers) for doc in batch)
     bar = progress_bar(desc="tokenizing", unit=" pairs", total=len(is_val), disable=not progress, file=sys.stderr)
     try:
-        for i, (src, tgt) in enumerate(zip(encoded, encoded)):
+        for i, (src, tgt) in enumerate(zip(sides, sides)):
             writers[SPLITS[is_val[i]]].write(src, tgt)
             bar.update()
     finally:

@@ -84,7 +84,8 @@ def first_token_guesses(model, tokenizer, inputs: dict, labels, sentinels, k: in
 def run_encoder_decoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vocab_size: int | None,
                              progress: bool, log) -> EncoderDecoderDemoResult:
     from archlab.data.batches import objective_for
-    from archlab.data.tokens import EOT_TOKEN, TokenDataset, eval_batches
+    from archlab.data.tokenizer_adapter import EOT_TOKEN
+    from archlab.data.tokens import TokenDataset, eval_batches
     from archlab.demo.stages import busy_machine, prepare_demo_data, sign_off, train_and_reload
     from archlab.eval.evaluate import evaluate
     from archlab.generation import generate

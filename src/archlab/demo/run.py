@@ -117,7 +117,8 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
     if arch != "decoder":
         from archlab.errors import UserError
         raise UserError(f"--arch {arch}: the demo trains a decoder, an encoder or an encoder_decoder")
-    from archlab.data.tokens import EOT_TOKEN, TokenDataset
+    from archlab.data.tokenizer_adapter import EOT_TOKEN
+    from archlab.data.tokens import TokenDataset
     from archlab.eval.evaluate import evaluate, sample_ids
     from archlab.eval.ngram import evaluate_ngram
     from archlab.models.decoder import TransformerLM
@@ -164,7 +165,8 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
 def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vocab_size: int | None, text: str,
                       progress: bool, log) -> EncoderDemoResult:
     from archlab.data.batches import objective_for
-    from archlab.data.tokens import EOT_TOKEN, TokenDataset
+    from archlab.data.tokenizer_adapter import EOT_TOKEN
+    from archlab.data.tokens import TokenDataset
     from archlab.errors import UserError
     from archlab.eval.evaluate import evaluate
     from archlab.eval.fill_mask import encode_for_model, fill_mask

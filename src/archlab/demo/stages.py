@@ -14,7 +14,7 @@ MARKER = ".archlab-demo"   # only a folder carrying it is ever cleared by a new 
 
 def _check_out(out: Path, corpus: str | None = None) -> None:
     """A demo replaces only an earlier demo's folder, never its corpus or a folder a live process writes."""
-    from archlab.data.tokens import input_paths
+    from archlab.data.prepare import input_paths
     from archlab.runs.outputs import refuse_live_writers, refuse_overlap
 
     refuse_overlap(out, input_paths(corpus, None))
@@ -37,7 +37,7 @@ def prepare_demo_data(out: Path, corpus: str, *, quick: bool, vocab_size: int, s
     """Stages 1-3: corpus, tokenizer, token files under out/data; the prepared data's meta."""
     import archlab.tokenizer as tokenizers
     from archlab.data import corpora
-    from archlab.data.tokens import prepare
+    from archlab.data.prepare import prepare
 
     _check_out(out, corpus)                      # every check before the folder is touched
     files = corpora.corpus_files(corpus)
@@ -80,7 +80,7 @@ def train_and_reload(model_cfg: Any, train_cfg: TrainConfig, data_dir: Path, out
     what="a small model", before="loss before: 7.6", progress=False, log=print)"""
     import torch
 
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
     from archlab.training.precision import resolve_dtype
     from archlab.training.trainer import train
 

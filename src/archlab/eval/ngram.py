@@ -17,6 +17,11 @@ Counting: each position's k-gram becomes one uint64 key (token ids packed into b
 else a 64-bit polynomial hash), so a table is np.unique over the keys and a lookup is np.searchsorted. The
 train stream and the scored stream each start with an end-of-text token (a document boundary), so every token
 of the validation split is scored and bits per byte divides by the split's own UTF-8 bytes, as the trainer's.
+
+Beside it, the unsmoothed estimate the notes' n trade-off is about: maximum likelihood with add-k (Laplace at
+k = 1), P(w | h) = (c(hw) + k) / (c(h.) + k V) from the same raw counts. It has no back-off: a history never seen
+in training gets the uniform 1 / V, so once the counts of long histories run out its bits per byte rise with n
+while Kneser-Ney's flatten.
 """
 from __future__ import annotations
 
@@ -27,12 +32,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from archlab.errors import UserError
 
-__all__ = ["NgramCounts", "KneserNey", "NgramResult", "discounts", "evaluate_ngram"]
+__all__ = ["ESTIMATORS", "AddK", "NgramCounts", "KneserNey", "NgramResult", "discounts", "evaluate_ngram"]
 
 _HASH_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)   # odd: the polynomial hash of k-grams of too many bits
 
@@ -93,6 +99,7 @@ class _Level:
     """One order's table: sorted k-gram keys with their discounted counts, sorted history keys with c(h.) and
     gamma(h)."""
     grams: np.ndarray         # (g,) uint64, sorted
+    counts: np.ndarray        # (g,) c(hw), raw or continuation counts
     numerators: np.ndarray    # (g,) max(c - D(c), 0)
     histories: np.ndarray     # (h,) uint64, sorted
     totals: np.ndarray        # (h,) c(h.)
@@ -109,10 +116,11 @@ class _Level:
         hist, _, _, inverse = _unique(histories)                      # inverse: each gram's history, (g,) -> (h,)
         totals = np.bincount(inverse, weights=counts, minlength=len(hist))
         mass = np.bincount(inverse, weights=table[which], minlength=len(hist))   # D1 N1 + D2 N2 + D3 N3+
-        return cls(grams, numerators, hist, totals, mass / totals, d)
+        return cls(grams, counts, numerators, hist, totals, mass / totals, d)
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.grams, self.numerators, self.histories, self.totals, self.gammas))
+        return sum(a.nbytes for a in (self.grams, self.counts, self.numerators, self.histories, self.totals,
+                                      self.gammas))
 
     def lookup(self, table: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(index, found) of `keys` in a sorted key table."""
@@ -164,6 +172,76 @@ class NgramCounts:
         levels = [self.continuation[k] for k in range(1, order)] + [self.raw[order]]
         return KneserNey(levels, self.keys, self.vocab_size, self.bos)
 
+    def add_k(self, order: int, k: float = 1.0) -> AddK:
+        """The order-`order` maximum-likelihood estimate with add-k smoothing over the raw counts."""
+        if not 1 <= order <= self.max_order:
+            raise UserError(f"order {order} must be in 1..{self.max_order} (the counted orders)")
+        if not k > 0:
+            raise UserError(f"add-k smoothing needs k > 0, got {k}")
+        return AddK([self.raw[j] for j in range(1, order + 1)], self.keys, self.vocab_size, self.bos, k)
+
+
+def _scored_rows(keys: _Keys, bos: int | None, order: int, tokens: np.ndarray
+                 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Per order k = 1..order, for each token of a stream: its (k-1)-token history key, its k-gram key and whether
+    the stream (with the start token) holds k-1 tokens before it."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    stream = tokens if bos is None else np.concatenate(([bos], tokens))
+    offset = len(stream) - len(tokens)                    # index in `stream` of the first scored token
+    windows = keys.windows(stream, order)
+    targets = np.arange(offset, len(stream))
+    histories, grams, valid = [], [], []
+    for k in range(1, order + 1):
+        start = targets - (k - 1)                         # where the k-gram ending at the target begins
+        at = np.maximum(start, 0)
+        histories.append(windows[k - 1][at])
+        grams.append(windows[k][at])
+        valid.append(start >= 0)
+    return histories, grams, valid
+
+
+def _seen_share(top: _Level, keys: _Keys, bos: int | None, order: int, tokens: np.ndarray, start: int) -> float:
+    """Share of the stream's tokens (from `start` on) whose whole order-n gram (history and token) occurs in
+    training."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    stream = tokens if bos is None else np.concatenate(([bos], tokens))
+    grams = keys.windows(stream, order)[order]
+    grams = grams[max(0, len(grams) - (len(tokens) - start)):]    # the n-grams that end at a scored token
+    _, found = top.lookup(top.grams, grams)
+    return float(found.sum()) / max(1, len(tokens) - start)
+
+
+class AddK:
+    """Maximum likelihood with add-k smoothing: P(w | h) = (c(hw) + k) / (c(h.) + k V), `levels[j-1]` order j's
+    raw counts. A token with fewer than n-1 tokens before it (the stream's first ones) uses the longest history
+    it has."""
+
+    def __init__(self, levels: list[_Level], keys: _Keys, vocab_size: int, bos: int | None, k: float) -> None:
+        self.levels, self.keys, self.vocab_size, self.bos, self.k = levels, keys, vocab_size, bos, float(k)
+        self.order = len(levels)
+
+    def nbytes(self) -> int:
+        top = self.levels[-1]
+        return top.grams.nbytes + top.counts.nbytes + top.histories.nbytes + top.totals.nbytes
+
+    def _probabilities(self, histories: list[np.ndarray], grams: list[np.ndarray], valid: list[np.ndarray]
+                       ) -> np.ndarray:
+        p = np.full(len(grams[0]), 1.0 / self.vocab_size)            # nothing counted: uniform
+        for level, hist, gram, ok in zip(self.levels, histories, grams, valid):
+            hi, h_found = level.lookup(level.histories, hist)
+            gi, g_found = level.lookup(level.grams, gram)
+            total = np.where(h_found, level.totals[hi] if len(level.totals) else 0.0, 0.0)     # c(h.)
+            count = np.where(g_found, level.counts[gi] if len(level.counts) else 0.0, 0.0)     # c(hw)
+            p = np.where(ok, (count + self.k) / (total + self.k * self.vocab_size), p)
+        return p
+
+    def token_nats(self, tokens: np.ndarray) -> np.ndarray:
+        """-ln P of each token of a stream, (len,), each given the tokens before it (and the start token)."""
+        return -np.log(self._probabilities(*_scored_rows(self.keys, self.bos, self.order, tokens)))
+
+    def seen_share(self, tokens: np.ndarray, start: int = 0) -> float:
+        return _seen_share(self.levels[-1], self.keys, self.bos, self.order, tokens, start)
+
 
 class KneserNey:
     """An interpolated modified Kneser-Ney model: `levels[k-1]` is order k's table (NgramCounts.model builds one)."""
@@ -194,20 +272,7 @@ class KneserNey:
 
     def token_nats(self, tokens: np.ndarray) -> np.ndarray:
         """-ln P of each token of a stream, (len,), each given the tokens before it (and the start token)."""
-        tokens = np.asarray(tokens, dtype=np.int64)
-        stream = tokens if self.bos is None else np.concatenate(([self.bos], tokens))
-        offset = len(stream) - len(tokens)                    # index in `stream` of the first scored token
-        windows = self.keys.windows(stream, self.order)
-        targets = np.arange(offset, len(stream))
-        histories, grams, valid = [], [], []
-        for k in range(1, self.order + 1):
-            start = targets - (k - 1)                         # where the k-gram ending at the target begins
-            ok = start >= 0
-            at = np.maximum(start, 0)
-            histories.append(windows[k - 1][at])
-            grams.append(windows[k][at])
-            valid.append(ok)
-        return -np.log(self._probabilities(histories, grams, valid))
+        return -np.log(self._probabilities(*_scored_rows(self.keys, self.bos, self.order, tokens)))
 
     def distribution(self, history: list[int] | tuple[int, ...], words: np.ndarray | None = None) -> np.ndarray:
         """P(w | history) for every w in the vocabulary, (V,), or for the ids `words` only; the last order-1 tokens
@@ -228,17 +293,20 @@ class KneserNey:
     def seen_share(self, tokens: np.ndarray, start: int = 0) -> float:
         """Share of the stream's tokens (from `start` on) whose whole order-n gram (history and token) occurs in
         training."""
-        tokens = np.asarray(tokens, dtype=np.int64)
-        stream = tokens if self.bos is None else np.concatenate(([self.bos], tokens))
-        top = self.keys.windows(stream, self.order)[self.order]
-        top = top[max(0, len(top) - (len(tokens) - start)):]    # the n-grams that end at a scored token
-        _, found = self.levels[-1].lookup(self.levels[-1].grams, top)
-        return float(found.sum()) / max(1, len(tokens) - start)
+        return _seen_share(self.levels[-1], self.keys, self.bos, self.order, tokens, start)
+
+
+# estimator name -> its model of one order from the counts (k: add-k's pseudo-count)
+ESTIMATORS: dict[str, Callable[[NgramCounts, int, float], KneserNey | AddK]] = {
+    "kneser_ney": lambda counts, order, k: counts.model(order),
+    "add_k": lambda counts, order, k: counts.add_k(order, k),
+}
 
 
 @dataclass(frozen=True)
 class NgramResult:
     order: int
+    estimator: str             # a key of ESTIMATORS
     bpb: float                 # validation bits per UTF-8 byte (the trainer's unit)
     bits_per_token: float
     ppl: float                 # exp(mean nats per token)
@@ -260,16 +328,22 @@ def _peak_rss() -> int:
 
 
 def evaluate_ngram(data_dir: str | os.PathLike, orders: list[int], *, span: tuple[int, int] | None = None,
-                   progress: bool = False) -> list[NgramResult]:
-    """Modified Kneser-Ney of each order in `orders`, counted on the train split of a prepared token folder and
-    scored on its validation split: every token, or the tokens [start, end) of `span` (each still given the tokens
-    before it), e.g. the targets a model's evaluation scored, (1, 1 + EvalResult.tokens).
+                   progress: bool = False, estimators: tuple[str, ...] = ("kneser_ney",), k: float = 1.0
+                   ) -> list[NgramResult]:
+    """Each estimator (ESTIMATORS: modified Kneser-Ney, add-k with pseudo-count `k`) of each order in `orders`,
+    counted once on the train split of a prepared token folder and scored on its validation split: every token,
+    or the tokens [start, end) of `span` (each still given the tokens before it), e.g. the targets a model's
+    evaluation scored, (1, 1 + EvalResult.tokens). Results by order, then estimator.
     Example: evaluate_ngram("runs/demo/data", [5])[0].bpb"""
-    from archlab.data.tokens import DataError, TokenDataset
+    from archlab.data.tokens import TokenDataset
+    from archlab.errors import DataError
     from archlab.eval.evaluate import bits_per_byte
 
     if not orders or min(orders) < 1:
         raise UserError(f"n-gram orders {orders}: each must be at least 1")
+    unknown = [e for e in estimators if e not in ESTIMATORS]
+    if unknown or not estimators:
+        raise UserError(f"n-gram estimator(s) {unknown or '(none)'}: known {', '.join(ESTIMATORS)}")
     if not Path(data_dir).is_dir():
         raise DataError(f"{data_dir} is not a folder: pass a prepared data folder (archlab data prepare)")
     t0 = time.perf_counter()
@@ -284,16 +358,16 @@ def evaluate_ngram(data_dir: str | os.PathLike, orders: list[int], *, span: tupl
         raise DataError(f"span {start}..{end} is not inside the validation split's {len(stream)} tokens")
     counted = time.perf_counter() - t0
     results = []
-    for order in orders:
+    for order, estimator in ((o, e) for o in orders for e in estimators):
         t1 = time.perf_counter()
-        model = counts.model(order)
+        model = ESTIMATORS[estimator](counts, order, k)
         nats = float(model.token_nats(stream[:end])[start:].sum())
         tokens = end - start
         loss = nats / tokens                               # mean nats per scored token
         n_bytes = val.bytes_per_token * tokens             # as evaluate(): the split's bytes per token x tokens scored
         results.append(NgramResult(
-            order=order, bpb=bits_per_byte(loss, tokens, n_bytes), bits_per_token=loss / math.log(2),
-            ppl=math.exp(min(loss, 700.0)), tokens=tokens, n_bytes=round(n_bytes),
+            order=order, estimator=estimator, bpb=bits_per_byte(loss, tokens, n_bytes),
+            bits_per_token=loss / math.log(2), ppl=math.exp(min(loss, 700.0)), tokens=tokens, n_bytes=round(n_bytes),
             seen=model.seen_share(stream[:end], start), ngrams=len(counts.raw[order].grams),
             table_bytes=model.nbytes(), peak_rss_bytes=_peak_rss(), seconds=counted + time.perf_counter() - t1))
     return results

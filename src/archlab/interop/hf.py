@@ -24,9 +24,11 @@ from typing import cast
 import torch
 
 from archlab.config import ConfigError, ModelConfig
+from archlab.errors import os_errors_of
 from archlab.interop.families import FAMILIES, Family, infer_family  # noqa: F401 - re-exported
-from archlab.interop.families.base import Rule, WeightsError, config_diff
-from archlab.interop.names import model_rules
+from archlab.interop.families.base import config_diff
+from archlab.interop.families.tables import Rule, WeightsError
+from archlab.interop.folders import read_json_object
 from archlab.interop.tokenizer_files import write_tokenizer_files  # noqa: F401 - convert calls it from here
 from archlab.models import build_model
 from archlab.models.decoder import TransformerLM
@@ -43,16 +45,7 @@ HFModel = TransformerLM | EncoderLM | EncoderDecoderLM   # what load_hf builds (
 
 # ---- reading -----------------------------------------------------------------------------------
 def read_hf_config(folder: str | Path) -> dict:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(folder, "config.json", "Hugging Face model folder")
 
 
 def family_for(hf: dict) -> Family:
@@ -110,7 +103,14 @@ class SafetensorsFolder:
         return list(self.files)
 
     def get(self, name: str) -> torch.Tensor:
-        return self._open(self.files[name]).get_tensor(name)
+        """The tensor `name`; a NaN or infinity in a floating-point tensor is a WeightsError naming it (such
+        weights load without a word and sample garbage)."""
+        tensor = self._open(self.files[name]).get_tensor(name)
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise WeightsError(f"{self.files[name]}: tensor {name} holds {bad:,} NaN or infinite value(s) of "
+                               f"{tensor.numel():,}; refusing weights that are not finite")
+        return tensor
 
 
 # ---- loading -----------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder
     Errors name missing and left-over tensors."""
     stored = _prefix_fix(fam, source.names())
     cfg, read_from, settled = _settle_copies(fam, cfg, source, stored)
-    rules = model_rules(fam, cfg)
+    rules = fam.weight_rules(cfg)
     needed = [read_from.get(name, name) for rule in rules for name in rule.hf]
     missing = [n for n in needed if n not in stored]
     if missing:
@@ -191,7 +191,10 @@ def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder
     out: dict[str, torch.Tensor] = {}
     for rule in progress_bar(rules, desc=f"loading {fam.model_type} tensors", unit="tensor",
                              disable=len(rules) < 200, leave=False):
-        values = rule.to_ours([source.get(stored[read_from.get(n, n)]) for n in rule.hf])
+        try:
+            values = rule.to_ours([source.get(stored[read_from.get(n, n)]) for n in rule.hf])
+        except ConfigError as exc:
+            raise ConfigError(f"{fam.model_type} checkpoint tensor {', '.join(rule.hf)}: {exc}") from exc
         if len(values) != len(rule.ours):
             raise WeightsError(f"rule for {rule.hf} produced {len(values)} tensors for {rule.ours}")
         for name, value in zip(rule.ours, values):
@@ -267,7 +270,7 @@ def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Fa
     own = {k: v.detach() for k, v in model.state_dict().items()}
     tensors: dict[str, torch.Tensor] = {}
     covered: set[str] = set()
-    rules = model_rules(fam, cfg)
+    rules = fam.weight_rules(cfg)
     for rule in progress_bar(rules, desc=f"mapping to {fam.model_type}", unit="tensor",
                              disable=len(rules) < 200, leave=False):
         values = rule.to_hf([own[n] for n in rule.ours])
@@ -289,11 +292,12 @@ def save_hf(model: HFModel, folder: str | Path, family: str | None = None) -> Fa
     for stale in [*folder.glob("model-*-of-*.safetensors"), folder / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)     # an earlier sharded export would shadow the new single file
     (folder / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    with os_errors_of(folder / SINGLE_FILE):
+        save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "pt"})
     make_readable(folder / SINGLE_FILE)
     return fam
 
 
 def rules_for(model_type: str, cfg: ModelConfig) -> list[Rule]:
     """The weight mapping of a family (for tools that inspect it)."""
-    return model_rules(FAMILIES.get(model_type), cfg)
+    return FAMILIES.get(model_type).weight_rules(cfg)

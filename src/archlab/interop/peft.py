@@ -29,12 +29,12 @@ from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families import FAMILIES, Family, infer_family
-from archlab.interop.families.base import Rule, WeightsError, _identity
-from archlab.interop.names import model_rules
-from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, lora_scaling, parse_targets, wrap
+from archlab.interop.families.tables import Rule, WeightsError, _identity
+from archlab.interop.folders import read_json_object
+from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, lora_scaling, wrap
 from archlab.runs.checkpoint import make_readable
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "PREFIX", "save_peft", "load_peft", "export_peft", "hf_module_names",
+__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "PREFIX", "save_peft", "load_peft", "hf_module_names",
            "hf_slots"]
 
 CONFIG_FILE = "adapter_config.json"
@@ -99,7 +99,7 @@ def hf_slots(model: nn.Module, fam: Family | None = None) -> dict[str, Slot]:
     linears = {f"{p}.weight": p for p in linear_paths(model)}
     shapes = {name: tuple(model.get_parameter(name).shape) for name in linears}
     slots: dict[str, Slot] = {}
-    for rule in model_rules(fam, cfg):
+    for rule in fam.weight_rules(cfg):
         if len(rule.hf) != 1 or not rule.hf[0].endswith(".weight") or not all(o in linears for o in rule.ours):
             continue
         mapped = _row_map(rule, [shapes[o] for o in rule.ours])      # type: ignore[misc]
@@ -201,39 +201,13 @@ def save_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
     return Path(folder)
 
 
-def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = None, overwrite: bool = False) -> Path:
-    """A LoRA run folder's adapters (latest checkpoint) in PEFT's format, for the HF export of the run's base
-    (the model the run started from). A run without adapters is a UserError."""
-    from archlab.errors import UserError
-    from archlab.runs.checkpoint import load_run, read_run_config
-    from archlab.runs.outputs import refuse_existing
-
-    refuse_existing(out, overwrite)                 # before loading anything
-    model, _ = load_run(run_dir, merge_adapters=False)
-    if not lora_modules(model):
-        raise UserError(f"{run_dir} holds no LoRA adapters (train.lora_r was not set): export it with --to-hf")
-    train = read_run_config(run_dir).get("train") or {}
-    first = next(iter(lora_modules(model).values()))
-    model.lora_config = LoRAConfig(                                   # type: ignore[assignment]
-        r=int(train.get("lora_r") or first.r), alpha=float(train.get("lora_alpha", 16.0)),
-        dropout=float(train.get("lora_dropout", 0.0)), use_rslora=bool(train.get("lora_rslora", False)),
-        targets=parse_targets(str(train.get("lora_targets") or "all-linear")))
-    return save_peft(model, out, family=family, overwrite=overwrite)
-
-
 # ---- loading -----------------------------------------------------------------------------------------
 def read_adapter_config(folder: str | Path) -> dict:
     """adapter_config.json as data, checked: a LoRA adapter whose switches archlab computes alike."""
     path = Path(folder) / CONFIG_FILE
-    if not path.is_file():
-        raise ConfigError(f"{folder}: no {CONFIG_FILE} (is this a PEFT adapter folder?)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict) or data.get("peft_type") != "LORA":
-        raise ConfigError(f"{path}: peft_type {data.get('peft_type') if isinstance(data, dict) else None!r} "
-                          "is not LORA (archlab loads LoRA adapters)")
+    data = read_json_object(folder, CONFIG_FILE, "PEFT adapter folder")
+    if data.get("peft_type") != "LORA":
+        raise ConfigError(f"{path}: peft_type {data.get('peft_type')!r} is not LORA (archlab loads LoRA adapters)")
     for key, default in REFUSED.items():
         value = data.get(key, default)
         if value not in (default, None, False, [], {}):

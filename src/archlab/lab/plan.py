@@ -37,7 +37,8 @@ class PlannedRun:
     @property
     def config(self) -> dict:
         return {"model": self.model.to_dict(), "train": self.train.to_dict(),
-                "overrides": {"model": self.variant.model, "train": self.variant.train},
+                "overrides": {"model": self.variant.model, "train": self.variant.train,
+                              **({"ngram": self.variant.ngram} if self.variant.ngram else {})},
                 "labels": self.variant.labels}
 
 
@@ -63,6 +64,26 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", name).strip("_") or "variant"
 
 
+NGRAM_SETTINGS = {"order": int, "add_k": float}   # an n-gram run's `ngram.` keys and their types
+
+
+def _check_ngram(suite: Suite, variant: Variant) -> None:
+    """An n-gram suite's variant names an order >= 1 (and optionally add_k > 0); other suites have no ngram keys."""
+    where = f"suite {suite.name}, variant {variant.name}"
+    if suite.runs != "ngram":
+        if variant.ngram:
+            raise ConfigError(f"{where}: ngram.* keys need `runs: ngram`")
+        return
+    unknown = set(variant.ngram) - set(NGRAM_SETTINGS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown ngram key(s) {sorted(unknown)}; known: {', '.join(NGRAM_SETTINGS)}")
+    order, add_k = variant.ngram.get("order"), variant.ngram.get("add_k", 1.0)
+    if isinstance(order, bool) or not isinstance(order, int) or order < 1:
+        raise ConfigError(f"{where}: ngram.order={order!r} must be a whole number >= 1")
+    if isinstance(add_k, bool) or not isinstance(add_k, (int, float)) or not add_k > 0:
+        raise ConfigError(f"{where}: ngram.add_k={add_k!r} must be a number > 0")
+
+
 def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | None = None,
          budget: float | None = None, budget_unit: str | None = None, vocab_size: int | None = None,
          train_overrides: dict | None = None, device: str | None = None) -> list[PlannedRun]:
@@ -86,6 +107,7 @@ def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | No
     n_seeds = seeds or suite.seeds
     out: list[PlannedRun] = []
     for variant in suite.expand(scale):
+        _check_ngram(suite, variant)
         try:
             cfg = build_model_config({**base_model, **variant.model})
         except ConfigError as exc:

@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-from archlab.lab import emergence_report, scaling_report
+from archlab.lab import baseline, emergence_report, ngram_report, scaling_report
 from archlab.lab import suites as suites_mod
 from archlab.lab.document import Block
 from archlab.lab.store import DB_FILE, ResultStore, RunRecord
@@ -24,7 +24,8 @@ from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Verdict, judge_al
 STANDARD_METRICS = ("final_val_loss", "step_time_s", "lr_sensitivity", "diverged")
 # a suite's `analysis`: its own section after the plots, (suite, rows, img_dir, rel) -> blocks
 ANALYSES: dict[str, Callable[..., list[Block]]] = {"scaling": scaling_report.section,
-                                                   "emergence": emergence_report.section}
+                                                   "emergence": emergence_report.section,
+                                                   "ngram": ngram_report.section}
 MEASURED_METRICS = ("val_loss_2x", "max_attn_logit", "first_token_mass", "massive_ratio", "kv_cache_bytes")
 
 
@@ -283,8 +284,9 @@ def plot_lr(rows: list[RunRecord], lr_axis: str, out: Path, title: str) -> Path 
 
 
 # --------------------------------------------------------------------------- the report
-def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path, rel: str
-                  ) -> tuple[list[Block], list[Verdict]]:
+def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path, rel: str,
+                  ngram_line: str | None = None) -> tuple[list[Block], list[Verdict]]:
+    """One suite's blocks; `ngram_line`: the n-gram baseline (archlab.lab.baseline), after the runs' summary."""
     verdicts = judge_all(suite.rules, rows)
     blocks = [Block("h2", f"{suite.name}: {overall(verdicts)}"), Block("p", f"**Claim.** {suite.claim}")]
     if suite.published:
@@ -294,16 +296,30 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
     status = {s: sum(r.status == s for r in rows) for s in ("done", "diverged", "failed", "running")}
     cfg = rows[0].config.get("train", {}) if rows else {}
     wall = sum(r.wall_s or 0 for r in rows)
+    what = (f"budget {_fmt(cfg.get('budget'))} {cfg.get('budget_unit', '')}, batch {cfg.get('batch_size')} x seq "
+            f"{cfg.get('seq_len')}" if suite.runs == "train" else "n-gram models counted and scored, none trained")
     blocks.append(Block("p", (
-        f"Runs: {len(rows)} ({', '.join(f'{v} {k}' for k, v in status.items() if v)}); budget "
-        f"{_fmt(cfg.get('budget'))} {cfg.get('budget_unit', '')}, batch {cfg.get('batch_size')} x seq "
-        f"{cfg.get('seq_len')}; total wall time {wall / 60:.1f} min.")))
+        f"Runs: {len(rows)} ({', '.join(f'{v} {k}' for k, v in status.items() if v)}); {what}; total wall time "
+        f"{wall / 60:.1f} min.")))
+    if ngram_line:
+        blocks.append(Block("p", ngram_line))
     blocks.append(Block("h3", "Verdicts (computed from the table below by each rule)"))
     vrows = []
     for v in verdicts:
         ours = "; ".join(f"{s.label}: {_fmt(s.mean)} ± {_fmt(s.std, 2)} (n={s.n})" for s in v.sides)
         vrows.append([v.rule.statement, f"**{v.verdict}**", ours, v.reason])
     blocks.append(Block("table", header=["rule", "verdict", "ours (mean ± std over seeds)", "test"], rows=vrows))
+    if suite.runs == "train":           # an n-gram suite's runs have no curves, sizes or step times
+        blocks.extend(_variant_blocks(suite, rows, verdicts, img_dir, rel))
+    if suite.analysis:
+        blocks.extend(ANALYSES[suite.analysis](suite, rows, img_dir, rel))
+    return blocks, verdicts
+
+
+def _variant_blocks(suite: suites_mod.Suite, rows: list[RunRecord], verdicts: list[Verdict], img_dir: Path,
+                    rel: str) -> list[Block]:
+    """The table per variant of trained runs and the standard plots (curves, final loss, step time, metrics)."""
+    blocks: list[Block] = []
     measured = {k for r in rows for k, x in r.extra.items()
                 if k in MEASURED_METRICS and isinstance(x, (int, float))}
     extra_metrics = sorted(({v.rule.metric for v in verdicts} | measured) - set(STANDARD_METRICS))
@@ -351,9 +367,7 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
     for p in plots:
         if p is not None:
             blocks.append(Block("img", f"{rel}/{p.name}", header=[p.stem]))
-    if suite.analysis:
-        blocks.extend(ANALYSES[suite.analysis](suite, rows, img_dir, rel))
-    return blocks, verdicts
+    return blocks
 
 
 def build_report(path: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
@@ -372,7 +386,9 @@ def build_report(path: str | Path, out_dir: str | Path | None = None) -> dict[st
                 rows = store.runs(name)
                 if suite is None:
                     continue
-                sec, verdicts = suite_section(suite, rows, img_dir, "img")
+                recorded = (store.get_meta(f"sweep:{name}") or {}).get("data")
+                line = baseline.ngram_line(rows, recorded, db.parent)
+                sec, verdicts = suite_section(suite, rows, img_dir, "img", line)
                 sections.extend(sec)
                 all_verdicts[name] = [v.to_dict() for v in verdicts]
                 counts = {k: sum(v.verdict == k for v in verdicts) for k in (HELD, NOT_HELD, INCONCLUSIVE)}
@@ -382,7 +398,9 @@ def build_report(path: str | Path, out_dir: str | Path | None = None) -> dict[st
         "Verdicts are computed from the recorded numbers by each suite's rules (archlab.lab.verdicts): "
         "`less` holds when the gap exceeds the spread over seeds sqrt(std_a² + std_b²), `parity` when the "
         "gap is within the tolerance, `flat` when the range of means is within the tolerance; "
-        "otherwise inconclusive (or did not hold when the gap is beyond tolerance + spread). "
+        "otherwise inconclusive (or did not hold when the gap is beyond tolerance + spread). `falls` and "
+        "`rises_past_best` compare a deterministic curve over a numeric axis (an n-gram order) with a relative "
+        "tolerance. "
         "Small models, short budgets: read 'inconclusive' as 'not resolved at this budget'.")))
     blocks.append(Block("table", header=["suite", "overall", "held", "did not hold", "inconclusive", "claim"],
                         rows=summary_rows))

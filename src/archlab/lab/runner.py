@@ -40,7 +40,8 @@ def ensure_data(sweep_dir: Path, data_dir: str | Path | None = None, corpus: str
                 tokenizer: str = "bytes", progress: bool = True) -> Path:
     """The prepared data folder: `data_dir` as given, else SWEEP_DIR/data (prepared on first use; a
     generated corpus such as "addition-3" is written by archlab.data.arithmetic)."""
-    from archlab.data.tokens import load_meta, prepare
+    from archlab.data.prepare import prepare
+    from archlab.data.tokens import load_meta
 
     if data_dir is not None:
         load_meta(data_dir)  # raises a clear DataError when it is not prepared
@@ -202,9 +203,10 @@ def _due(store: ResultStore, suite: Suite, run: PlannedRun) -> bool:
 
 def _start(store: ResultStore, suite: Suite, run: PlannedRun) -> RunRecord:
     """The `running` row of a run about to start."""
+    trains = suite.runs == "train"                  # an n-gram run has no model to count
     record = RunRecord(suite=suite.name, variant=run.variant.name, seed=run.seed, status="running",
-                       config=_config(run), params=matching.param_count(run.model),
-                       flops_per_token=matching.flops_per_token(run.model, run.train.seq_len),
+                       config=_config(run), params=matching.param_count(run.model) if trains else None,
+                       flops_per_token=matching.flops_per_token(run.model, run.train.seq_len) if trains else None,
                        run_dir=str(run.run_dir), started_at=time.time(), extra={"labels": run.variant.labels})
     if run.match_note:
         record.extra["match"] = run.match_note

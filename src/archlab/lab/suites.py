@@ -22,14 +22,16 @@ figures in CLAIMS.md). A suite can also come from YAML with the same fields::
     rules:
       - {kind: parity, metric: final_val_loss, a: {norm: rmsnorm}, b: {norm: layernorm}, tol: 0.02,
          statement: "RMSNorm's loss within 2% of LayerNorm's"}
-    analysis: scaling        # optional: a report section of its own (ANALYSES: scaling, emergence)
+    analysis: scaling        # optional: a report section of its own (ANALYSES: scaling, emergence, ngram)
+    runs: train              # optional: what a run is (RUN_KINDS: train a model, or evaluate an n-gram model)
     corpus: addition-2       # optional: the corpus a sweep prepares unless --corpus / --data say otherwise
 
 A scale may also carry `axes` (replacing the suite's axes of the same name: a model ladder sized for
 GPUs) and `corpus`. Per-variant `train.budget` / `train.budget_unit` give each run its own budget (the
 scaling suite's token ladder).
 
-Keys starting with `train.` go to TrainConfig, all others to ModelConfig.with_overrides. Variant names
+Keys starting with `train.` go to TrainConfig, keys starting with `ngram.` to an n-gram run (`order`, `add_k`),
+all others to ModelConfig.with_overrides. Variant names
 are the axis labels joined with "," (e.g. "norm=post,lr=1e-2"); each run also records its labels per
 axis, which is what rules select on.
 """
@@ -77,13 +79,17 @@ class Variant:
     model: dict[str, Any]          # dotted ModelConfig overrides
     train: dict[str, Any]          # TrainConfig overrides (without the `train.` prefix)
     labels: dict[str, str]         # axis name -> label
+    ngram: dict[str, Any] = field(default_factory=dict)   # an n-gram run's settings (without the `ngram.` prefix)
 
 
 _FIELD_TYPES = {"name": str, "claim": str, "variants": list, "axes": list, "base": dict, "match": dict, "seeds": int,
                 "scales": dict, "measure": list, "rules": list, "published": str, "lr_axis": str, "notes": str,
-                "timing_seq_len": int, "analysis": str, "corpus": str}
+                "timing_seq_len": int, "analysis": str, "corpus": str, "runs": str}
 # report sections beyond the rules' table, by name (archlab.lab.report.ANALYSES holds their code)
-ANALYSES = ("scaling", "emergence")
+ANALYSES = ("scaling", "emergence", "ngram")
+# what one run of a suite is (archlab.lab.worker.RUN_KINDS holds their code): a trained model, or an n-gram
+# model counted on the train split and scored on the validation split (no training, no model)
+RUN_KINDS = ("train", "ngram")
 _KIND_NAMES = {str: "a string", list: "a list", dict: "a mapping", int: "an integer"}
 
 
@@ -106,6 +112,7 @@ class Suite:
                                                            # (None: the runs' own batch and length)
     analysis: str | None = None                            # one of ANALYSES: its own report section
     corpus: str | None = None                              # the corpus a sweep prepares unless told otherwise
+    runs: str = "train"                                    # one of RUN_KINDS: what each run is
 
     def __post_init__(self):
         for name, kind in _FIELD_TYPES.items():
@@ -128,6 +135,8 @@ class Suite:
             raise ConfigError(f"suite {self.name}: seeds={self.seeds} must be >= 1")
         if self.analysis is not None and self.analysis not in ANALYSES:
             raise ConfigError(f"suite {self.name}: analysis={self.analysis!r}; known: {', '.join(ANALYSES)}")
+        if self.runs not in RUN_KINDS:
+            raise ConfigError(f"suite {self.name}: runs={self.runs!r}; known: {', '.join(RUN_KINDS)}")
 
     # ---- expansion ---------------------------------------------------------------------------
     def expand(self, scale: str | None = None) -> list[Variant]:
@@ -221,9 +230,10 @@ def _fmt(value: Any) -> str:
 
 
 def _variant(name: str, sets: dict, labels: dict) -> Variant:
-    model = {k: v for k, v in sets.items() if not k.startswith("train.")}
+    model = {k: v for k, v in sets.items() if not k.startswith(("train.", "ngram."))}
     train = {k[len("train."):]: v for k, v in sets.items() if k.startswith("train.")}
-    return Variant(name=name, model=model, train=train, labels=labels)
+    ngram = {k[len("ngram."):]: v for k, v in sets.items() if k.startswith("ngram.")}
+    return Variant(name=name, model=model, train=train, labels=labels, ngram=ngram)
 
 
 def build_model_config(model_overrides: dict) -> ModelConfig:
@@ -726,6 +736,34 @@ def _emergence() -> Suite:
               "grows with N. Six sizes from 41k to 348k parameters, denser around 100k-200k, where single runs "
               "of 2-digit addition went from a plateau (d48L2: per-digit 0.37, exact 0) to solving it (d64L3: "
               "per-digit 0.95, exact 0.85).",
+    )
+
+
+@builtin_suite
+def _ngram_baseline() -> Suite:
+    return Suite(
+        name="ngram_baseline",
+        claim="The n-gram trade-off: if n is too small the model cannot capture long dependencies, if n is too "
+              "large the probabilities cannot be estimated; smoothing with back-off (Kneser-Ney) keeps the gain",
+        axes=[{"name": "order", "values": [{"label": str(n), "set": {"ngram.order": n, "ngram.add_k": 1.0}}
+                                           for n in range(1, 9)]}],
+        seeds=1, runs="ngram", analysis="ngram",
+        rules=[
+            Rule(kind="falls", metric="kn_bpb", over="order", tol=0.02,
+                 statement="Kneser-Ney's validation bits/byte falls from n=1 to its best n by more than 2%"),
+            Rule(kind="falls", metric="add_k_bpb", over="order", tol=0.02,
+                 statement="the add-1 estimate's validation bits/byte falls from n=1 to its best n by more than 2%"),
+            Rule(kind="rises_past_best", metric="add_k_bpb", versus="kn_bpb", over="order", tol=0.02,
+                 statement="past its best n, the add-1 estimate's bits/byte rises by more than 2% of its best, "
+                           "while Kneser-Ney's stays within 2% of its own best (flattens)"),
+        ],
+        published="Chen & Goodman 1998 compared n-gram smoothing methods across orders and training-set sizes: "
+                  "interpolated modified Kneser-Ney was consistently the best, additive (add-k) smoothing among the "
+                  "worst",
+        notes="No model is trained: each run counts n-grams (n = 1..8) on the train split and scores every "
+              "validation token (archlab.eval.ngram), once with interpolated modified Kneser-Ney and once with "
+              "maximum likelihood plus add-1 (Laplace: (c(hw) + 1) / (c(h.) + V); an unseen history gets 1/V). "
+              "Both are deterministic, so one seed; the rules compare the curves over n with a 2% tolerance.",
     )
 
 

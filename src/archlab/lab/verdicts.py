@@ -20,6 +20,13 @@ and prints what comes back. Kinds:
           seeds): the sharpness of each is its largest rise between neighbouring sizes over its whole rise
           (1 = all at one step, 1/(sizes-1) = even steps). sharpness(metric) >= sharpness(versus) + tol
           -> held; below sharpness(versus) -> did not hold; either metric moving by < 0.05 -> inconclusive
+  falls   `metric` along the numeric axis `over` (means over seeds per label): its value at the first label
+          minus its minimum > tol x the minimum                                   -> held, else did not hold
+  rises_past_best  along `over`, past the label where `metric` is lowest: its largest value minus its minimum
+          > tol x the minimum (it rises) while `versus`, past its own lowest label, stays within tol x its
+          minimum (it flattens)                                                   -> held, else did not hold
+          (both: fewer than 3 labels with values -> inconclusive; meant for deterministic metrics such as
+          n-gram estimates, so no spread over seeds enters)
 
 The spread is sqrt(std_a^2 + std_b^2), the standard deviation over seeds of one run of each side (so a
 gap smaller than the seed-to-seed noise of a single comparison is "inconclusive"). A side with fewer
@@ -41,24 +48,29 @@ from typing import Any, Iterable, Literal
 import numpy as np
 
 HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
+KINDS = ("less", "parity", "flat", "ratio", "power_law", "sharper", "falls", "rises_past_best")
 
 
 @dataclass(frozen=True)
 class Rule:
-    kind: Literal["less", "parity", "flat", "ratio", "power_law", "sharper"]
+    kind: Literal["less", "parity", "flat", "ratio", "power_law", "sharper", "falls", "rises_past_best"]
     statement: str
     metric: str = "final_val_loss"
     a: dict = field(default_factory=dict)
     b: dict | None = None
     tol: float = 0.0
     expected: float | None = None
-    over: str | None = None          # axis for lr_sensitivity
+    over: str | None = None          # axis for lr_sensitivity; the numeric axis of falls / rises_past_best
     params: Literal["total", "non_embedding"] = "total"    # power_law: which parameter count is N
     versus: str | None = None        # sharper: the smooth metric `metric` is compared with
 
     def __post_init__(self):
-        if self.kind not in ("less", "parity", "flat", "ratio", "power_law", "sharper"):
-            raise ValueError(f"rule kind {self.kind!r} must be less, parity, flat, ratio, power_law or sharper")
+        if self.kind not in KINDS:
+            raise ValueError(f"rule kind {self.kind!r} must be one of {', '.join(KINDS)}")
+        if self.kind in ("falls", "rises_past_best") and not self.over:
+            raise ValueError(f"rule {self.statement!r}: kind {self.kind} needs `over` (the numeric axis)")
+        if self.kind == "rises_past_best" and not self.versus:
+            raise ValueError(f"rule {self.statement!r}: kind rises_past_best needs `versus` (the metric that flattens)")
         if self.kind == "sharper" and not self.versus:
             raise ValueError(f"rule {self.statement!r}: kind sharper needs `versus` (the smooth metric)")
         if self.kind == "power_law" and not self.tol > 0:
@@ -189,6 +201,8 @@ def side_values(rows: list, selector: dict, metric: str, over: str | None = None
 
 # --------------------------------------------------------------------------- judging
 def judge(rule: Rule, rows: list) -> Verdict:
+    if rule.kind in _CURVE_JUDGES:
+        return _CURVE_JUDGES[rule.kind](rule, rows)
     if rule.kind == "flat":
         return _judge_flat(rule, rows)
     if rule.kind == "sharper":
@@ -334,6 +348,68 @@ def _judge_sharper(rule: Rule, rows: list) -> Verdict:
     else:
         verdict = INCONCLUSIVE
     return Verdict(rule, verdict, reason, sides, numbers)
+
+
+def curve(rows: list, metric: str, over: str, selector: dict | None = None) -> dict[float, float]:
+    """label of the numeric axis `over` -> the mean over seeds of `metric`, in increasing label order."""
+    values: dict[float, list[float]] = {}
+    for r in rows:
+        label = _labels(r).get(over)
+        if label is None or not _usable(r) or not selects(selector or {}, _labels(r)):
+            continue
+        value = _row_metric(r, metric)
+        if value is not None:
+            values.setdefault(float(label), []).append(value)
+    return {x: statistics.fmean(v) for x, v in sorted(values.items())}
+
+
+def _past_best(points: dict[float, float]) -> tuple[float, float, float]:
+    """(the label of the minimum, the minimum, the largest value at or past that label)."""
+    best = min(points, key=points.__getitem__)
+    return best, points[best], max(v for x, v in points.items() if x >= best)
+
+
+def _fmt_label(x: float) -> str:
+    return f"{x:g}"
+
+
+def _judge_falls(rule: Rule, rows: list) -> Verdict:
+    assert rule.over is not None                          # Rule.__post_init__ requires it
+    points = curve(rows, rule.metric, rule.over, rule.a)
+    if len(points) < 3:
+        return Verdict(rule, INCONCLUSIVE, f"{len(points)} values of {rule.over} with {rule.metric}: need 3")
+    first = next(iter(points))
+    best, low, _ = _past_best(points)
+    sides = [Side(f"{rule.metric} at {rule.over}={_fmt_label(first)}", {0: points[first]}),
+             Side(f"at {rule.over}={_fmt_label(best)} (lowest)", {0: low})]
+    fall = points[first] - low
+    allowed = rule.tol * abs(low)
+    reason = (f"{rule.metric} {points[first]:.4g} at {rule.over}={_fmt_label(first)}, lowest {low:.4g} at "
+              f"{rule.over}={_fmt_label(best)}: falls {fall:.4g} vs tolerance {allowed:.3g} ({rule.tol:.0%})")
+    numbers = {"curve": {_fmt_label(x): v for x, v in points.items()}, "best": best, "fall": fall, "allowed": allowed}
+    return Verdict(rule, HELD if fall > allowed else NOT_HELD, reason, sides, numbers)
+
+
+def _judge_rises_past_best(rule: Rule, rows: list) -> Verdict:
+    assert rule.versus is not None and rule.over is not None
+    curves = {m: curve(rows, m, rule.over, rule.a) for m in (rule.metric, rule.versus)}
+    if min(len(c) for c in curves.values()) < 3:
+        return Verdict(rule, INCONCLUSIVE, f"fewer than 3 values of {rule.over} with both metrics")
+    (best, low, high), (vbest, vlow, vhigh) = (_past_best(c) for c in curves.values())
+    sides = [Side(f"{m} lowest (at {rule.over}={_fmt_label(at)})", {0: lo}) for m, at, lo in
+             ((rule.metric, best, low), (rule.versus, vbest, vlow))]
+    sides += [Side(f"{m} highest past it", {0: hi}) for m, hi in ((rule.metric, high), (rule.versus, vhigh))]
+    rise, vrise = high - low, vhigh - vlow
+    allowed, vallowed = rule.tol * abs(low), rule.tol * abs(vlow)
+    reason = (f"past {rule.over}={_fmt_label(best)}, {rule.metric} rises {rise:.4g} (from {low:.4g}) vs "
+              f"{allowed:.3g} ({rule.tol:.0%}); past {rule.over}={_fmt_label(vbest)}, {rule.versus} rises "
+              f"{vrise:.4g} (from {vlow:.4g}) vs {vallowed:.3g}")
+    numbers = {"best": best, "rise": rise, "allowed": allowed, "versus_best": vbest, "versus_rise": vrise,
+               "versus_allowed": vallowed}
+    return Verdict(rule, HELD if rise > allowed and vrise <= vallowed else NOT_HELD, reason, sides, numbers)
+
+
+_CURVE_JUDGES = {"falls": _judge_falls, "rises_past_best": _judge_rises_past_best}
 
 
 def judge_all(rules: list[Rule], rows: list) -> list[Verdict]:

@@ -12,20 +12,60 @@ from pathlib import Path
 from typing import Any, Callable
 
 from archlab.config import ModelConfig
+from archlab.errors import one_line_warnings
 from archlab.lab.plan import INTERRUPTED, PlannedRun, RunJob
 from archlab.lab.store import RunRecord
 from archlab.lab.suites import Suite
 from archlab.runs.lock import LockedError
 
-__all__ = ["run_job", "train_and_measure", "measurements", "kv_bytes"]
+__all__ = ["RUN_KINDS", "run_job", "train_and_measure", "evaluate_ngram_run", "measurements", "kv_bytes"]
 
 
 def run_job(job: RunJob) -> RunRecord:
-    """Train and measure one run in this process; the finished row (never raises for the run's own failure)."""
+    """Do one run in this process (what the suite's `runs` kind names); the finished row (never raises for the
+    run's own failure)."""
     if job.threads:
         import torch
         torch.set_num_threads(int(job.threads))
+    with one_line_warnings(f"archlab ablate: {job.run.variant.name}/seed{job.run.seed}"):
+        return RUN_KINDS[job.suite.runs](job)
+
+
+def evaluate_ngram_run(job: RunJob) -> RunRecord:
+    """An n-gram run: Kneser-Ney and add-k of `ngram.order`, counted on the train split, scored on every validation
+    token. The row's val losses are Kneser-Ney's nats per token; both estimates' bits/byte go to `extra`."""
+    from archlab.data.tokens import load_meta
+    from archlab.eval.ngram import evaluate_ngram
+    from archlab.runs.provenance import device_name
+
+    record, settings = job.record, job.run.variant.ngram
+    t0 = time.perf_counter()
+    try:
+        kn, add_k = evaluate_ngram(job.data, [int(settings["order"])], estimators=("kneser_ney", "add_k"),
+                                   k=float(settings.get("add_k", 1.0)))
+    except Exception as exc:  # noqa: BLE001 - a failed run is recorded, the sweep goes on
+        record.status = "failed"
+        record.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+    else:
+        record.status = "done"
+        record.final_val_loss = record.best_val_loss = kn.bits_per_token * math.log(2)
+        record.peak_memory_bytes = kn.peak_rss_bytes
+        record.extra.update({"kn_bpb": kn.bpb, "add_k_bpb": add_k.bpb, "add_k": float(settings.get("add_k", 1.0)),
+                             "seen": kn.seen, "ngrams": kn.ngrams, "table_bytes": kn.table_bytes,
+                             "val_tokens": kn.tokens, "val_bytes": kn.n_bytes, "seconds": kn.seconds,
+                             "device": device_name("cpu"), "corpus": str(load_meta(job.data).get("corpus", "?")),
+                             "vocab_size": int(load_meta(job.data)["vocab_size"])})
+    record.wall_s = time.perf_counter() - t0
+    record.finished_at = time.time()
+    return record
+
+
+def _train_job(job: RunJob) -> RunRecord:
     return train_and_measure(job.suite, job.run, job.data, job.record, job.train_fn, job.measure)
+
+
+# a suite's `runs` -> the function that does one of its runs (archlab.lab.suites.RUN_KINDS names them)
+RUN_KINDS: dict[str, Callable[[RunJob], RunRecord]] = {"train": _train_job, "ngram": evaluate_ngram_run}
 
 
 def train_and_measure(suite: Suite, run: PlannedRun, data: Path, record: RunRecord, train_fn: Callable | None,
@@ -104,7 +144,7 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
 
     from archlab.data.tokens import TokenDataset, eval_batches
     from archlab.eval.evaluate import evaluate
-    from archlab.runs.checkpoint import load_run
+    from archlab.runs.model_folder import load_run
 
     model, _ = load_run(run.run_dir)
     model.eval()
@@ -123,7 +163,8 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
                                           max_batches=run.train.eval_batches).loss
     if "addition" in wanted:      # exact match, digit accuracy, answer NLL on held-out sums (eval.arithmetic)
         from archlab.data import arithmetic
-        from archlab.data.tokens import load_meta, load_tokenizer
+        from archlab.data.tokenizer_adapter import load_tokenizer
+        from archlab.data.tokens import load_meta
         from archlab.eval.arithmetic import score_addition
 
         digits = arithmetic.digits_of(str(load_meta(data).get("corpus", "")))

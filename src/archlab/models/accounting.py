@@ -9,6 +9,8 @@
     training_flops_per_token(cfg, T)     3x forward (backward costs twice the forward)
     kv_cache_bytes(cfg, seq_len, ...)    K and V cache honouring GQA/MQA and sliding windows
     training_memory_bytes(cfg, ...)      weights + grads + optimizer state + activations (estimate)
+    available_memory(device)             bytes free on a device, what those estimates are checked against
+    check_weights_fit(cfg, device)       refuse to build a model whose weights alone exceed that
 
 An encoder-decoder (arch="encoder_decoder") has n_layers encoder layers and stack_depth("cross_decoder")
 decoder layers, each decoder layer with a cross-attention sublayer (its own q/k/v/o and norm); one shared
@@ -19,16 +21,24 @@ keys and values plus the cross-attention's, projected once from the source.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from archlab.config import ConfigError, ModelConfig, StackRole
+from archlab.errors import UserError
 
 DTYPE_BYTES = {
     "float64": 8, "fp64": 8, "float32": 4, "fp32": 4, "tf32": 4,
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
     "float8": 1, "fp8": 1, "int8": 1, "int4": 0.5,
 }
+
+
+def trains_in(dtype: Any) -> bool:
+    """Whether gradients and activations can be kept in `dtype`: the float formats of 2 bytes or more. int8,
+    int4 and fp8 are formats weights and caches are stored in; training computes in a wider float."""
+    return dtype_bytes(dtype) >= 2
 
 
 def dtype_bytes(dtype: Any) -> float:
@@ -424,6 +434,9 @@ def training_memory(cfg: ModelConfig, batch: int, seq_len: int, dtype: Any = "bf
         raise ConfigError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATES)}")
     if batch < 1 or seq_len < 1:
         raise ConfigError(f"batch={batch} and seq_len={seq_len} must be >= 1")
+    if not trains_in(dtype):
+        raise ConfigError(f"training memory in {dtype}: gradients and activations are not kept in {dtype} "
+                          "(a storage format for weights and caches); give the float dtype training computes in")
     p, nbytes = param_count(cfg), dtype_bytes(dtype)
     optimizer_bytes = p * 4 * OPTIMIZER_STATES[optimizer] + (p * 4 if nbytes < 4 else 0)
     tokens = batch * seq_len
@@ -444,3 +457,40 @@ def training_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, dtype: Any
                           optimizer: str = "adamw") -> int:
     """Total of `training_memory` (see there for the formula)."""
     return sum(training_memory(cfg, batch, seq_len, dtype, optimizer).values())
+
+
+# ---- what the device has -------------------------------------------------------------------------------
+class MemoryCheckError(UserError):
+    """An estimate of the memory a model needs exceeds the memory the device has free."""
+
+
+def available_memory(device: Any) -> int | None:
+    """Bytes free for a new model: CUDA's free memory, or the kernel's MemAvailable (None where unknown)."""
+    if getattr(device, "type", str(device).split(":")[0]) == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_weights_fit(cfg: ModelConfig, device: Any = "cpu", *, dtype: Any = "float32", what: str = "the model"
+                      ) -> None:
+    """Refuse, before a byte is allocated, to build a model whose weights alone exceed the memory free on
+    `device` (a config that asks for 10^11-wide layers would otherwise reach the allocator)."""
+    from archlab.units import human_bytes, human_count
+
+    n = param_count(cfg)
+    need, free = int(n * dtype_bytes(dtype)), available_memory(device)
+    if free is not None and need > free:
+        raise MemoryCheckError(f"{what} has {human_count(n)} parameters, {human_bytes(need)} of {dtype} weights, "
+                               f"and {getattr(device, 'type', device)} has {human_bytes(free)} free")

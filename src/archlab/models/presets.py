@@ -27,6 +27,7 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
     RopeScaling,
+    did_you_mean,
 )
 
 
@@ -408,14 +409,26 @@ _DEEPMIND_APPROX = ("Transformer-XL relative positions are not a switch here: T5
                     "the closest; activation unpublished (lecture table: ReLU); head tying unpublished")
 
 
+# The published sizes count Transformer-XL's relative attention (Dai et al. 2019), whose keys for positions go
+# through a per-layer projection W_k,R (d_model x heads*kv = d^2): 13*L*d^2 + one 32k x d embedding gives every
+# size of Gopher's Table 1 to its rounding (43.7M, 116.6M, 417M, 1.37B, 7.11B, 279.7B) and Chinchilla's 70.0B.
+# The T5 bias table that stands in for it here has no such matrix.
+_DEEPMIND_COUNT = ("; the published {paper} counts Transformer-XL's per-layer position projection W_k,R "
+                   "(L x d x heads*kv = {extra}), which the T5 bias table has not: ours {ours} + {extra} = {total}")
+
+
 @_preset("gopher-280b", year=2021, source="Rae et al. 2021, Table 1 (80 layers, 128 heads, kv 128, "
-         "d 16384)", params=280e9, approximation=_DEEPMIND_APPROX)
+         "d 16384)", params=280e9,
+         approximation=_DEEPMIND_APPROX + _DEEPMIND_COUNT.format(paper="280B", extra="21.5B", ours="258.7B",
+                                                                 total="280.2B"))
 def gopher_280b() -> ModelConfig:
     return _deepmind_like("gopher-280b", d_model=16_384, n_layers=80, n_heads=128)
 
 
 @_preset("chinchilla-70b", year=2022, source="Hoffmann et al. 2022, Table 4 (80 layers, 64 heads, "
-         "kv 128, d 8192)", params=70e9, approximation=_DEEPMIND_APPROX)
+         "kv 128, d 8192)", params=70e9,
+         approximation=_DEEPMIND_APPROX + _DEEPMIND_COUNT.format(paper="70B", extra="5.4B", ours="65.0B",
+                                                                 total="70.4B"))
 def chinchilla_70b() -> ModelConfig:
     return _deepmind_like("chinchilla-70b", d_model=8192, n_layers=80, n_heads=64)
 
@@ -675,7 +688,8 @@ def info(name: str) -> PresetInfo:
     try:
         return _PRESETS[name]
     except KeyError:
-        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(_PRESETS)}") from None
+        raise ConfigError(f"unknown preset {name!r}{did_you_mean(name, _PRESETS)}; known: {', '.join(_PRESETS)}"
+                          ) from None
 
 
 def get(name: str) -> ModelConfig:

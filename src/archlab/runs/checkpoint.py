@@ -1,4 +1,4 @@
-"""Checkpoints and run folders: atomic saves, keep-last-K, and loading a run back.
+"""Checkpoints: atomic saves, keep-last-K, verification, and reading a checkpoint's files back.
 
 A run folder describes itself (DESIGN.md)::
 
@@ -22,7 +22,8 @@ deleted only after the new one is in place, so the last good checkpoint always s
 Nothing in a checkpoint can run code when loaded: weights and trainer state are safetensors, metadata
 JSON. Every load checks each file's size against meta.json, and every name meta.json gives stays inside its
 folder; `verify_checkpoint(..., full=True)` also checks the sha256 (resume does; a damaged newest checkpoint is
-skipped for the previous good one), and `load_run` (generate, serve, convert --to-hf) checks the sha256 of the
+skipped for the previous good one), and `verified_weights` (what model_folder.load_run reads for generate, serve,
+convert --to-hf) checks the sha256 of the
 weights it loads and refuses a weights file linked from outside the run folder.
 Checkpoints of format 1 (trainer.pt, a pickle) load through an explicit allow-list of tensors,
 containers and NumPy arrays (`statefile.load_legacy_pickle`); the resumed run saves format 2.
@@ -39,17 +40,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from archlab.config import ConfigError, ModelConfig
-from archlab.errors import UserError
+from archlab.errors import UserError, os_errors_of
 from archlab.faults import fault_point
 from archlab.runs.lock import pid_alive
 from archlab.runs.statefile import load_legacy_pickle, load_state, save_state
 
 __all__ = [
     "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint",
-    "write_run_config", "read_run_config", "load_run", "MODEL_FILE", "TRAINER_FILE", "META_FILE",
+    "MODEL_FILE", "TRAINER_FILE", "META_FILE",
     "verify_checkpoint", "verified_weights", "resumable_checkpoint", "holds_trainer_state", "FORMAT_VERSION",
 ]
 
@@ -60,7 +59,6 @@ LEGACY_TRAINER_FILE = "trainer.pt"
 META_FILE = "meta.json"
 FILE_MODE = 0o644                  # checkpoints and exports are shared: readable by others, as usual
 CHECKPOINT_DIR = "checkpoints"
-CONFIG_FILE = "config.yaml"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -107,7 +105,8 @@ def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike) -> Non
     from safetensors.torch import save_file
 
     unique, aliases = _dedupe_aliases(state)
-    save_file(unique, str(path), metadata={"format": "pt", "aliases": json.dumps(aliases)})
+    with os_errors_of(path):
+        save_file(unique, str(path), metadata={"format": "pt", "aliases": json.dumps(aliases)})
     make_readable(path)
 
 
@@ -367,98 +366,3 @@ def resumable_checkpoint(root: str | os.PathLike) -> Path | None:
         raise CheckpointError(f"no checkpoint under {Path(root)} verifies, nothing to resume from "
                               f"(newest: {damage[0]})")
     return None
-
-
-# --------------------------------------------------------------------------- run folders
-def write_run_config(run_dir: str | os.PathLike, model: dict, train: dict, data: dict,
-                     init_from: dict | None = None) -> Path:
-    """config.yaml: `model`, `train`, `data`, and `init_from` (the weights a run started from) when given."""
-    path = Path(run_dir) / CONFIG_FILE
-    sections = {"model": model, "train": train, "data": data}
-    if init_from is not None:
-        sections["init_from"] = init_from
-    text = yaml.safe_dump(sections, sort_keys=False)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
-
-
-def read_run_config(run_dir: str | os.PathLike) -> dict:
-    """The raw config.yaml mapping of a run folder (keys model, train, data)."""
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{run_dir} is not a run folder: no {CONFIG_FILE}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise CheckpointError(f"corrupt run config {path}: {exc}") from exc
-    if not isinstance(data, dict) or "model" not in data:
-        raise CheckpointError(f"{path} has no `model` section")
-    return data
-
-
-def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
-             device: str | torch.device = "cpu", *, merge_adapters: bool = True):
-    """(model in eval mode with the latest (or given) checkpoint's weights, tokenizer or None): a TransformerLM,
-    or the class the config's `arch` names (archlab.models.build_model). The weights file is verified first
-    (`verified_weights`: sha256 against meta.json, no link out of the run folder). A LoRA run's adapters
-    (train.lora_r) are folded into the weights, or with merge_adapters=False kept as adapters (nn.lora.LoRALinear)."""
-    run_dir = Path(run_dir)
-    run_cfg = read_run_config(run_dir)
-    cfg = ModelConfig.from_dict(run_cfg["model"])
-    ckpt = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise CheckpointError(f"{run_dir} has no checkpoint under {run_dir / CHECKPOINT_DIR}")
-    state = verified_weights(ckpt, run_dir if checkpoint is None else None)
-    model = model_with_weights(cfg, state, ckpt / MODEL_FILE, train=run_cfg.get("train"))
-    if merge_adapters:
-        from archlab.nn.lora import merge_lora
-        merge_lora(model)
-    model.to(device).eval()
-    return model, load_run_tokenizer(run_dir)
-
-
-def _adapters_for(model, state: dict, train: dict | None) -> None:
-    """Wrap the Linears whose adapters `state` holds (`<path>.lora_A` / `.lora_B`, a LoRA run's checkpoint), at
-    the rank their A has and the scale the run's train section (lora_alpha, lora_rslora) gives."""
-    from archlab.nn.lora import lora_scaling, wrap
-
-    paths = [name[: -len(".lora_A")] for name in state if name.endswith(".lora_A")]
-    if not paths:
-        return
-    train = train if isinstance(train, dict) else {}
-    alpha, rslora = float(train.get("lora_alpha", 16.0)), bool(train.get("lora_rslora", False))
-    for path in paths:
-        rank = int(state[f"{path}.lora_A"].shape[0])
-        try:
-            wrap(model, path, rank, lora_scaling(alpha, rank, rslora))
-        except (AttributeError, ConfigError) as exc:
-            raise CheckpointError(f"adapter {path}.lora_A names no Linear of the model in config.yaml") from exc
-
-
-def model_with_weights(cfg: ModelConfig, state: dict, source: Path, train: dict | None = None):
-    """The model `cfg.arch` names (archlab.models.build_model) holding `state`, every parameter exactly once; a
-    mismatch is a CheckpointError naming `source`, the file the weights came from. LoRA adapters in `state` are
-    put on their Linears (scaled by the run's `train` section).
-    Example: model = model_with_weights(cfg, load_file(path), path)"""
-    from archlab.models import build_model
-    from archlab.models.legacy_keys import upgrade_keys
-
-    model = build_model(cfg)
-    state = upgrade_keys(state, cfg.arch)              # a run folder of an earlier module layout
-    _adapters_for(model, state, train)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as exc:
-        raise CheckpointError(f"{source} does not match the model in config.yaml: {exc}") from exc
-    return model
-
-
-def load_run_tokenizer(run_dir: str | os.PathLike):
-    tok_dir = Path(run_dir) / "tokenizer"
-    if not tok_dir.is_dir():
-        return None
-    from archlab.data.tokens import load_tokenizer
-
-    return load_tokenizer(tok_dir)

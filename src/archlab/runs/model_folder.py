@@ -1,16 +1,28 @@
 """Any model folder a user points at: an archlab run folder (config.yaml + checkpoints/ + tokenizer/, or the
 model.safetensors an older `convert` wrote) or a Hugging Face folder (config.json + safetensors +
-tokenizer.json). One loader serves generate, diagnose and serve; `load_masked_lm` opens an encoder for fill-mask.
+tokenizer.json). One loader, `load_model_and_tokenizer`, serves generate, diagnose, serve and chat; `load_run` is
+its run-folder branch (the newest checkpoint, verified), `load_masked_lm` opens an encoder for fill-mask; a run
+folder's config.yaml is written and read here (`write_run_config`, `read_run_config`).
 For generation, a folder's generation_config.json is read as data and attached as `model.generation_config`
 (archlab.generation.GenerationConfig), which `archlab generate` applies.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from archlab.errors import UserError
+import torch
+import yaml
 
-__all__ = ["folder_arch", "load_masked_lm", "load_model_and_tokenizer"]
+from archlab.config import ConfigError, ModelConfig
+from archlab.errors import UserError
+from archlab.runs.checkpoint import CHECKPOINT_DIR, MODEL_FILE, CheckpointError, latest_checkpoint, verified_weights
+
+__all__ = ["check_vocabulary", "folder_arch", "load_masked_lm", "load_model_and_tokenizer", "load_run",
+           "load_run_tokenizer", "model_with_weights", "read_run_config", "write_run_config", "export_peft",
+           "CONFIG_FILE"]
+
+CONFIG_FILE = "config.yaml"
 
 
 def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_tokenizer: bool = True,
@@ -35,7 +47,6 @@ def load_model_and_tokenizer(path: str | Path, device: str = "cpu", *, need_toke
 
 def _load_model_and_tokenizer(path: Path, device: str, need_tokenizer: bool, archs: tuple[str, ...], purpose: str):
     if (path / "config.yaml").is_file():
-        from archlab.runs.checkpoint import latest_checkpoint, load_run, load_run_tokenizer
         if latest_checkpoint(path) is not None:
             model, tok = load_run(path, device=device)
         elif (path / "model.safetensors").is_file():   # `archlab convert` output of earlier versions
@@ -70,7 +81,7 @@ def _load_flat_run(path: Path):
     from safetensors.torch import load_file
 
     from archlab.config import ModelConfig
-    from archlab.runs.checkpoint import MODEL_FILE, confined, model_with_weights, read_run_config
+    from archlab.runs.checkpoint import confined
 
     weights = confined(path, MODEL_FILE, "config.yaml")   # no meta.json, so no sha256: at least not a foreign link
     return model_with_weights(ModelConfig.from_dict(read_run_config(path)["model"]), load_file(weights), weights)
@@ -114,11 +125,18 @@ def load_masked_lm(path: str | Path, device: str = "cpu"):
     raise UserError(f"{path} is neither a run folder (config.yaml) nor an HF folder (config.json)")
 
 
+def check_vocabulary(model, tokenizer) -> None:
+    """A tokenizer with ids the model cannot embed would fail every prompt that holds one: refused before use."""
+    size, vocab = getattr(tokenizer, "vocab_size", None), model.config.vocab_size
+    if size is not None and size > vocab:
+        raise UserError(f"the tokenizer has {size} tokens but the model's vocabulary has {vocab}: ids {vocab}.."
+                        f"{size - 1} cannot be embedded (a tokenizer from another model?)")
+
+
 def folder_arch(path: Path) -> str | None:
     """The kind of model a folder holds (ModelConfig.arch), read from config.yaml or config.json before any
     weights load; None when neither names one (the loaders then say what is wrong)."""
     if (path / "config.yaml").is_file():
-        from archlab.runs.checkpoint import read_run_config
         model_cfg = read_run_config(path).get("model")
         return str(model_cfg.get("arch", "decoder")) if isinstance(model_cfg, dict) else None
     if (path / "config.json").is_file():
@@ -142,3 +160,120 @@ def _with_post_processor(tok, folder: Path):
     except ImportError:
         raise UserError(f"{folder / 'tokenizer.json'} has a post-processor (special tokens around the text) that "
                         "only the `tokenizers` package applies: pip install 'archlab[hf]'") from None
+
+
+# --------------------------------------------------------------------------- run folders
+def write_run_config(run_dir: str | os.PathLike, model: dict, train: dict, data: dict,
+                     init_from: dict | None = None) -> Path:
+    """config.yaml: `model`, `train`, `data`, and `init_from` (the weights a run started from) when given."""
+    path = Path(run_dir) / CONFIG_FILE
+    sections = {"model": model, "train": train, "data": data}
+    if init_from is not None:
+        sections["init_from"] = init_from
+    text = yaml.safe_dump(sections, sort_keys=False)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def read_run_config(run_dir: str | os.PathLike) -> dict:
+    """The raw config.yaml mapping of a run folder (keys model, train, data)."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{run_dir} is not a run folder: no {CONFIG_FILE}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise CheckpointError(f"corrupt run config {path}: {exc}") from exc
+    if not isinstance(data, dict) or "model" not in data:
+        raise CheckpointError(f"{path} has no `model` section")
+    return data
+
+
+def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
+             device: str | torch.device = "cpu", *, merge_adapters: bool = True):
+    """(model in eval mode with the latest (or given) checkpoint's weights, tokenizer or None): a TransformerLM,
+    or the class the config's `arch` names (archlab.models.build_model). The weights file is verified first
+    (`verified_weights`: sha256 against meta.json, no link out of the run folder). A LoRA run's adapters
+    (train.lora_r) are folded into the weights, or with merge_adapters=False kept as adapters (nn.lora.LoRALinear)."""
+    run_dir = Path(run_dir)
+    run_cfg = read_run_config(run_dir)
+    cfg = ModelConfig.from_dict(run_cfg["model"])
+    ckpt = Path(checkpoint) if checkpoint is not None else latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise CheckpointError(f"{run_dir} has no checkpoint under {run_dir / CHECKPOINT_DIR}")
+    state = verified_weights(ckpt, run_dir if checkpoint is None else None)
+    model = model_with_weights(cfg, state, ckpt / MODEL_FILE, train=run_cfg.get("train"))
+    if merge_adapters:
+        from archlab.nn.lora import merge_lora
+        merge_lora(model)
+    model.to(device).eval()
+    return model, load_run_tokenizer(run_dir)
+
+
+def _adapters_for(model, state: dict, train: dict | None) -> None:
+    """Wrap the Linears whose adapters `state` holds (`<path>.lora_A` / `.lora_B`, a LoRA run's checkpoint), at
+    the rank their A has and the scale the run's train section (lora_alpha, lora_rslora) gives."""
+    from archlab.nn.lora import lora_scaling, wrap
+
+    paths = [name[: -len(".lora_A")] for name in state if name.endswith(".lora_A")]
+    if not paths:
+        return
+    train = train if isinstance(train, dict) else {}
+    alpha, rslora = float(train.get("lora_alpha", 16.0)), bool(train.get("lora_rslora", False))
+    for path in paths:
+        rank = int(state[f"{path}.lora_A"].shape[0])
+        try:
+            wrap(model, path, rank, lora_scaling(alpha, rank, rslora))
+        except (AttributeError, ConfigError) as exc:
+            raise CheckpointError(f"adapter {path}.lora_A names no Linear of the model in config.yaml") from exc
+
+
+def model_with_weights(cfg: ModelConfig, state: dict, source: Path, train: dict | None = None):
+    """The model `cfg.arch` names (archlab.models.build_model) holding `state`, every parameter exactly once; a
+    mismatch is a CheckpointError naming `source`, the file the weights came from. LoRA adapters in `state` are
+    put on their Linears (scaled by the run's `train` section).
+    Example: model = model_with_weights(cfg, load_file(path), path)"""
+    from archlab.models import build_model
+    from archlab.models.accounting import check_weights_fit
+    from archlab.models.legacy_keys import upgrade_keys
+
+    check_weights_fit(cfg, what=f"the model in {CONFIG_FILE} (for {source})")
+    model = build_model(cfg)
+    state = upgrade_keys(state, cfg.arch)              # a run folder of an earlier module layout
+    _adapters_for(model, state, train)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{source} does not match the model in config.yaml: {exc}") from exc
+    return model
+
+
+def load_run_tokenizer(run_dir: str | os.PathLike):
+    tok_dir = Path(run_dir) / "tokenizer"
+    if not tok_dir.is_dir():
+        return None
+    from archlab.data.tokenizer_adapter import load_tokenizer
+
+    return load_tokenizer(tok_dir)
+
+
+def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = None, overwrite: bool = False) -> Path:
+    """A LoRA run folder's adapters (latest checkpoint) in PEFT's format, for the HF export of the run's base
+    (the model the run started from). A run without adapters is a UserError."""
+    from archlab.interop.peft import save_peft
+    from archlab.nn.lora import LoRAConfig, lora_modules, parse_targets
+    from archlab.runs.outputs import refuse_existing
+
+    refuse_existing(out, overwrite)                 # before loading anything
+    model, _ = load_run(run_dir, merge_adapters=False)
+    if not lora_modules(model):
+        raise UserError(f"{run_dir} holds no LoRA adapters (train.lora_r was not set): export it with --to-hf")
+    train = read_run_config(run_dir).get("train") or {}
+    first = next(iter(lora_modules(model).values()))
+    model.lora_config = LoRAConfig(                                   # type: ignore[assignment]
+        r=int(train.get("lora_r") or first.r), alpha=float(train.get("lora_alpha", 16.0)),
+        dropout=float(train.get("lora_dropout", 0.0)), use_rslora=bool(train.get("lora_rslora", False)),
+        targets=parse_targets(str(train.get("lora_targets") or "all-linear")))
+    return save_peft(model, out, family=family, overwrite=overwrite)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from archlab.data.tokens import DataError
+from archlab.errors import DataError
 from archlab.training.precision import cpu_model
 
 __all__ = ["provenance", "provenance_line", "write_provenance", "device_name", "data_fingerprint",
@@ -148,7 +148,7 @@ def tokenizer_fingerprint(tok_dir: str | os.PathLike) -> str | None:
     tok_dir = Path(tok_dir)
     if not tok_dir.is_dir():
         return None
-    from archlab.data.tokens import ByteTokenizer
+    from archlab.data.tokenizer_adapter import ByteTokenizer
 
     digest = hashlib.sha256()
     if (tok_dir / ByteTokenizer.FILE).is_file():
@@ -188,7 +188,7 @@ def _loaded_tokenizer_json(tok_dir: Path) -> dict:
 def check_resume_matches(run_dir: Path, model_cfg, data_info: dict, tok_src: Path, allow_new_data: bool) -> None:
     """Raise (ConfigError / DataError) when a resume would continue a different model, tokenizer or data."""
     from archlab.config import ConfigError, ModelConfig
-    from archlab.runs.checkpoint import read_run_config
+    from archlab.runs.model_folder import read_run_config
 
     saved = read_run_config(run_dir)
     # through ModelConfig, so a run saved before a field existed compares with that field's default

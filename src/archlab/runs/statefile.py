@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from archlab.errors import os_errors_of
+
 __all__ = ["save_state", "load_state", "load_legacy_pickle"]
 
 _TENSOR, _ARRAY, _TUPLE, _ITEMS = "__tensor__", "__ndarray__", "__tuple__", "__items__"
@@ -86,7 +88,8 @@ def save_state(state: Any, path: str | os.PathLike) -> None:
 
     tensors: dict[str, torch.Tensor] = {}
     tree = _flatten(state, tensors, set())
-    save_file(tensors, str(path), metadata={"format": "archlab-state", "tree": json.dumps(tree)})
+    with os_errors_of(path):                 # a full disk or a file-size limit: the OSError, one line
+        save_file(tensors, str(path), metadata={"format": "archlab-state", "tree": json.dumps(tree)})
 
 
 def load_state(path: str | os.PathLike) -> Any:

@@ -7,7 +7,8 @@ tools built for vLLM or `transformers serve` call.
     POST /v1/completions         prompt, max_tokens, temperature, top_p, stop, seed, n, echo, stream (server-sent
                                  events), stream_options.include_usage; vLLM's top_k, min_p, repetition_penalty
     POST /v1/chat/completions    messages, rendered with the tokenizer's chat template (400 without one); the
-                                 same fields but prompt and echo, and max_completion_tokens
+                                 same fields but prompt and echo, and max_completion_tokens; the answer also
+                                 stops at the template's end-of-turn token (archlab.generation.chat)
 
 Fields a request leaves out take the model folder's generation_config.json values (listed under
 "generation_config" in /v1/models; archlab.serve.settings), else OpenAI's defaults.
@@ -86,10 +87,11 @@ def create_app(engine: Engine, limits: Limits | None = None):
         except TimeoutError:
             raise RequestError(f"the model's chat template did not finish within {limits.render_timeout_s:g} s on "
                                "these messages", param="messages", code="template_timeout") from None
-        return await _respond(request, parsed, prompt, "chat.completion")
+        end_ids = await off_loop(engine.end_of_turn)          # rendered once, on a worker
+        return await _respond(request, parsed, prompt, "chat.completion", end_ids)
 
-    async def _respond(request: Request, parsed: Parsed, prompt: str, kind: str):
-        base = CompletionRequest(prompt=prompt, **parsed.fields)
+    async def _respond(request: Request, parsed: Parsed, prompt: str, kind: str, end_ids: tuple[int, ...] = ()):
+        base = CompletionRequest(prompt=prompt, end_ids=end_ids, **parsed.fields)
         prepared = await off_loop(engine.prepare, base)      # tokenized off the loop; a 400 before any decoding
         choices = [_nth(base, i) for i in range(parsed.n)]
         cancel = threading.Event()

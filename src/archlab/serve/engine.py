@@ -26,11 +26,14 @@ from pathlib import Path
 import torch
 
 from archlab.errors import UserError
+from archlab.generation.chat import end_of_turn_ids, stopping_at
 from archlab.generation.config import GenerationConfig
 from archlab.nn.fused import DecodeSession, direct_calls
+from archlab.runs.chat_folder import chat_tokenizer
+from archlab.runs.model_folder import check_vocabulary
 from archlab.serve.fields import RANGES, RequestError
 from archlab.serve.stops import first_stop, releasable
-from archlab.tokenizer.chat import ChatTokenizer, read_chat_templates, read_special_tokens
+from archlab.tokenizer.chat import ChatTokenizer
 
 __all__ = ["Engine", "CompletionRequest", "RequestError"]
 
@@ -51,6 +54,7 @@ class CompletionRequest:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    end_ids: tuple[int, ...] = ()          # ids that also end the answer: a chat turn's end-of-turn tokens
 
 
 @dataclass
@@ -92,7 +96,7 @@ class Engine:
         # the template and the special tokens it reads (archlab.tokenizer.chat), or None: no chat endpoint
         self.chat = (chat_template if isinstance(chat_template, ChatTokenizer) or chat_template is None
                      else dataclasses.replace(ChatTokenizer.of(tokenizer), templates=chat_template))
-        _check_vocabulary(model, tokenizer)
+        check_vocabulary(model, tokenizer)
         self.vocab_limit = vocab_limit(model, tokenizer)
         self.context = model.config.max_seq_len
         self.defaults = defaults_for(generation_config, getattr(tokenizer, "eot_id", None),
@@ -106,6 +110,7 @@ class Engine:
         self._session: DecodeSession | None = None   # one per batch composition: renewed as jobs join or leave
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._end_of_turn: tuple[int, ...] | None = None
 
     @classmethod
     def from_folder(cls, path: str | Path, device: str = "cpu", max_batch: int = 8) -> Engine:
@@ -121,8 +126,15 @@ class Engine:
                             f"use `{_OTHER_COMMAND[arch][1].format(path=path)}`")
         model, tokenizer = load_model_and_tokenizer(resolved, device, purpose="serve", generation_config=True)
         folder = Path(str(path).split("@")[0])
-        return cls(model, tokenizer, folder.resolve().name, _chat_tokenizer(Path(resolved), tokenizer), max_batch,
+        return cls(model, tokenizer, folder.resolve().name, chat_tokenizer(Path(resolved), tokenizer), max_batch,
                    generation_config=getattr(model, "generation_config", None))
+
+    def end_of_turn(self) -> tuple[int, ...]:
+        """The ids the chat template writes after an assistant's text (archlab.generation.chat), found once:
+        a chat answer stops there, as `archlab chat` stops."""
+        if self._end_of_turn is None:
+            self._end_of_turn = tuple(end_of_turn_ids(self.chat)) if self.chat is not None else ()
+        return self._end_of_turn
 
     # ---- requests
     def encode(self, request: CompletionRequest) -> list[int]:
@@ -141,6 +153,7 @@ class Engine:
                                     temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                     min_p=request.min_p, repetition_penalty=request.repetition_penalty,
                                     stop=request.stop)
+        settings = stopping_at(settings, request.end_ids)
         new = settings.max_new_tokens or 0
         if new < 1:
             raise RequestError(f"the model's generation_config.json max_length={settings.max_length} leaves no "
@@ -299,23 +312,5 @@ def _check(request: CompletionRequest) -> None:
         raise RequestError("stop strings must be non-empty", param="stop", code="invalid_value")
 
 
-def _check_vocabulary(model, tokenizer) -> None:
-    """A tokenizer with ids the model cannot embed would fail every prompt that holds one: refused at start."""
-    size, vocab = getattr(tokenizer, "vocab_size", None), model.config.vocab_size
-    if size is not None and size > vocab:
-        raise UserError(f"the tokenizer has {size} tokens but the model's vocabulary has {vocab}: ids {vocab}.."
-                        f"{size - 1} cannot be embedded (a tokenizer from another model?)")
-
-
 def _continuation(whole: str, head: str) -> str:
     return whole[len(head):] if whole.startswith(head) else whole
-
-
-def _chat_tokenizer(folder: Path, tokenizer) -> ChatTokenizer | None:
-    """The folder's chat template(s) and the special tokens they read (a run folder's tokenizer/, or an HF
-    folder itself: chat_template.jinja, or tokenizer_config.json's chat_template), if it has one."""
-    for tok_dir in (folder / "tokenizer", folder):
-        templates = read_chat_templates(tok_dir) if tok_dir.is_dir() else None
-        if templates:
-            return ChatTokenizer(tokenizer, templates, read_special_tokens(tok_dir))
-    return None

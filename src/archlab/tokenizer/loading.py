@@ -64,19 +64,19 @@ def load(path: str | os.PathLike, *, fast: bool = True, hf_fallback: bool = True
     data = read_tokenizer_json(path)
     try:
         return _native_tokenizer(data, fast=fast)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:   # a field of the wrong JSON type
         if not hf_fallback:
             raise
         reason = str(exc) if isinstance(exc, ValueError) else f"malformed {type(exc).__name__}: {exc}"
     try:
         import tokenizers  # noqa: F401
     except ImportError:
-        raise ValueError(f"archlab cannot read {_json_path(path)}: {reason}; installing `tokenizers` "
+        raise TokenizerFileError(f"archlab cannot read {_json_path(path)}: {reason}; installing `tokenizers` "
                          f"(pip install 'archlab[hf]') would load it through that library") from None
     try:
         return HFTokenizer.from_file(path)
     except Exception as exc:  # tokenizers raises its own Exception type on files it cannot parse
-        raise ValueError(f"neither archlab ({reason}) nor `tokenizers` ({exc}) can read "
+        raise TokenizerFileError(f"neither archlab ({reason}) nor `tokenizers` ({exc}) can read "
                          f"{_json_path(path)}") from exc
 
 
@@ -113,6 +113,8 @@ def _native_tokenizer(data: dict, *, fast: bool = True) -> BaseTokenizer:
     if data.get("normalizer") is not None:
         raise ValueError(f"unsupported normalizer {data['normalizer'].get('type')!r}")
     model = data["model"]
+    if not isinstance(model, dict):
+        raise ValueError(f"its \"model\" is a JSON {type(model).__name__}, not an object")
     kind = model.get("type")
     if kind is None:  # very old files: guess from the fields
         kind = "BPE" if "merges" in model else "WordPiece" if "continuing_subword_prefix" in model else "Unigram"

@@ -10,7 +10,7 @@ from typing import Any, Literal, get_type_hints
 
 import yaml
 
-from archlab.config import ConfigError, _check_literals, _parse_value
+from archlab.config import ConfigError, _check_literals, _parse_value, check_seed
 
 __all__ = ["TrainConfig", "NO_DECAY_CATEGORIES"]
 
@@ -115,6 +115,7 @@ class TrainConfig:
                 raise ConfigError(f"train.lora_alpha={self.lora_alpha} must be a positive number")
             if not self.lora_targets.strip(" ,"):
                 raise ConfigError("train.lora_targets is empty: name Linears (q,v ...) or all-linear")
+        check_seed("train.seed", self.seed)
         parts = self.no_decay_set  # validates
         del parts
 

@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.data.tokens import DataError
-from archlab.errors import UserError
+from archlab.errors import DataError, UserError
 from archlab.models.legacy_keys import upgrade_keys
 
 __all__ = ["InitSource", "read_init_source"]
@@ -90,8 +89,9 @@ def read_init_source(spec: str | os.PathLike) -> InitSource:
 
 def _from_run(spec: str, folder: Path) -> InitSource:
     from archlab.runs import checkpoint as ckpt_io
+    from archlab.runs import model_folder
 
-    cfg = ModelConfig.from_dict(ckpt_io.read_run_config(folder)["model"])
+    cfg = ModelConfig.from_dict(model_folder.read_run_config(folder)["model"])
     latest = ckpt_io.latest_checkpoint(folder)
     if latest is None:
         raise ckpt_io.CheckpointError(f"--init-from {spec}: no checkpoint under {folder / ckpt_io.CHECKPOINT_DIR}")

@@ -60,7 +60,7 @@ LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_rsl
 def check_resume(run_dir: Path, cfg: TrainConfig) -> None:
     """A resumed run keeps the adapters it began with: a LoRA setting that differs from the run's config.yaml is
     a ConfigError naming it (the checkpoint's tensors would not fit)."""
-    from archlab.runs.checkpoint import read_run_config
+    from archlab.runs.model_folder import read_run_config
 
     recorded = read_run_config(run_dir).get("train") or {}
     defaults = TrainConfig()

@@ -39,11 +39,12 @@ import torch
 from archlab.config import ConfigError, ModelConfig
 from archlab.data.batches import tokens_processed
 from archlab.data.pairs import PairDataset
-from archlab.errors import UserError
 from archlab.eval.evaluate import autocast, evaluate, sample_ids
 from archlab.generation.stepper import vocab_limit
+from archlab.models.accounting import MemoryCheckError, available_memory
 from archlab.models.legacy_keys import upgrade_keys, upgrade_optimizer_state
 from archlab.runs import checkpoint as ckpt_io
+from archlab.runs import model_folder
 from archlab.runs.lock import RunLock
 from archlab.runs.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
 from archlab.training import distributed as dist_util
@@ -216,6 +217,8 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
     if info.enabled:
         torch.distributed.barrier()
     # 3. model, optimizer, sampler; config.yaml keeps dtype "auto", precision.json what it resolved to
+    if info.is_main:
+        _warn_past_context(model_cfg, cfg)            # said once every check has passed
     cfg = _resolve_precision(cfg, device, info, run_dir, resuming=latest is not None)
     run = _Run(model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval, batches,
                eval_objective)
@@ -264,27 +267,6 @@ def _resolve_precision(cfg: TrainConfig, device: torch.device, info, run_dir: Pa
     return dataclasses.replace(cfg, dtype=dtype)
 
 
-class MemoryCheckError(UserError):
-    """The accounting's training-memory estimate exceeds the memory this device has free."""
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes free for a new run: CUDA's free memory, or the kernel's MemAvailable (None where unknown)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def memory_per_device(model_cfg: ModelConfig, cfg: TrainConfig, info) -> dict[str, int]:
     """accounting.training_memory for one device's share: its slice of the global batch and, under FSDP,
     1/world of the weights, grads and optimizer state (sharded). dtype "auto" not yet resolved counts
@@ -312,6 +294,15 @@ def check_memory_fits(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.de
             f"optimizer {human_bytes(parts['optimizer'])}, activations {human_bytes(parts['activations'])}) and "
             f"{device.type} has {human_bytes(free)} free: use a smaller model, train.batch_size or train.seq_len, "
             "or --set train.memory_check=false to try anyway")
+
+
+def _warn_past_context(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
+    """Computed positions (RoPE, ALiBi, T5, ...) train past max_seq_len; the model's context stays there."""
+    if cfg.seq_len > model_cfg.max_seq_len:
+        warnings.warn(f"train.seq_len={cfg.seq_len} is past max_seq_len={model_cfg.max_seq_len}: position.kind="
+                      f"{model_cfg.position.kind} trains on it, but generate, eval and export keep "
+                      f"{model_cfg.max_seq_len} as the model's context (set max_seq_len={cfg.seq_len} to match)",
+                      stacklevel=4)
 
 
 def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
@@ -441,7 +432,7 @@ class _Run:
         so that the bar starts at the resumed step and peak memory counts training only."""
         info = self.info
         if (info.is_main or info.strategy == "fsdp") and (self.data_dir / "tokenizer").is_dir():
-            self.tokenizer = ckpt_io.load_run_tokenizer(self.data_dir)
+            self.tokenizer = model_folder.load_run_tokenizer(self.data_dir)
         # one CPU process (data-parallel ranks on one machine would count as each other's load)
         self.cpu = CpuShare() if self.device.type == "cpu" and info.is_main and not info.enabled else None
         self.peak = matmul_peak_flops(self.device, self.cfg.dtype) if info.is_main else 0.0
@@ -744,14 +735,14 @@ def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, re
     if latest is not None:
         check_resume_matches(run_dir, model_cfg, data_info, tok_src, allow_new_data)
         lora_stage.check_resume(run_dir, cfg)
-        started_from = ckpt_io.read_run_config(run_dir).get("init_from")
+        started_from = model_folder.read_run_config(run_dir).get("init_from")
     elif init_from is not None:
         init_from.check_model(model_cfg)
         init_from.check_tokenizer(tok_src, data_dir)
         started_from = init_from.record()
     else:
         started_from = None
-    ckpt_io.write_run_config(run_dir, model_cfg.to_dict(), cfg.to_dict(), data_info, init_from=started_from)
+    model_folder.write_run_config(run_dir, model_cfg.to_dict(), cfg.to_dict(), data_info, init_from=started_from)
     if tok_src.is_dir() and not (run_dir / "tokenizer").exists():
         shutil.copytree(tok_src, run_dir / "tokenizer")
     if latest is None and metrics_path.exists():

@@ -9,20 +9,9 @@ from __future__ import annotations
 import importlib
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.interop.families.base import (  # noqa: F401  (re-exported for family modules)
-    FAMILIES,
-    Family,
-    HFConfig,
-    Rule,
-    WeightsError,
-    config_diff,
-    fused,
-    read_rope,
-    register_family,
-    rename,
-    transposed,
-    write_rope,
-)
+from archlab.interop.families.base import FAMILIES, Family, HFConfig, config_diff, register_family  # noqa: F401
+from archlab.interop.families.rope import read_rope, write_rope  # noqa: F401  (re-exported)
+from archlab.interop.families.tables import Rule, WeightsError, fused, rename, renames, transposed  # noqa: F401
 
 FAMILY_MODULES = [
     # decoders

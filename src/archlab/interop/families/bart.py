@@ -34,7 +34,8 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import Family, HFConfig, Rule, StoredCopy, register_family, rename
+from archlab.interop.families.base import Family, HFConfig, StoredCopy, register_family
+from archlab.interop.families.tables import Rule, attention, layers, renames
 from archlab.nn.position import sinusoid_table
 
 # transformers' activation_function (ACT2FN names) -> ours, and back
@@ -153,36 +154,24 @@ class _BartLike(Family):
             return [sinusoid_table(cfg.max_seq_len, cfg.d_model, "split")]
         return Rule((ours,), (), compute, lambda _: [])
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        rules = [rename("embed.weight", "model.shared.weight"),
-                 Rule(("head_bias",), ("final_logits_bias",), lambda ts: [ts[0].reshape(-1)],
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        """BART's learned positions and embedding norms, Marian's computed sinusoids: each model has one kind."""
+        rules = [Rule(("head_bias",), ("final_logits_bias",), lambda ts: [ts[0].reshape(-1)],
                       lambda ts: [ts[0].reshape(1, -1)])]
-        for side, depth, pos, emb_norm in (("encoder", cfg.n_layers, "abs_position", "embed_norm"),
-                                           ("decoder", cfg.stack_depth("cross_decoder"), "decoder_abs_position",
-                                            "decoder_embed_norm")):
+        table = {"model.shared": "embed", "lm_head": "lm_head"}
+        for side, i, pos, emb_norm in (("encoder", "{i}", "abs_position", "embed_norm"),
+                                       ("decoder", "{j}", "decoder_abs_position", "decoder_embed_norm")):
             s = f"model.{side}."
-            if self.sinusoidal:
-                rules.append(self._table_rule(cfg, f"{pos}.table"))
-            else:
-                rules.append(rename(f"{pos}.embedding.weight", f"{s}embed_positions.weight"))
-                rules += [rename(f"{emb_norm}.{x}", f"{s}layernorm_embedding.{x}") for x in ("weight", "bias")]
-            for i in range(depth):
-                h, o = f"{s}layers.{i}.", f"{side}.{i}."
-                sublayers = [("attn", "attn_norm", "self_attn")]
-                if side == "decoder":
-                    sublayers.append(("cross_attn", "cross_norm", "encoder_attn"))
-                for ours, norm, theirs in sublayers:
-                    for x in ("weight", "bias"):
-                        rules += [rename(f"{o}{ours}.{p}_proj.{x}", f"{h}{theirs}.{q}_proj.{x}")
-                                  for p, q in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"))]
-                        rules.append(rename(f"{o}{norm}.{x}", f"{h}{theirs}_layer_norm.{x}"))
-                for x in ("weight", "bias"):
-                    rules += [rename(f"{o}mlp.up_proj.{x}", f"{h}fc1.{x}"),
-                              rename(f"{o}mlp.down_proj.{x}", f"{h}fc2.{x}"),
-                              rename(f"{o}mlp_norm.{x}", f"{h}final_layer_norm.{x}")]
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+            rules.append(self._table_rule(cfg, f"{pos}.table"))
+            table |= {f"{s}embed_positions": f"{pos}.embedding", f"{s}layernorm_embedding": emb_norm}
+            layer = attention("self_attn.", "q_proj k_proj v_proj out_proj") | {
+                "self_attn_layer_norm": "attn_norm", "fc1": "mlp.up_proj", "fc2": "mlp.down_proj",
+                "final_layer_norm": "mlp_norm"}
+            if side == "decoder":
+                layer |= attention("encoder_attn.", "q_proj k_proj v_proj out_proj", "cross_attn.")
+                layer["encoder_attn_layer_norm"] = "cross_norm"
+            table |= layers(layer, f"{s}layers.{i}.", f"{side}.{i}.")
+        return rules + renames(table, "weight", "bias")
 
 
 @register_family

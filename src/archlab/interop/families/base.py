@@ -15,7 +15,7 @@ How to add a family (one file in this package, ~100 lines):
    `c.get("rms_norm_eps", 1e-6)`, `c.require("hidden_size")`, and `c.unsupported(field, bad_if)` /
    `c.only(field, allowed)` so that an HF switch we cannot express raises ConfigError naming the
    field and its value instead of silently loading a different model. RoPE settings (legacy
-   `rope_theta`/`rope_scaling` and transformers-5 `rope_parameters`) go through `read_rope`.
+   `rope_theta`/`rope_scaling` and transformers-5 `rope_parameters`) go through `read_rope` (families/rope.py).
 
 3. `from_config(cfg) -> dict`: our config -> config.json dict for `save_hf`. Raise ConfigError naming
    the switch HF cannot express (`require_switch(cfg, "norm.kind", "rmsnorm", family)`). The
@@ -24,10 +24,20 @@ How to add a family (one file in this package, ~100 lines):
    Families that cannot be saved leave `from_config` unimplemented (NotImplementedError).
    save_hf calls `Family.to_hf(cfg)`: `from_config` plus the fields all families write alike.
 
-4. `weight_rules(cfg) -> list[Rule]`: every one of OUR parameter names covered exactly once, with
-   the HF tensor names it comes from. `rename(ours, hf)` for 1:1 tensors, `transposed` for GPT-2's
-   Conv1D, `fused(ours_list, hf, dim)` for one HF tensor split into several of ours (fused qkv,
-   gate_up) -- the inverse (concatenation) is used when saving. Tensors that old checkpoints
+4. `weight_table(cfg) -> list[Rule]`: the family's weights as a table, in the manner of torchtitan's
+   state-dict adapters: HF name -> our name, `{i}` standing for the layer index (`{j}` a decoder layer of an
+   encoder-decoder, `{e}` an expert), every tensor the family's checkpoints may hold listed once:
+
+       renames({"model.embed_tokens.weight": "embed.weight",
+                "model.layers.{i}.self_attn.q_proj.weight": "blocks.{i}.attn.q_proj.weight", ...})
+
+   `renames(table, "weight", "bias")` reads a table of modules (the helpers are in families/tables.py).
+   `weight_rules(cfg)` expands the table over the layers and keeps the rules whose parameters the model of
+   `cfg` has (a bias, a q/k norm, an untied head exist only where the config asks for them), so a table holds
+   no conditions but the names that change with the
+   config (which norm HF calls `post_attention_layernorm`). Tensors that are not renamed keep their Rule kinds:
+   `transposed` for GPT-2's Conv1D, `fused(ours_list, hf, sizes)` for one HF tensor split into several of ours
+   (fused qkv, gate_up) -- the inverse (concatenation) is used when saving. Tensors that old checkpoints
    store but that transformers does not load either (rotary `inv_freq`, causal `masked_bias`)
    go in `ignored_hf(cfg)` as regular expressions. Tensors transformers ties to one that is read
    (its `_tied_weights_keys`: a tied head, T5's and BART's per-stack embeddings, BERT's decoder)
@@ -50,43 +60,15 @@ Checkpoints saved from the bare base model (LlamaModel instead of LlamaForCausal
 from __future__ import annotations
 
 import dataclasses
-import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, Sequence
 
 import torch
 
-from archlab.config import (
-    ROPE_SCALING_FIELDS,
-    ConfigError,
-    ModelConfig,
-    PositionConfig,
-    RopeScaling,
-)
-from archlab.errors import UserError
+from archlab.config import ROPE_SCALING_FIELDS, ConfigError, ModelConfig, PositionConfig, RopeScaling
+from archlab.interop.families.tables import Rule, WeightsError, hf_names_of, parameter_names, table_rules
 from archlab.nn.registry import Registry
-
-
-class WeightsError(UserError, ValueError):
-    """A checkpoint whose tensors do not match the family's mapping (missing, extra, wrong shape)."""
-
-
-Tensors = list[torch.Tensor]
-
-
-def _identity(tensors: Tensors) -> Tensors:
-    return list(tensors)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """HF tensors `hf` <-> our parameters `ours`. `to_ours` maps the list of HF tensors (in `hf`
-    order) to the list of ours (in `ours` order); `to_hf` is its inverse, used by save_hf."""
-
-    ours: tuple[str, ...]
-    hf: tuple[str, ...]
-    to_ours: Callable[[Tensors], Tensors] = _identity
-    to_hf: Callable[[Tensors], Tensors] = _identity
 
 
 @dataclass(frozen=True)
@@ -106,43 +88,14 @@ class StoredCopy:
     why: str = ""            # for "refuse": what archlab's model cannot hold apart
 
 
-def hf_names_of(rules: Sequence[Rule], ours: str) -> tuple[str, ...]:
-    """The HF tensors the rule filling our parameter `ours` reads (empty if no rule fills it)."""
-    return next((rule.hf for rule in rules if ours in rule.ours), ())
-
-
-def rename(ours: str, hf: str) -> Rule:
-    return Rule((ours,), (hf,))
-
-
-def transposed(ours: str, hf: str) -> Rule:
-    """GPT-2's Conv1D stores weights (in, out); ours are nn.Linear (out, in)."""
-    flip = lambda ts: [ts[0].t().contiguous()]  # noqa: E731
-    return Rule((ours,), (hf,), flip, flip)
-
-
-def fused(ours: Sequence[str], hf: str, sizes: Sequence[int], dim: int = 0,
-          pre: Callable[[torch.Tensor], torch.Tensor] | None = None,
-          post: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Rule:
-    """One HF tensor = concatenation of several of ours along `dim` (fused qkv, gate_up).
-    `pre` is applied to the HF tensor before splitting (e.g. a transpose or a head reorder) and
-    `post` (its inverse) after concatenating when saving."""
-    def split(ts: Tensors) -> Tensors:
-        t = pre(ts[0]) if pre else ts[0]
-        if t.shape[dim] != sum(sizes):
-            raise ConfigError(f"tensor {hf!r} has size {t.shape[dim]} along dim {dim}, "
-                              f"expected {sum(sizes)} = {' + '.join(map(str, sizes))}")
-        return [p.contiguous() for p in torch.split(t, list(sizes), dim=dim)]
-
-    def cat(ts: Tensors) -> Tensors:
-        t = torch.cat(ts, dim=dim)
-        return [(post(t) if post else t).contiguous()]
-
-    return Rule(tuple(ours), (hf,), split, cat)
+# Fields that count something (sizes, heads, layers, positions) by their HF names: they must be integers.
+_COUNT_FIELD = re.compile(r"(num_|n_).*|.*(_size|_dim|_layers|_heads|position_embeddings|_positions|_buckets|_distance)"
+                          r"|d_model|d_ff|d_kv|rotary_dim|sliding_window")
 
 
 class HFConfig:
-    """Read access to an HF config.json dict that names the family and field in every error."""
+    """Read access to an HF config.json dict that names the family and field in every error, and checks
+    the type of what it hands out: a count is an integer, a field with a numeric default a number."""
 
     def __init__(self, data: dict, model_type: str):
         self.data, self.model_type = data, model_type
@@ -152,12 +105,21 @@ class HFConfig:
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self.data.get(key)
-        return default if value is None else value
+        return default if value is None else self._typed(key, value, default)
 
     def require(self, key: str) -> Any:
         if self.data.get(key) is None:
             raise ConfigError(f"{self.model_type} config.json lacks the required field {key!r}")
-        return self.data[key]
+        return self._typed(key, self.data[key])
+
+    def _typed(self, key: str, value: Any, default: Any = None) -> Any:
+        def number(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        if _COUNT_FIELD.fullmatch(key) and not (isinstance(value, int) and not isinstance(value, bool)):
+            raise self.error(f"field {key}={value!r} must be a whole number")
+        if number(default) and not number(value):
+            raise self.error(f"field {key}={value!r} must be a number")
+        return value
 
     def only(self, key: str, allowed: Iterable[Any], default: Any = None) -> Any:
         """The value of `key` (default if absent), which must be one of `allowed`."""
@@ -180,121 +142,15 @@ class HFConfig:
                 + (f": {why}" if why else "")
             )
 
+    def heads(self) -> dict[str, int]:
+        """n_heads, n_kv_heads and head_dim from the fields most HF configs name alike: num_attention_heads,
+        num_key_value_heads (MHA when absent), head_dim (hidden_size // num_attention_heads when absent)."""
+        n = self.require("num_attention_heads")
+        return {"n_heads": n, "n_kv_heads": self.get("num_key_value_heads", n),
+                "head_dim": self.get("head_dim", self.require("hidden_size") // n)}
+
     def error(self, message: str) -> ConfigError:
         return ConfigError(f"{self.model_type} config.json: {message}")
-
-
-def read_rope(c: HFConfig, default_theta: float = 10_000.0, params: dict | None = None,
-              aliases: dict[str, str] | None = None,
-              kinds: Sequence[str] | None = None) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from legacy `rope_theta` + `rope_scaling` or transformers-5 `rope_parameters`
-    (pass `params` to read one entry of a per-layer-type `rope_parameters`). `aliases` renames
-    rope types the way a family's HF config class does (Phi-3: su, yarn -> longrope); `kinds`
-    limits the types the family's HF model accepts. Defaults follow transformers'
-    modeling_rope_utils (a top-level `original_max_position_embeddings` wins over the one in
-    the rope dict; yarn/longrope `factor` defaults to max_position_embeddings / original)."""
-    nested = params is not None
-    if params is None:
-        params = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta") or c.get("rope_theta", default_theta))
-    kind = params.get("rope_type", params.get("type", "default"))
-    kind = (aliases or {}).get(kind, kind)
-    supported = list(kinds) if kinds is not None else ["default", *ROPE_READERS.names()]
-    if kind not in supported:
-        raise c.error(f"rope type {kind!r} (rope_scaling / rope_parameters) is not supported by "
-                      f"archlab here (supported: {', '.join(map(repr, supported))})")
-    if kind == "default":
-        return theta, None
-    top = None if nested else c.get("original_max_position_embeddings")
-    original = top or params.get("original_max_position_embeddings")
-    original = int(original or c.require("max_position_embeddings"))
-    try:
-        return theta, ROPE_READERS.get(kind)(params, original, c)
-    except (KeyError, TypeError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise c.error(f"rope type {kind!r}: missing or malformed field {exc}") from exc
-
-
-# rope type -> reader(params, original_max_position_embeddings, config) -> RopeScaling
-ROPE_READERS: Registry[Callable[[dict, int, HFConfig], RopeScaling]] = Registry("HF rope type")
-
-
-def _implied_factor(params: dict, original: int, c: HFConfig) -> float:
-    """transformers: a missing yarn/longrope factor is max_position_embeddings / original."""
-    return float(params.get("factor") or c.require("max_position_embeddings") / original)
-
-
-@ROPE_READERS.register("linear")
-def _read_linear(params: dict, original: int, c: HFConfig) -> RopeScaling:
-    return RopeScaling(kind="linear", factor=float(params["factor"]))
-
-
-@ROPE_READERS.register("llama3")
-def _read_llama3(params: dict, original: int, c: HFConfig) -> RopeScaling:
-    return RopeScaling(kind="llama3", factor=float(params["factor"]),
-                       low_freq_factor=float(params["low_freq_factor"]),
-                       high_freq_factor=float(params["high_freq_factor"]),
-                       original_max_seq_len=original)
-
-
-@ROPE_READERS.register("yarn")
-def _read_yarn(params: dict, original: int, c: HFConfig) -> RopeScaling:
-    factor = _implied_factor(params, original, c)
-    attention = params.get("attention_factor")
-    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-    if attention is None and mscale and mscale_all_dim:  # DeepSeek: a ratio of two mscales
-        def get_mscale(m: float) -> float:
-            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
-        attention = get_mscale(mscale) / get_mscale(mscale_all_dim)
-    return RopeScaling(kind="yarn", factor=factor, original_max_seq_len=original,
-                       beta_fast=float(params.get("beta_fast") or 32),   # `or`: as transformers
-                       beta_slow=float(params.get("beta_slow") or 1),
-                       truncate=bool(params.get("truncate", True)),
-                       attention_factor=None if attention is None else float(attention))
-
-
-@ROPE_READERS.register("longrope")
-def _read_longrope(params: dict, original: int, c: HFConfig) -> RopeScaling:
-    attention = params.get("attention_factor")
-    return RopeScaling(kind="longrope", factor=_implied_factor(params, original, c),
-                       original_max_seq_len=original,
-                       short_factor=params["short_factor"], long_factor=params["long_factor"],
-                       attention_factor=None if attention is None else float(attention))
-
-
-@ROPE_READERS.register("dynamic")
-def _read_dynamic(params: dict, original: int, c: HFConfig) -> RopeScaling:
-    # transformers scales past max_position_embeddings (not original_max_position_embeddings)
-    return RopeScaling(kind="dynamic", factor=float(params["factor"]),
-                       original_max_seq_len=int(c.require("max_position_embeddings")))
-
-
-def write_rope(theta: float, scaling: RopeScaling | None) -> dict:
-    """HF rope fields: `rope_parameters` (transformers >= 5) plus legacy `rope_theta`/`rope_scaling`.
-    Dynamic NTK scales past max_position_embeddings: `Family.to_hf` sets it."""
-    theta = float(theta)
-    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    if scaling is not None:
-        params.update(rope_type=scaling.kind, factor=float(scaling.factor))
-        if scaling.kind == "llama3":
-            params.update(low_freq_factor=float(scaling.low_freq_factor),
-                          high_freq_factor=float(scaling.high_freq_factor))
-        if scaling.kind in ("llama3", "yarn", "longrope"):
-            params["original_max_position_embeddings"] = scaling.original_max_seq_len
-        if scaling.kind == "yarn":
-            params.update(beta_fast=float(scaling.beta_fast), beta_slow=float(scaling.beta_slow),
-                          truncate=scaling.truncate)
-        if scaling.kind == "longrope":
-            params.update(short_factor=list(scaling.short_factor),
-                          long_factor=list(scaling.long_factor))
-        if scaling.attention_factor is not None:
-            params["attention_factor"] = float(scaling.attention_factor)
-    legacy = None
-    if params["rope_type"] != "default":
-        legacy = {k: v for k, v in params.items() if k != "rope_theta"}
-        legacy["type"] = params["rope_type"]
-    return {"rope_theta": theta, "rope_scaling": legacy, "rope_parameters": params}
 
 
 def require_switch(cfg: ModelConfig, key: str, allowed: Any | Sequence[Any], family: str) -> None:
@@ -383,7 +239,9 @@ class Family:
     architecture: str = ""          # HF class written to config.json "architectures"
     arch: str = "decoder"           # the ModelConfig.arch its configs have (BERT: "encoder")
     base_prefix: str = "model."     # prefix of the base model's tensors inside *ForCausalLM
-    save_priority: int = 100        # lower wins when several families express a config exactly
+    save_priority: int = 50         # lower wins when several families express a config exactly
+    ties_by_default = False         # the HF config class's tie_word_embeddings default
+    positions_default = 2048        # and its max_position_embeddings default
     config_unties = True            # tie_word_embeddings=false unties every copy in transformers, so save_hf
                                     # writes each one (False: the HF config class ties them whatever it says)
 
@@ -404,8 +262,17 @@ class Family:
             hf["max_position_embeddings"] = scaling.original_max_seq_len
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        """Every tensor of the family's checkpoints, HF name -> ours, `{i}` the layer (see the module docstring)."""
         raise NotImplementedError
+
+    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+        """The table's rules for `cfg`: over its layers, for the parameters its model has (each one named)."""
+        rules = table_rules(self.weight_table(cfg), cfg)
+        left = parameter_names(cfg).difference(name for rule in rules for name in rule.ours)
+        if left:
+            raise WeightsError(f"{self.model_type}: no HF name for parameter(s) {', '.join(sorted(left))}")
+        return rules
 
     def hf_name(self, stored: str) -> str:
         """The name `weight_rules` uses for a tensor stored under `stored` (legacy spellings:
@@ -428,7 +295,21 @@ class Family:
             return []
         return [StoredCopy(head[0], embed[0], on_difference="untie_head")]
 
-    # ---- helpers for from_config -------------------------------------------------------------
+    # ---- helpers for to_config and from_config ------------------------------------------------
+    def model_config(self, c: HFConfig, **fields: Any) -> ModelConfig:
+        """ModelConfig(**fields) with the fields families read alike: name, vocab_size, tie_word_embeddings (its
+        default `ties_by_default`), initializer_range, and unless given, d_model, n_layers and max_seq_len from
+        hidden_size, num_hidden_layers and max_position_embeddings (default `positions_default`)."""
+        alike = dict(name=f"hf-{self.model_type}", vocab_size=c.require("vocab_size"),
+                     tie_embeddings=bool(c.get("tie_word_embeddings", self.ties_by_default)),
+                     init={"std": c.get("initializer_range", 0.02)})
+        for field, key in (("d_model", "hidden_size"), ("n_layers", "num_hidden_layers")):
+            if field not in fields:
+                alike[field] = c.require(key)
+        if "max_seq_len" not in fields:
+            alike["max_seq_len"] = c.get("max_position_embeddings", self.positions_default)
+        return ModelConfig(**(alike | fields))
+
     def base_hf(self, cfg: ModelConfig) -> dict:
         """Fields every config.json written by save_hf carries."""
         return {
@@ -439,6 +320,12 @@ class Family:
             "torch_dtype": "float32",
             "initializer_range": float(cfg.init.std),
         }
+
+    def sizes_hf(self, cfg: ModelConfig) -> dict:
+        """The size fields most config.json files name alike (what HFConfig.heads and the families read back)."""
+        return {"hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+                "num_attention_heads": cfg.attention.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+                "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len}
 
     def require(self, cfg: ModelConfig, key: str, allowed: Any) -> None:
         require_switch(cfg, key, allowed, self.model_type)

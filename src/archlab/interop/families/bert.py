@@ -39,29 +39,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    ConfigError,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import Family, HFConfig, Rule, StoredCopy, register_family, rename
+from archlab.config import AttentionConfig, BiasConfig, ConfigError, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, StoredCopy, register_family
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     plain_activation,
     require_plain_transformer,
-    weight_bias,
 )
+from archlab.interop.families.tables import Rule, attention, layers, rename, renames
 
 
 class _BertLike(Family):
     """What BERT and RoBERTa share; subclasses name their prefix, head and position convention."""
 
     arch = "encoder"
-    save_priority = 50
+    ties_by_default = True
     head = ""                  # the MLM head's module ("cls.predictions." / "lm_head.")
     head_dense = ""            # its transform's dense and norm, under `head`
     head_norm = ""
@@ -88,10 +80,9 @@ class _BertLike(Family):
                           f"(pad_token_id + 1)")
         eps = float(c.get("layer_norm_eps", 1e-12))
         dropout = float(c.get("hidden_dropout_prob", 0.0))
-        return ModelConfig(
-            name=f"hf-{self.model_type}",
+        return self.model_config(
+            c,
             arch="encoder",
-            vocab_size=c.require("vocab_size"),
             d_model=c.require("hidden_size"),
             n_layers=c.require("num_hidden_layers"),
             max_seq_len=rows - offset,
@@ -104,9 +95,7 @@ class _BertLike(Family):
             position=PositionConfig(kind="learned", learned_offset=offset),
             bias=BiasConfig(qkv=True, attn_out=True, mlp=True, norm=True, head=True),
             type_vocab_size=types,
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
             embedding_dropout=dropout,
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def from_config(self, cfg: ModelConfig) -> dict:
@@ -163,35 +152,23 @@ class _BertLike(Family):
             return stored.removesuffix("beta") + "bias"
         return stored
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        e, h = f"{p}embeddings.", self.head
-        rules = [rename("embed.weight", f"{e}word_embeddings.weight"),
-                 rename("abs_position.embedding.weight", f"{e}position_embeddings.weight"),
-                 rename("token_types.weight", f"{e}token_type_embeddings.weight")]
-        rules += weight_bias("embed_norm", f"{e}LayerNorm", True)
-        for i in range(cfg.n_layers):
-            src, o = f"{p}encoder.layer.{i}.", f"blocks.{i}."
-            for ours, theirs in (("q", "query"), ("k", "key"), ("v", "value")):
-                rules += weight_bias(f"{o}attn.{ours}_proj", f"{src}attention.self.{theirs}", True)
-            rules += weight_bias(f"{o}attn.o_proj", f"{src}attention.output.dense", True)
-            rules += weight_bias(f"{o}attn_norm", f"{src}attention.output.LayerNorm", True)
-            rules += weight_bias(f"{o}mlp.up_proj", f"{src}intermediate.dense", True)
-            rules += weight_bias(f"{o}mlp.down_proj", f"{src}output.dense", True)
-            rules += weight_bias(f"{o}mlp_norm", f"{src}output.LayerNorm", True)
-        rules += weight_bias("mlm_head.dense", f"{h}{self.head_dense}", True)
-        rules += weight_bias("mlm_head.norm", f"{h}{self.head_norm}", True)
-        if cfg.nsp_head:
-            rules += weight_bias("pooler", f"{p}pooler.dense", True)
-            rules += weight_bias("nsp_classifier", "cls.seq_relationship", True)
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        p, e, h = self.base_prefix, f"{self.base_prefix}embeddings.", self.head
+        layer = {**attention("attention.", "self.query self.key self.value output.dense"),
+                 "attention.output.LayerNorm": "attn_norm", "intermediate.dense": "mlp.up_proj",
+                 "output.dense": "mlp.down_proj", "output.LayerNorm": "mlp_norm"}
+        rules = renames({f"{e}word_embeddings": "embed", f"{e}position_embeddings": "abs_position.embedding",
+                         f"{e}token_type_embeddings": "token_types", f"{e}LayerNorm": "embed_norm",
+                         h + self.head_dense: "mlm_head.dense", h + self.head_norm: "mlm_head.norm",
+                         f"{p}pooler.dense": "pooler", "cls.seq_relationship": "nsp_classifier",
+                         **layers(layer, p + "encoder.layer.{i}.")}, "weight", "bias")
         if cfg.tie_embeddings:
-            rules.append(rename("head_bias", f"{h}bias"))
-        else:   # transformers 5: an untied decoder has its own bias, the one its forward adds; the
-            # head's `bias` is unused there (tied to the decoder's in transformers 4): written alike
-            rules += [rename("lm_head.weight", f"{h}decoder.weight"),
-                      Rule(("head_bias",), (f"{h}decoder.bias", f"{h}bias"),
-                           lambda ts: [ts[0]], lambda ts: [ts[0], ts[0].clone()])]
-        return rules
+            return rules + [rename("head_bias", f"{h}bias")]
+        # transformers 5: an untied decoder has its own bias, the one its forward adds; the head's `bias` is
+        # unused there (tied to the decoder's in transformers 4): written alike
+        return rules + [rename("lm_head.weight", f"{h}decoder.weight"),
+                        Rule(("head_bias",), (f"{h}decoder.bias", f"{h}bias"), lambda ts: [ts[0]],
+                             lambda ts: [ts[0], ts[0].clone()])]
 
     def ignored_hf(self, cfg: ModelConfig) -> list[str]:
         p = self.base_prefix.replace(".", r"\.")

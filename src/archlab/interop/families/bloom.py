@@ -12,24 +12,18 @@ before the first layer and weights moved between layers.
 """
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import Family, HFConfig, Rule, register_family, rename
-from archlab.interop.families.gpt_neox import per_head_qkv, require_plain_transformer, weight_bias
+from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
+from archlab.interop.families.gpt_neox import neox_table, require_plain_transformer
+from archlab.interop.families.tables import Rule
 
 
 @register_family
 class BloomFamily(Family):
     model_type = "bloom"
     architecture = "BloomForCausalLM"
+    ties_by_default = True
     base_prefix = "transformer."
-    save_priority = 50
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
@@ -37,9 +31,8 @@ class BloomFamily(Family):
                       why="the residual taken after the LayerNorm, n(x) + f(n(x)), "
                           "is no archlab norm.position")
         d = c.get("hidden_size") or c.require("n_embed")
-        return ModelConfig(
-            name="hf-bloom",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.get("n_layer") or c.require("num_hidden_layers"),
             max_seq_len=c.get("seq_length", 2048),
@@ -50,8 +43,6 @@ class BloomFamily(Family):
                             embedding_norm=True),
             position=PositionConfig(kind="alibi"),
             bias=BiasConfig(qkv=True, attn_out=True, mlp=True, norm=True),
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def from_config(self, cfg: ModelConfig) -> dict:
@@ -64,22 +55,7 @@ class BloomFamily(Family):
                   pretraining_tp=1, slow_but_exact=False, seq_length=cfg.max_seq_len)
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        rules = [rename("embed.weight", f"{p}word_embeddings.weight")]
-        rules += weight_bias("embed_norm", f"{p}word_embeddings_layernorm", True)
-        rules += weight_bias("final_norm", f"{p}ln_f", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}h.{i}.", f"blocks.{i}."
-            for part in ("weight", "bias"):
-                rules.append(per_head_qkv([f"{o}attn.{x}_proj.{part}" for x in "qkv"],
-                                          f"{h}self_attention.query_key_value.{part}",
-                                          cfg.attention.n_heads, cfg.head_dim))
-            rules += weight_bias(f"{o}attn.o_proj", f"{h}self_attention.dense", True)
-            rules += weight_bias(f"{o}mlp.up_proj", f"{h}mlp.dense_h_to_4h", True)
-            rules += weight_bias(f"{o}mlp.down_proj", f"{h}mlp.dense_4h_to_h", True)
-            rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
-            rules += weight_bias(f"{o}mlp_norm", f"{h}post_attention_layernorm", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        return neox_table(cfg, "transformer.h.{i}.", "self_attention.", {
+            "transformer.word_embeddings": "embed", "transformer.word_embeddings_layernorm": "embed_norm",
+            "transformer.ln_f": "final_norm", "lm_head": "lm_head"})

@@ -10,39 +10,26 @@ shared LayerNorm without bias, interleaved RoPE, SwiGLU, tied head, logits * `lo
 """
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    BlockConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    read_rope,
-    register_family,
-    rename,
-    write_rope,
-)
+from archlab.config import AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.gpt_neox import require_plain_transformer
 from archlab.interop.families.llama import (
     GATED_ACT_BACK,
+    LLAMA_LAYER,
     gated_activation,
     layer_types,
     pattern_from_types,
 )
+from archlab.interop.families.rope import read_rope, write_rope
+from archlab.interop.families.tables import Rule, layers, renames
 
 
 @register_family
 class CohereFamily(Family):
     model_type = "cohere"
     architecture = "CohereForCausalLM"
-    base_prefix = "model."
-    save_priority = 50
+    ties_by_default = True
+    positions_default = 8192
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
@@ -50,12 +37,8 @@ class CohereFamily(Family):
         theta, scaling = read_rope(c)
         attn_bias = bool(c.get("attention_bias", False))
         window, pattern, global_kind = self.read_window(c)
-        return ModelConfig(
-            name=f"hf-{self.model_type}",
-            vocab_size=c.require("vocab_size"),
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 8192),
+        return self.model_config(
+            c,
             attention=AttentionConfig(
                 n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
                 head_dim=self.read_head_dim(c, d // n_heads), window=window, layer_pattern=pattern,
@@ -67,9 +50,7 @@ class CohereFamily(Family):
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling,
                                     rope_layout="interleaved", global_kind=global_kind),
             bias=BiasConfig(qkv=attn_bias, attn_out=attn_bias),
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
             logit_scale=c.get("logit_scale"),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def read_head_dim(self, c: HFConfig, default: int) -> int:
@@ -99,24 +80,10 @@ class CohereFamily(Family):
         self.require(cfg, "attention.window", None)
         return {"use_qk_norm": cfg.attention.qk_norm == "per_head_untied", "head_dim": cfg.head_dim}
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        rules = [rename("embed.weight", f"{p}embed_tokens.weight"),
-                 rename("final_norm.weight", f"{p}norm.weight")]
-        for i in range(cfg.n_layers):
-            h, o = f"{p}layers.{i}.", f"blocks.{i}."
-            for x in "qkvo":
-                rules.append(rename(f"{o}attn.{x}_proj.weight", f"{h}self_attn.{x}_proj.weight"))
-                if (cfg.bias.attn_out if x == "o" else cfg.bias.qkv):
-                    rules.append(rename(f"{o}attn.{x}_proj.bias", f"{h}self_attn.{x}_proj.bias"))
-            if cfg.attention.qk_norm != "none":
-                rules += [rename(f"{o}attn.{x}_norm.weight", f"{h}self_attn.{x}_norm.weight") for x in "qk"]
-            for x in ("gate", "up", "down"):
-                rules.append(rename(f"{o}mlp.{x}_proj.weight", f"{h}mlp.{x}_proj.weight"))
-            rules.append(rename(f"{o}attn_norm.weight", f"{h}input_layernorm.weight"))
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        layer = {**LLAMA_LAYER, "input_layernorm": "attn_norm"}   # no post_attention_layernorm: one norm
+        return renames({"model.embed_tokens": "embed", "model.norm": "final_norm", "lm_head": "lm_head",
+                        **layers(layer, "model.layers.{i}.")}, "weight", "bias")
 
 
 @register_family

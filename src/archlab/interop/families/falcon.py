@@ -11,6 +11,8 @@ ALiBi Falcon (`alibi=true`) adds the bias before the 1/sqrt(d) scale: not suppor
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from archlab.config import (
@@ -23,22 +25,10 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    fused,
-    read_rope,
-    register_family,
-    rename,
-    write_rope,
-)
-from archlab.interop.families.gpt_neox import (
-    PLAIN_ACT_BACK,
-    plain_activation,
-    require_plain_transformer,
-    weight_bias,
-)
+from archlab.interop.families.base import Family, HFConfig, register_family
+from archlab.interop.families.gpt_neox import NEOX_MLP, PLAIN_ACT_BACK, plain_activation, require_plain_transformer
+from archlab.interop.families.rope import read_rope, write_rope
+from archlab.interop.families.tables import PRE_NORMS, QKV, Rule, fused, fused_params, layers, renames
 
 
 def grouped_qkv(ours: list[str], hf: str, n_heads: int, n_kv: int, head_dim: int) -> Rule:
@@ -67,8 +57,8 @@ def grouped_qkv(ours: list[str], hf: str, n_heads: int, n_kv: int, head_dim: int
 class FalconFamily(Family):
     model_type = "falcon"
     architecture = "FalconForCausalLM"
+    ties_by_default = True
     base_prefix = "transformer."
-    save_priority = 50
 
     def layout(self, hf: dict) -> tuple[bool, int, int]:
         """(new_decoder_architecture, number of norms in a parallel block, kv heads)."""
@@ -98,9 +88,8 @@ class FalconFamily(Family):
         parallel = new or bool(c.get("parallel_attn", True))
         theta, scaling = read_rope(c)
         bias = bool(c.get("bias", False))
-        return ModelConfig(
-            name="hf-falcon",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.get("num_hidden_layers") or c.require("n_layer"),
             max_seq_len=c.get("max_position_embeddings", 2048),
@@ -112,8 +101,6 @@ class FalconFamily(Family):
             block=BlockConfig(parallel=parallel, parallel_norms=n_norms),
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling),
             bias=BiasConfig(qkv=bias, attn_out=bias, mlp=bias, norm=True),
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def from_config(self, cfg: ModelConfig) -> dict:
@@ -136,27 +123,14 @@ class FalconFamily(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        h_, kv, e = cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
-        rules = [rename("embed.weight", f"{p}word_embeddings.weight")]
-        rules += weight_bias("final_norm", f"{p}ln_f", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}h.{i}.", f"blocks.{i}."
-            for part in ("weight", "bias") if cfg.bias.qkv else ("weight",):
-                ours = [f"{o}attn.{x}_proj.{part}" for x in "qkv"]
-                hf_name = f"{h}self_attention.query_key_value.{part}"
-                rules.append(grouped_qkv(ours, hf_name, h_, kv, e))
-            rules += weight_bias(f"{o}attn.o_proj", f"{h}self_attention.dense", cfg.bias.attn_out)
-            rules += weight_bias(f"{o}mlp.up_proj", f"{h}mlp.dense_h_to_4h", cfg.bias.mlp)
-            rules += weight_bias(f"{o}mlp.down_proj", f"{h}mlp.dense_4h_to_h", cfg.bias.mlp)
-            if cfg.block.parallel and cfg.block.parallel_norms == 2:   # new architecture
-                rules += weight_bias(f"{o}attn_norm", f"{h}ln_attn", True)
-                rules += weight_bias(f"{o}mlp_norm", f"{h}ln_mlp", True)
-            else:
-                rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
-                if not cfg.block.parallel:
-                    rules += weight_bias(f"{o}mlp_norm", f"{h}post_attention_layernorm", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        qkv = functools.partial(grouped_qkv, n_heads=cfg.attention.n_heads, n_kv=cfg.n_kv_heads,
+                                head_dim=cfg.head_dim)
+        layer = {"self_attention.dense": "attn.o_proj", **NEOX_MLP}
+        if cfg.block.parallel and cfg.block.parallel_norms == 2:   # new architecture
+            layer.update(ln_attn="attn_norm", ln_mlp="mlp_norm")
+        else:
+            layer.update(PRE_NORMS)
+        return (fused_params(qkv, QKV, "transformer.h.{i}.self_attention.query_key_value")
+                + renames({"transformer.word_embeddings": "embed", "transformer.ln_f": "final_norm",
+                           "lm_head": "lm_head", **layers(layer, "transformer.h.{i}.")}, "weight", "bias"))

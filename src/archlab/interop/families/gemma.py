@@ -12,38 +12,26 @@ GeGLU with tanh GeLU, explicit head_dim, tied head.
 """
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    ConfigError,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    read_rope,
-    register_family,
-    write_rope,
-)
+from archlab.config import AttentionConfig, BiasConfig, ConfigError, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.llama import (
     GATED_ACT,
     GATED_ACT_BACK,
-    PRE_NORMS,
     layer_types,
-    llama_rules,
+    llama_table,
     pattern_from_types,
     require_serial_full_rope,
 )
+from archlab.interop.families.rope import read_rope, write_rope
+from archlab.interop.families.tables import PRE_NORMS, Rule
 
-SANDWICH_NORMS = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
-                  "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+SANDWICH_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_post_norm",
+                  "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "mlp_post_norm"}
 
 
 class GemmaLike(Family):
+    ties_by_default = True
+    save_priority = 100
     version = 1
     act_key = "hidden_act"
 
@@ -75,9 +63,8 @@ class GemmaLike(Family):
             theta, scaling, local_theta = self.read_gemma3_rope(c)
             if pattern is None or (local_theta == theta and scaling is None):
                 local_theta = None
-        return ModelConfig(
-            name=f"hf-{self.model_type}",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=n_layers,
             max_seq_len=c.get("max_position_embeddings", 8192),
@@ -99,10 +86,8 @@ class GemmaLike(Family):
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling,
                                     local_rope_theta=local_theta),
             bias=BiasConfig(qkv=attn_bias, attn_out=attn_bias),
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
             scale_embeddings=True,
             final_logit_softcap=c.get("final_logit_softcapping") if self.version >= 2 else None,
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def read_gemma3_rope(self, c: HFConfig):
@@ -146,9 +131,7 @@ class GemmaLike(Family):
             req(cfg, "position.local_rope_theta", None)
         hf = self.base_hf(cfg)
         hf.update(
-            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len,
+            **self.sizes_hf(cfg),
             rms_norm_eps=float(cfg.norm.eps), attention_bias=cfg.bias.qkv,
             attention_dropout=float(cfg.attention.dropout),
         )
@@ -189,9 +172,8 @@ class GemmaLike(Family):
             hf["sliding_window"] = 4096  # unused: every layer is global, but HF wants an int
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        norms = SANDWICH_NORMS if self.version >= 2 else PRE_NORMS
-        return llama_rules(cfg, self.base_prefix, qk_norm=self.version == 3, norms=norms)
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        return llama_table(SANDWICH_NORMS if self.version >= 2 else PRE_NORMS)
 
 
 @register_family

@@ -12,23 +12,9 @@ float32 (an fp16/bf16 overflow guard) and is read as a no-op. Not supported: `ad
 """
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    fused,
-    register_family,
-    rename,
-    transposed,
-)
+from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
+from archlab.interop.families.tables import QKV, Rule, fused, layers, renames, transposed
 
 ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
        "silu": "silu", "swish": "silu"}
@@ -41,6 +27,7 @@ def _t(x):
 
 @register_family
 class GPT2Family(Family):
+    ties_by_default = True
     model_type = "gpt2"
     architecture = "GPT2LMHeadModel"
     base_prefix = "transformer."
@@ -53,9 +40,8 @@ class GPT2Family(Family):
         c.unsupported("add_cross_attention", why="encoder-decoder cross-attention")
         scaled = bool(c.get("scale_attn_weights", True))
         n_positions = c.get("n_positions", c.get("n_ctx", 1024))
-        return ModelConfig(
-            name="hf-gpt2",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.require("n_layer"),
             max_seq_len=n_positions,
@@ -68,7 +54,6 @@ class GPT2Family(Family):
             block={"residual_dropout": float(c.get("resid_pdrop", 0.0))},
             position=PositionConfig(kind="learned"),
             bias=BiasConfig(qkv=True, attn_out=True, mlp=True, norm=True),
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
             embedding_dropout=float(c.get("embd_pdrop", 0.0)),
             init={"std": c.get("initializer_range", 0.02), "scaled_residual": True},
         )
@@ -110,28 +95,13 @@ class GPT2Family(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p, d = self.base_prefix, cfg.d_model
-        rules = [rename("embed.weight", f"{p}wte.weight"),
-                 rename("abs_position.embedding.weight", f"{p}wpe.weight")]
-        for i in range(cfg.n_layers):
-            h, o = f"{p}h.{i}.", f"blocks.{i}."
-            qkv = [f"{o}attn.{x}_proj" for x in "qkv"]
-            rules += [
-                fused([f"{n}.weight" for n in qkv], f"{h}attn.c_attn.weight", [d, d, d], pre=_t, post=_t),
-                fused([f"{n}.bias" for n in qkv], f"{h}attn.c_attn.bias", [d, d, d]),
-                transposed(f"{o}attn.o_proj.weight", f"{h}attn.c_proj.weight"),
-                rename(f"{o}attn.o_proj.bias", f"{h}attn.c_proj.bias"),
-                transposed(f"{o}mlp.up_proj.weight", f"{h}mlp.c_fc.weight"),
-                rename(f"{o}mlp.up_proj.bias", f"{h}mlp.c_fc.bias"),
-                transposed(f"{o}mlp.down_proj.weight", f"{h}mlp.c_proj.weight"),
-                rename(f"{o}mlp.down_proj.bias", f"{h}mlp.c_proj.bias"),
-            ]
-            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-                rules += [rename(f"{o}{ours}.weight", f"{h}{theirs}.weight"),
-                          rename(f"{o}{ours}.bias", f"{h}{theirs}.bias")]
-        rules += [rename("final_norm.weight", f"{p}ln_f.weight"),
-                  rename("final_norm.bias", f"{p}ln_f.bias")]
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        d, h = cfg.d_model, "transformer.h.{i}."
+        conv1d = layers({"attn.c_proj": "attn.o_proj", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}, h)
+        return [fused([f"{o}.weight" for o in QKV], f"{h}attn.c_attn.weight", [d, d, d], pre=_t, post=_t),
+                fused([f"{o}.bias" for o in QKV], f"{h}attn.c_attn.bias", [d, d, d]),
+                *(transposed(f"{ours}.weight", f"{theirs}.weight") for theirs, ours in conv1d.items()),
+                *renames(conv1d, "bias"),
+                *renames({"transformer.wte": "embed", "transformer.wpe": "abs_position.embedding",
+                          "transformer.ln_f": "final_norm", "lm_head": "lm_head",
+                          **layers({"ln_1": "attn_norm", "ln_2": "mlp_norm"}, h)}, "weight", "bias")]

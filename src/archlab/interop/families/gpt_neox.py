@@ -8,27 +8,14 @@ per-head fused-qkv layout, the switches none of these HF families can express).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    BlockConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    fused,
-    read_rope,
-    register_family,
-    rename,
-    write_rope,
-)
+from archlab.config import AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
+from archlab.interop.families.rope import partial_rotary, read_rope, write_partial_rope
+from archlab.interop.families.tables import PRE_NORMS, QKV, Rule, fused, fused_params, layers, renames
 
 # HF hidden_act of a plain (non-gated) MLP -> ours. gelu_new / gelu_fast / bloom's gelu are the
 # tanh approximation (Hendrycks & Gimpel 2016), equal to torch's approximate="tanh" to rounding.
@@ -46,21 +33,6 @@ def plain_activation(c: HFConfig, key: str, default: str) -> str:
     return PLAIN_ACT[act]
 
 
-def partial_rotary(c: HFConfig, legacy_key: str, default: float) -> float:
-    """Fraction of each head's dims that RoPE rotates: transformers-5 `rope_parameters
-    .partial_rotary_factor`, else the legacy top-level field."""
-    params = c.get("rope_parameters") or {}
-    return float(params.get("partial_rotary_factor") or c.get(legacy_key, default))
-
-
-def write_partial_rope(cfg: ModelConfig) -> dict:
-    """The inverse of `partial_rotary`: HF rope fields (`write_rope`) with the rotary fraction in
-    `rope_parameters.partial_rotary_factor` (each family writes its own legacy top-level field)."""
-    rope = write_rope(cfg.position.rope_theta, cfg.position.rope_scaling)
-    rope["rope_parameters"]["partial_rotary_factor"] = cfg.position.rotary_fraction
-    return rope
-
-
 def per_head_qkv(ours: list[str], hf: str, n_heads: int, head_dim: int) -> Rule:
     """A fused qkv stored per head, rows [q_0, k_0, v_0, q_1, ...] (GPT-NeoX, BLOOM, Falcon MHA)
     <-> our separate q, k, v projections (weight (3*h*e, d) or bias (3*h*e,))."""
@@ -75,6 +47,19 @@ def per_head_qkv(ours: list[str], hf: str, n_heads: int, head_dim: int) -> Rule:
     return fused(ours, hf, [n_heads * head_dim] * 3, pre=pre, post=post)
 
 
+NEOX_MLP = {"mlp.dense_h_to_4h": "mlp.up_proj", "mlp.dense_4h_to_h": "mlp.down_proj"}   # also BLOOM's, Falcon's
+
+
+def neox_table(cfg: ModelConfig, layer: str, attn: str, top: dict[str, str]) -> list[Rule]:
+    """GPT-NeoX's weights, which BLOOM's differ from in names only: in each layer (prefix `layer`) a per-head
+    fused `query_key_value` and a `dense` output under `attn`, the 4h MLP and the pre-norms, all with biases;
+    `top`: the modules outside the layers."""
+    qkv = functools.partial(per_head_qkv, n_heads=cfg.attention.n_heads, head_dim=cfg.head_dim)
+    table = {attn + "dense": "attn.o_proj", **NEOX_MLP, **PRE_NORMS}
+    return (fused_params(qkv, QKV, f"{layer}{attn}query_key_value")
+            + renames(top | layers(table, layer), "weight", "bias"))
+
+
 def require_plain_transformer(fam: Family, cfg: ModelConfig) -> None:
     """Switches that none of these HF families has: must be off to save."""
     for key in ("attention.prefix_lm", "attention.gated", "attention.learned_sinks",
@@ -85,17 +70,11 @@ def require_plain_transformer(fam: Family, cfg: ModelConfig) -> None:
         fam.require(cfg, key, None)
 
 
-def weight_bias(ours: str, hf: str, bias: bool) -> list[Rule]:
-    rules = [rename(f"{ours}.weight", f"{hf}.weight")]
-    return rules + [rename(f"{ours}.bias", f"{hf}.bias")] if bias else rules
-
-
 @register_family
 class GPTNeoXFamily(Family):
     model_type = "gpt_neox"
     architecture = "GPTNeoXForCausalLM"
     base_prefix = "gpt_neox."
-    save_priority = 50
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
@@ -103,12 +82,8 @@ class GPTNeoXFamily(Family):
         theta, scaling = read_rope(c, default_theta=float(c.get("rotary_emb_base", 10_000.0)))
         attn_bias = bool(c.get("attention_bias", True))
         parallel = bool(c.get("use_parallel_residual", True))
-        return ModelConfig(
-            name="hf-gpt_neox",
-            vocab_size=c.require("vocab_size"),
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 2048),
+        return self.model_config(
+            c,
             attention=AttentionConfig(n_heads=n_heads, dropout=float(c.get("attention_dropout", 0.0))),
             mlp=MLPConfig(activation=plain_activation(c, "hidden_act", "gelu"),
                           d_ff=c.get("intermediate_size", 4 * d)),
@@ -117,8 +92,6 @@ class GPTNeoXFamily(Family):
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling,
                                     rotary_fraction=partial_rotary(c, "rotary_pct", 0.25)),
             bias=BiasConfig(qkv=attn_bias, attn_out=attn_bias, mlp=True, norm=True),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def from_config(self, cfg: ModelConfig) -> dict:
@@ -143,28 +116,9 @@ class GPTNeoXFamily(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        rules = [rename("embed.weight", f"{p}embed_in.weight")]
-        rules += weight_bias("final_norm", f"{p}final_layer_norm", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}layers.{i}.", f"blocks.{i}."
-            qkv = [f"{o}attn.{x}_proj" for x in "qkv"]
-            rules.append(per_head_qkv([f"{n}.weight" for n in qkv], f"{h}attention.query_key_value.weight",
-                                      cfg.attention.n_heads, cfg.head_dim))
-            rules.append(rename(f"{o}attn.o_proj.weight", f"{h}attention.dense.weight"))
-            if cfg.bias.qkv:
-                rules.append(per_head_qkv([f"{n}.bias" for n in qkv], f"{h}attention.query_key_value.bias",
-                                          cfg.attention.n_heads, cfg.head_dim))
-            if cfg.bias.attn_out:
-                rules.append(rename(f"{o}attn.o_proj.bias", f"{h}attention.dense.bias"))
-            for ours, theirs in (("up_proj", "dense_h_to_4h"), ("down_proj", "dense_4h_to_h")):
-                rules += weight_bias(f"{o}mlp.{ours}", f"{h}mlp.{theirs}", cfg.bias.mlp)
-            rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
-            rules += weight_bias(f"{o}mlp_norm", f"{h}post_attention_layernorm", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "embed_out.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        return neox_table(cfg, "gpt_neox.layers.{i}.", "attention.", {
+            "gpt_neox.embed_in": "embed", "gpt_neox.final_layer_norm": "final_norm", "embed_out": "lm_head"})
 
     def ignored_hf(self, cfg: ModelConfig) -> list[str]:
         extra = [r".*attention\.(bias|masked_bias)"]

@@ -3,22 +3,14 @@
 no q/k/v/out biases, MLP biases, and an LM-head bias. Activation gelu_new (tanh GeLU)."""
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    BlockConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import Family, HFConfig, Rule, register_family, rename
+from archlab.config import AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     plain_activation,
     require_plain_transformer,
-    weight_bias,
 )
+from archlab.interop.families.tables import Rule, attention, layers, rename, renames
 
 
 @register_family
@@ -26,7 +18,6 @@ class GPTJFamily(Family):
     model_type = "gptj"
     architecture = "GPTJForCausalLM"
     base_prefix = "transformer."
-    save_priority = 50
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
@@ -36,9 +27,8 @@ class GPTJFamily(Family):
         fraction = rotary_dim / head_dim
         if int(head_dim * fraction) != rotary_dim or rotary_dim > head_dim:
             raise c.error(f"rotary_dim={rotary_dim} cannot be expressed for head_dim={head_dim}")
-        return ModelConfig(
-            name="hf-gptj",
-            vocab_size=c.require("vocab_size"),
+        return self.model_config(
+            c,
             d_model=d,
             n_layers=c.require("n_layer"),
             max_seq_len=c.get("n_positions", 2048),
@@ -50,8 +40,6 @@ class GPTJFamily(Family):
             position=PositionConfig(kind="rope", rope_theta=10_000.0, rope_layout="interleaved",
                                     rotary_fraction=fraction),
             bias=BiasConfig(qkv=False, attn_out=False, mlp=True, norm=True, head=True),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def from_config(self, cfg: ModelConfig) -> dict:
@@ -69,17 +57,9 @@ class GPTJFamily(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        rules = [rename("embed.weight", f"{p}wte.weight"), rename("head_bias", "lm_head.bias")]
-        rules += weight_bias("final_norm", f"{p}ln_f", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}h.{i}.", f"blocks.{i}."
-            for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out")):
-                rules.append(rename(f"{o}attn.{ours}_proj.weight", f"{h}attn.{theirs}_proj.weight"))
-            rules += weight_bias(f"{o}mlp.up_proj", f"{h}mlp.fc_in", True)
-            rules += weight_bias(f"{o}mlp.down_proj", f"{h}mlp.fc_out", True)
-            rules += weight_bias(f"{o}attn_norm", f"{h}ln_1", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        layer = {**attention("attn.", "q_proj k_proj v_proj out_proj"), "ln_1": "attn_norm",
+                 "mlp.fc_in": "mlp.up_proj", "mlp.fc_out": "mlp.down_proj"}
+        return [rename("head_bias", "lm_head.bias")] + renames(
+            {"transformer.wte": "embed", "transformer.ln_f": "final_norm", "lm_head": "lm_head",
+             **layers(layer, "transformer.h.{i}.")}, "weight", "bias")

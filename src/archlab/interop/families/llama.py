@@ -17,6 +17,8 @@ dynamic (read_rope); other types (e.g. proportional) raise ConfigError.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 from archlab.config import (
     AttentionConfig,
     BiasConfig,
@@ -27,15 +29,9 @@ from archlab.config import (
     NormConfig,
     PositionConfig,
 )
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    read_rope,
-    register_family,
-    rename,
-    write_rope,
-)
+from archlab.interop.families.base import Family, HFConfig, register_family
+from archlab.interop.families.rope import read_rope, write_rope
+from archlab.interop.families.tables import PRE_NORMS, Rule, attention, layers, renames
 
 # HF hidden_act of a gated MLP -> our gated activation
 GATED_ACT = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh",
@@ -72,36 +68,16 @@ def gated_activation(c: HFConfig, key: str = "hidden_act", default: str = "silu"
     return GATED_ACT[act]
 
 
-PRE_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+# one LLaMA layer's modules, HF -> ours (the norms apart: their HF names follow the block's wiring)
+LLAMA_LAYER = {**attention("self_attn."), "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm",
+               "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj"}
 
 
-def llama_rules(cfg: ModelConfig, prefix: str = "model.", qk_norm: bool = False,
-                norms: dict[str, str] = PRE_NORMS) -> list[Rule]:
-    """Weight names shared by the LLaMA-like families (and Gemma, OLMo). `norms` maps our block
-    norm names to HF's (sandwich and post-sublayer wirings name them differently)."""
-    rules = [rename("embed.weight", f"{prefix}embed_tokens.weight")]
-    for i in range(cfg.n_layers):
-        h, o = f"{prefix}layers.{i}.", f"blocks.{i}."
-        for p in "qkvo":
-            rules.append(rename(f"{o}attn.{p}_proj.weight", f"{h}self_attn.{p}_proj.weight"))
-        if cfg.bias.qkv:
-            rules += [rename(f"{o}attn.{p}_proj.bias", f"{h}self_attn.{p}_proj.bias") for p in "qkv"]
-        if cfg.bias.attn_out:
-            rules.append(rename(f"{o}attn.o_proj.bias", f"{h}self_attn.o_proj.bias"))
-        if qk_norm:
-            rules += [rename(f"{o}attn.{p}_norm.weight", f"{h}self_attn.{p}_norm.weight") for p in "qk"]
-        if cfg.mlp.moe is None:
-            for p in ("gate", "up", "down"):
-                rules.append(rename(f"{o}mlp.{p}_proj.weight", f"{h}mlp.{p}_proj.weight"))
-                if cfg.bias.mlp:
-                    rules.append(rename(f"{o}mlp.{p}_proj.bias", f"{h}mlp.{p}_proj.bias"))
-        if cfg.norm.kind != "nonparametric":
-            rules += [rename(f"{o}{ours}.weight", f"{h}{theirs}.weight") for ours, theirs in norms.items()]
-    if cfg.norm.kind != "nonparametric":
-        rules.append(rename("final_norm.weight", f"{prefix}norm.weight"))
-    if not cfg.tie_embeddings:
-        rules.append(rename("lm_head.weight", "lm_head.weight"))
-    return rules
+def llama_table(norms: Mapping[str, str] = PRE_NORMS) -> list[Rule]:
+    """The weights of the LLaMA-like families (and Gemma, OLMo). `norms` names the block norms (sandwich and
+    post-sublayer wirings name them differently)."""
+    return (renames({"model.embed_tokens": "embed", "model.norm": "final_norm", "lm_head": "lm_head"}, "weight")
+            + renames(layers({**LLAMA_LAYER, **norms}, "model.layers.{i}."), "weight", "bias"))
 
 
 def require_serial_full_rope(fam: Family, cfg: ModelConfig) -> None:
@@ -134,23 +110,16 @@ class LlamaLike(Family):
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
-        d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
         theta, scaling = read_rope(c)
         attn_bias = bool(c.get("attention_bias", False)) if self.has_attention_bias_field else False
         if self.model_type != "llama":
             c.unsupported("mlp_bias", why="MLP biases")
         c.unsupported("pretraining_tp", lambda v: v != 1, "tensor-parallel slicing of the MLP")
         window, pattern = self.read_window(c)
-        return ModelConfig(
-            name=f"hf-{self.model_type}",
-            vocab_size=c.require("vocab_size"),
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 2048),
+        return self.model_config(
+            c,
             attention=AttentionConfig(
-                n_heads=n_heads,
-                n_kv_heads=c.get("num_key_value_heads", n_heads),
-                head_dim=c.get("head_dim", d // n_heads),
+                **c.heads(),
                 window=window,
                 layer_pattern=pattern,
                 qk_norm=self.qk_norm,
@@ -163,8 +132,6 @@ class LlamaLike(Family):
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling),
             bias=BiasConfig(qkv=attn_bias or self.qkv_bias, attn_out=attn_bias,
                             mlp=bool(c.get("mlp_bias", False))),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def read_window(self, c: HFConfig) -> tuple[int | None, str | None]:
@@ -214,10 +181,8 @@ class LlamaLike(Family):
         self.check_switches(cfg)
         hf = self.base_hf(cfg)
         hf.update(
-            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim, hidden_act=GATED_ACT_BACK[cfg.mlp.activation],
-            max_position_embeddings=cfg.max_seq_len, attention_dropout=float(cfg.attention.dropout),
+            **self.sizes_hf(cfg), hidden_act=GATED_ACT_BACK[cfg.mlp.activation],
+            attention_dropout=float(cfg.attention.dropout),
             **write_rope(cfg.position.rope_theta, cfg.position.rope_scaling),
         )
         if self.norm_kind != "nonparametric":
@@ -281,8 +246,8 @@ class LlamaLike(Family):
         return {"use_sliding_window": True, "sliding_window": cfg.attention.window,
                 "max_window_layers": first, "layer_types": layer_types(cfg)}
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        return llama_rules(cfg, self.base_prefix, qk_norm=self.qk_norm != "none", norms=self.norms)
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        return llama_table(self.norms)
 
 
 @register_family
@@ -362,14 +327,9 @@ class MixtralFamily(LlamaLike):
             raise ConfigError("mixtral config without experts")
         return cfg
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
         if cfg.mlp.moe is None:
             raise ConfigError("HF family 'mixtral' needs mlp.moe set")
-        rules = llama_rules(cfg, self.base_prefix)
-        for i in range(cfg.n_layers):
-            h, o = f"{self.base_prefix}layers.{i}.block_sparse_moe.", f"blocks.{i}.mlp."
-            rules.append(rename(f"{o}router.weight", f"{h}gate.weight"))
-            for e in range(cfg.mlp.moe.n_experts):
-                for ours, theirs in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3")):
-                    rules.append(rename(f"{o}experts.{e}.{ours}.weight", f"{h}experts.{e}.{theirs}.weight"))
-        return rules
+        moe = {"gate": "router", "experts.{e}.w1": "experts.{e}.gate_proj", "experts.{e}.w2": "experts.{e}.down_proj",
+               "experts.{e}.w3": "experts.{e}.up_proj"}
+        return llama_table() + renames(layers(moe, "model.layers.{i}.block_sparse_moe.", "blocks.{i}.mlp."), "weight")

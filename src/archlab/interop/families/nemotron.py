@@ -4,46 +4,26 @@ bias; eps `norm_eps`), serial pre-norm, non-gated squared-ReLU MLP (So et al. 20
 `attention_bias` / `mlp_bias`, untied head."""
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import Family, HFConfig, Rule, read_rope, register_family, rename
-from archlab.interop.families.gpt_neox import (
-    PLAIN_ACT_BACK,
-    partial_rotary,
-    plain_activation,
-    require_plain_transformer,
-    weight_bias,
-    write_partial_rope,
-)
+from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
+from archlab.interop.families.gpt_neox import PLAIN_ACT_BACK, plain_activation, require_plain_transformer
+from archlab.interop.families.rope import partial_rotary, read_rope, write_partial_rope
+from archlab.interop.families.tables import PRE_NORMS, Rule, attention, layers, renames
 
 
 @register_family
 class NemotronFamily(Family):
     model_type = "nemotron"
     architecture = "NemotronForCausalLM"
-    base_prefix = "model."
-    save_priority = 50
+    positions_default = 4096
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
-        d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
         theta, scaling = read_rope(c)
         attn_bias = bool(c.get("attention_bias", False))
-        return ModelConfig(
-            name="hf-nemotron",
-            vocab_size=c.require("vocab_size"),
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 4096),
-            attention=AttentionConfig(n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
-                                      head_dim=c.get("head_dim", d // n_heads),
-                                      dropout=float(c.get("attention_dropout", 0.0))),
+        return self.model_config(
+            c,
+            attention=AttentionConfig(**c.heads(), dropout=float(c.get("attention_dropout", 0.0))),
             mlp=MLPConfig(activation=plain_activation(c, "hidden_act", "relu2"),
                           d_ff=c.require("intermediate_size")),
             norm=NormConfig(kind="layernorm_1p", eps=c.get("norm_eps", 1e-5), position="pre"),
@@ -51,7 +31,6 @@ class NemotronFamily(Family):
                                     rotary_fraction=partial_rotary(c, "partial_rotary_factor", 0.5)),
             bias=BiasConfig(qkv=attn_bias, attn_out=attn_bias, mlp=bool(c.get("mlp_bias", False)),
                             norm=True),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             init={"std": c.get("initializer_range", 0.0134)},
         )
 
@@ -62,29 +41,16 @@ class NemotronFamily(Family):
         hf = self.base_hf(cfg)
         rope = write_partial_rope(cfg)
         hf.update(
-            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim, hidden_act=PLAIN_ACT_BACK[cfg.mlp.activation],
-            norm_eps=cfg.norm.eps, max_position_embeddings=cfg.max_seq_len,
+            **self.sizes_hf(cfg), hidden_act=PLAIN_ACT_BACK[cfg.mlp.activation],
+            norm_eps=cfg.norm.eps,
             attention_bias=cfg.bias.qkv, mlp_bias=cfg.bias.mlp,
             partial_rotary_factor=cfg.position.rotary_fraction,
             attention_dropout=cfg.attention.dropout, **rope,
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        rules = [rename("embed.weight", f"{p}embed_tokens.weight")]
-        rules += weight_bias("final_norm", f"{p}norm", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}layers.{i}.", f"blocks.{i}."
-            for x in "qkv":
-                rules += weight_bias(f"{o}attn.{x}_proj", f"{h}self_attn.{x}_proj", cfg.bias.qkv)
-            rules += weight_bias(f"{o}attn.o_proj", f"{h}self_attn.o_proj", cfg.bias.attn_out)
-            for x in ("up", "down"):
-                rules += weight_bias(f"{o}mlp.{x}_proj", f"{h}mlp.{x}_proj", cfg.bias.mlp)
-            rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
-            rules += weight_bias(f"{o}mlp_norm", f"{h}post_attention_layernorm", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        layer = {**attention("self_attn."), "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj",
+                 **PRE_NORMS}
+        return renames({"model.embed_tokens": "embed", "model.norm": "final_norm", "lm_head": "lm_head",
+                        **layers(layer, "model.layers.{i}.")}, "weight", "bias")

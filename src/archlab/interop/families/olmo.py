@@ -12,7 +12,7 @@ from __future__ import annotations
 from archlab.interop.families.base import HFConfig, register_family
 from archlab.interop.families.llama import LlamaLike
 
-POST_SUBLAYER_NORMS = {"attn_norm": "post_attention_layernorm", "mlp_norm": "post_feedforward_layernorm"}
+POST_SUBLAYER_NORMS = {"post_attention_layernorm": "attn_norm", "post_feedforward_layernorm": "mlp_norm"}
 
 
 @register_family
@@ -21,7 +21,6 @@ class OlmoFamily(LlamaLike):
     architecture = "OlmoForCausalLM"
     norm_kind = "nonparametric"
     clip_qkv = True
-    save_priority = 50
 
     def read_eps(self, c: HFConfig) -> float:
         return 1e-5  # OlmoLayerNorm hard-codes it
@@ -34,7 +33,6 @@ class Olmo2Family(LlamaLike):
     norm_position = "post_sublayer"
     norms = POST_SUBLAYER_NORMS
     qk_norm = "full"
-    save_priority = 50
 
     def read_eps(self, c: HFConfig) -> float:
         return float(c.get("rms_norm_eps", 1e-5))

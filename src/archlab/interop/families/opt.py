@@ -8,31 +8,23 @@ Not supported: `word_embed_proj_dim != hidden_size` (opt-350m's project_in/proje
 """
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import Family, HFConfig, Rule, register_family, rename
+from archlab.config import AttentionConfig, BiasConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.gpt_neox import (
     PLAIN_ACT_BACK,
     plain_activation,
     require_plain_transformer,
-    weight_bias,
 )
+from archlab.interop.families.tables import Rule, attention, layers, renames
 
 OFFSET = 2   # OPTLearnedPositionalEmbedding.offset
 
 
 @register_family
 class OPTFamily(Family):
+    ties_by_default = True
     model_type = "opt"
     architecture = "OPTForCausalLM"
-    base_prefix = "model."
-    save_priority = 50
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
@@ -42,12 +34,8 @@ class OPTFamily(Family):
         pre = bool(c.get("do_layer_norm_before", True))
         affine = bool(c.get("layer_norm_elementwise_affine", True))
         bias = bool(c.get("enable_bias", True))
-        return ModelConfig(
-            name="hf-opt",
-            vocab_size=c.require("vocab_size"),
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 2048),
+        return self.model_config(
+            c,
             attention=AttentionConfig(n_heads=c.require("num_attention_heads"),
                                       dropout=float(c.get("attention_dropout", 0.0))),
             mlp=MLPConfig(activation=plain_activation(c, "activation_function", "relu"),
@@ -57,7 +45,6 @@ class OPTFamily(Family):
                             final_norm=pre and not c.get("_remove_final_layer_norm", False)),
             position=PositionConfig(kind="learned", learned_offset=OFFSET),
             bias=BiasConfig(qkv=bias, attn_out=bias, mlp=bias, norm=affine),
-            tie_embeddings=bool(c.get("tie_word_embeddings", True)),
             block={"residual_dropout": float(c.get("dropout", 0.0))},
             init={"std": c.get("init_std", 0.02)},
         )
@@ -81,23 +68,9 @@ class OPTFamily(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = f"{self.base_prefix}decoder."
-        affine = cfg.norm.kind != "nonparametric"
-        rules = [rename("embed.weight", f"{p}embed_tokens.weight"),
-                 rename("abs_position.embedding.weight", f"{p}embed_positions.weight")]
-        if cfg.norm.final_norm and affine:
-            rules += weight_bias("final_norm", f"{p}final_layer_norm", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}layers.{i}.", f"blocks.{i}."
-            for ours, theirs in (("q", "q"), ("k", "k"), ("v", "v")):
-                rules += weight_bias(f"{o}attn.{ours}_proj", f"{h}self_attn.{theirs}_proj", cfg.bias.qkv)
-            rules += weight_bias(f"{o}attn.o_proj", f"{h}self_attn.out_proj", cfg.bias.attn_out)
-            rules += weight_bias(f"{o}mlp.up_proj", f"{h}fc1", cfg.bias.mlp)
-            rules += weight_bias(f"{o}mlp.down_proj", f"{h}fc2", cfg.bias.mlp)
-            if affine:
-                rules += weight_bias(f"{o}attn_norm", f"{h}self_attn_layer_norm", True)
-                rules += weight_bias(f"{o}mlp_norm", f"{h}final_layer_norm", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        layer = {**attention("self_attn.", "q_proj k_proj v_proj out_proj"), "self_attn_layer_norm": "attn_norm",
+                 "fc1": "mlp.up_proj", "fc2": "mlp.down_proj", "final_layer_norm": "mlp_norm"}
+        return renames({"model.decoder.embed_tokens": "embed", "model.decoder.final_layer_norm": "final_norm",
+                        "model.decoder.embed_positions": "abs_position.embedding", "lm_head": "lm_head",
+                        **layers(layer, "model.decoder.layers.{i}.")}, "weight", "bias")

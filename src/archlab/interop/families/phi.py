@@ -5,44 +5,25 @@ head's dims, one weight shared by all heads, before RoPE: attention.qk_norm='per
 bias.qk_norm."""
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    BiasConfig,
-    BlockConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import Family, HFConfig, Rule, read_rope, register_family, rename
-from archlab.interop.families.gpt_neox import (
-    PLAIN_ACT_BACK,
-    partial_rotary,
-    plain_activation,
-    require_plain_transformer,
-    weight_bias,
-    write_partial_rope,
-)
+from archlab.config import AttentionConfig, BiasConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
+from archlab.interop.families.gpt_neox import PLAIN_ACT_BACK, plain_activation, require_plain_transformer
+from archlab.interop.families.rope import partial_rotary, read_rope, write_partial_rope
+from archlab.interop.families.tables import Rule, attention, layers, rename, renames
 
 
 @register_family
 class PhiFamily(Family):
     model_type = "phi"
     architecture = "PhiForCausalLM"
-    base_prefix = "model."
-    save_priority = 50
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
         qk_norm = bool(c.get("qk_layernorm", False))
-        d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
+        n_heads = c.require("num_attention_heads")
         theta, scaling = read_rope(c)
-        return ModelConfig(
-            name="hf-phi",
-            vocab_size=c.require("vocab_size"),
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 2048),
+        return self.model_config(
+            c,
             attention=AttentionConfig(n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
                                       qk_norm="per_head" if qk_norm else "none",
                                       dropout=float(c.get("attention_dropout", 0.0))),
@@ -53,8 +34,6 @@ class PhiFamily(Family):
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling,
                                     rotary_fraction=partial_rotary(c, "partial_rotary_factor", 0.5)),
             bias=BiasConfig(qkv=True, attn_out=True, mlp=True, norm=True, head=True, qk_norm=qk_norm),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def from_config(self, cfg: ModelConfig) -> dict:
@@ -77,21 +56,10 @@ class PhiFamily(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
-        rules = [rename("embed.weight", f"{p}embed_tokens.weight"), rename("head_bias", "lm_head.bias")]
-        rules += weight_bias("final_norm", f"{p}final_layernorm", True)
-        for i in range(cfg.n_layers):
-            h, o = f"{p}layers.{i}.", f"blocks.{i}."
-            for x in "qkv":
-                rules += weight_bias(f"{o}attn.{x}_proj", f"{h}self_attn.{x}_proj", True)
-            rules += weight_bias(f"{o}attn.o_proj", f"{h}self_attn.dense", True)
-            rules += weight_bias(f"{o}mlp.up_proj", f"{h}mlp.fc1", True)
-            rules += weight_bias(f"{o}mlp.down_proj", f"{h}mlp.fc2", True)
-            rules += weight_bias(f"{o}attn_norm", f"{h}input_layernorm", True)
-            if cfg.attention.qk_norm == "per_head":
-                for x in "qk":
-                    rules += weight_bias(f"{o}attn.{x}_norm", f"{h}self_attn.{x}_layernorm", True)
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        layer = {**attention("self_attn.", "q_proj k_proj v_proj dense"), "input_layernorm": "attn_norm",
+                 "self_attn.q_layernorm": "attn.q_norm", "self_attn.k_layernorm": "attn.k_norm",
+                 "mlp.fc1": "mlp.up_proj", "mlp.fc2": "mlp.down_proj"}
+        return [rename("head_bias", "lm_head.bias")] + renames(
+            {"model.embed_tokens": "embed", "model.final_layernorm": "final_norm", "lm_head": "lm_head",
+             **layers(layer, "model.layers.{i}.")}, "weight", "bias")

@@ -8,28 +8,12 @@ original_max_position_embeddings (not by max_position_embeddings); archlab's Rot
 does the same. Other rope types are refused, as Phi3Config refuses them."""
 from __future__ import annotations
 
-from archlab.config import (
-    AttentionConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import (
-    Family,
-    HFConfig,
-    Rule,
-    fused,
-    read_rope,
-    register_family,
-    rename,
-)
-from archlab.interop.families.gpt_neox import (
-    partial_rotary,
-    require_plain_transformer,
-    write_partial_rope,
-)
+from archlab.config import AttentionConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, register_family
+from archlab.interop.families.gpt_neox import require_plain_transformer
 from archlab.interop.families.llama import GATED_ACT_BACK, gated_activation
+from archlab.interop.families.rope import partial_rotary, read_rope, write_partial_rope
+from archlab.interop.families.tables import PRE_NORMS, QKV, Rule, fused, layers, renames
 
 LONGROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # as Phi3Config renames them
 
@@ -38,30 +22,21 @@ LONGROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # as Phi3Config renam
 class Phi3Family(Family):
     model_type = "phi3"
     architecture = "Phi3ForCausalLM"
-    base_prefix = "model."
+    positions_default = 4096
     save_priority = 60
 
     def to_config(self, hf: dict) -> ModelConfig:
         # Phi3Config: a top-level original_max_position_embeddings (default 4096) wins
         c = HFConfig({"original_max_position_embeddings": 4096, **hf}, self.model_type)
-        d, n_heads = c.require("hidden_size"), c.require("num_attention_heads")
         theta, scaling = read_rope(c, aliases=LONGROPE_ALIASES, kinds=("default", "longrope"))
-        return ModelConfig(
-            name="hf-phi3",
-            vocab_size=c.require("vocab_size"),
-            d_model=d,
-            n_layers=c.require("num_hidden_layers"),
-            max_seq_len=c.get("max_position_embeddings", 4096),
-            attention=AttentionConfig(n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads", n_heads),
-                                      head_dim=c.get("head_dim", d // n_heads),
-                                      window=c.get("sliding_window"),
+        return self.model_config(
+            c,
+            attention=AttentionConfig(**c.heads(), window=c.get("sliding_window"),
                                       dropout=float(c.get("attention_dropout", 0.0))),
             mlp=MLPConfig(activation=gated_activation(c), d_ff=c.require("intermediate_size")),
             norm=NormConfig(kind="rmsnorm", eps=c.get("rms_norm_eps", 1e-5), position="pre"),
             position=PositionConfig(kind="rope", rope_theta=theta, rope_scaling=scaling,
                                     rotary_fraction=partial_rotary(c, "partial_rotary_factor", 1.0)),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-            init={"std": c.get("initializer_range", 0.02)},
         )
 
     def from_config(self, cfg: ModelConfig) -> dict:
@@ -74,10 +49,8 @@ class Phi3Family(Family):
         hf = self.base_hf(cfg)
         rope = write_partial_rope(cfg)
         hf.update(
-            hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.attention.n_heads, num_key_value_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim, hidden_act=GATED_ACT_BACK[cfg.mlp.activation],
-            rms_norm_eps=cfg.norm.eps, max_position_embeddings=cfg.max_seq_len,
+            **self.sizes_hf(cfg), hidden_act=GATED_ACT_BACK[cfg.mlp.activation],
+            rms_norm_eps=cfg.norm.eps,
             original_max_position_embeddings=(scaling.original_max_seq_len if scaling
                                               else cfg.max_seq_len),
             sliding_window=cfg.attention.window,
@@ -86,21 +59,11 @@ class Phi3Family(Family):
         )
         return hf
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        p = self.base_prefix
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
         q, kv = cfg.attention.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        rules = [rename("embed.weight", f"{p}embed_tokens.weight"),
-                 rename("final_norm.weight", f"{p}norm.weight")]
-        for i in range(cfg.n_layers):
-            h, o = f"{p}layers.{i}.", f"blocks.{i}."
-            rules.append(fused([f"{o}attn.{x}_proj.weight" for x in "qkv"],
-                               f"{h}self_attn.qkv_proj.weight", [q, kv, kv]))
-            rules.append(rename(f"{o}attn.o_proj.weight", f"{h}self_attn.o_proj.weight"))
-            rules.append(fused([f"{o}mlp.gate_proj.weight", f"{o}mlp.up_proj.weight"],
-                               f"{h}mlp.gate_up_proj.weight", [cfg.d_ff, cfg.d_ff]))
-            rules.append(rename(f"{o}mlp.down_proj.weight", f"{h}mlp.down_proj.weight"))
-            rules.append(rename(f"{o}attn_norm.weight", f"{h}input_layernorm.weight"))
-            rules.append(rename(f"{o}mlp_norm.weight", f"{h}post_attention_layernorm.weight"))
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+        layer = {"self_attn.o_proj": "attn.o_proj", "mlp.down_proj": "mlp.down_proj", **PRE_NORMS}
+        return [fused([f"{o}.weight" for o in QKV], "model.layers.{i}.self_attn.qkv_proj.weight", [q, kv, kv]),
+                fused(["blocks.{i}.mlp.gate_proj.weight", "blocks.{i}.mlp.up_proj.weight"],
+                      "model.layers.{i}.mlp.gate_up_proj.weight", [cfg.d_ff, cfg.d_ff]),
+                *renames({"model.embed_tokens": "embed", "model.norm": "final_norm", "lm_head": "lm_head",
+                          **layers(layer, "model.layers.{i}.")}, "weight")]

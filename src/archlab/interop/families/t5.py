@@ -17,16 +17,9 @@ and a cross-attention bias table that transformers' class lacks (ignored).
 """
 from __future__ import annotations
 
-from archlab.config import (
-    Activation,
-    AttentionConfig,
-    BlockConfig,
-    MLPConfig,
-    ModelConfig,
-    NormConfig,
-    PositionConfig,
-)
-from archlab.interop.families.base import Family, HFConfig, Rule, StoredCopy, register_family, rename
+from archlab.config import Activation, AttentionConfig, BlockConfig, MLPConfig, ModelConfig, NormConfig, PositionConfig
+from archlab.interop.families.base import Family, HFConfig, StoredCopy, register_family
+from archlab.interop.families.tables import Rule, attention, layers, renames
 
 # transformers' dense_act_fn (ACT2FN names) -> our activation, plain and gated
 ACT: dict[str, Activation] = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
@@ -126,26 +119,18 @@ class T5Family(Family):
                   for side in ("encoder", "decoder")]
         return super().stored_copies(cfg) + stacks
 
-    def weight_rules(self, cfg: ModelConfig) -> list[Rule]:
-        rules = [rename("embed.weight", "shared.weight")]
-        mlp = (("gate_proj", "wi_0"), ("up_proj", "wi_1")) if cfg.mlp.gated else (("up_proj", "wi"),)
-        for side, depth, final in (("encoder", cfg.n_layers, "encoder_norm"),
-                                   ("decoder", cfg.stack_depth("cross_decoder"), "final_norm")):
-            rules.append(rename(f"{side}_t5_bias.embedding.weight",
-                                f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"))
-            for i in range(depth):
-                h, o = f"{side}.block.{i}.layer.", f"{side}.{i}."
-                sublayers = [("attn", "attn_norm", "0.SelfAttention")]
-                if side == "decoder":
-                    sublayers.append(("cross_attn", "cross_norm", "1.EncDecAttention"))
-                for ours, norm, theirs in sublayers:
-                    rules += [rename(f"{o}{ours}.{x}_proj.weight", f"{h}{theirs}.{x}.weight") for x in "qkvo"]
-                    rules.append(rename(f"{o}{norm}.weight", f"{h}{theirs.split('.')[0]}.layer_norm.weight"))
-                ff = len(sublayers)
-                rules += [rename(f"{o}mlp.{ours}.weight", f"{h}{ff}.DenseReluDense.{theirs}.weight")
-                          for ours, theirs in (*mlp, ("down_proj", "wo"))]
-                rules.append(rename(f"{o}mlp_norm.weight", f"{h}{ff}.layer_norm.weight"))
-            rules.append(rename(f"{final}.weight", f"{side}.final_layer_norm.weight"))
-        if not cfg.tie_embeddings:
-            rules.append(rename("lm_head.weight", "lm_head.weight"))
-        return rules
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        ff = {"wi_0": "gate_proj", "wi_1": "up_proj"} if cfg.mlp.gated else {"wi": "up_proj"}
+        table = {"shared": "embed", "encoder.final_layer_norm": "encoder_norm",
+                 "decoder.final_layer_norm": "final_norm", "lm_head": "lm_head"}
+        for side, i, sublayers in (("encoder", "{i}", [("SelfAttention", "attn.", "attn_norm")]),
+                                   ("decoder", "{j}", [("SelfAttention", "attn.", "attn_norm"),
+                                                       ("EncDecAttention", "cross_attn.", "cross_norm")])):
+            table[f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias"] = f"{side}_t5_bias.embedding"
+            layer = {}
+            for n, (theirs, ours, norm) in enumerate(sublayers):   # layer.n: one sublayer, then the MLP
+                layer |= attention(f"{n}.{theirs}.", "q k v o", ours) | {f"{n}.layer_norm": norm}
+            n = len(sublayers)
+            layer |= {f"{n}.DenseReluDense.{x}": f"mlp.{y}" for x, y in (ff | {"wo": "down_proj"}).items()}
+            table |= layers(layer | {f"{n}.layer_norm": "mlp_norm"}, f"{side}.block.{i}.layer.", f"{side}.{i}.")
+        return renames(table, "weight")

@@ -226,7 +226,7 @@ def test_module_packed_weights_follow_in_place_changes_and_hooks_see_every_step(
     _module_decode_logits(model, ids, mask, pack=True)
     with torch.no_grad():
         model.blocks[0].attn.v_proj.weight.mul_(2.0)
-        model.lm_head.weight.add_(0.1) if model.lm_head is not None else model.embed.weight.add_(0.1)
+        model.lm_head.weight.add_(0.1) if model.lm_head.weight is not None else model.embed.weight.add_(0.1)
     torch.testing.assert_close(_module_decode_logits(model, ids, mask, pack=True),
                                _module_decode_logits(model, ids, mask, pack=False), rtol=1e-5, atol=1e-5)
     calls = []

@@ -76,15 +76,15 @@ def test_token_types_enter_the_embedding_and_default_to_zero():
 def test_mlm_head_is_transform_norm_then_the_tied_decoder_with_its_bias():
     model = _model()
     with torch.no_grad():
-        model.head_bias.normal_()
+        model.mlm_head.decoder.bias.normal_()
     ids = torch.randint(0, model.config.vocab_size, (2, 5))
     hidden = model(ids, return_hidden=True)
     head = model.mlm_head
     by_hand = F.layer_norm(F.gelu(hidden @ head.dense.weight.T + head.dense.bias), (hidden.shape[-1],),
                            head.norm.weight, head.norm.bias, model.config.norm.eps)
-    expected = by_hand @ model.embed.weight.T + model.head_bias
+    expected = by_hand @ model.embed.weight.T + model.mlm_head.decoder.bias
     torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
-    assert model.lm_head is None and model.head_weight is model.embed.weight
+    assert model.mlm_head.decoder.weight is None and model.mlm_head.decoder.matrix is model.embed.weight
 
 
 def test_mlm_loss_counts_only_labelled_slots_and_equals_cross_entropy_of_the_logits():

@@ -176,13 +176,13 @@ def test_the_cross_sublayer_is_wired_like_the_others(position):
 
 def test_the_shared_embedding_feeds_both_stacks_and_the_tied_head():
     model = _model("t5-11b")
-    assert model.lm_head is None and model.head_weight is model.embed.weight
+    assert model.lm_head.weight is None and model.lm_head.matrix is model.embed.weight
     names = [n for n, _ in model.named_parameters()]
     assert [n for n in names if n.startswith("embed")] == ["embed.weight"]   # one token embedding
-    assert "encoder_t5_bias.embedding.weight" in names and "decoder_t5_bias.embedding.weight" in names
-    assert model.encoder_t5_bias.bidirectional and not model.decoder_t5_bias.bidirectional
+    assert "encoder.t5_bias.embedding.weight" in names and "decoder.t5_bias.embedding.weight" in names
+    assert model.encoder.t5_bias.bidirectional and not model.decoder.t5_bias.bidirectional
     untied = _model("t5-v1.1-xxl")
-    assert untied.lm_head is not None and untied.config.logit_scale is None
+    assert untied.lm_head.weight is not None and untied.config.logit_scale is None
     assert model.config.logit_scale == pytest.approx(model.config.d_model ** -0.5)   # v1.0's rescale
     assert len(model.blocks) == len(model.encoder) + len(model.decoder)
 

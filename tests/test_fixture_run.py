@@ -30,3 +30,27 @@ def test_the_saved_run_decodes_with_the_cache_as_without():
     cached = archlab.generate(model, prompt, 20)
     uncached = archlab.generate(model, prompt, 20, use_cache=False)
     assert torch.equal(cached, uncached)
+
+
+def test_the_saved_optimizer_state_loads_under_todays_parameter_names():
+    """Resuming reads the old run's optimizer state, by parameter name, through the same rename table as its
+    weights (models/legacy_keys): every moment lands on the parameter it was saved for."""
+    from archlab.models.legacy_keys import upgrade_keys, upgrade_optimizer_state
+    from archlab.runs.checkpoint import load_checkpoint, read_run_config
+    from archlab.training.config import TrainConfig
+    from archlab.training.distributed import DistInfo, load_full_optimizer_state
+    from archlab.training.optim import param_groups
+
+    model, _ = load_run(FIXTURE)
+    weights, state = load_checkpoint(latest_checkpoint(FIXTURE))
+    old = state["optimizer"]
+    assert "final_norm.weight" in old["state"]                   # the fixture holds the earlier names
+    train = TrainConfig(**{k: v for k, v in read_run_config(FIXTURE)["train"].items() if k != "betas"})
+    optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay, train.no_decay))
+    load_full_optimizer_state(model, optimizer, upgrade_optimizer_state(old, "decoder"), DistInfo())
+    names = dict(model.named_parameters())
+    moments = {name: s["exp_avg"] for name, s in upgrade_keys(old["state"], "decoder").items()}
+    for param, saved in optimizer.state.items():
+        name = next(n for n, p in names.items() if p is param)
+        torch.testing.assert_close(saved["exp_avg"], moments[name], rtol=0, atol=0)
+    assert len(optimizer.state) == len(names) == len(weights)

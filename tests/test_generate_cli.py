@@ -81,7 +81,7 @@ def test_cli_on_a_model_padded_past_its_tokenizer_prints_only_decodable_text(tmp
     cfg = BASE.with_overrides({"vocab_size": 300, "bias.head": True, "max_seq_len": 48})
     model = archlab.TransformerLM(cfg).eval()
     with torch.no_grad():
-        model.head_bias[257:] = 50.0
+        model.lm_head.bias[257:] = 50.0
     write_run_config(tmp_path, cfg.to_dict(), {}, {})
     save_checkpoint(tmp_path / "checkpoints", 5, model.state_dict(), {})
     Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]).save(tmp_path / "tokenizer")

@@ -157,7 +157,7 @@ def _padded_model():
     from archlab import TransformerLM
     model = TransformerLM(BASE.with_overrides({"vocab_size": 300, "bias.head": True})).eval()
     with torch.no_grad():
-        model.head_bias[257:] = 50.0                      # untrained padding rows that would win every pick
+        model.lm_head.bias[257:] = 50.0                      # untrained padding rows that would win every pick
     return model
 
 

@@ -322,12 +322,10 @@ def test_training_and_eval_forwards_trace_as_one_graph(extra, monkeypatch):
 
 def _stack_outputs(role, cfg, x, positions):
     from archlab.nn.masks import AttnInputs
-    from archlab.nn.position import T5RelativeBias
     from archlab.nn.stack import TransformerStack
 
     torch.manual_seed(0)
-    table = T5RelativeBias(cfg, bidirectional=role == "encoder") if cfg.position.kind == "t5" else None
-    stack = TransformerStack(cfg, role, table).eval()
+    stack = TransformerStack(cfg, role).eval()                  # its own T5 table (bidirectional as an encoder)
     return stack, stack(x, AttnInputs(positions, stack.mask_spec(), plain=True))
 
 
@@ -367,7 +365,7 @@ def test_the_lm_is_embedder_stack_head_with_its_old_state_dict_keys():
     assert not any(k.startswith(("stack.", "embedder.")) for k in keys)
     x = torch.randint(0, 50, (2, 5))
     with torch.no_grad():
-        from archlab.nn.masks import AttnInputs
-        hidden = model.blocks(model.embed_tokens(x, torch.arange(5)[None]),
-                              AttnInputs(torch.arange(5)[None], model.blocks.mask_spec(), plain=True))
-        torch.testing.assert_close(model.head(model.final_norm(hidden)), model(x))
+        inputs = model.blocks.inputs(x)
+        assert inputs.plain and inputs.positions.tolist() == [[0, 1, 2, 3, 4]]
+        hidden = model.blocks(model.embed_tokens(x, inputs.positions), inputs)     # normed by the stack
+        torch.testing.assert_close(model.lm_head(hidden), model(x))

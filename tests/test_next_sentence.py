@@ -196,7 +196,8 @@ def test_prepared_data_gives_batches_that_train_an_encoder_with_the_nsp_head(nsp
     out = model(**inputs, targets=labels)
     assert torch.isfinite(out.total) and out.nsp_loss is not None
     out.total.backward()
-    assert float(model.pooler.weight.grad.abs().sum()) > 0 and float(model.nsp_classifier.bias.grad.abs().sum()) > 0
+    head = model.nsp_head
+    assert float(head.pooler.weight.grad.abs().sum()) > 0 and float(head.classifier.bias.grad.abs().sum()) > 0
 
 
 def test_missing_index_or_tokens_are_one_line_user_errors(nsp_data):

@@ -63,7 +63,8 @@ def _tiny_model() -> EncoderDecoderLM:
 def test_one_embedding_scaled_by_sqrt_d_is_also_the_softmax_weight():
     model = _tiny_model()
     cfg = model.config
-    assert model.lm_head is None and model.head_bias is None and model.encoder_norm is model.final_norm is None
+    assert model.lm_head.weight is None and model.lm_head.bias is None
+    assert model.encoder.final_norm is model.decoder.final_norm is None
     src = torch.randint(0, cfg.vocab_size, (2, 7))
     tgt = torch.randint(0, cfg.vocab_size, (2, 5))
     with torch.no_grad():

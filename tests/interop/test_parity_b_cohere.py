@@ -16,7 +16,7 @@ def test_cohere_logits_match_transformers(hf_parity, hf_roundtrip):
     _, ours, _ = hf_parity("cohere", **BASE)
     cfg = ours.config
     assert cfg.position.rope_layout == "interleaved" and cfg.logit_scale == 0.5
-    assert cfg.block.parallel and not cfg.bias.norm and ours.lm_head is None
+    assert cfg.block.parallel and not cfg.bias.norm and ours.lm_head.weight is None
     hf_roundtrip(ours, expect_family="cohere")
 
 

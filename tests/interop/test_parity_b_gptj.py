@@ -13,5 +13,5 @@ def test_gptj_logits_match_transformers(hf_parity, hf_roundtrip, rotary_dim):
     cfg = ours.config
     assert cfg.block.parallel and cfg.block.parallel_norms == 1
     assert cfg.position.rope_layout == "interleaved" and cfg.rotary_dim == rotary_dim
-    assert ours.head_bias is not None
+    assert ours.lm_head.bias is not None
     hf_roundtrip(ours, expect_family="gptj")

@@ -17,7 +17,7 @@ def test_phi_logits_match_transformers(hf_parity, hf_roundtrip):
     _, ours, _ = hf_parity("phi", **BASE, num_key_value_heads=2, rope_parameters=rope)
     cfg = ours.config
     assert cfg.block.parallel and cfg.block.parallel_norms == 1 and cfg.rotary_dim == 8
-    assert ours.head_bias is not None and cfg.n_kv_heads == 2
+    assert ours.lm_head.bias is not None and cfg.n_kv_heads == 2
     hf_roundtrip(ours, expect_family="phi")
 
 

@@ -102,8 +102,8 @@ def test_logits_match_transformers_and_round_trip(tmp_path, kind):
     assert cfg.position.per_stack and cfg.bias.head_buffer and cfg.norm.position == "post"
     assert cfg.stack_depth("cross_decoder") == 3 and cfg.n_layers == 2
     assert cfg.scale_embeddings == (kind == "marian") and cfg.norm.embedding_norm == (kind == "bart")
-    assert "head_bias" not in dict(ours.named_parameters())           # a buffer, as transformers holds it
-    assert torch.equal(ours.head_bias, hf_model.final_logits_bias[0])
+    assert "lm_head.bias" not in dict(ours.named_parameters())           # a buffer, as transformers holds it
+    assert torch.equal(ours.lm_head.bias, hf_model.final_logits_bias[0])
     assert ours.num_params() == hf_model.num_parameters()
     _assert_same_logits(ours, hf_model)
 

@@ -51,7 +51,7 @@ def test_pretraining_logits_match_transformers_both_ways(tmp_path, tied):
     hf = build_pretraining(tie_word_embeddings=tied)
     hf.save_pretrained(tmp_path / "hf")
     ours = load_hf(tmp_path / "hf")
-    assert ours.config.nsp_head and ours.pooler is not None
+    assert ours.config.nsp_head and ours.nsp_head is not None
     ids, mask, types = padded_batch(pad_id=0, side="right")
     assert_both_logits_match(ours, hf, ids, mask, types)
     # transformers 5 keeps an untied head's unused `bias` beside the decoder's own (test_parity_bert)
@@ -92,7 +92,7 @@ def test_a_training_step_reaches_the_pooler():
     out = model(ids, mask, types, targets=labels, next_sentence_labels=torch.tensor([0, 1, 1]))
     assert torch.isfinite(out.total) and out.nsp_loss is not None and float(out.nsp_loss) > 0
     out.total.backward()
-    for p in (model.pooler.weight, model.nsp_classifier.weight, model.mlm_head.dense.weight):
+    for p in (model.nsp_head.pooler.weight, model.nsp_head.classifier.weight, model.mlm_head.dense.weight):
         assert p.grad is not None and float(p.grad.abs().sum()) > 0
 
 

@@ -69,8 +69,8 @@ def test_transformer_2017_equals_marian_with_the_papers_sinusoids_and_eps(tmp_pa
     twin = build_model(cfg.with_overrides({**MARIAN_STORAGE, **MARIAN_MATH})).eval()
     result = twin.load_state_dict(ours.state_dict(), strict=False)
     assert not result.unexpected_keys
-    assert set(result.missing_keys) == {"abs_position.table", "decoder_abs_position.table", "head_bias"}
-    assert not twin.head_bias.any()                                      # a zero final_logits_bias
+    assert set(result.missing_keys) == {"abs_position.table", "decoder_abs_position.table", "lm_head.bias"}
+    assert not twin.lm_head.bias.any()                                      # a zero final_logits_bias
     assert save_hf(twin, tmp_path / "hf").model_type == "marian"
     hf = transformers.MarianMTModel.from_pretrained(tmp_path / "hf").eval()
     c = hf.config

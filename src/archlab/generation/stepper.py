@@ -210,7 +210,7 @@ class Stepper:
             if config is not None:
                 self._check_context(max_new_tokens)
             self.cache = None
-        self._hidden_head = hasattr(model, "head") and config is not None
+        self._hidden_head = hasattr(model, "lm_head") and config is not None
         # no padding: a TransformerLM is given positions=None and counts them from its cache (0..t-1 at first)
         self.implied = config is not None and bool(self.mask.all())
         # packed weights looked up once per generate call, not per step
@@ -270,11 +270,11 @@ class Stepper:
     def _model_logits(self, ids, positions, cache) -> torch.Tensor:
         if self.context is not None:   # an encoder-decoder's decoder (unpadded rows: positions implied)
             hidden = self.model.decode(ids, self.context, return_hidden=True, cache=cache, session=self.session)
-            return self.model.head(hidden[:, -1], self.session)                               # (b, v)
+            return self.model.lm_head(hidden[:, -1], self.session)                               # (b, v)
         if self._hidden_head:  # the head over the last position only (the prompt can be long)
             session = self.session
             hidden = self.model(ids, positions, cache, return_hidden=True, session=session)      # (b, t, d)
-            return self.model.head(hidden[:, -1], session)                                    # (b, v)
+            return self.model.lm_head(hidden[:, -1], session)                                    # (b, v)
         return self.model(ids, positions=positions, cache=cache)[:, -1]
 
     def prefill(self) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""EncoderDecoderLM: one token embedding -> TransformerStack("encoder") -> its final norm, the output handed as
-a Context to TransformerStack("cross_decoder") -> final norm -> next-token head. The 2017 Transformer
-(Vaswani et al.) and T5 (Raffel et al. 2020) are configurations of it (`arch="encoder_decoder"`): the same
-blocks, norms, MLPs and attention kernels as the other two kinds, each decoder layer with a cross-attention
-sublayer (the same Attention, keys and values from the encoder's output, projected once per Context).
+"""EncoderDecoderLM: one token embedding -> TransformerStack("encoder") (with its final norm), the output handed as
+a Context to TransformerStack("cross_decoder") (with the final norm) -> next-token head (nn/heads.LMHead).
+The 2017 Transformer (Vaswani et al.) and T5 (Raffel et al. 2020) are configurations of it
+(`arch="encoder_decoder"`): the same blocks, norms, MLPs and attention kernels as the other two kinds, each
+decoder layer with a cross-attention sublayer (the same Attention, keys and values from the encoder's output,
+projected once per Context).
 
     enc = embed(input_ids) -> encoder blocks (bidirectional, key padding from attention_mask) -> encoder norm
     dec = embed(decoder_input_ids) -> decoder blocks (causal self-attn; cross-attn to enc) -> final norm
@@ -18,21 +19,17 @@ decoder start token (T5: 0, its pad id), as transformers' `_shift_right`.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
-from archlab.models.decoder import LossOutput, NextTokenHead
-from archlab.models.encoder import stack_positions
+from archlab.models.decoder import LossOutput, next_token_loss
 from archlab.nn.block import Block
 from archlab.nn.embedding import Embedder, init_weights
 from archlab.nn.fused import DecodeSession
-from archlab.nn.masks import AttnInputs, Context
-from archlab.nn.norms import build_norm
-from archlab.nn.position import AbsolutePosition
-from archlab.nn.stack import TransformerStack, stack_t5_table
+from archlab.nn.heads import LMHead
+from archlab.nn.masks import Context
+from archlab.nn.stack import TransformerStack
 
 __all__ = ["EncoderDecoderLM", "shift_right"]
 
@@ -49,30 +46,16 @@ def shift_right(labels: torch.Tensor, start_token_id: int, ignore_index: int = -
     return shifted.masked_fill(shifted == ignore_index, start_token_id)
 
 
-class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
+class EncoderDecoderLM(Embedder, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         cfg = self.config = config
         if cfg.arch != "encoder_decoder":
             raise ConfigError(f"arch={cfg.arch!r}: EncoderDecoderLM needs arch='encoder_decoder'")
-        norm = lambda: build_norm(cfg.norm.kind, cfg.d_model, cfg.norm.eps, cfg.bias.norm)  # noqa: E731
-        self.build_embedder(cfg)                      # `embed`: encoder, decoder and a tied head share it
-        self.decoder_abs_position: AbsolutePosition | None = None
-        self.decoder_embed_norm: nn.Module | None = None
-        if cfg.position.per_stack:                    # BART, Marian: the decoder's own positions and norm
-            self.decoder_abs_position = AbsolutePosition(cfg)
-            self.decoder_embed_norm = norm() if cfg.norm.embedding_norm else None
-        self.encoder_t5_bias = stack_t5_table(cfg, "encoder")          # bidirectional buckets, or None
-        self.encoder = TransformerStack(cfg, "encoder", self.encoder_t5_bias)
-        self.encoder_norm = norm() if cfg.norm.final_norm else None
-        self.decoder_t5_bias = stack_t5_table(cfg, "cross_decoder")    # causal buckets, or None
-        self.decoder = TransformerStack(cfg, "cross_decoder", self.decoder_t5_bias)
-        self.final_norm = norm() if cfg.norm.final_norm else None
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.bias.head_buffer:                      # BART / Marian final_logits_bias: a buffer in transformers
-            self.register_buffer("head_bias", torch.zeros(cfg.vocab_size))
-        else:
-            self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.bias.head else None
+        self.build_embedder(cfg, two_stacks=True)     # `embed`: encoder, decoder and a tied head share it
+        self.encoder = TransformerStack(cfg, "encoder")          # bidirectional T5 buckets, its final norm
+        self.decoder = TransformerStack(cfg, "cross_decoder")    # causal T5 buckets, the final norm
+        self.lm_head = LMHead(cfg, self.embed)
         init_weights(self, cfg)
 
     @property
@@ -80,36 +63,15 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
         """Every block, the encoder's then the decoder's: what activation checkpointing and FSDP wrap one by one."""
         return (*self.encoder, *self.decoder)
 
-    def _stack_inputs(self, stack: TransformerStack, ids: torch.Tensor, mask: torch.Tensor | None,
-                      documents: torch.Tensor | None = None) -> AttnInputs:
-        """One stack's AttnInputs: positions 0..t-1 (plain), or counted over each row's real tokens with the
-        padding as key padding (as EncoderLM: left- and right-padded rows agree), or from 0 in each packed
-        document, which no other document sees."""
-        positions = stack_positions(ids, mask, documents)
-        spec = stack.mask_spec(key_padding=None if mask is None else mask.bool(), document_ids=documents)
-        return AttnInputs(positions, spec, plain=mask is None and documents is None)
-
-    def _embed(self, ids: torch.Tensor, positions: torch.Tensor, decoder: bool = False) -> torch.Tensor:
-        table = self.abs_position.kind == "learned" or self.abs_position.table is not None
-        if table and int(positions.max()) >= self.config.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} is past max_seq_len={self.config.max_seq_len}: "
-                             "the position table has no row for it")
-        parts = None
-        if decoder and self.decoder_abs_position is not None:
-            parts = (self.decoder_abs_position, self.decoder_embed_norm)
-        return self.embed_tokens(ids, positions, stack_parts=parts)          # (b, t, d)
-
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                document_ids: torch.Tensor | None = None) -> Context:
         """(b, s) source ids (attention_mask (b, s): 1 = real token; document_ids (b, s): packed sources) -> the
         Context the decoder attends to: the encoder's normed output, its positions, padding and documents. Run
         once per source; each cross-attention layer projects its keys and values from it once (a generation's
         decode steps reuse them)."""
-        inputs = self._stack_inputs(self.encoder, input_ids, attention_mask, document_ids)
-        x = self._embed(input_ids, inputs.positions)                         # (b, s, d)
-        x = self.encoder(x, inputs)                                     # (b, s, d)
-        if self.encoder_norm is not None:
-            x = self.encoder_norm(x)
+        inputs = self.encoder.inputs(input_ids, attention_mask=attention_mask, document_ids=document_ids)
+        x = self.embed_tokens(input_ids, inputs.positions)                   # (b, s, d)
+        x = self.encoder(x, inputs)                                          # (b, s, d), normed
         return Context(x, inputs.positions, inputs.spec)   # the encoder's spec: bidirectional, its padding
 
     def decode(self, decoder_input_ids: torch.Tensor, context: Context,
@@ -121,29 +83,12 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
         continue the tokens it holds (unpadded rows of one length); session: a decode loop's DecodeSession;
         document_ids (b, t): packed targets, each attending to its own document and to the source document of
         the same id (the context's documents)."""
-        if (document_ids is None) != (context.spec.segment_ids is None):
-            raise ValueError("packed documents on one side only: give the source's document_ids and the "
-                             "target's decoder_document_ids together")
-        if document_ids is not None:
-            if cache is not None or session is not None:
-                raise ValueError("document_ids pack whole documents into a forward: not with a KV cache")
-            context = dataclasses.replace(context, spec=dataclasses.replace(   # queries: the target's documents
-                context.spec, segment_ids=document_ids, key_segment_ids=context.spec.segment_ids))
-        if cache is None and session is None:
-            inputs = self._stack_inputs(self.decoder, decoder_input_ids, decoder_attention_mask, document_ids)
-        else:
-            if decoder_attention_mask is not None:
-                raise ValueError("cached decoding takes unpadded decoder rows (no decoder_attention_mask)")
-            (b, t), start = decoder_input_ids.shape, 0 if cache is None else len(cache)
-            positions = torch.arange(start, start + t, device=decoder_input_ids.device)[None].expand(b, t)
-            inputs = AttnInputs(positions, self.decoder.mask_spec(), cache=cache, plain=cache is None,
-                                continued=cache is not None, fresh=cache is not None and start == 0,
-                                session=session)
-        x = self._embed(decoder_input_ids, inputs.positions, decoder=True)   # (b, t, d)
-        x = self.decoder(x, inputs, context)      # (b, t, d)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        return x if return_hidden else self.head(x, session)
+        context = context.for_targets(document_ids)
+        inputs = self.decoder.inputs(decoder_input_ids, attention_mask=decoder_attention_mask,
+                                     document_ids=document_ids, cache=cache, session=session)
+        x = self.embed_tokens(decoder_input_ids, inputs.positions, decoder=True)   # (b, t, d)
+        x = self.decoder(x, inputs, context)                                 # (b, t, d), normed
+        return x if return_hidden else self.lm_head(x, session)
 
     def forward(
         self,
@@ -168,7 +113,7 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
             return hidden
         if targets is not None:   # through forward, so DDP/FSDP/compile wrappers see the whole step
             return self.loss_from_hidden(hidden, targets)
-        return self.head(hidden)
+        return self.lm_head(hidden)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, decoder_input_ids: torch.Tensor | None = None,
              attention_mask: torch.Tensor | None = None, decoder_attention_mask: torch.Tensor | None = None,
@@ -180,10 +125,12 @@ class EncoderDecoderLM(Embedder, NextTokenHead, nn.Module):
         if decoder_input_ids is None:
             decoder_input_ids = shift_right(labels, self.config.decoder_start_token_id, ignore_index,
                                             decoder_document_ids)
-        context = self.encode(input_ids, attention_mask, document_ids)
-        hidden = self.decode(decoder_input_ids, context, decoder_attention_mask, return_hidden=True,
-                             document_ids=decoder_document_ids)
+        hidden = self(input_ids, decoder_input_ids, attention_mask, decoder_attention_mask, return_hidden=True,
+                      document_ids=document_ids, decoder_document_ids=decoder_document_ids)
         return self.loss_from_hidden(hidden, labels, ignore_index)
+
+    def loss_from_hidden(self, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> LossOutput:
+        return next_token_loss(self, self.lm_head, hidden, targets, ignore_index)
 
     def num_params(self) -> int:
         """Unique parameters (the shared embedding, and a head tied to it, count once)."""

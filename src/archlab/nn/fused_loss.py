@@ -134,7 +134,7 @@ def linear_cross_entropy(
     against targets over the rows whose target is not ignore_index, z = z_loss * mean(log Z)^2 over
     the same rows (PaLM), total = ce + z. Only `total` carries a gradient (ce and z are for logging).
 
-    Example: total, ce, _ = linear_cross_entropy(h.flatten(0, 1), model.head_weight, y.flatten());
+    Example: total, ce, _ = linear_cross_entropy(h.flatten(0, 1), model.lm_head.matrix, y.flatten());
     total.backward()   # what TransformerLM.loss_from_hidden does, with the head's bias and soft-cap
     """
     chunk = chunk or chunk_rows(hidden.device.type, weight.shape[0])

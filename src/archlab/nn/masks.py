@@ -297,3 +297,14 @@ class Context:
     positions: torch.Tensor                  # (b|1, s), -1 = padding
     spec: MaskSpec = field(default_factory=lambda: MaskSpec(causal=False))
     kv: dict = field(default_factory=dict)   # layer module -> (k, v) (b, k, s, e)
+
+    def for_targets(self, document_ids: torch.Tensor | None) -> Context:
+        """The context as packed targets (b, t) see it: the queries' documents are the targets', the keys' the
+        source's, so document i of the target reads document i of the source (self, unpacked)."""
+        if (document_ids is None) != (self.spec.segment_ids is None):
+            raise ValueError("packed documents on one side only: give the source's document_ids and the "
+                             "target's decoder_document_ids together")
+        if document_ids is None:
+            return self
+        spec = dataclasses.replace(self.spec, segment_ids=document_ids, key_segment_ids=self.spec.segment_ids)
+        return dataclasses.replace(self, spec=spec)

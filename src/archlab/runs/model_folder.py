@@ -237,9 +237,11 @@ def model_with_weights(cfg: ModelConfig, state: dict, source: Path, train: dict 
     Example: model = model_with_weights(cfg, load_file(path), path)"""
     from archlab.models import build_model
     from archlab.models.accounting import check_weights_fit
+    from archlab.models.legacy_keys import upgrade_keys
 
     check_weights_fit(cfg, what=f"the model in {CONFIG_FILE} (for {source})")
     model = build_model(cfg)
+    state = upgrade_keys(state, cfg.arch)              # a run folder of an earlier module layout
     _adapters_for(model, state, train)
     try:
         model.load_state_dict(state)

@@ -20,6 +20,7 @@ import torch
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.errors import DataError, UserError
+from archlab.models.legacy_keys import upgrade_keys
 
 __all__ = ["InitSource", "read_init_source"]
 
@@ -95,6 +96,7 @@ def _from_run(spec: str, folder: Path) -> InitSource:
     if latest is None:
         raise ckpt_io.CheckpointError(f"--init-from {spec}: no checkpoint under {folder / ckpt_io.CHECKPOINT_DIR}")
     state, _ = ckpt_io.load_checkpoint(latest, weights_only_model=True, full_verify=True)
+    state = upgrade_keys(state, cfg.arch)              # a run folder of an earlier module layout
     tokenizer = next((folder / name for name in ("tokenizer", "tokenizer_hf") if (folder / name).is_dir()), None)
     return InitSource(spec, cfg, state, str(latest / ckpt_io.MODEL_FILE), tokenizer)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from archlab.config import ModelConfig
+from archlab.nn.heads import LMHead
 
 __all__ = ["train_flops_per_token", "matmul_peak_flops", "matmul_weight_shapes", "matmul_ceiling", "peak_memory",
            "CpuShare", "BUSY_SHARE", "busy_note", "machine_cpu_seconds"]
@@ -70,14 +71,12 @@ def _timed_matmul(device: torch.device, dtype: torch.dtype, size: int, seconds: 
 
 
 def matmul_weight_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """(out, in) of every weight a forward multiplies the tokens by: each nn.Linear, and the LM head
-    when it is not one (tied to the embedding). MoE experts see a share of the tokens each, so they
-    are not listed: the ceiling is for dense models.
+    """(out, in) of every weight a forward multiplies the tokens by: each nn.Linear, and each head's token
+    projection (nn/heads.LMHead: its own matrix or the tied embedding). MoE experts see a share of the
+    tokens each, so they are not listed: the ceiling is for dense models.
     Example: matmul_weight_shapes(TransformerLM(presets.tiny("llama2-7b")))  # [(64, 64), ...]"""
     shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    head = getattr(model, "head_weight", None)
-    if isinstance(head, torch.Tensor) and getattr(model, "lm_head", None) is None:
-        shapes.append(tuple(head.shape))
+    shapes += [tuple(m.matrix.shape) for m in model.modules() if isinstance(m, LMHead)]
     return shapes
 
 

@@ -43,6 +43,7 @@ from archlab.data.sft import SFTDataset
 from archlab.eval.evaluate import autocast, evaluate, sample_ids
 from archlab.generation.stepper import vocab_limit
 from archlab.models.accounting import MemoryCheckError, available_memory
+from archlab.models.legacy_keys import upgrade_keys, upgrade_optimizer_state
 from archlab.runs import checkpoint as ckpt_io
 from archlab.runs import model_folder
 from archlab.runs.lock import RunLock
@@ -418,8 +419,10 @@ class _Run:
         model_state, state = ckpt_io.load_checkpoint(checkpoint)        # on CPU first
         if not state or "optimizer" not in state:
             raise ckpt_io.CheckpointError(_weights_only_message(self.run_dir, checkpoint))
-        dist_util.load_full_model_state(self.model, model_state, info)
-        dist_util.load_full_optimizer_state(self.model, self.optimizer, state["optimizer"], info)
+        arch = self.raw.config.arch       # a checkpoint of an earlier module layout: its names read as today's
+        dist_util.load_full_model_state(self.model, upgrade_keys(model_state, arch), info)
+        dist_util.load_full_optimizer_state(self.model, self.optimizer,
+                                            upgrade_optimizer_state(state["optimizer"], arch), info)
         self.batches.load_state_dict(state["sampler"])
         self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["elapsed_s"]
         self.best_val, self.last_val = state.get("best_val"), state.get("last_val")

@@ -16,6 +16,7 @@ import torch
 from archlab.config import ConfigError, ModelConfig
 from archlab.errors import UserError
 from archlab.models import build_model
+from archlab.models.legacy_keys import current_key
 
 
 class WeightsError(UserError, ValueError):
@@ -114,6 +115,8 @@ def table_rules(table: Iterable[Rule], cfg: ModelConfig) -> list[Rule]:
     names = parameter_names(cfg)
     rules = []
     for rule in expand(table, counts):
+        # our names as the model holds them today (a table may use an earlier layout's: models/legacy_keys)
+        rule = dataclasses.replace(rule, ours=tuple(current_key(name, cfg.arch) for name in rule.ours))
         present = [n in names for n in rule.ours]
         if all(present):
             rules.append(rule)

@@ -12,7 +12,7 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.lab import matching, runner, suites
 from archlab.lab.plan import plan
 from archlab.lab.store import ResultStore, RunRecord
-from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Rule, judge, lr_sensitivity
+from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Rule, judge, lr_sensitivity, tolerance
 
 
 # --------------------------------------------------------------------------- suites
@@ -135,6 +135,20 @@ def test_less_rule_held_not_held_inconclusive():
     assert v.verdict == INCONCLUSIVE and v.numbers["spread"] == pytest.approx(math.sqrt(0.02), rel=1e-6)
     assert judge(rule, _rows({"A": [2.0], "B": [3.0]})).verdict == INCONCLUSIVE   # one seed: no spread
     assert judge(rule, _rows({"A": [2.0, 2.1]})).verdict == INCONCLUSIVE          # no B at all
+
+
+def test_bias_suite_states_its_tolerance_and_a_gap_of_2_5_spreads_is_not_parity():
+    rule = suites.load("bias").rules[0]
+    assert rule.tol_abs == 0.02 and "0.02 nats" in tolerance(rule)
+    d = 0.0196 / math.sqrt(2)                     # stdev of (x - d, x, x + d) is d: spread sqrt(2) d = 0.0196
+    gap = {"none-ln": [2.589 - d, 2.589, 2.589 + d], "all": [2.540 - d, 2.540, 2.540 + d]}
+    v = judge(rule, _rows(gap, axis="bias"))
+    assert v.numbers["diff"] == pytest.approx(0.049) and v.numbers["spread"] == pytest.approx(0.0196)
+    assert v.verdict == NOT_HELD                  # 0.049 > 0.02 + 0.0196
+    near = {"none-ln": [2.575 - d, 2.575, 2.575 + d], "all": gap["all"]}
+    assert judge(rule, _rows(near, axis="bias")).verdict == INCONCLUSIVE    # 0.02 < 0.035 < 0.0396
+    with pytest.raises(ValueError, match="tol_abs"):
+        Rule(kind="less", statement="x", a={}, b={}, tol_abs=0.1)
 
 
 def test_group_side_averages_variants_per_seed():

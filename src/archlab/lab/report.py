@@ -19,7 +19,7 @@ from archlab.lab import baseline, emergence_report, ngram_report, scaling_report
 from archlab.lab import suites as suites_mod
 from archlab.lab.document import Block
 from archlab.lab.store import DB_FILE, ResultStore, RunRecord
-from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Verdict, judge_all, overall
+from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Verdict, judge_all, overall, tolerance
 
 STANDARD_METRICS = ("final_val_loss", "step_time_s", "lr_sensitivity", "diverged")
 # a suite's `analysis`: its own section after the plots, (suite, rows, img_dir, rel) -> blocks
@@ -307,8 +307,9 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
     vrows = []
     for v in verdicts:
         ours = "; ".join(f"{s.label}: {_fmt(s.mean)} ± {_fmt(s.std, 2)} (n={s.n})" for s in v.sides)
-        vrows.append([v.rule.statement, f"**{v.verdict}**", ours, v.reason])
-    blocks.append(Block("table", header=["rule", "verdict", "ours (mean ± std over seeds)", "test"], rows=vrows))
+        vrows.append([v.rule.statement, f"**{v.verdict}**", tolerance(v.rule) or "see test", ours, v.reason])
+    blocks.append(Block("table", header=["rule", "verdict", "tolerance", "ours (mean ± std over seeds)", "test"],
+                        rows=vrows))
     if suite.runs == "train":           # an n-gram suite's runs have no curves, sizes or step times
         blocks.extend(_variant_blocks(suite, rows, verdicts, img_dir, rel))
     if suite.analysis:

@@ -323,6 +323,44 @@ def test_report_from_synthetic_sweep_has_verdicts_and_plots(tmp_path):
         assert img in html and (paths["html"].parent / img).stat().st_size > 1000
 
 
+def _synthetic_runs(tmp_path, variants=("a", "b", "c"), seeds=2) -> list[RunRecord]:
+    """Runs whose loss curves coincide (the same numbers for every variant) and whose final losses differ
+    by about 2%, with metrics.jsonl files as the trainer writes them."""
+    rows = []
+    for i, variant in enumerate(variants):
+        for seed in range(seeds):
+            run_dir = tmp_path / variant / str(seed)
+            run_dir.mkdir(parents=True)
+            (run_dir / "metrics.jsonl").write_text("".join(
+                json.dumps({"step": step, "loss": 5.0 - 0.2 * step}) + "\n" for step in range(12)))
+            rows.append(RunRecord(suite="s", variant=variant, seed=seed, status="done", run_dir=str(run_dir),
+                                  final_val_loss=2.54 + 0.025 * i + 0.001 * (2 * seed - 1), step_time_s=0.1,
+                                  config={"model": {"vocab_size": 257}, "train": {"lr": 10.0 ** -(i + 2)}},
+                                  extra={"labels": {"v": "x", "lr": str(10.0 ** -(i + 2))}}))
+    return rows
+
+
+def test_report_bars_start_at_zero_and_label_each_mean(tmp_path):
+    from archlab.lab.report import bars_figure
+    fig = bars_figure(_synthetic_runs(tmp_path), "final_val_loss", "t", "loss")
+    ax = fig.axes[0]
+    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] > 2.6
+    assert [t.get_text() for t in ax.texts] == ["2.54", "2.565", "2.59"]
+
+
+def test_report_curves_that_coincide_each_show_in_a_distinct_style(tmp_path):
+    from archlab.lab.report import curves_figure, lr_figure
+    lines = curves_figure(_synthetic_runs(tmp_path), "t").axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["a", "b", "c"]
+    assert len({(line.get_linestyle(), line.get_marker()) for line in lines}) == 3
+    assert lines[0].get_alpha() == 1 and all(line.get_alpha() < 1 for line in lines[1:])
+    lr_rows = _synthetic_runs(tmp_path / "lr", variants=("a",))
+    for r, v in zip(lr_rows, ("p", "q")):
+        r.extra["labels"]["v"] = v          # two settings of the other axis: two lines over the LR axis
+    lines = [line for line in lr_figure(lr_rows, "lr", "t").axes[0].get_lines() if line.get_label().startswith("v=")]
+    assert len(lines) == 2 and lines[0].get_linestyle() != lines[1].get_linestyle()
+
+
 def _timing_suite(**kw):
     return suites.Suite(name="depth", claim="c", seeds=2,
                         axes=[{"name": "layers", "key": "n_layers", "values": [1, 8]}],

@@ -251,7 +251,8 @@ def judge(rule: Rule, rows: list) -> Verdict:
         verdict = NOT_HELD
     else:
         verdict = INCONCLUSIVE
-    reason = f"|{diff:+.4g}| vs tolerance {allowed:.3g} ({_allowed_text(rule)}) + spread {spread:.3g}"
+    bar = _allowed_text(rule) if rule.tol_abs is not None else f"{allowed:.3g} ({rule.tol:.0%})"
+    reason = f"|{diff:+.4g}| vs tolerance {bar} + spread {spread:.3g}"
     return Verdict(rule, verdict, reason, sides, numbers)
 
 

@@ -42,6 +42,13 @@ def test_single_file_is_one_document_and_bad_utf8_is_replaced(tmp_path):
     assert list(iter_documents(path)) == ["caf\u00e9 \ufffd"]
 
 
+def test_a_leading_bom_is_dropped_from_text_and_jsonl_files_but_not_from_the_middle(tmp_path):
+    bom = "\ufeff".encode()
+    (tmp_path / "a.txt").write_bytes(bom + "caf\u00e9".encode() + bom)
+    (tmp_path / "b.jsonl").write_bytes(bom + b'{"text": "one"}\n{"text": "two"}\n')
+    assert list(iter_documents(tmp_path)) == ["caf\u00e9\ufeff", "one", "two"]
+
+
 def test_jsonl_is_one_document_per_line_with_a_configurable_field(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join([json.dumps({"body": "one", "id": 1}), "", json.dumps({"body": "two\nlines"}),

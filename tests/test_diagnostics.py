@@ -106,6 +106,25 @@ def test_save_report_writes_json_and_pngs(tmp_path):
         assert paths[key].stat().st_size > 1000
 
 
+def test_layer_and_head_axes_have_integer_ticks(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+    close, kept = plt.close, []
+    monkeypatch.setattr(plt, "close", kept.append)      # keep each figure to look at its axes
+    from archlab.models import build_model, presets
+
+    torch.manual_seed(0)
+    model = build_model(presets.tiny("gpt2"))
+    diagnostics.save_report(diagnostics.diagnose(model, torch.randint(0, 256, (2, 12))), tmp_path)
+    assert len(kept) == 4
+    for fig in kept:
+        ax = fig.axes[0]
+        fig.canvas.draw()
+        axis, lim = (ax.yaxis, ax.get_ylim()) if ax.get_ylabel() == "layer" else (ax.xaxis, ax.get_xlim())
+        shown = [t for t in axis.get_majorticklocs() if min(lim) <= t <= max(lim)]
+        assert shown and all(float(t).is_integer() for t in shown), (ax.get_title(), shown)
+        close(fig)
+
+
 def test_effective_rank_of_hand_made_matrices():
     assert diagnostics.effective_rank(torch.eye(4)) == pytest.approx(4.0)
     assert diagnostics.effective_rank(torch.ones(5, 3)) == pytest.approx(1.0)           # rank collapse

@@ -12,7 +12,7 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.lab import matching, runner, suites
 from archlab.lab.plan import plan
 from archlab.lab.store import ResultStore, RunRecord
-from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Rule, judge, lr_sensitivity
+from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Rule, judge, lr_sensitivity, tolerance
 
 
 # --------------------------------------------------------------------------- suites
@@ -135,6 +135,20 @@ def test_less_rule_held_not_held_inconclusive():
     assert v.verdict == INCONCLUSIVE and v.numbers["spread"] == pytest.approx(math.sqrt(0.02), rel=1e-6)
     assert judge(rule, _rows({"A": [2.0], "B": [3.0]})).verdict == INCONCLUSIVE   # one seed: no spread
     assert judge(rule, _rows({"A": [2.0, 2.1]})).verdict == INCONCLUSIVE          # no B at all
+
+
+def test_bias_suite_states_its_tolerance_and_a_gap_of_2_5_spreads_is_not_parity():
+    rule = suites.load("bias").rules[0]
+    assert rule.tol_abs == 0.02 and "0.02 nats" in tolerance(rule)
+    d = 0.0196 / math.sqrt(2)                     # stdev of (x - d, x, x + d) is d: spread sqrt(2) d = 0.0196
+    gap = {"none-ln": [2.589 - d, 2.589, 2.589 + d], "all": [2.540 - d, 2.540, 2.540 + d]}
+    v = judge(rule, _rows(gap, axis="bias"))
+    assert v.numbers["diff"] == pytest.approx(0.049) and v.numbers["spread"] == pytest.approx(0.0196)
+    assert v.verdict == NOT_HELD                  # 0.049 > 0.02 + 0.0196
+    near = {"none-ln": [2.575 - d, 2.575, 2.575 + d], "all": gap["all"]}
+    assert judge(rule, _rows(near, axis="bias")).verdict == INCONCLUSIVE    # 0.02 < 0.035 < 0.0396
+    with pytest.raises(ValueError, match="tol_abs"):
+        Rule(kind="less", statement="x", a={}, b={}, tol_abs=0.1)
 
 
 def test_group_side_averages_variants_per_seed():
@@ -307,6 +321,44 @@ def test_report_from_synthetic_sweep_has_verdicts_and_plots(tmp_path):
     html = paths["html"].read_text()
     for img in ("img/norms_curves.png", "img/norms_final_loss.png", "img/norms_step_time.png"):
         assert img in html and (paths["html"].parent / img).stat().st_size > 1000
+
+
+def _synthetic_runs(tmp_path, variants=("a", "b", "c"), seeds=2) -> list[RunRecord]:
+    """Runs whose loss curves coincide (the same numbers for every variant) and whose final losses differ
+    by about 2%, with metrics.jsonl files as the trainer writes them."""
+    rows = []
+    for i, variant in enumerate(variants):
+        for seed in range(seeds):
+            run_dir = tmp_path / variant / str(seed)
+            run_dir.mkdir(parents=True)
+            (run_dir / "metrics.jsonl").write_text("".join(
+                json.dumps({"step": step, "loss": 5.0 - 0.2 * step}) + "\n" for step in range(12)))
+            rows.append(RunRecord(suite="s", variant=variant, seed=seed, status="done", run_dir=str(run_dir),
+                                  final_val_loss=2.54 + 0.025 * i + 0.001 * (2 * seed - 1), step_time_s=0.1,
+                                  config={"model": {"vocab_size": 257}, "train": {"lr": 10.0 ** -(i + 2)}},
+                                  extra={"labels": {"v": "x", "lr": str(10.0 ** -(i + 2))}}))
+    return rows
+
+
+def test_report_bars_start_at_zero_and_label_each_mean(tmp_path):
+    from archlab.lab.report import bars_figure
+    fig = bars_figure(_synthetic_runs(tmp_path), "final_val_loss", "t", "loss")
+    ax = fig.axes[0]
+    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] > 2.6
+    assert [t.get_text() for t in ax.texts] == ["2.54", "2.565", "2.59"]
+
+
+def test_report_curves_that_coincide_each_show_in_a_distinct_style(tmp_path):
+    from archlab.lab.report import curves_figure, lr_figure
+    lines = curves_figure(_synthetic_runs(tmp_path), "t").axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["a", "b", "c"]
+    assert len({(line.get_linestyle(), line.get_marker()) for line in lines}) == 3
+    assert lines[0].get_alpha() == 1 and all(line.get_alpha() < 1 for line in lines[1:])
+    lr_rows = _synthetic_runs(tmp_path / "lr", variants=("a",))
+    for r, v in zip(lr_rows, ("p", "q")):
+        r.extra["labels"]["v"] = v          # two settings of the other axis: two lines over the LR axis
+    lines = [line for line in lr_figure(lr_rows, "lr", "t").axes[0].get_lines() if line.get_label().startswith("v=")]
+    assert len(lines) == 2 and lines[0].get_linestyle() != lines[1].get_linestyle()
 
 
 def _timing_suite(**kw):

@@ -175,6 +175,16 @@ def test_bad_input_is_one_line_naming_file_and_line(tmp_path, case):
     assert not (tmp_path / "d").exists() and list(tmp_path.iterdir()) == [tmp_path / "pairs.jsonl"]
 
 
+def test_a_leading_bom_is_dropped_as_in_corpora(tmp_path):
+    pairs = make_pairs(6)
+    plain = write_jsonl(tmp_path / "plain.jsonl", pairs)
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes("\ufeff".encode() + plain.read_bytes())
+    for path in (plain, marked):
+        prepare_pairs(path, "bytes", tmp_path / path.stem, val_fraction=0.2, num_workers=0, progress=False)
+    assert split_contents(tmp_path / "bom") == split_contents(tmp_path / "plain")
+
+
 def test_a_pairs_corpus_is_one_jsonl_file(tmp_path):
     (tmp_path / "pairs.txt").write_text("a\tb\n")
     with pytest.raises(DataError, match="not a .jsonl path"):

@@ -271,14 +271,15 @@ def _count_invalid(decoder, data: bytes, final: bool = False) -> int:
 
 
 def read_text(path: Path) -> str:
-    """A text file as str: UTF-8, undecodable bytes replaced (so odd files never stop a long run)."""
-    return path.read_bytes().decode("utf-8", errors="replace")
+    """A text file as str: UTF-8, undecodable bytes replaced (so odd files never stop a long run); a leading
+    byte-order mark is dropped ("utf-8-sig"), as it marks the encoding rather than being text."""
+    return path.read_bytes().decode("utf-8-sig", errors="replace")
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed JSON value) for each non-blank line of a .jsonl file, in order; a line that is
-    not JSON is a CorpusError naming the file and line."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+    not JSON is a CorpusError naming the file and line. A leading byte-order mark is dropped, as in read_text."""
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -177,6 +177,8 @@ def save_report(result: dict, out_dir: str | Path) -> dict[str, Path]:
             for hi, v in enumerate(row):
                 ax.text(hi, li, f"{v:.2f}", ha="center", va="center", fontsize=7,
                         color="white" if (key == "first_token_mass" and v < 0.5) else "black")
+        ax.set_xticks(range(len(grid[0])))         # one tick per head and per layer: cells sit on integers
+        ax.set_yticks(range(len(grid)))
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         ax.set_title(title, fontsize=9)
@@ -201,6 +203,9 @@ def _per_layer_plot(plt, x: list, y: list, ylabel: str, title: str, path: Path, 
     (ax.semilogy if log else ax.plot)(x, y, "o-")
     if not log:
         ax.set_ylim(bottom=0)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))     # layers are whole numbers: no 0.5 ticks
     ax.set_xlabel("layer")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from archlab.lab.document import Block
+from archlab.lab.plotstyle import series_style
 from archlab.lab.verdicts import curve
 
 CURVES = {"kn_bpb": "modified Kneser-Ney", "add_k_bpb": "maximum likelihood + add-k"}
@@ -49,10 +50,10 @@ def _plot(curves: dict[str, dict[float, float]], k: float | None, out: Path) -> 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=100)
-    for metric, title in CURVES.items():
+    for i, (metric, title) in enumerate(CURVES.items()):
         points = curves[metric]
         label = title.replace("add-k", f"add-{k:g}") if k else title
-        ax.plot(list(points), list(points.values()), "o-", label=label)
+        ax.plot(list(points), list(points.values()), label=label, **series_style(i))
     ax.set_xlabel("order n")
     ax.set_ylabel("validation bits/byte")
     ax.set_title("n-gram models: validation bits/byte against n", fontsize=9)

@@ -18,8 +18,9 @@ from typing import Any, Callable
 from archlab.lab import baseline, emergence_report, ngram_report, scaling_report
 from archlab.lab import suites as suites_mod
 from archlab.lab.document import Block
+from archlab.lab.plotstyle import series_style
 from archlab.lab.store import DB_FILE, ResultStore, RunRecord
-from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Verdict, judge_all, overall
+from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Verdict, judge_all, overall, tolerance
 
 STANDARD_METRICS = ("final_val_loss", "step_time_s", "lr_sensitivity", "diverged")
 # a suite's `analysis`: its own section after the plots, (suite, rows, img_dir, rel) -> blocks
@@ -162,7 +163,19 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
 def plot_curves(rows: list[RunRecord], out: Path, title: str) -> Path | None:
+    fig = curves_figure(rows, title)
+    return None if fig is None else _save(_plt(), fig, out)
+
+
+def curves_figure(rows: list[RunRecord], title: str):
     """Train loss per variant: the mean over seeds, shaded between the min and max seed."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.8), dpi=100)
@@ -174,11 +187,11 @@ def plot_curves(rows: list[RunRecord], out: Path, title: str) -> Path | None:
             continue
         n = min(len(c[0]) for c in curves)
         steps = curves[0][0][:n]
-        cols = list(zip(*(c[1][:n] for c in curves)))
+        cols = list(zip(*(c[1][:n] for c in curves)))   # per step: one loss per seed
         mean = [statistics.fmean(c) for c in cols]
-        line, = ax.plot(steps, mean, lw=1.2, label=variant)
+        line, = ax.plot(steps, mean, lw=1.2, label=variant, markevery=max(1, n // 10), ms=4, **series_style(drawn))
         if len(curves) > 1:
-            ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols], color=line.get_color(), alpha=0.2)
+            ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols], color=line.get_color(), alpha=0.15)
         drawn += 1
     if not drawn:
         plt.close(fig)
@@ -189,10 +202,7 @@ def plot_curves(rows: list[RunRecord], out: Path, title: str) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6 if drawn > 8 else 8, ncol=2 if drawn > 8 else 1)
     _clip_ylim(ax, rows)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def _clip_ylim(ax, rows):
@@ -203,7 +213,14 @@ def _clip_ylim(ax, rows):
 
 
 def plot_bars(rows: list[RunRecord], metric: str, out: Path, title: str, ylabel: str) -> Path | None:
-    """Mean of `metric` per variant with the std over seeds as error bars; diverged runs annotated."""
+    fig = bars_figure(rows, metric, title, ylabel)
+    return None if fig is None else _save(_plt(), fig, out)
+
+
+def bars_figure(rows: list[RunRecord], metric: str, title: str, ylabel: str):
+    """Mean of `metric` per variant with the std over seeds as error bars; diverged runs annotated. The
+    axis starts at 0, so bar heights compare as ratios; each bar is labelled with its mean, which is
+    where a gap of a few percent reads (the verdict table judges it against the seed spread)."""
     plt = _plt()
     names, means, stds, notes = [], [], [], []
     for variant in _variants_in_order(rows):
@@ -221,26 +238,24 @@ def plot_bars(rows: list[RunRecord], metric: str, out: Path, title: str, ylabel:
         return None
     fig, ax = plt.subplots(figsize=(max(5, 0.6 * len(names) + 2), 4.2), dpi=100)
     xs = range(len(names))
-    ax.bar(xs, means, yerr=stds, capsize=3, color="#5b8fd0")
-    for x, m, note in zip(xs, means, notes):
-        if note:
-            ax.text(x, m, note, ha="center", va="bottom", fontsize=7, color="crimson")
+    bars = ax.bar(xs, means, yerr=stds, capsize=3, color="#5b8fd0")
+    ax.bar_label(bars, labels=[" ".join(t for t in (_fmt(m, 4) if m else "", note) if t)
+                               for m, note in zip(means, notes)], fontsize=6, padding=2)
     ax.set_xticks(list(xs))
     ax.set_xticklabels(names, rotation=35, ha="right", fontsize=7)
     ax.set_ylabel(ylabel)
-    finite = [m for m in means if m]
-    if metric in ("final_val_loss", "val_loss_2x", "best_val_loss") and finite:
-        lo, hi = min(finite), max(m + s for m, s in zip(means, stds) if m)
-        ax.set_ylim(lo - 0.1 * (hi - lo + 0.05), hi + 0.1 * (hi - lo + 0.05))
-    ax.set_title(title, fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.set_title(title + " (axis from 0)", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def plot_lr(rows: list[RunRecord], lr_axis: str, out: Path, title: str) -> Path | None:
+    fig = lr_figure(rows, lr_axis, title)
+    return None if fig is None else _save(_plt(), fig, out)
+
+
+def lr_figure(rows: list[RunRecord], lr_axis: str, title: str):
     """Final loss against learning rate, one line per setting of the other axes; diverged = x at ln V."""
     plt = _plt()
     groups: dict[str, dict[float, list]] = {}
@@ -258,14 +273,14 @@ def plot_lr(rows: list[RunRecord], lr_axis: str, out: Path, title: str) -> Path 
     vocab = next((r.config.get("model", {}).get("vocab_size") for r in rows if r.config), 257)
     l0 = math.log(vocab)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
-    for key, by_lr in groups.items():
+    for i, (key, by_lr) in enumerate(groups.items()):
         lrs = sorted(by_lr)
         ys = []
         for lr in lrs:
             vals = [min(r.final_val_loss, l0) if (r.final_val_loss is not None and not r.diverged) else l0
                     for r in by_lr[lr]]
             ys.append(statistics.fmean(vals))
-        line, = ax.plot(lrs, ys, "o-", label=key)
+        line, = ax.plot(lrs, ys, label=key, **series_style(i))
         for lr in lrs:
             if any(r.diverged for r in by_lr[lr]):
                 ax.plot([lr], [l0], "x", color=line.get_color(), ms=9)
@@ -277,10 +292,7 @@ def plot_lr(rows: list[RunRecord], lr_axis: str, out: Path, title: str) -> Path 
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return fig
 
 
 # --------------------------------------------------------------------------- the report
@@ -307,8 +319,9 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
     vrows = []
     for v in verdicts:
         ours = "; ".join(f"{s.label}: {_fmt(s.mean)} ± {_fmt(s.std, 2)} (n={s.n})" for s in v.sides)
-        vrows.append([v.rule.statement, f"**{v.verdict}**", ours, v.reason])
-    blocks.append(Block("table", header=["rule", "verdict", "ours (mean ± std over seeds)", "test"], rows=vrows))
+        vrows.append([v.rule.statement, f"**{v.verdict}**", tolerance(v.rule) or "see test", ours, v.reason])
+    blocks.append(Block("table", header=["rule", "verdict", "tolerance", "ours (mean ± std over seeds)", "test"],
+                        rows=vrows))
     if suite.runs == "train":           # an n-gram suite's runs have no curves, sizes or step times
         blocks.extend(_variant_blocks(suite, rows, verdicts, img_dir, rel))
     if suite.analysis:

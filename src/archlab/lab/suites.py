@@ -314,8 +314,10 @@ def _bias() -> Suite:
             {"label": "none-layernorm", "set": {"norm.kind": "layernorm"}, "labels": {"bias": "none-ln"}},
         ],
         seeds=3,
+        # 0.02 nats: half the smallest effect the lab's `less` rules resolve (gated vs ungated FFNs,
+        # about 0.04 nats in CLAIMS.md), so parity cannot hold across a gap the size of a real effect
         rules=[Rule(kind="parity", metric="final_val_loss", a={"bias": "none-ln"}, b={"bias": "all"},
-                    tol=0.02, statement="no biases within 2% of biases everywhere (both LayerNorm)")],
+                    tol_abs=0.02, statement="no biases within 0.02 nats of biases everywhere (both LayerNorm)")],
         published="Lecture: modern LMs drop biases for memory and stability (no loss figure given)",
     )
 

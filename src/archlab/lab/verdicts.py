@@ -6,8 +6,11 @@ and prints what comes back. Kinds:
   less    mean(metric | a) < mean(metric | b) by more than the spread over seeds   -> held
           mean(a) > mean(b) by more than the spread                               -> did not hold
           otherwise                                                               -> inconclusive
-  parity  |mean(a) - mean(b)| <= tol * |mean(b)|                                  -> held
-          |mean(a) - mean(b)| >  tol * |mean(b)| + spread                         -> did not hold
+  parity  |mean(a) - mean(b)| <= allowed                                          -> held
+          |mean(a) - mean(b)| >  allowed + spread                                 -> did not hold
+          (allowed = tol_abs, in the metric's units (nats for a loss), when the rule sets it; else
+          tol * |mean(b)|. A tolerance must sit below the smallest gap the lab calls an effect, or parity
+          "holds" across a real one; `tolerance(rule)` words the bar the report prints beside the verdict)
   flat    the variants selected by `a`: (max mean - min mean) <= tol * min mean   -> held
           range > tol * min mean + spread (of the two extreme variants)            -> did not hold
   ratio   mean(a) / mean(b) == expected within tol (relative; deterministic metrics like KV bytes)
@@ -63,6 +66,7 @@ class Rule:
     over: str | None = None          # axis for lr_sensitivity; the numeric axis of falls / rises_past_best
     params: Literal["total", "non_embedding"] = "total"    # power_law: which parameter count is N
     versus: str | None = None        # sharper: the smooth metric `metric` is compared with
+    tol_abs: float | None = None     # parity: the allowed gap in the metric's units, instead of tol x |mean(b)|
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -81,6 +85,8 @@ class Rule:
             raise ValueError(f"rule {self.statement!r}: kind {self.kind} needs a `b` selector")
         if self.kind == "ratio" and self.expected is None:
             raise ValueError(f"rule {self.statement!r}: kind ratio needs `expected`")
+        if self.tol_abs is not None and (self.kind != "parity" or not self.tol_abs >= 0):
+            raise ValueError(f"rule {self.statement!r}: tol_abs is a parity rule's allowed gap (>= 0)")
         if self.metric == "lr_sensitivity" and not self.over:
             raise ValueError(f"rule {self.statement!r}: lr_sensitivity needs `over` (the LR axis)")
 
@@ -237,7 +243,7 @@ def judge(rule: Rule, rows: list) -> Verdict:
         reason = f"{a.label} - {b.label} = {diff:+.4g} (spread {spread:.3g})"
         return Verdict(rule, verdict, reason, sides, numbers)
     # parity
-    allowed = rule.tol * abs(b.mean)
+    allowed = rule.tol * abs(b.mean) if rule.tol_abs is None else rule.tol_abs
     numbers["allowed"] = allowed
     if abs(diff) <= allowed:
         verdict = HELD
@@ -245,8 +251,35 @@ def judge(rule: Rule, rows: list) -> Verdict:
         verdict = NOT_HELD
     else:
         verdict = INCONCLUSIVE
-    reason = f"|{diff:+.4g}| vs tolerance {allowed:.3g} ({rule.tol:.0%}) + spread {spread:.3g}"
+    bar = _allowed_text(rule) if rule.tol_abs is not None else f"{allowed:.3g} ({rule.tol:.0%})"
+    reason = f"|{diff:+.4g}| vs tolerance {bar} + spread {spread:.3g}"
     return Verdict(rule, verdict, reason, sides, numbers)
+
+
+def _units(metric: str) -> str:
+    return " nats" if metric.endswith("loss") else ""
+
+
+def _allowed_text(rule: Rule) -> str:
+    if rule.tol_abs is not None:
+        return f"{rule.tol_abs:g}{_units(rule.metric)}"
+    return f"{rule.tol:.0%} of {describe(rule.b or {}) if rule.kind == 'parity' else 'the lowest'}"
+
+
+_TOLERANCE_TEXT = {
+    "less": lambda r: "held if below by more than 1x the seed spread; did not hold if above by more",
+    "parity": lambda r: (f"held if the gap is within {_allowed_text(r)}; did not hold if it exceeds that "
+                         "by more than 1x the seed spread"),
+    "flat": lambda r: (f"held if the range is within {_allowed_text(r)}; did not hold if it exceeds that "
+                       "by more than 1x the seed spread"),
+    "ratio": lambda r: f"held if within {max(r.tol, 1e-9):.0%} of {r.expected:g}",
+}
+
+
+def tolerance(rule: Rule) -> str:
+    """The rule's bar in words, printed beside its verdict; kinds whose reason states it give ''."""
+    text = _TOLERANCE_TEXT.get(rule.kind)
+    return text(rule) if text else ""
 
 
 def _judge_flat(rule: Rule, rows: list) -> Verdict:

@@ -9,6 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from archlab.cli.generate import add_sampling_flags
+
 EXAMPLE = """example:
   archlab tokenizer chat-template runs/demo/tokenizer --format plain    # a template with no new tokens
   archlab chat runs/sft --system "You answer in one line." --max-new-tokens 64
@@ -36,12 +38,7 @@ def register(subparsers) -> None:
     p.add_argument("--system", default=None, help="system message, kept at the head of the conversation")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="most tokens per answer (default: the folder's generation config, else 100)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="0 = greedy (default, unless the folder's generation config samples)")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this much probability mass")
-    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the top probability")
-    p.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats (CTRL)")
+    add_sampling_flags(p)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (answer i samples with seed + i)")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=run)

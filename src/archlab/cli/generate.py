@@ -17,6 +17,16 @@ EXAMPLE = """example:
 """
 
 
+def add_sampling_flags(p) -> None:
+    """The sampling flags `generate` and `chat` share (each overrides the folder's generation config)."""
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default, unless the folder's generation config samples)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this much probability mass")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the top probability")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats (CTRL)")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "generate", help="generate text from a run folder or an HF folder",
@@ -35,12 +45,7 @@ def register(subparsers) -> None:
     p.add_argument("--source", default=None, help="source text to encode (an encoder-decoder, e.g. T5)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate (default: the folder's generation config, else 100)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="0 = greedy (default, unless the folder's generation config samples)")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this much probability mass")
-    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the top probability")
-    p.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats (CTRL)")
+    add_sampling_flags(p)
     p.add_argument("--no-repeat-ngram-size", type=int, default=None, help="never repeat an n-gram of this size")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--num-beams", type=int, default=None, help="beam search when > 1 (not streamed)")

@@ -36,7 +36,8 @@ def test_the_saved_optimizer_state_loads_under_todays_parameter_names():
     """Resuming reads the old run's optimizer state, by parameter name, through the same rename table as its
     weights (models/legacy_keys): every moment lands on the parameter it was saved for."""
     from archlab.models.legacy_keys import upgrade_keys, upgrade_optimizer_state
-    from archlab.runs.checkpoint import load_checkpoint, read_run_config
+    from archlab.runs.checkpoint import load_checkpoint
+    from archlab.runs.model_folder import read_run_config
     from archlab.training.config import TrainConfig
     from archlab.training.distributed import DistInfo, load_full_optimizer_state
     from archlab.training.optim import param_groups

@@ -12,7 +12,7 @@ from archlab.models import build_model
 from archlab.models.legacy_keys import RENAMES, current_key, upgrade_keys, upgrade_optimizer_state
 from archlab.nn.kv_cache import KVCache
 from archlab.nn.stack import TransformerStack
-from archlab.runs.checkpoint import model_with_weights
+from archlab.runs.model_folder import model_with_weights
 
 TINY = {"d_model": 32, "n_layers": 2, "attention.n_heads": 4, "mlp.d_ff": 64, "vocab_size": 50, "max_seq_len": 8}
 

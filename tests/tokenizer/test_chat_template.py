@@ -278,3 +278,48 @@ def test_the_vectorized_overlap_equals_transformers_one_pass():
         spans = [(int(a), int(b)) for a, b in cuts.reshape(-1, 2)]
         assert _overlaps(ends - lengths, ends, spans) == _overlaps_in_order((ends - lengths).tolist(),
                                                                             ends.tolist(), spans)
+
+
+def test_a_render_worker_ends_when_its_parent_is_killed_mid_render(tmp_path):
+    """A process killed while its template loops leaves no worker spinning behind it (an orphan would run the
+    loop for ever: nothing closes its stdin)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import threading, time\n"
+            "from archlab.tokenizer import chat_render as r\n"
+            "loop = '{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}'\n"
+            "threading.Thread(target=lambda: r.render_chat(loop, [{'role': 'user', 'content': 'x'}],\n"
+            "                 limits=r.RenderLimits(seconds=120)), daemon=True).start()\n"
+            "while not r._WORKERS: time.sleep(0.05)\n"
+            "time.sleep(1.0)\n"
+            "print(next(iter(r._WORKERS.values())).proc.pid, flush=True)\n"
+            "time.sleep(120)\n")
+    src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("archlab").__file__)))
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": src})
+    try:
+        worker = int(parent.stdout.readline())
+        os.kill(worker, 0)                                   # rendering the loop now
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                os.kill(worker, 0)
+            except ProcessLookupError:
+                break
+            try:                                             # reap it if it became our child's zombie
+                os.waitpid(worker, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.2)
+        else:
+            os.kill(worker, signal.SIGKILL)
+            raise AssertionError("the render worker outlived its killed parent")
+    finally:
+        if parent.poll() is None:
+            parent.kill()

@@ -210,6 +210,25 @@ def serve(stdin, stdout) -> None:
         stdout.flush()
 
 
+def _exit_with_parent() -> None:
+    """End this worker when its parent is gone. A parent killed mid-render (SIGKILL, a crash, a test run stopped)
+    never closes stdin, and a looping template would spin here for ever; a thread checks twice a second (a
+    template's Python loop yields the GIL to it)."""
+    import os
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 if __name__ == "__main__":
+    _exit_with_parent()
     _limit_memory(int(sys.argv[1]) if len(sys.argv) > 1 else 1024)
     serve(sys.stdin, sys.stdout)

@@ -159,7 +159,8 @@ def test_lab_workers_print_warnings_as_one_line(monkeypatch):
         return "row"
     monkeypatch.setattr(worker, "train_and_measure", fake_train_and_measure)
     run = SimpleNamespace(variant=SimpleNamespace(name="norm=rmsnorm"), seed=1)
-    job = SimpleNamespace(threads=0, suite=None, run=run, data=None, record=None, train_fn=None, measure=False)
+    job = SimpleNamespace(threads=0, suite=SimpleNamespace(runs="train"), run=run, data=None, record=None,
+                          train_fn=None, measure=False)
     before = warnings.formatwarning
     assert worker.run_job(job) == "row"
     assert seen == ["archlab ablate: norm=rmsnorm/seed1: warning: val split too short\n"]

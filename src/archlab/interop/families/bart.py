@@ -158,7 +158,7 @@ class _BartLike(Family):
         """BART's learned positions and embedding norms, Marian's computed sinusoids: each model has one kind."""
         rules = [Rule(("head_bias",), ("final_logits_bias",), lambda ts: [ts[0].reshape(-1)],
                       lambda ts: [ts[0].reshape(1, -1)])]
-        table = {"model.shared": "embed", "lm_head": "lm_head"}
+        table = {"model.shared": "embed"}
         for side, i, pos, emb_norm in (("encoder", "{i}", "abs_position", "embed_norm"),
                                        ("decoder", "{j}", "decoder_abs_position", "decoder_embed_norm")):
             s = f"model.{side}."
@@ -171,7 +171,7 @@ class _BartLike(Family):
                 layer |= attention("encoder_attn.", "q_proj k_proj v_proj out_proj", "cross_attn.")
                 layer["encoder_attn_layer_norm"] = "cross_norm"
             table |= layers(layer, f"{s}layers.{i}.", f"{side}.{i}.")
-        return rules + renames(table, "weight", "bias")
+        return rules + renames({"lm_head": "lm_head"}, "weight") + renames(table, "weight", "bias")
 
 
 @register_family

@@ -10,7 +10,7 @@ from archlab.interop.families.gpt_neox import (
     plain_activation,
     require_plain_transformer,
 )
-from archlab.interop.families.tables import Rule, attention, layers, rename, renames
+from archlab.interop.families.tables import Rule, attention, layers, renames
 
 
 @register_family
@@ -60,6 +60,6 @@ class GPTJFamily(Family):
     def weight_table(self, cfg: ModelConfig) -> list[Rule]:
         layer = {**attention("attn.", "q_proj k_proj v_proj out_proj"), "ln_1": "attn_norm",
                  "mlp.fc_in": "mlp.up_proj", "mlp.fc_out": "mlp.down_proj"}
-        return [rename("head_bias", "lm_head.bias")] + renames(
+        return renames(                    # lm_head's bias is the head bias (the model's lm_head.bias)
             {"transformer.wte": "embed", "transformer.ln_f": "final_norm", "lm_head": "lm_head",
              **layers(layer, "transformer.h.{i}.")}, "weight", "bias")

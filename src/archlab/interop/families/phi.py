@@ -9,7 +9,7 @@ from archlab.config import AttentionConfig, BiasConfig, BlockConfig, MLPConfig, 
 from archlab.interop.families.base import Family, HFConfig, register_family
 from archlab.interop.families.gpt_neox import PLAIN_ACT_BACK, plain_activation, require_plain_transformer
 from archlab.interop.families.rope import partial_rotary, read_rope, write_partial_rope
-from archlab.interop.families.tables import Rule, attention, layers, rename, renames
+from archlab.interop.families.tables import Rule, attention, layers, renames
 
 
 @register_family
@@ -60,6 +60,6 @@ class PhiFamily(Family):
         layer = {**attention("self_attn.", "q_proj k_proj v_proj dense"), "input_layernorm": "attn_norm",
                  "self_attn.q_layernorm": "attn.q_norm", "self_attn.k_layernorm": "attn.k_norm",
                  "mlp.fc1": "mlp.up_proj", "mlp.fc2": "mlp.down_proj"}
-        return [rename("head_bias", "lm_head.bias")] + renames(
+        return renames(                    # lm_head's bias is the head bias (the model's lm_head.bias)
             {"model.embed_tokens": "embed", "model.final_layernorm": "final_norm", "lm_head": "lm_head",
              **layers(layer, "model.layers.{i}.")}, "weight", "bias")

@@ -113,16 +113,13 @@ def table_rules(table: Iterable[Rule], cfg: ModelConfig) -> list[Rule]:
     if cfg.mlp.moe is not None:
         counts["e"] = cfg.mlp.moe.n_experts
     names = parameter_names(cfg)
-    rules, filled = [], set()
+    rules = []
     for rule in expand(table, counts):
         # our names as the model holds them today (a table may use an earlier layout's: models/legacy_keys)
         rule = dataclasses.replace(rule, ours=tuple(current_key(name, cfg.arch) for name in rule.ours))
-        if filled.issuperset(rule.ours):
-            continue          # a parameter an earlier, more specific rule fills (BART's final_logits_bias)
         present = [n in names for n in rule.ours]
         if all(present):
             rules.append(rule)
-            filled.update(rule.ours)
         elif any(present):
             raise ValueError(f"weight rule for {rule.hf} fills {rule.ours}, of which the model has only some")
     return rules

@@ -237,6 +237,17 @@ def test_a_folder_without_a_template_says_how_to_get_one(tmp_path, bpe):
         apply_chat_template(tmp_path, CHAT, chat_template=ZEPHYR, return_assistant_tokens_mask=True)
 
 
+def test_a_run_folder_renders_through_its_tokenizer_folder(tmp_path, bpe):
+    """A run folder keeps its tokenizer in tokenizer/: passing the run folder renders the same ids."""
+    from archlab.tokenizer.chat_builtin import install_chat_template
+
+    bpe.save(tmp_path / "run" / "tokenizer")
+    install_chat_template(tmp_path / "run" / "tokenizer", "chatml")
+    assert apply_chat_template(tmp_path / "run", CHAT) == apply_chat_template(tmp_path / "run" / "tokenizer", CHAT)
+    with pytest.raises(ChatTemplateError, match="not a tokenizer folder"):
+        apply_chat_template(tmp_path, CHAT)
+
+
 def test_a_worker_that_died_between_renders_is_replaced():
     from archlab.tokenizer import chat_render
 

@@ -119,14 +119,16 @@ class ChatTokenizer:
 
     @classmethod
     def of(cls, source: Any) -> ChatTokenizer:
-        """From a ChatTokenizer, a tokenizer folder, or a tokenizer object (an HFTokenizer brings the template of
-        the tokenizer_config.json it was loaded with; an archlab tokenizer brings no template (pass
-        chat_template=) and the roles of its special tokens, as its folder would)."""
+        """From a ChatTokenizer, a tokenizer folder (or a run folder: its tokenizer/), or a tokenizer object (an
+        HFTokenizer brings the template of the tokenizer_config.json it was loaded with; an archlab tokenizer
+        brings no template (pass chat_template=) and the roles of its special tokens, as its folder would)."""
         if isinstance(source, ChatTokenizer):
             return source
         if isinstance(source, (str, os.PathLike)):
             from archlab.tokenizer.loading import load
             folder = Path(source)
+            if not (folder / "tokenizer.json").is_file() and (folder / "tokenizer" / "tokenizer.json").is_file():
+                folder = folder / "tokenizer"          # a run folder keeps its tokenizer there
             if not (folder / "tokenizer.json").is_file():
                 raise ChatTemplateError(f"{folder}: not a tokenizer folder (no tokenizer.json)")
             return cls(load(folder), read_chat_templates(folder), read_special_tokens(folder))

@@ -1,0 +1,85 @@
+"""The post-training demo's mechanics at quick size: three run folders (base, SFT, DPO) that chain, answers scored
+on held-out words only, DPO's logs read back, the curves drawn. The full-size targets (exact match >= 90% after SFT,
+DPO raising the preferred case) are not asserted here: issue 31's slice 5 is open until they hold."""
+import json
+
+import pytest
+
+from archlab.demo import post_training as pt
+
+
+def test_held_out_words_never_reach_any_training_line(tmp_path):
+    sft, dpo = pt.write_task_data(tmp_path, sft_examples=2000, dpo_pairs=500)
+    held = set(pt.reverse_problems(200))
+    assert len(held) > 150 and all(len(w) == pt.WORD_LENGTH for w in held)
+    seen = set()
+    for line in sft.read_text().splitlines():
+        row = json.loads(line)
+        word = row["messages"][0]["content"].removeprefix(pt.INSTRUCTION)
+        answer = row["messages"][1]["content"]
+        assert answer in (word[::-1], word[::-1].upper())
+        seen.add(word)
+    for line in dpo.read_text().splitlines():
+        row = json.loads(line)
+        word = row["prompt"][0]["content"].removeprefix(pt.INSTRUCTION)
+        assert row["chosen"][0]["content"] == word[::-1] and row["rejected"][0]["content"] == word[::-1].upper()
+        seen.add(word)
+    base_words = {w for doc in pt._base_documents(20) for w in doc.split()}
+    assert not held & (seen | base_words)
+    capitals = sum(json.loads(line)["messages"][1]["content"].isupper() for line in sft.read_text().splitlines())
+    assert 0.4 < capitals / 2000 < 0.6                      # two annotators, one in capitals
+
+
+@pytest.fixture(scope="module")
+def quick_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("post") / "demo"
+    lines = []
+    return pt.run_post_training_demo(out, quick=True, progress=False, log=lines.append), lines
+
+
+def test_the_three_stages_chain_and_report(quick_demo):
+    result, lines = quick_demo
+    out = result.run_dir
+    for stage in ("base", "sft", "dpo"):
+        assert (out / stage / "metrics.jsonl").exists()
+    dpo_config = (out / "dpo" / "config.yaml").read_text()
+    assert "objective: dpo" in dpo_config
+    dpo_rows = [json.loads(x) for x in (out / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert any("rewards/accuracies" in r for r in dpo_rows)
+    assert result.dpo_reward_accuracy == [r for r in dpo_rows if "rewards/accuracies" in r][-1]["rewards/accuracies"]
+    for value in (result.exact_base, result.exact_sft, result.exact_dpo, result.preferred_sft, result.preferred_dpo):
+        assert 0.0 <= value <= 1.0
+    assert result.preferred_dpo <= result.exact_dpo      # an answer in the preferred case is a right answer
+    assert (out / "post_training.png").stat().st_size > 10_000
+    assert any(line.startswith("[4/4]") for line in lines)
+
+
+def test_scoring_counts_exact_and_preferred_answers(quick_demo, monkeypatch):
+    """score_reversal's counting against answers written by hand: a model replaced by one that reads the word
+    from the prompt and answers right (lowercase), right (capitals) or wrong by a rule."""
+    import torch
+
+    result, _ = quick_demo
+    words = pt.reverse_problems(12)
+    folder = result.run_dir / "sft"
+    from archlab.runs import model_folder
+    from archlab.tokenizer.chat import ChatTokenizer, apply_chat_template
+
+    chat = ChatTokenizer.of(folder / "tokenizer")
+    real_model, tokenizer = model_folder.load_model_and_tokenizer(folder)
+    end = chat.tokenizer.token_to_id("<|im_end|>")
+    width = len(apply_chat_template(chat, pt._user(words[0]), add_generation_prompt=True))
+    kinds = {w: ("lower", "upper", "wrong")[i % 3] for i, w in enumerate(words)}
+
+    def fake_generate(model, ids, max_new_tokens, eos_token_id):
+        rows = []
+        for row in ids.tolist():
+            word = tokenizer.decode(row).split(pt.INSTRUCTION)[1][:pt.WORD_LENGTH]
+            answer = {"lower": word[::-1], "upper": word[::-1].upper(), "wrong": word}[kinds[word]]
+            rows.append(row + tokenizer.encode(answer) + [end])
+        return torch.tensor(rows)
+
+    monkeypatch.setattr("archlab.generation.decode.generate", fake_generate)
+    scores = pt.score_reversal(folder, words)
+    assert width > pt.WORD_LENGTH
+    assert scores == {"exact": 8 / 12, "preferred": 4 / 12}

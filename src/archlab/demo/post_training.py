@@ -16,6 +16,9 @@ Why it learns in a minute: the words have one length and every example starts at
 restart their positions), so with learned absolute positions (GPT-2's) reversing is a fixed map from answer slot to
 word slot that one attention layer learns; RoPE has to find the mirrored slot from relative offsets, and a model
 this small sits on a plateau for hundreds of steps first.
+
+DPO's learning rate is 1e-4: at 1e-3 the loss went to 1e-4 within 60 steps while both answers' likelihoods fell,
+and held-out exact match dropped from 100% to 18% (the likelihood displacement DPO is known for).
 """
 from __future__ import annotations
 
@@ -113,16 +116,16 @@ def post_training_configs(*, quick: bool) -> dict[str, Any]:
                         norm={"kind": "rmsnorm"}, position={"kind": "learned"})
     common = dict(weight_decay=0.0, eval_batches=4, checkpoint_every=100_000, keep_last=1, sample_every=-1,
                   device="cpu", dtype="float32", budget_unit="steps")
-    steps = {"base": 8, "sft": 12, "dpo": 6} if quick else {"base": 150, "sft": 300, "dpo": 60}
+    steps = {"base": 8, "sft": 12, "dpo": 6} if quick else {"base": 150, "sft": 300, "dpo": 40}
     return {
         "model": model,
         "base": TrainConfig(lr=3e-3, warmup_steps=min(10, steps["base"]), batch_size=16, seq_len=64,
                             budget=steps["base"],
                             eval_every=max(4, steps["base"] // 3), log_every=max(2, steps["base"] // 30), **common),
-        "sft": TrainConfig(lr=3e-3, warmup_steps=min(20, steps["sft"]), batch_size=16, seq_len=128,
+        "sft": TrainConfig(lr=3e-3, warmup_steps=min(20, steps["sft"]), batch_size=32, seq_len=128,
                            budget=steps["sft"],
                            eval_every=max(4, steps["sft"] // 6), log_every=max(2, steps["sft"] // 60), **common),
-        "dpo": TrainConfig(lr=1e-3, warmup_steps=5, batch_size=16, seq_len=64, budget=steps["dpo"],
+        "dpo": TrainConfig(lr=1e-4, warmup_steps=5, batch_size=16, seq_len=64, budget=steps["dpo"],
                            eval_every=max(3, steps["dpo"] // 4), log_every=max(1, steps["dpo"] // 30),
                            objective="dpo", dpo_beta=0.1, **common),
         "sft_examples": 400 if quick else 24_000,

@@ -651,6 +651,8 @@ CASES = [
     ("demo encoder prompt without mask", ["demo", "--arch", "encoder", "--quick", "--prompt", "ROMEO:", "--out",
                                           "{new}"], "holds no [MASK]"),
     ("demo unknown corpus", ["demo", "--quick", "--corpus", "{tmp}/nocorpus", "--out", "{new}"], "nocorpus"),
+    ("demo post-training with an arch", ["demo", "--post-training", "--arch", "encoder", "--out", "{new}"],
+     "drop --arch"),
 ]
 
 

@@ -1,6 +1,5 @@
-"""The post-training demo's mechanics at quick size: three run folders (base, SFT, DPO) that chain, answers scored
-on held-out words only, DPO's logs read back, the curves drawn. The full-size targets (exact match >= 90% after SFT,
-DPO raising the preferred case) are not asserted here: issue 31's slice 5 is open until they hold."""
+"""The post-training demo: its mechanics at quick size (three run folders that chain, answers scored on held-out
+words only, DPO's logs read back, the curves drawn, the command) and, as a slow test, its targets at full size."""
 import json
 
 import pytest
@@ -24,7 +23,9 @@ def test_held_out_words_never_reach_any_training_line(tmp_path):
         word = row["prompt"][0]["content"].removeprefix(pt.INSTRUCTION)
         assert row["chosen"][0]["content"] == word[::-1] and row["rejected"][0]["content"] == word[::-1].upper()
         seen.add(word)
-    base_words = {w for doc in pt._base_documents(20) for w in doc.split()}
+    docs = pt._base_documents(2000)
+    assert all(doc == pt.plain_prompt(doc.split()[1]) + doc.split()[1][::-1] for doc in docs)
+    base_words = {doc.split()[1] for doc in docs}
     assert not held & (seen | base_words)
     capitals = sum(json.loads(line)["messages"][1]["content"].isupper() for line in sft.read_text().splitlines())
     assert 0.4 < capitals / 2000 < 0.6                      # two annotators, one in capitals
@@ -47,7 +48,8 @@ def test_the_three_stages_chain_and_report(quick_demo):
     dpo_rows = [json.loads(x) for x in (out / "dpo" / "metrics.jsonl").read_text().splitlines()]
     assert any("rewards/accuracies" in r for r in dpo_rows)
     assert result.dpo_reward_accuracy == [r for r in dpo_rows if "rewards/accuracies" in r][-1]["rewards/accuracies"]
-    for value in (result.exact_base, result.exact_sft, result.exact_dpo, result.preferred_sft, result.preferred_dpo):
+    for value in (result.exact_base_plain, result.exact_base, result.exact_sft, result.exact_dpo, result.preferred_sft,
+                  result.preferred_dpo):
         assert 0.0 <= value <= 1.0
     assert result.preferred_dpo <= result.exact_dpo      # an answer in the preferred case is a right answer
     assert (out / "post_training.png").stat().st_size > 10_000
@@ -83,3 +85,24 @@ def test_scoring_counts_exact_and_preferred_answers(quick_demo, monkeypatch):
     scores = pt.score_reversal(folder, words)
     assert width > pt.WORD_LENGTH
     assert scores == {"exact": 8 / 12, "preferred": 4 / 12}
+
+
+def test_the_demo_command_runs_the_three_stages(tmp_path, capsys):
+    from archlab.cli import main
+
+    assert main(["demo", "--post-training", "--quick", "--no-progress", "--out", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    assert "[2/4] instruction tuning" in out and "[3/4] preference tuning (DPO" in out
+    assert (tmp_path / "d" / "dpo" / "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_the_full_demo_meets_its_targets(tmp_path):
+    """Held-out exact match from ~0% (the base through the chat template) to >= 90% after SFT, and DPO raising
+    the share of answers in the preferred case without losing the task."""
+    result = pt.run_post_training_demo(tmp_path / "demo", progress=False, log=lambda line: None)
+    assert result.exact_base_plain >= 0.9          # the base can do the task in its pretraining format
+    assert result.exact_base <= 0.05               # ... but not as a chat
+    assert result.exact_sft >= 0.9
+    assert result.preferred_dpo >= result.preferred_sft + 0.2 and result.preferred_dpo >= 0.9
+    assert result.exact_dpo >= 0.9

@@ -10,6 +10,7 @@ EXAMPLE = """example:
   archlab demo --minutes 1 --out runs/demo-short
   archlab demo --arch encoder       # a BERT-style masked LM, ~4 minutes; run folder ./runs/demo-encoder
   archlab demo --arch encoder_decoder   # a T5-style model on span corruption; ./runs/demo-encoder_decoder
+  archlab demo --post-training      # pretraining, SFT and DPO of a tiny model; ./runs/demo-post-training
   archlab demo --quick              # seconds: a smoke test of every stage"""
 
 
@@ -32,6 +33,9 @@ def register(subparsers) -> None:
     p.add_argument("--prompt", default=None,
                    help="prompt of the final sample (default 'ROMEO:'); with --arch encoder the fill-mask line, "
                    "holding [MASK]")
+    p.add_argument("--post-training", action="store_true",
+                   help="the three training stages instead: pretrain a tiny model on a generated task, instruction-"
+                   "tune it on chat examples (SFT) and preference-tune it (DPO); held-out exact match before/after")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -40,6 +44,8 @@ def run(args) -> int:
     from archlab.config import ConfigError
     from archlab.demo.run import MASK_TOKEN, run_demo
 
+    if args.post_training:
+        return _post_training(args)
     if not 0 < args.minutes < math.inf:
         raise ConfigError(f"--minutes {args.minutes} must be a positive number")
     if args.arch == "encoder" and args.prompt is not None and MASK_TOKEN not in args.prompt:
@@ -47,4 +53,17 @@ def run(args) -> int:
     out = args.out or ("runs/demo" if args.arch == "decoder" else f"runs/demo-{args.arch}")
     run_demo(out, quick=args.quick, minutes=args.minutes, corpus=args.corpus, prompt=args.prompt,
              progress=not args.no_progress, arch=args.arch)
+    return 0
+
+
+def _post_training(args) -> int:
+    from archlab.config import ConfigError
+    from archlab.demo.post_training import run_post_training_demo
+
+    defaults = (("--arch", args.arch, "decoder"), ("--minutes", args.minutes, 2.5),
+                ("--corpus", args.corpus, "shakespeare"), ("--prompt", args.prompt, None))
+    given = [flag for flag, value, default in defaults if value != default]
+    if given:
+        raise ConfigError(f"--post-training generates its own task and sizes: drop {', '.join(given)}")
+    run_post_training_demo(args.out or "runs/demo-post-training", quick=args.quick, progress=not args.no_progress)
     return 0

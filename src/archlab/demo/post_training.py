@@ -1,24 +1,25 @@
 """`archlab demo --post-training`: the notes' three training stages on one tiny model, in a few minutes of CPU.
 
-    1. pretraining     a 0.4M-parameter decoder reads lines of random five-letter words (the base model: it has
-                       seen letters, never an instruction or a chat turn)
-    2. instruction     `archlab finetune` on chat examples `reverse abcde` -> `edcba` through the ChatML template,
-       tuning (SFT)    the loss on the answers only; two annotators wrote them, one in lowercase and one in capitals
+    1. pretraining     a 0.6M-parameter decoder reads plain-text documents `reverse abcde` / `edcba` (one per
+                       document, `train.document_masks`): the base knows the task as text, never as a chat turn
+    2. instruction     `finetune` on chat examples `reverse abcde` -> `edcba` through the ChatML template, the
+       tuning (SFT)    loss on the answers only; two annotators wrote them, one in lowercase and one in capitals
     3. preference      DPO on pairs that prefer the lowercase answer to the capitals, the SFT model the reference
        tuning (DPO)
 
-Reported on 200 held-out words (never in any training line): exact match, case ignored, of the base, the SFT and
-the DPO model (greedy decoding; target: ~0% -> >= 90%); the share of answers in the preferred case before and after
-DPO (SFT leaves it to chance, DPO should make it nearly all); DPO's logged reward accuracy; the three stages'
-loss curves in post_training.png.
+Reported on 200 held-out words (never in any training line): exact match, case ignored, of the base through the
+chat template, of the SFT and of the DPO model (greedy; target: ~0% -> >= 90%), and the base's in its own plain
+format; the share of answers in the preferred case before and after DPO (SFT leaves it to chance, DPO should make
+it nearly all); DPO's logged reward accuracy; the three stages' loss curves in post_training.png. The notes' point:
+instruction tuning teaches the format of a task the pretrained model can already do.
 
-Why it learns in a minute: the words have one length and every example starts at position 0 (packed examples
-restart their positions), so with learned absolute positions (GPT-2's) reversing is a fixed map from answer slot to
-word slot that one attention layer learns; RoPE has to find the mirrored slot from relative offsets, and a model
-this small sits on a plateau for hundreds of steps first.
-
-DPO's learning rate is 1e-4: at 1e-3 the loss went to 1e-4 within 60 steps while both answers' likelihoods fell,
-and held-out exact match dropped from 100% to 18% (the likelihood displacement DPO is known for).
+What was measured while choosing this (2-core CPU): the words have one length and each document or packed example
+starts at position 0, so with learned absolute positions (GPT-2's) reversing is a fixed map from answer slot to
+word slot. A base pretrained on lines of plain words instead stayed at 0-1% after 300 SFT steps (its attention
+had learned to look locally); from a fresh init SFT found the map after a plateau whose length varied by seed
+(100%, 100%, 45% at 200 steps); with RoPE the plateau outlasted 300 steps. DPO's learning rate is 1e-4: at 1e-3 the
+loss reached 1e-4 within 60 steps while both answers' likelihoods fell, and held-out exact match dropped from 100%
+to 18% (the likelihood displacement DPO is known for).
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ TEMPLATE = "chatml"
 @dataclass
 class PostTrainingResult:
     run_dir: Path
-    exact_base: float            # held-out exact match, case ignored
+    exact_base_plain: float      # held-out exact match of the base in the pretraining text's format
+    exact_base: float            # held-out exact match through the chat template, case ignored
     exact_sft: float
     exact_dpo: float
     preferred_sft: float         # share of held-out answers exactly the preferred (lowercase) reversal
@@ -100,11 +102,15 @@ def write_task_data(out: Path, *, sft_examples: int, dpo_pairs: int, seed: int =
     return out / "sft.jsonl", out / "dpo.jsonl"
 
 
+def plain_prompt(word: str) -> str:
+    """The task as the pretraining text writes it: the instruction, a line break, then the answer."""
+    return f"{INSTRUCTION}{word}\n"
+
+
 def _base_documents(n_docs: int, seed: int = 0) -> list[str]:
-    """Pretraining text: lines of eight training words (no held-out word, no instruction, no reversal)."""
-    rng = random.Random(seed + 1)
-    words = _words(rng, held_out=False)
-    return ["\n".join(" ".join(next(words) for _ in range(8)) for _ in range(40)) + "\n" for _ in range(n_docs)]
+    """Pretraining text: one `reverse WORD` / reversal pair per document, lowercase, training words only."""
+    words = _words(random.Random(seed + 1), held_out=False)
+    return [plain_prompt(w) + w[::-1] for w in (next(words) for _ in range(n_docs))]
 
 
 # ---- configs ---------------------------------------------------------------------------------------------------
@@ -116,11 +122,11 @@ def post_training_configs(*, quick: bool) -> dict[str, Any]:
                         norm={"kind": "rmsnorm"}, position={"kind": "learned"})
     common = dict(weight_decay=0.0, eval_batches=4, checkpoint_every=100_000, keep_last=1, sample_every=-1,
                   device="cpu", dtype="float32", budget_unit="steps")
-    steps = {"base": 8, "sft": 12, "dpo": 6} if quick else {"base": 150, "sft": 300, "dpo": 40}
+    steps = {"base": 8, "sft": 12, "dpo": 6} if quick else {"base": 200, "sft": 200, "dpo": 40}
     return {
         "model": model,
-        "base": TrainConfig(lr=3e-3, warmup_steps=min(10, steps["base"]), batch_size=16, seq_len=64,
-                            budget=steps["base"],
+        "base": TrainConfig(lr=3e-3, warmup_steps=min(10, steps["base"]), batch_size=32, seq_len=64,
+                            budget=steps["base"], document_masks=True,
                             eval_every=max(4, steps["base"] // 3), log_every=max(2, steps["base"] // 30), **common),
         "sft": TrainConfig(lr=3e-3, warmup_steps=min(20, steps["sft"]), batch_size=32, seq_len=128,
                            budget=steps["sft"],
@@ -157,6 +163,20 @@ def score_reversal(folder: Path, words: list[str]) -> dict[str, float]:
         exact += answer.lower() == word[::-1]
         preferred += answer == word[::-1]
     return {"exact": exact / len(words), "preferred": preferred / len(words)}
+
+
+def score_plain(folder: Path, words: list[str]) -> float:
+    """Greedy exact match of the model in `folder` on the task in the pretraining text's own format."""
+    import torch
+
+    from archlab.generation.decode import generate
+    from archlab.runs.model_folder import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(folder)
+    ids = torch.tensor([tokenizer.encode(plain_prompt(w)) for w in words])          # (n, t), one length
+    out = generate(model, ids, max_new_tokens=WORD_LENGTH)                          # (n, t + 5)
+    answers = [tokenizer.decode(row) for row in out[:, ids.shape[1]:].tolist()]
+    return sum(a == w[::-1] for a, w in zip(answers, words)) / len(words)
 
 
 def _metric_rows(run_dir: Path) -> list[dict]:
@@ -214,7 +234,7 @@ def _base_data(out: Path, n_docs: int, progress: bool) -> Path:
         install_chat_template(tmp, TEMPLATE)
         tokenizer = load(tmp)
     prepare(_base_documents(n_docs), tokenizer, out / "data", num_workers=0, progress=progress,
-            corpus_name="five-letter words")
+            corpus_name="reverse-a-word documents")
     install_chat_template(out / "data" / "tokenizer", TEMPLATE, overwrite=True)
     return out / "data"
 
@@ -235,16 +255,17 @@ def run_post_training_demo(out: str | Path = "runs/demo-post-training", *, quick
     words = reverse_problems(cfg["test_words"])
     seconds: dict[str, float] = {}
 
-    log(f"[1/4] pretraining the base: {cfg['base'].budget} steps on lines of random {WORD_LENGTH}-letter words "
-        "(a byte-level tokenizer carrying ChatML's tokens, untrained)")
-    data = _base_data(out, 60 if quick else 400, progress)
+    log(f"[1/4] pretraining the base: {cfg['base'].budget} steps on plain-text documents '{INSTRUCTION}abcde' / "
+        f"'edcba' ({WORD_LENGTH}-letter words; a byte-level tokenizer carrying ChatML's tokens, untrained)")
+    data = _base_data(out, 2_000 if quick else 40_000, progress)
     model_cfg = cfg["model"].with_overrides({"vocab_size": _vocab_size(data)})
     t = time.time()
     train(model_cfg, cfg["base"], data, out / "base", progress=progress)
     seconds["base"] = time.time() - t
     base = score_reversal(out / "base", words)
-    log(f"      {_parameters(out / 'base'):,} parameters, {seconds['base']:.0f} s; held-out exact match of the base "
-        f"through the chat template: {base['exact']:.0%}")
+    base_plain = score_plain(out / "base", words)
+    log(f"      {_parameters(out / 'base'):,} parameters, {seconds['base']:.0f} s; held-out exact match of the base: "
+        f"{base_plain:.0%} in its pretraining format, {base['exact']:.0%} through the chat template")
 
     sft_file, dpo_file = write_task_data(out, sft_examples=cfg["sft_examples"], dpo_pairs=cfg["dpo_pairs"])
     log(f"[2/4] instruction tuning: {cfg['sft'].budget} steps on {cfg['sft_examples']:,} chat examples "
@@ -271,9 +292,9 @@ def run_post_training_demo(out: str | Path = "runs/demo-post-training", *, quick
     plot_stages(out, out / "post_training.png")
     total = time.time() - t0
     log(f"[4/4] {len(words)} held-out words; loss curves in {out / 'post_training.png'}; {total:.0f} s in all")
-    log(f"next: archlab chat {out / 'dpo'}")
-    return PostTrainingResult(out, base["exact"], sft["exact"], dpo["exact"], sft["preferred"], dpo["preferred"],
-                              last, seconds, total)
+    log(f"next: archlab chat {out / 'dpo'} --max-new-tokens 8   (type: {INSTRUCTION}hello)")
+    return PostTrainingResult(out, base_plain, base["exact"], sft["exact"], dpo["exact"], sft["preferred"],
+                              dpo["preferred"], last, seconds, total)
 
 
 def _parameters(run_dir: Path) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import socket
@@ -27,6 +28,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -54,6 +56,18 @@ _ERRNO_HINTS = {errno.EFBIG: "a file-size limit (ulimit -f) or the file system's
 # none of them is imported here: requests' ConnectionError and Timeout, httpx's NetworkError and
 # TimeoutException (builtin ConnectionError covers huggingface_hub's OfflineModeIsEnabled and datasets').
 _NETWORK_ERROR_CLASSES = {"ConnectionError", "Timeout", "NetworkError", "TimeoutException"}
+
+
+def read_json_object(file: str | os.PathLike, error: type[Exception] = UserError) -> dict:
+    """The JSON object in `file` (config.json, tokenizer.json, ...): `error`, one line naming the file, when its
+    text is not UTF-8 or not JSON, or it holds another JSON value. Every reader of a JSON object file uses this."""
+    try:
+        data = json.loads(Path(file).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:          # json.JSONDecodeError is a ValueError
+        raise error(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise error(f"{file}: expected a JSON object, got a JSON {type(data).__name__}")
+    return data
 
 
 def is_network_error(exc: BaseException) -> bool:

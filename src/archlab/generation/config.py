@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from archlab.config import ConfigError
+from archlab.errors import read_json_object
 
 FILE = "generation_config.json"
 
@@ -132,11 +133,7 @@ def read_generation_config(folder: str | Path) -> GenerationConfig | None:
     path = Path(folder) / FILE
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
-    return GenerationConfig.from_dict(data, source=str(path))
+    return GenerationConfig.from_dict(read_json_object(path, ConfigError), source=str(path))
 
 
 def _is_off(key: str, value) -> bool:

@@ -1,10 +1,10 @@
 """The JSON files that name what an HF model folder or a PEFT adapter folder holds, read as data."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from archlab.config import ConfigError
+from archlab.errors import read_json_object as json_object
 
 
 def read_json_object(folder: str | Path, name: str, meant: str) -> dict:
@@ -13,10 +13,4 @@ def read_json_object(folder: str | Path, name: str, meant: str) -> dict:
     path = Path(folder) / name
     if not path.is_file():
         raise ConfigError(f"{folder}: no {name} (is this a {meant}?)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return json_object(path, ConfigError)

@@ -17,7 +17,6 @@ else:
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from archlab.errors import read_json_object
 from archlab.tokenizer.chat_render import (
     ChatTemplateError,
     ChatTemplateTimeout,
@@ -101,13 +101,7 @@ def _config(folder: Path) -> dict:
 
 
 def _json_object(file: Path) -> dict:
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ChatTemplateError(f"{file} is not readable JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ChatTemplateError(f"{file} is not a JSON object")
-    return data
+    return read_json_object(file, ChatTemplateError)
 
 
 @dataclass

@@ -16,11 +16,10 @@ The kinds never import this module: it imports them (layers read downward).
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from archlab.errors import UserError
+from archlab.errors import UserError, read_json_object
 from archlab.tokenizer.base import BaseTokenizer
 from archlab.tokenizer.bpe import Tokenizer
 from archlab.tokenizer.hf_wrapper import HFTokenizer
@@ -46,14 +45,7 @@ def _json_path(path: str | os.PathLike) -> Path:
 
 def read_tokenizer_json(path: str | os.PathLike) -> dict:
     """The parsed tokenizer.json; a file that is not JSON (or not an object) is a TokenizerFileError."""
-    file = _json_path(path)
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise TokenizerFileError(f"{file} is not a readable tokenizer.json ({exc})") from exc
-    if not isinstance(data, dict):
-        raise TokenizerFileError(f"{file} is not a tokenizer.json (a JSON {type(data).__name__}, not an object)")
-    return data
+    return read_json_object(_json_path(path), TokenizerFileError)
 
 
 def load(path: str | os.PathLike, *, fast: bool = True, hf_fallback: bool = True) -> BaseTokenizer | HFTokenizer:

@@ -29,8 +29,8 @@ from archlab.data.sft import SFTDataset, SFTSampler, is_sft, sft_eval_batches
 from archlab.data.tokens import BatchSampler, TokenDataset, eval_batches
 from archlab.errors import UserError
 
-__all__ = ["Batch", "open_splits", "TrainBatches", "validation_batches", "tokens_processed", "scores_text",
-           "objective_for", "objective_name", "OBJECTIVES"]
+__all__ = ["Batch", "open_splits", "SamplerState", "TrainBatches", "validation_batches", "tokens_processed",
+           "scores_text", "objective_for", "objective_name", "OBJECTIVES"]
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]
 
@@ -155,7 +155,22 @@ def _check_sft_objective(model_cfg: Any, train_cfg: Any) -> None:
                         "and train.document_masks=false")
 
 
-class TrainBatches:
+class SamplerState:
+    """Batches whose whole state is their sampler's: the epoch and a checkpoint's state pass through to it."""
+    sampler: Any
+
+    @property
+    def epoch(self) -> float:
+        return self.sampler.epoch
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+
+class TrainBatches(SamplerState):
     """The training batches of one rank: `next(step, micro)` -> (inputs, labels); its state is the sampler's.
     Example: inputs, labels = TrainBatches(model_cfg, train_cfg, train_data).next(step=0, micro=0)"""
 
@@ -197,16 +212,6 @@ class TrainBatches:
             return _as_batch(self.objective.batch(step, micro, self.rank))
         x, y = next(self.sampler)
         return _turn(self.objective, x, y, step, micro, self.rank)
-
-    @property
-    def epoch(self) -> float:
-        return self.sampler.epoch
-
-    def state_dict(self) -> dict:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
 
 
 def validation_batches(dataset: Any, *, batch_size: int, seq_len: int, max_batches: int | None = None,

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from archlab.data.batches import SamplerState
 from archlab.data.objectives import IGNORE
 from archlab.data.preference import PreferenceBatches, PreferenceData, load_preference_data, pad_pairs
 from archlab.errors import UserError
@@ -86,7 +87,7 @@ def implicit_rewards(logp: torch.Tensor, ref: torch.Tensor, beta: float) -> torc
     return beta * (logp - ref)
 
 
-class DPOBatches:
+class DPOBatches(SamplerState):
     """The trainer's batches for train.objective=dpo: PreferenceBatches' pairs, and the loss the trainer calls instead
     of the model's own (`loss(model, inputs, labels)` -> LossOutput) with the reference log-probs (`reference`, set
     by prepare_reference). Metrics gather between `metrics()` calls."""
@@ -101,16 +102,6 @@ class DPOBatches:
 
     def next(self, step: int, micro: int):
         return self.sampler.next(step, micro)
-
-    @property
-    def epoch(self) -> float:
-        return self.sampler.epoch
-
-    def state_dict(self) -> dict:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
 
     def loss(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> LossOutput:
         """The preference loss of one batch (2b rows: b chosen, then b rejected) under `model`."""

@@ -18,7 +18,6 @@ The stages, in order; every check passes before anything is written:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import shutil
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from archlab.config import ConfigError
+from archlab.data.preference import file_sha256
 from archlab.data.prepare import doc_score
 from archlab.data.tokenizer_adapter import vocab_size_of
 from archlab.data.tokens import META_FILE
@@ -111,14 +111,6 @@ def split_by_line(path: Path, examples: list, seed: int, val_fraction: float) ->
     return ([e for e, v in zip(examples, is_val) if not v], [e for e, v in zip(examples, is_val) if v])
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _checked_file(path: str | os.PathLike, flag: str) -> Path:
     path = Path(path)
     if not path.is_file():
@@ -165,8 +157,8 @@ def _write_data(folder: Path, arch: str, splits: dict, tokenizer_dir: Path, desc
 def _data_settings(data: Path, val: Path | None, cfg: TrainConfig, chat_template: str | None,
                    val_fraction: float) -> dict:
     """What the examples depend on, kept in the data folder's meta.json (a resume must find the same)."""
-    return {"corpus": str(data), "sha256": _sha256(data), "val_corpus": str(val) if val else None,
-            "val_sha256": _sha256(val) if val else None, "loss_mask": cfg.loss_mask, "truncation": cfg.truncation,
+    return {"corpus": str(data), "sha256": file_sha256(data), "val_corpus": str(val) if val else None,
+            "val_sha256": file_sha256(val) if val else None, "loss_mask": cfg.loss_mask, "truncation": cfg.truncation,
             "seq_len": cfg.seq_len, "seed": cfg.seed, "val_fraction": None if val else val_fraction,
             "chat_template": chat_template}
 

@@ -290,3 +290,18 @@ def test_from_an_hf_folder_the_run_copies_its_tokenizer_not_its_weights(world, t
     assert abs(_steps(out)[0]["loss"] - math.log(2)) < 1e-6
     assert (out / "tokenizer" / "tokenizer.json").is_file()
     assert not list((out / "tokenizer").glob("*.safetensors")) and not (out / "tokenizer" / "config.json").exists()
+
+
+def test_resume_with_other_data_is_refused_and_leaves_the_run_as_it_was(world, tmp_path, capsys):
+    """config.yaml, metrics and the stored reference log-probabilities stay as the first run wrote them."""
+    args = ("--set", "train.budget=2", "--set", "train.checkpoint_every=2")
+    _dpo(world, tmp_path / "run", *args)
+    _jsonl(world / "other.jsonl", _pairs(24, seed=7))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
+    capsys.readouterr()
+    code = main(["train", "--init-from", str(world / "base"), "--data", str(world / "other.jsonl"), "--out",
+                 str(tmp_path / "run"), *COMMON, "--set", "train.objective=dpo", *args, "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "error" in err[0], err
+    after = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
+    assert after == before

@@ -59,8 +59,9 @@ _NETWORK_ERROR_CLASSES = {"ConnectionError", "Timeout", "NetworkError", "Timeout
 
 
 def read_json_object(file: str | os.PathLike, error: type[Exception] = UserError) -> dict:
-    """The JSON object in `file` (config.json, tokenizer.json, ...): `error`, one line naming the file, when its
-    text is not UTF-8 or not JSON, or it holds another JSON value. Every reader of a JSON object file uses this."""
+    """The JSON object in `file` (config.json, tokenizer.json, generation_config.json, ...); `error`, one line
+    naming the file, when its text is not UTF-8 or not JSON, or it holds another JSON value.
+    Example: read_json_object("runs/x/tokenizer/tokenizer.json", TokenizerFileError)["model"]["type"] -> "BPE" """
     try:
         data = json.loads(Path(file).read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:          # json.JSONDecodeError is a ValueError

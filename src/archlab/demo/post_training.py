@@ -179,21 +179,18 @@ def score_plain(folder: Path, words: list[str]) -> float:
     return sum(a == w[::-1] for a, w in zip(answers, words)) / len(words)
 
 
-def _metric_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def plot_stages(out: Path, png: Path) -> None:
     """The three stages' training loss side by side (validation points where logged), DPO's reward accuracy."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from archlab.training.metrics import read_metrics
+
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     titles = {"base": "1. pretraining (next token)", "sft": "2. SFT (answer tokens)", "dpo": "3. DPO"}
     for ax, (stage, title) in zip(axes, titles.items()):
-        rows = _metric_rows(out / stage)
+        rows = read_metrics(out / stage / "metrics.jsonl")
         train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
         val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
         if train:
@@ -219,24 +216,18 @@ def plot_stages(out: Path, png: Path) -> None:
 
 
 # ---- the demo --------------------------------------------------------------------------------------------------
-def _base_data(out: Path, n_docs: int, progress: bool) -> Path:
+def _base_data(out: Path, n_docs: int, progress: bool) -> tuple[Path, int]:
     """A byte-level tokenizer with ChatML's tokens and template (as base models ship theirs, untrained) and the
-    base corpus prepared with it."""
-    import tempfile
-
+    base corpus prepared with it: (the data folder, its vocabulary size)."""
     from archlab.data.prepare import prepare
     from archlab.tokenizer import Tokenizer
-    from archlab.tokenizer.chat_builtin import install_chat_template
-    from archlab.tokenizer.loading import load
+    from archlab.tokenizer.chat_builtin import add_chat_tokens, install_chat_template
 
-    with tempfile.TemporaryDirectory() as tmp:
-        Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]).save(tmp)
-        install_chat_template(tmp, TEMPLATE)
-        tokenizer = load(tmp)
-    prepare(_base_documents(n_docs), tokenizer, out / "data", num_workers=0, progress=progress,
-            corpus_name="reverse-a-word documents")
-    install_chat_template(out / "data" / "tokenizer", TEMPLATE, overwrite=True)
-    return out / "data"
+    tokenizer, _ = add_chat_tokens(Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]), TEMPLATE)
+    meta = prepare(_base_documents(n_docs), tokenizer, out / "data", num_workers=0, progress=progress,
+                   corpus_name="reverse-a-word documents")
+    install_chat_template(out / "data" / "tokenizer", TEMPLATE)     # the tokens are there: writes the template
+    return out / "data", int(meta["vocab_size"])
 
 
 def run_post_training_demo(out: str | Path = "runs/demo-post-training", *, quick: bool = False,
@@ -246,6 +237,7 @@ def run_post_training_demo(out: str | Path = "runs/demo-post-training", *, quick
     from archlab.demo.stages import _prepare_out
     from archlab.training.finetune import finetune
     from archlab.training.init_from import read_init_source
+    from archlab.training.metrics import read_metrics
     from archlab.training.trainer import train
 
     out = Path(out)
@@ -257,8 +249,8 @@ def run_post_training_demo(out: str | Path = "runs/demo-post-training", *, quick
 
     log(f"[1/4] pretraining the base: {cfg['base'].budget} steps on plain-text documents '{INSTRUCTION}abcde' / "
         f"'edcba' ({WORD_LENGTH}-letter words; a byte-level tokenizer carrying ChatML's tokens, untrained)")
-    data = _base_data(out, 2_000 if quick else 40_000, progress)
-    model_cfg = cfg["model"].with_overrides({"vocab_size": _vocab_size(data)})
+    data, vocab_size = _base_data(out, 2_000 if quick else 40_000, progress)
+    model_cfg = cfg["model"].with_overrides({"vocab_size": vocab_size})
     t = time.time()
     train(model_cfg, cfg["base"], data, out / "base", progress=progress)
     seconds["base"] = time.time() - t
@@ -284,7 +276,8 @@ def run_post_training_demo(out: str | Path = "runs/demo-post-training", *, quick
     train(source.model_config, cfg["dpo"], dpo_file, out / "dpo", progress=progress, init_from=source)
     seconds["dpo"] = time.time() - t
     dpo = score_reversal(out / "dpo", words)
-    accuracy = [r["rewards/accuracies"] for r in _metric_rows(out / "dpo") if "rewards/accuracies" in r]
+    accuracy = [r["rewards/accuracies"] for r in read_metrics(out / "dpo" / "metrics.jsonl")
+                if "rewards/accuracies" in r]
     last = accuracy[-1] if accuracy else float("nan")
     log(f"      {seconds['dpo']:.0f} s; answers in the preferred case {sft['preferred']:.0%} -> "
         f"{dpo['preferred']:.0%}, exact match {dpo['exact']:.0%}; last reward accuracy {last:.0%}")
@@ -303,6 +296,3 @@ def _parameters(run_dir: Path) -> int:
     model, _ = load_model_and_tokenizer(run_dir, need_tokenizer=False)
     return sum(p.numel() for p in model.parameters())
 
-
-def _vocab_size(data: Path) -> int:
-    return int(json.loads((data / "meta.json").read_text())["vocab_size"])

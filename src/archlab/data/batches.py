@@ -156,7 +156,8 @@ def _check_sft_objective(model_cfg: Any, train_cfg: Any) -> None:
 
 
 class SamplerState:
-    """Batches whose whole state is their sampler's: the epoch and a checkpoint's state pass through to it."""
+    """Batches whose whole state is their sampler's: the epoch and a checkpoint's state pass through to it.
+    Example: class DPOBatches(SamplerState) sets self.sampler; its state_dict() is the sampler's"""
     sampler: Any
 
     @property

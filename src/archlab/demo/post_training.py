@@ -69,7 +69,8 @@ def _words(rng: random.Random, held_out: bool):
 
 
 def reverse_problems(n: int, seed: int = 1234) -> list[str]:
-    """`n` held-out words: no training line of any stage holds them."""
+    """`n` held-out words: no training line of any stage holds them. Example: reverse_problems(3) -> three
+    five-letter words, the same on every call"""
     words = _words(random.Random(seed), held_out=True)
     return [next(words) for _ in range(n)]
 
@@ -115,7 +116,8 @@ def _base_documents(n_docs: int, seed: int = 0) -> list[str]:
 
 # ---- configs ---------------------------------------------------------------------------------------------------
 def post_training_configs(*, quick: bool) -> dict[str, Any]:
-    """The model and the three stages' training settings; `quick` shrinks the steps to seconds (for tests)."""
+    """The model and the three stages' training settings; `quick` shrinks the steps to seconds (for tests).
+    Example: post_training_configs(quick=False)["sft"].budget -> 200"""
     model = ModelConfig(name="demo-post-training", vocab_size=260, d_model=96 if quick else 128, n_layers=2,
                         max_seq_len=128, attention={"n_heads": 4},
                         mlp={"activation": "swiglu", "d_ff": 256 if quick else 512},
@@ -233,7 +235,7 @@ def _base_data(out: Path, n_docs: int, progress: bool) -> tuple[Path, int]:
 def run_post_training_demo(out: str | Path = "runs/demo-post-training", *, quick: bool = False,
                            progress: bool = True, log=print) -> PostTrainingResult:
     """Pretrain, instruction-tune and preference-tune a tiny model into `out` (base/, sft/, dpo/ run folders);
-    print each stage's figures and return them."""
+    print each stage's figures and return them. Example: run_post_training_demo("runs/p", quick=True).exact_sft"""
     from archlab.demo.stages import _prepare_out
     from archlab.training.finetune import finetune
     from archlab.training.init_from import read_init_source

@@ -202,3 +202,76 @@ def test_cuda_compiled_flex_is_chosen_and_equals_eager_with_gradients(monkeypatc
     torch.testing.assert_close(grads[None][0], grads["eager"][0], rtol=1e-4, atol=1e-4)
     for got, ref in zip(grads[None][1], grads["eager"][1]):
         torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-4)
+
+
+class _LooksCuda(torch.Tensor):
+    """A CPU tensor that answers is_cuda (supports() reads the flag; nothing runs on it)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_a_head_dimension_below_16_is_refused_on_cuda():
+    """The compiled kernel's lowering refuses E < 16 ("NYI", seen on an H200): the chooser must skip it there."""
+    pos = torch.arange(4)[None]
+    for e, refused in ((8, True), (16, False)):
+        q = torch.Tensor._make_subclass(_LooksCuda, torch.randn(1, 2, 4, e))
+        with torch.no_grad():
+            why = FLEX.supports(AttnCall(q, q, q, 1.0, spec=MaskSpec().with_window(2), q_pos=pos, k_pos=pos,
+                                         aligned=True))
+        assert (why is not None and "at least 16" in why) == refused, (e, why)
+
+
+def test_a_kernel_torch_cannot_build_runs_eager_once_warned_then_the_shape_goes_elsewhere(monkeypatch):
+    from torch._inductor.exc import InductorError
+
+    from archlab.nn import flex_attention
+    monkeypatch.setattr(flex_attention, "_UNBUILDABLE", {})
+    tried = []
+
+    def unbuildable(device):
+        def kernel(*a, **kw):
+            tried.append(a[0].shape)
+            raise InductorError(RuntimeError("LoweringException: NoValidChoicesError: No choices to select"), None)
+        return kernel
+    monkeypatch.setattr(flex_attention, "_kernel", unbuildable)
+    model = TransformerLM(variant("window")).eval()
+    x = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        with forced("eager"):
+            ref = model(x)
+        ran = _ran(monkeypatch)
+        with forced("flex"), pytest.warns(RuntimeWarning, match="could not build a kernel .*NoValidChoicesError"):
+            first = model(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            with forced("flex"):
+                second = model(x)
+    assert len(tried) == 1                                  # one attempt; the second layer's call is refused
+    assert ran[0] == "flex" and "flex" not in ran[1:], ran
+    torch.testing.assert_close(first, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second, ref, rtol=1e-5, atol=1e-5)
+    call_shape = next(iter(flex_attention._UNBUILDABLE))
+    assert call_shape[1] == torch.float32 and "NoValidChoicesError" in flex_attention._UNBUILDABLE[call_shape]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: the compiled kernel's limits")
+def test_cuda_small_heads_and_mqa_in_fp32_train_equal_to_eager():
+    """Seen on an H200 (torch 2.11): E=8 failed to lower and fp32 MQA with gradients found no kernel; both now
+    run (on another backend, or eager once with a warning) and equal the reference."""
+    warnings.filterwarnings("ignore")
+    for overrides in ({"d_model": 32}, {"d_model": 64, "attention.n_kv_heads": 1}):
+        cfg = variant("window").with_overrides(overrides)
+        model = TransformerLM(cfg).cuda()
+        x = torch.randint(0, cfg.vocab_size, (2, 40), device="cuda")
+        out = {}
+        for name in ("eager", None):
+            model.zero_grad()
+            with forced(name):
+                logits = model(x)
+            logits.float().square().mean().backward()
+            out[name] = (logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        torch.testing.assert_close(out[None][0], out["eager"][0], rtol=1e-4, atol=1e-4)
+        for got, ref in zip(out[None][1], out["eager"][1]):
+            torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-4)

@@ -17,22 +17,39 @@ sigmoid(lse - sink) from the kernel's log-sum-exp. Direct callers' mask and bias
 
 torch 2.13 runs FlexAttention's forward on CPU (the unfused reference) but no backward there: on CPU it
 serves forced("flex") under torch.no_grad(); on CUDA the compiled kernel is chosen for masked calls.
+
+The compiled kernel has limits of its own, found on an H200 (torch 2.11): a head dimension below 16 is refused
+by its lowering (supports() says so), and some shapes find no kernel configuration at all (fp32, one key/value
+head for four query heads, head dimension 16, with gradients: "NoValidChoicesError"). A call whose kernel
+cannot be built runs on the eager reference with one warning, and its shape is refused from then on, so the
+chooser takes the next backend instead of recompiling on every call.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
+from torch._inductor.exc import LoweringException
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
-from archlab.nn.attention_backends import AttnCall, Backend, register
+from archlab.nn.attention_backends import AttnCall, Backend, register, softmax_attention
 from archlab.nn.masks import MaskSpec
 from archlab.nn.position import ALiBi, T5Bias
 
 __all__ = ["Flex", "spec_mask_mod"]
 
 _COMPILED: Callable[..., Any] | None = None   # torch.compile(flex_attention), built on first CUDA use
+_UNBUILDABLE: dict[tuple, str] = {}            # kernel_shape(call) -> why torch could not build its kernel
+BUILD_ERRORS = (BackendCompilerFailed, LoweringException)   # InductorError is a BackendCompilerFailed
+
+
+def kernel_shape(call: AttnCall) -> tuple:
+    """What selects a compiled kernel's configuration: dtype, head dims, query / key-value heads, gradients."""
+    return (call.q.device.type, call.q.dtype, call.q.shape[-1], call.v.shape[-1], call.q.shape[1], call.k.shape[1],
+            _needs_grad(call))
 
 
 def _kernel(device: torch.device) -> Callable[..., Any]:
@@ -170,6 +187,10 @@ class Flex(Backend):
             return "a spec with its positions"
         if call.position_bias is not None and (call.spec is None or not _relative(call.position_bias)):
             return "a position bias of the distance q - k only (ALiBi, T5) over a spec's positions"
+        if call.q.is_cuda and min(call.q.shape[-1], call.v.shape[-1]) < 16:
+            return "a head dimension of at least 16 (the compiled CUDA kernel's minimum)"
+        if (why := _UNBUILDABLE.get(kernel_shape(call))) is not None:
+            return f"torch could not build the compiled kernel for this shape here ({why})"
         if cpu and _needs_grad(call):
             return "torch 2.13 has no CPU FlexAttention backward (forward under torch.no_grad() only)"
         return None
@@ -185,6 +206,18 @@ class Flex(Backend):
         return not plain or any(x is not None for x in extras)
 
     def __call__(self, call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        try:
+            return self._flex(call)
+        except BUILD_ERRORS as e:
+            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            _UNBUILDABLE[kernel_shape(call)] = why
+            warnings.warn(f"FlexAttention: torch could not build a kernel for {tuple(call.q.shape)} "
+                          f"{call.q.dtype} queries and {call.k.shape[1]} key/value heads ({why}); this shape runs "
+                          "on the other backends from now on", RuntimeWarning, stacklevel=2)
+            out, _, _ = softmax_attention(call)
+            return out, None
+
+    def _flex(self, call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         pairs = _spec_pairs(call) if call.spec is not None else None
         block_mask = pairs.block_mask if pairs is not None else _tensor_block_mask(call)
         q = call.q                                                                # (b, h, t, e)

@@ -159,6 +159,26 @@ def nan_in(rel: str):
     return damage
 
 
+def nan_in_checkpoint(name: str):
+    """NaN in three values of weight `name` of the run's checkpoint, meta.json's size and sha256 rewritten to
+    match: a checkpoint that verifies but holds weights of a run that diverged."""
+    def damage(folder: Path) -> None:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        from archlab.runs.checkpoint import sha256_file
+        path = next(folder.glob(CKPT))
+        with safe_open(str(path), "pt") as f:
+            tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        tensors[name].view(-1)[:3] = float("nan")
+        save_file(tensors, path, metadata=metadata)
+
+        def rehash(meta: dict) -> None:
+            meta["files"][path.name], meta["sha256"][path.name] = path.stat().st_size, sha256_file(path)
+        edit_json("checkpoints/step_*/meta.json", rehash)(folder)
+    return damage
+
+
 def nonempty_dir(tmp: Path, w: dict) -> None:
     (tmp / "out").mkdir()
     (tmp / "out" / "keep.txt").write_text("mine")
@@ -450,10 +470,20 @@ CASES = [
      "num_attention_heads='four' must be a whole number", copy_of("hf", hf_field("num_attention_heads", "four"))),
     ("convert from eps not a number", ["convert", "--from-hf", "{tmp}/copy", "--out", "{new}"],
      "rms_norm_eps='small' must be a number", copy_of("hf", hf_field("rms_norm_eps", "small"))),
-    ("convert from nan weights", ["convert", "--from-hf", "{tmp}/copy", "--out", "{new}"], "NaN or infinite",
+    ("convert from nan weights", ["convert", "--from-hf", "{tmp}/copy", "--out", "{new}"], "holds NaN (1 of",
      copy_of("hf", nan_in("model.safetensors"))),
-    ("generate hf nan weights", ["generate", "{tmp}/copy", "--prompt", "x"], "NaN or infinite",
+    ("generate hf nan weights", ["generate", "{tmp}/copy", "--prompt", "x"], "holds NaN (1 of",
      copy_of("hf", nan_in("model.safetensors"))),
+    ("generate sampled from nan weights", ["generate", "{tmp}/copy", "--prompt", "x", "--temperature", "0.8",
+                                           "--max-new-tokens", "8"],
+     "weight blocks.0.attn.q_proj.weight holds NaN (3 of 1,024 values): the run diverged",
+     copy_of("run", nan_in_checkpoint("blocks.0.attn.q_proj.weight"))),
+    ("convert to from nan weights", ["convert", "--to-hf", "{tmp}/copy", "--out", "{new}"],
+     "weight blocks.0.attn.q_proj.weight holds NaN (3 of 1,024 values): the run diverged",
+     copy_of("run", nan_in_checkpoint("blocks.0.attn.q_proj.weight"))),
+    ("train resume from nan weights", ["train", "--data", "{data}", "--out", "{tmp}/copy", "--resume", "--config",
+                                       "{tmp}/copy/config.yaml", "--no-progress"], "holds NaN (3 of 1,024 values)",
+     copy_of("run", nan_in_checkpoint("blocks.0.attn.q_proj.weight"))),
     ("convert from into run", ["convert", "--from-hf", "{hf}", "--out", "{run}"], "--overwrite"),
     ("convert from into nonempty", ["convert", "--from-hf", "{hf}", "--out", "{tmp}/out"], "--overwrite",
      nonempty_dir),

@@ -12,7 +12,6 @@ import pytest
 from archlab.cli import main as cli_main
 from archlab.config import ModelConfig
 from archlab.data.prepare import prepare
-from archlab.training import throughput
 from archlab.training.loglines import LogLines
 from archlab.training.optim import warmup_shortfall
 from archlab.training.throughput import CpuShare, busy_note
@@ -110,19 +109,25 @@ def test_library_default_without_progress_stays_silent(data_dir, tmp_path, capsy
 
 
 # ---- a busy machine ----------------------------------------------------------------------------------------------
-def _machine(busy_share: float):
-    """A fake /proc/stat: each read advances the machine 10 CPU-seconds, `busy_share` of them busy."""
-    clock = [0.0]
+def _machine(monkeypatch, busy_share: float, own_share: float = 0.0) -> None:
+    """A fake /proc/stat and process clock on CpuShare: each read advances the machine 10 CPU-seconds,
+    `busy_share` of them busy, `own_share` of them this process's (not its real CPU time, which a slow machine
+    makes anything)."""
+    clock = [0.0, 0.0]
 
     def read():
         clock[0] += 10.0
         return busy_share * clock[0], clock[0]
-    return read
+
+    def own():
+        clock[1] += 10.0 * own_share
+        return clock[1]
+    monkeypatch.setattr(CpuShare, "read", staticmethod(read))
+    monkeypatch.setattr(CpuShare, "own", staticmethod(own))
 
 
 def test_cpu_share_is_the_machines_busy_time_less_this_process(monkeypatch):
-    monkeypatch.setattr(CpuShare, "read", staticmethod(_machine(0.9)))
-    monkeypatch.setattr(throughput.time, "process_time", iter([0.0, 2.0]).__next__)   # this process: 2 of 10 s
+    _machine(monkeypatch, 0.9, own_share=0.2)                                          # this process: 2 of 10 s
     assert CpuShare().others() == pytest.approx(0.7)
     monkeypatch.setattr(CpuShare, "read", staticmethod(lambda: None))                 # no /proc/stat
     assert CpuShare().others() is None
@@ -131,12 +136,17 @@ def test_cpu_share_is_the_machines_busy_time_less_this_process(monkeypatch):
 
 def test_a_busy_machine_is_named_beside_the_throughput(data_dir, tmp_path, capsys, monkeypatch):
     cfg = TrainConfig(**FAST, budget=2, warmup_steps=1)
-    monkeypatch.setattr(CpuShare, "read", staticmethod(_machine(1.0)))
+    _machine(monkeypatch, 1.0, own_share=0.1)       # the machine all busy, a tenth of it this process
     result = train(tiny(), cfg, data_dir, tmp_path / "busy", progress=True)
     err = capsys.readouterr().err
-    assert "while the matmul peak was measured" in err and "while this run trained" in err
-    assert result.cpu_others_share > 0.9
-    monkeypatch.setattr(CpuShare, "read", staticmethod(_machine(0.0)))
+    assert "other processes used 90% of this machine's CPU time while the matmul peak was measured" in err
+    assert "other processes used 90% of this machine's CPU time while this run trained" in err
+    assert result.cpu_others_share == pytest.approx(0.9)
+    _machine(monkeypatch, 0.2, own_share=0.1)       # 10% others: below BUSY_SHARE, nothing said
+    result = train(tiny(), cfg, data_dir, tmp_path / "quiet", progress=True)
+    assert "other processes used" not in capsys.readouterr().err
+    assert result.cpu_others_share == pytest.approx(0.1)
+    _machine(monkeypatch, 0.0)
     result = train(tiny(), cfg, data_dir, tmp_path / "idle", progress=True)
     assert "other processes used" not in capsys.readouterr().err
     assert result.cpu_others_share == 0.0

@@ -35,7 +35,7 @@ from archlab.models.decoder import TransformerLM
 from archlab.models.encoder import EncoderLM
 from archlab.models.encoder_decoder import EncoderDecoderLM
 from archlab.progress import progress_bar
-from archlab.runs.checkpoint import make_readable
+from archlab.runs.checkpoint import make_readable, nonfinite
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -103,13 +103,12 @@ class SafetensorsFolder:
         return list(self.files)
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor `name`; a NaN or infinity in a floating-point tensor is a WeightsError naming it (such
-        weights load without a word and sample garbage)."""
+        """The tensor `name`; a NaN or infinity in a floating-point tensor is a WeightsError naming it
+        (archlab.runs.checkpoint.nonfinite, the rule a run folder's weights follow too)."""
         tensor = self._open(self.files[name]).get_tensor(name)
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise WeightsError(f"{self.files[name]}: tensor {name} holds {bad:,} NaN or infinite value(s) of "
-                               f"{tensor.numel():,}; refusing weights that are not finite")
+        bad = nonfinite(name, tensor)
+        if bad is not None:
+            raise WeightsError(f"{self.files[name]}: {bad}; refusing weights that are not finite")
         return tensor
 
 

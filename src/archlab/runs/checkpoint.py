@@ -50,6 +50,7 @@ __all__ = [
     "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint",
     "MODEL_FILE", "TRAINER_FILE", "META_FILE",
     "verify_checkpoint", "verified_weights", "resumable_checkpoint", "holds_trainer_state", "FORMAT_VERSION",
+    "nonfinite",
 ]
 
 FORMAT_VERSION = 2                 # 1: trainer.pt (pickle); 2: trainer.safetensors + sha256 in meta.json
@@ -125,8 +126,21 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+def nonfinite(name: str, tensor: torch.Tensor) -> str | None:
+    """What is wrong with weight `name` when it is floating point and not all finite ("weight NAME holds NaN (3 of
+    1,024 values)"), else None. One isfinite pass per tensor: cheap beside reading it. Such weights load without a
+    word, print junk greedily and fail sampling, so every loader of weights for use refuses them with this.
+    Example: nonfinite("w", torch.tensor([1.0, float("nan")])) -> 'weight w holds NaN (1 of 2 values)'"""
+    if not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+        return None
+    counts = {"NaN": int(torch.isnan(tensor).sum()), "infinity": int(torch.isinf(tensor).sum())}
+    kinds = " and ".join(kind for kind, n in counts.items() if n)
+    return f"weight {name} holds {kinds} ({sum(counts.values()):,} of {tensor.numel():,} values)"
+
+
 def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """A state dict from model.safetensors (on CPU); raises CheckpointError naming a bad file."""
+    """A state dict from model.safetensors (on CPU); raises CheckpointError naming a bad file, or the first weight
+    that is not finite (`nonfinite`): what generate, chat, serve, convert --to-hf, --init-from and --resume load."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -138,6 +152,9 @@ def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
     except Exception as exc:  # safetensors raises its own error types for truncated / garbled files
         raise CheckpointError(f"corrupt or unreadable weights file {path}: {exc}") from exc
+    bad = next(filter(None, (nonfinite(name, tensor) for name, tensor in state.items())), None)
+    if bad is not None:
+        raise CheckpointError(f"{path}: {bad}: the run diverged; resume from an earlier checkpoint")
     for name, target in aliases.items():
         state[name] = state[target]
     return state

@@ -77,14 +77,11 @@ def _load_model_and_tokenizer(path: Path, device: str, need_tokenizer: bool, arc
 
 def _load_flat_run(path: Path):
     """config.yaml + one model.safetensors beside it (no checkpoints/): the model the config names, its weights
-    read as data (safetensors)."""
-    from safetensors.torch import load_file
-
-    from archlab.config import ModelConfig
-    from archlab.runs.checkpoint import confined
+    read as data (safetensors) and refused when not finite, as a checkpoint's are (checkpoint.load_weights)."""
+    from archlab.runs.checkpoint import confined, load_weights
 
     weights = confined(path, MODEL_FILE, "config.yaml")   # no meta.json, so no sha256: at least not a foreign link
-    return model_with_weights(ModelConfig.from_dict(read_run_config(path)["model"]), load_file(weights), weights)
+    return model_with_weights(ModelConfig.from_dict(read_run_config(path)["model"]), load_weights(weights), weights)
 
 
 _KINDS = {"decoder": "a decoder-only LM", "encoder": "an encoder (a masked LM)",

@@ -162,19 +162,20 @@ class CpuShare:
     Example: meter = CpuShare(); ...; meter.others()  # 0.48: other processes kept half the machine busy"""
     since: tuple[float, float, float] | None = field(default=None)
     read = staticmethod(machine_cpu_seconds)      # the machine's (busy, total) CPU seconds; tests replace it
+    own = staticmethod(time.process_time)         # this process's CPU seconds; tests replace it too
 
     def __post_init__(self) -> None:
         self.start()
 
     def start(self) -> None:
         machine = self.read()
-        self.since = None if machine is None else (*machine, time.process_time())
+        self.since = None if machine is None else (*machine, self.own())
 
     def others(self) -> float | None:
         machine = self.read()
         if machine is None or self.since is None:
             return None
-        busy, total, own = machine[0] - self.since[0], machine[1] - self.since[1], time.process_time() - self.since[2]
+        busy, total, own = machine[0] - self.since[0], machine[1] - self.since[1], self.own() - self.since[2]
         if total < 0.05:      # /proc/stat counts in 10 ms ticks: too short a span says nothing
             return None
         return min(1.0, max(0.0, (busy - own) / total))

@@ -749,6 +749,7 @@ def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, re
     if latest is not None and not ckpt_io.holds_trainer_state(latest):
         raise ckpt_io.CheckpointError(_weights_only_message(run_dir, latest))
     if latest is not None:
+        ckpt_io.load_weights(latest / ckpt_io.MODEL_FILE)   # NaN / inf weights: refused before the folder changes
         check_resume_matches(run_dir, model_cfg, data_info, tok_src, allow_new_data)
         lora_stage.check_resume(run_dir, cfg)
         started_from = model_folder.read_run_config(run_dir).get("init_from")

@@ -724,6 +724,18 @@ class _Run:
                            metrics_path=self.metrics_path, cpu_others_share=self.cpu_others)
 
 
+def _check_resumable_weights(checkpoint: Path) -> None:
+    """NaN / inf weights are refused before the run folder changes; --resume always takes the newest checkpoint
+    that verifies, so the message says how to reach the one before it."""
+    try:
+        ckpt_io.load_weights(checkpoint / ckpt_io.MODEL_FILE)
+    except ckpt_io.CheckpointError as e:
+        if " holds " not in str(e):
+            raise
+        raise ckpt_io.CheckpointError(f"{e}; --resume takes the newest checkpoint: move {checkpoint} out of "
+                                      f"{checkpoint.parent} to resume from the one before it") from None
+
+
 def _weights_only_message(run_dir: Path, checkpoint: Path) -> str:
     return (f"{checkpoint} holds weights without a trainer state (an imported or exported model), so there is "
             f"no run to resume: start a new run from them with --init-from {run_dir} --out NEW_FOLDER")
@@ -749,7 +761,7 @@ def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, re
     if latest is not None and not ckpt_io.holds_trainer_state(latest):
         raise ckpt_io.CheckpointError(_weights_only_message(run_dir, latest))
     if latest is not None:
-        ckpt_io.load_weights(latest / ckpt_io.MODEL_FILE)   # NaN / inf weights: refused before the folder changes
+        _check_resumable_weights(latest)
         check_resume_matches(run_dir, model_cfg, data_info, tok_src, allow_new_data)
         lora_stage.check_resume(run_dir, cfg)
         started_from = model_folder.read_run_config(run_dir).get("init_from")

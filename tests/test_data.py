@@ -306,10 +306,20 @@ def test_eval_batches_are_contiguous_non_overlapping_and_cover_the_split(countin
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
     assert torch.equal(x.flatten(), torch.arange(15 * 32)) and torch.equal(y, x + 1)
-    again = list(eval_batches(ds, batch_size=4, seq_len=32, max_batches=2))
-    assert len(again) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(again, batches))
     shards = [list(eval_batches(ds, 4, 32, rank=r, world_size=2)) for r in range(2)]
     assert [len(s) for s in shards] == [2, 2] and torch.equal(shards[1][0][0], batches[1][0])
+
+
+def test_fewer_eval_batches_than_the_split_holds_spread_over_all_of_it(counting_dir):
+    """The first windows alone would score the split's first documents only."""
+    ds = TokenDataset(counting_dir, "validation")  # 15 windows of 32
+    again = list(eval_batches(ds, batch_size=4, seq_len=32, max_batches=2))
+    x, y = torch.cat([b[0] for b in again]), torch.cat([b[1] for b in again])
+    assert [b[0].shape[0] for b in again] == [4, 4]
+    assert x[:, 0].tolist() == [32 * k for k in (0, 1, 3, 5, 7, 9, 11, 13)]      # k = i * 15 // 8: evenly spread
+    assert torch.equal(x, x[:, :1] + torch.arange(32)) and torch.equal(y, x + 1)  # whole windows, their targets
+    shards = [list(eval_batches(ds, 4, 32, max_batches=2, rank=r, world_size=2)) for r in range(2)]
+    assert torch.equal(torch.cat([shards[0][0][0], shards[1][0][0]]), x)        # ranks split the same windows
 
 
 # --------------------------------------------------------------------------- command line

@@ -251,21 +251,25 @@ class BatchSampler(StepSampler):
 
 def eval_batches(dataset: TokenDataset, batch_size: int, seq_len: int, max_batches: int | None = None,
                  *, rank: int = 0, world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Deterministic validation batches: windows [k*seq_len, (k+1)*seq_len) with their shifted targets,
-    k = 0, 1, ... in order, non-overlapping, covering every predictable token but the last partial window.
-    The last batch may be smaller. With world_size > 1, rank r gets batches r, r + world_size, ...
-    (of the first max_batches)."""
+    """Deterministic validation batches of non-overlapping windows [k*seq_len, (k+1)*seq_len) with their shifted
+    targets. All of them (k = 0, 1, ... in order, every predictable token but the last partial window), or, when
+    max_batches holds fewer windows than the split, that many spread evenly over the whole split: the first ones
+    alone would score its first documents only (a lab sweep's 8 batches of 16 x 256 bytes were 2 of the Python
+    standard library's 41 validation modules). The last batch may be smaller. With world_size > 1, rank r gets
+    batches r, r + world_size, ... Example: next(eval_batches(val, 4, 32, max_batches=1))[0].shape -> (4, 32)"""
     n_windows = (dataset.n_tokens - 1) // seq_len
     if n_windows == 0:
         raise DataError(f"split {dataset.split!r} has {dataset.n_tokens} tokens, "
                         f"fewer than seq_len + 1 = {seq_len + 1}")
     n_batches = -(-n_windows // batch_size)
-    if max_batches is not None:
-        n_batches = min(n_batches, max_batches)
+    windows = np.arange(n_windows)
+    if max_batches is not None and max_batches < n_batches:
+        n_batches = max_batches
+        windows = np.arange(n_batches * batch_size) * n_windows // (n_batches * batch_size)   # evenly spaced
     tokens = dataset.tokens
     for b in range(rank, n_batches, world_size):
-        first, last = b * batch_size, min((b + 1) * batch_size, n_windows)
-        span = np.asarray(tokens[first * seq_len: last * seq_len + 1], dtype=np.int64)
-        x = torch.from_numpy(span[:-1].reshape(last - first, seq_len).copy())
-        y = torch.from_numpy(span[1:].reshape(last - first, seq_len).copy())
+        chosen = windows[b * batch_size:(b + 1) * batch_size]
+        span = np.stack([np.asarray(tokens[k * seq_len:(k + 1) * seq_len + 1], dtype=np.int64) for k in chosen])
+        x = torch.from_numpy(span[:, :-1].copy())                                    # (b, seq_len)
+        y = torch.from_numpy(span[:, 1:].copy())
         yield x, y

@@ -39,8 +39,8 @@ def bits_per_byte(loss_nats: float, tokens: int, n_bytes: float) -> float:
 def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
              max_batches: int | None = None, device: str | torch.device = "cpu",
              dtype: str = "float32", dist_info=None, progress: bool = False, objective=None) -> EvalResult:
-    """Cross-entropy over the first `max_batches` deterministic validation batches of `dataset`
-    (archlab.data.batches.validation_batches: token windows, or source/target pairs for an
+    """Cross-entropy over `max_batches` deterministic validation batches of `dataset` (token windows: spread
+    over the split; archlab.data.batches.validation_batches: token windows, or source/target pairs for an
     archlab.data.pairs.PairDataset).
     Under data parallelism every rank runs the same number of forwards (FSDP needs all ranks in each all-gather);
     the sums are all-reduced. `objective` (objectives.py) turns the windows as in training, batch i the same way at

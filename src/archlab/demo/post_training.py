@@ -34,12 +34,15 @@ from typing import Any
 from archlab.config import ModelConfig
 from archlab.training.trainer import TrainConfig
 
-__all__ = ["PostTrainingResult", "post_training_configs", "run_post_training_demo", "reverse_problems"]
+__all__ = ["PostTrainingResult", "post_training_configs", "run_post_training_demo", "reverse_problems",
+           "prepare_base_data", "prepare_task_folder", "score_reversal", "score_plain", "CORPUS", "SFT_FILE"]
 
 WORD_LENGTH = 5
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 INSTRUCTION = "reverse "
 TEMPLATE = "chatml"
+CORPUS = "reverse-words"     # the name a lab sweep prepares this task's data under (archlab.lab.runner.ensure_data)
+SFT_FILE = "sft.jsonl"
 
 
 @dataclass
@@ -98,9 +101,9 @@ def write_task_data(out: Path, *, sft_examples: int, dpo_pairs: int, seed: int =
         word = next(words)
         pairs.append({"prompt": _user(word), "chosen": [{"role": "assistant", "content": word[::-1]}],
                       "rejected": [{"role": "assistant", "content": word[::-1].upper()}]})
-    _write_jsonl(out / "sft.jsonl", sft)
+    _write_jsonl(out / SFT_FILE, sft)
     _write_jsonl(out / "dpo.jsonl", pairs)
-    return out / "sft.jsonl", out / "dpo.jsonl"
+    return out / SFT_FILE, out / "dpo.jsonl"
 
 
 def plain_prompt(word: str) -> str:
@@ -218,18 +221,31 @@ def plot_stages(out: Path, png: Path) -> None:
 
 
 # ---- the demo --------------------------------------------------------------------------------------------------
-def _base_data(out: Path, n_docs: int, progress: bool) -> tuple[Path, int]:
+def prepare_base_data(folder: Path, n_docs: int, progress: bool) -> int:
     """A byte-level tokenizer with ChatML's tokens and template (as base models ship theirs, untrained) and the
-    base corpus prepared with it: (the data folder, its vocabulary size)."""
+    base corpus prepared with it into `folder`; its vocabulary size. Example: prepare_base_data(Path("d"), 2_000,
+    False) -> 259"""
     from archlab.data.prepare import prepare
     from archlab.tokenizer import Tokenizer
     from archlab.tokenizer.chat_builtin import add_chat_tokens, install_chat_template
 
     tokenizer, _ = add_chat_tokens(Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]), TEMPLATE)
-    meta = prepare(_base_documents(n_docs), tokenizer, out / "data", num_workers=0, progress=progress,
+    meta = prepare(_base_documents(n_docs), tokenizer, folder, num_workers=0, progress=progress,
                    corpus_name="reverse-a-word documents")
-    install_chat_template(out / "data" / "tokenizer", TEMPLATE)     # the tokens are there: writes the template
-    return out / "data", int(meta["vocab_size"])
+    install_chat_template(Path(folder) / "tokenizer", TEMPLATE)     # the tokens are there: writes the template
+    return int(meta["vocab_size"])
+
+
+def prepare_task_folder(folder: Path, *, quick: bool = False, progress: bool = True) -> Path:
+    """The demo's first two stages' data in one folder, what a lab `finetune` run reads (archlab.lab.finetune):
+    the base corpus prepared (meta.json, token shards, tokenizer/ with the ChatML template) and SFT_FILE, the
+    SFT examples, at the demo's sizes (`quick`: the test sizes). Example: prepare_task_folder(Path("d"), quick=True)"""
+    folder = Path(folder)
+    prepare_base_data(folder, 2_000 if quick else 40_000, progress)
+    cfg = post_training_configs(quick=quick)
+    write_task_data(folder, sft_examples=cfg["sft_examples"], dpo_pairs=0)
+    (folder / "dpo.jsonl").unlink()                              # no preference stage in the lab
+    return folder
 
 
 def run_post_training_demo(out: str | Path = "runs/demo-post-training", *, quick: bool = False,
@@ -251,7 +267,8 @@ def run_post_training_demo(out: str | Path = "runs/demo-post-training", *, quick
 
     log(f"[1/4] pretraining the base: {cfg['base'].budget} steps on plain-text documents '{INSTRUCTION}abcde' / "
         f"'edcba' ({WORD_LENGTH}-letter words; a byte-level tokenizer carrying ChatML's tokens, untrained)")
-    data, vocab_size = _base_data(out, 2_000 if quick else 40_000, progress)
+    data = out / "data"
+    vocab_size = prepare_base_data(data, 2_000 if quick else 40_000, progress)
     model_cfg = cfg["model"].with_overrides({"vocab_size": vocab_size})
     t = time.time()
     train(model_cfg, cfg["base"], data, out / "base", progress=progress)

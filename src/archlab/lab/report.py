@@ -309,7 +309,9 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
     cfg = rows[0].config.get("train", {}) if rows else {}
     wall = sum(r.wall_s or 0 for r in rows)
     what = (f"budget {_fmt(cfg.get('budget'))} {cfg.get('budget_unit', '')}, batch {cfg.get('batch_size')} x seq "
-            f"{cfg.get('seq_len')}" if suite.runs == "train" else "n-gram models counted and scored, none trained")
+            f"{cfg.get('seq_len')}" if suite.runs != "ngram" else "n-gram models counted and scored, none trained")
+    if suite.runs == "finetune":
+        what = f"fine-tuning {what}; {_bases_line(rows)}"
     blocks.append(Block("p", (
         f"Runs: {len(rows)} ({', '.join(f'{v} {k}' for k, v in status.items() if v)}); {what}; total wall time "
         f"{wall / 60:.1f} min.")))
@@ -322,11 +324,28 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
         vrows.append([v.rule.statement, f"**{v.verdict}**", tolerance(v.rule) or "see test", ours, v.reason])
     blocks.append(Block("table", header=["rule", "verdict", "tolerance", "ours (mean ± std over seeds)", "test"],
                         rows=vrows))
-    if suite.runs == "train":           # an n-gram suite's runs have no curves, sizes or step times
+    if suite.runs != "ngram":           # an n-gram suite's runs have no curves, sizes or step times
         blocks.extend(_variant_blocks(suite, rows, verdicts, img_dir, rel))
     if suite.analysis:
         blocks.extend(ANALYSES[suite.analysis](suite, rows, img_dir, rel))
     return blocks, verdicts
+
+
+def _bases_line(rows: list[RunRecord]) -> str:
+    """How many pretrained bases a finetune suite's runs shared, what pretraining one took, what each knew."""
+    bases: dict[str, tuple] = {}
+    for r in rows:
+        if r.extra.get("base"):
+            seconds, plain = bases.get(r.extra["base"], (None, None))
+            bases[r.extra["base"]] = (r.extra.get("base_s", seconds), r.extra.get("base_exact_plain", plain))
+    if not bases:
+        return "no base recorded"
+    seconds = [s for s, _ in bases.values() if s is not None]
+    plain = [p for _, p in bases.values() if p is not None]
+    return (f"{len(bases)} pretrained base{'s' * (len(bases) != 1)}"
+            + (f" ({statistics.fmean(seconds):.0f} s each)" if seconds else "")
+            + (f", held-out exact match in the pretraining text's own format {min(plain):.0%}-{max(plain):.0%}"
+               if plain else ""))
 
 
 def _variant_blocks(suite: suites_mod.Suite, rows: list[RunRecord], verdicts: list[Verdict], img_dir: Path,
@@ -400,7 +419,8 @@ def build_report(path: str | Path, out_dir: str | Path | None = None) -> dict[st
                 if suite is None:
                     continue
                 recorded = (store.get_meta(f"sweep:{name}") or {}).get("data")
-                line = baseline.ngram_line(rows, recorded, db.parent)
+                # a fine-tuning loss is on chat answers, not the base corpus the n-gram would read
+                line = baseline.ngram_line(rows, recorded, db.parent) if suite.runs != "finetune" else None
                 sec, verdicts = suite_section(suite, rows, img_dir, "img", line)
                 sections.extend(sec)
                 all_verdicts[name] = [v.to_dict() for v in verdicts]

@@ -17,6 +17,7 @@ one run is trained and measured by worker.py, wherever the executor (executors.p
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -47,11 +48,16 @@ def ensure_data(sweep_dir: Path, data_dir: str | Path | None = None, corpus: str
         load_meta(data_dir)  # raises a clear DataError when it is not prepared
         return Path(data_dir)
     from archlab.data import arithmetic
+    from archlab.demo import post_training
 
     target = Path(sweep_dir) / DATA_SUBDIR
     if not (target / "meta.json").is_file():
         digits = arithmetic.digits_of(corpus)
-        if digits is not None:                  # generated here (the emergence suite's addition problems)
+        if corpus == post_training.CORPUS:      # the post-training demo's base corpus and SFT examples
+            if target.exists():
+                shutil.rmtree(target)           # a preparation that stopped half way
+            post_training.prepare_task_folder(target, progress=progress)
+        elif digits is not None:                # generated here (the emergence suite's addition problems)
             prepare(arithmetic.documents(digits), tokenizer, target, progress=progress, overwrite=True,
                     corpus_name=corpus)
         else:
@@ -203,7 +209,7 @@ def _due(store: ResultStore, suite: Suite, run: PlannedRun) -> bool:
 
 def _start(store: ResultStore, suite: Suite, run: PlannedRun) -> RunRecord:
     """The `running` row of a run about to start."""
-    trains = suite.runs == "train"                  # an n-gram run has no model to count
+    trains = suite.runs != "ngram"                  # an n-gram run has no model to count
     record = RunRecord(suite=suite.name, variant=run.variant.name, seed=run.seed, status="running",
                        config=_config(run), params=matching.param_count(run.model) if trains else None,
                        flops_per_token=matching.flops_per_token(run.model, run.train.seq_len) if trains else None,

@@ -13,12 +13,13 @@ from typing import Any, Callable
 
 from archlab.config import ModelConfig
 from archlab.errors import one_line_warnings
+from archlab.lab.finetune import finetune_job
 from archlab.lab.plan import INTERRUPTED, PlannedRun, RunJob
 from archlab.lab.store import RunRecord
 from archlab.lab.suites import Suite
 from archlab.runs.lock import LockedError
 
-__all__ = ["RUN_KINDS", "run_job", "train_and_measure", "evaluate_ngram_run", "measurements", "kv_bytes"]
+__all__ = ["RUN_KINDS", "run_job", "train_and_measure", "evaluate_ngram_run", "measurements", "kv_bytes", "failed"]
 
 
 def run_job(job: RunJob) -> RunRecord:
@@ -64,8 +65,18 @@ def _train_job(job: RunJob) -> RunRecord:
     return train_and_measure(job.suite, job.run, job.data, job.record, job.train_fn, job.measure)
 
 
+def failed(record: RunRecord, exc: BaseException, t0: float) -> RunRecord:
+    """The row of a run that raised `exc` before it trained (its wall time counted from `t0`)."""
+    record.status = "failed"
+    record.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+    record.wall_s = time.perf_counter() - t0
+    record.finished_at = time.time()
+    return record
+
+
 # a suite's `runs` -> the function that does one of its runs (archlab.lab.suites.RUN_KINDS names them)
-RUN_KINDS: dict[str, Callable[[RunJob], RunRecord]] = {"train": _train_job, "ngram": evaluate_ngram_run}
+RUN_KINDS: dict[str, Callable[[RunJob], RunRecord]] = {"train": _train_job, "ngram": evaluate_ngram_run,
+                                                       "finetune": finetune_job}
 
 
 def train_and_measure(suite: Suite, run: PlannedRun, data: Path, record: RunRecord, train_fn: Callable | None,

@@ -236,3 +236,45 @@ def test_finetune_from_an_hf_folder_keeps_its_tokenizer_and_template(world, tmp_
     state, _ = load_checkpoint(latest_checkpoint(out))          # lr ~0: the weights are the HF folder's
     base, _ = load_checkpoint(latest_checkpoint(world["base"]))
     assert all(torch.allclose(state[k], base[k], atol=1e-6) for k in base)
+
+
+# ---- LoRA with trainable token rows (train.lora_trainable_tokens) --------------------------------------------------
+def test_template_names_the_special_tokens_the_chat_template_writes(world, tmp_path):
+    from archlab.tokenizer.chat import ChatTokenizer
+    from archlab.training.lora import resolve_tokens
+
+    assert ChatTokenizer.of(world["tok"]).template_token_ids() == [300, 301]          # <|im_start|>, <|im_end|>
+    install_chat_template(shutil.copytree(world["root"] / "tok_plain", tmp_path / "plain"), "plain")
+    plain = ChatTokenizer.of(tmp_path / "plain")
+    assert plain.template_token_ids() == [plain.tokenizer.token_to_id("<|endoftext|>")]   # plain writes only that
+    cfg = TrainConfig(lora_r=2).with_overrides({"lora.trainable_tokens": "<|im_end|>, 5,template,5"})
+    assert resolve_tokens(cfg, world["tok"]).lora_trainable_tokens == "5,300,301"
+    assert resolve_tokens(TrainConfig(lora_r=2, lora_trainable_tokens="7,2"), None).lora_trainable_tokens == "2,7"
+
+
+def test_lora_with_template_tokens_trains_those_rows_alone(world, tmp_path):
+    from archlab.runs.checkpoint import list_checkpoints, load_trainer_state
+
+    cfg = _cfg(lora_r=4, lora_targets="all-linear", lora_trainable_tokens="template", budget=4, lr=1e-2)
+    finetune(world["base"], world["data"], tmp_path / "run", train_cfg=cfg, progress=False)
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]["lora_trainable_tokens"] == "300,301"
+    state, _ = load_checkpoint(latest_checkpoint(tmp_path / "run"))
+    base, _ = load_checkpoint(latest_checkpoint(world["base"]))
+    assert all(torch.equal(state[k], base[k]) for k in base)                     # embed.weight itself never moves
+    assert state["embed.token_indices"].tolist() == [300, 301]
+    trained = base["embed.weight"].index_add(0, state["embed.token_indices"], state["embed.trainable_tokens_delta"])
+    assert torch.equal(trained[:300], base["embed.weight"][:300])                # every other row bitwise the base
+    assert (trained[300:] - base["embed.weight"][300:]).abs().amax(dim=1).gt(0).all()
+    optim = load_trainer_state(list_checkpoints(tmp_path / "run")[-1])["optimizer"]["state"]
+    shapes = [tuple(s["exp_avg"].shape) for s in optim.values()]
+    assert (2, 32) in shapes and (302, 32) not in shapes                         # optimizer state for the 2 rows
+
+
+def test_a_trainable_token_that_is_no_token_is_one_line_and_writes_nothing(world, tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["finetune", str(world["base"]), "--data", str(world["data"]), "--out", str(out), "--lora-r", "2",
+               "--lora-trainable-tokens", "<|im_start|>,<|nope|>", "--set", "train.memory_check=false"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err
+    assert "train.lora_trainable_tokens: '<|nope|>' is not a token of the tokenizer" in err
+    assert not out.exists()

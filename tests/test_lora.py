@@ -141,3 +141,89 @@ def test_target_matching_nothing_names_it():
     with pytest.raises(ConfigError, match=r"lora target 'qkv' matches no Linear of this model") as info:
         apply_lora(_model(), LoRAConfig(targets=("q", "qkv")))
     assert "\n" not in str(info.value)
+
+
+# ---- trainable token rows (nn/trainable_tokens.py) ----------------------------------------------------------------
+TOKENS = (3, 7, 200)
+
+
+def _train_steps(model, steps: int = 3, seed: int = 0) -> None:
+    """A few AdamW steps on batches that hold the listed tokens (so their rows get gradients)."""
+    g = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        x = torch.randint(0, 256, (2, 12), generator=g)
+        x[:, :3] = torch.tensor(TOKENS)
+        model(x, targets=x).total.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_trainable_tokens_train_the_listed_rows_and_no_other(tied):
+    torch.manual_seed(0)
+    model = build_model(archlab.presets.tiny("llama3-8b").with_overrides({"tie_embeddings": tied})).eval()
+    base = model.embed.weight.detach().clone()
+    head = None if tied else model.lm_head.weight.detach().clone()
+    x = torch.randint(0, 256, (2, 12))
+    before = model(x)
+    apply_lora(model, LoRAConfig(r=2, targets=("q", "v"), trainable_tokens=TOKENS))
+    torch.testing.assert_close(model(x), before, rtol=0, atol=0)          # a fresh delta is zero
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        *(f"blocks.{i}.attn.{x}_proj.lora_{ab}" for i in range(2) for x in "qv" for ab in "AB"),
+        "embed.trainable_tokens_delta"}
+    assert model.embed.trainable_tokens_delta.shape == (len(TOKENS), model.config.d_model)
+    _train_steps(model)
+    rows = model.embed.effective_weight().detach()
+    listed = torch.zeros(len(rows), dtype=torch.bool)
+    listed[list(TOKENS)] = True
+    assert torch.equal(rows[~listed], base[~listed])                        # bitwise: every other row frozen
+    assert (rows[listed] - base[listed]).abs().amin(dim=1).gt(0).all()       # each listed row moved
+    assert torch.equal(model.embed.weight, base)                            # the base Parameter itself never moves
+    if tied:                                                                # the tied head reads the same rows
+        assert torch.equal(model.lm_head.matrix.detach(), rows)
+    else:                                                                   # PEFT's list form: the head untouched
+        assert torch.equal(model.lm_head.matrix, head)
+
+
+@pytest.mark.parametrize("preset, tied", [("llama3-8b", False), ("llama3-8b", True), ("gpt2", True)])
+def test_merge_writes_the_trained_rows_into_the_embedding(preset, tied):
+    torch.manual_seed(0)
+    model = build_model(archlab.presets.tiny(preset).with_overrides({"tie_embeddings": tied})).eval()
+    apply_lora(model, LoRAConfig(r=2, targets=("all-linear",), trainable_tokens=TOKENS))
+    _train_steps(model)
+    x = torch.tensor([[3, 7, 200, 1, 5, 3, 9, 200]])
+    adapted = model(x)
+    effective = model.embed.effective_weight().detach().clone()
+    prompt = torch.tensor([[3, 7, 200, 4]])
+    generated = archlab.generate(model, prompt, max_new_tokens=8, temperature=0.0)   # the decode path, unmerged
+    merge_lora(model)
+    assert type(model.embed) is nn.Embedding and torch.equal(model.embed.weight, effective)
+    assert not tied or model.lm_head.tied[0] is model.embed
+    torch.testing.assert_close(model(x), adapted, rtol=1e-5, atol=1e-5)
+    assert set(model.state_dict()) == set(build_model(model.config).state_dict())
+    assert torch.equal(archlab.generate(model, prompt, max_new_tokens=8, temperature=0.0), generated)
+
+
+def test_trainable_tokens_state_is_proportional_to_the_rows():
+    model = apply_lora(_model(), LoRAConfig(r=2, targets=("q",), trainable_tokens=TOKENS))
+    assert set(lora_state(model)) >= {"embed.token_indices", "embed.trainable_tokens_delta"}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.tensor([list(TOKENS) * 3])
+    model(x, targets=x).total.backward()
+    optimizer.step()
+    shapes = {tuple(s["exp_avg"].shape) for s in optimizer.state.values()}
+    assert (len(TOKENS), model.config.d_model) in shapes
+    assert tuple(model.embed.weight.shape) not in shapes
+
+
+@pytest.mark.parametrize("tokens, message", [
+    ((300,), "trainable token id 300 is outside the embedding's 256 rows"),
+    ((-1,), "must be token ids >= 0"),
+])
+def test_bad_trainable_tokens_are_named(tokens, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        apply_lora(_model(), LoRAConfig(r=2, trainable_tokens=tokens))
+    assert "\n" not in str(info.value)

@@ -101,6 +101,9 @@ def test_run_folder_loads_merged_and_exports_to_peft(data_dir, tmp_path, capsys)
 @pytest.mark.parametrize("overrides, message", [
     ({"lora_r": 0}, "train.lora_r=0 must be >= 1"),
     ({"lora_targets": "q,nope"}, "lora target 'nope' matches no Linear"),
+    ({"lora_trainable_tokens": "<|endoftext|>,bogus"}, "train.lora_trainable_tokens: 'bogus' is not a token of the "
+                                                      "tokenizer in"),
+    ({"lora_trainable_tokens": "3,999"}, "train.lora_trainable_tokens: token id 999 is past the model's vocab_size"),
 ])
 def test_bad_lora_settings_write_nothing(data_dir, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -114,6 +117,9 @@ def test_lora_settings_as_dotted_keys():
                                         "lora.rslora": "true"})
     assert (cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_rslora) == (8, 32.0, "all-linear", True)
     assert TrainConfig().lora_r is None
+    assert cfg.with_overrides({"lora.trainable_tokens": "template"}).lora_trainable_tokens == "template"
+    with pytest.raises(ConfigError, match=r"train.lora_trainable_tokens='template' needs train.lora_r"):
+        TrainConfig().with_overrides({"lora.trainable_tokens": "template"})
 
 
 def test_adapters_draw_from_the_run_seed_alone():

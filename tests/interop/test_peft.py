@@ -177,3 +177,89 @@ def test_fine_tune_a_loaded_hf_model_with_adapters_then_peft_reads_them(tmp_path
     save_peft(ours.eval(), tmp_path / "adapter")
     hf = peft.PeftModel.from_pretrained(_hf("llama"), tmp_path / "adapter").eval()
     _assert_close(_ours(ours, "llama"), _theirs(hf, "llama"), _theirs(_hf("llama"), "llama"))
+
+
+# ---- trainable token rows: PEFT's trainable_token_indices --------------------------------------------------------
+TOKEN_IDS = [9, 3, 50]          # unsorted, as a user may list them
+
+
+def _tied(kind: str):
+    """The family with its head tied to the embedding (PEFT's tied adapter follows the embedding's rows)."""
+    if kind == "llama-tied":
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(LLAMA, tie_word_embeddings=True))).eval()
+    return _hf(kind)
+
+
+def _folder(tmp_path, kind: str):
+    folder = tmp_path / f"base-{kind}"
+    _tied(kind).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-tied", "gpt2", "t5"])
+def test_our_trainable_tokens_load_in_peft_with_our_logits(tmp_path, kind):
+    model_kind = "t5" if kind == "t5" else "llama" if kind.startswith("llama") else kind
+    base = _folder(tmp_path, kind)
+    ours = load_hf(base)
+    plain = _ours(ours, model_kind)
+    targets = ("q", "v")
+    apply_lora(ours, LoRAConfig(r=4, alpha=8, targets=targets, trainable_tokens=tuple(TOKEN_IDS)),
+               module_names=hf_module_names(ours))
+    _randomize([ours.embed.trainable_tokens_delta, *(m.lora_B for m in lora_modules(ours).values())])
+    save_peft(ours, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / CONFIG_FILE).read_text())
+    assert config["trainable_token_indices"] == sorted(TOKEN_IDS)
+    hf = peft.PeftModel.from_pretrained(_tied(kind), tmp_path / "adapter").eval()
+    _assert_close(_ours(ours, model_kind), _theirs(hf, model_kind), plain)
+    # the rows alone change the logits: no LoRA, inputs that hold the listed tokens
+    for m in lora_modules(ours).values():
+        m.lora_B.data.zero_()
+    save_peft(ours, tmp_path / "rows")
+    hf = peft.PeftModel.from_pretrained(_tied(kind), tmp_path / "rows").eval()
+    ids = torch.tensor([TOKEN_IDS + [1, 2] + TOKEN_IDS])
+    with torch.no_grad():
+        if model_kind == "t5":
+            theirs, mine = hf(input_ids=ids, decoder_input_ids=ids, use_cache=False).logits, ours(ids, ids)
+            plain = load_hf(base)(ids, ids)
+        else:
+            theirs, mine, plain = hf(input_ids=ids, use_cache=False).logits, ours(ids), load_hf(base)(ids)
+    _assert_close(mine, theirs, plain)
+
+
+@pytest.mark.parametrize("kind, targets, indices", [
+    ("llama", ["q_proj"], TOKEN_IDS),
+    ("llama-tied", ["q_proj", "v_proj"], TOKEN_IDS),
+    ("llama", ["q_proj"], {"embed_tokens": TOKEN_IDS}),                 # the dict form naming the input embedding
+    ("gpt2", ["c_attn"], TOKEN_IDS),
+    ("t5", ["q", "v"], TOKEN_IDS),
+])
+def test_peft_trainable_tokens_load_here_with_peft_logits(tmp_path, kind, targets, indices):
+    model_kind = "t5" if kind == "t5" else "llama" if kind.startswith("llama") else kind
+    base = _folder(tmp_path, kind)
+    hf = peft.get_peft_model(_tied(kind), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                          trainable_token_indices=indices))
+    _randomize(p for p in hf.parameters() if p.requires_grad)
+    hf.save_pretrained(tmp_path / "adapter")
+    hf.eval()
+    ours = load_hf(base, adapter=tmp_path / "adapter")
+    assert ours.lora_config.trainable_tokens == tuple(sorted(TOKEN_IDS))
+    theirs, plain = _theirs(hf, model_kind), _theirs(_tied(kind), model_kind)
+    _assert_close(_ours(ours, model_kind), theirs, plain)
+    _assert_close(_ours(merge_lora(ours), model_kind), theirs, plain)     # merged: the rows written into E
+
+
+def test_trainable_tokens_peft_cannot_express_are_refused_naming_the_field(tmp_path):
+    base = _base_folder(tmp_path, "llama")
+    head = peft.get_peft_model(_hf("llama"), peft.LoraConfig(r=2, target_modules=["q_proj"],
+                                                            trainable_token_indices={"lm_head": [3, 4]}))
+    head.save_pretrained(tmp_path / "head")
+    with pytest.raises(ConfigError, match=r"trainable_token_indices for lm_head: archlab trains token rows of this "
+                                          r"llama model's input embedding \(model\.embed_tokens\) only") as info:
+        load_hf(base, adapter=tmp_path / "head")
+    assert "\n" not in str(info.value)
+    config = json.loads((tmp_path / "head" / CONFIG_FILE).read_text())
+    config["trainable_token_indices"] = [3, 3]
+    (tmp_path / "head" / CONFIG_FILE).write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"trainable_token_indices=\[3, 3\] is not supported by archlab"):
+        load_hf(base, adapter=tmp_path / "head")

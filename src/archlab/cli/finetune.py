@@ -8,6 +8,7 @@ import sys
 EXAMPLE = """example:
   archlab finetune runs/base --data sft.jsonl --out runs/sft --set train.lr=1e-4 --set train.budget=200
   archlab finetune runs/base --data sft.jsonl --out runs/sft-lora --lora-r 8 --lora-targets all-linear
+  archlab finetune runs/base --data sft.jsonl --out runs/sft-lora --lora-r 8 --lora-trainable-tokens template
   archlab finetune runs/base --data sft.jsonl --out runs/sft --chat-template chatml --set train.seq_len=512
   archlab finetune runs/t5 --data pairs.jsonl --out runs/t5-sft          # encoder-decoder: prompt -> completion
   (lines: {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"}; the loss on train.loss_mask:
@@ -35,6 +36,9 @@ def register(subparsers) -> None:
     p.add_argument("--lora-r", type=int, help="LoRA rank (train.lora.r): adapters only, the base frozen")
     p.add_argument("--lora-alpha", type=float, help="LoRA alpha (train.lora.alpha, default 16)")
     p.add_argument("--lora-targets", help="LoRA targets (train.lora.targets): q,v (default), all-linear, ...")
+    p.add_argument("--lora-trainable-tokens", metavar="IDS|TOKENS|template",
+                   help="input-embedding rows that train beside the adapters (train.lora.trainable_tokens): a comma "
+                   "list of token ids or texts, or template (the chat template's special tokens)")
     p.add_argument("--resume", action="store_true", help="continue the fine-tune in --out from its newest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     p.set_defaults(func=run_finetune)
@@ -45,7 +49,8 @@ def _lora_sets(args) -> list[str]:
 
     if args.lora_alpha is not None and not math.isfinite(args.lora_alpha):
         raise UserError(f"--lora-alpha {args.lora_alpha} must be a finite number")
-    flags = (("lora_r", args.lora_r), ("lora_alpha", args.lora_alpha), ("lora_targets", args.lora_targets))
+    flags = (("lora_r", args.lora_r), ("lora_alpha", args.lora_alpha), ("lora_targets", args.lora_targets),
+             ("lora_trainable_tokens", args.lora_trainable_tokens))
     return [f"train.{key}={value}" for key, value in flags if value is not None]
 
 

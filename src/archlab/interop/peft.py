@@ -11,6 +11,10 @@ reorder, GPT-2's Conv1D transpose) is read off by pushing an index tensor throug
     of B (the same function); saving stacks our A's (rank r * n) and puts each B in its rows and its own
     columns, with that module's rank and alpha in PEFT's `rank_pattern` / `alpha_pattern`, so PEFT computes
     the same update.
+Trainable token rows (nn/trainable_tokens.py) are PEFT's `trainable_token_indices` (the list form: the input
+embedding's rows; a tied head follows it in PEFT as here; loading also reads one {embedding module: ids}, and
+refuses other forms): the ids in adapter_config.json and the rows' new values,
+E[i] + delta (PEFT stores values, not a difference), as `<embedding module>.token_adapter.trainable_tokens_delta`.
 `save_peft(model, folder)` writes an adapted model's adapters; `load_peft(model, folder)` wraps a model loaded from
 the base's HF folder (`archlab.interop.load_hf(base, adapter=folder)`); `hf_module_names(model)` lets LoRA targets
 name a family's HF modules (q_proj, c_attn, query, SelfAttention.q, ...).
@@ -32,6 +36,7 @@ from archlab.interop.families import FAMILIES, Family, infer_family
 from archlab.interop.families.tables import Rule, WeightsError, _identity
 from archlab.interop.folders import read_json_object
 from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, lora_scaling, wrap
+from archlab.nn.trainable_tokens import EMBED_PATH, token_module, wrap_embedding
 from archlab.runs.checkpoint import make_readable
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "PREFIX", "save_peft", "load_peft", "hf_module_names",
@@ -43,8 +48,10 @@ PREFIX = "base_model.model."          # PeftModel -> LoraModel -> the HF model
 TASK_TYPES = {"decoder": "CAUSAL_LM", "encoder_decoder": "SEQ_2_SEQ_LM", "encoder": None}
 # adapter_config.json switches whose non-default values change the function: refused rather than ignored
 REFUSED = {"use_dora": False, "lora_bias": False, "bias": "none", "modules_to_save": None,
-           "trainable_token_indices": None, "target_parameters": None, "layer_replication": None,
+           "target_parameters": None, "layer_replication": None,
            "use_qalora": False, "alora_invocation_tokens": None}
+TOKENS_KEY = "trainable_token_indices"
+TOKENS_TENSOR = "token_adapter.trainable_tokens_delta"     # after the embedding module's name
 
 
 @dataclass
@@ -123,6 +130,16 @@ def hf_module_names(model: nn.Module) -> Callable[[str], list[str]]:
     return lambda path: [slots[path].module] if path in slots else []
 
 
+def hf_embedding_name(model: nn.Module, fam: Family) -> str | None:
+    """The HF module name of the model's input embedding (`model.embed_tokens`, `transformer.wte`, `shared`):
+    the module PEFT's trainable_token_indices list adapts (transformers' get_input_embeddings)."""
+    cfg: ModelConfig = model.config                                   # type: ignore[assignment]
+    for rule in fam.weight_rules(cfg):
+        if tuple(rule.ours) == (f"{EMBED_PATH}.weight",) and len(rule.hf) == 1 and rule.hf[0].endswith(".weight"):
+            return rule.hf[0][: -len(".weight")]
+    return None
+
+
 # ---- saving ------------------------------------------------------------------------------------------
 def _scale_alpha(scaling: float, rank: int, rslora: bool) -> float:
     """PEFT's lora_alpha giving `scaling` at `rank` (the inverse of nn.lora.lora_scaling)."""
@@ -162,13 +179,15 @@ def save_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
     from archlab.runs.outputs import fresh_output, refuse_existing
 
     adapted = lora_modules(model)
-    if not adapted:
+    tokens = token_module(model)
+    if not adapted and tokens is None:
         raise ConfigError("this model carries no LoRA adapters to save")
     refuse_existing(folder, overwrite)
     cfg: ModelConfig = model.config                                   # type: ignore[assignment]
     fam = FAMILIES.get(family) if family else infer_family(cfg)
-    first = next(iter(adapted.values()))
-    lora_cfg: LoRAConfig = getattr(model, "lora_config", None) or LoRAConfig(r=first.r, alpha=first.scaling * first.r)
+    first = next(iter(adapted.values()), None)
+    lora_cfg: LoRAConfig = getattr(model, "lora_config", None) or (
+        LoRAConfig(r=first.r, alpha=first.scaling * first.r) if first is not None else LoRAConfig())
     slots = hf_slots(model, fam)
     missing = [p for p in adapted if p not in slots]
     if missing:
@@ -186,13 +205,21 @@ def save_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
             ranks[slot.module] = rank
             alphas[slot.module] = _scale_alpha(scaling, rank, lora_cfg.use_rslora)
     modules = sorted({slots[p].module for p in adapted})
+    token_ids = None
+    if tokens is not None:
+        embedding = hf_embedding_name(model, fam)
+        if embedding is None:
+            raise ConfigError(f"{fam.model_type}: no HF module holds the input embedding alone; PEFT cannot name "
+                              f"its {TOKENS_KEY}")
+        token_ids = tokens.token_indices.tolist()
+        tensors[f"{PREFIX}{embedding}.{TOKENS_TENSOR}"] = tokens.rows().contiguous().cpu()
     config = {
         "peft_type": "LORA", "task_type": TASK_TYPES.get(cfg.arch), "base_model_name_or_path": base_model,
         "r": lora_cfg.r, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
         "use_rslora": lora_cfg.use_rslora, "target_modules": modules,
         "fan_in_fan_out": any(slots[p].conv1d for p in adapted), "bias": "none", "inference_mode": True,
         "init_lora_weights": True, "modules_to_save": None, "rank_pattern": ranks, "alpha_pattern": alphas,
-        "use_dora": False,
+        "use_dora": False, TOKENS_KEY: token_ids,
     }
     with fresh_output(Path(folder), overwrite=overwrite) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -215,7 +242,22 @@ def read_adapter_config(folder: str | Path) -> dict:
     for key in ("r", "lora_alpha"):
         if not isinstance(data.get(key), (int, float)) or data[key] <= 0:
             raise ConfigError(f"{path}: {key}={data.get(key)!r} must be a positive number")
+    _token_indices(data, path)
     return data
+
+
+def _token_indices(config: dict, path: Path) -> tuple[str | None, list[int]]:
+    """(the embedding module a dict form names, or None; the ids) of adapter_config.json's trainable_token_indices:
+    a list of distinct ids (the input embedding), or one {module: ids}; other forms are a ConfigError."""
+    value = config.get(TOKENS_KEY)
+    if value in (None, [], {}):
+        return None, []
+    module, ids = (next(iter(value.items())) if isinstance(value, dict) and len(value) == 1 else (None, value))
+    if (not isinstance(ids, list) or not ids or len(set(ids)) != len(ids)
+            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids)):
+        raise ConfigError(f"{path}: {TOKENS_KEY}={value!r} is not supported by archlab (a list of distinct token ids, "
+                          "or one {embedding module: ids})")
+    return module, ids
 
 
 def _pattern(patterns: dict | None, module: str, default):
@@ -227,7 +269,8 @@ def _pattern(patterns: dict | None, module: str, default):
 
 
 def _adapter_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """HF module -> {"A": (r, in), "B": (out, r)} from adapter_model.safetensors (read as data)."""
+    """HF module -> {"A": (r, in), "B": (out, r)} from adapter_model.safetensors (read as data); an embedding's
+    trainable token rows as {"rows": (n, d)}."""
     from safetensors.torch import load_file
 
     path = folder / WEIGHTS_FILE
@@ -239,13 +282,17 @@ def _adapter_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
         raise WeightsError(f"corrupt or unreadable adapter file {path}: {exc}") from exc
     by_module: dict[str, dict[str, torch.Tensor]] = {}
     pattern = re.compile(rf"{re.escape(PREFIX)}(.+)\.lora_([AB])(?:\.default)?\.weight")
+    rows = re.compile(rf"{re.escape(PREFIX)}(.+)\.{re.escape(TOKENS_TENSOR)}(?:\.default)?")
     for name, tensor in stored.items():
         match = pattern.fullmatch(name)
-        if match is None:
-            raise WeightsError(f"{path}: tensor {name} is not a LoRA A or B matrix archlab can load")
-        by_module.setdefault(match[1], {})[match[2]] = tensor
+        if match is not None:
+            by_module.setdefault(match[1], {})[match[2]] = tensor
+        elif (match := rows.fullmatch(name)) is not None:
+            by_module.setdefault(match[1], {})["rows"] = tensor
+        else:
+            raise WeightsError(f"{path}: tensor {name} is not a LoRA A or B matrix or token rows archlab can load")
     for module, pair in by_module.items():
-        if set(pair) != {"A", "B"}:
+        if set(pair) != {"A", "B"} and set(pair) != {"rows"}:
             raise WeightsError(f"{path}: {module} has lora_{'A' if 'A' not in pair else 'B'} missing")
     return by_module
 
@@ -262,8 +309,11 @@ def load_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
     by_module: dict[str, Slot] = {slot.module: slot for slot in hf_slots(model, fam).values()}
     rslora = bool(config.get("use_rslora", False))
     dropout = float(config.get("lora_dropout") or 0.0)
+    token_rows = _token_rows(model, fam, config, tensors, folder)
     plan = []
     for module, pair in tensors.items():
+        if "rows" in pair:
+            continue
         slot = by_module.get(module)
         if slot is None:
             raise WeightsError(f"adapter for another base: {module} is not a Linear of this {fam.model_type} model")
@@ -282,7 +332,39 @@ def load_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
             with torch.no_grad():
                 adapted.lora_A.copy_(a)
                 adapted.lora_B.copy_(b[rows])
+    if token_rows is not None:
+        ids, values = token_rows
+        adapted_rows = wrap_embedding(model, ids)       # its rows sorted by id
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        with torch.no_grad():   # PEFT holds the rows' values; ours is the difference from the base rows
+            base = adapted_rows.weight[adapted_rows.token_indices]
+            adapted_rows.trainable_tokens_delta.copy_(values[order].to(base) - base)
     targets = sorted({slot.module.rsplit(".", 1)[-1] for slot, *_ in plan})
     model.lora_config = LoRAConfig(r=int(config["r"]), alpha=float(config["lora_alpha"]), dropout=dropout,
-                                   targets=tuple(targets) or ("all-linear",), use_rslora=rslora)   # type: ignore
+                                   targets=tuple(targets) or ("all-linear",), use_rslora=rslora,
+                                   trainable_tokens=tuple(token_rows[0]) if token_rows else ())   # type: ignore
     return model
+
+
+def _token_rows(model: nn.Module, fam: Family, config: dict, tensors: dict, folder: Path
+                ) -> tuple[list[int], torch.Tensor] | None:
+    """(ids, their rows' values (n, d)) of the adapter's trainable tokens, checked against the model; None
+    without. Rows stored for another module, or missing, or of another shape, are a WeightsError naming them."""
+    module, ids = _token_indices(config, folder / CONFIG_FILE)
+    stored = {name: pair["rows"] for name, pair in tensors.items() if "rows" in pair}
+    if not ids and not stored:
+        return None
+    embedding = hf_embedding_name(model, fam)
+    if embedding is None or (module is not None and embedding != module and not embedding.endswith("." + module)):
+        raise ConfigError(f"{folder / CONFIG_FILE}: {TOKENS_KEY} for {module or 'the input embedding'}: archlab "
+                          f"trains token rows of this {fam.model_type} model's input embedding ({embedding}) only")
+    values = stored.pop(embedding, None)
+    if stored or values is None or not ids:
+        odd = next(iter(stored), embedding)
+        raise WeightsError(f"{folder / WEIGHTS_FILE}: trainable token rows of {odd} do not match {TOKENS_KEY} of "
+                           f"{CONFIG_FILE}")
+    n_rows, d = model.get_submodule(EMBED_PATH).weight.shape
+    if tuple(values.shape) != (len(ids), d) or max(ids) >= n_rows:
+        raise WeightsError(f"adapter for another base: {embedding} trainable token rows {tuple(values.shape)} for ids "
+                           f"up to {max(ids)} do not fit its embedding ({n_rows}, {d})")
+    return ids, values

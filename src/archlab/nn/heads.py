@@ -56,7 +56,11 @@ class LMHead(nn.Module):
 
     @property
     def matrix(self) -> torch.Tensor:                                    # (v, d)
-        return self.tied[0].weight if self.weight is None else self.weight
+        if self.weight is not None:
+            return self.weight
+        # an embedding with trainable token rows (nn/trainable_tokens.py): the tied head reads the trained rows too
+        effective = getattr(self.tied[0], "effective_weight", None)
+        return self.tied[0].weight if effective is None else effective()
 
     def forward(self, x: torch.Tensor, session: DecodeSession | None = None) -> torch.Tensor:  # (b, t, d) -> (b, t, v)
         logits = head_linear(x, self, self.matrix, self.bias, session)     # packed in a decode session

@@ -12,7 +12,8 @@ a packed decode step multiplies by W + s B A, not by the base alone.
 
 Targets name Linears by archlab's short names (q, k, v, o, gate, up, down), by module names or dotted suffixes
 (`q_proj`, `attn.q_proj`, `cross_attn.v_proj`), or `all-linear` (every Linear but the LM head, as PEFT does);
-the interop layer adds the checkpoint family's HF names (`module_names`).
+the interop layer adds the checkpoint family's HF names (`module_names`). `trainable_tokens` (token ids) also
+trains those rows of the input embedding (nn/trainable_tokens.py: PEFT's trainable_token_indices).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import ConfigError
+from archlab.nn.trainable_tokens import EMBED_PATH, token_module, unwrap_embedding, wrap_embedding
 
 __all__ = ["LoRAConfig", "LoRALinear", "ALIASES", "ALL_LINEAR", "apply_lora", "merge_lora", "lora_modules",
            "lora_state", "adapter_names", "linear_paths", "select", "wrap", "parse_targets", "lora_scaling"]
@@ -39,17 +41,22 @@ HEAD_NAMES = ("lm_head",)          # the output layer all-linear leaves alone, a
 @dataclass(frozen=True, kw_only=True)
 class LoRAConfig:
     """r: the rank; alpha: the scale's numerator; dropout on the adapter's input; targets: Linears by name (see
-    the module docstring); use_rslora: scale alpha / sqrt(r) instead of alpha / r."""
+    the module docstring); use_rslora: scale alpha / sqrt(r) instead of alpha / r; trainable_tokens: token ids whose
+    input-embedding rows train too (nn/trainable_tokens.py)."""
 
     r: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q", "v")
     use_rslora: bool = False
+    trainable_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
         targets: object = self.targets
         object.__setattr__(self, "targets", parse_targets(targets) if isinstance(targets, str) else tuple(self.targets))
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.trainable_tokens):
+            raise ConfigError(f"lora.trainable_tokens={list(self.trainable_tokens)!r} must be token ids >= 0")
+        object.__setattr__(self, "trainable_tokens", tuple(sorted(set(self.trainable_tokens))))
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise ConfigError(f"lora.r={self.r!r} must be an integer >= 1")
         if not 0.0 <= self.dropout < 1.0:
@@ -66,6 +73,7 @@ class LoRAConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["targets"] = list(self.targets)
+        d["trainable_tokens"] = list(self.trainable_tokens)
         return d
 
 
@@ -175,15 +183,18 @@ def select(model: nn.Module, targets: Iterable[str],
 
 def apply_lora(model: nn.Module, cfg: LoRAConfig, module_names: Callable[[str], Iterable[str]] | None = None,
                generator: torch.Generator | None = None) -> nn.Module:
-    """Wrap the Linears `cfg.targets` name in LoRALinear (in place) and freeze every other parameter; returns the
-    model. The adapters' A draws from `generator` (a CPU generator), else torch's global RNG.
+    """Wrap the Linears `cfg.targets` name in LoRALinear (in place), and the input embedding in TrainableTokens
+    when cfg.trainable_tokens lists ids; freeze every other parameter; returns the model. The adapters' A draws
+    from `generator` (a CPU generator), else torch's global RNG.
     Example: apply_lora(model, LoRAConfig(r=8, alpha=16, targets=("q", "v")))"""
-    if lora_modules(model):
+    if lora_modules(model) or token_module(model) is not None:
         raise ConfigError("this model already carries LoRA adapters (merge_lora first to add another)")
     paths = select(model, cfg.targets, module_names)
     model.requires_grad_(False)
     for path in paths:
         wrap(model, path, cfg.r, cfg.scaling, cfg.dropout, generator)
+    if cfg.trainable_tokens:
+        wrap_embedding(model, cfg.trainable_tokens)
     model.lora_config = cfg      # type: ignore[assignment]  # read by saving and merging
     return model
 
@@ -208,8 +219,12 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 def adapter_names(model: nn.Module) -> list[str]:
-    """State-dict keys of the adapters' tensors (`...q_proj.lora_A`, `...q_proj.lora_B`)."""
-    return [f"{path}.{part}" for path in lora_modules(model) for part in ("lora_A", "lora_B")]
+    """State-dict keys of the adapters' tensors (`...q_proj.lora_A`, `...q_proj.lora_B`; `embed.token_indices` and
+    `embed.trainable_tokens_delta` with trainable tokens)."""
+    names = [f"{path}.{part}" for path in lora_modules(model) for part in ("lora_A", "lora_B")]
+    if token_module(model) is not None:
+        names += [f"{EMBED_PATH}.token_indices", f"{EMBED_PATH}.trainable_tokens_delta"]
+    return names
 
 
 def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -219,11 +234,13 @@ def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight (W += s B A) and put plain Linears back, in place; the logits are
-    the adapted model's. Parameters become trainable again, as in a freshly built model."""
+    """Fold every adapter into its base weight (W += s B A; trainable token rows E[i] += delta) and put plain
+    Linears (and a plain embedding) back, in place; the logits are the adapted model's. Parameters become
+    trainable again, as in a freshly built model."""
     for path, m in lora_modules(model).items():
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path), name, m.merged())
+    unwrap_embedding(model)
     if hasattr(model, "lora_config"):
         del model.lora_config
     return model.requires_grad_(True)

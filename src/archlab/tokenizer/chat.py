@@ -18,6 +18,7 @@ else:
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,16 @@ class ChatTokenizer:
             raise ChatTemplateError("this tokenizer has no chat template (chat_template.jinja or tokenizer_config.json "
                                     "chat_template): add one (archlab.tokenizer.chat_builtin) or pass chat_template=")
         return self.templates
+
+    def template_token_ids(self, chat_template: str | None = None) -> list[int]:
+        """Ids of the special tokens the template writes, sorted: those whose text the source holds (ChatML's
+        `<|im_start|>`, `<|im_end|>`) and those it reads by role (`{{ bos_token }}`). Read off the source, so a
+        branch no probe conversation takes (a system turn, tools) counts too."""
+        source = self.template(chat_template)
+        specials: dict[str, int] = getattr(self.tokenizer, "special_to_id", None) or {}
+        written = {text for text in specials if text and text in source}
+        written |= {text for role, text in self.special.items() if re.search(rf"\b{role}\b", source)}
+        return sorted({specials[text] for text in written if text in specials})
 
 
 # ---- token ids and the assistant mask -----------------------------------------------------------------------

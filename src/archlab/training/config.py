@@ -17,7 +17,8 @@ __all__ = ["TrainConfig", "NO_DECAY_CATEGORIES"]
 NO_DECAY_CATEGORIES = ("norms", "biases", "embeddings")
 ALIASES = {"dist.strategy": "dist_strategy",   # --set dist.strategy=fsdp, as torchrun users write it
            "lora.r": "lora_r", "lora.alpha": "lora_alpha", "lora.dropout": "lora_dropout",
-           "lora.targets": "lora_targets", "lora.rslora": "lora_rslora", "lora.use_rslora": "lora_rslora"}
+           "lora.targets": "lora_targets", "lora.rslora": "lora_rslora", "lora.use_rslora": "lora_rslora",
+           "lora.trainable_tokens": "lora_trainable_tokens"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +77,9 @@ class TrainConfig:
     lora_dropout: float = 0.0              # dropout on the adapters' input
     lora_targets: str = "q,v"              # comma list: q, k, v, o, gate, up, down, module names, HF names, all-linear
     lora_rslora: bool = False              # rank-stabilised scaling (Kalajdzievski 2023)
+    lora_trainable_tokens: str = ""        # comma list of token ids, token texts, or `template` (the chat template's
+                                           # special tokens): their input-embedding rows train too (PEFT's
+                                           # trainable_token_indices); config.yaml records the ids
     packing: bool = True                   # chat examples (archlab finetune): whole examples packed into rows of
                                            # seq_len with document ids; false: one example per row, padded per batch
     loss_mask: str = "assistant"           # archlab finetune: the tokens the loss scores (data/chat.LOSS_MASKS)
@@ -123,6 +127,9 @@ class TrainConfig:
                 raise ConfigError(f"train.lora_alpha={self.lora_alpha} must be a positive number")
             if not self.lora_targets.strip(" ,"):
                 raise ConfigError("train.lora_targets is empty: name Linears (q,v ...) or all-linear")
+        elif self.lora_trainable_tokens.strip(" ,"):
+            raise ConfigError(f"train.lora_trainable_tokens={self.lora_trainable_tokens!r} needs train.lora_r (without "
+                              "LoRA every embedding row trains)")
         if not 0 < self.dpo_beta < math.inf:
             raise ConfigError(f"train.dpo_beta={self.dpo_beta} must be a positive number")
         if not 0 <= self.dpo_simpo_gamma < math.inf:

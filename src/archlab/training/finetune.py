@@ -201,7 +201,7 @@ def _prepare(base, data_path: Path, val_path: Path | None, out: Path, train_cfg:
                 print(line, file=sys.stderr)
         model_cfg = source.model_config.with_overrides(model_overrides) if model_overrides else source.model_config
         source.check_model(model_cfg)
-        lora_stage.check(model_cfg, train_cfg)
+        lora_stage.check(model_cfg, train_cfg, staged)     # trainable token texts (`template`): in this tokenizer
         settings = _data_settings(data_path, val_path, train_cfg, chat_template, val_fraction)
         if resume and (data_dir / META_FILE).is_file():
             _check_same_data(data_dir, settings)

@@ -1,12 +1,16 @@
 """LoRA fine-tuning on the trainer: `train.lora_r` (with lora_alpha, lora_dropout, lora_targets, lora_rslora) puts
 adapters on the built model's Linears (nn/lora.py) before the optimizer is made, so only the adapters train and
 only they have optimizer state; checkpoints hold the base and the adapters (a resume restores both).
+`train.lora_trainable_tokens` trains some input-embedding rows too (nn/trainable_tokens.py): token ids, token
+texts and `template` (the chat template's special tokens) are resolved to ids with the run's tokenizer
+(`resolve_tokens`) before anything is written, and config.yaml records the ids.
 
 After the first optimizer step the AdamW state is measured (its tensors' bytes) and printed beside what full
 fine-tuning would keep at the same bytes per parameter; it is logged once to metrics.jsonl (`optimizer_bytes`).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,17 +21,71 @@ from torch import nn
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.peft import hf_module_names
 from archlab.nn.lora import LoRAConfig, apply_lora, parse_targets, select
+from archlab.nn.trainable_tokens import parse_token_list
 from archlab.training.config import TrainConfig
 
-__all__ = ["lora_config", "attach", "check", "check_resume", "scale_memory", "optimizer_bytes", "LoRAStep"]
+__all__ = ["lora_config", "resolve_tokens", "attach", "check", "check_resume", "scale_memory", "optimizer_bytes",
+           "LoRAStep"]
 
 
 def lora_config(cfg: TrainConfig) -> LoRAConfig | None:
     """The adapters the train config asks for (None: full training)."""
     if cfg.lora_r is None:
         return None
+    items = parse_token_list(cfg.lora_trainable_tokens)
+    if not all(item.isdecimal() for item in items):
+        raise ConfigError(f"train.lora_trainable_tokens={cfg.lora_trainable_tokens!r} holds token texts: resolve them "
+                          "to ids with the run's tokenizer first (training.lora.resolve_tokens)")
     return LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                      targets=parse_targets(cfg.lora_targets), use_rslora=cfg.lora_rslora)
+                      targets=parse_targets(cfg.lora_targets), use_rslora=cfg.lora_rslora,
+                      trainable_tokens=tuple(int(item) for item in items))
+
+
+TEMPLATE = "template"      # lora_trainable_tokens: the special tokens of the tokenizer's chat template
+
+
+def resolve_tokens(cfg: TrainConfig, tokenizer_dir: str | Path | None) -> TrainConfig:
+    """cfg with train.lora_trainable_tokens as sorted token ids: digits are ids, `template` the special tokens the
+    tokenizer folder's chat template writes, anything else a token's exact text in that tokenizer. A text that is
+    no token, or texts with no tokenizer to read them, is a ConfigError naming it.
+    Example: resolve_tokens(TrainConfig(lora_r=8, lora_trainable_tokens="template"), "runs/sft/data/tokenizer")"""
+    items = parse_token_list(cfg.lora_trainable_tokens)
+    if all(item.isdecimal() for item in items):
+        ids = {int(item) for item in items}
+    else:
+        ids = _token_ids(items, tokenizer_dir)
+    return dataclasses.replace(cfg, lora_trainable_tokens=",".join(map(str, sorted(ids))))
+
+
+def _token_ids(items: list[str], tokenizer_dir: str | Path | None) -> set[int]:
+    from archlab.data.tokenizer_adapter import load_tokenizer
+
+    key = "train.lora_trainable_tokens"
+    texts = [item for item in items if not item.isdecimal()]
+    if tokenizer_dir is None or not Path(tokenizer_dir).is_dir():
+        raise ConfigError(f"{key}: {texts[0]!r} is a token text and this run has no tokenizer to look it up in: "
+                          "give token ids")
+    ids = {int(item) for item in items if item.isdecimal()}
+    if TEMPLATE in texts:
+        from archlab.tokenizer.chat import ChatTemplateError, ChatTokenizer
+
+        try:
+            found = ChatTokenizer.of(tokenizer_dir).template_token_ids()
+        except ChatTemplateError as exc:
+            raise ConfigError(f"{key}={TEMPLATE}: {exc}") from None
+        if not found:
+            raise ConfigError(f"{key}={TEMPLATE}: the chat template of {tokenizer_dir} writes no special token")
+        ids.update(found)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    for text in texts:
+        if text == TEMPLATE:
+            continue
+        token_id = tokenizer.token_to_id(text)
+        if token_id is None:
+            raise ConfigError(f"{key}: {text!r} is not a token of the tokenizer in {tokenizer_dir} (give a token's "
+                              f"exact text, an id, or {TEMPLATE})")
+        ids.add(int(token_id))
+    return ids
 
 
 def attach(model: nn.Module, cfg: TrainConfig) -> LoRAStep | None:
@@ -41,20 +99,25 @@ def attach(model: nn.Module, cfg: TrainConfig) -> LoRAStep | None:
     return LoRAStep(model)
 
 
-def check(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
-    """Raise ConfigError for train.lora_targets that name no Linear of this model, before anything is written
-    (checked on a model built on the meta device: no memory, no init)."""
-    settings = lora_config(cfg)
-    if settings is None:
+def check(model_cfg: ModelConfig, cfg: TrainConfig, tokenizer_dir: str | Path | None = None) -> None:
+    """Raise ConfigError for train.lora_targets that name no Linear of this model, and for trainable tokens that
+    are no token of `tokenizer_dir` or lie past the embedding, before anything is written (checked on a model
+    built on the meta device: no memory, no init)."""
+    if cfg.lora_r is None:
         return
+    settings = lora_config(resolve_tokens(cfg, tokenizer_dir))
+    assert settings is not None
     from archlab.models import build_model
 
     with torch.device("meta"):
         model = build_model(model_cfg)
     select(model, settings.targets, hf_module_names(model))
+    if settings.trainable_tokens and settings.trainable_tokens[-1] >= model_cfg.vocab_size:
+        raise ConfigError(f"train.lora_trainable_tokens: token id {settings.trainable_tokens[-1]} is past the "
+                          f"model's vocab_size={model_cfg.vocab_size}")
 
 
-LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_rslora")
+LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_rslora", "lora_trainable_tokens")
 
 
 def check_resume(run_dir: Path, cfg: TrainConfig) -> None:

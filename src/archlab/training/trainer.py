@@ -206,6 +206,8 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_
         # (no sentinels, no sentence index, pairs too long) is an error that leaves nothing behind
         batches = TrainBatches(model_cfg, cfg, train_data, rank=info.rank, world_size=info.world_size)
         eval_objective = batches.objective_on(val_data) if can_eval else None
+    # trainable token texts (train.lora_trainable_tokens) become ids with the data's tokenizer; config.yaml keeps ids
+    cfg = lora_stage.resolve_tokens(cfg, _tokenizer_dir(data_dir, train_data, init_from))
     lora_stage.check(model_cfg, cfg)                   # LoRA targets this model lacks: refused before any write
     if cfg.memory_check:
         check_memory_fits(model_cfg, cfg, device, info)
@@ -215,6 +217,14 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_
                                   allow_new_data, init_from)
         return _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
                          (train_data, val_data, can_eval, batches, eval_objective), init_from)
+
+
+def _tokenizer_dir(data_dir: Path, train_data, init_from) -> Path | None:
+    """The tokenizer folder the run's token ids come from: the data folder's, or (preference .jsonl data) the
+    --init-from source's."""
+    if data_dir.is_dir():
+        return data_dir / getattr(train_data, "meta", {}).get("tokenizer", "tokenizer")
+    return Path(init_from.tokenizer_dir) if init_from is not None and init_from.tokenizer_dir else None
 
 
 def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device, data, init_from=None) -> TrainResult:

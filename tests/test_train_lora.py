@@ -145,3 +145,30 @@ def test_resume_with_other_lora_settings_is_refused_and_writes_nothing(data_dir,
         train(_cfg(data_dir), TrainConfig(budget=3, **{**FAST, "lora_r": 8}), data_dir, tmp_path / "run",
               resume=True, progress=False)
     assert (tmp_path / "run" / "config.yaml").read_bytes() == before
+
+
+def test_a_run_with_trainable_token_rows_loads_merged_and_exports_to_peft(data_dir, tmp_path):
+    """The checkpoint names the rows (embed.token_indices); load_run wraps the embedding on them before loading."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    cfg = TrainConfig(budget=3, lora_trainable_tokens="101,32", **FAST)          # 'e' and ' ' bytes (+1 offset)
+    train(_cfg(data_dir), cfg, data_dir, tmp_path / "run", progress=False)
+    adapted, _ = load_run(tmp_path / "run", merge_adapters=False)
+    merged, _ = load_run(tmp_path / "run")
+    ids = torch.randint(0, 257, (2, 12))
+    with torch.no_grad():
+        ours = merged(ids)
+        torch.testing.assert_close(adapted(ids), ours, rtol=1e-5, atol=1e-5)
+    base = archlab.build_model(adapted.config)
+    base.load_state_dict({k: v for k, v in adapted.state_dict().items()
+                          if not k.endswith(("lora_A", "lora_B", "token_indices", "trainable_tokens_delta"))})
+    rows = (merged.state_dict()["embed.weight"] - base.state_dict()["embed.weight"]).abs().sum(-1)   # (vocab,)
+    assert sorted(torch.nonzero(rows).flatten().tolist()) == [32, 101]           # those rows trained, no other
+    archlab.interop.save_hf(base, tmp_path / "base")
+    assert main(["convert", "--to-peft", str(tmp_path / "run"), "--out", str(tmp_path / "adapter")]) == 0
+    hf = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager"),
+        tmp_path / "adapter").eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, use_cache=False).logits
+    assert float((ours - theirs).abs().max() / theirs.abs().max()) < 1e-4

@@ -211,9 +211,12 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = 
 
 def _adapters_for(model, state: dict, train: dict | None) -> None:
     """Wrap the Linears whose adapters `state` holds (`<path>.lora_A` / `.lora_B`, a LoRA run's checkpoint), at
-    the rank their A has and the scale the run's train section (lora_alpha, lora_rslora) gives."""
+    the rank their A has and the scale the run's train section (lora_alpha, lora_rslora) gives; the embedding on
+    the rows a run trained with train.lora_trainable_tokens (its checkpoint names them)."""
     from archlab.nn.lora import lora_scaling, wrap
+    from archlab.nn.trainable_tokens import wrap_from_state
 
+    wrap_from_state(model, state)
     paths = [name[: -len(".lora_A")] for name in state if name.endswith(".lora_A")]
     if not paths:
         return

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from archlab.errors import UserError
@@ -60,10 +61,12 @@ def ensure_base(spec: BaseSpec, data: Path) -> tuple[Path, dict]:
             time.sleep(WAIT_S)
 
 
-def finetune_job(job: RunJob) -> RunRecord:
-    """One finetune row: the base (built or reused), fine-tuning (continued from its last checkpoint), scores."""
+def finetune_job(job: RunJob, train_and_measure: Callable[..., RunRecord],
+                 failed: Callable[[RunRecord, BaseException, float], RunRecord]) -> RunRecord:
+    """One finetune row: the base (built or reused), fine-tuning (continued from its last checkpoint), scores.
+    The worker hands in its own train_and_measure and failed (archlab.lab.worker), so this module does not import it.
+    Example: worker.RUN_KINDS["finetune"](job) -> finetune_job(job, train_and_measure, failed)"""
     from archlab.demo.post_training import SFT_FILE, reverse_problems, score_reversal
-    from archlab.lab.worker import failed, train_and_measure
     from archlab.training.finetune import finetune
 
     run, record, spec = job.run, job.record, job.run.base

@@ -76,7 +76,8 @@ def failed(record: RunRecord, exc: BaseException, t0: float) -> RunRecord:
 
 # a suite's `runs` -> the function that does one of its runs (archlab.lab.suites.RUN_KINDS names them)
 RUN_KINDS: dict[str, Callable[[RunJob], RunRecord]] = {"train": _train_job, "ngram": evaluate_ngram_run,
-                                                       "finetune": finetune_job}
+                                                       "finetune": lambda job: finetune_job(job, train_and_measure,
+                                                                                            failed)}
 
 
 def train_and_measure(suite: Suite, run: PlannedRun, data: Path, record: RunRecord, train_fn: Callable | None,

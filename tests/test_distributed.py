@@ -62,8 +62,8 @@ def setup(tmp_path_factory):
 
 @pytest.mark.parametrize("strategy,overrides", [
     ("ddp", {"dist_strategy": "ddp"}),
-    ("fsdp", {"dist.strategy": "fsdp"}),            # the spelling of `--set dist.strategy=fsdp`
-    ("fsdp-recompute", {"dist_strategy": "fsdp", "activation_checkpointing": True}),
+    pytest.param("fsdp", {"dist.strategy": "fsdp"}, marks=pytest.mark.slow),   # `--set dist.strategy=fsdp`; ~16 s
+    pytest.param("fsdp-recompute", {"dist_strategy": "fsdp", "activation_checkpointing": True}, marks=pytest.mark.slow),
 ])
 def test_two_process_run_matches_single_process(setup, strategy, overrides):
     root, cfg, reference = setup

@@ -65,6 +65,7 @@ def test_a_crash_at_each_write_of_a_save_then_resume_equals_the_uninterrupted_ru
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
 
 
+@pytest.mark.slow   # ~11 s: a trainer process stopped by SIGTERM
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(reference, tmp_path):
     import yaml
 

@@ -59,6 +59,7 @@ def _table(sweep: Path) -> dict:
                                   "first_token_mass": r.extra.get("first_token_mass")} for r in rows}
 
 
+@pytest.mark.slow   # ~17 s: real worker processes
 def test_local_processes_give_the_serial_table_bit_for_bit(data, serial_table, tmp_path):
     rows = runner.run_suite(suites.Suite.from_dict(SUITE), tmp_path / "sweep", data_dir=data, budget=BUDGET,
                             progress=False, executor="local", workers=2)
@@ -74,6 +75,7 @@ def _dies_in_its_worker(model_cfg, train_cfg, data_dir, out_dir, *, resume=False
     return train(model_cfg, train_cfg, data_dir, out_dir, resume=resume, progress=progress)
 
 
+@pytest.mark.slow   # ~26 s: a worker killed mid-run
 def test_a_worker_that_dies_is_a_failed_row_and_the_next_sweep_runs_it(data, serial_table, tmp_path):
     suite = suites.Suite.from_dict(SUITE)
     kw = dict(data_dir=data, budget=BUDGET, progress=False, executor="local", workers=2)
@@ -168,6 +170,7 @@ def _kill_mid_sweep_then_resume(data: Path, tmp_path: Path, executor: str) -> tu
     return before, _table(out)
 
 
+@pytest.mark.slow   # ~33 s: a driver killed mid-sweep
 def test_killing_the_driver_mid_sweep_then_rerunning_finishes_without_duplicates(data, tmp_path):
     from archlab.lab import runner as r
 

@@ -85,6 +85,7 @@ def test_the_holder_refreshes_its_heartbeat(tmp_path):
         assert json.loads((tmp_path / LOCK_FILE).read_text())["heartbeat"] > first
 
 
+@pytest.mark.slow   # ~11 s: two training processes
 def test_two_real_writers_the_second_refused_the_first_intact(tmp_path):
     data = make_data(tmp_path / "data", n_docs=10, words=100)
     run_dir = tmp_path / "run"

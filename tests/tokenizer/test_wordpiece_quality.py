@@ -45,6 +45,7 @@ def _check(name: str, vocab: int) -> None:
     assert ours.decode(ours.encode(held)) == held
 
 
+@pytest.mark.slow   # ~13 s
 def test_wordpiece_matches_tokenizers_on_the_standard_library_at_8k():
     _check("pystdlib", 8000)
 

@@ -50,7 +50,7 @@ __all__ = [
     "CheckpointError", "save_checkpoint", "load_checkpoint", "list_checkpoints", "latest_checkpoint",
     "MODEL_FILE", "TRAINER_FILE", "META_FILE",
     "verify_checkpoint", "verified_weights", "resumable_checkpoint", "holds_trainer_state", "FORMAT_VERSION",
-    "nonfinite",
+    "nonfinite", "NonFiniteWeightsError",
 ]
 
 FORMAT_VERSION = 2                 # 1: trainer.pt (pickle); 2: trainer.safetensors + sha256 in meta.json
@@ -65,6 +65,10 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint or run folder that cannot be read; the message names the file."""
+
+
+class NonFiniteWeightsError(CheckpointError):
+    """Weights that read fine but hold NaN or infinity (`nonfinite`): a run that diverged."""
 
 
 # --------------------------------------------------------------------------- low-level io
@@ -154,7 +158,7 @@ def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"corrupt or unreadable weights file {path}: {exc}") from exc
     bad = next(filter(None, (nonfinite(name, tensor) for name, tensor in state.items())), None)
     if bad is not None:
-        raise CheckpointError(f"{path}: {bad}: the run diverged; resume from an earlier checkpoint")
+        raise NonFiniteWeightsError(f"{path}: {bad}: the run diverged; resume from an earlier checkpoint")
     for name, target in aliases.items():
         state[name] = state[target]
     return state

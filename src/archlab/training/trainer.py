@@ -739,11 +739,9 @@ def _check_resumable_weights(checkpoint: Path) -> None:
     that verifies, so the message says how to reach the one before it."""
     try:
         ckpt_io.load_weights(checkpoint / ckpt_io.MODEL_FILE)
-    except ckpt_io.CheckpointError as e:
-        if " holds " not in str(e):
-            raise
-        raise ckpt_io.CheckpointError(f"{e}; --resume takes the newest checkpoint: move {checkpoint} out of "
-                                      f"{checkpoint.parent} to resume from the one before it") from None
+    except ckpt_io.NonFiniteWeightsError as e:
+        raise ckpt_io.NonFiniteWeightsError(f"{e}; --resume takes the newest checkpoint: move {checkpoint} out "
+                                            f"of {checkpoint.parent} to resume from the one before it") from None
 
 
 def _weights_only_message(run_dir: Path, checkpoint: Path) -> str:

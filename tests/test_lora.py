@@ -227,3 +227,31 @@ def test_bad_trainable_tokens_are_named(tokens, message):
     with pytest.raises(ConfigError, match=message) as info:
         apply_lora(_model(), LoRAConfig(r=2, trainable_tokens=tokens))
     assert "\n" not in str(info.value)
+
+
+def test_modules_to_save_train_whole_and_no_other_base_tensor():
+    model = _model("gpt2")
+    apply_lora(model, LoRAConfig(r=2, targets=("q",), modules_to_save=("abs_position",)))
+    assert model.lora_config.modules_to_save == ("abs_position.embedding",)       # resolved to its owner's path
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"abs_position.embedding.weight"} | {n for n in trainable if ".lora_" in n}
+    assert "abs_position.embedding.weight" in lora_state(model)                    # saved with the adapters
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _train_steps(model)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    assert "abs_position.embedding.weight" in moved
+    assert all(".lora_" in n or n == "abs_position.embedding.weight" for n in moved)
+    logits = model(torch.tensor([[1, 2, 3]]))
+    merge_lora(model)
+    torch.testing.assert_close(model(torch.tensor([[1, 2, 3]])), logits)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"modules_to_save": ("nope",)}, r"lora modules_to_save 'nope' matches no module of this model \(its modules: "),
+    ({"targets": ("q",), "modules_to_save": ("blocks.0.attn",)},
+     r"lora modules_to_save 'blocks.0.attn.q_proj' holds the LoRA target blocks.0.attn.q_proj"),
+    ({"trainable_tokens": (3,), "modules_to_save": ("embed",)}, r"'embed' is the input embedding whose trainable"),
+])
+def test_bad_modules_to_save_are_named(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_lora(_model("gpt2"), LoRAConfig(r=2, **kwargs))

@@ -172,3 +172,44 @@ def test_a_run_with_trainable_token_rows_loads_merged_and_exports_to_peft(data_d
     with torch.no_grad():
         theirs = hf(input_ids=ids, use_cache=False).logits
     assert float((ours - theirs).abs().max() / theirs.abs().max()) < 1e-4
+
+
+def test_a_run_with_modules_to_save_trains_them_whole_and_exports_to_peft(data_dir, tmp_path, capsys):
+    """train.lora_modules_to_save: the module trains beside the adapters (and has optimizer state), every other
+    base tensor stays; `convert --to-peft` writes it as PEFT's modules_to_save and PEFT computes the run's logits."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    cfg = TrainConfig(budget=3, checkpoint_every=1, keep_last=10, lora_modules_to_save="final_norm", **FAST)
+    train(_cfg(data_dir), cfg, data_dir, tmp_path / "run", progress=False)
+    init = archlab.build_model(_cfg(data_dir)).state_dict()
+    last_ckpt = list_checkpoints(tmp_path / "run")[-1]
+    last = load_checkpoint(last_ckpt)[0]
+    norm = "blocks.final_norm.weight"
+    assert torch.equal(init[norm], torch.ones_like(init[norm])) and not torch.equal(last[norm], init[norm])
+    first = load_checkpoint(list_checkpoints(tmp_path / "run")[0])[0]
+    moved = {k for k in last if not torch.equal(first[k], last[k])}
+    assert moved - {k for k in last if k.endswith(("lora_A", "lora_B"))} == {norm}     # the base stays but it
+    assert len(load_trainer_state(last_ckpt)["optimizer"]["state"]) == 2 * 3 * 2 + 1   # adapters + the norm
+    merged, _ = load_run(tmp_path / "run")
+    base = archlab.build_model(merged.config)
+    adapted, _ = load_run(tmp_path / "run", merge_adapters=False)
+    base.load_state_dict({**{k: v for k, v in adapted.state_dict().items() if not k.endswith(("lora_A", "lora_B"))},
+                          norm: init[norm]})                   # the base: the run's start, the norm at its init
+    archlab.interop.save_hf(base, tmp_path / "base")
+    assert main(["convert", "--to-peft", str(tmp_path / "run"), "--out", str(tmp_path / "adapter")]) == 0
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["modules_to_save"] == ["model.norm"]
+    hf = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager"),
+        tmp_path / "adapter").eval()
+    ids = torch.randint(0, 257, (2, 12))
+    with torch.no_grad():
+        ours, theirs, plain = merged(ids), hf(input_ids=ids, use_cache=False).logits, base.eval()(ids)
+    assert float((ours - theirs).abs().max() / theirs.abs().max()) < 1e-4
+    assert float((ours - plain).abs().max()) > 1e-4
+    # a name that matches no module is refused before anything is written
+    with pytest.raises(ConfigError, match=r"lora modules_to_save 'nope' matches no module of this model"):
+        train(_cfg(data_dir), TrainConfig(budget=2, lora_modules_to_save="nope", **FAST), data_dir,
+              tmp_path / "bad", progress=False)
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(ConfigError, match=r"train.lora_modules_to_save='final_norm' needs train.lora_r"):
+        TrainConfig().with_overrides({"lora.modules_to_save": "final_norm"})

@@ -263,3 +263,64 @@ def test_trainable_tokens_peft_cannot_express_are_refused_naming_the_field(tmp_p
     (tmp_path / "head" / CONFIG_FILE).write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"trainable_token_indices=\[3, 3\] is not supported by archlab"):
         load_hf(base, adapter=tmp_path / "head")
+
+
+# ---- whole modules: PEFT's modules_to_save -------------------------------------------------------------------------
+@pytest.mark.parametrize("kind, targets, saved, hf_names", [
+    ("gpt2", ("q", "v"), ("abs_position",), ["transformer.wpe"]),        # learned positions, by archlab's name
+    ("gpt2", ("c_attn",), ("wpe", "ln_f"), ["transformer.ln_f", "transformer.wpe"]),   # by the family's names
+    ("llama", ("q", "v"), ("final_norm", "lm_head"), ["lm_head", "model.norm"]),
+    ("t5", ("q", "v"), ("final_layer_norm",), ["decoder.final_layer_norm", "encoder.final_layer_norm"]),
+])
+def test_our_modules_to_save_load_in_peft_with_our_logits(tmp_path, kind, targets, saved, hf_names):
+    base = _base_folder(tmp_path, kind)
+    ours = load_hf(base)
+    plain = _ours(ours, kind)
+    apply_lora(ours, LoRAConfig(r=4, alpha=8, targets=targets, modules_to_save=saved),
+               module_names=hf_module_names(ours))
+    whole = [p for path in ours.lora_config.modules_to_save for p in ours.get_submodule(path).parameters()]
+    assert whole and all(p.requires_grad for p in whole)
+    _randomize(whole)
+    save_peft(ours, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / CONFIG_FILE).read_text())
+    assert config["modules_to_save"] == hf_names
+    hf = peft.PeftModel.from_pretrained(_hf(kind), tmp_path / "adapter").eval()
+    _assert_close(_ours(ours, kind), _theirs(hf, kind), plain)
+
+
+@pytest.mark.parametrize("kind, targets, saved", [
+    ("gpt2", ["c_attn"], ["wpe"]),
+    ("llama", ["q_proj"], ["norm"]),          # PEFT matches the name's end: every layer's norms and the last one
+    ("t5", ["q", "v"], ["final_layer_norm"]),  # both stacks
+])
+def test_peft_modules_to_save_load_here_with_peft_logits(tmp_path, kind, targets, saved):
+    base = _base_folder(tmp_path, kind)
+    hf = peft.get_peft_model(_hf(kind), peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                        modules_to_save=saved))
+    _randomize(p for p in hf.parameters() if p.requires_grad)
+    hf.save_pretrained(tmp_path / "adapter")
+    hf.eval()
+    ours = load_hf(base, adapter=tmp_path / "adapter")
+    assert ours.lora_config.modules_to_save
+    theirs, plain = _theirs(hf, kind), _theirs(_hf(kind), kind)
+    _assert_close(_ours(ours, kind), theirs, plain)
+    _assert_close(_ours(merge_lora(ours), kind), theirs, plain)
+
+
+def test_modules_to_save_peft_cannot_match_are_refused(tmp_path):
+    tied = _folder(tmp_path, "llama-tied")
+    ours = load_hf(tied)
+    apply_lora(ours, LoRAConfig(r=2, targets=("q",), modules_to_save=("embed_tokens",)),
+               module_names=hf_module_names(ours))
+    with pytest.raises(ConfigError, match=r"modules_to_save embed: the head is tied to it"):
+        save_peft(ours, tmp_path / "tied")
+    assert not (tmp_path / "tied").exists()
+    base = _base_folder(tmp_path, "gpt2")
+    hf = peft.get_peft_model(_hf("gpt2"), peft.LoraConfig(r=2, target_modules=["c_attn"], modules_to_save=["wpe"]))
+    hf.save_pretrained(tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / CONFIG_FILE).read_text())
+    config["modules_to_save"] = ["ln_f"]            # the file holds wpe's tensor, the config names another module
+    (tmp_path / "adapter" / CONFIG_FILE).write_text(json.dumps(config))
+    with pytest.raises(WeightsError, match=r"tensor base_model\.model\.transformer\.wpe\.weight is not .* "
+                                           r"modules_to_save"):
+        load_hf(base, adapter=tmp_path / "adapter")

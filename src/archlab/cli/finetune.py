@@ -39,6 +39,9 @@ def register(subparsers) -> None:
     p.add_argument("--lora-trainable-tokens", metavar="IDS|TOKENS|template",
                    help="input-embedding rows that train beside the adapters (train.lora.trainable_tokens): a comma "
                    "list of token ids or texts, or template (the chat template's special tokens)")
+    p.add_argument("--lora-modules-to-save", metavar="MODULES",
+                   help="modules that train whole beside the adapters (train.lora.modules_to_save, PEFT's "
+                   "modules_to_save): e.g. abs_position (learned positions), final_norm, lm_head")
     p.add_argument("--resume", action="store_true", help="continue the fine-tune in --out from its newest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     p.set_defaults(func=run_finetune)
@@ -50,7 +53,8 @@ def _lora_sets(args) -> list[str]:
     if args.lora_alpha is not None and not math.isfinite(args.lora_alpha):
         raise UserError(f"--lora-alpha {args.lora_alpha} must be a finite number")
     flags = (("lora_r", args.lora_r), ("lora_alpha", args.lora_alpha), ("lora_targets", args.lora_targets),
-             ("lora_trainable_tokens", args.lora_trainable_tokens))
+             ("lora_trainable_tokens", args.lora_trainable_tokens),
+             ("lora_modules_to_save", args.lora_modules_to_save))
     return [f"train.{key}={value}" for key, value in flags if value is not None]
 
 

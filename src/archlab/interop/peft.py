@@ -15,6 +15,11 @@ Trainable token rows (nn/trainable_tokens.py) are PEFT's `trainable_token_indice
 embedding's rows; a tied head follows it in PEFT as here; loading also reads one {embedding module: ids}, and
 refuses other forms): the ids in adapter_config.json and the rows' new values,
 E[i] + delta (PEFT stores values, not a difference), as `<embedding module>.token_adapter.trainable_tokens_delta`.
+Modules trained whole (`modules_to_save`, e.g. GPT-2's `transformer.wpe`) are PEFT's `modules_to_save`: the HF
+module names in adapter_config.json and their full tensors under the HF names the family rules give
+(`base_model.model.transformer.wpe.weight`), converted by the rule as save_hf converts the base; a module whose
+tensors no single-tensor rule names, or whose weight a tied head shares (PEFT copies the module and leaves the head
+on the original), is refused.
 `save_peft(model, folder)` writes an adapted model's adapters; `load_peft(model, folder)` wraps a model loaded from
 the base's HF folder (`archlab.interop.load_hf(base, adapter=folder)`); `hf_module_names(model)` lets LoRA targets
 name a family's HF modules (q_proj, c_attn, query, SelfAttention.q, ...).
@@ -35,7 +40,7 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families import FAMILIES, Family, infer_family
 from archlab.interop.families.tables import Rule, WeightsError, _identity
 from archlab.interop.folders import read_json_object
-from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, lora_scaling, wrap
+from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, lora_scaling, saved_modules, wrap
 from archlab.nn.trainable_tokens import EMBED_PATH, token_module, wrap_embedding
 from archlab.runs.checkpoint import make_readable
 
@@ -47,8 +52,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."          # PeftModel -> LoraModel -> the HF model
 TASK_TYPES = {"decoder": "CAUSAL_LM", "encoder_decoder": "SEQ_2_SEQ_LM", "encoder": None}
 # adapter_config.json switches whose non-default values change the function: refused rather than ignored
-REFUSED = {"use_dora": False, "lora_bias": False, "bias": "none", "modules_to_save": None,
-           "target_parameters": None, "layer_replication": None,
+REFUSED = {"use_dora": False, "lora_bias": False, "bias": "none", "target_parameters": None, "layer_replication": None,
            "use_qalora": False, "alora_invocation_tokens": None}
 TOKENS_KEY = "trainable_token_indices"
 TOKENS_TENSOR = "token_adapter.trainable_tokens_delta"     # after the embedding module's name
@@ -121,13 +125,31 @@ def hf_slots(model: nn.Module, fam: Family | None = None) -> dict[str, Slot]:
 
 
 def hf_module_names(model: nn.Module) -> Callable[[str], list[str]]:
-    """For nn.lora.apply_lora: the HF module name of each Linear of ours (none where no family expresses the
-    model's config), so targets may name the checkpoint family's modules (q_proj, c_attn, SelfAttention.q)."""
+    """For nn.lora.apply_lora: the HF module name of each Linear of ours, and of each other module whose tensors
+    single-tensor rules name (none where no family expresses the model's config), so targets and modules_to_save
+    may name the checkpoint family's modules (q_proj, c_attn, SelfAttention.q, wpe)."""
     try:
-        slots = hf_slots(model)
+        fam = infer_family(model.config)                              # type: ignore[arg-type]
+        slots = hf_slots(model, fam)
+        whole = {path: sorted({hf.rpartition(".")[0] for hf, _ in tensors.values()})
+                 for path, tensors in hf_tensors(model, fam).items()}
     except ConfigError:
-        slots = {}
-    return lambda path: [slots[path].module] if path in slots else []
+        slots, whole = {}, {}
+    return lambda path: [slots[path].module] if path in slots else whole.get(path, [])
+
+
+def hf_tensors(model: nn.Module, fam: Family) -> dict[str, dict[str, tuple[str, Rule]]]:
+    """Our module path -> {our parameter name: (the HF tensor, the rule)} for every module each of whose
+    parameters one rule fills from one HF tensor alone: the modules PEFT's modules_to_save can carry."""
+    cfg: ModelConfig = model.config                                   # type: ignore[assignment]
+    single = {rule.ours[0]: rule for rule in fam.weight_rules(cfg) if len(rule.ours) == 1 and len(rule.hf) == 1}
+    found: dict[str, dict[str, tuple[str, Rule]]] = {}
+    for path, module in model.named_modules():
+        names = [name for name, _ in module.named_parameters(recurse=False)]
+        keys = [f"{path}.{name}" if path else name for name in names]
+        if names and all(k in single for k in keys):
+            found[path] = {name: (single[k].hf[0], single[k]) for name, k in zip(names, keys)}
+    return found
 
 
 def hf_embedding_name(model: nn.Module, fam: Family) -> str | None:
@@ -180,7 +202,8 @@ def save_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
 
     adapted = lora_modules(model)
     tokens = token_module(model)
-    if not adapted and tokens is None:
+    saved = saved_modules(model)
+    if not adapted and tokens is None and not saved:
         raise ConfigError("this model carries no LoRA adapters to save")
     refuse_existing(folder, overwrite)
     cfg: ModelConfig = model.config                                   # type: ignore[assignment]
@@ -213,19 +236,39 @@ def save_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
                               f"its {TOKENS_KEY}")
         token_ids = tokens.token_indices.tolist()
         tensors[f"{PREFIX}{embedding}.{TOKENS_TENSOR}"] = tokens.rows().contiguous().cpu()
+    whole = _saved_tensors(model, fam, saved)
+    tensors.update({PREFIX + name: t for name, t in whole.items()})
     config = {
         "peft_type": "LORA", "task_type": TASK_TYPES.get(cfg.arch), "base_model_name_or_path": base_model,
         "r": lora_cfg.r, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
         "use_rslora": lora_cfg.use_rslora, "target_modules": modules,
         "fan_in_fan_out": any(slots[p].conv1d for p in adapted), "bias": "none", "inference_mode": True,
-        "init_lora_weights": True, "modules_to_save": None, "rank_pattern": ranks, "alpha_pattern": alphas,
-        "use_dora": False, TOKENS_KEY: token_ids,
+        "init_lora_weights": True, "modules_to_save": sorted({name.rpartition(".")[0] for name in whole}) or None,
+        "rank_pattern": ranks, "alpha_pattern": alphas, "use_dora": False, TOKENS_KEY: token_ids,
     }
     with fresh_output(Path(folder), overwrite=overwrite) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         make_readable(tmp / WEIGHTS_FILE)
     return Path(folder)
+
+
+def _saved_tensors(model: nn.Module, fam: Family, saved: list[str]) -> dict[str, torch.Tensor]:
+    """HF tensor name -> value for the modules trained whole, converted by their family rules."""
+    cfg: ModelConfig = model.config                                   # type: ignore[assignment]
+    named = hf_tensors(model, fam)
+    out: dict[str, torch.Tensor] = {}
+    for path in saved:
+        if path not in named:
+            raise ConfigError(f"{fam.model_type}: no HF module holds {path} alone; PEFT cannot name it in "
+                              "modules_to_save")
+        if path == EMBED_PATH and cfg.tie_embeddings:
+            raise ConfigError(f"modules_to_save {path}: the head is tied to it, and PEFT would train a copy of the "
+                              "embedding with the head left on the original (use trainable tokens)")
+        module = model.get_submodule(path)
+        for name, (hf, rule) in named[path].items():
+            out[hf] = rule.to_hf([getattr(module, name).detach()])[0].contiguous().cpu()
+    return out
 
 
 # ---- loading -----------------------------------------------------------------------------------------
@@ -268,9 +311,9 @@ def _pattern(patterns: dict | None, module: str, default):
     return default
 
 
-def _adapter_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """HF module -> {"A": (r, in), "B": (out, r)} from adapter_model.safetensors (read as data); an embedding's
-    trainable token rows as {"rows": (n, d)}."""
+def _adapter_tensors(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """(HF module -> {"A": (r, in), "B": (out, r)} from adapter_model.safetensors (read as data), an embedding's
+    trainable token rows as {"rows": (n, d)}; every other tensor by its HF name: modules_to_save's)."""
     from safetensors.torch import load_file
 
     path = folder / WEIGHTS_FILE
@@ -281,6 +324,7 @@ def _adapter_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
     except Exception as exc:   # safetensors raises its own types for truncated files
         raise WeightsError(f"corrupt or unreadable adapter file {path}: {exc}") from exc
     by_module: dict[str, dict[str, torch.Tensor]] = {}
+    whole: dict[str, torch.Tensor] = {}
     pattern = re.compile(rf"{re.escape(PREFIX)}(.+)\.lora_([AB])(?:\.default)?\.weight")
     rows = re.compile(rf"{re.escape(PREFIX)}(.+)\.{re.escape(TOKENS_TENSOR)}(?:\.default)?")
     for name, tensor in stored.items():
@@ -289,12 +333,51 @@ def _adapter_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
             by_module.setdefault(match[1], {})[match[2]] = tensor
         elif (match := rows.fullmatch(name)) is not None:
             by_module.setdefault(match[1], {})["rows"] = tensor
+        elif name.startswith(PREFIX):
+            whole[name[len(PREFIX):]] = tensor
         else:
-            raise WeightsError(f"{path}: tensor {name} is not a LoRA A or B matrix or token rows archlab can load")
+            raise WeightsError(f"{path}: tensor {name} is not a LoRA A or B matrix, token rows or a saved module's "
+                               "tensor archlab can load")
     for module, pair in by_module.items():
         if set(pair) != {"A", "B"} and set(pair) != {"rows"}:
             raise WeightsError(f"{path}: {module} has lora_{'A' if 'A' not in pair else 'B'} missing")
-    return by_module
+    return by_module, whole
+
+
+def _saved_plan(model: nn.Module, fam: Family, config: dict, whole: dict[str, torch.Tensor], folder: Path
+                ) -> dict[str, dict[str, torch.Tensor]]:
+    """Our module path -> {parameter name: value} for the adapter's modules_to_save tensors, converted by the
+    family rules and checked: a tensor outside the config's modules_to_save, one no module of ours holds alone, a
+    shape that differs or a listed module without tensors is an error naming it."""
+    listed = config.get("modules_to_save") or []
+    if not isinstance(listed, list) or not all(isinstance(m, str) for m in listed):
+        raise ConfigError(f"{folder / CONFIG_FILE}: modules_to_save={listed!r} must be a list of module names")
+    by_hf = {hf: (path, name, rule) for path, params in hf_tensors(model, fam).items()
+             for name, (hf, rule) in params.items()}
+    plan: dict[str, dict[str, torch.Tensor]] = {}
+    for hf, tensor in whole.items():
+        module = hf.rpartition(".")[0]
+        if not any(module.endswith(m) for m in listed):                     # PEFT's rule: the name's end
+            raise WeightsError(f"{folder / WEIGHTS_FILE}: tensor {PREFIX}{hf} is not a LoRA A or B matrix, token "
+                               f"rows or a tensor of {CONFIG_FILE}'s modules_to_save")
+        if hf not in by_hf:
+            raise WeightsError(f"adapter for another base: {hf} (modules_to_save) is no tensor archlab's "
+                               f"{fam.model_type} model holds alone")
+        path, name, rule = by_hf[hf]
+        if path == EMBED_PATH and model.config.tie_embeddings:          # type: ignore[union-attr]
+            raise ConfigError(f"{folder / CONFIG_FILE}: modules_to_save {module}: this model's head is tied to its "
+                              "input embedding, and PEFT trains a copy that the head does not read: archlab cannot "
+                              "compute it alike")
+        value = rule.to_ours([tensor])[0]
+        own = model.get_submodule(path).get_parameter(name)
+        if tuple(value.shape) != tuple(own.shape):
+            raise WeightsError(f"adapter for another base: {hf} {tuple(tensor.shape)} does not fit this model's "
+                               f"({tuple(own.shape)})")
+        plan.setdefault(path, {})[name] = value
+    missing = [m for m in listed if not any(h.rpartition(".")[0].endswith(m) for h in whole)]
+    if missing:
+        raise WeightsError(f"{folder / WEIGHTS_FILE}: no tensors for modules_to_save {', '.join(missing)}")
+    return plan
 
 
 def load_peft(model: nn.Module, folder: str | Path, *, family: str | None = None) -> nn.Module:
@@ -303,9 +386,10 @@ def load_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
     model lacks, a shape that differs) is a WeightsError naming it."""
     folder = Path(folder)
     config = read_adapter_config(folder)
-    tensors = _adapter_tensors(folder)
+    tensors, whole = _adapter_tensors(folder)
     cfg: ModelConfig = model.config                                   # type: ignore[assignment]
     fam = FAMILIES.get(family) if family else infer_family(cfg)
+    saved = _saved_plan(model, fam, config, whole, folder)
     by_module: dict[str, Slot] = {slot.module: slot for slot in hf_slots(model, fam).values()}
     rslora = bool(config.get("use_rslora", False))
     dropout = float(config.get("lora_dropout") or 0.0)
@@ -339,10 +423,17 @@ def load_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
         with torch.no_grad():   # PEFT holds the rows' values; ours is the difference from the base rows
             base = adapted_rows.weight[adapted_rows.token_indices]
             adapted_rows.trainable_tokens_delta.copy_(values[order].to(base) - base)
+    for module_path, params in saved.items():       # modules_to_save: PEFT's copies replace the base's tensors
+        owner = model.get_submodule(module_path)
+        with torch.no_grad():
+            for name, value in params.items():
+                owner.get_parameter(name).copy_(value)
+        owner.requires_grad_(True)
     targets = sorted({slot.module.rsplit(".", 1)[-1] for slot, *_ in plan})
     model.lora_config = LoRAConfig(r=int(config["r"]), alpha=float(config["lora_alpha"]), dropout=dropout,
                                    targets=tuple(targets) or ("all-linear",), use_rslora=rslora,
-                                   trainable_tokens=tuple(token_rows[0]) if token_rows else ())   # type: ignore
+                                   trainable_tokens=tuple(token_rows[0]) if token_rows else (),
+                                   modules_to_save=tuple(saved))   # type: ignore[assignment]
     return model
 
 
@@ -363,7 +454,7 @@ def _token_rows(model: nn.Module, fam: Family, config: dict, tensors: dict, fold
         odd = next(iter(stored), embedding)
         raise WeightsError(f"{folder / WEIGHTS_FILE}: trainable token rows of {odd} do not match {TOKENS_KEY} of "
                            f"{CONFIG_FILE}")
-    n_rows, d = model.get_submodule(EMBED_PATH).weight.shape
+    n_rows, d = model.get_submodule(EMBED_PATH).get_parameter("weight").shape
     if tuple(values.shape) != (len(ids), d) or max(ids) >= n_rows:
         raise WeightsError(f"adapter for another base: {embedding} trainable token rows {tuple(values.shape)} for ids "
                            f"up to {max(ids)} do not fit its embedding ({n_rows}, {d})")

@@ -14,6 +14,9 @@ Targets name Linears by archlab's short names (q, k, v, o, gate, up, down), by m
 (`q_proj`, `attn.q_proj`, `cross_attn.v_proj`), or `all-linear` (every Linear but the LM head, as PEFT does);
 the interop layer adds the checkpoint family's HF names (`module_names`). `trainable_tokens` (token ids) also
 trains those rows of the input embedding (nn/trainable_tokens.py: PEFT's trainable_token_indices).
+`modules_to_save` (PEFT's name) trains whole modules beside the adapters, e.g. learned position embeddings, which
+a rank-r update of the Linears cannot reach: named as targets are (a module or one of its ancestors, by archlab's
+path or the family's HF name); their parameters simply stay trainable, so their keys and merging are unchanged.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from archlab.config import ConfigError
 from archlab.nn.trainable_tokens import EMBED_PATH, token_module, unwrap_embedding, wrap_embedding
 
 __all__ = ["LoRAConfig", "LoRALinear", "ALIASES", "ALL_LINEAR", "apply_lora", "merge_lora", "lora_modules",
-           "lora_state", "adapter_names", "linear_paths", "select", "wrap", "parse_targets", "lora_scaling"]
+           "lora_state", "adapter_names", "linear_paths", "select", "select_modules", "saved_modules", "wrap",
+           "parse_targets", "lora_scaling"]
 
 ALIASES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
            "down": "down_proj"}
@@ -42,7 +46,8 @@ HEAD_NAMES = ("lm_head",)          # the output layer all-linear leaves alone, a
 class LoRAConfig:
     """r: the rank; alpha: the scale's numerator; dropout on the adapter's input; targets: Linears by name (see
     the module docstring); use_rslora: scale alpha / sqrt(r) instead of alpha / r; trainable_tokens: token ids whose
-    input-embedding rows train too (nn/trainable_tokens.py)."""
+    input-embedding rows train too (nn/trainable_tokens.py); modules_to_save: modules that train whole (an adapted
+    model's config holds their resolved paths)."""
 
     r: int = 8
     alpha: float = 16.0
@@ -50,10 +55,12 @@ class LoRAConfig:
     targets: tuple[str, ...] = ("q", "v")
     use_rslora: bool = False
     trainable_tokens: tuple[int, ...] = ()
+    modules_to_save: tuple[str, ...] = ()
 
     def __post_init__(self):
-        targets: object = self.targets
-        object.__setattr__(self, "targets", parse_targets(targets) if isinstance(targets, str) else tuple(self.targets))
+        for name in ("targets", "modules_to_save"):
+            value: object = getattr(self, name)
+            object.__setattr__(self, name, parse_targets(value) if isinstance(value, str) else tuple(value))  # type: ignore[arg-type]
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.trainable_tokens):
             raise ConfigError(f"lora.trainable_tokens={list(self.trainable_tokens)!r} must be token ids >= 0")
         object.__setattr__(self, "trainable_tokens", tuple(sorted(set(self.trainable_tokens))))
@@ -74,6 +81,7 @@ class LoRAConfig:
         d = dataclasses.asdict(self)
         d["targets"] = list(self.targets)
         d["trainable_tokens"] = list(self.trainable_tokens)
+        d["modules_to_save"] = list(self.modules_to_save)
         return d
 
 
@@ -181,6 +189,37 @@ def select(model: nn.Module, targets: Iterable[str],
     return [p for p in paths if p in chosen]
 
 
+def select_modules(model: nn.Module, names: Iterable[str],
+                   module_names: Callable[[str], Iterable[str]] | None = None) -> list[str]:
+    """The paths of the modules holding parameters that `names` name (in model order): a module matches a name
+    when it, one of its ancestors or (module_names) its HF name is the name or ends with '.' + name. A name
+    matching nothing is a ConfigError naming it. Example: select_modules(model, ["abs_position"]) ->
+    ["abs_position.embedding"]"""
+    owners = [path for path, m in model.named_modules()
+              if path and next(m.parameters(recurse=False), None) is not None]
+
+    def aliases(path: str) -> list[str]:
+        parts = path.split(".")
+        return [".".join(parts[:i]) for i in range(1, len(parts) + 1)] + list(module_names(path) if module_names
+                                                                               else ())
+    found = {p: aliases(p) for p in owners}
+    chosen: set[str] = set()
+    for name in names:
+        hits = [p for p in owners if any(a == name or a.endswith("." + name) for a in found[p])]
+        if not hits:
+            tops = sorted({p.split(".", 1)[0] for p in owners})
+            raise ConfigError(f"lora modules_to_save {name!r} matches no module of this model (its modules: "
+                              f"{', '.join(tops)})")
+        chosen.update(hits)
+    return [p for p in owners if p in chosen]
+
+
+def saved_modules(model: nn.Module) -> list[str]:
+    """The module paths an adapted model trains whole (its lora_config's modules_to_save)."""
+    cfg = getattr(model, "lora_config", None)
+    return list(cfg.modules_to_save) if isinstance(cfg, LoRAConfig) else []
+
+
 def apply_lora(model: nn.Module, cfg: LoRAConfig, module_names: Callable[[str], Iterable[str]] | None = None,
                generator: torch.Generator | None = None) -> nn.Module:
     """Wrap the Linears `cfg.targets` name in LoRALinear (in place), and the input embedding in TrainableTokens
@@ -190,13 +229,30 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, module_names: Callable[[str], 
     if lora_modules(model) or token_module(model) is not None:
         raise ConfigError("this model already carries LoRA adapters (merge_lora first to add another)")
     paths = select(model, cfg.targets, module_names)
+    saved = select_modules(model, cfg.modules_to_save, module_names)
+    _check_saved(saved, paths, bool(cfg.trainable_tokens))
     model.requires_grad_(False)
     for path in paths:
         wrap(model, path, cfg.r, cfg.scaling, cfg.dropout, generator)
     if cfg.trainable_tokens:
         wrap_embedding(model, cfg.trainable_tokens)
-    model.lora_config = cfg      # type: ignore[assignment]  # read by saving and merging
+    for path in saved:
+        model.get_submodule(path).requires_grad_(True)
+    # read by saving and merging: the saved modules by their resolved paths
+    model.lora_config = dataclasses.replace(cfg, modules_to_save=tuple(saved))   # type: ignore[assignment]
     return model
+
+
+def _check_saved(saved: list[str], adapted: list[str], tokens: bool) -> None:
+    """A module trained whole cannot also carry an adapter, nor be the embedding whose rows train."""
+    for path in saved:
+        inner = next((p for p in adapted if p == path or p.startswith(path + ".")), None)
+        if inner is not None:
+            raise ConfigError(f"lora modules_to_save {path!r} holds the LoRA target {inner}: a module trains whole "
+                              "or through an adapter, not both")
+        if tokens and path == EMBED_PATH:
+            raise ConfigError(f"lora modules_to_save {path!r} is the input embedding whose trainable_tokens rows "
+                              "train: give one or the other")
 
 
 def wrap(model: nn.Module, path: str, r: int, scaling: float, dropout: float = 0.0,
@@ -220,10 +276,12 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 def adapter_names(model: nn.Module) -> list[str]:
     """State-dict keys of the adapters' tensors (`...q_proj.lora_A`, `...q_proj.lora_B`; `embed.token_indices` and
-    `embed.trainable_tokens_delta` with trainable tokens)."""
+    `embed.trainable_tokens_delta` with trainable tokens; the parameters of the modules trained whole)."""
     names = [f"{path}.{part}" for path in lora_modules(model) for part in ("lora_A", "lora_B")]
     if token_module(model) is not None:
         names += [f"{EMBED_PATH}.token_indices", f"{EMBED_PATH}.trainable_tokens_delta"]
+    names += [f"{path}.{name}" for path in saved_modules(model)
+              for name, _ in model.get_submodule(path).named_parameters(recurse=False)]
     return names
 
 

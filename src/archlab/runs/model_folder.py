@@ -262,8 +262,8 @@ def load_run_tokenizer(run_dir: str | os.PathLike):
 def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = None, overwrite: bool = False) -> Path:
     """A LoRA run folder's adapters (latest checkpoint) in PEFT's format, for the HF export of the run's base
     (the model the run started from). A run without adapters is a UserError."""
-    from archlab.interop.peft import save_peft
-    from archlab.nn.lora import LoRAConfig, lora_modules, parse_targets
+    from archlab.interop.peft import hf_module_names, save_peft
+    from archlab.nn.lora import LoRAConfig, lora_modules, parse_targets, select_modules
     from archlab.runs.outputs import refuse_existing
 
     refuse_existing(out, overwrite)                 # before loading anything
@@ -275,5 +275,7 @@ def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = No
     model.lora_config = LoRAConfig(                                   # type: ignore[assignment]
         r=int(train.get("lora_r") or first.r), alpha=float(train.get("lora_alpha", 16.0)),
         dropout=float(train.get("lora_dropout", 0.0)), use_rslora=bool(train.get("lora_rslora", False)),
-        targets=parse_targets(str(train.get("lora_targets") or "all-linear")))
+        targets=parse_targets(str(train.get("lora_targets") or "all-linear")),
+        modules_to_save=tuple(select_modules(model, parse_targets(str(train.get("lora_modules_to_save") or "")),
+                                             hf_module_names(model))))
     return save_peft(model, out, family=family, overwrite=overwrite)

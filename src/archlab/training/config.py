@@ -18,7 +18,7 @@ NO_DECAY_CATEGORIES = ("norms", "biases", "embeddings")
 ALIASES = {"dist.strategy": "dist_strategy",   # --set dist.strategy=fsdp, as torchrun users write it
            "lora.r": "lora_r", "lora.alpha": "lora_alpha", "lora.dropout": "lora_dropout",
            "lora.targets": "lora_targets", "lora.rslora": "lora_rslora", "lora.use_rslora": "lora_rslora",
-           "lora.trainable_tokens": "lora_trainable_tokens"}
+           "lora.trainable_tokens": "lora_trainable_tokens", "lora.modules_to_save": "lora_modules_to_save"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +80,8 @@ class TrainConfig:
     lora_trainable_tokens: str = ""        # comma list of token ids, token texts, or `template` (the chat template's
                                            # special tokens): their input-embedding rows train too (PEFT's
                                            # trainable_token_indices); config.yaml records the ids
+    lora_modules_to_save: str = ""         # comma list of modules that train whole beside the adapters (PEFT's
+                                           # modules_to_save), e.g. abs_position: learned positions LoRA cannot move
     packing: bool = True                   # chat examples (archlab finetune): whole examples packed into rows of
                                            # seq_len with document ids; false: one example per row, padded per batch
     loss_mask: str = "assistant"           # archlab finetune: the tokens the loss scores (data/chat.LOSS_MASKS)
@@ -130,6 +132,9 @@ class TrainConfig:
         elif self.lora_trainable_tokens.strip(" ,"):
             raise ConfigError(f"train.lora_trainable_tokens={self.lora_trainable_tokens!r} needs train.lora_r (without "
                               "LoRA every embedding row trains)")
+        elif self.lora_modules_to_save.strip(" ,"):
+            raise ConfigError(f"train.lora_modules_to_save={self.lora_modules_to_save!r} needs train.lora_r (without "
+                              "LoRA every module trains)")
         if not 0 < self.dpo_beta < math.inf:
             raise ConfigError(f"train.dpo_beta={self.dpo_beta} must be a positive number")
         if not 0 <= self.dpo_simpo_gamma < math.inf:

@@ -1,9 +1,10 @@
 """LoRA fine-tuning on the trainer: `train.lora_r` (with lora_alpha, lora_dropout, lora_targets, lora_rslora) puts
 adapters on the built model's Linears (nn/lora.py) before the optimizer is made, so only the adapters train and
 only they have optimizer state; checkpoints hold the base and the adapters (a resume restores both).
-`train.lora_trainable_tokens` trains some input-embedding rows too (nn/trainable_tokens.py): token ids, token
-texts and `template` (the chat template's special tokens) are resolved to ids with the run's tokenizer
-(`resolve_tokens`) before anything is written, and config.yaml records the ids.
+`train.lora_modules_to_save` trains whole modules beside the adapters (PEFT's modules_to_save: learned position
+embeddings, a norm, the head). `train.lora_trainable_tokens` trains some input-embedding rows too
+(nn/trainable_tokens.py): token ids, token texts and `template` (the chat template's special tokens) are resolved
+to ids with the run's tokenizer (`resolve_tokens`) before anything is written, and config.yaml records the ids.
 
 After the first optimizer step the AdamW state is measured (its tensors' bytes) and printed beside what full
 fine-tuning would keep at the same bytes per parameter; it is logged once to metrics.jsonl (`optimizer_bytes`).
@@ -20,7 +21,7 @@ from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.peft import hf_module_names
-from archlab.nn.lora import LoRAConfig, apply_lora, parse_targets, select
+from archlab.nn.lora import LoRAConfig, apply_lora, parse_targets, select, select_modules
 from archlab.nn.trainable_tokens import parse_token_list
 from archlab.training.config import TrainConfig
 
@@ -38,7 +39,8 @@ def lora_config(cfg: TrainConfig) -> LoRAConfig | None:
                           "to ids with the run's tokenizer first (training.lora.resolve_tokens)")
     return LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                       targets=parse_targets(cfg.lora_targets), use_rslora=cfg.lora_rslora,
-                      trainable_tokens=tuple(int(item) for item in items))
+                      trainable_tokens=tuple(int(item) for item in items),
+                      modules_to_save=parse_targets(cfg.lora_modules_to_save))
 
 
 TEMPLATE = "template"      # lora_trainable_tokens: the special tokens of the tokenizer's chat template
@@ -111,13 +113,16 @@ def check(model_cfg: ModelConfig, cfg: TrainConfig, tokenizer_dir: str | Path | 
 
     with torch.device("meta"):
         model = build_model(model_cfg)
-    select(model, settings.targets, hf_module_names(model))
+    names = hf_module_names(model)
+    select(model, settings.targets, names)
+    select_modules(model, settings.modules_to_save, names)
     if settings.trainable_tokens and settings.trainable_tokens[-1] >= model_cfg.vocab_size:
         raise ConfigError(f"train.lora_trainable_tokens: token id {settings.trainable_tokens[-1]} is past the "
                           f"model's vocab_size={model_cfg.vocab_size}")
 
 
-LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_rslora", "lora_trainable_tokens")
+LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_rslora", "lora_trainable_tokens",
+               "lora_modules_to_save")
 
 
 def check_resume(run_dir: Path, cfg: TrainConfig) -> None:

@@ -189,10 +189,11 @@ def test_benchmark_provenance_line_is_json_with_versions():
 
 def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(tmp_path, capsys, monkeypatch):
     """llama2-7b on this machine: one line naming what it needs, before any allocation or folder."""
+    import archlab.training.placement as placement
     import archlab.training.trainer as train_mod
     from archlab.cli import main
     data = make_data(tmp_path / "data", n_docs=10, words=100)
-    monkeypatch.setattr(train_mod, "available_memory", lambda device: 24 * 2**30)
+    monkeypatch.setattr(placement, "available_memory", lambda device: 24 * 2**30)
     built = []
     monkeypatch.setattr(train_mod, "_Run", lambda *a, **k: built.append(1))
     rc = main(["train", "--preset", "llama2-7b", "--data", str(data), "--out", str(tmp_path / "big"),
@@ -203,10 +204,10 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(tmp_path, c
 
 
 def test_the_memory_check_can_be_overridden(tmp_path, monkeypatch):
-    import archlab.training.trainer as train_mod
+    import archlab.training.placement as placement
     data = make_data(tmp_path / "data", n_docs=10, words=100)
-    monkeypatch.setattr(train_mod, "available_memory", lambda device: 1024)     # "1 KiB free"
-    with pytest.raises(train_mod.MemoryCheckError):
+    monkeypatch.setattr(placement, "available_memory", lambda device: 1024)     # "1 KiB free"
+    with pytest.raises(placement.MemoryCheckError):
         train(tiny_model(), CFG, data, tmp_path / "a", progress=False)
     result = train(tiny_model(), CFG.with_overrides({"memory_check": False}), data, tmp_path / "b", progress=False)
     assert result.steps == 2

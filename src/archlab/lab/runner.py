@@ -104,7 +104,7 @@ def run_suite(
     # every variant's config is checked (with a stand-in vocabulary) before any folder or data work
     checked = plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit,
                    vocab_size=257, train_overrides=train_overrides, device=device)
-    from archlab.training.trainer import device_kind
+    from archlab.training.placement import device_kind
 
     gpu = any(device_kind(run.train.device) == "cuda" for run in checked)   # one GPU per run where it trains on one
     with RunLock(sweep_dir, what="sweep folder"):    # one driver per sweep: a second writes no row, no data

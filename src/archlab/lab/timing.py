@@ -24,7 +24,7 @@ def _step_fn(run, seq_len: int | None = None) -> Callable[[], None]:
     sequence of that many tokens instead of the run's batch)."""
     from archlab.eval.evaluate import autocast
     from archlab.models.decoder import TransformerLM
-    from archlab.training.trainer import device_kind
+    from archlab.training.placement import device_kind
 
     cfg, train = run.model, run.train
     batch, length = (train.batch_size, train.seq_len) if seq_len is None else (1, seq_len)

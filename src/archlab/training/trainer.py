@@ -4,7 +4,8 @@
 
 The pieces it wires together live beside it: TrainConfig (train_config.py), AdamW groups and LR
 schedules (optim.py), metrics.jsonl and the loss curve (metrics.py), FLOPs and peak memory for MFU
-(throughput.py), RNG states (rng.py), checkpoints (checkpoint.py), DDP/FSDP (distributed.py).
+(throughput.py), RNG states (rng.py), checkpoints (checkpoint.py), DDP/FSDP (distributed.py), the device,
+precision and memory check (placement.py).
 
 - Gradient clipping by global norm, gradient accumulation, bf16 autocast, torch.compile opt-in.
 - Loss = LossOutput.total of the model (cross-entropy + z-loss + MoE auxiliary losses).
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -42,7 +42,7 @@ from archlab.data.pairs import PairDataset
 from archlab.data.sft import SFTDataset
 from archlab.eval.evaluate import autocast, evaluate, sample_ids
 from archlab.generation.stepper import vocab_limit
-from archlab.models.accounting import MemoryCheckError, available_memory
+from archlab.models.accounting import MemoryCheckError
 from archlab.models.legacy_keys import upgrade_keys, upgrade_optimizer_state
 from archlab.runs import checkpoint as ckpt_io
 from archlab.runs import model_folder
@@ -63,7 +63,14 @@ from archlab.training.metrics import (
     truncate_samples,
 )
 from archlab.training.optim import build_optimizer, lr_multiplier, param_groups, schedule_progress, warmup_shortfall
-from archlab.training.precision import auto_dtype, bf16_warning, read_record
+from archlab.training.placement import (
+    check_memory_fits,
+    device_kind,
+    memory_per_device,
+    resolve_device,
+    resolve_precision,
+    warn_past_context,
+)
 from archlab.training.rng import rng_state, seed_everything, set_rng_state
 from archlab.training.throughput import CpuShare, busy_note, matmul_peak_flops, peak_memory, train_flops_per_token
 
@@ -139,22 +146,6 @@ class TrainResult:
         return d
 
 
-def device_kind(device: str) -> str:
-    """"cuda" or "cpu" for a TrainConfig.device ("auto": CUDA where it is available)."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def _resolve_device(cfg: TrainConfig, info: dist_util.DistInfo) -> torch.device:
-    kind = device_kind(cfg.device)
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device='cuda' but CUDA is not available")
-        return torch.device("cuda", info.local_rank if info.enabled else torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def fit_vocab(model_cfg: ModelConfig, data_dir: str | os.PathLike) -> ModelConfig:
     """The model config with vocab_size set to the data folder's (presets carry their own vocab)."""
     from archlab.data.tokens import load_meta
@@ -195,7 +186,7 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_
     from archlab.data.batches import TrainBatches, open_splits
 
     # 1. data, checked against the settings
-    device = _resolve_device(cfg, info)
+    device = resolve_device(cfg, info)
     if cfg.objective == "dpo" or data_dir.is_file():    # preference pairs (.jsonl): training/dpo.py
         batches: Any = dpo.open_preference_data(model_cfg, cfg, data_dir, init_from, info, progress=progress is True)
         train_data, val_data, can_eval, eval_objective = batches.data, batches.data.without_pairs(), False, None
@@ -234,8 +225,8 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
         torch.distributed.barrier()
     # 3. model, optimizer, sampler; config.yaml keeps dtype "auto", precision.json what it resolved to
     if info.is_main:
-        _warn_past_context(model_cfg, cfg)            # said once every check has passed
-    cfg = _resolve_precision(cfg, device, info, run_dir, resuming=latest is not None)
+        warn_past_context(model_cfg, cfg)             # said once every check has passed
+    cfg = resolve_precision(cfg, device, info, run_dir, resuming=latest is not None)
     run = _Run(model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval, batches,
                eval_objective)
     if info.is_main:
@@ -260,68 +251,6 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
     finally:
         run.close()
     return run.result(diverged=False)
-
-
-PRECISION_FILE = "precision.json"
-
-
-def _resolve_precision(cfg: TrainConfig, device: torch.device, info, run_dir: Path, resuming: bool
-                       ) -> TrainConfig:
-    """cfg with dtype "auto" resolved: on a resume, to what the run recorded in precision.json (so a resumed
-    run or a lab rerun trains as it began); else measured for `device` (precision.auto_dtype). A warning
-    for bf16 on hardware that emulates it."""
-    recorded = read_record(run_dir / PRECISION_FILE) if resuming else {}
-    if cfg.dtype == "auto" and recorded.get("requested") == "auto" and recorded.get("dtype") in ("float32", "bfloat16"):
-        dtype, reason = recorded["dtype"], recorded.get("reason", "")
-    elif cfg.dtype == "auto":
-        dtype, reason = auto_dtype(device)
-    else:
-        dtype, reason = cfg.dtype, "train.dtype"
-    message = bf16_warning(dtype, device)
-    if message and info.is_main:
-        warnings.warn(message, stacklevel=3)
-    if info.is_main:
-        (run_dir / PRECISION_FILE).write_text(json.dumps({"requested": cfg.dtype, "dtype": dtype,
-                                                          "reason": reason}, indent=2) + "\n")
-    return dataclasses.replace(cfg, dtype=dtype)
-
-
-def memory_per_device(model_cfg: ModelConfig, cfg: TrainConfig, info) -> dict[str, int]:
-    """accounting.training_memory for one device's share: its slice of the global batch and, under FSDP,
-    1/world of the weights, grads and optimizer state (sharded). dtype "auto" not yet resolved counts
-    as float32 (the larger)."""
-    from archlab.models.accounting import training_memory
-
-    local_batch = max(1, cfg.batch_size // info.world_size)
-    parts = training_memory(model_cfg, local_batch, cfg.seq_len, "bfloat16" if cfg.dtype == "bfloat16" else "float32")
-    parts = lora_stage.scale_memory(parts, model_cfg, cfg)          # LoRA: grads and optimizer for adapters only
-    if info.strategy == "fsdp":
-        parts = {k: v // info.world_size if k in ("weights", "grads", "optimizer") else v for k, v in parts.items()}
-    return parts
-
-
-def check_memory_fits(model_cfg: ModelConfig, cfg: TrainConfig, device: torch.device, info) -> None:
-    """Refuse, before a byte is allocated, a run whose estimated memory per device (memory_per_device,
-    as `archlab inspect` prints it) exceeds what the device has free. `train.memory_check=false` skips it."""
-    from archlab.units import human_bytes
-
-    parts = memory_per_device(model_cfg, cfg, info)
-    need, free = sum(parts.values()), available_memory(device)
-    if free is not None and need > free:
-        raise MemoryCheckError(
-            f"this run needs about {human_bytes(need)} per device (weights {human_bytes(parts['weights'])}, "
-            f"optimizer {human_bytes(parts['optimizer'])}, activations {human_bytes(parts['activations'])}) and "
-            f"{device.type} has {human_bytes(free)} free: use a smaller model, train.batch_size or train.seq_len, "
-            "or --set train.memory_check=false to try anyway")
-
-
-def _warn_past_context(model_cfg: ModelConfig, cfg: TrainConfig) -> None:
-    """Computed positions (RoPE, ALiBi, T5, ...) train past max_seq_len; the model's context stays there."""
-    if cfg.seq_len > model_cfg.max_seq_len:
-        warnings.warn(f"train.seq_len={cfg.seq_len} is past max_seq_len={model_cfg.max_seq_len}: position.kind="
-                      f"{model_cfg.position.kind} trains on it, but generate, eval and export keep "
-                      f"{model_cfg.max_seq_len} as the model's context (set max_seq_len={cfg.seq_len} to match)",
-                      stacklevel=4)
 
 
 def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:

@@ -87,20 +87,26 @@ def test_an_objective_the_kind_cannot_train_is_one_line(byte_data, arch, objecti
         objective_for(cfg, TrainConfig(objective=objective), TokenDataset(byte_data, "val"))
 
 
+def write_reversed_pairs(path: Path, words: list[str], n: int, shortest: int, lengths: int) -> Path:
+    """A .jsonl of n source -> target pairs, pair i of shortest + i % lengths consecutive words (from word i); the
+    target is the source's words reversed."""
+    import json
+
+    lines = []
+    for i in range(n):
+        row = [words[(i + j) % len(words)] for j in range(shortest + i % lengths)]
+        lines.append(json.dumps({"source": " ".join(row), "target": " ".join(reversed(row))}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def pair_data(tmp_path_factory) -> Path:
     """Source -> target pairs of every length 3..12: the target is the source's words reversed."""
-    import json
-
     from archlab.data.pairs import prepare_pairs
-    words = TEXT.split()
     root = tmp_path_factory.mktemp("pairs")
-    lines = []
-    for i in range(120):
-        row = [words[(i + j) % len(words)] for j in range(3 + i % 10)]
-        lines.append(json.dumps({"source": " ".join(row), "target": " ".join(reversed(row))}))
-    (root / "pairs.jsonl").write_text("\n".join(lines) + "\n")
-    prepare_pairs(root / "pairs.jsonl", "bytes", root / "data", progress=False, val_fraction=0.2)
+    pairs = write_reversed_pairs(root / "pairs.jsonl", TEXT.split(), 120, shortest=3, lengths=10)
+    prepare_pairs(pairs, "bytes", root / "data", progress=False, val_fraction=0.2)
     return root / "data"
 
 

@@ -305,3 +305,37 @@ def test_resume_with_other_data_is_refused_and_leaves_the_run_as_it_was(world, t
     assert code == 2 and len(err) == 1 and "error" in err[0], err
     after = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
     assert after == before
+
+
+def test_held_out_pairs_never_train_and_their_loss_equals_the_formula(world, tmp_path):
+    """train.dpo_val_fraction: the held-out lines (a seeded hash of each line) are never drawn; val_loss and the
+    val_ rewards at the end equal the formula from both models' log-probabilities over exactly those pairs."""
+    run = tmp_path / "run"
+    _dpo(world, run, "--set", "train.budget=3", "--set", "train.lr=1e-2", "--set", "train.dpo_beta=0.5",
+         "--set", "train.dpo_val_fraction=0.25")
+    data = load_preference_data(world / "prefs.jsonl", world / "tok", max_tokens=32, progress=False)
+    cfg = TrainConfig(batch_size=4, seq_len=32, objective="dpo", dpo_beta=0.5, dpo_val_fraction=0.25)
+    from archlab.training.dpo import held_out
+    val = held_out(data, cfg)
+    assert 0 < len(val) < len(data.pairs)
+    assert held_out(data, cfg) == val and held_out(data, TrainConfig(dpo_val_fraction=0.25, seed=7)) != val
+    batches = DPOBatches(data, cfg, val=val)
+    drawn = {i for draw in range(40) for i in batches.sampler.indices(draw)}
+    assert drawn == set(range(len(data.pairs))) - set(val)          # every training pair, no held-out one
+    record = [r for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r][-1]
+    base, _ = load_run(world / "base")
+    policy, _ = load_run(run)
+    margins, losses = [], []
+    for i in val:
+        pair = data.pairs[i]
+        pc, pr = _logps_by_hand(policy.eval(), *pair.chosen), _logps_by_hand(policy, *pair.rejected)
+        rc, rr = _logps_by_hand(base.eval(), *pair.chosen), _logps_by_hand(base, *pair.rejected)
+        margins.append(0.5 * ((pc - rc) - (pr - rr)))
+        losses.append(-math.log(1 / (1 + math.exp(-margins[-1]))))
+    assert abs(max(margins)) > 1e-3                                 # the policy has moved on held-out pairs too
+    assert record["val_loss"] == pytest.approx(sum(losses) / len(losses), abs=1e-5)
+    assert record["val_rewards/margins"] == pytest.approx(sum(margins) / len(margins), abs=1e-5)
+    assert record["val_rewards/accuracies"] == pytest.approx(sum(m > 0 for m in margins) / len(margins))
+    # without a hold-out there is nothing to validate on
+    _dpo(world, tmp_path / "all", "--set", "train.budget=1", "--set", "train.dpo_val_fraction=0")
+    assert not [r for r in read_metrics(tmp_path / "all" / "metrics.jsonl") if "val_loss" in r]

@@ -190,23 +190,26 @@ def pad_pairs(pairs: list[PreferencePair], pad_id: int = 0) -> tuple[torch.Tenso
 
 class PreferenceBatches:
     """The training batches of one rank: `next(step, micro)` -> (inputs, labels) of `batch_size` pairs (global; this
-    rank's share), drawn in a shuffled order per epoch from (seed, epoch); state: the draws made so far.
+    rank's share), drawn in a shuffled order per epoch from (seed, epoch) among `pool` (indices into data.pairs; all
+    of them by default: a validation split leaves its pairs out); state: the draws made so far.
     Example: inputs, labels = PreferenceBatches(data, batch_size=8, seed=0).next(0, 0)"""
 
-    def __init__(self, data: PreferenceData, batch_size: int, *, seed: int = 0, rank: int = 0, world_size: int = 1):
+    def __init__(self, data: PreferenceData, batch_size: int, *, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 pool: list[int] | None = None):
         self.data, self.batch_size, self.seed, self.rank, self.world_size = data, batch_size, seed, rank, world_size
+        self.pool = torch.tensor(range(len(data.pairs)) if pool is None else pool, dtype=torch.long)
         self.draws = 0
         self._order: tuple[int, torch.Tensor] | None = None
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         if self._order is None or self._order[0] != epoch:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._order = (epoch, torch.randperm(len(self.data.pairs), generator=generator))
+            self._order = (epoch, self.pool[torch.randperm(len(self.pool), generator=generator)])
         return self._order[1]
 
     def indices(self, draw: int) -> list[int]:
         """The pair indices (into data.pairs) of this rank's share of global draw `draw`."""
-        n = len(self.data.pairs)
+        n = len(self.pool)
         positions = range(draw * self.batch_size, (draw + 1) * self.batch_size)
         mine = list(positions)[self.rank::self.world_size]
         return [int(self._epoch_order(p // n)[p % n]) for p in mine]
@@ -222,7 +225,7 @@ class PreferenceBatches:
 
     @property
     def epoch(self) -> float:
-        return self.draws * self.batch_size / len(self.data.pairs)
+        return self.draws * self.batch_size / len(self.pool)
 
     def state_dict(self) -> dict:
         return {"draws": self.draws}

@@ -90,6 +90,7 @@ class TrainConfig:
     dpo_loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"   # DPO, IPO, or SimPO (reference-free)
     dpo_simpo_gamma: float = 0.5           # simpo: the target reward margin
     dpo_truncation: Literal["refuse", "keep_start", "keep_end", "skip"] = "refuse"   # a side past seq_len
+    dpo_val_fraction: float = 0.05         # dpo: share of the lines held out for validation (val_loss, val_rewards/...)
 
     def __post_init__(self):
         if isinstance(self.betas, list):
@@ -137,6 +138,8 @@ class TrainConfig:
                               "LoRA every module trains)")
         if not 0 < self.dpo_beta < math.inf:
             raise ConfigError(f"train.dpo_beta={self.dpo_beta} must be a positive number")
+        if not 0.0 <= self.dpo_val_fraction < 1.0:
+            raise ConfigError(f"train.dpo_val_fraction={self.dpo_val_fraction} must be in [0, 1)")
         if not 0 <= self.dpo_simpo_gamma < math.inf:
             raise ConfigError(f"train.dpo_simpo_gamma={self.dpo_simpo_gamma} must be >= 0")
         check_seed("train.seed", self.seed)

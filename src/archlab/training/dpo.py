@@ -19,9 +19,15 @@ and beta = train.dpo_beta, the losses of LOSSES (train.dpo_loss):
 Logged as TRL names them: rewards/chosen and rewards/rejected (the implicit reward beta * (logp - ref), batch
 means), rewards/margins, rewards/accuracies (share of pairs whose chosen reward is the larger), logps/chosen,
 logps/rejected. The model's z-loss and MoE auxiliary losses are not added to a preference loss.
+
+Validation: train.dpo_val_fraction of the lines (a seeded hash of each line's text, as `archlab finetune` holds
+out SFT lines) never train; at each evaluation their preference loss is `val_loss` and their rewards and log-probs
+are logged with a `val_` prefix (TRL's eval_rewards/accuracies ...), over all of them on every rank. The reference
+file scores every pair, held out or not.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -92,9 +98,13 @@ class DPOBatches(SamplerState):
     of the model's own (`loss(model, inputs, labels)` -> LossOutput) with the reference log-probs (`reference`, set
     by prepare_reference). Metrics gather between `metrics()` calls."""
 
-    def __init__(self, data: PreferenceData, cfg: Any, *, rank: int = 0, world_size: int = 1):
+    def __init__(self, data: PreferenceData, cfg: Any, *, rank: int = 0, world_size: int = 1,
+                 val: list[int] | None = None):
         self.data, self.cfg = data, cfg
-        self.sampler = PreferenceBatches(data, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world_size)
+        self.val = sorted(val or [])                      # indices into data.pairs that never train
+        held = set(self.val)
+        self.sampler = PreferenceBatches(data, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world_size,
+                                         pool=[i for i in range(len(data.pairs)) if i not in held] if held else None)
         self.reference: tuple[torch.Tensor, torch.Tensor] | None = None     # (chosen, rejected), (pairs,) each
         self._sums: torch.Tensor | None = None
         self._count = 0
@@ -131,6 +141,35 @@ class DPOBatches(SamplerState):
         out = dict(zip(METRICS, (self._sums / self._count).tolist())) if self._sums is not None else {}
         self._sums, self._count = None, 0
         return out
+
+    @torch.no_grad()
+    def evaluate(self, model: Any, *, device: torch.device, dtype: str = "float32") -> dict[str, float]:
+        """The held-out pairs' preference loss (`val_loss`) and METRICS prefixed `val_`, means over every held-out
+        pair (in batches of train.batch_size pairs); {} without held-out pairs."""
+        if not self.val:
+            return {}
+        assert self.reference is not None, "prepare_reference sets the reference log-probs before evaluating"
+        cfg, was_training = self.cfg, model.training
+        model.eval()
+        parts: list[torch.Tensor] = []
+        try:
+            for start in range(0, len(self.val), cfg.batch_size):
+                index = torch.tensor(self.val[start:start + cfg.batch_size])                       # (b,)
+                ids, labels = pad_pairs([self.data.pairs[i] for i in index], self.data.eot_id or 0)   # (2b, t)
+                with autocast(device, dtype):
+                    logits = model(input_ids=ids.to(device))                                       # (2b, t, v)
+                logps, counts = (t.cpu() for t in sequence_logps(logits, labels.to(device)))          # (2b,) each
+                (logp_c, logp_r), (n_c, n_r) = logps.chunk(2), counts.chunk(2)
+                ref_c, ref_r = (r[index] for r in self.reference)
+                loss = LOSSES[cfg.dpo_loss](logp_c, logp_r, ref_c, ref_r, n_c, n_r, cfg.dpo_beta, cfg.dpo_simpo_gamma)
+                chosen = implicit_rewards(logp_c, ref_c, cfg.dpo_beta)
+                rejected = implicit_rewards(logp_r, ref_r, cfg.dpo_beta)
+                parts.append(torch.stack([loss, chosen, rejected, chosen - rejected, (chosen > rejected).float(),
+                                          logp_c, logp_r], dim=1))                                   # (b, 7)
+        finally:
+            model.train(was_training)
+        means = torch.cat(parts).mean(0).tolist()                                                      # (7,)
+        return {"val_loss": means[0], **{f"val_{name}": value for name, value in zip(METRICS, means[1:])}}
 
 
 def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: Any, info: Any, *,
@@ -170,9 +209,27 @@ def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: A
     if model_cfg.vocab_size < data.vocab_size:
         raise UserError(f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                         f"{data.vocab_size} ({init_from.tokenizer_dir})")
-    batches = DPOBatches(data, cfg, rank=info.rank, world_size=info.world_size)
+    batches = DPOBatches(data, cfg, rank=info.rank, world_size=info.world_size, val=held_out(data, cfg))
     batches.staged_tokenizer = staged           # removed with the batches, after the run folder has its copy
     return batches
+
+
+def held_out(data: PreferenceData, cfg: Any) -> list[int]:
+    """The indices of the pairs held out for validation: train.dpo_val_fraction of the lines by a seeded hash of each
+    line's text (train.seed), as archlab finetune holds out SFT lines; with two or more pairs neither side is empty."""
+    from archlab.training.finetune import split_by_line
+
+    if cfg.dpo_val_fraction <= 0:
+        return []
+    numbered = list(enumerate(data.pairs))
+    _, val = split_by_line(data.path, [_Numbered(i, p.line) for i, p in numbered], cfg.seed, cfg.dpo_val_fraction)
+    return [v.index for v in val]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Numbered:
+    index: int         # into data.pairs
+    line: int          # the pair's line in the file (1-based), what split_by_line hashes
 
 
 def _tokenizer_only(folder: Path) -> tempfile.TemporaryDirectory | None:

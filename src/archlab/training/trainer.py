@@ -584,7 +584,12 @@ class _Run:
         """Validation loss now, logged; sets last_val (None without a usable val split) and best_val."""
         cfg = self.cfg
         self.last_val = None
-        if self.can_eval:
+        if isinstance(self.batches, dpo.DPOBatches):      # the held-out preference pairs (train.dpo_val_fraction)
+            scores = self.batches.evaluate(self.model, device=self.device, dtype=cfg.dtype)
+            if scores:
+                self.log({"step": self.step, "tokens": self.tokens, **scores})
+                self.last_val = scores["val_loss"]
+        elif self.can_eval:
             result = evaluate(self.model, self.val_data, batch_size=cfg.batch_size,  # whole batches split over ranks
                               seq_len=cfg.seq_len, max_batches=cfg.eval_batches, device=self.device,
                               dtype=cfg.dtype, dist_info=self.info, objective=self.eval_objective)

@@ -782,7 +782,10 @@ def _norm_transfer() -> Suite:
               "'reverse abcde' / 'edcba' documents, the same data and settings) and fine-tunes each the same "
               "way (full fine-tuning, the demo's 200 SFT steps through ChatML), so the spread over seeds holds "
               "pretraining's noise as well as fine-tuning's. Scored by greedy decoding on 200 held-out words. "
-              "Two layers is far from the depths where the pre/post difference is reported.",
+              "Two layers is far from the depths where the pre/post difference is reported. Read the verdict with "
+              "the bases' own exact match: at this scale no pretraining setting tried (lower lr, longer warmup, 3x "
+              "the steps, BERT's embedding norm) gave a post-norm base the pre-norm one's quality "
+              "(docs/lab_report/norm_transfer/), and bases of unequal quality do not test transfer.",
     )
 
 

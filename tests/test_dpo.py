@@ -339,3 +339,30 @@ def test_held_out_pairs_never_train_and_their_loss_equals_the_formula(world, tmp
     # without a hold-out there is nothing to validate on
     _dpo(world, tmp_path / "all", "--set", "train.budget=1", "--set", "train.dpo_val_fraction=0")
     assert not [r for r in read_metrics(tmp_path / "all" / "metrics.jsonl") if "val_loss" in r]
+
+
+@pytest.mark.slow      # two torchrun processes; ~40 s on 2 cores
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_process_dpo_matches_single_process(world, tmp_path, strategy):
+    """DPO under torchrun (2 CPU processes, gloo): the reference scored on every rank, each rank's share of the
+    global batch, the loss averaged over ranks and the held-out pairs scored on every rank give the single-process
+    run's loss and val_loss at every step."""
+    import os
+    import subprocess
+    import sys
+
+    settings = [*COMMON, "--set", "train.objective=dpo", "--set", "train.budget=4", "--set", "train.lr=1e-2",
+                "--set", "train.eval_every=2", "--set", "train.dpo_val_fraction=0.25"]
+    args = ["train", "--init-from", str(world / "base"), "--data", str(world / "prefs.jsonl"), *settings]
+    assert main([*args, "--out", str(tmp_path / "single")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "archlab", *args, "--out", str(tmp_path / strategy), "--set",
+                           f"dist.strategy={strategy}"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    single, both = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("single", strategy))
+    for key in ("loss", "val_loss"):
+        ours = [(r["step"], r[key]) for r in both if key in r]
+        reference = [(r["step"], r[key]) for r in single if key in r]
+        assert [s for s, _ in ours] == [s for s, _ in reference] and len(ours) >= 2, key
+        assert [v for _, v in ours] == pytest.approx([v for _, v in reference], rel=1e-4, abs=1e-5), key

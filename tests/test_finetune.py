@@ -194,7 +194,7 @@ def test_unpacked_finetune_trains_the_same_examples_padded(world, tmp_path):
     assert result.steps == 3 and result.final_val_loss is not None
 
 
-def test_encoder_decoder_finetune_learns_prompt_to_completion(world, tmp_path):
+def test_encoder_decoder_finetune_learns_prompt_to_completion(world, tmp_path, capsys):
     cfg = ModelConfig.from_dict(dict(arch="encoder_decoder", vocab_size=302, d_model=32, n_layers=1, max_seq_len=64,
                                      attention=dict(n_heads=4)))
     base = _base_run(tmp_path / "t5", world["tok"], cfg)
@@ -206,6 +206,12 @@ def test_encoder_decoder_finetune_learns_prompt_to_completion(world, tmp_path):
     before = evaluate(load_run(base, device="cpu")[0], val, batch_size=4, seq_len=32).loss
     assert len(val) == len(rows) + 4
     assert result.final_val_loss < 0.7 * before
+    # `archlab eval` reads the run's pairs: the targets' loss, as the trained model scores them here
+    import json
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--json", "--device", "cpu"]) == 0
+    after = evaluate(load_run(tmp_path / "run", device="cpu")[0], val, batch_size=4, seq_len=32).loss
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(after, rel=1e-6)
 
 
 def test_resume_of_a_finetune_is_exact(world, tmp_path):
@@ -278,3 +284,19 @@ def test_a_trainable_token_that_is_no_token_is_one_line_and_writes_nothing(world
     assert rc == 2 and "\n" not in err
     assert "train.lora_trainable_tokens: '<|nope|>' is not a token of the tokenizer" in err
     assert not out.exists()
+
+
+def test_eval_of_a_finetune_scores_its_held_out_answers_as_training_did(world, tmp_path, capsys):
+    """`archlab eval RUN` on a fine-tune reads its chat-example folder: the loss over the answers of every held-out
+    example, the trainer's own val_loss when eval_batches covers them all."""
+    import json
+
+    out = tmp_path / "run"
+    result = finetune(world["base"], world["data"], out, train_cfg=_cfg(budget=3, eval_batches=1000), progress=False)
+    capsys.readouterr()
+    assert main(["eval", str(out), "--json", "--device", "cpu"]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert scored["loss"] == pytest.approx(result.final_val_loss, rel=1e-6)
+    assert main(["eval", str(out), "--split", "train", "--batches", "1", "--device", "cpu"]) == 0
+    line = capsys.readouterr().out
+    assert line.startswith("train: loss ") and "scored in" in line and "bits/byte" not in line

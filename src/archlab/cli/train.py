@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -24,7 +25,8 @@ windows of --seq-len tokens taken in order from the split (each token sees only 
 tokens); bits/byte = total nats / ln 2 / the bytes those tokens decode to. `archlab demo` and train's
 validation lines use the same windows, but only train.eval_batches batches of them, spread evenly over
 the split when it holds more; `eval` uses the whole split unless --batches (spread the same way): so
-figures on the same model differ by that sample."""
+figures on the same model differ by that sample. A fine-tune's data (archlab finetune) is scored as its
+training scored it: chat examples on their answer tokens (no bits/byte), source/target pairs on the targets."""
 
 EVAL_EXAMPLE = """example:
   archlab eval runs/exp1                       # validation loss / perplexity / bits per byte
@@ -247,6 +249,7 @@ def run_tasks(args) -> int:
 def run_eval(args) -> int:
     import torch
 
+    from archlab.data.batches import open_splits
     from archlab.data.tokens import TokenDataset
     from archlab.errors import DataError, UserError
     from archlab.eval.evaluate import evaluate
@@ -264,7 +267,9 @@ def run_eval(args) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dataset = TokenDataset(data_dir, args.split)
+    # a token stream (windows), or a fine-tune's examples: chat examples scored on their answers, source/target pairs
+    dataset = dict(zip(("train", "val"), open_splits(data_dir)))[args.split]
+    windows = isinstance(dataset, TokenDataset)
     model, _ = load_run(args.run_dir, checkpoint=args.checkpoint, device=device)
     train_cfg = cfg.get("train") or {}
     if model.config.vocab_size < dataset.vocab_size:
@@ -273,15 +278,19 @@ def run_eval(args) -> int:
     seq_len = args.seq_len or train_cfg.get("seq_len") or model.config.max_seq_len
     if model.config.position.kind == "learned" and seq_len > model.config.max_seq_len:
         raise UserError(f"--seq-len {seq_len} is past the model's max_seq_len={model.config.max_seq_len}")
-    if dataset.n_tokens < seq_len + 1:
+    if windows and dataset.n_tokens < seq_len + 1:
         raise DataError(f"the {args.split} split of {data_dir} has {dataset.n_tokens} tokens, fewer than one "
                         f"window of --seq-len {seq_len} + 1: nothing to evaluate")
+    if not windows and len(dataset) == 0:
+        raise DataError(f"the {args.split} split of {data_dir} holds no examples: nothing to evaluate")
     result = evaluate(model, dataset, batch_size=args.batch_size or train_cfg.get("batch_size", 16),
                       seq_len=seq_len, max_batches=args.batches, device=device,
                       dtype=train_cfg.get("dtype", "float32"), progress=True)
     if args.json:
         print(json.dumps({**result.to_dict(), "seq_len": seq_len}))
     else:
-        print(f"{args.split}: loss {result.loss:.4f} nats, perplexity {result.ppl:.2f}, "
-              f"{result.bpb:.4f} bits/byte over {result.tokens:,} tokens in windows of {seq_len}")
+        bpb = f", {result.bpb:.4f} bits/byte" if math.isfinite(result.bpb) else ""
+        where = f"in windows of {seq_len}" if windows else f"scored in {len(dataset):,} examples"
+        print(f"{args.split}: loss {result.loss:.4f} nats, perplexity {result.ppl:.2f}{bpb} over {result.tokens:,} "
+              f"tokens {where}")
     return 0

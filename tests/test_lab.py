@@ -444,6 +444,7 @@ def test_lm_architecture_compares_kinds_at_matched_params_tokens_and_targets(tmp
 
     from archlab.data.batches import objective_for, tokens_processed
     from archlab.data.prepare import prepare
+    from archlab.data.tokens import Rows
 
     prepare(["to be or not to be that is the question " * 40] * 3, "bytes", tmp_path / "data", num_workers=0,
             progress=False)
@@ -457,7 +458,7 @@ def test_lm_architecture_compares_kinds_at_matched_params_tokens_and_targets(tmp
     x = torch.randint(0, 256, (2, planned[0].train.seq_len))
     scored, read = set(), set()
     for p in planned:
-        inputs, labels = objective_for(p.model, p.train, val).batch(x, step=0)
+        inputs, labels = objective_for(p.model, p.train, val).objective.turn(Rows(x), step=0)
         scored.add(tuple(labels[labels != -100].tolist()))
         read.add(tokens_processed(inputs, labels, p.model.arch))
     assert len(scored) == 1 and len(read) == 1

@@ -1,17 +1,22 @@
-"""BERT's next-sentence objective (objectives.NextSentence): IsNext about half the time, A and B contiguous
-sentences of one document for IsNext and B from another document for NotNext, [CLS] A [SEP] B [SEP] with token
-types and right padding, lengths within seq_len, truncation as BERT's truncate_seq_pair, masking that never
-touches the specials, the same batch for the same (seed, step, micro, rank); and the prepared-data path
-(next_sentence_for) with its one-line errors, feeding a training step of an encoder with the NSP head."""
+"""BERT's next-sentence pretraining (sentence_pairs.SentencePairs rows, masked by objectives.MaskedLM): IsNext
+about half the time, A and B contiguous sentences of one document for IsNext and B from another document for
+NotNext, [CLS] A [SEP] B [SEP] with token types and right padding, lengths within seq_len, truncation as BERT's
+truncate_seq_pair, masking that never touches the specials, the same batch for the same (seed, step, micro,
+rank); and the prepared-data path (next_sentence_for) with its one-line errors, feeding a training step of an
+encoder with the NSP head."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
 from archlab.config import ModelConfig
-from archlab.data.objectives import IGNORE, MaskedLM, NextSentence, next_sentence_for, truncated_lengths
+from archlab.data.batches import Task
+from archlab.data.objectives import IGNORE, MaskedLM
 from archlab.data.prepare import prepare
+from archlab.data.sentence_pairs import SentencePairs, next_sentence_for, truncated_lengths
 from archlab.data.tokens import TokenDataset
 from archlab.errors import UserError
 from archlab.models.encoder import EncoderLM
@@ -36,13 +41,28 @@ def synthetic(n_docs=30, seed=0):
     return np.array(tokens, dtype=np.int64), np.array(starts, dtype=np.int64), np.array(doc_of)
 
 
-def objective(seq_len=24, batch_size=64, prob=0.0, seed=0, **kw) -> tuple[NextSentence, np.ndarray, np.ndarray]:
+@dataclass
+class Pretraining:
+    """What train.objective=next_sentence trains on: the pair sampler's rows, masked by the MLM objective."""
+    pairs: SentencePairs
+    masked_lm: MaskedLM
+
+    def batch(self, step, micro=0, rank=0):
+        return self.masked_lm.turn(self.pairs.rows(step, micro, rank), step, micro, rank)
+
+
+def pairs_of(tokens, starts, seq_len, batch_size, **kw) -> SentencePairs:
+    return SentencePairs(np.asarray(tokens), np.asarray(starts), cls_id=CLS, sep_id=SEP, pad_id=PAD, eot_id=EOT,
+                         seq_len=seq_len, batch_size=batch_size, **kw)
+
+
+def objective(seq_len=24, batch_size=64, prob=0.0, seed=0, **kw) -> tuple[Pretraining, np.ndarray, np.ndarray]:
     tokens, starts, doc_of = synthetic(**kw)
     vocab = int(tokens.max()) + 1
     special = torch.zeros(vocab, dtype=torch.bool)
     special[[EOT, CLS, SEP, PAD, MASK]] = True
     mlm = MaskedLM(MASK, vocab, special, seed=seed, prob=prob)
-    return NextSentence(tokens, starts, mlm, CLS, SEP, PAD, EOT, seq_len, batch_size, seed=seed), starts, doc_of
+    return Pretraining(pairs_of(tokens, starts, seq_len, batch_size, seed=seed), mlm), starts, doc_of
 
 
 def segments(row: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -57,6 +77,7 @@ def segments(row: torch.Tensor) -> tuple[list[int], list[int]]:
 
 def test_rows_are_cls_a_sep_b_sep_with_types_padding_and_bert_pair_sampling():
     nsp, starts, doc_of = objective()
+    seq_len = nsp.pairs.seq_len
     labels, lengths = [], []
     short = 0
     for step in range(30):
@@ -66,25 +87,25 @@ def test_rows_are_cls_a_sep_b_sep_with_types_padding_and_bert_pair_sampling():
                                            inputs["attention_mask"], inputs["next_sentence_labels"]):
             a, b = segments(row)
             n = len(a) + len(b) + 3
-            assert a and b and n <= nsp.seq_len
-            assert mask.tolist() == [1] * n + [0] * (nsp.seq_len - n)
-            assert types.tolist() == [0] * (len(a) + 2) + [1] * (len(b) + 1) + [0] * (nsp.seq_len - n)
+            assert a and b and n <= seq_len
+            assert mask.tolist() == [1] * n + [0] * (seq_len - n)
+            assert types.tolist() == [0] * (len(a) + 2) + [1] * (len(b) + 1) + [0] * (seq_len - n)
             for span in (a, b):   # each side a contiguous run of one document, no end-of-text inside
                 assert span == list(range(span[0], span[0] + len(span)))
                 assert len(set(doc_of[span])) == 1
             if int(label) == 0:   # IsNext: B follows A in the same document
                 assert doc_of[a[0]] == doc_of[b[0]] and b[0] > a[-1]
-                if n < nsp.seq_len:                # untruncated: B starts the sentence right after A
+                if n < seq_len:                    # untruncated: B starts the sentence right after A
                     assert b[0] == a[-1] + 1 and b[0] in starts and a[0] in starts
             else:
                 assert doc_of[a[0]] != doc_of[b[0]]
-                if n < nsp.seq_len:
+                if n < seq_len:
                     assert a[0] in starts and b[0] in starts
             labels.append(int(label))
             lengths.append(n)
-            short += n < nsp.seq_len - 12
+            short += n < seq_len - 12
     assert abs(np.mean(labels) - 0.5) < 0.05                       # 1920 examples: 4.4 standard deviations
-    assert max(lengths) == nsp.seq_len and short > 0
+    assert max(lengths) == seq_len and short > 0
 
 
 def test_truncation_is_berts_truncate_seq_pair():
@@ -113,8 +134,7 @@ def test_truncation_takes_each_token_off_the_front_or_the_back_at_random():
             tokens.extend(range(len(tokens) + OFFSET, len(tokens) + OFFSET + 40))
         tokens.append(EOT)
     nsp, _, _ = objective(seq_len=16)
-    nsp = NextSentence(np.array(tokens), np.array(starts), nsp.masked_lm, CLS, SEP, PAD, EOT, 16, 64,
-                       short_seq_prob=0.0)
+    nsp = Pretraining(pairs_of(tokens, starts, 16, 64, short_seq_prob=0.0), nsp.masked_lm)
     fronts = []
     for step in range(5):
         inputs, _ = nsp.batch(step)
@@ -155,7 +175,7 @@ def test_a_split_without_two_documents_or_two_sentences_is_a_user_error():
     nsp, _, _ = objective()
     tokens = np.array([11, 12, EOT, 13, EOT])
     with pytest.raises(UserError, match="two documents"):
-        NextSentence(tokens, np.array([0, 3]), nsp.masked_lm, CLS, SEP, PAD, EOT, 16, 2)
+        pairs_of(tokens, np.array([0, 3]), 16, 2)
 
 
 # ---- from prepared data ----------------------------------------------------------------------------------------
@@ -179,14 +199,14 @@ def nsp_data(tmp_path_factory):
 def test_prepared_data_gives_batches_that_train_an_encoder_with_the_nsp_head(nsp_data):
     ds = TokenDataset(nsp_data / "data", "train")
     tok = ds.load_tokenizer()
-    nsp = next_sentence_for(ds, tok, 300, seq_len=32, seed=1, batch_size=8)
-    inputs, labels = nsp.batch(step=0)
+    pairs, masked_lm = next_sentence_for(ds, tok, 300, seq_len=32, seed=1, batch_size=8)
+    inputs, labels = masked_lm.turn(pairs.rows(step=0), step=0)
     assert inputs["input_ids"].shape == labels.shape == (8, 32) and inputs["next_sentence_labels"].shape == (8,)
-    assert nsp.pad_id == tok.token_to_id("[PAD]")
+    assert pairs.pad_id == tok.token_to_id("[PAD]")
     real = inputs["attention_mask"].bool()
     assert (inputs["input_ids"][:, 0] == tok.token_to_id("[CLS]")).all()
     assert ((inputs["input_ids"] == tok.token_to_id("[SEP]")).sum(1) == 2).all()
-    assert (inputs["input_ids"][~real] == nsp.pad_id).all() and (labels[~real] == IGNORE).all()
+    assert (inputs["input_ids"][~real] == pairs.pad_id).all() and (labels[~real] == IGNORE).all()
     cfg = ModelConfig(arch="encoder", vocab_size=300, d_model=32, n_layers=2, max_seq_len=32,
                       attention={"n_heads": 4}, mlp={"activation": "gelu", "d_ff": 64}, position={"kind": "learned"},
                       norm={"kind": "layernorm", "position": "post", "final_norm": False, "embedding_norm": True},
@@ -247,11 +267,11 @@ def test_evaluation_scores_next_sentence_rows_by_hand(nsp_data):
     cfg = ModelConfig(arch="encoder", vocab_size=300, d_model=32, n_layers=1, max_seq_len=32,
                       attention={"n_heads": 4}, position={"kind": "rope"}, type_vocab_size=2, nsp_head=True)
     model = EncoderLM(cfg).eval()
-    nsp = next_sentence_for(val, val.load_tokenizer(), 300, seq_len=32, batch_size=4)
-    result = evaluate(model, val, batch_size=4, seq_len=32, max_batches=3, objective=nsp)
+    pairs, masked_lm = next_sentence_for(val, val.load_tokenizer(), 300, seq_len=32, batch_size=4)
+    result = evaluate(model, val, batch_size=4, seq_len=32, max_batches=3, objective=Task(masked_lm, rows=pairs))
     rows, nats, hits = 0, 0.0, 0
     for i in range(3):
-        inputs, labels = nsp.batch(-1 - i)
+        inputs, labels = masked_lm.turn(pairs.rows(-1 - i), -1 - i)
         with torch.no_grad():
             logits = model.next_sentence_logits(model(**{k: v for k, v in inputs.items()
                                                          if k != "next_sentence_labels"}, return_hidden=True))

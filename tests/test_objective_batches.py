@@ -119,6 +119,17 @@ def test_every_objective_draws_the_recorded_batches(case, folders):
     assert draws(case, folders) == EXPECTED[case]
 
 
+def test_the_cases_cover_every_registered_objective_and_the_config_names_no_other():
+    from typing import get_args, get_type_hints
+
+    from archlab.data.batches import DEFAULT_OBJECTIVE, OBJECTIVES
+    drawn = {settings.get("objective", DEFAULT_OBJECTIVE[_models()[model].arch])
+             for case, (model, settings) in CASES.items() if case != "pairs"}
+    assert drawn == set(OBJECTIVES.names())
+    named = set(get_args(get_type_hints(TrainConfig)["objective"])) - {"auto", "dpo"}
+    assert named == set(OBJECTIVES.names())      # "dpo" reads preference pairs (training/dpo.py), not a registry entry
+
+
 def test_the_recorded_batches_differ_between_steps_ranks_and_objectives():
     """The pins above could only pass vacuously if the hashes did not depend on what they hash."""
     assert set(EXPECTED) == set(CASES)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from archlab.data.objectives import _tokenizer_size, masked_lm_for, word_starts
+from archlab.data.objectives import TurnsIds, _tokenizer_size, masked_lm_for, word_starts
 from archlab.data.tokens import _mix_seed
 from archlab.errors import UserError
 
@@ -131,7 +131,7 @@ def sentinel_ids(tokenizer: Any, vocab_size: int) -> torch.Tensor:
 
 
 @dataclass
-class SpanCorruption:
+class SpanCorruption(TurnsIds):
     """T5's span corruption (Raffel et al. 2020). `batch(x, step, micro, rank)` corrupts one micro-batch."""
 
     sentinels: torch.Tensor                    # (k,) ids for spans 0, 1, ...
@@ -284,7 +284,7 @@ def sentence_ends(tokenizer: Any, vocab_size: int) -> torch.Tensor:
 
 
 @dataclass
-class TextInfilling:
+class TextInfilling(TurnsIds):
     """BART's text infilling and sentence permutation (Lewis et al. 2020). `batch(x, step, micro, rank)` noises one
     micro-batch; the labels are the windows themselves."""
 

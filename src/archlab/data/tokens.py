@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from archlab.data.tokenizer_adapter import TokenizerLike, load_tokenizer
 from archlab.errors import DataError
 
 __all__ = ["META_FILE", "FORMAT_VERSION", "SPLITS", "SENTENCES_SUFFIX", "FORMATS", "load_meta", "TokenDataset",
-           "StepSampler", "BatchSampler", "eval_batches", "DataError"]
+           "Rows", "StepSampler", "BatchSampler", "eval_batches", "DataError"]
 
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
@@ -150,6 +151,18 @@ def _mix_seed(*parts: int) -> int:
     return int.from_bytes(h.digest(), "little") & (2**63 - 1)
 
 
+@dataclass(frozen=True)
+class Rows:
+    """What a sampler drew for one micro-step, before an objective (data/objectives.py) turns it into the model's
+    inputs and labels: token rows `ids` (b, n); their next-token `targets` (b, n) where the rows are windows of a
+    stream (None where they are not); and `inputs` that come with the rows (a sentence pair's attention_mask,
+    token_type_ids and next_sentence_labels)."""
+
+    ids: torch.Tensor
+    targets: torch.Tensor | None = None
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
 class StepSampler:
     """What every training sampler shares: `batch(step)` is a pure function of the step, so iterating moves a
     counter and resuming restores it. Subclasses set step, global_batch_size and the STATE_KEYS that a resumed
@@ -162,6 +175,11 @@ class StepSampler:
     rank: int
 
     def batch(self, step: int) -> Any:
+        raise NotImplementedError
+
+    @property
+    def epoch(self) -> float:
+        """Epochs completed so far, fractional."""
         raise NotImplementedError
 
     def _rows(self, step: int, per_epoch: int) -> Iterator[tuple[int, int]]:
@@ -242,6 +260,12 @@ class BatchSampler(StepSampler):
         rows = np.stack([tokens[a:a + s + 1] for a in self.starts(step)]).astype(np.int64)
         chunk = torch.from_numpy(rows)  # (b, t+1)
         return chunk[:, :-1], chunk[:, 1:]
+
+    def next_rows(self, step: int, micro: int) -> Rows:
+        """The next windows and their targets, as Rows (moves the counter). Windows follow the counter alone; the
+        trainer's step and micro-step are what an objective turns them with."""
+        x, y = next(self)
+        return Rows(x, y)
 
     @property
     def epoch(self) -> float:

@@ -99,7 +99,7 @@ def run_encoder_decoder_demo(out: Path, *, quick: bool, minutes: float, corpus: 
     model_cfg, train_cfg = encoder_decoder_demo_configs(quick=quick, vocab_size=int(meta["vocab_size"]),
                                                         minutes=minutes, start_id=int(meta["eot_id"]))
     val = TokenDataset(data_dir, "val")
-    objective = objective_for(model_cfg, train_cfg, val)            # the trainer's validation spans
+    objective = objective_for(model_cfg, train_cfg, val).objective  # the trainer's validation spans (SpanCorruption)
 
     def score(model):
         return evaluate(model, val, batch_size=train_cfg.batch_size, seq_len=train_cfg.seq_len,

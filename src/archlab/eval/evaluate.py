@@ -43,8 +43,9 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
     over the split; archlab.data.batches.validation_batches: token windows, or source/target pairs for an
     archlab.data.pairs.PairDataset).
     Under data parallelism every rank runs the same number of forwards (FSDP needs all ranks in each all-gather);
-    the sums are all-reduced. `objective` (objectives.py) turns the windows as in training, batch i the same way at
-    every evaluation: an encoder scored on its masked slots, an encoder-decoder on its noised spans."""
+    the sums are all-reduced. `objective` (an objectives.Objective, or a batches.Task that may draw its own rows)
+    turns the windows as in training, batch i the same way at every evaluation: an encoder scored on its masked
+    slots, an encoder-decoder on its noised spans."""
     from archlab.data.batches import scores_text, validation_batches
 
     device = torch.device(device)

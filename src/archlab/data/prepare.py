@@ -26,7 +26,7 @@ from archlab.faults import fault_point
 from archlab.runs.outputs import check_output, fresh_output
 
 __all__ = ["prepare", "split_sentences", "input_paths", "SplitWriter", "encoded", "default_workers", "doc_score",
-           "checked_output", "write_json"]
+           "split_by_line", "checked_output", "write_json"]
 
 # a sentence ends after . ! ? (and closing quotes / brackets), or before a blank line, when more text follows
 _SENTENCE_CUT = regex.compile(r"""(?:[.!?]["'\)\]}\u00bb\u201d\u2019]*|\S(?=[^\S\n]*\n[^\S\n]*\n))(?=\s+\S)""")
@@ -52,6 +52,20 @@ def doc_score(data: bytes, seed: int) -> float:
     h.update(int(seed).to_bytes(8, "little", signed=True))
     h.update(data)
     return int.from_bytes(h.digest(), "little") / 2.0**64
+
+
+def split_by_line(path: Path, examples: list, seed: int, val_fraction: float) -> tuple[list, list]:
+    """(train, val): an example is validation when a seeded hash of its line's text is below val_fraction; with
+    two or more examples neither split is empty (the one nearest the threshold moves over)."""
+    lines = path.read_bytes().splitlines()
+    scores = [doc_score(lines[e.line - 1], seed) for e in examples]
+    is_val = [s < val_fraction for s in scores]
+    if len(examples) >= 2 and val_fraction > 0:
+        if not any(is_val):
+            is_val[min(range(len(scores)), key=scores.__getitem__)] = True
+        elif all(is_val):
+            is_val[max(range(len(scores)), key=scores.__getitem__)] = False
+    return ([e for e, v in zip(examples, is_val) if not v], [e for e, v in zip(examples, is_val) if v])
 
 
 def _encode_batch(texts: list[str]) -> list[tuple[np.ndarray, float, int, np.ndarray | None]]:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from archlab.data.batches import SamplerState
 from archlab.data.objectives import IGNORE
 from archlab.data.preference import PreferenceBatches, PreferenceData, load_preference_data, pad_pairs
+from archlab.data.prepare import split_by_line
 from archlab.errors import UserError
 from archlab.eval.evaluate import autocast
 from archlab.models.decoder import LossOutput
@@ -217,8 +218,6 @@ def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: A
 def held_out(data: PreferenceData, cfg: Any) -> list[int]:
     """The indices of the pairs held out for validation: train.dpo_val_fraction of the lines by a seeded hash of each
     line's text (train.seed), as archlab finetune holds out SFT lines; with two or more pairs neither side is empty."""
-    from archlab.training.finetune import split_by_line
-
     if cfg.dpo_val_fraction <= 0:
         return []
     numbered = list(enumerate(data.pairs))

@@ -29,7 +29,7 @@ import torch
 
 from archlab.config import ConfigError
 from archlab.data.preference import file_sha256
-from archlab.data.prepare import doc_score
+from archlab.data.prepare import split_by_line
 from archlab.data.tokenizer_adapter import vocab_size_of
 from archlab.data.tokens import META_FILE
 from archlab.errors import UserError
@@ -37,7 +37,7 @@ from archlab.training import lora as lora_stage
 from archlab.training.config import TrainConfig
 from archlab.training.init_from import InitSource, read_init_source
 
-__all__ = ["finetune", "stage_tokenizer", "grow_vocab", "split_by_line"]
+__all__ = ["finetune", "stage_tokenizer", "grow_vocab"]
 
 # files of an HF folder that belong to its tokenizer (a run folder's tokenizer/ is copied whole)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -95,20 +95,6 @@ def grow_vocab(source: InitSource, new_ids: list[int], old_rows: int) -> tuple[I
     line = (f"added {len(new_ids)} special tokens to the tokenizer: embedding and head rows {vocab} -> {size}, "
             f"the new rows {new_ids[0]}..{new_ids[-1]} set to the mean embedding")
     return dataclasses.replace(source, model_config=cfg, state=state), line
-
-
-def split_by_line(path: Path, examples: list, seed: int, val_fraction: float) -> tuple[list, list]:
-    """(train, val): an example is validation when a seeded hash of its line's text is below val_fraction; with
-    two or more examples neither split is empty (the one nearest the threshold moves over)."""
-    lines = path.read_bytes().splitlines()
-    scores = [doc_score(lines[e.line - 1], seed) for e in examples]
-    is_val = [s < val_fraction for s in scores]
-    if len(examples) >= 2 and val_fraction > 0:
-        if not any(is_val):
-            is_val[min(range(len(scores)), key=scores.__getitem__)] = True
-        elif all(is_val):
-            is_val[max(range(len(scores)), key=scores.__getitem__)] = False
-    return ([e for e, v in zip(examples, is_val) if not v], [e for e, v in zip(examples, is_val) if v])
 
 
 def _checked_file(path: str | os.PathLike, flag: str) -> Path:

@@ -207,13 +207,16 @@ def plot_stages(out: Path, png: Path) -> None:
         ax.set_ylim(bottom=0)
         if stage == "dpo":
             acc = [(r["step"], r["rewards/accuracies"]) for r in rows if "rewards/accuracies" in r]
+            held = [(r["step"], r["val_rewards/accuracies"]) for r in rows if "val_rewards/accuracies" in r]
             if acc:
                 twin = ax.twinx()
                 twin.plot(*zip(*acc), label="rewards/accuracies", color="C2", linestyle=":")
+                if held:
+                    twin.plot(*zip(*held), "s", label="held-out", color="C2", markersize=4)
                 twin.set_ylim(0, 1.05)
                 twin.set_ylabel("reward accuracy")
                 twin.legend(loc="center right", fontsize=8)
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="lower left" if stage == "dpo" else "upper right", fontsize=8)
     axes[0].set_ylabel("loss (nats)")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -295,11 +298,13 @@ def run_post_training_demo(out: str | Path = "runs/demo-post-training", *, quick
     train(source.model_config, cfg["dpo"], dpo_file, out / "dpo", progress=progress, init_from=source)
     seconds["dpo"] = time.time() - t
     dpo = score_reversal(out / "dpo", words)
-    accuracy = [r["rewards/accuracies"] for r in read_metrics(out / "dpo" / "metrics.jsonl")
-                if "rewards/accuracies" in r]
+    rows = read_metrics(out / "dpo" / "metrics.jsonl")
+    accuracy = [r["rewards/accuracies"] for r in rows if "rewards/accuracies" in r]
+    held = [r["val_rewards/accuracies"] for r in rows if "val_rewards/accuracies" in r]
     last = accuracy[-1] if accuracy else float("nan")
+    on_held = f", on held-out pairs {held[-1]:.0%}" if held else ""
     log(f"      {seconds['dpo']:.0f} s; answers in the preferred case {sft['preferred']:.0%} -> "
-        f"{dpo['preferred']:.0%}, exact match {dpo['exact']:.0%}; last reward accuracy {last:.0%}")
+        f"{dpo['preferred']:.0%}, exact match {dpo['exact']:.0%}; last reward accuracy {last:.0%}{on_held}")
 
     plot_stages(out, out / "post_training.png")
     total = time.time() - t0

@@ -104,6 +104,8 @@ def test_run_folder_loads_merged_and_exports_to_peft(data_dir, tmp_path, capsys)
     ({"lora_trainable_tokens": "<|endoftext|>,bogus"}, "train.lora_trainable_tokens: 'bogus' is not a token of the "
                                                       "tokenizer in"),
     ({"lora_trainable_tokens": "3,999"}, "train.lora_trainable_tokens: token id 999 is past the model's vocab_size"),
+    ({"lora_modules_to_save": "blocks.0.attn"}, "lora modules_to_save 'blocks.0.attn.q_proj' holds the LoRA target"),
+    ({"lora_modules_to_save": "embed", "lora_trainable_tokens": "3"}, "'embed' is the input embedding whose"),
 ])
 def test_bad_lora_settings_write_nothing(data_dir, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):

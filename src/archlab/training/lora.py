@@ -21,7 +21,7 @@ from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.peft import hf_module_names
-from archlab.nn.lora import LoRAConfig, apply_lora, parse_targets, select, select_modules
+from archlab.nn.lora import LoRAConfig, apply_lora, parse_targets
 from archlab.nn.trainable_tokens import parse_token_list
 from archlab.training.config import TrainConfig
 
@@ -102,23 +102,28 @@ def attach(model: nn.Module, cfg: TrainConfig) -> LoRAStep | None:
 
 
 def check(model_cfg: ModelConfig, cfg: TrainConfig, tokenizer_dir: str | Path | None = None) -> None:
-    """Raise ConfigError for train.lora_targets that name no Linear of this model, and for trainable tokens that
-    are no token of `tokenizer_dir` or lie past the embedding, before anything is written (checked on a model
-    built on the meta device: no memory, no init)."""
+    """Raise ConfigError, before anything is written, for what `attach` would refuse: train.lora_targets or
+    lora_modules_to_save that name nothing of this model or overlap, and trainable tokens that are no token of
+    `tokenizer_dir` or lie past the embedding. The adapters go on a model built on the meta device (no memory, no
+    init) through the same apply_lora the run uses."""
     if cfg.lora_r is None:
         return
     settings = lora_config(resolve_tokens(cfg, tokenizer_dir))
     assert settings is not None
+    if settings.trainable_tokens and settings.trainable_tokens[-1] >= model_cfg.vocab_size:
+        raise ConfigError(f"train.lora_trainable_tokens: token id {settings.trainable_tokens[-1]} is past the "
+                          f"model's vocab_size={model_cfg.vocab_size}")
+    adapted_on_meta(model_cfg, settings)
+
+
+def adapted_on_meta(model_cfg: ModelConfig, settings: LoRAConfig) -> nn.Module:
+    """The model `model_cfg` builds, on the meta device (no memory, no init), with `settings`' adapters applied as a
+    run applies them (targets by the family's HF names too): what the checks and the memory estimate look at."""
     from archlab.models import build_model
 
     with torch.device("meta"):
         model = build_model(model_cfg)
-    names = hf_module_names(model)
-    select(model, settings.targets, names)
-    select_modules(model, settings.modules_to_save, names)
-    if settings.trainable_tokens and settings.trainable_tokens[-1] >= model_cfg.vocab_size:
-        raise ConfigError(f"train.lora_trainable_tokens: token id {settings.trainable_tokens[-1]} is past the "
-                          f"model's vocab_size={model_cfg.vocab_size}")
+        return apply_lora(model, settings, hf_module_names(model))
 
 
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_rslora", "lora_trainable_tokens",
@@ -145,12 +150,7 @@ def scale_memory(parts: dict[str, int], model_cfg: ModelConfig, cfg: TrainConfig
     settings = lora_config(cfg)
     if settings is None or not {"grads", "optimizer"} <= set(parts):
         return parts
-    from archlab.models import build_model
-
-    with torch.device("meta"):
-        model = build_model(model_cfg)
-        apply_lora(model, settings, hf_module_names(model))
-    step = LoRAStep(model)
+    step = LoRAStep(adapted_on_meta(model_cfg, settings))
     share = step.trainable / max(step.total, 1)
     return {k: int(v * share) if k in ("grads", "optimizer") else v for k, v in parts.items()}
 

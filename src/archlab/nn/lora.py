@@ -164,8 +164,8 @@ def linear_paths(model: nn.Module) -> list[str]:
 
 
 def _matches(target: str, names: Iterable[str]) -> bool:
-    """PEFT's rule for a list of target names: the module's name equals the target or ends with '.' + target."""
-    target = ALIASES.get(target, target)
+    """PEFT's rule for a list of target names: one of the module's names equals the target or ends with '.' +
+    target. (The short aliases q, v, ... are the caller's: they name Linears only.)"""
     return any(n == target or n.endswith("." + target) for n in names)
 
 
@@ -180,7 +180,7 @@ def select(model: nn.Module, targets: Iterable[str],
         if target == ALL_LINEAR:
             chosen.update(paths)
             continue
-        hits = [p for p in paths if _matches(target, names[p])]
+        hits = [p for p in paths if _matches(ALIASES.get(target, target), names[p])]
         if not hits:
             short = sorted({p.rsplit(".", 1)[-1] for p in paths})
             raise ConfigError(f"lora target {target!r} matches no Linear of this model "
@@ -205,7 +205,7 @@ def select_modules(model: nn.Module, names: Iterable[str],
     found = {p: aliases(p) for p in owners}
     chosen: set[str] = set()
     for name in names:
-        hits = [p for p in owners if any(a == name or a.endswith("." + name) for a in found[p])]
+        hits = [p for p in owners if _matches(name, found[p])]
         if not hits:
             tops = sorted({p.split(".", 1)[0] for p in owners})
             raise ConfigError(f"lora modules_to_save {name!r} matches no module of this model (its modules: "

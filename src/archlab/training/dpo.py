@@ -27,7 +27,6 @@ file scores every pair, held out or not.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import tempfile
@@ -116,26 +115,30 @@ class DPOBatches(SamplerState):
 
     def loss(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> LossOutput:
         """The preference loss of one batch (2b rows: b chosen, then b rejected) under `model`."""
+        loss, metrics = self._per_pair(model, inputs["input_ids"], labels, inputs["pair_index"])
+        values = metrics.mean(0)                                                         # (METRICS,)
+        self._sums = values if self._sums is None else self._sums + values     # on device: no host sync per batch
+        self._count += 1
+        total = loss.mean()
+        zero = total.new_zeros(())
+        return LossOutput(total=total, ce=total.detach(), z_loss=zero, aux_loss=zero)
+
+    def _per_pair(self, model: Any, input_ids: torch.Tensor, labels: torch.Tensor, index: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each pair's loss (b,), each pair's METRICS (b, 6), detached) of 2b rows (b chosen, then b rejected) under
+        `model`; `index` (b,): the pairs' places in data.pairs, where the reference log-probs are."""
         assert self.reference is not None, "prepare_reference sets the reference log-probs before training"
-        index = inputs["pair_index"].cpu()                                              # (b,)
-        logits = model(input_ids=inputs["input_ids"])                                   # (2b, t, v)
+        cfg = self.cfg
+        logits = model(input_ids=input_ids)                                             # (2b, t, v)
         logps, counts = sequence_logps(logits, labels)                                  # (2b,) each
         logp_c, logp_r = logps.chunk(2)
         n_c, n_r = counts.chunk(2)
-        ref_c, ref_r = (r[index].to(logps.device) for r in self.reference)
-        beta = self.cfg.dpo_beta
-        loss = preference_loss(self.cfg.dpo_loss, logp_c, logp_r, ref_c, ref_r, n_c, n_r, beta=beta,
-                               gamma=self.cfg.dpo_simpo_gamma)
-        self._gather(logp_c.detach(), logp_r.detach(), ref_c, ref_r, beta)
-        zero = loss.new_zeros(())
-        return LossOutput(total=loss, ce=loss.detach(), z_loss=zero, aux_loss=zero)
-
-    def _gather(self, logp_c, logp_r, ref_c, ref_r, beta) -> None:
-        chosen, rejected = implicit_rewards(logp_c, ref_c, beta), implicit_rewards(logp_r, ref_r, beta)
-        values = torch.stack([chosen.mean(), rejected.mean(), (chosen - rejected).mean(),
-                              (chosen > rejected).float().mean(), logp_c.mean(), logp_r.mean()])   # (METRICS,)
-        self._sums = values if self._sums is None else self._sums + values     # on device: no host sync per batch
-        self._count += 1
+        ref_c, ref_r = (r[index.cpu()].to(logps.device) for r in self.reference)
+        loss = LOSSES[cfg.dpo_loss](logp_c, logp_r, ref_c, ref_r, n_c, n_r, cfg.dpo_beta, cfg.dpo_simpo_gamma)
+        logp_c, logp_r = logp_c.detach(), logp_r.detach()
+        chosen, rejected = implicit_rewards(logp_c, ref_c, cfg.dpo_beta), implicit_rewards(logp_r, ref_r, cfg.dpo_beta)
+        return loss, torch.stack([chosen, rejected, chosen - rejected, (chosen > rejected).float(), logp_c, logp_r],
+                                 dim=1)
 
     def metrics(self) -> dict[str, float]:
         """The means of the logged quantities over the micro-batches since the last call."""
@@ -149,24 +152,16 @@ class DPOBatches(SamplerState):
         pair (in batches of train.batch_size pairs); {} without held-out pairs."""
         if not self.val:
             return {}
-        assert self.reference is not None, "prepare_reference sets the reference log-probs before evaluating"
-        cfg, was_training = self.cfg, model.training
+        was_training = model.training
         model.eval()
         parts: list[torch.Tensor] = []
         try:
-            for start in range(0, len(self.val), cfg.batch_size):
-                index = torch.tensor(self.val[start:start + cfg.batch_size])                       # (b,)
+            for start in range(0, len(self.val), self.cfg.batch_size):
+                index = torch.tensor(self.val[start:start + self.cfg.batch_size])                  # (b,)
                 ids, labels = pad_pairs([self.data.pairs[i] for i in index], self.data.eot_id or 0)   # (2b, t)
                 with autocast(device, dtype):
-                    logits = model(input_ids=ids.to(device))                                       # (2b, t, v)
-                logps, counts = (t.cpu() for t in sequence_logps(logits, labels.to(device)))          # (2b,) each
-                (logp_c, logp_r), (n_c, n_r) = logps.chunk(2), counts.chunk(2)
-                ref_c, ref_r = (r[index] for r in self.reference)
-                loss = LOSSES[cfg.dpo_loss](logp_c, logp_r, ref_c, ref_r, n_c, n_r, cfg.dpo_beta, cfg.dpo_simpo_gamma)
-                chosen = implicit_rewards(logp_c, ref_c, cfg.dpo_beta)
-                rejected = implicit_rewards(logp_r, ref_r, cfg.dpo_beta)
-                parts.append(torch.stack([loss, chosen, rejected, chosen - rejected, (chosen > rejected).float(),
-                                          logp_c, logp_r], dim=1))                                   # (b, 7)
+                    loss, metrics = self._per_pair(model, ids.to(device), labels.to(device), index)
+                parts.append(torch.cat([loss[:, None], metrics], dim=1).cpu())                     # (b, 7)
         finally:
             model.train(was_training)
         means = torch.cat(parts).mean(0).tolist()                                                      # (7,)
@@ -220,15 +215,9 @@ def held_out(data: PreferenceData, cfg: Any) -> list[int]:
     line's text (train.seed), as archlab finetune holds out SFT lines; with two or more pairs neither side is empty."""
     if cfg.dpo_val_fraction <= 0:
         return []
-    numbered = list(enumerate(data.pairs))
-    _, val = split_by_line(data.path, [_Numbered(i, p.line) for i, p in numbered], cfg.seed, cfg.dpo_val_fraction)
-    return [v.index for v in val]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Numbered:
-    index: int         # into data.pairs
-    line: int          # the pair's line in the file (1-based), what split_by_line hashes
+    _, val = split_by_line(data.path, data.pairs, cfg.seed, cfg.dpo_val_fraction)
+    held = {id(pair) for pair in val}
+    return [i for i, pair in enumerate(data.pairs) if id(pair) in held]
 
 
 def _tokenizer_only(folder: Path) -> tempfile.TemporaryDirectory | None:

@@ -72,7 +72,8 @@ class PreferenceData:
         return sum(len(p.chosen[0]) + len(p.rejected[0]) for p in self.pairs)
 
     def without_pairs(self) -> PreferenceData:
-        """The same source with no pairs: what stands for a validation split (DPO runs have none)."""
+        """The same source with no pairs: what stands for a token validation split, which a DPO run has none of (its
+        held-out pairs are DPOBatches.val, scored by DPOBatches.evaluate)."""
         return dataclasses.replace(self, pairs=[])
 
     @property

@@ -9,6 +9,7 @@ EXAMPLE = """example:
   archlab finetune runs/base --data sft.jsonl --out runs/sft --set train.lr=1e-4 --set train.budget=200
   archlab finetune runs/base --data sft.jsonl --out runs/sft-lora --lora-r 8 --lora-targets all-linear
   archlab finetune runs/base --data sft.jsonl --out runs/sft-lora --lora-r 8 --lora-trainable-tokens template
+  archlab finetune runs/gpt2 --data sft.jsonl --out runs/sft-lora --lora-r 8 --lora-modules-to-save wpe
   archlab finetune runs/base --data sft.jsonl --out runs/sft --chat-template chatml --set train.seq_len=512
   archlab finetune runs/t5 --data pairs.jsonl --out runs/t5-sft          # encoder-decoder: prompt -> completion
   (lines: {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"}; the loss on train.loss_mask:

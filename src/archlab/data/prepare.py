@@ -56,7 +56,8 @@ def doc_score(data: bytes, seed: int) -> float:
 
 def split_by_line(path: Path, examples: list, seed: int, val_fraction: float) -> tuple[list, list]:
     """(train, val): an example is validation when a seeded hash of its line's text is below val_fraction; with
-    two or more examples neither split is empty (the one nearest the threshold moves over)."""
+    two or more examples neither split is empty (the one nearest the threshold moves over). `examples`: anything
+    with a 1-based `.line` in `path`. Example: train, val = split_by_line(Path("sft.jsonl"), examples, 0, 0.05)"""
     lines = path.read_bytes().splitlines()
     scores = [doc_score(lines[e.line - 1], seed) for e in examples]
     is_val = [s < val_fraction for s in scores]

@@ -140,7 +140,9 @@ def hf_module_names(model: nn.Module) -> Callable[[str], list[str]]:
 
 def hf_tensors(model: nn.Module, fam: Family) -> dict[str, dict[str, tuple[str, Rule]]]:
     """Our module path -> {our parameter name: (the HF tensor, the rule)} for every module each of whose
-    parameters one rule fills from one HF tensor alone: the modules PEFT's modules_to_save can carry."""
+    parameters one rule fills from one HF tensor alone: the modules PEFT's modules_to_save can carry.
+    Example: hf_tensors(gpt2, FAMILIES.get("gpt2"))["abs_position.embedding"] -> {"weight": ("transformer.wpe.weight",
+    rule)}"""
     cfg: ModelConfig = model.config                                   # type: ignore[assignment]
     single = {rule.ours[0]: rule for rule in fam.weight_rules(cfg) if len(rule.ours) == 1 and len(rule.hf) == 1}
     found: dict[str, dict[str, tuple[str, Rule]]] = {}

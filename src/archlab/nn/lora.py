@@ -215,7 +215,9 @@ def select_modules(model: nn.Module, names: Iterable[str],
 
 
 def saved_modules(model: nn.Module) -> list[str]:
-    """The module paths an adapted model trains whole (its lora_config's modules_to_save)."""
+    """The module paths an adapted model trains whole (its lora_config's modules_to_save).
+    Example: saved_modules(apply_lora(gpt2, LoRAConfig(modules_to_save=("wpe",)), names))
+    -> ["abs_position.embedding"]"""
     cfg = getattr(model, "lora_config", None)
     return list(cfg.modules_to_save) if isinstance(cfg, LoRAConfig) else []
 

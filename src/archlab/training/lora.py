@@ -118,7 +118,8 @@ def check(model_cfg: ModelConfig, cfg: TrainConfig, tokenizer_dir: str | Path | 
 
 def adapted_on_meta(model_cfg: ModelConfig, settings: LoRAConfig) -> nn.Module:
     """The model `model_cfg` builds, on the meta device (no memory, no init), with `settings`' adapters applied as a
-    run applies them (targets by the family's HF names too): what the checks and the memory estimate look at."""
+    run applies them (targets by the family's HF names too): what the checks and the memory estimate look at.
+    Example: LoRAStep(adapted_on_meta(model_cfg, LoRAConfig(r=8))).trainable -> the adapters' parameter count"""
     from archlab.models import build_model
 
     with torch.device("meta"):

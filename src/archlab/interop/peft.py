@@ -40,12 +40,12 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.interop.families import FAMILIES, Family, infer_family
 from archlab.interop.families.tables import Rule, WeightsError, _identity
 from archlab.interop.folders import read_json_object
-from archlab.nn.lora import LoRAConfig, linear_paths, lora_modules, lora_scaling, saved_modules, wrap
+from archlab.nn.lora import ALL_LINEAR, LoRAConfig, linear_paths, lora_modules, lora_scaling, saved_modules, wrap
 from archlab.nn.trainable_tokens import EMBED_PATH, token_module, wrap_embedding
 from archlab.runs.checkpoint import make_readable
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "PREFIX", "save_peft", "load_peft", "hf_module_names",
-           "hf_slots"]
+           "hf_slots", "peft_targeted"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -285,8 +285,12 @@ def read_adapter_config(folder: str | Path) -> dict:
         if value not in (default, None, False, [], {}):
             raise ConfigError(f"{path}: {key}={value!r} is not supported by archlab (needs {default!r})")
     for key in ("r", "lora_alpha"):
-        if not isinstance(data.get(key), (int, float)) or data[key] <= 0:
+        if not _positive(data.get(key)):
             raise ConfigError(f"{path}: {key}={data.get(key)!r} must be a positive number")
+    for key in ("rank_pattern", "alpha_pattern"):
+        value = data.get(key) or {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) and _positive(v) for k, v in value.items()):
+            raise ConfigError(f"{path}: {key}={value!r} must map module names to positive numbers")
     _token_indices(data, path)
     return data
 
@@ -305,12 +309,67 @@ def _token_indices(config: dict, path: Path) -> tuple[str | None, list[int]]:
     return module, ids
 
 
-def _pattern(patterns: dict | None, module: str, default):
-    """PEFT's rank_pattern / alpha_pattern lookup: the first key matching the module name's end."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _pattern(config: dict, key: str, module: str) -> tuple[str, float]:
+    """PEFT's rank_pattern / alpha_pattern lookup (get_pattern_key): (where the value comes from, the value) of
+    the first pattern key matching the module name's end, else the config's r / lora_alpha."""
+    for name, value in (config.get(f"{key}_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({name})$", module):
+            return f"{key}_pattern[{name!r}]", value
+    default = "r" if key == "rank" else "lora_alpha"
+    return default, config[default]
+
+
+def _named(value, module: str) -> bool:
+    """PEFT's module selection by one config field: a string is a regex matched in full against the module's name
+    ("all-linear" every Linear), a list names modules by name or by the name's end."""
+    if isinstance(value, str):
+        return value.lower() == ALL_LINEAR or re.fullmatch(value, module) is not None
+    return any(module == name or module.endswith("." + name) for name in value or ())
+
+
+def peft_targeted(config: dict, module: str) -> bool:
+    """Whether PEFT puts an adapter on the HF Linear `module` by adapter_config.json (PEFT's
+    check_target_module_exists: exclude_modules, then modules_to_save, then target_modules). PEFT drops adapter
+    tensors of a module it does not target, so such an adapter is refused, not loaded otherwise than PEFT would.
+    Example: peft_targeted({"target_modules": ["q_proj"]}, "model.layers.0.self_attn.q_proj") -> True"""
+    if config.get("exclude_modules") and _named(config["exclude_modules"], module):
+        return False
+    if any(re.match(rf"(^|.*\.){m}($|\..*)", module) for m in config.get("modules_to_save") or ()):
+        return False
+    return _named(config.get("target_modules") or [], module)
+
+
+def _check_targets(config: dict, slots: dict[str, Slot], adapted: list[str], path: Path) -> None:
+    """The adapter's tensors are those of the modules its target_modules name: a tensor PEFT would drop, or a
+    named module without tensors (a config written for other tensors), is a ConfigError naming it."""
+    targets = config.get("target_modules") or []
+    if not isinstance(targets, (str, list)) or not all(isinstance(t, str) for t in targets):
+        raise ConfigError(f"{path}: target_modules={targets!r} must be a regex string or a list of module names")
+    try:
+        dropped = [m for m in adapted if not peft_targeted(config, m)]
+        named = [m for m in slots if m not in adapted and peft_targeted(config, m)]
+    except re.error as exc:
+        raise ConfigError(f"{path}: target_modules or exclude_modules is not a valid regular expression: {exc}"
+                          ) from None
+    if dropped:
+        raise ConfigError(f"{path}: target_modules={targets!r} does not name {dropped[0]}, whose lora_A/lora_B "
+                          f"{WEIGHTS_FILE} holds (PEFT would drop them): the config and the tensors disagree")
+    if named and config.get("layers_to_transform") in (None, [], ()):
+        raise ConfigError(f"{path}: target_modules={targets!r} names {named[0]}, which has no lora_A/lora_B in "
+                          f"{WEIGHTS_FILE}: the config and the tensors disagree")
+
+
+def _check_finite(stored: dict[str, torch.Tensor], path: Path) -> None:
+    """NaN or inf in an adapter tensor is refused naming it: it would turn the adapted layer's output to NaN (or
+    silently to zeros past an attention kernel's masking)."""
+    for name, tensor in stored.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise WeightsError(f"{path}: tensor {name} {tuple(tensor.shape)} holds {bad} NaN or inf value(s)")
 
 
 def _adapter_tensors(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -325,6 +384,7 @@ def _adapter_tensors(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]], 
         stored = load_file(str(path))
     except Exception as exc:   # safetensors raises its own types for truncated files
         raise WeightsError(f"corrupt or unreadable adapter file {path}: {exc}") from exc
+    _check_finite(stored, path)
     by_module: dict[str, dict[str, torch.Tensor]] = {}
     whole: dict[str, torch.Tensor] = {}
     pattern = re.compile(rf"{re.escape(PREFIX)}(.+)\.lora_([AB])(?:\.default)?\.weight")
@@ -408,9 +468,15 @@ def load_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != n_in or b.shape != (slot.out_features, a.shape[0]):
             raise WeightsError(f"adapter for another base: {module} lora_A {tuple(a.shape)}, lora_B "
                                f"{tuple(b.shape)} do not fit its weight ({slot.out_features}, {n_in})")
-        rank = int(_pattern(config.get("rank_pattern"), module, config["r"]))
-        alpha = float(_pattern(config.get("alpha_pattern"), module, config["lora_alpha"]))
+        source, rank = _pattern(config, "rank", module)
+        alpha = _pattern(config, "alpha", module)[1]
+        if a.shape[0] != rank:
+            raise ConfigError(f"{folder / CONFIG_FILE}: {source}={rank!r} but {PREFIX}{module}.lora_A.weight is "
+                              f"{tuple(a.shape)} and lora_B {tuple(b.shape)} (rank {a.shape[0]}): PEFT refuses "
+                              "an adapter whose rank disagrees with its tensors")
+        rank, alpha = int(rank), float(alpha)
         plan.append((slot, a, b, lora_scaling(alpha, rank, rslora)))
+    _check_targets(config, by_module, [slot.module for slot, *_ in plan], folder / CONFIG_FILE)
     model.requires_grad_(False)
     for slot, a, b, scaling in plan:
         for path, rows in slot.members:

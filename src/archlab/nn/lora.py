@@ -11,7 +11,8 @@ Linears back. Decoding reads a Linear's matrix through `effective_weight()` (nn/
 a packed decode step multiplies by W + s B A, not by the base alone.
 
 Targets name Linears by archlab's short names (q, k, v, o, gate, up, down), by module names or dotted suffixes
-(`q_proj`, `attn.q_proj`, `cross_attn.v_proj`), or `all-linear` (every Linear but the LM head, as PEFT does);
+(`q_proj`, `attn.q_proj`, `cross_attn.v_proj`), by a regular expression matched in full against a module's
+names (`.*(q|v)_proj`: PEFT's string target_modules), or `all-linear` (every Linear but the LM head, as PEFT does);
 the interop layer adds the checkpoint family's HF names (`module_names`). `trainable_tokens` (token ids) also
 trains those rows of the input embedding (nn/trainable_tokens.py: PEFT's trainable_token_indices).
 `modules_to_save` (PEFT's name) trains whole modules beside the adapters, e.g. learned position embeddings, which
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -34,7 +37,7 @@ from archlab.nn.trainable_tokens import EMBED_PATH, token_module, unwrap_embeddi
 
 __all__ = ["LoRAConfig", "LoRALinear", "ALIASES", "ALL_LINEAR", "apply_lora", "merge_lora", "lora_modules",
            "lora_state", "adapter_names", "linear_paths", "select", "select_modules", "saved_modules", "wrap",
-           "parse_targets", "lora_scaling"]
+           "parse_targets", "lora_scaling", "is_regex"]
 
 ALIASES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
            "down": "down_proj"}
@@ -163,9 +166,25 @@ def linear_paths(model: nn.Module) -> list[str]:
             if isinstance(m, nn.Linear) and path.rsplit(".", 1)[-1] not in HEAD_NAMES]
 
 
+REGEX_CHARS = frozenset("*+?[](){}|^$\\")   # a target holding one of these is a regex (dots alone: a dotted suffix)
+
+
+def is_regex(target: str) -> bool:
+    """Whether a target is a regular expression, as PEFT's string target_modules is (matched in full against the
+    module's name): it holds a regex operator other than '.'. Example: is_regex(".*(q|v)_proj") -> True"""
+    return any(c in REGEX_CHARS for c in target)
+
+
 def _matches(target: str, names: Iterable[str]) -> bool:
-    """PEFT's rule for a list of target names: one of the module's names equals the target or ends with '.' +
-    target. (The short aliases q, v, ... are the caller's: they name Linears only.)"""
+    """PEFT's rules: a name target matches a module one of whose names equals it or ends with '.' + it (PEFT's
+    list form); a regex target (is_regex) one of whose names it matches in full (PEFT's string form,
+    re.fullmatch). (The short aliases q, v, ... are the caller's: they name Linears only.)"""
+    if is_regex(target):
+        try:
+            pattern = re.compile(target)
+        except re.error as exc:
+            raise ConfigError(f"lora target {target!r} is not a valid regular expression: {exc}") from None
+        return any(pattern.fullmatch(n) for n in names)
     return any(n == target or n.endswith("." + target) for n in names)
 
 
@@ -233,6 +252,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, module_names: Callable[[str], 
     paths = select(model, cfg.targets, module_names)
     saved = select_modules(model, cfg.modules_to_save, module_names)
     _check_saved(saved, paths, bool(cfg.trainable_tokens))
+    _warn_rank(model, paths, cfg.r)
     model.requires_grad_(False)
     for path in paths:
         wrap(model, path, cfg.r, cfg.scaling, cfg.dropout, generator)
@@ -243,6 +263,19 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, module_names: Callable[[str], 
     # read by saving and merging: the saved modules by their resolved paths
     model.lora_config = dataclasses.replace(cfg, modules_to_save=tuple(saved))   # type: ignore[assignment]
     return model
+
+
+def _warn_rank(model: nn.Module, paths: list[str], r: int) -> None:
+    """One warning when r exceeds min(in, out) of a target: B A then has rank min(in, out) at most, so the extra
+    rank only costs memory and changes the alpha / r scale. A warning, not an error: PEFT accepts it and its
+    adapters load alike, and a full-rank update of a small Linear is a legitimate choice."""
+    over = [(p, m.in_features, m.out_features) for p in paths
+            if r > min((m := model.get_submodule(p)).in_features, m.out_features)]
+    if over:
+        path, n_in, n_out = over[0]
+        more = f" (and {len(over) - 1} more)" if len(over) > 1 else ""
+        warnings.warn(f"lora.r={r} exceeds min(in, out)={min(n_in, n_out)} of {path} ({n_out}x{n_in}){more}: "
+                      "the update's rank cannot exceed that; a smaller r gives the same reach", stacklevel=3)
 
 
 def _check_saved(saved: list[str], adapted: list[str], tokens: bool) -> None:

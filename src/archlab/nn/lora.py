@@ -269,8 +269,9 @@ def _warn_rank(model: nn.Module, paths: list[str], r: int) -> None:
     """One warning when r exceeds min(in, out) of a target: B A then has rank min(in, out) at most, so the extra
     rank only costs memory and changes the alpha / r scale. A warning, not an error: PEFT accepts it and its
     adapters load alike, and a full-rank update of a small Linear is a legitimate choice."""
-    over = [(p, m.in_features, m.out_features) for p in paths
-            if r > min((m := model.get_submodule(p)).in_features, m.out_features)]
+    shapes = [(p, int(m.in_features), int(m.out_features)) for p in paths
+              if isinstance(m := model.get_submodule(p), nn.Linear)]
+    over = [(p, n_in, n_out) for p, n_in, n_out in shapes if r > min(n_in, n_out)]
     if over:
         path, n_in, n_out = over[0]
         more = f" (and {len(over) - 1} more)" if len(over) > 1 else ""

@@ -73,12 +73,19 @@ class Slot:
         if len(self.members) != 1:
             return False
         rows = self.members[0][1]
-        return bool(torch.equal(rows, torch.arange(self.out_features)))
+        return bool(torch.equal(rows, torch.arange(self.out_features, device=rows.device)))
 
 
 def _row_map(rule: Rule, shapes: list[tuple[int, int]]) -> tuple[list[torch.Tensor], bool] | None:
     """For each of the rule's `ours` (out_i, in): the HF output row each of its rows comes from, and whether HF
-    stores the matrix transposed; None when the rule is not a rearrangement of whole rows (no adapter maps)."""
+    stores the matrix transposed; None when the rule is not a rearrangement of whole rows (no adapter maps).
+    The probe is index arithmetic on the CPU whatever the default device is: under `torch.device("meta")` (the
+    checks build the model there) a meta probe has no values to compare."""
+    with torch.device("cpu"):
+        return _probe_rows(rule, shapes)
+
+
+def _probe_rows(rule: Rule, shapes: list[tuple[int, int]]) -> tuple[list[torch.Tensor], bool] | None:
     n_in, n_out = shapes[0][1], sum(s[0] for s in shapes)
     if any(s[1] != n_in for s in shapes):
         return None

@@ -68,3 +68,21 @@ def test_the_end_of_turn_token_is_the_templates(served):
 def generated_reasons(engine) -> set[str]:
     return {post(engine, {"messages": m, "max_tokens": 12, "temperature": 0}).json()["choices"][0]["finish_reason"]
             for m in CONVERSATIONS}
+
+
+def test_completions_on_a_chat_model_end_at_the_end_of_turn_without_showing_it(served, capsys):
+    """/v1/completions of the rendered prompt answers what the chat endpoint answers: cut at <|im_end|>, which is
+    not in the text (finish_reason "stop"), as vLLM stops at a chat model's end-of-turn and skips special tokens."""
+    root, engine = served
+    messages = CONVERSATIONS[0]
+    expected, reason = generated(root, render(root, messages), capsys)
+    assert reason == "stop", "the fixture's answer must reach <|im_end|>: the test would prove nothing"
+
+    async def go():
+        transport = httpx.ASGITransport(app=create_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            return await client.post("/v1/completions", json={"prompt": render(root, messages), "max_tokens": 12,
+                                                              "temperature": 0})
+    choice = asyncio.run(go()).json()["choices"][0]
+    assert END not in choice["text"]
+    assert choice["text"] == expected and choice["finish_reason"] == "stop"

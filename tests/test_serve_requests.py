@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 from test_serve import expected_text
@@ -62,7 +63,7 @@ BAD_VALUES = {   # field -> values OpenAI or vLLM refuse (or that would be coerc
     "temperature": ["1", True, -0.1, 2.5, [1], {"t": 1}],
     "top_p": [0, 1.5, "0.5", False], "top_k": [-2, 1.5, "3"], "min_p": [-1, 2, "0"],
     "repetition_penalty": [0, -1, 1e5, "1.1"],
-    "stop": [[1, 2], {"a": 1}, [""], "", [None], ["a"] * 65, 5, True],
+    "stop": [[1, 2], {"a": 1}, [""], "", [None], ["a"] * 65, ["a", "b", "c", "d", "e"], 5, True],   # OpenAI: <= 4
     "seed": ["abc", 1.5, 2 ** 70, -(2 ** 64), True],
     "n": [0, 1000, 1.5, "2", True, -1],
     "best_of": [3, "2", 1.5],
@@ -77,7 +78,8 @@ BAD_VALUES = {   # field -> values OpenAI or vLLM refuse (or that would be coerc
 }
 CHAT_BAD = {
     "messages": ["hi", [], [{"content": "x"}], [{"role": 5}], [{"role": "user", "content": 5}],
-                 [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], [5], {"a": 1}],
+                 [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], [5], {"a": 1},
+                 [{"role": "wizard", "content": "x"}], [{"role": "user"}], [{"role": "user", "content": [5]}]],
     "logprobs": [True, 1], "top_logprobs": [2], "tools": [[{"type": "function"}]], "echo": [True],
     "response_format": [{"type": "json_object"}], "max_completion_tokens": [0, "3"], "prompt": ["hi"],
 }
@@ -209,3 +211,21 @@ def test_an_error_inside_archlab_is_a_json_500(engine):
 def test_an_unknown_route_is_an_openai_error(engine):
     r, = send_all(engine, [("/v1/embeddings", {"input": "x"})])
     assert assert_openai_error(r, (404,))["message"] == "Not Found"
+
+
+def test_messages_are_refused_as_training_data_refuses_them(engine, tmp_path):
+    """One rule for both (archlab.tokenizer.messages): an unknown role or a missing content is a 400 naming the
+    message's field here and an error naming the line in finetune's data."""
+    from archlab.data.chat import ChatDataError, read_conversations
+
+    cases = [([{"role": "wizard", "content": "x"}], "messages[0].role", "unknown role 'wizard'"),
+             ([{"role": "user", "content": "a"}, {"role": "user"}], "messages[1].content", "has no 'content'"),
+             ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content", "type 'image_url'")]
+    answers = send_all(engine, [("/v1/chat/completions", {"messages": m, "max_tokens": 2}) for m, _, _ in cases])
+    for (messages, param, why), response in zip(cases, answers):
+        error = assert_openai_error(response, (400,))
+        assert error["param"] == param and why in error["message"], error
+        data = tmp_path / "chat.jsonl"
+        data.write_text(json.dumps({"messages": messages}) + "\n")
+        with pytest.raises(ChatDataError, match=rf"chat\.jsonl:1: .*{re.escape(why)}"):
+            list(read_conversations(data))

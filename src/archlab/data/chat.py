@@ -5,6 +5,9 @@ Two shapes of line, as users have them (TRL's "conversational" and "prompt-compl
     {"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]}
     {"prompt": "...", "completion": "..."}            (or both as lists of messages)
 
+A message's content may be a list of text parts (`[{"type": "text", "text": "..."}]`, OpenAI's and TRL's form):
+it reads as their text joined; messages are checked by archlab.tokenizer.messages, as the server checks them.
+
 A conversation renders through the tokenizer's chat template (archlab.tokenizer.chat, the one renderer; CHUNK
 conversations per round trip to its worker) and is tokenized once; plain prompt/completion text is prompt +
 completion + the end-of-text token, no template. Text in the data that spells a special token (say
@@ -49,12 +52,10 @@ from archlab.tokenizer.chat import (
     render_many,
     token_mask,
 )
+from archlab.tokenizer.messages import ROLES, MessageError, check_message
 
 __all__ = ["ROLES", "LOSS_MASKS", "TRUNCATIONS", "ChatExample", "ChatData", "ChatDataError", "Conversation",
            "read_conversations", "encode_conversation", "load_chat_data"]
-
-ROLES = ("system", "user", "assistant", "tool")
-
 
 class ChatDataError(UserError, ValueError):
     """A line of chat data that cannot become a training example (the message names the file and line)."""
@@ -101,20 +102,14 @@ class ChatData:
 
 # ---- reading and checking lines --------------------------------------------------------------------------------
 def _messages(value: Any, where: str, key: str) -> list[dict]:
+    """The checked messages of a line (archlab.tokenizer.messages: roles and content forms, as the server
+    checks them); a content of text parts becomes its text."""
     if not isinstance(value, list) or not value:
         raise ChatDataError(f"{where}: {key!r} must be a non-empty list of messages")
-    for k, message in enumerate(value):
-        at = f"{where}: {key}[{k}]"
-        if not isinstance(message, dict):
-            raise ChatDataError(f"{at} is a JSON {type(message).__name__}, not an object with role and content")
-        for needed in ("role", "content"):
-            if needed not in message:
-                raise ChatDataError(f"{at} has no {needed!r}")
-        if message["role"] not in ROLES:
-            raise ChatDataError(f"{at} has unknown role {message['role']!r} (roles: {', '.join(ROLES)})")
-        if not isinstance(message["content"], str):
-            raise ChatDataError(f"{at}: content is {type(message['content']).__name__}, not a string")
-    return value
+    try:
+        return [check_message(message, f"{where}: {key}[{k}]") for k, message in enumerate(value)]
+    except MessageError as exc:
+        raise ChatDataError(str(exc)) from None
 
 
 def _conversation(record: Any, where: str, line: int) -> Conversation:

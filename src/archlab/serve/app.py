@@ -4,11 +4,14 @@ tools built for vLLM or `transformers serve` call.
 
     GET  /health                 {"status": "ok"}
     GET  /v1/models              the one model served
-    POST /v1/completions         prompt, max_tokens, temperature, top_p, stop, seed, n, echo, stream (server-sent
-                                 events), stream_options.include_usage; vLLM's top_k, min_p, repetition_penalty
+    POST /v1/completions         prompt, max_tokens, temperature, top_p, stop (at most 4, as OpenAI), seed, n, echo,
+                                 stream (server-sent events), stream_options.include_usage; vLLM's top_k, min_p,
+                                 repetition_penalty; on a chat model the text also ends at the end-of-turn token
     POST /v1/chat/completions    messages, rendered with the tokenizer's chat template (400 without one); the
-                                 same fields but prompt and echo, and max_completion_tokens; the answer also
-                                 stops at the template's end-of-turn token (archlab.generation.chat)
+                                 same fields but prompt and echo, and max_completion_tokens; messages checked as
+                                 training data is (archlab.tokenizer.messages: a known role, a content: a string,
+                                 text parts or null); the answer also stops at the template's end-of-turn token
+                                 (archlab.generation.chat)
 
 Fields a request leaves out take the model folder's generation_config.json values (listed under
 "generation_config" in /v1/models; archlab.serve.settings), else OpenAI's defaults.
@@ -71,7 +74,10 @@ def create_app(engine: Engine, limits: Limits | None = None):
     async def completions(request: Request):
         body = await _json(request, limits)
         parsed, prompt = check_fields(body, "completions", model=engine.name, max_n=limits.max_n)
-        return await _respond(request, parsed, prompt, "text_completion")
+        # a chat model's text also ends at its end-of-turn token, which never shows in the text (as vLLM, whose
+        # eos ids hold it, stops there and skips special tokens)
+        end_ids = await off_loop(engine.end_of_turn)
+        return await _respond(request, parsed, prompt, "text_completion", end_ids)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from archlab.errors import UserError
+from archlab.tokenizer.messages import MessageError, check_message
 
-__all__ = ["RANGES", "SEED_RANGE", "Parsed", "RequestError", "chat_prompt_parts", "check_fields"]
+__all__ = ["RANGES", "SEED_RANGE", "Parsed", "RequestError", "check_fields"]
 
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)             # what torch.Generator.manual_seed takes
-MAX_STOPS = 64
+MAX_STOPS = 4                                      # OpenAI: "Up to 4 sequences"
 RANGES = {   # field -> (test, what it must be)
     "max_tokens": (lambda v: v >= 1, "at least 1"), "max_completion_tokens": (lambda v: v >= 1, "at least 1"),
     "temperature": (lambda v: 0 <= v <= 2, "in [0, 2]"),
@@ -114,30 +115,22 @@ def refused(*no_ops) -> Checker:
 
 
 def messages(value, name: str) -> list[dict]:
-    """Chat messages: a non-empty list of {role: string, content: string, a list of text parts, or null}."""
+    """Chat messages: a non-empty list of {role, content} checked as training data is (archlab.tokenizer.messages:
+    a known role; content a string, a list of text parts, or null); a message's `name` is kept."""
     if not isinstance(value, list) or not value:
         raise RequestError(f"{name} must be a non-empty list of {{role, content}} objects", param=name,
                            code="invalid_value")
     out = []
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RequestError(f"{name}[{i}] must be an object with a string role", param=f"{name}[{i}]",
-                               code="invalid_value")
-        content = chat_prompt_parts(message.get("content"), f"{name}[{i}].content")
-        extra = {k: v for k, v in message.items() if k == "name" and isinstance(v, str)}
-        out.append({"role": message["role"], "content": content, **extra})
+        at = f"{name}[{i}]"
+        try:
+            checked = check_message(message, at, null_content=True)
+        except MessageError as exc:
+            raise RequestError(str(exc), param=f"{at}.{exc.field}" if exc.field else at,
+                               code="invalid_value") from None
+        extra = {k: v for k, v in checked.items() if k == "name" and isinstance(v, str)}
+        out.append({"role": checked["role"], "content": checked["content"], **extra})
     return out
-
-
-def chat_prompt_parts(content, name: str) -> str:
-    """A message's content as text: a string, null (""), or a list of {"type": "text", "text": ...} parts, joined."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise RequestError(f"{name} must be a string or a list of text parts ({{\"type\": \"text\", \"text\": ...}})",
-                       param=name, code="invalid_value")
 
 
 def stream_options(value, name: str) -> bool:

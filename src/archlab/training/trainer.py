@@ -36,11 +36,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from archlab.config import ConfigError, ModelConfig
+from archlab.config import ModelConfig
 from archlab.data.batches import tokens_processed
-from archlab.data.pairs import PairDataset
-from archlab.data.sft import SFTDataset
-from archlab.eval.evaluate import autocast, evaluate, sample_ids
+from archlab.eval.evaluate import autocast, sample_ids
 from archlab.generation.stepper import vocab_limit
 from archlab.models.accounting import MemoryCheckError
 from archlab.models.legacy_keys import upgrade_keys, upgrade_optimizer_state
@@ -49,11 +47,11 @@ from archlab.runs import model_folder
 from archlab.runs.lock import RunLock
 from archlab.runs.provenance import check_resume_matches, data_fingerprint, provenance, write_provenance
 from archlab.training import distributed as dist_util
-from archlab.training import dpo
 from archlab.training import lora as lora_stage
 from archlab.training.config import TrainConfig
 from archlab.training.init_from import InitSource
 from archlab.training.loglines import LogLines
+from archlab.training.methods import MethodRun, open_run
 from archlab.training.metrics import (
     TensorBoardLogger,
     append_jsonl,
@@ -183,52 +181,32 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.Pat
 
 def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data=False,
            init_from=None) -> TrainResult:
-    from archlab.data.batches import TrainBatches, open_splits
-
-    # 1. data, checked against the settings
+    # 1. the method (training/methods) opens its data and batches, checked against the settings: a setting this
+    # data cannot train is an error that leaves nothing behind
     device = resolve_device(cfg, info)
-    if cfg.objective == "dpo" or data_dir.is_file():    # preference pairs (.jsonl): training/dpo.py
-        batches: Any = dpo.open_preference_data(model_cfg, cfg, data_dir, init_from, info, progress=progress is True)
-        train_data, val_data, can_eval, eval_objective = batches.data, batches.data.without_pairs(), False, None
-    else:
-        train_data, val_data = open_splits(data_dir)       # a token stream, or source/target pairs
-        can_eval = _check_data(model_cfg, cfg, data_dir, train_data, val_data, info)
-        # the objective and the sampler, built before the run folder is touched: a setting this data cannot train
-        # (no sentinels, no sentence index, pairs too long) is an error that leaves nothing behind
-        batches = TrainBatches(model_cfg, cfg, train_data, rank=info.rank, world_size=info.world_size)
-        eval_objective = batches.objective_on(val_data) if can_eval else None
+    session = open_run(model_cfg, cfg, data_dir, init_from, info, progress=progress is True)
     # trainable token texts (train.lora_trainable_tokens) become ids with the data's tokenizer; config.yaml keeps ids
-    cfg = lora_stage.resolve_tokens(cfg, _tokenizer_dir(data_dir, train_data, init_from))
+    cfg = lora_stage.resolve_tokens(cfg, session.tokenizer_dir)
     lora_stage.check(model_cfg, cfg)                   # LoRA targets this model lacks: refused before any write
     if cfg.memory_check:
         check_memory_fits(model_cfg, cfg, device, info)
     # 2. run folder: rank 0 locks and writes it, the others wait
     with RunLock(run_dir) if info.is_main else contextlib.nullcontext():
-        latest = _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info,
-                                  allow_new_data, init_from)
-        return _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
-                         (train_data, val_data, can_eval, batches, eval_objective), init_from)
+        latest = _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, session.train_data, session.val_data, resume,
+                                  info, allow_new_data, init_from)
+        return _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device, session, init_from)
 
 
-def _tokenizer_dir(data_dir: Path, train_data, init_from) -> Path | None:
-    """The tokenizer folder the run's token ids come from: the data folder's, or (preference .jsonl data) the
-    --init-from source's."""
-    if data_dir.is_dir():
-        return data_dir / getattr(train_data, "meta", {}).get("tokenizer", "tokenizer")
-    return Path(init_from.tokenizer_dir) if init_from is not None and init_from.tokenizer_dir else None
-
-
-def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device, data, init_from=None) -> TrainResult:
+def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device, session: MethodRun,
+              init_from=None) -> TrainResult:
     """Steps 3-5 of `_train`, with the run folder locked."""
-    train_data, val_data, can_eval, batches, eval_objective = data
     if info.enabled:
         torch.distributed.barrier()
     # 3. model, optimizer, sampler; config.yaml keeps dtype "auto", precision.json what it resolved to
     if info.is_main:
         warn_past_context(model_cfg, cfg)             # said once every check has passed
     cfg = resolve_precision(cfg, device, info, run_dir, resuming=latest is not None)
-    run = _Run(model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval, batches,
-               eval_objective)
+    run = _Run(model_cfg, cfg, info, device, data_dir, run_dir, session)
     if info.is_main:
         write_provenance(run_dir, provenance(device=device, dtype=cfg.dtype, model=run.raw))
     # 4. resume, or start from another model's weights
@@ -237,9 +215,8 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
     elif init_from is not None:   # the source's weights; LoRA adapters (train.lora) keep their fresh init
         from archlab.nn.lora import lora_state
         dist_util.load_full_model_state(run.model, {**lora_state(run.raw), **init_from.state}, info)
-    if isinstance(batches := data[3], dpo.DPOBatches):   # the reference log-probs: scored now, or read back
-        dpo.prepare_reference(batches, run.raw, run_dir, device=device, dtype=cfg.dtype, info=info,
-                              resuming=latest is not None, progress=progress is True)
+    session.start(run.raw, run_dir, device=device, dtype=cfg.dtype, info=info, resuming=latest is not None,
+                  progress=progress is True)          # what the method needs of the starting weights (a reference)
     # 5. the loop
     run.open_reporting(progress)
     try:
@@ -251,31 +228,6 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
     finally:
         run.close()
     return run.result(diverged=False)
-
-
-def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
-    """Raises ConfigError for settings this data cannot train. Returns whether the val split is long
-    enough to evaluate (warning when it is not)."""
-    if model_cfg.vocab_size < train_data.vocab_size:
-        raise ConfigError(f"model vocab_size={model_cfg.vocab_size} is smaller than the data's "
-                          f"vocab_size={train_data.vocab_size} ({data_dir}); set vocab_size "
-                          f"(archlab.training.trainer.fit_vocab does it)")
-    if model_cfg.position.kind == "learned" and cfg.seq_len > model_cfg.max_seq_len:
-        raise ConfigError(f"train.seq_len={cfg.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
-    if cfg.batch_size % info.world_size:
-        raise ConfigError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the "
-                          f"world size {info.world_size}")
-    if isinstance(val_data, (PairDataset, SFTDataset)):
-        if cfg.budget_unit == "tokens":
-            raise ConfigError("train.budget_unit=tokens counts fixed windows; paired data and chat examples have "
-                              "rows of every length: give the budget in steps or minutes")
-        can_eval, why = len(val_data) > 0, "validation split has no examples"
-    else:                                              # a token stream
-        can_eval = val_data.n_tokens >= cfg.seq_len + 1
-        why = f"validation split has {val_data.n_tokens} tokens < seq_len + 1"
-    if not can_eval and info.is_main:
-        warnings.warn(f"{why}: no evaluation", stacklevel=2)
-    return can_eval
 
 
 def _finite(*losses: float | None) -> bool:
@@ -309,22 +261,20 @@ class _Run:
     """One training run: the built objects, the counters a checkpoint saves, and one method per stage
     of the loop. Every rank holds one; methods that write files do so on rank 0 only."""
 
-    def __init__(self, model_cfg, cfg, info, device, data_dir, run_dir, train_data, val_data, can_eval, batches,
-                 eval_objective):
+    def __init__(self, model_cfg, cfg, info, device, data_dir, run_dir, session: MethodRun):
         from archlab.models import build_model
 
         self.cfg, self.info, self.device = cfg, info, device
         self.data_dir, self.run_dir = data_dir, run_dir
         self.ckpt_root = run_dir / ckpt_io.CHECKPOINT_DIR
         self.metrics_path = run_dir / "metrics.jsonl"
-        self.train_data, self.val_data, self.can_eval = train_data, val_data, can_eval
+        self.train_data = session.train_data
 
         seed_everything(cfg.seed + info.rank)
         self.raw = build_model(model_cfg).to(device)        # TransformerLM, EncoderLM or EncoderDecoderLM by arch
         self.lora = lora_stage.attach(self.raw, cfg)        # train.lora_r: adapters on, the base frozen (lora.py)
-        # (inputs, labels) per micro-step (batches.TrainBatches): the objective's (train.objective) or the pairs',
-        # a function of (seed, step, micro-batch, rank)
-        self.batches, self.eval_objective = batches, eval_objective
+        # (inputs, labels) per micro-step, a function of (seed, step, micro-batch, rank): the method's batches
+        self.method, self.batches = session, session.batches
         self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len)
         prepared = dist_util.prepare_model(                             # recompute -> wrap -> optimizer -> compile
             self.raw, info, device, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
@@ -334,10 +284,12 @@ class _Run:
 
         # saved in checkpoints, restored by resume_from
         self.step, self.tokens, self.elapsed = 0, 0, 0.0
-        self.best_val, self.last_val, self.skipped = None, None, 0
+        self.best_val: float | None = None
+        self.last_val: float | None = None
+        self.skipped = 0
         # this process only
         self.last_good: Path | None = None      # the checkpoint Diverged names
-        self.last_train_loss = None
+        self.last_train_loss: float | None = None
         self.window, self.session = _Meter(), _Meter()   # since the last log line; since this process began
         self.signals = _StopSignals()                     # entered around the loop: SIGTERM / SIGINT stop cleanly
         # set by open_reporting
@@ -524,9 +476,8 @@ class _Run:
         return _StepStats(ce, total_loss, grad_norm, finite, stop > 0, round(tokens_mean * info.world_size))
 
     def forward_loss(self, inputs: dict[str, torch.Tensor], y: torch.Tensor) -> Any:
-        """The model's own loss, or the batches' where they bring one (DPO's pairs against the reference)."""
-        loss = getattr(self.batches, "loss", None)
-        return loss(self.step_model, inputs, y) if loss is not None else self.step_model(**inputs, targets=y)
+        """The method's loss of one micro-batch (LossOutput)."""
+        return self.method.loss(self.step_model, inputs, y)
 
     def _grad_norm(self) -> float:
         """Global gradient norm, after clipping to cfg.grad_clip when set."""
@@ -567,8 +518,7 @@ class _Run:
                   "grad_norm": stats.grad_norm, "tokens_per_s": tps, "mfu": mfu}
         if stats.total != stats.ce:
             record["loss_total"] = stats.total
-        if hasattr(self.batches, "metrics"):      # DPO: rewards/..., logps/... (this rank's, since the last line)
-            record.update(self.batches.metrics())
+        record.update(self.method.log_fields())   # the method's own figures (this rank's, since the last line)
         self.log(record)
         left = {}
         if self.total_steps is None:              # a minutes budget: the bar has no total, so say what is left
@@ -584,25 +534,10 @@ class _Run:
         """Validation loss now, logged; sets last_val (None without a usable val split) and best_val."""
         cfg = self.cfg
         self.last_val = None
-        if isinstance(self.batches, dpo.DPOBatches):      # the held-out preference pairs (train.dpo_val_fraction)
-            scores = self.batches.evaluate(self.model, device=self.device, dtype=cfg.dtype)
-            if scores:
-                self.log({"step": self.step, "tokens": self.tokens, **scores})
-                self.last_val = scores["val_loss"]
-        elif self.can_eval:
-            result = evaluate(self.model, self.val_data, batch_size=cfg.batch_size,  # whole batches split over ranks
-                              seq_len=cfg.seq_len, max_batches=cfg.eval_batches, device=self.device,
-                              dtype=cfg.dtype, dist_info=self.info, objective=self.eval_objective)
-            record: dict[str, Any] = {"step": self.step, "tokens": self.tokens, "val_loss": result.loss,
-                                      "val_ppl": result.ppl}
-            if math.isfinite(result.bpb):                # the loss is a code length of the text
-                record["val_bpb"] = result.bpb
-            if result.accuracy is not None:
-                record["val_mlm_accuracy"] = result.accuracy
-            if result.nsp_accuracy is not None:
-                record.update(val_nsp_loss=result.nsp_loss, val_nsp_accuracy=result.nsp_accuracy)
-            self.log(record)
-            self.last_val = result.loss
+        scores = self.method.evaluate(self.model, device=self.device, dtype=cfg.dtype, info=self.info)
+        if scores:
+            self.log({"step": self.step, "tokens": self.tokens, **scores})
+            self.last_val = scores["val_loss"]
         if self.last_val is not None and (self.best_val is None or self.last_val < self.best_val):
             self.best_val = self.last_val
 

@@ -58,10 +58,13 @@ def register(subparsers) -> None:
                    "every 30 s)")
     p.set_defaults(func=run_train)
 
+    from archlab.cli import eval_context
+
     e = subparsers.add_parser("eval", help="evaluate a run's latest checkpoint",
                               description="Validation loss, perplexity and bits per byte of a run.\n\n"
                               + PERPLEXITY_DEFINITION,
-                              epilog=EVAL_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              epilog=EVAL_EXAMPLE + eval_context.CONTEXT_EXAMPLE,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("run_dir", help="a run folder (archlab train --out, or archlab convert --from-hf --out)")
     e.add_argument("--data", help="data folder (default: the one in the run's config.yaml)")
     e.add_argument("--split", default="val", choices=["train", "val"], help="which split (default val)")
@@ -78,6 +81,7 @@ def register(subparsers) -> None:
     e.add_argument("--include-path", default=None, metavar="DIR", help="with --tasks: a folder of task YAMLs")
     e.add_argument("--limit", type=int, default=None, metavar="N", help="with --tasks: at most N examples per task")
     e.add_argument("--num-fewshot", type=int, default=None, metavar="K", help="with --tasks: K-shot prompts")
+    eval_context.add_arguments(e)
     e.set_defaults(func=run_eval)
 
 
@@ -166,6 +170,11 @@ def build_configs(args, base_model=None):
         model_cfg = fit_vocab(model_cfg, args.data)   # a preset's vocab -> the data's tokenizer
     if model_over:
         model_cfg = model_cfg.with_overrides(model_over)
+    if base_model is not None:              # a new rope_scaling on an --init-from model: a context extension
+        from archlab.training.init_from import extended_config
+        model_cfg, note = extended_config(base_model, model_cfg, model_over)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
     train_cfg = TrainConfig.from_dict(file_data["train"]) if "train" in file_data else TrainConfig()
     if train_over:
         train_cfg = train_cfg.with_overrides(train_over)
@@ -249,6 +258,7 @@ def run_tasks(args) -> int:
 def run_eval(args) -> int:
     import torch
 
+    from archlab.cli import eval_context
     from archlab.data.batches import open_splits
     from archlab.data.tokens import TokenDataset
     from archlab.errors import DataError, UserError
@@ -283,7 +293,15 @@ def run_eval(args) -> int:
                         f"window of --seq-len {seq_len} + 1: nothing to evaluate")
     if not windows and len(dataset) == 0:
         raise DataError(f"the {args.split} split of {data_dir} holds no examples: nothing to evaluate")
-    result = evaluate(model, dataset, batch_size=args.batch_size or train_cfg.get("batch_size", 16),
+    batch_size = args.batch_size or train_cfg.get("batch_size", 16)
+    if eval_context.wanted(args):
+        if not windows or model.config.arch != "decoder":
+            raise UserError("--stride / --by-position / --lengths / --passkey score a decoder on a token stream "
+                            f"(archlab data prepare); {data_dir} holds a fine-tune's examples or the model is "
+                            f"an {model.config.arch}")
+        return eval_context.run(args, model, dataset, seq_len=seq_len, batch_size=batch_size, device=device,
+                                dtype=train_cfg.get("dtype", "float32"))
+    result = evaluate(model, dataset, batch_size=batch_size,
                       seq_len=seq_len, max_batches=args.batches, device=device,
                       dtype=train_cfg.get("dtype", "float32"), progress=True)
     if args.json:

@@ -22,7 +22,7 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.errors import DataError, UserError
 from archlab.models.legacy_keys import upgrade_keys
 
-__all__ = ["InitSource", "read_init_source"]
+__all__ = ["InitSource", "read_init_source", "extended_config"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +107,29 @@ def _from_hf(spec: str, folder: Path) -> InitSource:
     model = load_hf(folder, dtype=None)
     return InitSource(spec, model.config, {k: v.detach() for k, v in model.state_dict().items()}, str(folder),
                       folder)
+
+
+def extended_config(source: ModelConfig, cfg: ModelConfig, overrides: dict) -> tuple[ModelConfig, str | None]:
+    """Context extension of an --init-from model: when --set gives RoPE a new `position.rope_scaling`, the
+    length it was trained at (the source's max_seq_len) becomes `original_max_seq_len` and max_seq_len grows to
+    original * factor, unless --set names them. Returns (config, a line saying what changed, or None).
+    UserError for a factor <= 1 (nothing to extend) or a model without RoPE.
+    Example: extended_config(src, src.with_overrides({"position.rope_scaling.kind": "yarn",
+             "position.rope_scaling.factor": 4}), {...})  # max_seq_len 256 -> 1024, original 256"""
+    scaling = cfg.position.rope_scaling
+    if scaling is None or scaling == source.position.rope_scaling:
+        return cfg, None
+    if cfg.position.kind != "rope":
+        raise UserError(f"position.rope_scaling extends RoPE; this model's position.kind is {cfg.position.kind!r}")
+    if scaling.kind != "longrope" and scaling.factor <= 1:
+        raise UserError(f"position.rope_scaling.factor={scaling.factor:g} must be > 1 to extend the context "
+                        f"(the extended length is original_max_seq_len x factor)")
+    changes: dict = {}
+    original = scaling.original_max_seq_len
+    if source.position.rope_scaling is None and "position.rope_scaling.original_max_seq_len" not in overrides:
+        original = changes["position.rope_scaling.original_max_seq_len"] = source.max_seq_len
+    if "max_seq_len" not in overrides:
+        changes["max_seq_len"] = max(cfg.max_seq_len, round(original * scaling.factor))
+    cfg = cfg.with_overrides(changes) if changes else cfg
+    return cfg, (f"extending the context: RoPE scaling {scaling.kind} x{scaling.factor:g} over the original "
+                 f"{original} positions; max_seq_len {source.max_seq_len} -> {cfg.max_seq_len}")

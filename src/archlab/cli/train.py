@@ -274,6 +274,12 @@ def run_eval(args) -> int:
     data_dir = args.data or (cfg.get("data") or {}).get("dir")
     if not data_dir:
         raise DataError(f"{args.run_dir}/config.yaml names no data folder; pass --data")
+    if not args.data and (cfg.get("train") or {}).get("objective") == "dpo":
+        run = Path(args.run_dir)
+        raise UserError(f"{run} is a DPO run: its data {data_dir} holds preference pairs, and archlab eval "
+                        "scores next-token loss on a prepared data folder: pass --data DIR (`archlab data prepare "
+                        f"--corpus TEXT --tokenizer {run / 'tokenizer'} --out DIR`); its held-out pairs' figures "
+                        f"(val_loss, val_rewards/accuracies) are in {run / 'metrics.jsonl'}")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -33,9 +33,10 @@ from archlab.data.corpora import CorpusError, jsonl_records
 from archlab.data.objectives import IGNORE
 from archlab.errors import UserError
 from archlab.progress import progress_bar
-from archlab.tokenizer.chat import ChatTokenizer
+from archlab.tokenizer.chat import ChatTokenizer, NoChatTemplate
 
-__all__ = ["SIDES", "PreferencePair", "PreferenceData", "load_preference_data", "pad_pairs", "PreferenceBatches"]
+__all__ = ["SIDES", "NoTemplateForMessages", "PreferencePair", "PreferenceData", "load_preference_data",
+           "pad_pairs", "PreferenceBatches"]
 
 SIDES = ("chosen", "rejected")
 
@@ -79,6 +80,15 @@ class PreferenceData:
     @property
     def meta(self) -> dict:
         return {"corpus": str(self.path), "tokenizer": str(self.tokenizer_dir.resolve())}
+
+
+class NoTemplateForMessages(ChatDataError):
+    """Message lines and a tokenizer without a chat template: a command replaces the advice with its own
+    (`where`: the file and line)."""
+
+    def __init__(self, where: str, message: str):
+        super().__init__(f"{where}: {message}")
+        self.where = where
 
 
 def file_sha256(path: Path) -> str:
@@ -159,6 +169,10 @@ def load_preference_data(path: str | os.PathLike, tokenizer: str | os.PathLike, 
             if template is None and not convs[0].is_plain:
                 try:
                     template = chat.template(chat_template)
+                except NoChatTemplate:
+                    raise NoTemplateForMessages(where, f"prompt, chosen and rejected are chat messages and the "
+                                                f"tokenizer {tokenizer} has no chat template to render them (pass "
+                                                "chat_template=, or write the sides as plain text)") from None
                 except UserError as exc:
                     raise ChatDataError(f"{where}: {exc}") from None
             sides = [_side(chat, template, conv, side, where, max_tokens, truncation, setting)

@@ -29,6 +29,7 @@ from archlab.errors import read_json_object
 from archlab.tokenizer.chat_render import (
     ChatTemplateError,
     ChatTemplateTimeout,
+    NoChatTemplate,
     Rendered,
     RenderJob,
     RenderLimits,
@@ -37,7 +38,8 @@ from archlab.tokenizer.chat_render import (
     render_many,
 )
 
-__all__ = ["ChatTemplateError", "ChatTemplateTimeout", "RenderLimits", "Rendered", "RenderJob", "ChatTokenizer",
+__all__ = ["ChatTemplateError", "NoChatTemplate", "ChatTemplateTimeout", "RenderLimits", "Rendered", "RenderJob",
+           "ChatTokenizer",
            "render_chat", "render_many", "token_mask",
            "apply_chat_template", "read_chat_templates", "read_special_tokens", "has_generation_blocks",
            "TEMPLATE_FILE", "TEMPLATE_DIR", "SPECIAL_TOKEN_ROLES"]
@@ -154,7 +156,7 @@ class ChatTokenizer:
         if chat_template is not None:
             return chat_template
         if self.templates is None:
-            raise ChatTemplateError("this tokenizer has no chat template (chat_template.jinja or tokenizer_config.json "
+            raise NoChatTemplate("this tokenizer has no chat template (chat_template.jinja or tokenizer_config.json "
                                     "chat_template): add one (archlab.tokenizer.chat_builtin) or pass chat_template=")
         return self.templates
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from archlab.errors import UserError
 
-__all__ = ["ChatTemplateError", "RenderLimits", "Rendered", "RenderJob", "render_chat", "render_many",
+__all__ = ["ChatTemplateError", "NoChatTemplate", "RenderLimits", "Rendered", "RenderJob", "render_chat", "render_many",
            "has_generation_blocks"]
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -34,6 +34,10 @@ _SANDBOX = Path(__file__).with_name("chat_sandbox.py")
 
 class ChatTemplateError(UserError, ValueError):
     """A chat template that is missing, raises, runs too long or writes too much; or messages it cannot take."""
+
+
+class NoChatTemplate(ChatTemplateError):
+    """The tokenizer has no chat template (a command says how its user gives it one)."""
 
 
 class ChatTemplateTimeout(ChatTemplateError):

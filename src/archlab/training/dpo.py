@@ -40,7 +40,13 @@ import torch.nn.functional as F
 
 from archlab.data.batches import SamplerState
 from archlab.data.objectives import IGNORE
-from archlab.data.preference import PreferenceBatches, PreferenceData, load_preference_data, pad_pairs
+from archlab.data.preference import (
+    NoTemplateForMessages,
+    PreferenceBatches,
+    PreferenceData,
+    load_preference_data,
+    pad_pairs,
+)
 from archlab.data.prepare import split_by_line
 from archlab.errors import UserError
 from archlab.eval.evaluate import autocast
@@ -200,9 +206,15 @@ def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: A
                       "dropout), so the first loss is not ln 2; TRL's DPOTrainer turns dropout off",
                       stacklevel=3)
     staged = _tokenizer_only(init_from.tokenizer_dir)
-    data = load_preference_data(data_path, staged.name if staged else init_from.tokenizer_dir, max_tokens=cfg.seq_len,
-                                truncation=cfg.dpo_truncation, progress=progress and info.is_main,
-                                setting="train.dpo_truncation")
+    try:
+        data = load_preference_data(data_path, staged.name if staged else init_from.tokenizer_dir,
+                                    max_tokens=cfg.seq_len, truncation=cfg.dpo_truncation,
+                                    progress=progress and info.is_main, setting="train.dpo_truncation")
+    except NoTemplateForMessages as exc:
+        raise UserError(f"{exc.where}: these lines are chat messages and --init-from {init_from.spec} has no chat "
+                        f"template: fine-tune it first with one (archlab finetune {init_from.spec} --data SFT.jsonl "
+                        "--chat-template chatml --out SFT_RUN), then --init-from SFT_RUN; or write prompt, chosen "
+                        "and rejected as plain text") from None
     if model_cfg.vocab_size < data.vocab_size:
         raise UserError(f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                         f"{data.vocab_size} ({init_from.tokenizer_dir})")

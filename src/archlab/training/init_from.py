@@ -59,9 +59,10 @@ class InitSource:
             raise DataError(f"--init-from {self.spec} holds no tokenizer (tokenizer/ or tokenizer.json), so the "
                             f"tokens of --data {data_dir} cannot be checked against the ones it was trained on")
         if tokenizer_fingerprint(data_tokenizer) != ours:
-            raise DataError(f"--data {data_dir} was prepared with a different tokenizer than --init-from "
-                            f"{self.spec}'s: prepare it with `archlab data prepare --tokenizer "
-                            f"{self.tokenizer_dir}`")
+            raise DataError(f"--data {data_dir} was prepared with a different tokenizer ({data_tokenizer}, "
+                            f"{_size(data_tokenizer)}) than --init-from {self.spec}'s ({self.tokenizer_dir}, "
+                            f"{_size(self.tokenizer_dir)}): the tokenizers differ, so the ids mean other text; "
+                            f"prepare it with `archlab data prepare --tokenizer {self.tokenizer_dir}`")
 
     def record(self) -> dict:
         """What config.yaml keeps of the source."""
@@ -133,3 +134,13 @@ def extended_config(source: ModelConfig, cfg: ModelConfig, overrides: dict) -> t
     cfg = cfg.with_overrides(changes) if changes else cfg
     return cfg, (f"extending the context: RoPE scaling {scaling.kind} x{scaling.factor:g} over the original "
                  f"{original} positions; max_seq_len {source.max_seq_len} -> {cfg.max_seq_len}")
+
+
+def _size(tokenizer_dir: str | os.PathLike) -> str:
+    """"N tokens" of a tokenizer folder, as an error names it ("unreadable" when it cannot load)."""
+    from archlab.tokenizer.loading import load
+
+    try:
+        return f"{load(tokenizer_dir).vocab_size:,} tokens"
+    except Exception:  # noqa: BLE001 - only a description in an error that is already being raised
+        return "unreadable"

@@ -23,9 +23,12 @@ __all__ = ["TokenRun", "open_tokens"]
 class TokenRun:
     """A prepared folder's splits, their batches and the model's own loss (LossOutput of forward(targets=...))."""
 
-    def __init__(self, model_cfg: Any, cfg: Any, data_dir: Path, info: Any):
+    def __init__(self, model_cfg: Any, cfg: Any, data_dir: Path, info: Any, init_from: Any = None):
         self.cfg, self.info = cfg, info
         self.train_data, self.val_data = open_splits(data_dir)      # a token stream, pairs, or SFT examples
+        if init_from is not None and model_cfg.vocab_size < self.train_data.vocab_size:
+            # another tokenizer's data: say so (and which), not that the model's vocabulary is too small
+            init_from.check_tokenizer(data_dir / self.train_data.meta.get("tokenizer", "tokenizer"), data_dir)
         self.can_eval = _check_data(model_cfg, cfg, data_dir, self.train_data, self.val_data, info)
         # the objective and the sampler, built before the run folder is touched: a setting this data cannot train
         # (no sentinels, no sentence index, pairs too long) is an error that leaves nothing behind
@@ -65,8 +68,9 @@ def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
     enough to evaluate (warning when it is not)."""
     if model_cfg.vocab_size < train_data.vocab_size:
         raise ConfigError(f"model vocab_size={model_cfg.vocab_size} is smaller than the data's "
-                          f"vocab_size={train_data.vocab_size} ({data_dir}); set vocab_size "
-                          f"(archlab.training.trainer.fit_vocab does it)")
+                          f"vocab_size={train_data.vocab_size} ({data_dir}, prepared with a tokenizer of "
+                          f"{train_data.vocab_size} tokens): --set vocab_size={train_data.vocab_size} (in Python "
+                          f"archlab.training.trainer.fit_vocab), or prepare the data with the model's tokenizer")
     if model_cfg.position.kind == "learned" and cfg.seq_len > model_cfg.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
     if cfg.batch_size % info.world_size:
@@ -88,7 +92,7 @@ def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
 def open_tokens(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any, *,
                 progress: bool = True) -> TokenRun:
     """The TokenRun of a prepared folder (archlab data prepare, or archlab finetune's OUT/data)."""
-    return TokenRun(model_cfg, cfg, data_dir, info)
+    return TokenRun(model_cfg, cfg, data_dir, info, init_from)
 
 
 METHODS.register("pretrain")(Method("pretrain", "next-token (or the objective's) loss on a token stream", open_tokens))

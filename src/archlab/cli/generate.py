@@ -14,6 +14,9 @@ EXAMPLE = """example:
   archlab generate path/to/hf_t5 --source "translate English to German: Hello." --num-beams 4
   archlab generate runs/demo --prompt "..." --sink-window 252 --max-new-tokens 5000   # StreamingLLM:
       4 sink tokens + 252 recent ones fill a 256-token context; decoding goes on past it
+  archlab generate runs/demo --prompt "Repeat: ..." --draft prompt-lookup --draft-tokens auto --compare-plain
+  archlab generate runs/big --prompt "..." --draft runs/small --draft-tokens 4     # speculative decoding:
+      greedy output equals plain greedy's; the acceptance rate and tokens per target forward go to stderr
 """
 
 
@@ -59,6 +62,18 @@ def register(subparsers) -> None:
                    help="StreamingLLM: keep --sink-tokens first tokens + this many recent ones, "
                    "so generation can run past the context (the two must fit max_seq_len)")
     p.add_argument("--sink-tokens", type=int, default=4, help="with --sink-window: first tokens kept (default 4)")
+    p.add_argument("--draft", default=None, metavar="RUN|prompt-lookup|ngram[:ORDER]",
+                   help="speculative decoding: a draft model folder sharing the tokenizer, prompt lookup (copy what "
+                   "followed the last 1-3 tokens earlier in the text), or archlab's Kneser-Ney n-gram model of the "
+                   "prompt (order 3 unless given); greedy output is plain greedy's, sampling keeps the model's law")
+    p.add_argument("--draft-tokens", default=None, metavar="K|auto",
+                   help="tokens drafted per check (default auto: transformers' heuristic, +2 after a fully "
+                   "accepted round, -1 otherwise)")
+    p.add_argument("--draft-data", default=None, metavar="DIR",
+                   help="with --draft ngram: also count a prepared data folder's train split (archlab data prepare)")
+    p.add_argument("--compare-plain", action="store_true",
+                   help="with --draft: decode once more without it and print the measured speed-up (and, greedy, "
+                   "whether the outputs are identical)")
     p.add_argument("--stream", dest="stream", action="store_true", default=True,
                    help="print tokens as they are decoded (default)")
     p.add_argument("--no-stream", dest="stream", action="store_false")
@@ -117,6 +132,100 @@ def check_args(args) -> None:
         if value is not None and not ok(value):
             raise UserError(f"--{name.replace('_', '-')} {value} must be {what}")
     check_device(args.device)
+    check_draft_args(args)
+
+
+def check_draft_args(args) -> None:
+    """--draft, --draft-tokens, --draft-data, --compare-plain: their values and what they combine with."""
+    from archlab.errors import UserError
+
+    given = [f for f in ("draft_tokens", "draft_data") if getattr(args, f, None) is not None]
+    if getattr(args, "draft", None) is None:
+        if given or getattr(args, "compare_plain", False):
+            raise UserError(f"--{(given or ['compare_plain'])[0].replace('_', '-')} needs --draft")
+        return
+    args.draft_tokens = parse_draft_tokens(args.draft_tokens)
+    if (args.num_beams or 1) > 1:
+        raise UserError(f"--draft (speculative decoding) checks one continuation; it does not combine with beam "
+                        f"search (--num-beams {args.num_beams})")
+    if args.sink_window is not None:
+        raise UserError("--draft does not combine with --sink-window (StreamingLLM)")
+    if args.draft_data is not None and not args.draft.startswith("ngram"):
+        raise UserError("--draft-data is the n-gram draft's training data: use it with --draft ngram[:ORDER]")
+    draft_order(args.draft)
+
+
+def parse_draft_tokens(text: str | int | None) -> int | str:
+    """--draft-tokens: a whole number >= 1, or auto (the default)."""
+    from archlab.errors import UserError
+
+    if text is None or text == "auto":
+        return "auto"
+    try:
+        k = int(text)
+    except ValueError:
+        raise UserError(f"--draft-tokens {text!r} must be a whole number >= 1 or auto") from None
+    if k < 1:
+        raise UserError(f"--draft-tokens {k} must be at least 1 (or auto)")
+    return k
+
+
+def draft_order(draft: str) -> int | None:
+    """The ORDER of --draft ngram[:ORDER] (3 when not given); None for another draft."""
+    from archlab.cli.ngram import MAX_ORDER
+    from archlab.errors import UserError
+
+    name, _, order = draft.partition(":")
+    if name != "ngram":
+        if order and name == "prompt-lookup":
+            raise UserError(f"--draft {draft}: prompt-lookup takes no :ORDER")
+        return None
+    try:
+        n = int(order) if order else 3
+    except ValueError:
+        raise UserError(f"--draft {draft}: ORDER must be a whole number, e.g. ngram:4") from None
+    if not 1 <= n <= MAX_ORDER:
+        raise UserError(f"--draft {draft}: ORDER must be in 1..{MAX_ORDER}")
+    return n
+
+
+def build_draft(args, model, tok):
+    """The draft --draft names: a PromptLookupDraft, an NgramDraft (with --draft-data's train tokens), or a
+    ModelDraft over another folder whose tokenizer is the same (its vocabulary compared id by id)."""
+    import numpy as np
+
+    from archlab.errors import UserError
+    from archlab.generation import NgramDraft, PromptLookupDraft
+
+    if args.draft == "prompt-lookup":
+        return PromptLookupDraft()
+    order = draft_order(args.draft)
+    if order is not None:
+        data = None
+        if args.draft_data is not None:
+            from archlab.data.tokens import TokenDataset
+            data = np.asarray(TokenDataset(args.draft_data, "train").tokens, dtype=np.int64)
+            if data.size and int(data.max()) >= model.config.vocab_size:
+                raise UserError(f"--draft-data {args.draft_data} holds token ids past the model's vocabulary "
+                                f"({model.config.vocab_size}): it was prepared with another tokenizer")
+        return NgramDraft(order=order, data=data)
+    draft, draft_tok = load_model_and_tokenizer(args.draft, args.device, purpose="drafting")
+    if not same_vocabulary(tok, draft_tok):
+        raise UserError(f"--draft {args.draft}: its tokenizer differs from {args.path}'s (a draft must propose the "
+                        "target's token ids)")
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise UserError(f"--draft {args.draft}: its embedding has {draft.config.vocab_size} rows, the target's "
+                        f"{model.config.vocab_size}")
+    return draft
+
+
+def same_vocabulary(a, b) -> bool:
+    """Two tokenizers map every id to the same token (compared id by id)."""
+    if a.vocab_size != b.vocab_size:
+        return False
+    token = (lambda t, i: t.id_to_token(i)) if all(hasattr(t, "id_to_token") for t in (a, b)) else \
+        (lambda t, i: t.decode([i]))
+    return all(token(a, i) == token(b, i) for i in range(a.vocab_size))
 
 
 def check_device(device: str) -> None:
@@ -160,6 +269,10 @@ def run(args) -> int:
     eos = cfg.eos
     from archlab.generation.stepper import vocab_limit
     limit = vocab_limit(model, tok)
+    draft_kw: dict = {}
+    if args.draft is not None:
+        from archlab.generation import SpeculativeStats
+        draft_kw = dict(draft=build_draft(args, model, tok), draft_tokens=args.draft_tokens, stats=SpeculativeStats())
     try:
         if (cfg.num_beams or 1) > 1:
             ids = archlab.generate(model, prompt, generation_config=cfg, vocab_limit=limit)
@@ -171,19 +284,42 @@ def run(args) -> int:
         sys.stdout.write(args.prompt)
         printer = _TextPrinter(tok, prefix=prompt)
         if args.stream:
-            for tokens in stream(model, prompt, **kw):
+            for tokens in stream(model, prompt, **kw, **draft_kw):
                 if int(tokens[0]) in eos:
                     break
                 printer.add(int(tokens[0]))
             printer.finish()
         else:
-            ids = archlab.generate(model, prompt, **kw)
+            ids = archlab.generate(model, prompt, **kw, **draft_kw)
             printer.ids = prompt + _strip(ids[len(prompt):].tolist(), eos)
             printer.finish()
+        if draft_kw:
+            _report_speculation(args, model, prompt, kw, draft_kw["stats"], printer.ids[len(prompt):], eos,
+                                greedy=not (cfg.temperature or 0.0) > 0.0)
     except ValueError as exc:  # a prompt past the context: say it plainly
         print(file=sys.stderr)
         raise UserError(str(exc)) from exc
     return 0
+
+
+def _report_speculation(args, model, prompt, kw, stats, new: list[int], eos, *, greedy: bool) -> None:
+    """The draft's figures on stderr; with --compare-plain, the same generation without the draft, timed."""
+    import time
+
+    import archlab
+
+    print(stats.summary(), file=sys.stderr)
+    if not args.compare_plain:
+        return
+    start = time.perf_counter()
+    ids = archlab.generate(model, prompt, **kw)
+    seconds = time.perf_counter() - start
+    plain = _strip(ids[len(prompt):].tolist(), eos)
+    rate = len(plain) / seconds if seconds else 0.0
+    same = (f"; output identical: {'yes' if plain == new else 'NO'}" if greedy
+            else " (sampled: the outputs differ by design)")
+    print(f"plain decoding: {rate:.1f} tokens/s; speed-up {stats.tokens_per_second / rate if rate else 0.0:.2f}x "
+          f"measured, {stats.theory:.2f}x by the theory (tokens per check, draft cost ignored){same}", file=sys.stderr)
 
 
 def _run_encoder_decoder(args, model, tok) -> int:

@@ -21,9 +21,13 @@ import torch
 
 from archlab.generation.beam import beam_search
 from archlab.generation.config import GenerationConfig
+from archlab.generation.drafts import resolve as resolve_draft
 from archlab.generation.processors import apply as apply_processors
 from archlab.generation.processors import build as build_processors
 from archlab.generation.sampling import SamplingParams, next_token
+from archlab.generation.speculative import Scorer, SpeculativeStats
+from archlab.generation.speculative import prepare as prepare_speculation
+from archlab.generation.speculative import steps as speculative_steps
 from archlab.generation.stepper import Stepper, is_encoder_decoder, prepare_prompts, prepare_source
 
 
@@ -67,7 +71,8 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
            sink_tokens: int | None = None, sink_window: int | None = None,
            fast_decode: bool = True, vocab_limit: int | None = None,
            decoder_start_token_id: int | None = None,
-           generation_config: GenerationConfig | None = None) -> Iterator[torch.Tensor]:
+           generation_config: GenerationConfig | None = None, draft=None, draft_tokens: int | str | None = None,
+           stats: SpeculativeStats | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (b,) long, as each is decoded.
 
     Arguments as for `generate` (which collects this iterator; beams are `generate`'s alone). Bad
@@ -84,9 +89,19 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
     eos, pad = cfg.eos, _pad(cfg)
     ids, mask, _, source = _model_inputs(model, prompt_ids, attention_mask, pad, cfg)
     new = _new_tokens(cfg, ids.shape[1])
+    speculation = None
+    if draft is not None:
+        if source is not None or sink_window is not None:
+            raise ValueError("speculative decoding (draft=) is for decoder-only models without StreamingLLM's "
+                             "sink_window")
+        speculation = resolve_draft(draft, fast=fast_decode, vocab_limit=vocab_limit)
+        schedule = prepare_speculation(speculation, model, ids.shape[1], new, draft_tokens)
+    elif draft_tokens is not None:
+        raise ValueError("draft_tokens is the length of a draft: give draft= too")
     stepper = Stepper(model, ids, mask, new, use_cache=use_cache,
                       sink_tokens=4 if sink_tokens is None and sink_window is not None else sink_tokens,
-                      sink_window=sink_window, fast=fast_decode, vocab_limit=vocab_limit, source=source)
+                      sink_window=sink_window, fast=fast_decode, vocab_limit=vocab_limit, source=source,
+                      rewindable=speculation is not None)
     if generator is None and seed is not None:
         generator = torch.Generator(stepper.ids.device).manual_seed(seed)
     stops = None
@@ -96,9 +111,53 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
                           "to be applied", stacklevel=2)
         else:
             stops = _StopStrings(cfg.stop_strings, tokenizer, ids.shape[0])
+    if speculation is not None:   # the repetition penalty as a processor: it sees the drafts of each position
+        processors = build_processors(cfg, eos=eos, prompt_width=ids.shape[1], max_length=ids.shape[1] + new,
+                                      padding=(~mask).sum(-1))
+        finished = _Finished(ids.shape[0], eos, stops, pad, stepper.ids.device)
+        loop = speculative_steps(stepper, speculation, schedule, new, Scorer(params, processors, generator), ids,
+                                 finished.mark, finished.done, finished.active,
+                                 stats if stats is not None else SpeculativeStats(), tuple(eos))
+        if stats is not None:
+            stats.draft = getattr(speculation, "name", type(speculation).__name__)
+        return _run(stepper, new, loop)
     processors = build_processors(cfg, eos=eos, prompt_width=ids.shape[1], max_length=ids.shape[1] + new,
                                   penalty=False)   # the repetition penalty: in next_token
-    return _decode(stepper, new, params, eos, pad, stops, generator, processors, ids)
+    return _run(stepper, new, _steps(stepper, new, params, eos, pad, stops, generator, processors, ids))
+
+
+class _Finished:
+    """Which rows have stopped (an EOS id, a stop string): their tokens are shown as `pad` from then on."""
+
+    def __init__(self, b: int, eos, stops: _StopStrings | None, pad: int, device):
+        self.stops, self.pad = stops, pad
+        self.eos = torch.tensor(eos, device=device) if eos else None
+        self.rows = torch.zeros(b, dtype=torch.bool, device=device)
+
+    def mark(self, sampled: torch.Tensor) -> torch.Tensor:     # (b,) -> (b,) the tokens shown
+        if self.eos is None and self.stops is None:
+            return sampled
+        tokens = torch.where(self.rows, self.pad, sampled)
+        before = self.rows.clone()
+        if self.eos is not None:
+            self.rows |= torch.isin(tokens, self.eos)
+        if self.stops is not None:
+            self.rows |= torch.tensor(self.stops.update(tokens.tolist(), (~before).tolist()), device=tokens.device)
+        return tokens
+
+    def done(self) -> bool:
+        return (self.eos is not None or self.stops is not None) and bool(self.rows.all())
+
+    def active(self) -> torch.Tensor:
+        return ~self.rows
+
+
+@torch.inference_mode()
+def _run(stepper: Stepper, max_new_tokens: int, loop: Iterator[torch.Tensor]):
+    if max_new_tokens == 0:
+        return
+    with stepper.calls():        # a hook-free model's modules called straight into forward, for the whole loop
+        yield from loop
 
 
 def _settings(generation_config: GenerationConfig | None, **arguments) -> GenerationConfig:
@@ -147,14 +206,6 @@ def _new_tokens(cfg: GenerationConfig, width: int) -> int:
     return new
 
 
-@torch.inference_mode()
-def _decode(stepper: Stepper, max_new_tokens, params, eos, pad, stops, generator, processors, prompt):
-    if max_new_tokens == 0:
-        return
-    with stepper.calls():        # a hook-free model's modules called straight into forward, for the whole loop
-        yield from _steps(stepper, max_new_tokens, params, eos, pad, stops, generator, processors, prompt)
-
-
 def _steps(stepper: Stepper, max_new_tokens, params, eos, pad, stops, generator, processors, prompt):
     b, device = stepper.ids.shape[0], stepper.ids.device
     logits = stepper.prefill()                                             # (b, v)
@@ -164,24 +215,15 @@ def _steps(stepper: Stepper, max_new_tokens, params, eos, pad, stops, generator,
         seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
         row_of = torch.arange(b, device=device)[:, None].expand_as(stepper.ids)
         seen[row_of[stepper.mask], stepper.ids[stepper.mask]] = True
-    finished = torch.zeros(b, dtype=torch.bool, device=device) if (eos or stops) else None
-    eos_t = torch.tensor(eos, device=device) if eos else None
+    finished = _Finished(b, eos, stops, pad, device)
     rows = torch.arange(b, device=device)
     for step in range(max_new_tokens):
         if seqs is not None:
             logits = apply_processors(processors, seqs, logits.float())
         sampled = next_token(logits, params, seen=seen, generator=generator)   # (b,)
-        tokens = sampled  # finished rows show `pad` but feed the model a valid id (ignored later)
-        if finished is not None:
-            tokens = torch.where(finished, pad, sampled)
-            now = finished.clone()
-            if eos_t is not None:
-                finished |= torch.isin(tokens, eos_t)
-            if stops is not None:
-                hits = stops.update(tokens.tolist(), (~now).tolist())
-                finished |= torch.tensor(hits, device=device)
+        tokens = finished.mark(sampled)  # finished rows show `pad` but feed the model a valid id (ignored later)
         yield tokens
-        if step == max_new_tokens - 1 or (finished is not None and bool(finished.all())):
+        if step == max_new_tokens - 1 or finished.done():
             return
         if seen is not None:
             seen[rows, sampled] = True
@@ -222,9 +264,20 @@ def generate(model, prompt_ids, max_new_tokens: int | None = None, *, num_beams:
     fast_decode=True runs the model's modules over packed, transposed copies of their weights
     (a DecodeSession, archlab.nn.fused, tested equal to the plain forward; one extra copy of the weights):
     pass False to save that memory on large models.
+    draft: speculative decoding (archlab.generation.speculative): a model of the same vocabulary,
+    "prompt_lookup", "ngram", or a draft object (archlab.generation.drafts: PromptLookupDraft(max_ngram=3),
+    NgramDraft(order=3, data=token_ids)); draft_tokens: tokens drafted per round (default and "auto":
+    transformers' heuristic schedule). Greedy decoding gives plain greedy's tokens; sampling, draws from the
+    target's distribution (Leviathan's rule). stats: a SpeculativeStats to fill in (acceptance rate, tokens
+    per target forward, the theory's prediction). Example:
+        stats = archlab.generation.SpeculativeStats()
+        archlab.generate(model, ids, 64, draft="prompt_lookup", draft_tokens=8, stats=stats); print(stats.summary())
     """
     cfg = _settings(generation_config, num_beams=num_beams, length_penalty=length_penalty,
                     early_stopping=early_stopping)
+    if (cfg.num_beams or 1) > 1 and kwargs.get("draft") is not None:
+        raise ValueError(f"speculative decoding (draft=) checks one continuation per row; it does not combine with "
+                         f"beam search (num_beams={cfg.num_beams}): use num_beams=1 or no draft")
     if (cfg.num_beams or 1) > 1:
         return _beam(model, prompt_ids, max_new_tokens, cfg, callback, **kwargs)
     given = cfg.merged(eos_token_id=kwargs.get("eos_token_id"), pad_token_id=kwargs.get("pad_token_id"),

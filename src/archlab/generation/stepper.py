@@ -2,7 +2,9 @@
 
 A `Stepper` owns the running state of one batch: the KV cache (or, uncached, the whole sequence so
 far) and the next positions. `prefill()` runs the prompt, `step(tokens)` feeds one token per row;
-both return the next-token logits (b, v). `reorder(index)` selects rows (beam search). Every step
+both return the next-token logits (b, v). `reorder(index)` selects rows (beam search). Speculative decoding
+(rewindable=True) feeds several tokens at once with `extend(tokens)` -> logits at each (b, m, v) and drops
+the rejected ones with `rewind(n)`. Every step
 runs the model's own forward; fast=True (the default) hands each one the Stepper's DecodeSession
 (`model(..., session=...)`): packed weight copies, and `calls()` is the context a decode loop runs its steps
 in: a hook-free model's modules called straight into forward (archlab.nn.fused.direct_calls); fast=False: no
@@ -171,9 +173,11 @@ class Stepper:
     def __init__(self, model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, *,
                  use_cache: bool = True, sink_tokens: int | None = None,
                  sink_window: int | None = None, fast: bool = True, vocab_limit: int | None = None,
-                 source: tuple[torch.Tensor, torch.Tensor | None] | None = None, source_repeats: int = 1):
+                 source: tuple[torch.Tensor, torch.Tensor | None] | None = None, source_repeats: int = 1,
+                 rewindable: bool = False):
         """source: an encoder-decoder's (source ids (b', s), mask (b', s) or None), encoded once at prefill, each
-        row serving `source_repeats` consecutive rows of `ids` (its decoder prompts: b = b' * source_repeats)."""
+        row serving `source_repeats` consecutive rows of `ids` (its decoder prompts: b = b' * source_repeats).
+        rewindable: `rewind` may drop tokens at any point (windowed layers keep every slot, no rolling buffer)."""
         self.model = model
         self.config = config = getattr(model, "config", None)
         device = model_device(model)
@@ -205,7 +209,7 @@ class Stepper:
             self._check_context(max_new_tokens)
             depth = config.stack_depth("cross_decoder") if source is not None else None   # the decoder's
             self.cache = StaticKVCache(config, b, t + max_new_tokens, dtype=model_dtype(model),
-                                       device=device, n_layers=depth)
+                                       device=device, n_layers=depth, rolling=not rewindable)
         else:
             if config is not None:
                 self._check_context(max_new_tokens)
@@ -259,23 +263,25 @@ class Stepper:
                              f"fit the context max_seq_len={self.config.max_seq_len}")
 
     # ---- running the model ---------------------------------------------------------------------
-    def _logits(self, ids, positions, cache) -> torch.Tensor:        # -> (b, v), last position
+    def _logits(self, ids, positions, cache, last: int | None = None) -> torch.Tensor:
+        """-> (b, v) at the last position, or (b, last, v) at the last `last` positions."""
         if self.implied:   # unpadded rows: the model continues the cache itself (a decode step needs no mask)
             positions = None
-        return self._within_vocab(self._model_logits(ids, positions, cache))
+        return self._within_vocab(self._model_logits(ids, positions, cache, last))
 
-    def _within_vocab(self, logits: torch.Tensor) -> torch.Tensor:    # (b, v) -> (b, vocab_limit | v)
-        return logits if self.vocab_limit is None else logits[:, :self.vocab_limit]
+    def _within_vocab(self, logits: torch.Tensor) -> torch.Tensor:    # (..., v) -> (..., vocab_limit | v)
+        return logits if self.vocab_limit is None else logits[..., :self.vocab_limit]
 
-    def _model_logits(self, ids, positions, cache) -> torch.Tensor:
+    def _model_logits(self, ids, positions, cache, last: int | None = None) -> torch.Tensor:
+        where = -1 if last is None else slice(ids.shape[1] - last, None)   # the positions whose logits are wanted
         if self.context is not None:   # an encoder-decoder's decoder (unpadded rows: positions implied)
             hidden = self.model.decode(ids, self.context, return_hidden=True, cache=cache, session=self.session)
-            return self.model.lm_head(hidden[:, -1], self.session)                               # (b, v)
-        if self._hidden_head:  # the head over the last position only (the prompt can be long)
+            return self.model.lm_head(hidden[:, where], self.session)                    # (b, v) | (b, last, v)
+        if self._hidden_head:  # the head over the last position(s) only (the prompt can be long)
             session = self.session
             hidden = self.model(ids, positions, cache, return_hidden=True, session=session)      # (b, t, d)
-            return self.model.lm_head(hidden[:, -1], session)                                    # (b, v)
-        return self.model(ids, positions=positions, cache=cache)[:, -1]
+            return self.model.lm_head(hidden[:, where], session)                 # (b, v) | (b, last, v)
+        return self.model(ids, positions=positions, cache=cache)[:, where]
 
     def prefill(self) -> torch.Tensor:
         if self.source is not None:    # the encoder, once; its rows repeated for the decoder's (beams)
@@ -302,6 +308,29 @@ class Stepper:
         logits = self._logits(tokens, self.next_pos, self.cache)
         self.next_pos = self.next_pos + 1
         return logits
+
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:         # (b, m) -> (b, m, v)
+        """Feed m tokens per row in one forward: the logits after each (speculative decoding's verification)."""
+        m = tokens.shape[1]
+        steps = torch.arange(m, device=tokens.device)[None]                          # (1, m)
+        if self.cache is None:
+            next_pos = self.positions[:, -1:] + 1 + steps
+            self.ids = torch.cat((self.ids, tokens), dim=1)
+            self.positions = torch.cat((self.positions, next_pos), dim=1)
+            return self._logits(self.ids, self.positions, None, last=m)
+        logits = self._logits(tokens, self.next_pos + steps, self.cache, last=m)
+        self.next_pos = self.next_pos + m
+        return logits
+
+    def rewind(self, n: int) -> None:
+        """Forget the last n tokens fed (rejected drafts): the cache is cropped, positions step back."""
+        if n == 0:
+            return
+        if self.cache is None:
+            self.ids, self.positions = self.ids[:, :-n], self.positions[:, :-n]
+            return
+        self.cache.crop(len(self.cache) - n)
+        self.next_pos = self.next_pos - n
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep rows `index` (beam search)."""

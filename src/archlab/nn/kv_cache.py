@@ -16,10 +16,14 @@ A cache with `rotates_keys = True` (StreamingLLM) instead gets un-rotated keys a
 callable, and returns rotated keys plus the queries' positions inside the cache:
     k_all, v_all, k_pos, q_pos = cache.update(layer, k, v, positions, rotate=rotate)
 
+`crop(length)` (KVCache, StaticKVCache) keeps the first `length` tokens written: speculative decoding
+(archlab.generation.speculative) rolls the rejected draft tokens back with it.
+
 Caches here:
   KVCache          grows by concatenation; the simplest reference.
   StaticKVCache    preallocated buffers (no torch.cat per step); global layers keep every token,
-                   local (sliding-window) layers a rolling buffer of `window` slots.
+                   local (sliding-window) layers a rolling buffer of `window` slots (rolling=False: every
+                   slot, so that `crop` can always roll back).
   SinkKVCache      StreamingLLM (Xiao et al. 2023, arXiv 2309.17453): the first `sink_tokens`
                    tokens plus a recent window, positions assigned inside the cache, so decoding
                    continues past max_seq_len.
@@ -55,6 +59,14 @@ class KVCache:
             for layer in store:
                 store[layer] = store[layer].index_select(0, index)
 
+    def crop(self, length: int) -> None:
+        """Keep the first `length` tokens written (drop the newest ones)."""
+        _check_crop(length, len(self))
+        for layer in list(self.keys):
+            self.keys[layer] = self.keys[layer][:, :, :length]
+            self.values[layer] = self.values[layer][:, :, :length]
+            self.positions[layer] = self.positions[layer][:, :length]
+
     def __len__(self) -> int:
         return next(iter(self.positions.values())).shape[1] if self.positions else 0
 
@@ -79,6 +91,11 @@ class _Buffers:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+def _check_crop(length: int, held: int) -> None:
+    if not 0 <= length <= held:
+        raise ValueError(f"cannot crop a KV cache holding {held} tokens to {length}")
 
 
 def _model_dims(config: ModelConfig) -> tuple[int, int]:
@@ -116,9 +133,10 @@ class StaticKVCache(_BufferedCache):
 
     def __init__(self, config: ModelConfig, batch: int, max_len: int, *,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 n_layers: int | None = None):
+                 n_layers: int | None = None, rolling: bool = True):
         """n_layers: the stack's depth where it is not config.n_layers (an encoder-decoder's decoder:
-        config.stack_depth("cross_decoder"))."""
+        config.stack_depth("cross_decoder")). rolling=False: windowed layers keep every slot too (the mask
+        still enforces the window), so `crop` works at any length (speculative decoding)."""
         if max_len < 1:
             raise ValueError(f"max_len={max_len} must be >= 1")
         kv_heads, head_dim = _model_dims(config)
@@ -128,10 +146,10 @@ class StaticKVCache(_BufferedCache):
         self.layers = []
         for layer in range(config.n_layers if n_layers is None else n_layers):
             window = config.attention.kv_span(layer)     # (w-1)·d + 1 for a (dilated) window, else None
-            rolling = window is not None and window < max_len
-            buf = _Buffers(batch, kv_heads, window if rolling else max_len, head_dim, dtype, device,
-                           pos=None if rolling else self.shared_pos)
-            buf.rolling = rolling
+            ring = rolling and window is not None and window < max_len
+            buf = _Buffers(batch, kv_heads, window if ring else max_len, head_dim, dtype, device,
+                           pos=None if ring else self.shared_pos)
+            buf.rolling = ring
             self.layers.append(buf)
 
     def reorder(self, index: torch.Tensor) -> None:
@@ -140,6 +158,22 @@ class StaticKVCache(_BufferedCache):
         for buf in self.layers:
             buf.reorder(index, shared if buf.pos is self.shared_pos else None)
         self.shared_pos, self._shared_view = shared, (0, None)
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` tokens written (speculative decoding drops its rejected drafts): the later
+        slots are marked empty (position -1) and written again by the next update. A rolling buffer that has
+        wrapped has overwritten keys the kept tokens still need: build the cache with rolling=False."""
+        _check_crop(length, len(self))
+        for layer, buf in enumerate(self.layers):
+            if buf.rolling and buf.count > buf.capacity and length < buf.count:
+                raise ValueError(f"layer {layer}'s rolling buffer of {buf.capacity} slots has wrapped ({buf.count} "
+                                 "tokens written): it cannot roll back; build the cache with rolling=False")
+        for buf in self.layers:
+            buf.count = length
+            if buf.pos is not self.shared_pos:
+                buf.pos[:, length:] = -1
+        self.shared_pos[:, length:] = -1
+        self._shared_view = (0, None)      # the next forward writes its positions again
 
     def _positions(self, buf: _Buffers, n: int, t: int, positions: torch.Tensor) -> torch.Tensor:
         """buf.pos[:, :n + t] with `positions` written at n: once per forward where the buffer is shared."""

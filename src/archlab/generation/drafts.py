@@ -1,0 +1,265 @@
+"""Drafts for speculative decoding: what proposes the next few tokens that the target model then checks.
+
+    archlab.generate(model, ids, 64, draft=small_model)          # another archlab model (its own KV cache)
+    archlab.generate(model, ids, 64, draft="prompt_lookup")      # copy what followed the last n-gram
+    archlab.generate(model, ids, 64, draft="ngram")              # a Kneser-Ney model counted on the prompt
+    archlab.generate(model, ids, 64, draft=NgramDraft(order=4, data=train_tokens))
+
+  ModelDraft         a smaller model of the same vocabulary (Leviathan et al. 2023, arXiv 2211.17192;
+                     Chen et al. 2023, arXiv 2302.01318; transformers' assisted generation).
+  PromptLookupDraft  prompt lookup decoding (Saxena 2023; transformers' prompt_lookup_num_tokens): the last
+                     n-gram of the row (n = max_ngram down to 1) is searched in the row so far and the tokens
+                     that followed its first earlier occurrence are proposed, up to an end-of-sequence token.
+  NgramDraft         archlab's interpolated modified Kneser-Ney model (archlab.eval.ngram) counted on each row's
+                     prompt (and optionally on training tokens), proposing its most likely token, or sampling
+                     from its distribution when decoding samples.
+
+A draft follows one protocol, driven by archlab.generation.speculative:
+    start(ids, mask, setup)           the prompt, (b, t) left-padded as the target's Stepper holds it, and the
+                                      generation's Setup (vocabulary width, new tokens, sampling or not, EOS)
+    propose(seqs, k, choose)          -> Proposal: up to k tokens per row (b, k') and, where the draft has a
+                                      distribution, the probabilities each was chosen from (b, k', v)
+    commit(length)                    the first `length` tokens of seqs + proposal stand (the rest was rejected)
+`choose(logits (b, v), seqs (b, t)) -> (tokens (b,), probs (b, v) | None)` is the target's own selection rule
+(logits processors, temperature, top-k, top-p; greedy: argmax and None), so a draft that has logits proposes
+with exactly the processing the target is verified with. Shapes: b rows, t tokens so far, v vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from archlab.generation.stepper import Stepper
+
+Choose = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    vocab: int                              # the width of the target's logits
+    max_new_tokens: int
+    sampling: bool                          # False: greedy, a draft only needs its most likely token
+    eos: tuple[int, ...] = ()
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor                    # (b, k') long, k' <= k
+    probs: torch.Tensor | None = None       # (b, k', v): the distribution each token was drawn from; None: one-hot
+
+
+class Draft(Protocol):
+    name: str
+
+    def start(self, ids: torch.Tensor, mask: torch.Tensor, setup: Setup) -> None: ...
+
+    def propose(self, seqs: torch.Tensor, k: int, choose: Choose) -> Proposal: ...
+
+    def commit(self, length: int) -> None: ...
+
+
+def _rows(seqs: torch.Tensor, pad: torch.Tensor) -> list[list[int]]:
+    """Each row's real tokens (its left padding, `pad` slots, dropped)."""
+    return [row[p:] for row, p in zip(seqs.tolist(), pad.tolist())]
+
+
+def _stack(rows: list[list[int]], k: int, device) -> torch.Tensor:
+    """Proposals of different lengths -> (b, k') with k' the longest (<= k); a short row is filled with its last
+    proposed token (any id will do: the target checks every one, and rows advance by the batch's shortest
+    accepted run)."""
+    width = min(k, max((len(r) for r in rows), default=0))
+    out = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        r = r[:width]
+        if r:
+            out[i, :len(r)] = torch.tensor(r)
+            out[i, len(r):] = r[-1]
+    return out.to(device)
+
+
+def _proposal(tokens: list[torch.Tensor], probs: list[torch.Tensor | None], device) -> Proposal:
+    """k chosen (b,) tokens and their (b, v) distributions (None: greedy) -> a Proposal (b, k), (b, k, v)."""
+    out = torch.stack(tokens, 1).to(device)
+    dists = [p for p in probs if p is not None]
+    return Proposal(out, torch.stack(dists, 1) if dists and len(dists) == len(probs) else None)
+
+
+class ModelDraft:
+    """Another model (same vocabulary) drafts k tokens one step at a time over its own KV cache, which is cropped
+    to the accepted tokens after each check; the tokens it has not seen yet (the target's correction, or the
+    last draft when all were accepted) are fed at the start of the next proposal."""
+
+    name = "model"
+
+    def __init__(self, model, *, fast: bool = True, vocab_limit: int | None = None):
+        self.model, self.fast, self.vocab_limit = model, fast, vocab_limit
+        self.stepper: Stepper | None = None
+        self.fed = 0            # tokens of the sequence (left padding included) the draft's cache holds
+
+    def check(self, target, prompt_width: int, max_new_tokens: int) -> None:
+        """A draft of another vocabulary, or one whose context cannot hold the generation: ValueError."""
+        mine = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        theirs = target.config.vocab_size
+        if mine != theirs:
+            raise ValueError(f"the draft model's vocabulary ({mine} ids) differs from the target's ({theirs}): "
+                             "a draft must share the target's tokenizer")
+        if getattr(self.model.config, "arch", "decoder") != "decoder":
+            raise ValueError("a draft model must be a decoder-only LM")
+        ctx = self.model.config.max_seq_len
+        if prompt_width + max_new_tokens > ctx:
+            raise ValueError(f"the draft model's context max_seq_len={ctx} is shorter than the prompt "
+                             f"({prompt_width} tokens) + max_new_tokens={max_new_tokens}")
+
+    def start(self, ids: torch.Tensor, mask: torch.Tensor, setup: Setup) -> None:
+        self.stepper = Stepper(self.model, ids, mask, setup.max_new_tokens, fast=self.fast,
+                               vocab_limit=self.vocab_limit, rewindable=True)
+        with self.stepper.calls():
+            self.stepper.prefill()
+        self.fed = ids.shape[1]
+
+    def propose(self, seqs: torch.Tensor, k: int, choose: Choose) -> Proposal:
+        stepper = self.stepper
+        assert stepper is not None
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor | None] = []
+        with stepper.calls():
+            logits = stepper.extend(seqs[:, self.fed:].to(stepper.ids.device))[:, -1]      # (b, v)
+            self.fed = seqs.shape[1]
+            for i in range(k):
+                tok, p = choose(logits, torch.cat([seqs, *[t[:, None] for t in tokens]], 1) if tokens else seqs)
+                tokens.append(tok)
+                probs.append(p)
+                if i < k - 1:
+                    logits = stepper.step(tok)
+                    self.fed += 1
+        return _proposal(tokens, probs, seqs.device)
+
+    def commit(self, length: int) -> None:
+        assert self.stepper is not None
+        if length < self.fed:
+            self.stepper.rewind(self.fed - length)
+            self.fed = length
+
+
+@dataclass
+class PromptLookupDraft:
+    """Prompt lookup decoding: match the row's last n-gram (n = max_ngram .. 1) earlier in the row and propose
+    what followed its first occurrence (transformers' PromptLookupCandidateGenerator, cut at an EOS token)."""
+
+    max_ngram: int = 3
+    name: str = "prompt-lookup"
+    _eos: tuple[int, ...] = ()
+    _pad: torch.Tensor | None = field(default=None, repr=False)
+
+    def start(self, ids: torch.Tensor, mask: torch.Tensor, setup: Setup) -> None:
+        if self.max_ngram < 1:
+            raise ValueError(f"prompt lookup's max_ngram={self.max_ngram} must be at least 1")
+        self._pad = (~mask).sum(-1).cpu()
+        self._eos = setup.eos
+
+    def propose(self, seqs: torch.Tensor, k: int, choose: Choose) -> Proposal:
+        assert self._pad is not None
+        rows = [lookup(row, k, self.max_ngram, self._eos) for row in _rows(seqs, self._pad)]
+        return Proposal(_stack(rows, k, seqs.device))
+
+    def commit(self, length: int) -> None:
+        pass
+
+
+def lookup(row: list[int], k: int, max_ngram: int = 3, eos: tuple[int, ...] = ()) -> list[int]:
+    """Up to k tokens that followed the first earlier occurrence of `row`'s last n-gram, the longest n that has
+    one (n <= max_ngram), stopped before an EOS token; [] when no n-gram recurs.
+    Example: lookup([5, 6, 7, 8, 5, 6], 2) -> [7, 8]"""
+    t = len(row)
+    arr = np.asarray(row)
+    for n in range(min(max_ngram, t - 1), 0, -1):
+        tail = arr[t - n:]
+        windows = np.lib.stride_tricks.sliding_window_view(arr, n)                          # (t-n+1, n)
+        for start in np.flatnonzero((windows == tail).all(-1)):
+            begin, end = int(start) + n, min(int(start) + n + k, t)
+            if begin < end:
+                out = row[begin:end]
+                for i, tok in enumerate(out):
+                    if tok in eos:
+                        return out[:i]
+                return out
+    return []
+
+
+@dataclass
+class NgramDraft:
+    """archlab's modified Kneser-Ney n-gram model (archlab.eval.ngram.NgramCounts) of order `order`, counted per row
+    on `data` (training token ids, optional) followed by the row's prompt. Greedy decoding proposes its most likely
+    token (found among the counted tokens: one never counted only has back-off mass, below any counted one's);
+    sampling draws from its whole distribution after the target's processing."""
+
+    order: int = 3
+    data: np.ndarray | None = None
+    name: str = "ngram"
+    _models: list = field(default_factory=list, repr=False)
+    _pad: torch.Tensor | None = field(default=None, repr=False)
+    _vocab: int = 0
+    _sampling: bool = False
+
+    def start(self, ids: torch.Tensor, mask: torch.Tensor, setup: Setup) -> None:
+        from archlab.eval.ngram import NgramCounts
+
+        if self.order < 1:
+            raise ValueError(f"the n-gram draft's order {self.order} must be at least 1")
+        self._vocab, self._sampling = setup.vocab, setup.sampling
+        self._pad = (~mask).sum(-1).cpu()
+        head = np.zeros(0, np.int64) if self.data is None else np.asarray(self.data, dtype=np.int64)
+        self._models = []
+        for row in _rows(ids, self._pad):
+            stream = np.concatenate((head, np.asarray(row, np.int64)))
+            model = NgramCounts(stream, self._vocab, self.order).model(self.order)
+            self._models.append((model, np.unique(stream)))
+
+    def propose(self, seqs: torch.Tensor, k: int, choose: Choose) -> Proposal:
+        assert self._pad is not None
+        rows = _rows(seqs, self._pad)
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor | None] = []
+        for _ in range(k):
+            logits = torch.full((len(rows), self._vocab), float("-inf"))
+            for i, (row, (model, seen)) in enumerate(zip(rows, self._models)):
+                history = row + [int(t[i]) for t in tokens]
+                words = None if self._sampling else seen
+                p = model.distribution(history, words)
+                if words is None:
+                    logits[i] = torch.from_numpy(np.log(p))
+                else:
+                    logits[i, torch.from_numpy(words)] = torch.from_numpy(np.log(p)).float()
+            so_far = torch.cat([seqs, *[t[:, None].to(seqs.device) for t in tokens]], 1) if tokens else seqs
+            tok, prob = choose(logits.to(seqs.device), so_far)
+            tokens.append(tok.cpu())
+            probs.append(prob)
+        return _proposal(tokens, probs, seqs.device)
+
+    def commit(self, length: int) -> None:
+        pass
+
+
+# draft names (Python and the CLI) -> a factory; a model or a Draft object is passed as itself
+DRAFTS: dict[str, Callable[[], Draft]] = {
+    "prompt_lookup": PromptLookupDraft,
+    "prompt-lookup": PromptLookupDraft,
+    "ngram": NgramDraft,
+}
+
+
+def resolve(draft, *, fast: bool, vocab_limit: int | None) -> Draft:
+    """A model, a draft name (DRAFTS) or a Draft object -> a Draft.
+    Example: resolve("ngram", fast=True, vocab_limit=None)"""
+    if isinstance(draft, str):
+        if draft not in DRAFTS:
+            raise ValueError(f"draft={draft!r}: give a model or one of {sorted(set(DRAFTS))}")
+        return DRAFTS[draft]()
+    if isinstance(draft, torch.nn.Module):
+        return ModelDraft(draft, fast=fast, vocab_limit=vocab_limit)
+    if all(hasattr(draft, a) for a in ("start", "propose", "commit")):
+        return draft
+    raise TypeError(f"draft must be a model, a Draft, or one of {sorted(set(DRAFTS))}; got {type(draft).__name__}")

@@ -1,0 +1,66 @@
+"""`archlab generate --draft`: the text of plain greedy decoding with every draft, the figures on stderr, and one
+line with exit status 2 for each bad combination (before anything is decoded)."""
+import pytest
+from variants import BASE
+
+import archlab
+from archlab.cli import main
+from archlab.runs.checkpoint import save_checkpoint
+from archlab.runs.model_folder import write_run_config
+from archlab.tokenizer import Tokenizer
+
+PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
+
+
+def _run(root, cfg, tok):
+    model = archlab.TransformerLM(cfg).eval()
+    write_run_config(root, cfg.to_dict(), {}, {})
+    save_checkpoint(root / "checkpoints", 5, model.state_dict(), {})
+    tok.save(root / "tokenizer")
+    return model
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cfg = BASE.with_overrides({"vocab_size": 257, "init.std": 0.2, "max_seq_len": 96})
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    target = tmp_path_factory.mktemp("target")
+    _run(target, cfg, tok)
+    draft = tmp_path_factory.mktemp("draft")
+    _run(draft, cfg.with_overrides({"seed": 3, "n_layers": 1}), tok)
+    other = tmp_path_factory.mktemp("other")      # another tokenizer (its byte order reversed): refused
+    _run(other, cfg, Tokenizer({i: bytes([255 - i]) for i in range(256)}, [], ["<|endoftext|>"]))
+    return target, draft, other
+
+
+@pytest.mark.parametrize("draft", ["prompt-lookup", "ngram", "ngram:2", "RUN"])
+def test_draft_prints_plain_greedy_text_and_its_figures(runs, capsys, draft):
+    target, draft_run, _ = runs
+    base = ["generate", str(target), "--prompt", PROMPT, "--max-new-tokens", "20"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    name = str(draft_run) if draft == "RUN" else draft
+    assert main(base + ["--draft", name, "--draft-tokens", "3", "--compare-plain"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain
+    assert "acceptance rate" in out.err and "tokens per target forward" in out.err and "theory" in out.err
+    assert "output identical: yes" in out.err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--draft", "prompt-lookup", "--draft-tokens", "0"], "--draft-tokens 0 must be at least 1"),
+    (["--draft", "prompt-lookup", "--draft-tokens", "-3"], "--draft-tokens -3 must be at least 1"),
+    (["--draft", "prompt-lookup", "--draft-tokens", "many"], "must be a whole number"),
+    (["--draft", "prompt-lookup", "--num-beams", "2"], "beam search"),
+    (["--draft", "ngram:0"], "ORDER must be in"),
+    (["--draft-tokens", "3"], "needs --draft"),
+    (["--draft", "prompt-lookup", "--draft-tokens", "96"], "longer than the model's context"),
+    (["--draft", "OTHER"], "tokenizer differs"),
+    (["--draft", "prompt-lookup", "--sink-window", "16"], "StreamingLLM"),
+])
+def test_bad_draft_arguments_are_one_line_exit_2(runs, capsys, extra, message):
+    target, _, other = runs
+    extra = [str(other) if a == "OTHER" else a for a in extra]
+    assert main(["generate", str(target), "--prompt", "ab", "--max-new-tokens", "4", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and "Traceback" not in "\n".join(err)

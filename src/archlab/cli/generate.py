@@ -28,6 +28,9 @@ def add_sampling_flags(p) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep this much probability mass")
     p.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the top probability")
     p.add_argument("--repetition-penalty", type=float, default=None, help="> 1 discourages repeats (CTRL)")
+    p.add_argument("--sampling-order", default=None, metavar="ORDER",
+                   help="the order of the filters: transformers (default: temperature, top_k, top_p, min_p), notes "
+                   "(top_k, top_p, temperature, min_p), or steps comma-separated, e.g. top_k,top_p,temperature")
 
 
 def register(subparsers) -> None:
@@ -131,6 +134,12 @@ def check_args(args) -> None:
         value = getattr(args, name)
         if value is not None and not ok(value):
             raise UserError(f"--{name.replace('_', '-')} {value} must be {what}")
+    if args.sampling_order is not None:
+        from archlab.generation.sampling import sampling_order
+        try:
+            sampling_order(args.sampling_order)
+        except ValueError as exc:
+            raise UserError(f"--sampling-order: {exc}") from None
     check_device(args.device)
     check_draft_args(args)
 
@@ -390,14 +399,15 @@ def _settings(folder, args, eot_id):
                         top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                         no_repeat_ngram_size=args.no_repeat_ngram_size, num_beams=args.num_beams,
                         length_penalty=args.length_penalty, early_stopping=early,
-                        stop_strings=tuple(args.stop) if args.stop else None)
+                        stop_strings=tuple(args.stop) if args.stop else None, sampling_order=args.sampling_order)
     if cfg.max_new_tokens is None and cfg.max_length is None:
         cfg = cfg.merged(max_new_tokens=100)
     if (cfg.num_beams or 1) > 1:        # beams are deterministic: the sampling settings do not apply
         if args.temperature or args.top_k or args.top_p or args.min_p or args.stop:
             warnings.warn("--num-beams > 1 is deterministic beam search: --temperature, --top-k, --top-p, --min-p "
                           "and --stop do not apply", stacklevel=2)
-        cfg = dataclasses.replace(cfg, temperature=None, top_k=None, top_p=None, min_p=None, stop_strings=None)
+        cfg = dataclasses.replace(cfg, temperature=None, top_k=None, top_p=None, min_p=None, stop_strings=None,
+                                  sampling_order=None)
     elif args.temperature is None and (folder.temperature or 0.0) > 0.0:
         warnings.warn(f"sampling as the folder's generation_config.json asks (temperature {folder.temperature}"
                       + "".join(f", {k} {getattr(folder, k)}" for k in ("top_k", "top_p", "min_p")

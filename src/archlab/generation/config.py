@@ -11,7 +11,8 @@ The fields are transformers' and mean what they mean there:
                   repetition_penalty (archlab.generation.processors)
   sampling        do_sample: true samples with the file's temperature, top_k, top_p and min_p, and
                   transformers' defaults where it names none (temperature 1, top_k 50); without
-                  do_sample they are ignored, as transformers ignores them
+                  do_sample they are ignored, as transformers ignores them; sampling_order (archlab's own,
+                  e.g. "notes" or ["top_k", "top_p", "temperature"]) reorders those filters
 A field that would change what transformers generates but that archlab does not implement (say
 suppress_tokens or typical_p) is named in a warning; fields that change nothing (output flags,
 cache settings, transformers_version) and switched-off values pass silently.
@@ -74,6 +75,7 @@ class GenerationConfig:
     forced_eos_token_id: tuple[int, ...] | None = None
     stop_strings: tuple[str, ...] | None = None
     decoder_start_token_id: int | None = None    # encoder-decoders: the decoder's first token
+    sampling_order: tuple[str, ...] | None = None   # archlab's: the filter order (generation.sampling.sampling_order)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -185,6 +187,9 @@ def _convert(key: str, value):
         if value in (True, False) or value == "never":
             return value
         raise ValueError('must be true, false or "never"')
+    if key == "sampling_order":
+        from archlab.generation.sampling import sampling_order
+        return sampling_order(value)
     if key == "stop_strings":
         items = [value] if isinstance(value, str) else value
         if isinstance(items, (list, tuple)) and items and all(isinstance(s, str) and s for s in items):

@@ -70,7 +70,7 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
            generator: torch.Generator | None = None, use_cache: bool = True,
            sink_tokens: int | None = None, sink_window: int | None = None,
            fast_decode: bool = True, vocab_limit: int | None = None,
-           decoder_start_token_id: int | None = None,
+           decoder_start_token_id: int | None = None, sampling_order: str | Sequence[str] | None = None,
            generation_config: GenerationConfig | None = None, draft=None, draft_tokens: int | str | None = None,
            stats: SpeculativeStats | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (b,) long, as each is decoded.
@@ -83,9 +83,11 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
                     pad_token_id=pad_token_id, no_repeat_ngram_size=no_repeat_ngram_size,
                     bad_words_ids=bad_words_ids, min_length=min_length, min_new_tokens=min_new_tokens,
                     forced_bos_token_id=forced_bos_token_id, forced_eos_token_id=forced_eos_token_id,
-                    stop_strings=stop_strings, decoder_start_token_id=decoder_start_token_id)
+                    stop_strings=stop_strings, decoder_start_token_id=decoder_start_token_id,
+                    sampling_order=sampling_order)
     params = SamplingParams(temperature=cfg.temperature or 0.0, top_k=cfg.top_k, top_p=cfg.top_p,
-                            min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)
+                            min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
+                            **({"order": cfg.sampling_order} if cfg.sampling_order else {}))
     eos, pad = cfg.eos, _pad(cfg)
     ids, mask, _, source = _model_inputs(model, prompt_ids, attention_mask, pad, cfg)
     new = _new_tokens(cfg, ids.shape[1])
@@ -248,7 +250,8 @@ def generate(model, prompt_ids, max_new_tokens: int | None = None, *, num_beams:
     or (t + n,) for a single 1-D prompt. Rows that stopped early are filled with pad_token_id
     (default: the first EOS id, else 0).
     temperature=0 (the default) is greedy; top_k / top_p / min_p / repetition_penalty filter the
-    distribution (order in archlab.generation.sampling); seed makes sampling reproducible.
+    distribution (in transformers' order, or sampling_order="notes" / "top_k,top_p,temperature": see
+    archlab.generation.sampling); seed makes sampling reproducible.
     eos_token_id: an id or a list of ids that end a row; stop_strings (with tokenizer=) too.
     no_repeat_ngram_size, bad_words_ids, min_length, min_new_tokens, forced_bos_token_id,
     forced_eos_token_id: transformers' logits processors of those names (archlab.generation.processors).
@@ -294,7 +297,7 @@ def generate(model, prompt_ids, max_new_tokens: int | None = None, *, num_beams:
     return out[0] if single else out
 
 
-_NOT_IN_BEAMS = ("top_k", "top_p", "min_p", "stop_strings", "sink_window", "generator", "seed")
+_NOT_IN_BEAMS = ("top_k", "top_p", "min_p", "sampling_order", "stop_strings", "sink_window", "generator", "seed")
 _BEAM_SETTINGS = ("repetition_penalty", "eos_token_id", "pad_token_id", "no_repeat_ngram_size", "bad_words_ids",
                   "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id",
                   "decoder_start_token_id")

@@ -1,8 +1,12 @@
 """Next-token selection from logits: greedy and filtered sampling.
 
-The filters run in this order (the order transformers applies its processors and warpers):
+By default the filters run in this order (the order transformers applies its processors and warpers):
 
     repetition penalty -> temperature -> top-k -> top-p -> min-p -> sample
+
+`SamplingParams.order` (generation config `sampling_order`, CLI --sampling-order) reorders the four steps
+after the penalty: "notes" is the architecture notes' top-k -> top-p -> temperature (-> min-p), where top-p
+measures its mass before the temperature flattens or sharpens the distribution, so a different set survives.
 
   repetition penalty  CTRL (Keskar et al. 2019, arXiv 1909.05858): every token already in the row
                       (prompt included) has its logit divided by the penalty if positive, multiplied
@@ -18,9 +22,33 @@ Shapes: b batch (rows), v vocab.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from archlab.nn.registry import Registry
+
+# step name -> fn(logits (b, v) float, params) -> logits with removed tokens at -inf
+SAMPLING_STEPS: Registry[Callable[[torch.Tensor, SamplingParams], torch.Tensor]] = Registry("sampling step")
+SAMPLING_ORDERS = {"transformers": ("temperature", "top_k", "top_p", "min_p"),    # the default
+                   "notes": ("top_k", "top_p", "temperature", "min_p")}
+
+
+def sampling_order(order) -> tuple[str, ...]:
+    """The full step order from a name in SAMPLING_ORDERS, a comma-separated string or a sequence of step names:
+    the named steps first, then the unnamed ones in transformers' order. ValueError for an unknown step.
+    Example: sampling_order("top_k,top_p,temperature") -> ("top_k", "top_p", "temperature", "min_p")"""
+    if isinstance(order, str):
+        order = SAMPLING_ORDERS.get(order) or tuple(s.strip() for s in order.split(",") if s.strip())
+    steps = tuple(order)
+    known = SAMPLING_ORDERS["transformers"]
+    unknown = [s for s in steps if s not in known]
+    if unknown or len(set(steps)) != len(steps) or not steps:
+        what = f"unknown step {unknown[0]!r}" if unknown else "each step at most once" if steps else "no step"
+        raise ValueError(f"sampling order {','.join(steps) or repr(order)}: {what} (steps: {', '.join(known)}; "
+                         f"or one of {', '.join(SAMPLING_ORDERS)})")
+    return steps + tuple(s for s in known if s not in steps)
 
 
 @dataclass(frozen=True)
@@ -30,8 +58,10 @@ class SamplingParams:
     top_p: float | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    order: tuple[str, ...] = SAMPLING_ORDERS["transformers"]   # see sampling_order
 
     def __post_init__(self):
+        object.__setattr__(self, "order", sampling_order(self.order))
         if not self.temperature >= 0 or math.isinf(self.temperature):   # NaN fails `>= 0`
             raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 means greedy)")
         if self.top_k is not None and self.top_k < 1:
@@ -55,24 +85,45 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p, min-p: removed tokens get -inf. (b, v) -> (b, v) float."""
-    logits = logits.float() / params.temperature
-    neg_inf = float("-inf")
-    if params.top_k is not None and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]                  # (b, 1)
-        logits = logits.masked_fill(logits < kth, neg_inf)
-    if params.top_p is not None and params.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        mass_before = probs.cumsum(-1) - probs                                    # (b, v)
-        drop_sorted = mass_before >= params.top_p     # the set already reached p without it
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, neg_inf)
-    if params.min_p is not None and params.min_p > 0.0:
-        probs = logits.softmax(-1)
-        threshold = params.min_p * probs.amax(-1, keepdim=True)
-        logits = logits.masked_fill(probs < threshold, neg_inf)
+    """Temperature, top-k, top-p, min-p in `params.order`: removed tokens get -inf. (b, v) -> (b, v) float."""
+    logits = logits.float()
+    for step in params.order:
+        logits = SAMPLING_STEPS.get(step)(logits, params)
     return logits
+
+
+@SAMPLING_STEPS.register("temperature")
+def _temperature(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    return logits / params.temperature
+
+
+@SAMPLING_STEPS.register("top_k")
+def _top_k(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    if params.top_k is None or params.top_k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(params.top_k, dim=-1).values[..., -1:]                      # (b, 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+@SAMPLING_STEPS.register("top_p")
+def _top_p(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    if params.top_p is None or params.top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs                                        # (b, v)
+    drop_sorted = mass_before >= params.top_p     # the set already reached p without it
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+@SAMPLING_STEPS.register("min_p")
+def _min_p(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    if params.min_p is None or params.min_p <= 0.0:
+        return logits
+    probs = logits.softmax(-1)
+    threshold = params.min_p * probs.amax(-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, *, seen: torch.Tensor | None = None,

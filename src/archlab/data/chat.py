@@ -219,9 +219,22 @@ LOSS_MASKS: dict[str, Callable[[_Spans], list]] = {
 
 
 # ---- truncation ----------------------------------------------------------------------------------------------
+class TooLong(UserError):
+    """An example past the token limit under the policy "refuse" (the loader names the setting to change)."""
+
+
 def _refuse(ids: list[int], mask: list[int], limit: int) -> tuple[list[int], list[int]] | None:
-    raise UserError(f"{len(ids)} tokens, more than the limit of {limit} (choose a truncation policy: "
-                    f"{', '.join(TRUNCATIONS)})")
+    raise TooLong(f"{len(ids)} tokens, more than the limit of {limit}")
+
+
+def truncation_advice(setting: str) -> str:
+    """How an error names the truncation setting: "choose a policy with train.truncation (refuse, ...)"."""
+    return f"choose a policy with {setting} ({', '.join(TRUNCATIONS)})"
+
+
+def check_truncation(truncation: str, setting: str) -> None:
+    if truncation not in TRUNCATIONS:
+        raise UserError(f"{setting}={truncation!r} is no truncation policy: choose one of {', '.join(TRUNCATIONS)}")
 
 
 TRUNCATIONS: dict[str, Callable[[list[int], list[int], int], tuple[list[int], list[int]] | None]] = {
@@ -329,15 +342,16 @@ def _example(chat, template, conv, rendered, mask, max_tokens, truncation, data:
 
 def load_chat_data(path: str | os.PathLike, tokenizer: Any, *, mask: str = "assistant", max_tokens: int | None = None,
                    truncation: str = "refuse", chat_template: str | None = None,
-                   limits: RenderLimits | None = None, progress: bool = True) -> ChatData:
+                   limits: RenderLimits | None = None, progress: bool = True,
+                   setting: str = "truncation") -> ChatData:
     """Every line of `path` as a ChatExample. `tokenizer`: a tokenizer folder (its chat template and special
     tokens come along), a ChatTokenizer, or a tokenizer object with `chat_template` (a source, or a name among
-    the folder's templates). `max_tokens`: the longest input_ids (train.seq_len). Errors name the file and line.
+    the folder's templates). `max_tokens`: the longest input_ids (train.seq_len). Errors name the file and line,
+    and `setting` (how the caller's user sets `truncation`, e.g. train.truncation) where an example is too long.
     Example: data = load_chat_data("sft.jsonl", "runs/x/tokenizer", max_tokens=512, truncation="keep_start")"""
     if mask not in LOSS_MASKS:
         raise UserError(f"unknown loss mask {mask!r}: choose one of {', '.join(LOSS_MASKS)}")
-    if truncation not in TRUNCATIONS:
-        raise UserError(f"unknown truncation policy {truncation!r}: choose one of {', '.join(TRUNCATIONS)}")
+    check_truncation(truncation, setting)
     chat = ChatTokenizer.of(tokenizer)
     template: str | None = None
     data = ChatData()
@@ -356,6 +370,8 @@ def load_chat_data(path: str | os.PathLike, tokenizer: Any, *, mask: str = "assi
             for conv, renders in zip(chunk, rendered):
                 try:
                     example = _example(chat, template, conv, renders, mask, max_tokens, truncation, data)
+                except TooLong as exc:
+                    raise ChatDataError(f"{path}:{conv.line}: {exc}: {truncation_advice(setting)}") from None
                 except UserError as exc:
                     raise ChatDataError(f"{path}:{conv.line}: {exc}") from None
                 if example is not None:

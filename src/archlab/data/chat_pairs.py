@@ -20,7 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from archlab.data.chat import TRUNCATIONS, ChatDataError, Conversation, read_conversations
+from archlab.data.chat import (
+    TRUNCATIONS,
+    ChatDataError,
+    Conversation,
+    TooLong,
+    check_truncation,
+    read_conversations,
+    truncation_advice,
+)
 from archlab.data.pairs import FORMAT_VERSION, PAIRS_FORMAT, _PairWriter
 from archlab.data.prepare import _token_dtype, write_json
 from archlab.data.tokens import META_FILE
@@ -60,23 +68,24 @@ def _cut(ids: list[int], limit: int, policy: str, side: str) -> list[int] | None
         return ids
     try:
         cut = TRUNCATIONS[policy](ids, [1] * len(ids), limit)
-    except UserError as exc:
-        raise UserError(f"the {side}: {exc}") from None
+    except TooLong as exc:
+        raise TooLong(f"the {side}: {exc}") from None
     return None if cut is None else cut[0]
 
 
-def read_chat_pairs(path: str | os.PathLike, tokenizer: Any, *, max_len: int, truncation: str = "refuse"
-                    ) -> Iterator[ChatPair]:
+def read_chat_pairs(path: str | os.PathLike, tokenizer: Any, *, max_len: int, truncation: str = "refuse",
+                    setting: str = "truncation") -> Iterator[ChatPair]:
     """The pairs of a chat .jsonl, each side at most `max_len` tokens with its end-of-text id (a longer one is
-    cut or skipped by `truncation`, or refused naming its line)."""
-    if truncation not in TRUNCATIONS:
-        raise UserError(f"unknown truncation policy {truncation!r}: choose one of {', '.join(TRUNCATIONS)}")
+    cut or skipped by `truncation`, or refused naming its line and `setting`, how the user sets the policy)."""
+    check_truncation(truncation, setting)
     chat = ChatTokenizer.of(tokenizer)
     for conv in read_conversations(path):
         try:
             source, target = _texts(chat, conv)
             src = _cut(chat.tokenizer.encode(source), max_len - 1, truncation, "source")
             tgt = _cut(chat.tokenizer.encode(target), max_len - 1, truncation, "target")
+        except TooLong as exc:
+            raise ChatDataError(f"{path}:{conv.line}: {exc}: {truncation_advice(setting)}") from None
         except UserError as exc:
             raise ChatDataError(f"{path}:{conv.line}: {exc}") from None
         if src is not None and tgt is not None:

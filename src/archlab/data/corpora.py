@@ -276,11 +276,20 @@ def read_text(path: Path) -> str:
     return path.read_bytes().decode("utf-8-sig", errors="replace")
 
 
-def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
+def jsonl_records(path: Path, *, strict: bool = True) -> Iterator[tuple[int, Any]]:
     """(line number, parsed JSON value) for each non-blank line of a .jsonl file, in order; a line that is
-    not JSON is a CorpusError naming the file and line. A leading byte-order mark is dropped, as in read_text."""
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
+    not JSON, or (strict) not UTF-8, is a CorpusError naming the file and line: training data read with its
+    bytes replaced would teach U+FFFD silently. strict=False replaces them (a pretraining corpus: scan_files counts
+    them). A leading byte-order mark is dropped, as in read_text."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if lineno == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)
+            try:
+                line = raw.decode("utf-8", errors="strict" if strict else "replace")
+            except UnicodeDecodeError as err:
+                raise CorpusError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte "
+                                  f"{err.start + 1} of the line): save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -293,7 +302,7 @@ def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
-    for lineno, record in jsonl_records(path):
+    for lineno, record in jsonl_records(path, strict=False):
         if not isinstance(record, dict) or text_field not in record:
             raise CorpusError(f"{path}:{lineno}: no {text_field!r} field (set text_field)")
         text = record[text_field]

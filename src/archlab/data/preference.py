@@ -4,6 +4,8 @@ Two shapes of line, as TRL's preference datasets have them:
 
     {"prompt": "...", "chosen": "...", "rejected": "..."}                 plain text, no template
     {"prompt": [messages], "chosen": [assistant messages], "rejected": [assistant messages]}
+    {"chosen": [messages], "rejected": [messages]}   (or texts): TRL's implicit prompt, their shared start
+                                                      (extract_prompt, as TRL splits it)
 
 Each side becomes one sequence, encoded as archlab.data.chat encodes a prompt/completion line with the loss mask
 "completion": plain text is prompt + completion + the end-of-text token; messages render through the tokenizer's
@@ -28,14 +30,23 @@ from typing import Any
 
 import torch
 
-from archlab.data.chat import TRUNCATIONS, ChatDataError, Conversation, _conversation, encode_conversation
+from archlab.data.chat import (
+    TRUNCATIONS,
+    ChatDataError,
+    Conversation,
+    _conversation,
+    check_truncation,
+    encode_conversation,
+    truncation_advice,
+)
 from archlab.data.corpora import CorpusError, jsonl_records
 from archlab.data.objectives import IGNORE
 from archlab.errors import UserError
 from archlab.progress import progress_bar
 from archlab.tokenizer.chat import ChatTokenizer, NoChatTemplate
 
-__all__ = ["SIDES", "NoTemplateForMessages", "PreferencePair", "PreferenceData", "load_preference_data",
+__all__ = ["SIDES", "NoTemplateForMessages", "extract_prompt", "PreferencePair", "PreferenceData",
+           "load_preference_data",
            "pad_pairs", "PreferenceBatches"]
 
 SIDES = ("chosen", "rejected")
@@ -99,12 +110,35 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def extract_prompt(chosen: Any, rejected: Any) -> dict:
+    """TRL's extract_prompt (trl.data_utils): the longest shared prefix of chosen and rejected (messages, or
+    characters of text, a space before the split going with the completions) is the prompt, the rests are the
+    sides. Kept step for step as TRL has it, so a line reads alike in both.
+    Example: extract_prompt("Sky? Blue", "Sky? Green") -> {"prompt": "Sky?", "chosen": " Blue", "rejected": " Green"}"""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":     # TRL: the space before the split goes with the completions
+                idx -= 1
+            break
+    return {"prompt": chosen[:idx], "chosen": chosen[idx:], "rejected": rejected[idx:]}
+
+
 def _record(value: Any, where: str) -> dict:
     if not isinstance(value, dict):
         raise ChatDataError(f"{where} is a JSON {type(value).__name__}, not an object with prompt, chosen, rejected")
-    for needed in ("prompt", *SIDES):
+    for needed in SIDES:
         if needed not in value:
             raise ChatDataError(f"{where} has no {needed!r} (a preference line has prompt, chosen and rejected)")
+    if "prompt" not in value:      # TRL's implicit prompt: the sides are whole texts or conversations
+        chosen, rejected = value["chosen"], value["rejected"]
+        if type(chosen) is not type(rejected) or not isinstance(chosen, (str, list)):
+            raise ChatDataError(f"{where} has no 'prompt', and chosen and rejected are not both texts or both lists "
+                                "of messages that share it as their start")
+        value = {**value, **extract_prompt(chosen, rejected)}
+        if not value["prompt"]:
+            raise ChatDataError(f"{where} has no 'prompt', and chosen and rejected share no start to take as it "
+                                "(TRL's implicit prompt)")
     if value["chosen"] == value["rejected"]:
         raise ChatDataError(f"{where}: chosen equals rejected, so there is no preference to learn")
     return value
@@ -133,8 +167,8 @@ def _side(chat: ChatTokenizer, template: str | None, conv: Conversation, side: s
         raise ChatDataError(f"{where}: {side}: {exc}") from None
     if max_tokens is not None and len(ids) > max_tokens:
         if truncation == "refuse":
-            raise ChatDataError(f"{where}: {side} has {len(ids)} tokens, more than the limit of {max_tokens}: choose "
-                                f"a policy with {setting} ({', '.join(TRUNCATIONS)})")
+            raise ChatDataError(f"{where}: {side} has {len(ids)} tokens, more than the limit of {max_tokens}: "
+                                f"{truncation_advice(setting)}")
         cut = TRUNCATIONS[truncation](ids, mask, max_tokens)
         if cut is None:
             return None
@@ -153,8 +187,7 @@ def load_preference_data(path: str | os.PathLike, tokenizer: str | os.PathLike, 
     message lines); `setting` is how errors name the truncation option.
     Example: data = load_preference_data("prefs.jsonl", "runs/base/tokenizer", max_tokens=256)"""
     path, tokenizer = Path(path), Path(tokenizer)
-    if truncation not in TRUNCATIONS:
-        raise UserError(f"unknown truncation policy {truncation!r}: choose one of {', '.join(TRUNCATIONS)}")
+    check_truncation(truncation, setting)
     if not path.is_file():
         raise UserError(f"{path}: no such file (preference data is a .jsonl file)")
     chat = ChatTokenizer.of(tokenizer)

@@ -109,12 +109,13 @@ def _checked_file(path: str | os.PathLike, flag: str) -> Path:
 def _read_examples(arch: str, path: Path, tokenizer_dir: Path, cfg: TrainConfig, progress: bool) -> list:
     if arch == "encoder_decoder":
         from archlab.data.chat_pairs import read_chat_pairs
-        return list(read_chat_pairs(path, tokenizer_dir, max_len=cfg.seq_len, truncation=cfg.truncation))
+        return list(read_chat_pairs(path, tokenizer_dir, max_len=cfg.seq_len, truncation=cfg.truncation,
+                                    setting="train.truncation"))
     if arch != "decoder":
         raise UserError(f"archlab finetune trains decoders and encoder-decoders, not arch={arch}")
     from archlab.data.chat import load_chat_data
     data = load_chat_data(path, tokenizer_dir, mask=cfg.loss_mask, max_tokens=cfg.seq_len, truncation=cfg.truncation,
-                          progress=progress)
+                          progress=progress, setting="train.truncation")
     if data.truncated or data.skipped:
         print(f"{path}: {data.truncated} examples truncated, {data.skipped} skipped (train.truncation="
               f"{cfg.truncation})", file=sys.stderr)

@@ -33,7 +33,8 @@ def register(subparsers) -> None:
                    help="template to train with instead of the base tokenizer's own; a built-in one adds its "
                    "special tokens (new embedding rows = the mean embedding)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override: train.lr=1e-4, train.loss_mask=last, train.packing=false, dropout=0.1 ...")
+                   help="override: train.lr=1e-4, train.loss_mask=last, train.packing=false, train.lora.dropout=0.05, "
+                   "attention.dropout=0.1 ...")
     p.add_argument("--lora-r", type=int, help="LoRA rank (train.lora.r): adapters only, the base frozen")
     p.add_argument("--lora-alpha", type=float, help="LoRA alpha (train.lora.alpha, default 16)")
     p.add_argument("--lora-targets", help="LoRA targets (train.lora.targets): q,v (default), all-linear, ...")

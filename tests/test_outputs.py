@@ -69,7 +69,7 @@ def test_a_writer_that_starts_meanwhile_keeps_its_folder(tmp_path):
     holder = None
     try:
         with pytest.raises(OutputConflictError, match="is writing"):
-            with fresh_output(target, overwrite=True) as tmp:
+            with fresh_output(target, overwrite=True, inputs=()) as tmp:
                 (tmp / "new.txt").write_text("new")
                 holder = _holder(target)                 # a trainer locks the folder while this one works
         assert (target / "old.txt").read_text() == "old" and not (target / "new.txt").exists()
@@ -87,7 +87,7 @@ def test_this_processs_own_lock_does_not_block_its_outputs(tmp_path):
     with RunLock(tmp_path / "sweep"):
         (tmp_path / "sweep" / "data").mkdir()
         (tmp_path / "sweep" / "data" / "x").write_text("x")
-        check_output(tmp_path / "sweep" / "data", overwrite=True)
+        check_output(tmp_path / "sweep" / "data", inputs=(), overwrite=True)
 
 
 def test_inputs_are_compared_resolved(tmp_path):

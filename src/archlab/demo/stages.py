@@ -15,13 +15,11 @@ MARKER = ".archlab-demo"   # only a folder carrying it is ever cleared by a new 
 def _check_out(out: Path, corpus: str | None = None) -> None:
     """A demo replaces only an earlier demo's folder, never its corpus or a folder a live process writes."""
     from archlab.data.prepare import input_paths
-    from archlab.runs.outputs import refuse_live_writers, refuse_overlap
+    from archlab.runs.outputs import check_output
 
-    refuse_overlap(out, input_paths(corpus, None))
+    check_output(out, inputs=input_paths(corpus, None), overwrite=True)     # an earlier demo's folder: replaced
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
         raise FileExistsError(f"{out} exists and is not an earlier demo run; pass another --out")
-    if out.exists():
-        refuse_live_writers(out)
 
 
 def _prepare_out(out: Path, corpus: str | None = None) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,20 +201,22 @@ def _slot_tensors(slot: Slot, adapted: dict) -> tuple[torch.Tensor, torch.Tensor
 
 
 def save_peft(model: nn.Module, folder: str | Path, *, family: str | None = None, base_model: str | None = None,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, inputs: Iterable[str | Path] = ()) -> Path:
     """Write the model's LoRA adapters as PEFT does (`adapter_config.json`, `adapter_model.safetensors`), for the
     HF family of its config (inferred unless `family`); `base_model`: written as base_model_name_or_path. An
-    existing non-empty folder is refused unless `overwrite` (replaced atomically)."""
+    existing non-empty folder is refused unless `overwrite` (replaced atomically), and so is a folder that is,
+    holds or sits inside one of `inputs` (what the model was read from; runs.outputs.check_output)."""
     from safetensors.torch import save_file
 
-    from archlab.runs.outputs import fresh_output, refuse_existing
+    from archlab.runs.outputs import check_output, fresh_output
 
     adapted = lora_modules(model)
     tokens = token_module(model)
     saved = saved_modules(model)
     if not adapted and tokens is None and not saved:
         raise ConfigError("this model carries no LoRA adapters to save")
-    refuse_existing(folder, overwrite)
+    inputs = list(inputs)
+    check_output(folder, inputs=inputs, overwrite=overwrite)
     cfg: ModelConfig = model.config                                   # type: ignore[assignment]
     fam = FAMILIES.get(family) if family else infer_family(cfg)
     first = next(iter(adapted.values()), None)
@@ -255,7 +257,7 @@ def save_peft(model: nn.Module, folder: str | Path, *, family: str | None = None
         "init_lora_weights": True, "modules_to_save": sorted({name.rpartition(".")[0] for name in whole}) or None,
         "rank_pattern": ranks, "alpha_pattern": alphas, "use_dora": False, TOKENS_KEY: token_ids,
     }
-    with fresh_output(Path(folder), overwrite=overwrite) as tmp:
+    with fresh_output(Path(folder), overwrite=overwrite, inputs=inputs) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         make_readable(tmp / WEIGHTS_FILE)

@@ -17,6 +17,7 @@ one run is trained and measured by worker.py, wherever the executor (executors.p
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -107,6 +108,12 @@ def run_suite(
     from archlab.training.placement import device_kind
 
     gpu = any(device_kind(run.train.device) == "cuda" for run in checked)   # one GPU per run where it trains on one
+    from archlab.data.prepare import input_paths
+    from archlab.runs.outputs import check_output
+
+    own = data_dir is not None and Path(os.path.realpath(data_dir)).is_relative_to(os.path.realpath(sweep_dir))
+    check_output(sweep_dir, inputs=[None if own else data_dir, *input_paths(corpus, tokenizer)],
+                 in_place=True)               # the sweep's own data (a first run's sweep/data) is no input
     with RunLock(sweep_dir, what="sweep folder"):    # one driver per sweep: a second writes no row, no data
         pool = executor if isinstance(executor, Executor) else make_executor(executor, workers, address, threads,
                                                                              gpu=gpu)

@@ -264,9 +264,9 @@ def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = No
     (the model the run started from). A run without adapters is a UserError."""
     from archlab.interop.peft import hf_module_names, save_peft
     from archlab.nn.lora import LoRAConfig, lora_modules, parse_targets, select_modules
-    from archlab.runs.outputs import refuse_existing
+    from archlab.runs.outputs import check_output
 
-    refuse_existing(out, overwrite)                 # before loading anything
+    check_output(out, inputs=[run_dir], overwrite=overwrite)        # before loading anything
     model, _ = load_run(run_dir, merge_adapters=False)
     if not lora_modules(model):
         raise UserError(f"{run_dir} holds no LoRA adapters (train.lora_r was not set): export it with --to-hf")
@@ -278,4 +278,4 @@ def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = No
         targets=parse_targets(str(train.get("lora_targets") or "all-linear")),
         modules_to_save=tuple(select_modules(model, parse_targets(str(train.get("lora_modules_to_save") or "")),
                                              hf_module_names(model))))
-    return save_peft(model, out, family=family, overwrite=overwrite)
+    return save_peft(model, out, family=family, overwrite=overwrite, inputs=[run_dir])

@@ -6,14 +6,18 @@ finishes, the temporary folder takes the target's name with renames (the old fol
 and deleted last); when it fails, the temporary folder is deleted and the target is as it was. Leftovers
 of killed processes (`.NAME.partial-PID`, `.NAME.old-PID` whose process is gone) are removed first.
 
-`check_output(target, inputs=..., overwrite=...)` is the one rule every such command runs before any work:
-an output may never be, hold, or sit inside one of its inputs (paths compared resolved, symlinks
-followed), and a folder a live writer holds (archlab.runs.lock: the folder, a folder above it, or, when it
-would be replaced, one inside it) is never replaced. `fresh_output` runs it again just before the rename.
+`check_output(target, inputs=..., overwrite=...)` is the one rule every command that writes a folder or file
+runs before any work and before it takes any lock (`inputs` has no default: a caller names what it reads, or
+says `()`): an output may never be, hold, or sit inside one of its inputs (paths compared resolved, symlinks
+followed), and a folder a live writer holds (archlab.runs.lock: the folder, a folder above it, or one inside
+it) is never written. A replaced output (convert, export, `data prepare`, `tokenizer train`) that exists
+and is not empty needs `overwrite`; a run folder written in place (`in_place=True`: `train`, `finetune`,
+`ablate`) keeps its own rule for what it finds there (a run resumed, or refused). `fresh_output` runs the
+check again just before the rename.
 
 >>> import tempfile, pathlib
 >>> target = pathlib.Path(tempfile.mkdtemp()) / "out"
->>> with fresh_output(target) as tmp:
+>>> with fresh_output(target, inputs=()) as tmp:
 ...     _ = (tmp / "a.txt").write_text("new")
 >>> (target / "a.txt").read_text()
 'new'
@@ -29,9 +33,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from archlab.errors import UserError
+from archlab.runs.lock import LockedError
 
-__all__ = ["fresh_output", "OutputExistsError", "OutputConflictError", "is_empty_dir", "refuse_existing",
-           "refuse_overlap", "refuse_live_writers", "check_output"]
+__all__ = ["fresh_output", "OutputExistsError", "OutputConflictError", "LiveWriterError", "is_empty_dir",
+           "check_output"]
 
 
 class OutputExistsError(UserError, FileExistsError):
@@ -42,13 +47,17 @@ class OutputConflictError(UserError):
     """The output is, holds or sits inside an input, or a live writer uses it."""
 
 
+class LiveWriterError(OutputConflictError, LockedError):
+    """The output is, holds or sits inside a folder another live process writes (what RunLock would refuse)."""
+
+
 def is_empty_dir(path: Path) -> bool:
     return path.is_dir() and not any(path.iterdir())
 
 
-def refuse_existing(target: str | os.PathLike, overwrite: bool, flag: str = "--overwrite") -> None:
-    """Raise OutputExistsError for a non-empty (or non-folder) `target` unless `overwrite`: a check to run
-    before any work, so a refusal costs nothing."""
+def _refuse_existing(target: str | os.PathLike, overwrite: bool, flag: str = "--overwrite") -> None:
+    """Raise OutputExistsError for a non-empty (or non-folder) `target` unless `overwrite` (check_output's part;
+    never called alone, so no caller forgets the inputs)."""
     target = Path(target)
     if overwrite or not target.exists() or is_empty_dir(target):
         return
@@ -60,8 +69,8 @@ def _resolved(path: str | os.PathLike) -> Path:
     return Path(os.path.realpath(Path(path).expanduser()))
 
 
-def refuse_overlap(target: str | os.PathLike, inputs: Iterable[str | os.PathLike | None],
-                   flag: str = "--out") -> None:
+def _refuse_overlap(target: str | os.PathLike, inputs: Iterable[str | os.PathLike | None],
+                    flag: str = "--out") -> None:
     """OutputConflictError when `target` is, holds or sits inside one of the `inputs` that exist on disk
     (None and names that are no path, such as "bytes", are skipped)."""
     out = _resolved(target)
@@ -81,9 +90,9 @@ def refuse_overlap(target: str | os.PathLike, inputs: Iterable[str | os.PathLike
                                   "into what it is made from; choose another folder")
 
 
-def refuse_live_writers(target: str | os.PathLike, flag: str = "--out") -> None:
+def _refuse_live_writers(target: str | os.PathLike, flag: str = "--out") -> None:
     """OutputConflictError when a live writer other than this process holds `target`, a folder above it or
-    one inside it (archlab.runs.lock): replacing it would pull the folder from under that writer."""
+    one inside it (archlab.runs.lock): writing there would pull the folder from under that writer."""
     from archlab.runs.lock import LOCK_FILE, describe_holder, live_holder
 
     out = _resolved(target)
@@ -94,26 +103,31 @@ def refuse_live_writers(target: str | os.PathLike, flag: str = "--out") -> None:
         holder = live_holder(folder)
         if holder is None or (holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()):
             continue
-        raise OutputConflictError(f"{flag} {target} would replace {folder}, which {describe_holder(holder)} is "
+        how = "is" if folder == out else "sits inside" if out.is_relative_to(folder) else "holds"
+        raise LiveWriterError(f"{flag} {target} {how} the folder {folder}, which {describe_holder(holder)} is "
                                   "writing: wait for it to finish or stop it, or choose another folder")
 
 
-def check_output(target: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None] = (),
-                 overwrite: bool = False, flag: str = "--overwrite", out_flag: str = "--out") -> None:
-    """Every check an output folder gets before any work: not one of its inputs (refuse_overlap), not
-    existing and non-empty unless `overwrite` (refuse_existing), and, when it would be replaced, used by no
-    live writer (refuse_live_writers)."""
-    refuse_overlap(target, inputs, out_flag)
-    refuse_existing(target, overwrite, flag)
-    if Path(target).expanduser().exists():
-        refuse_live_writers(target, out_flag)
+def check_output(target: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None],
+                 overwrite: bool = False, in_place: bool = False, flag: str = "--overwrite",
+                 out_flag: str = "--out") -> None:
+    """Every check an output gets before any work and any lock: not one of its `inputs`, nor holding or inside
+    one (paths that do not exist and None are skipped); not existing and non-empty unless `overwrite` (a replaced
+    output) or `in_place` (a run folder written where it is: its caller decides about what is there); and not
+    the folder of a live writer, nor above or inside one. Raises OutputConflictError / OutputExistsError (one
+    line, exit 2).
+    Example: check_output("exported/adapter", inputs=["runs/lora"], overwrite=True)"""
+    _refuse_overlap(target, inputs, out_flag)
+    if not in_place:
+        _refuse_existing(target, overwrite, flag)
+    _refuse_live_writers(target, out_flag)
 
 
 @contextlib.contextmanager
-def fresh_output(target: str | os.PathLike, *, overwrite: bool = False,
-                 inputs: Iterable[str | os.PathLike | None] = ()) -> Iterator[Path]:
+def fresh_output(target: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None],
+                 overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary folder beside `target`; on success it replaces `target` atomically (unless a live
-    writer took it meanwhile: then the new folder is dropped and the old one stays)."""
+    writer took it meanwhile: then the new folder is dropped and the old one stays). `inputs`: as check_output."""
     target = Path(target).expanduser()
     check_output(target, inputs=list(inputs), overwrite=overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +139,7 @@ def fresh_output(target: str | os.PathLike, *, overwrite: bool = False,
     try:
         yield tmp
         if target.exists():
-            refuse_live_writers(target)     # a writer may have started while this one worked
+            _refuse_live_writers(target)    # a writer may have started while this one worked
         _replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -33,6 +33,7 @@ from archlab.data.prepare import split_by_line
 from archlab.data.tokenizer_adapter import vocab_size_of
 from archlab.data.tokens import META_FILE
 from archlab.errors import UserError
+from archlab.runs.outputs import check_output
 from archlab.training import lora as lora_stage
 from archlab.training.config import TrainConfig
 from archlab.training.init_from import InitSource, read_init_source
@@ -217,6 +218,8 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
     from archlab.training.trainer import train
 
     out = Path(out)
+    check_output(out, inputs=[None if str(base).startswith("hf:") else base, data, val, chat_template],
+                 in_place=True)                 # never the base, the data or the template, nor a live writer's
     if not resume and out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} exists and is not empty: choose a new folder (or --resume a fine-tune there)")
     data_path = _checked_file(data, "--data")

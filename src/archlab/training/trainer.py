@@ -172,11 +172,24 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.Pat
     """
     cfg = train_cfg
     data_dir, run_dir = Path(data_dir), Path(out_dir)
+    if int(os.environ.get("RANK", "0")) == 0:      # the writer; other ranks would see rank 0's lock as another's
+        check_run_output(run_dir, data_dir, init_from)
     info = dist_util.setup(device_kind(cfg.device), cfg.dist_strategy)
     try:
         return _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data, init_from)
     finally:
         dist_util.teardown(info)
+
+
+def check_run_output(run_dir: Path, data_dir: Path, init_from: InitSource | None) -> None:
+    """runs.outputs.check_output for a run folder, before any write or lock: never the data folder or the
+    --init-from source, nor inside or above either, nor a live writer's. A data folder inside the run folder is
+    the run's own (finetune's OUT/data), written by the command that made it."""
+    from archlab.runs.outputs import check_output
+
+    own = Path(os.path.realpath(data_dir)).is_relative_to(Path(os.path.realpath(run_dir)) / "data")
+    source = init_from.spec if init_from is not None and not init_from.spec.startswith("hf:") else None
+    check_output(run_dir, inputs=[None if own else data_dir, source], in_place=True)
 
 
 def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data=False,

@@ -27,10 +27,10 @@ class ConfigError(UserError, ValueError):
 NormKind = Literal["layernorm", "rmsnorm", "rmsnorm_1p", "layernorm_1p", "nonparametric"]
 NormPosition = Literal["post", "pre", "sandwich", "post_sublayer"]
 Activation = Literal[
-    "relu", "gelu", "gelu_tanh", "relu2", "silu",
-    "reglu", "geglu", "geglu_tanh", "swiglu",
+    "relu", "gelu", "gelu_tanh", "relu2", "silu", "elu", "selu",
+    "reglu", "geglu", "geglu_tanh", "swiglu", "glu", "bilinear",
 ]
-GATED_ACTIVATIONS = ("reglu", "geglu", "geglu_tanh", "swiglu")
+GATED_ACTIVATIONS = ("reglu", "geglu", "geglu_tanh", "swiglu", "glu", "bilinear")
 PositionKind = Literal["none", "sinusoidal", "learned", "rope", "alibi", "t5"]
 ABSOLUTE_POSITIONS = ("sinusoidal", "learned")
 RopeLayout = Literal["half", "interleaved"]

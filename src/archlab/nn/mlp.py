@@ -1,9 +1,12 @@
 """Feed-forward layers: plain MLPs, the GLU family and mixture of experts.
 
 Plain:  y = W2 act(W1 x)                                  ReLU (Vaswani 2017), GeLU (Hendrycks &
-        Gimpel 2016; GPT), squared ReLU (So et al. 2021, Primer; Nemotron-4), SiLU.
+        Gimpel 2016; GPT), squared ReLU (So et al. 2021, Primer; Nemotron-4), SiLU, ELU (Clevert et
+        al. 2015: x > 0 ? x : e^x - 1), SELU (Klambauer et al. 2017: lambda ELU_alpha, self-normalizing).
 Gated:  y = W2 (act(W_gate x) * W_up x)                   ReGLU, GeGLU, SwiGLU (Shazeer 2020,
-        arXiv 2002.05202). Gemma's GeGLU uses the tanh approximation of GeLU.
+        arXiv 2002.05202); GLU with the original sigmoid gate (Dauphin et al. 2017) and the bilinear
+        layer with no gate function (Mnih & Hinton 2007), both in Shazeer 2020's table.
+        Gemma's GeGLU uses the tanh approximation of GeLU.
 MoE:    y = sum_{i in topk(router(x))} p_i E_i(x)         (Shazeer 2017; Switch, Fedus 2021;
         Mixtral). Load-balancing aux loss (Switch) and router z-loss (ST-MoE, Zoph 2022).
 Shapes: b batch, t time, d model, f ffn width, n experts.
@@ -25,11 +28,15 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu2": lambda x: F.relu(x).square(),
     "silu": F.silu,
+    "elu": F.elu,                       # alpha 1
+    "selu": F.selu,                     # lambda 1.0507..., alpha 1.6733... (Klambauer et al. 2017)
     # the gated kinds name the function applied to the gate branch
     "reglu": F.relu,
     "geglu": F.gelu,
     "geglu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "swiglu": F.silu,
+    "glu": torch.sigmoid,               # Dauphin et al. 2017: sigmoid(x W) * x V
+    "bilinear": lambda x: x,            # (x W) * (x V): no function on the gate
 }
 
 

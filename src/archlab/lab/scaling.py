@@ -49,7 +49,11 @@ class LossLaw:
         return self.E + self.A / N ** self.alpha + self.B / D ** self.beta
 
     def optimal(self, C) -> tuple[np.ndarray, np.ndarray]:
-        """(N_opt, D_opt) minimising the law at compute C = 6 N D."""
+        """(N_opt, D_opt) minimising the law at compute C = 6 N D; a UserError for a law without both terms
+        (A alpha or B beta zero: no trade-off between N and D to optimise)."""
+        if not (self.alpha * self.A > 0 and self.beta * self.B > 0):
+            raise UserError(f"this law has no trade-off between N and D (A alpha = {self.alpha * self.A:g}, "
+                            f"B beta = {self.beta * self.B:g}): no compute-optimal size")
         k = np.asarray(C, dtype=float) / 6.0
         s = self.alpha + self.beta
         g = (self.alpha * self.A / (self.beta * self.B)) ** (1.0 / s)
@@ -190,7 +194,21 @@ def _check(N, D, L) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise UserError(f"fit_loss: {len(N)} points cannot fix the law's 5 constants (need at least 5)")
     if not (np.all(np.isfinite(N + D + L)) and np.all(N > 0) and np.all(D > 0) and np.all(L > 0)):
         raise UserError("fit_loss: N, D and L must be positive and finite")
+    if np.ptp(np.log(L)) <= 1e-12:
+        raise UserError(f"fit_loss: every loss is {L[0]:g}: the law's N and D terms have nothing to fit (and "
+                        "optimal() would divide by zero); give runs whose losses differ")
     return N, D, L
+
+
+def _check_settings(n_boot, level, n_starts, delta) -> None:
+    if isinstance(n_boot, bool) or not isinstance(n_boot, (int, np.integer)) or n_boot < 0:
+        raise UserError(f"fit_loss: n_boot={n_boot!r} must be a whole number >= 0 (0: no intervals)")
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
+        raise UserError(f"fit_loss: level={level!r} must be in (0, 1), e.g. 0.95 for 95% intervals")
+    if isinstance(n_starts, bool) or not isinstance(n_starts, (int, np.integer)) or n_starts < 1:
+        raise UserError(f"fit_loss: n_starts={n_starts!r} must be a whole number >= 1")
+    if not isinstance(delta, (int, float)) or not math.isfinite(delta) or delta <= 0:
+        raise UserError(f"fit_loss: delta={delta!r} (the Huber threshold) must be a positive number")
 
 
 def fit_loss(N: Sequence[float], D: Sequence[float], L: Sequence[float], *, delta: float = 1e-3,
@@ -201,6 +219,7 @@ def fit_loss(N: Sequence[float], D: Sequence[float], L: Sequence[float], *, delt
     `n_starts` best; each of `n_boot` bootstrap refits (points resampled with replacement, numpy seeded
     by `seed`) starts from the full fit's optimum.
     """
+    _check_settings(n_boot, level, n_starts, delta)
     N, D, L = _check(N, D, L)
     with _one_thread():
         return _fit(N, D, L, delta, n_starts, n_boot, level, seed)

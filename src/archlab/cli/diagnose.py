@@ -8,7 +8,8 @@ examples:
   archlab diagnose runs/tiny --text notes.txt
   archlab diagnose path/to/hf_model --text prompt.txt --max-tokens 128 --out diag/
 writes OUT/summary.json (per layer: first-token attention mass and entropy per head, max/median
-|hidden state| and where the largest ones are) and OUT/sinks.png, entropy.png, massive_activations.png.
+|hidden state| and where the largest ones are, the share of dead ReLU-family MLP units) and
+OUT/sinks.png, entropy.png, massive_activations.png.
 """
 
 
@@ -16,8 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "diagnose", help="attention sinks, massive activations and attention entropy on a text",
         description="Measure attention sinks (first-token attention mass per layer and head), massive "
-        "activations (max/median |hidden state| per layer, with token and dimension) and attention "
-        "entropy. Example: archlab diagnose runs/tiny --text notes.txt",
+        "activations (max/median |hidden state| per layer, with token and dimension), attention "
+        "entropy and, for ReLU-family MLPs (relu, relu2, reglu), the share of units never active on the text. Example: archlab diagnose runs/tiny --text notes.txt",
         epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="RUN_DIR_OR_HF_DIR", help="an archlab run folder or an HF model folder")
@@ -62,12 +63,15 @@ def run(args: argparse.Namespace) -> int:
           f"(mean over layers and heads), max |h| {s['max_activation']:.4g}, max/median ratio "
           f"{s['max_ratio']:.4g} at layer {s['max_ratio_layer']}, mean entropy {s['mean_entropy']:.3f} nats "
           f"(uniform {s['uniform_entropy']:.3f}), final effective rank {s['final_effective_rank']:.1f} "
-          f"of at most {min(s['n_tokens'], model.config.d_model)}")
+          f"of at most {min(s['n_tokens'], model.config.d_model)}"
+          + (f", dead MLP units {s['dead_unit_fraction']:.1%}" if s["dead_unit_fraction"] is not None else ""))
     for layer in result["layers"]:
         top = layer["top"][0]
         sink = sum(layer["first_token_mass"]) / len(layer["first_token_mass"])
+        dead = layer["dead_unit_fraction"]
         print(f"  layer {layer['layer']:2d}: sink {sink:.3f}"
               f"  ratio {layer['ratio']:9.4g}  erank {layer['effective_rank']:6.1f}"
-              f"  max at token {top['token_index']} ({top['token']!r}) dim {top['dim']}")
+              + (f"  dead {dead:6.1%}" if dead is not None else "")
+              + f"  max at token {top['token_index']} ({top['token']!r}) dim {top['dim']}")
     print(f"wrote {paths['json']} and {len(paths) - 1} PNGs in {paths['json'].parent}")
     return 0

@@ -9,6 +9,10 @@
 - Effective rank of each layer's hidden states (Roy & Vetterli 2007): exp of the entropy of the normalized
   singular values of the (t, d) matrix of a row's token states; 1 when every token's state is the same
   direction (rank collapse, Dong et al. 2021, arXiv 2103.03404), min(t, d) when all directions are equally used.
+- Dead units per layer (Lu et al. 2019, "Dying ReLU"): the share of a ReLU-family MLP's units (relu, relu2, and
+  reglu's gate) whose pre-activation is <= 0 at every token of the batch, so they pass nothing and get no
+  gradient from it; None for activations that are never exactly zero (GeLU, SiLU, ...). A MoE layer counts
+  the units of the experts that received tokens.
 - Max attention logit per layer (Wortsman et al. 2023, arXiv 2309.14322): the largest raw q.k * scale
   before soft-capping, over the causal (and window) mask; growth past ~1e4 precedes divergence.
 
@@ -25,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["diagnose", "effective_rank", "max_attention_logits", "attention_scores", "save_report",
+__all__ = ["diagnose", "effective_rank", "dead_unit_fractions", "RELU_FAMILY", "max_attention_logits", "attention_scores", "save_report",
            "load_model_and_tokenizer"]
 
 
@@ -41,6 +45,45 @@ def effective_rank(hidden: torch.Tensor) -> float:
     return float(torch.exp(-(p * p.log()).sum()))
 
 
+# activations whose output is exactly 0 wherever the (gate's) pre-activation is <= 0
+RELU_FAMILY = ("relu", "relu2", "reglu")
+
+
+@torch.no_grad()
+def dead_unit_fractions(model, input_ids: torch.Tensor) -> list[float | None]:
+    """Per block: the share of its ReLU-family MLP units never active (pre-activation <= 0) on any token of
+    `input_ids` (b, t); None where the block's MLP is of another activation.
+    Example: dead_unit_fractions(model, ids) -> [0.0, 0.125, None, ...]"""
+    from archlab.nn.mlp import DenseMLP
+
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    counts: dict[int, list[int]] = {}            # block -> [dead units, units]
+
+    def hook_for(i: int):
+        def hook(mlp, args):
+            x = args[0]
+            if x.shape[:-1].numel() == 0:                      # an expert that got no token
+                return
+            proj = mlp.gate_proj if mlp.gate_proj is not None else mlp.up_proj   # what the ReLU reads
+            pre = proj(x).flatten(0, -2)                                            # (tokens, f)
+            dead = int((pre.amax(0) <= 0).sum())
+            c = counts.setdefault(i, [0, 0])
+            c[0] += dead
+            c[1] += pre.shape[-1]
+        return hook
+
+    hooks = [mlp.register_forward_pre_hook(hook_for(i)) for i, blk in enumerate(model.blocks)
+             for mlp in blk.modules() if isinstance(mlp, DenseMLP) and mlp.activation in RELU_FAMILY]
+    try:
+        model.eval()
+        model(input_ids.to(next(model.parameters()).device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [counts[i][0] / counts[i][1] if i in counts else None for i in range(len(model.blocks))]
+
+
 def _attn_modules(model) -> list:
     return [block.attn for block in model.blocks]
 
@@ -50,7 +93,7 @@ def diagnose(model, input_ids: torch.Tensor, tokens: Sequence[str] | None = None
     """Sinks, massive activations and entropies of `model` on `input_ids` (b, t) or (t,).
 
     Returns a JSON-ready dict: per layer `first_token_mass` and `entropy` per head, `max_abs`,
-    `median_abs`, `ratio`, and the `top` activations (batch row, token index, token, dim, value); and a
+    `median_abs`, `ratio`, `dead_unit_fraction` (dead_unit_fractions), and the `top` activations (batch row, token index, token, dim, value); and a
     `summary` (first_token_mass averaged over layers and heads, max_ratio and its layer, max_activation,
     mean_entropy).
     """
@@ -99,6 +142,10 @@ def diagnose(model, input_ids: torch.Tensor, tokens: Sequence[str] | None = None
             "ratio": max_abs / median if median > 0 else float("inf"), "top": top,
             "effective_rank": sum(effective_rank(row) for row in hs) / len(hs),   # mean over batch rows
         })
+    dead = dead_unit_fractions(model, input_ids)
+    for layer, fraction in zip(layers, dead):
+        layer["dead_unit_fraction"] = fraction
+    known_dead = [d for d in dead if d is not None]
     ratios = [layer["ratio"] for layer in layers]
     worst = max(range(len(layers)), key=lambda i: ratios[i])
     summary = {
@@ -111,6 +158,7 @@ def diagnose(model, input_ids: torch.Tensor, tokens: Sequence[str] | None = None
         "uniform_entropy": (math.log(t) if getattr(model.config, "arch", "decoder") == "encoder"
                             else float(sum(math.log(i + 1) for i in range(1, t)) / (t - 1))),
         "final_effective_rank": layers[-1]["effective_rank"],
+        "dead_unit_fraction": sum(known_dead) / len(known_dead) if known_dead else None,   # mean over layers
     }
     return {"summary": summary, "layers": layers,
             "tokens": list(tokens[:t]) if tokens is not None else None}

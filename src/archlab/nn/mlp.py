@@ -51,6 +51,7 @@ class DenseMLP(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation: str, bias: bool):
         super().__init__()
+        self.activation = activation
         self.act: Callable[[torch.Tensor], torch.Tensor] = ACTIVATIONS[activation]
         self.gated = activation in GATED_ACTIVATIONS
         self.gate_proj = nn.Linear(d_model, d_ff, bias=bias) if self.gated else None

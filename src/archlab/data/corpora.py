@@ -46,7 +46,7 @@ from archlab.paths import cache_dir
 
 __all__ = [
     "BUILTIN_CORPORA", "CorpusError", "cache_dir", "corpus_files", "iter_documents", "jsonl_records",
-    "fetch_shakespeare", "CorpusReport", "scan_files", "first_nul",
+    "fetch_shakespeare", "CorpusReport", "scan_files", "first_nul", "refuse_non_text",
 ]
 
 BUILTIN_CORPORA = ("shakespeare", "shakespeare-folio", "pystdlib", "pystdlib-full")
@@ -247,6 +247,31 @@ def scan_files(files: list[Path], chunk: int = 1 << 22) -> CorpusReport:
         if bad:
             report.undecodable[str(path)] = bad
     return report
+
+
+# past this share of bytes that are not UTF-8 a file is no text: text in a legacy encoding (latin-1 French,
+# German) has a few percent, random or compressed bytes ~40% and a NUL within the first kilobytes
+BINARY_SHARE = 0.10
+
+
+def refuse_non_text(files: list[Path], report: CorpusReport) -> None:
+    """A CorpusError for a corpus that holds no text: every file empty, or a file that looks binary (a NUL byte in
+    its first 64 KiB, or more than BINARY_SHARE of its bytes not UTF-8), named with what gave it away."""
+    if report.files and len(report.empty_files) == report.files:
+        raise CorpusError(f"the corpus holds no text: {'its file is' if report.files == 1 else 'all its files are'} "
+                          f"empty (e.g. {report.empty_files[0]})")
+    for path in files:
+        if path.suffix.lower() == ".parquet":
+            continue
+        offset = first_nul(path)
+        if offset is not None:
+            raise CorpusError(f"{path} is binary, not text (a NUL byte at offset {offset:,}): give text files")
+    for name, bad in report.undecodable.items():
+        size = Path(name).stat().st_size
+        if size and bad / size > BINARY_SHARE:
+            raise CorpusError(f"{name}: {bad / size:.0%} of its bytes are not UTF-8 (more than "
+                              f"{BINARY_SHARE:.0%}): binary data or another encoding, not UTF-8 text; convert it "
+                              "to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
 
 
 def first_nul(path: Path, limit: int = 1 << 16) -> int | None:

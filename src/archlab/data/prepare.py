@@ -290,7 +290,12 @@ def prepare(
         name = corpus_name or os.fspath(corpus)
         docs: Iterable[str] = corpora.iter_documents(corpus, text_field=text_field)
         if not name.startswith("hf:"):
-            report = corpora.scan_files(corpora.corpus_files(corpus))
+            files = corpora.corpus_files(corpus)
+            report = corpora.scan_files(files)
+            try:
+                corpora.refuse_non_text(files, report)         # before anything is written
+            except corpora.CorpusError as exc:
+                raise DataError(f"{name}: {exc}") from None
             if not report.clean:
                 warnings.warn(report.summary(), stacklevel=2)
     else:
@@ -301,6 +306,8 @@ def prepare(
     with fresh_output(out, overwrite=overwrite, inputs=inputs) as tmp:
         meta = _write_splits(docs, tok, tmp, dtype=dtype, eot_id=eot_id, seed=seed,
                              val_fraction=val_fraction, workers=workers, progress=progress, sentences=sentences)
+        if not any(s["tokens"] for s in meta["splits"].values()):
+            raise DataError(f"the corpus {name} holds no text: every document is empty (nothing written)")
         fault_point("prepare:split")
         meta.update(corpus=name, seed=seed, val_fraction=val_fraction, eot_token=eot_token,
                     vocab_size=vocab_size, text_field=text_field,

@@ -25,8 +25,8 @@ def planted(activation: str, dead_per_layer, ids: torch.Tensor) -> TransformerLM
                                       init={"std": 0.5})).eval()
     with torch.no_grad():
         for blk, dead in zip(model.blocks, dead_per_layer):
-            seen = []
-            hook = blk.mlp.register_forward_pre_hook(lambda _m, args: seen.append(args[0].flatten(0, -2)))
+            seen: list[torch.Tensor] = []
+            hook = blk.mlp.register_forward_pre_hook(lambda _m, args, seen=seen: seen.append(args[0].flatten(0, -2)))
             model(ids)
             hook.remove()
             x = seen[0]                                                              # (b t, d)

@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "diagnose", help="attention sinks, massive activations and attention entropy on a text",
         description="Measure attention sinks (first-token attention mass per layer and head), massive "
         "activations (max/median |hidden state| per layer, with token and dimension), attention "
-        "entropy and, for ReLU-family MLPs (relu, relu2, reglu), the share of units never active on the text. Example: archlab diagnose runs/tiny --text notes.txt",
+        "entropy and, for ReLU-family MLPs (relu, relu2, reglu), the share of units never active on the "
+        "text. Example: archlab diagnose runs/tiny --text notes.txt",
         epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="RUN_DIR_OR_HF_DIR", help="an archlab run folder or an HF model folder")

@@ -29,8 +29,8 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["diagnose", "effective_rank", "dead_unit_fractions", "RELU_FAMILY", "max_attention_logits", "attention_scores", "save_report",
-           "load_model_and_tokenizer"]
+__all__ = ["diagnose", "effective_rank", "dead_unit_fractions", "RELU_FAMILY", "max_attention_logits",
+           "attention_scores", "save_report", "load_model_and_tokenizer"]
 
 
 def effective_rank(hidden: torch.Tensor) -> float:
@@ -93,9 +93,9 @@ def diagnose(model, input_ids: torch.Tensor, tokens: Sequence[str] | None = None
     """Sinks, massive activations and entropies of `model` on `input_ids` (b, t) or (t,).
 
     Returns a JSON-ready dict: per layer `first_token_mass` and `entropy` per head, `max_abs`,
-    `median_abs`, `ratio`, `dead_unit_fraction` (dead_unit_fractions), and the `top` activations (batch row, token index, token, dim, value); and a
-    `summary` (first_token_mass averaged over layers and heads, max_ratio and its layer, max_activation,
-    mean_entropy).
+    `median_abs`, `ratio`, `dead_unit_fraction` (dead_unit_fractions), and the `top` activations (batch row,
+    token index, token, dim, value); and a `summary` (first_token_mass averaged over layers and heads, max_ratio
+    and its layer, max_activation, mean_entropy, dead_unit_fraction averaged over the layers that have one).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]

@@ -184,10 +184,10 @@ def test_stopping_the_server_cancels_a_half_sent_body_after_the_shutdown_timeout
 
 
 def test_the_command_passes_its_limits_to_uvicorn(tmp_path, monkeypatch, capsys):
-    import uvicorn
     _run_folder(tmp_path)
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    from archlab.serve.server import Server
+    monkeypatch.setattr(Server, "run", lambda self: seen.update(vars(self.config)))
     assert main(["serve", str(tmp_path), "--port", "0", "--shutdown-timeout", "2.5", "--max-request-mb", "1"]) == 0
     assert seen["timeout_graceful_shutdown"] == 2.5 and seen["host"] == "127.0.0.1"
     assert main(["serve", str(tmp_path), "--max-request-mb", "0"]) == 2

@@ -24,7 +24,8 @@ def register(subparsers) -> None:
                               "repetition_penalty, max_new_tokens) gives the defaults a request's own fields "
                               "override; the startup line and /v1/models list them. A field the server does not honour "
                               "is refused as OpenAI refuses it (a JSON 400 naming it); a request body past "
-                              "--max-request-mb is a 413; SIGTERM cancels open requests after --shutdown-timeout "
+                              "--max-request-mb is a 413; on SIGTERM a request whose body is still arriving is "
+                              "answered 503 at once, and requests generating are cancelled after --shutdown-timeout "
                               "seconds.",
                               epilog=SERVE_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", metavar="RUN_OR_HF_FOLDER", help="a run folder or a Hugging Face model folder")
@@ -48,11 +49,12 @@ def run(args) -> int:
     if not 0 <= args.shutdown_timeout < math.inf:
         raise UserError(f"--shutdown-timeout {args.shutdown_timeout:g} must be a number of seconds >= 0")
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the serve extra's, checked before the model loads
     except ImportError:
         raise UserError("archlab serve needs the serve extra: pip install 'archlab[serve]'") from None
     from archlab.cli.generate import check_device
     from archlab.serve import Engine, create_app
+    from archlab.serve.server import make_server
 
     check_device(args.device)
     engine = Engine.from_folder(args.path, args.device)
@@ -64,7 +66,8 @@ def run(args) -> int:
         print("generation_config.json, not applied (one sequence a request, no beam search): "
               + ", ".join(engine.not_applied), flush=True)
     limits = Limits(max_body_bytes=int(args.max_request_mb * MB), shutdown_timeout_s=args.shutdown_timeout)
-    # a client holding a half-sent body cannot keep a stopping server up past the graceful-shutdown timeout
-    uvicorn.run(create_app(engine, limits), host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=limits.shutdown_timeout_s)
+    # a client holding a half-sent body is answered 503 as the server starts stopping (archlab.serve.server);
+    # requests already generating get the graceful-shutdown timeout to finish
+    make_server(create_app(engine, limits), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=limits.shutdown_timeout_s).run()
     return 0

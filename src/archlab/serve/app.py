@@ -56,6 +56,9 @@ def create_app(engine: Engine, limits: Limits | None = None):
     Example: uvicorn.run(create_app(Engine.from_folder("runs/demo")), host="127.0.0.1", port=8000)"""
     limits = limits or Limits()
     app = FastAPI(title="archlab", description="OpenAI-compatible completions over an archlab model")
+    # set when the server starts stopping (archlab.serve.server): a body still arriving is answered 503 at once,
+    # so a stalled client does not hold the shutdown for its whole graceful timeout
+    app.state.stopping = asyncio.Event()
     created = int(time.time())
     _error_handlers(app)
 
@@ -160,15 +163,29 @@ async def _json(request: Request, limits: Limits) -> dict:
                 raise too_large
             chunks.append(chunk)
         return b"".join(chunks)
-    try:
-        raw = await asyncio.wait_for(read(), limits.body_timeout_s)
-    except TimeoutError:
-        raise RequestError(f"the request body did not arrive within {limits.body_timeout_s:g} s", code="timeout",
-                           status=408) from None
+    raw = await _until_stopping(request, read(), limits.body_timeout_s)
     body = await off_loop(_parse_json, raw)
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     return body
+
+
+async def _until_stopping(request: Request, reading, seconds: float) -> bytes:
+    """The body `reading` gives, unless it has not arrived within `seconds` (408) or the server starts stopping
+    first (503: nothing was done for the request yet, so it is not worth the graceful shutdown's wait)."""
+    reader = asyncio.ensure_future(reading)
+    stopper = asyncio.ensure_future(request.app.state.stopping.wait())
+    try:
+        done, _ = await asyncio.wait({reader, stopper}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (reader, stopper):
+            task.cancel()
+    if reader in done:
+        return reader.result()
+    if stopper in done:
+        raise RequestError("the server is shutting down: the request body had not arrived", code="shutting_down",
+                           status=503)
+    raise RequestError(f"the request body did not arrive within {seconds:g} s", code="timeout", status=408)
 
 
 def _parse_json(raw: bytes):

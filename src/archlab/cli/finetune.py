@@ -37,7 +37,8 @@ def register(subparsers) -> None:
                    "attention.dropout=0.1 ...")
     p.add_argument("--lora-r", type=int, help="LoRA rank (train.lora.r): adapters only, the base frozen")
     p.add_argument("--lora-alpha", type=float, help="LoRA alpha (train.lora.alpha, default 16)")
-    p.add_argument("--lora-targets", help="LoRA targets (train.lora.targets): q,v (default), all-linear, ...")
+    p.add_argument("--lora-targets", help="LoRA targets (train.lora.targets): q,v (default), all-linear, module "
+                   "names, or a regex matched in full against module names as PEFT does ('.*attn[.](q|v)_proj')")
     p.add_argument("--lora-trainable-tokens", metavar="IDS|TOKENS|template",
                    help="input-embedding rows that train beside the adapters (train.lora.trainable_tokens): a comma "
                    "list of token ids or texts, or template (the chat template's special tokens)")

@@ -75,7 +75,8 @@ class TrainConfig:
     lora_r: int | None = None              # LoRA adapters of this rank (None: every parameter trains); the base frozen
     lora_alpha: float = 16.0               # the adapter's scale is alpha / r (alpha / sqrt(r) with lora_rslora)
     lora_dropout: float = 0.0              # dropout on the adapters' input
-    lora_targets: str = "q,v"              # comma list: q, k, v, o, gate, up, down, module names, HF names, all-linear
+    lora_targets: str = "q,v"              # comma list: q, k, v, o, gate, up, down, module names, HF names, a
+    #                                        full-match regex (.*(q|v)_proj, as PEFT), all-linear
     lora_rslora: bool = False              # rank-stabilised scaling (Kalajdzievski 2023)
     lora_trainable_tokens: str = ""        # comma list of token ids, token texts, or `template` (the chat template's
                                            # special tokens): their input-embedding rows train too (PEFT's

@@ -24,7 +24,7 @@ def test_round_trip_dict_and_yaml():
     ({"position.rotary_fraction": 0.2}, "rotary dim 3"),
     ({"attention.window": 0}, "window=0"),
     ({"mlp.moe": {"n_experts": 2, "top_k": 3}}, "top_k=3"),
-    ({"norm.kind": "batchnorm"}, "norm.kind='batchnorm'"),
+    ({"norm.kind": "groupnorm"}, "norm.kind='groupnorm'"),
     ({"mlp.activation": "tanh"}, "mlp.activation='tanh'"),
     ({"position.kind": "xpos"}, "position.kind='xpos'"),
     ({"d_model": 0}, "d_model=0"),

@@ -24,7 +24,7 @@ class ConfigError(UserError, ValueError):
     """An impossible or unknown configuration; the message names the field and the value."""
 
 
-NormKind = Literal["layernorm", "rmsnorm", "rmsnorm_1p", "layernorm_1p", "nonparametric"]
+NormKind = Literal["layernorm", "rmsnorm", "rmsnorm_1p", "layernorm_1p", "nonparametric", "batchnorm"]
 NormPosition = Literal["post", "pre", "sandwich", "post_sublayer"]
 Activation = Literal[
     "relu", "gelu", "gelu_tanh", "relu2", "silu", "elu", "selu",

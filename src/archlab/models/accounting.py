@@ -57,7 +57,7 @@ def _norm_params(cfg: ModelConfig, dim: int, bias: bool) -> int:
     kind = cfg.norm.kind
     if kind == "nonparametric":
         return 0
-    if kind in ("layernorm", "layernorm_1p"):
+    if kind in ("layernorm", "layernorm_1p", "batchnorm"):
         return dim * (2 if bias else 1)
     return dim  # rmsnorm kinds have no bias
 

@@ -2,7 +2,14 @@
 
 LayerNorm (Ba et al. 2016), RMSNorm (Zhang & Sennrich 2019, arXiv 1910.07467), RMSNorm with
 (1 + w) weights (Gemma), LayerNorm1p (Nemotron: weight stored as w - 1), non-parametric LayerNorm
-(OLMo 1: no weight, no bias). All compute in float32 and cast back: bf16 variance underflows.
+(OLMo 1: no weight, no bias), and BatchNorm (Ioffe & Szegedy 2015) for comparison. All compute in float32
+and cast back: bf16 variance underflows.
+
+BatchNorm normalizes each channel by statistics over every (row, position) of the batch while training, so
+what one token's output is depends on the other tokens in the batch: on later tokens (a causal LM's training
+forward sees the future through the mean), and on padding: padded slots enter the statistics (Shen et al.
+2020, "PowerNorm", arXiv 2003.07845, on why Transformers use LayerNorm). At evaluation it uses running
+averages and acts on each token alone.
 """
 from __future__ import annotations
 
@@ -77,6 +84,34 @@ class RMSNorm1p(RMSNorm):
     """Gemma: weights stored zero-initialised and applied as (1 + w)."""
 
     weight_offset = 1.0
+
+
+@NORMS.register("batchnorm")
+class BatchNorm(nn.Module):
+    """y = (x - mean_batch) / std_batch * w + b per channel (Ioffe & Szegedy 2015), the statistics over all
+    leading dims (b, t, ...) in training, running averages (momentum 0.1, as torch) in evaluation."""
+
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = False, momentum: float = 0.1):
+        super().__init__()
+        self.eps, self.momentum = eps, momentum
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        self.register_buffer("running_mean", torch.zeros(dim))
+        self.register_buffer("running_var", torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:           # (..., d) -> same
+        flat = x.float().reshape(-1, x.shape[-1])                   # (b t, d): every position is a sample
+        bias = None if self.bias is None else self.bias.float()
+        mean, var = self.running_mean.float(), self.running_var.float()   # the buffers themselves when float32
+        y = F.batch_norm(flat, mean, var, self.weight.float(), bias, self.training, self.momentum, self.eps)
+        if self.training and mean is not self.running_mean:                # a bf16 model: write the update back
+            with torch.no_grad():
+                self.running_mean.copy_(mean)
+                self.running_var.copy_(var)
+        return y.reshape(x.shape).to(x.dtype)
 
 
 def build_norm(kind: str, dim: int, eps: float, bias: bool) -> nn.Module:

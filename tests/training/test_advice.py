@@ -69,6 +69,7 @@ def test_dpo_on_messages_without_a_template_says_the_command_line_way(world, tmp
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow                 # a DPO run and an eval: ~9 s on a loaded 2-core machine
 def test_eval_on_a_dpo_run_says_what_eval_needs_and_where_the_dpo_figures_are(world, tmp_path, capsys):
     run = tmp_path / "dpo"
     assert main(["train", "--init-from", str(world / "base"), "--data", str(world / "prefs.jsonl"), "--out",

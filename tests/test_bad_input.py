@@ -684,6 +684,8 @@ CASES = [
     ("demo unknown corpus", ["demo", "--quick", "--corpus", "{tmp}/nocorpus", "--out", "{new}"], "nocorpus"),
     ("demo post-training with an arch", ["demo", "--post-training", "--arch", "encoder", "--out", "{new}"],
      "drop --arch"),
+    ("demo seed without post-training", ["demo", "--seed", "1", "--out", "{new}"], "--seed applies to --post-training"),
+    ("demo negative seed", ["demo", "--post-training", "--seed", "-1", "--out", "{new}"], "--seed=-1 must be in"),
 ]
 
 

@@ -4,31 +4,10 @@ import json
 
 import pytest
 
+from archlab.data import reverse_words as rw
 from archlab.demo import post_training as pt
-
-
-def test_held_out_words_never_reach_any_training_line(tmp_path):
-    sft, dpo = pt.write_task_data(tmp_path, sft_examples=2000, dpo_pairs=500)
-    held = set(pt.reverse_problems(200))
-    assert len(held) > 150 and all(len(w) == pt.WORD_LENGTH for w in held)
-    seen = set()
-    for line in sft.read_text().splitlines():
-        row = json.loads(line)
-        word = row["messages"][0]["content"].removeprefix(pt.INSTRUCTION)
-        answer = row["messages"][1]["content"]
-        assert answer in (word[::-1], word[::-1].upper())
-        seen.add(word)
-    for line in dpo.read_text().splitlines():
-        row = json.loads(line)
-        word = row["prompt"][0]["content"].removeprefix(pt.INSTRUCTION)
-        assert row["chosen"][0]["content"] == word[::-1] and row["rejected"][0]["content"] == word[::-1].upper()
-        seen.add(word)
-    docs = pt._base_documents(2000)
-    assert all(doc == pt.plain_prompt(doc.split()[1]) + doc.split()[1][::-1] for doc in docs)
-    base_words = {doc.split()[1] for doc in docs}
-    assert not held & (seen | base_words)
-    capitals = sum(json.loads(line)["messages"][1]["content"].isupper() for line in sft.read_text().splitlines())
-    assert 0.4 < capitals / 2000 < 0.6                      # two annotators, one in capitals
+from archlab.eval.reverse_words import score_reversal
+from archlab.training import recipes
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +41,7 @@ def test_scoring_counts_exact_and_preferred_answers(quick_demo, monkeypatch):
     import torch
 
     result, _ = quick_demo
-    words = pt.reverse_problems(12)
+    words = rw.reverse_problems(12)
     folder = result.run_dir / "sft"
     from archlab.runs import model_folder
     from archlab.tokenizer.chat import ChatTokenizer, apply_chat_template
@@ -70,20 +49,20 @@ def test_scoring_counts_exact_and_preferred_answers(quick_demo, monkeypatch):
     chat = ChatTokenizer.of(folder / "tokenizer")
     real_model, tokenizer = model_folder.load_model_and_tokenizer(folder)
     end = chat.tokenizer.token_to_id("<|im_end|>")
-    width = len(apply_chat_template(chat, pt._user(words[0]), add_generation_prompt=True))
+    width = len(apply_chat_template(chat, rw.user_turn(words[0]), add_generation_prompt=True))
     kinds = {w: ("lower", "upper", "wrong")[i % 3] for i, w in enumerate(words)}
 
     def fake_generate(model, ids, max_new_tokens, eos_token_id):
         rows = []
         for row in ids.tolist():
-            word = tokenizer.decode(row).split(pt.INSTRUCTION)[1][:pt.WORD_LENGTH]
+            word = tokenizer.decode(row).split(rw.INSTRUCTION)[1][:rw.WORD_LENGTH]
             answer = {"lower": word[::-1], "upper": word[::-1].upper(), "wrong": word}[kinds[word]]
             rows.append(row + tokenizer.encode(answer) + [end])
         return torch.tensor(rows)
 
     monkeypatch.setattr("archlab.generation.decode.generate", fake_generate)
-    scores = pt.score_reversal(folder, words)
-    assert width > pt.WORD_LENGTH
+    scores = score_reversal(folder, words)
+    assert width > rw.WORD_LENGTH
     assert scores == {"exact": 8 / 12, "preferred": 4 / 12}
 
 
@@ -94,6 +73,23 @@ def test_the_demo_command_runs_the_three_stages(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "[2/4] instruction tuning" in out and "[3/4] preference tuning (DPO" in out
     assert (tmp_path / "d" / "dpo" / "config.yaml").exists()
+
+
+def test_the_seed_drives_init_and_data_order_of_every_stage_and_0_is_the_default():
+    cfg = recipes.reverse_words(quick=True, seed=3)
+    assert cfg["model"].seed == 3 and all(cfg[stage].seed == 3 for stage in ("base", "sft", "dpo"))
+    assert recipes.reverse_words(quick=True) == recipes.reverse_words(quick=True, seed=0)
+    assert recipes.reverse_words(quick=True, seed=3)["sft_examples"] == cfg["sft_examples"]   # the same task
+
+
+def test_the_demo_command_passes_its_seed_to_the_stages(tmp_path, monkeypatch):
+    from archlab.cli import main
+
+    seen = {}
+    monkeypatch.setattr(pt, "run_post_training_demo", lambda out, **kw: seen.update(kw, out=out))
+    assert main(["demo", "--post-training", "--seed", "2", "--out", str(tmp_path / "d")]) == 0
+    assert seen["seed"] == 2 and seen["out"] == str(tmp_path / "d")
+    assert main(["demo", "--post-training", "--out", str(tmp_path / "e")]) == 0 and seen["seed"] == 0
 
 
 @pytest.mark.slow

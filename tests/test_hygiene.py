@@ -3,6 +3,7 @@ circle between archlab's modules (layers read downward only)."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,7 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, modules: dict[str, 
     return out
 
 
+@functools.cache
 def import_graph(lazy: bool) -> dict[str, dict[str, int]]:
     """{module: {imported archlab module: line}}; function-level imports count when `lazy`."""
     modules = _module_names()
@@ -123,3 +125,73 @@ def test_archlab_modules_import_each_other_without_a_circle(lazy):
     cycle = find_cycle(graph)
     assert cycle is None, "import circle (module:line of the import): " + " -> ".join(
         f"{a}:{graph[a][b]}" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+# --------------------------------------------------------------------------- layers
+# Rooms by layer, top first: a module imports its own room, rooms of lower layers and the leaves (config.py,
+# errors.py, units.py, progress.py, paths.py, faults.py). docs/architecture.md draws the same picture.
+LAYERS = [("cli",), ("demo", "lab", "serve"), ("training", "eval"), ("runs", "interop"),
+          ("models", "generation", "data"), ("nn", "tokenizer")]
+LEAVES = ("config", "errors", "units", "progress", "paths", "faults")
+# Rooms of one layer that read each other: the trainer's validation and DPO's held-out pairs are eval's one
+# evaluation, which runs under training's precision and unwraps its DDP/FSDP model; the one loader of any model
+# folder (runs) reads HF folders and PEFT adapters (interop), which read safetensors through runs' checkpoint code.
+PEERS = {("training", "eval"), ("eval", "training"), ("runs", "interop"), ("interop", "runs")}
+# The imports that read upward today, each with its reason; a new one fails the test below, and one that goes
+# away must leave this list (the last test).
+LAYER_EXCEPTIONS = {
+    ("archlab.data.corpora", "archlab.runs.hub"): "a corpus named hf:NAME resolves through the hub ids",
+    ("archlab.data.pairs", "archlab.runs.outputs"): "prepared folders are one-shot outputs, replaced atomically",
+    ("archlab.data.prepare", "archlab.runs.outputs"): "the same",
+    ("archlab.generation.drafts", "archlab.eval.ngram"): "the n-gram draft is eval's Kneser-Ney model",
+    ("archlab.nn.tiled_attention", "archlab.training.precision"): "whether the CPU has bf16 units",
+    ("archlab.runs.model_folder", "archlab.eval.fill_mask"): "the loader refuses a model fill-mask cannot use",
+    ("archlab.runs.provenance", "archlab.training.precision"): "provenance records the CPU's precision flags",
+}
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _layer(room: str) -> int:
+    """0 for the leaves and the package itself, 1 for nn/tokenizer, ... 6 for cli."""
+    for depth, rooms in enumerate(LAYERS):
+        if room in rooms:
+            return len(LAYERS) - depth
+    return 0
+
+
+def layer_breaches(graph: dict[str, dict[str, int]]) -> dict[tuple[str, str], int]:
+    """{(module, imported module): line} for each import of a room in the same layer (but PEERS) or a higher one."""
+    out = {}
+    for module, targets in graph.items():
+        room = _room(module)
+        for target, line in targets.items():
+            other = _room(target)
+            up = _layer(other) > _layer(room) or (_layer(other) == _layer(room) > 0)     # leaves use leaves
+            if other != room and up and room != "__main__" and (room, other) not in PEERS:
+                out[(module, target)] = line
+    return out
+
+
+def test_the_layers_name_every_room_and_the_rule_catches_a_planted_breach():
+    rooms = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert rooms == {room for layer in LAYERS for room in layer}, "a room missing from LAYERS (or gone)"
+    leaves = {p.stem for p in SRC.glob("*.py")} - {"__init__", "__main__"}
+    assert leaves == set(LEAVES)
+    planted = {"archlab.data.x": {"archlab.training.trainer": 3, "archlab.nn.norms": 4, "archlab.data.y": 5},
+               "archlab.lab.x": {"archlab.demo.run": 6}, "archlab.config": {"archlab.errors": 7},
+               "archlab.eval.x": {"archlab.training.precision": 8}}
+    assert layer_breaches(planted) == {("archlab.data.x", "archlab.training.trainer"): 3,
+                                       ("archlab.lab.x", "archlab.demo.run"): 6}
+
+
+def test_modules_import_downward_only_but_for_the_listed_exceptions():
+    """Function-level imports count: a lazy import upward is still a dependency upward."""
+    breaches = layer_breaches(import_graph(lazy=True))
+    new = {f"{a}:{line} -> {b}" for (a, b), line in breaches.items() if (a, b) not in LAYER_EXCEPTIONS}
+    assert not new, f"imports that read sideways or upward (see LAYERS, PEERS): {sorted(new)}"
+    gone = set(LAYER_EXCEPTIONS) - set(breaches)
+    assert not gone, f"listed exceptions that no longer exist: drop them from LAYER_EXCEPTIONS: {sorted(gone)}"

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from archlab.config import ConfigError
-from archlab.demo import post_training as pt
+from archlab.data import reverse_words
 from archlab.lab import finetune as lab_finetune
 from archlab.lab import suites
 from archlab.lab.plan import plan
@@ -16,6 +16,7 @@ from archlab.lab.report import build_report
 from archlab.lab.runner import run_suite
 from archlab.lab.store import ResultStore
 from archlab.runs.lock import RunLock
+from archlab.training import recipes
 
 
 def _tiny_suite(**kw) -> suites.Suite:
@@ -36,7 +37,7 @@ def _tiny_suite(**kw) -> suites.Suite:
 
 @pytest.fixture(scope="module")
 def task_data(tmp_path_factory):
-    return pt.prepare_task_folder(tmp_path_factory.mktemp("lab-ft") / "data", quick=True, progress=False)
+    return reverse_words.prepare_task_folder(tmp_path_factory.mktemp("lab-ft") / "data", quick=True, progress=False)
 
 
 def test_finetune_suites_share_one_base_unless_per_seed(tmp_path):
@@ -46,7 +47,7 @@ def test_finetune_suites_share_one_base_unless_per_seed(tmp_path):
     norm = plan(suites.BUILTIN["norm_transfer"], tmp_path, vocab_size=259)
     assert len({p.base.folder for p in norm}) == len(norm)         # per seed and per norm position
     assert {p.base.model.norm.position for p in norm} == {"pre", "post"}
-    demo = pt.post_training_configs(quick=False)
+    demo = recipes.reverse_words(quick=False)
     model = lora[0].base.model.to_dict()
     assert {**model, "name": "", "vocab_size": 0, "seed": 0} == {**demo["model"].to_dict(), "name": "",
                                                                   "vocab_size": 0, "seed": 0}

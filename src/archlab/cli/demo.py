@@ -11,6 +11,7 @@ EXAMPLE = """example:
   archlab demo --arch encoder       # a BERT-style masked LM, ~4 minutes; run folder ./runs/demo-encoder
   archlab demo --arch encoder_decoder   # a T5-style model on span corruption; ./runs/demo-encoder_decoder
   archlab demo --post-training      # pretraining, SFT and DPO of a tiny model; ./runs/demo-post-training
+  archlab demo --post-training --seed 1 --out runs/demo-post-training-1   # another init and data order
   archlab demo --quick              # seconds: a smoke test of every stage"""
 
 
@@ -36,6 +37,9 @@ def register(subparsers) -> None:
     p.add_argument("--post-training", action="store_true",
                    help="the three training stages instead: pretrain a tiny model on a generated task, instruction-"
                    "tune it on chat examples (SFT) and preference-tune it (DPO); held-out exact match before/after")
+    p.add_argument("--seed", type=int, default=None,
+                   help="with --post-training: the model's init and the stages' data order (default 0); the "
+                   "figures vary with it, as with the CPU")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -46,6 +50,8 @@ def run(args) -> int:
 
     if args.post_training:
         return _post_training(args)
+    if args.seed is not None:
+        raise ConfigError("--seed applies to --post-training (the other demos train with the config's seed 0)")
     if not 0 < args.minutes < math.inf:
         raise ConfigError(f"--minutes {args.minutes} must be a positive number")
     if args.arch == "encoder" and args.prompt is not None and MASK_TOKEN not in args.prompt:
@@ -57,7 +63,7 @@ def run(args) -> int:
 
 
 def _post_training(args) -> int:
-    from archlab.config import ConfigError
+    from archlab.config import ConfigError, check_seed
     from archlab.demo.post_training import run_post_training_demo
 
     defaults = (("--arch", args.arch, "decoder"), ("--minutes", args.minutes, 2.5),
@@ -65,5 +71,8 @@ def _post_training(args) -> int:
     given = [flag for flag, value, default in defaults if value != default]
     if given:
         raise ConfigError(f"--post-training generates its own task and sizes: drop {', '.join(given)}")
-    run_post_training_demo(args.out or "runs/demo-post-training", quick=args.quick, progress=not args.no_progress)
+    seed = 0 if args.seed is None else args.seed
+    check_seed("--seed", seed)
+    run_post_training_demo(args.out or "runs/demo-post-training", quick=args.quick, seed=seed,
+                           progress=not args.no_progress)
     return 0

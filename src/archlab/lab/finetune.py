@@ -3,12 +3,12 @@
     1. the base     pretrained once per distinct BaseSpec (model + pretraining settings, archlab.lab.plan) into
                     SWEEP/bases/<hash>/run, under a lock on SWEEP/bases/<hash>/: a worker that finds another
                     building it waits, and every run (and seed, unless `finetune.bases: per_seed`) reuses it
-    2. fine-tuning  archlab.training.finetune on the data folder's SFT examples (archlab.demo.post_training
+    2. fine-tuning  archlab.training.finetune on the data folder's SFT examples (archlab.data.reverse_words
                     SFT_FILE) with the run's TrainConfig: full fine-tuning, or LoRA with train.lora_r
-    3. scoring      greedy answers to held-out words (post_training.score_reversal): `exact_match` (case
-                    ignored) and `preferred_case` in the row's extra; final_val_loss is the SFT validation loss
+    3. scoring      greedy answers to held-out words (archlab.eval.reverse_words.score_reversal): `exact_match`
+                    (case ignored) and `preferred_case` in the row's extra; final_val_loss is the SFT validation loss
 
-The data folder is what `prepare_task_folder` writes (a sweep prepares it as corpus "reverse-words").
+The data folder is what data.reverse_words.prepare_task_folder writes (a sweep prepares it as corpus "reverse-words").
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ WAIT_S = 2.0                 # how often a worker waiting for another's base loo
 def ensure_base(spec: BaseSpec, data: Path) -> tuple[Path, dict]:
     """The base's run folder and its record ({seconds, exact_plain, ...}), pretraining it first unless a finished
     one is there. Two workers that need the same base at once: one builds it, the other waits for its record."""
-    from archlab.demo.post_training import reverse_problems, score_plain
+    from archlab.data.reverse_words import reverse_problems
+    from archlab.eval.reverse_words import score_plain
     from archlab.training.trainer import train
 
     run_dir, record_path = spec.folder / "run", spec.folder / BASE_RECORD
@@ -66,7 +67,8 @@ def finetune_job(job: RunJob, train_and_measure: Callable[..., RunRecord],
     """One finetune row: the base (built or reused), fine-tuning (continued from its last checkpoint), scores.
     The worker hands in its own train_and_measure and failed (archlab.lab.worker), so this module does not import it.
     Example: worker.RUN_KINDS["finetune"](job) -> finetune_job(job, train_and_measure, failed)"""
-    from archlab.demo.post_training import SFT_FILE, reverse_problems, score_reversal
+    from archlab.data.reverse_words import SFT_FILE, reverse_problems
+    from archlab.eval.reverse_words import score_reversal
     from archlab.training.finetune import finetune
 
     run, record, spec = job.run, job.record, job.run.base
@@ -76,7 +78,7 @@ def finetune_job(job: RunJob, train_and_measure: Callable[..., RunRecord],
     try:
         if not sft.is_file():
             raise UserError(f"{job.data} holds no {SFT_FILE}: a finetune suite reads the data of "
-                            "archlab.demo.post_training.prepare_task_folder (corpus reverse-words)")
+                            "archlab.data.reverse_words.prepare_task_folder (corpus reverse-words)")
         base_dir, base = ensure_base(spec, Path(job.data))
     except LockedError:
         raise

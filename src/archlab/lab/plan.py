@@ -129,9 +129,9 @@ def _check_finetune(suite: Suite) -> None:
 def _base_spec(suite: Suite, model: ModelConfig, sft: TrainConfig, seed: int, sweep_dir: Path) -> BaseSpec:
     """A finetune run's base: the variant's model, pretrained with the demo's base settings (finetune.pretrain
     over them), seed 0 for every run (`bases: shared`) or the run's seed (`per_seed`)."""
-    from archlab.demo.post_training import post_training_configs
+    from archlab.training.recipes import reverse_words
 
-    demo = post_training_configs(quick=False)
+    demo = reverse_words(quick=False)
     settings = suite.finetune or {}
     base_seed = seed if settings.get("bases") == "per_seed" else 0
     try:

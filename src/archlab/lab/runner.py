@@ -48,16 +48,15 @@ def ensure_data(sweep_dir: Path, data_dir: str | Path | None = None, corpus: str
     if data_dir is not None:
         load_meta(data_dir)  # raises a clear DataError when it is not prepared
         return Path(data_dir)
-    from archlab.data import arithmetic
-    from archlab.demo import post_training
+    from archlab.data import arithmetic, reverse_words
 
     target = Path(sweep_dir) / DATA_SUBDIR
     if not (target / "meta.json").is_file():
         digits = arithmetic.digits_of(corpus)
-        if corpus == post_training.CORPUS:      # the post-training demo's base corpus and SFT examples
+        if corpus == reverse_words.CORPUS:      # the post-training demo's base corpus and SFT examples
             if target.exists():
                 shutil.rmtree(target)           # a preparation that stopped half way
-            post_training.prepare_task_folder(target, progress=progress)
+            reverse_words.prepare_task_folder(target, progress=progress)
         elif digits is not None:                # generated here (the emergence suite's addition problems)
             prepare(arithmetic.documents(digits), tokenizer, target, progress=progress, overwrite=True,
                     corpus_name=corpus)

@@ -695,10 +695,11 @@ def _document_masks() -> Suite:
 
 
 def _post_training_base() -> dict:
-    """The post-training demo's model and SFT settings (archlab.demo.post_training) as a suite `base`: every key
-    the demo sets away from the defaults, and every key the lab's base and scales set (so neither leaks in)."""
-    from archlab.demo.post_training import post_training_configs
+    """The post-training demo's model and SFT settings (archlab.training.recipes.reverse_words) as a suite `base`:
+    every key the demo sets away from the defaults, and every key the lab's base and scales set (so neither leaks
+    in)."""
     from archlab.training.config import TrainConfig
+    from archlab.training.recipes import reverse_words
 
     def flat(d: dict, prefix: str = "") -> dict:
         out: dict = {}
@@ -706,7 +707,7 @@ def _post_training_base() -> dict:
             out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
         return out
 
-    demo = post_training_configs(quick=False)
+    demo = reverse_words(quick=False)
     model, default_model = flat(demo["model"].to_dict()), flat(ModelConfig().to_dict())
     keep = set(BASE_MODEL) | {k for k, v in model.items() if v != default_model.get(k)}
     sft, default_train = demo["sft"].to_dict(), TrainConfig().to_dict()

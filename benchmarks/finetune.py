@@ -5,7 +5,7 @@
 A synthetic instruction task (reverse a list of words, lengths drawn log-normally so that many examples are
 short and a few long) in ChatML, a BPE tokenizer trained on it, an untrained decoder (d 128, 4 layers) saved as
 the base run; then two fine-tunes of --steps optimizer steps through archlab.training.finetune, the same
-examples and settings but train.packing: packed rows of --seq tokens with document ids, or one example per row
+examples and settings but train.sft.packing: packed rows of --seq tokens with document ids, or one example per row
 padded to the batch's longest. Printed: each run's real tokens per second (the trainer's count: padding
 excluded), the real-token share of the slots over an epoch (archlab.data.sft.real_token_share), and the ratio.
 """
@@ -28,7 +28,7 @@ from archlab.runs.checkpoint import save_checkpoint
 from archlab.runs.provenance import provenance_line
 from archlab.tokenizer import train as train_bpe
 from archlab.tokenizer.chat_builtin import install_chat_template
-from archlab.training.config import TrainConfig
+from archlab.training.config import SFTConfig, TrainConfig
 from archlab.training.finetune import finetune
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
@@ -80,7 +80,7 @@ def main() -> None:
         for packing in (True, False):
             cfg = TrainConfig(batch_size=args.batch, seq_len=args.seq, budget=args.steps, lr=1e-3, warmup_steps=2,
                               eval_every=0, eval_batches=2, sample_every=-1, device="cpu", dtype="float32",
-                              packing=packing, memory_check=False, checkpoint_every=0)
+                              sft=SFTConfig(packing=packing), memory_check=False, checkpoint_every=0)
             out = root / ("packed" if packing else "padded")
             result = finetune(base, data, out, train_cfg=cfg, progress=False)
             share = real_token_share(SFTDataset(out / "data"), args.batch, args.seq, packing)

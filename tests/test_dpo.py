@@ -24,7 +24,7 @@ from archlab.runs.model_folder import load_run
 from archlab.tokenizer import train as train_tokenizer
 from archlab.tokenizer.chat import ChatTokenizer
 from archlab.tokenizer.chat_builtin import install_chat_template
-from archlab.training.config import TrainConfig
+from archlab.training.config import DPOConfig, TrainConfig
 from archlab.training.dpo import REFERENCE_FILE, DPOBatches, implicit_rewards, preference_loss
 from archlab.training.metrics import read_metrics
 from archlab.training.trainer import train
@@ -97,12 +97,12 @@ def test_first_step_loss_is_ln2_and_rewards_start_at_zero(world, tmp_path):
 
 def test_loss_and_rewards_equal_the_formula_from_both_models_logps(world, tmp_path):
     run = tmp_path / "run"
-    _dpo(world, run, "--set", "train.budget=3", "--set", "train.lr=1e-2", "--set", "train.dpo_beta=0.5")
+    _dpo(world, run, "--set", "train.budget=3", "--set", "train.lr=1e-2", "--set", "train.dpo.beta=0.5")
     base, _ = load_run(world / "base")
     policy, _ = load_run(run)
     base.eval()
     policy.eval()
-    cfg = TrainConfig(batch_size=4, seq_len=32, objective="dpo", dpo_beta=0.5)
+    cfg = TrainConfig(batch_size=4, seq_len=32, method="dpo", dpo=DPOConfig(beta=0.5))
     data = load_preference_data(world / "prefs.jsonl", world / "tok", max_tokens=32, progress=False)
     stored = load_file(str(run / REFERENCE_FILE))
     assert stored["line"].tolist() == [p.line for p in data.pairs]
@@ -175,7 +175,7 @@ def test_resume_is_exact(world, tmp_path):
 
 
 def test_with_lora_the_reference_is_the_base_and_only_adapters_train(world, tmp_path):
-    _dpo(world, tmp_path / "run", "--set", "train.budget=2", "--set", "train.lora_r=2", "--set", "train.lr=1e-2")
+    _dpo(world, tmp_path / "run", "--set", "train.budget=2", "--set", "train.lora.r=2", "--set", "train.lr=1e-2")
     first = _steps(tmp_path / "run")[0]
     assert abs(first["loss"] - math.log(2)) < 1e-6
     trained, _ = load_checkpoint(latest_checkpoint(tmp_path / "run"))
@@ -237,9 +237,9 @@ def _trl_loss(loss_type: str, beta: float, ids, labels, logprobs, ref) -> tuple[
 def test_loss_and_logs_equal_trls_on_one_batch(world, tmp_path, kind):
     pytest.importorskip("trl")
     run = tmp_path / "run"
-    _dpo(world, run, "--set", "train.budget=2", "--set", "train.lr=1e-2", "--set", f"train.dpo_loss={kind}")
+    _dpo(world, run, "--set", "train.budget=2", "--set", "train.lr=1e-2", "--set", f"train.dpo.loss={kind}")
     policy, _ = load_run(run)
-    cfg = TrainConfig(batch_size=4, seq_len=32, objective="dpo", dpo_beta=0.1, dpo_loss=kind)
+    cfg = TrainConfig(batch_size=4, seq_len=32, method="dpo", dpo=DPOConfig(beta=0.1, loss=kind))
     data = load_preference_data(world / "prefs.jsonl", world / "tok", max_tokens=32, progress=False)
     stored = load_file(str(run / REFERENCE_FILE))
     batches = DPOBatches(data, cfg)
@@ -308,17 +308,17 @@ def test_resume_with_other_data_is_refused_and_leaves_the_run_as_it_was(world, t
 
 
 def test_held_out_pairs_never_train_and_their_loss_equals_the_formula(world, tmp_path):
-    """train.dpo_val_fraction: the held-out lines (a seeded hash of each line) are never drawn; val_loss and the
+    """train.dpo.val_fraction: the held-out lines (a seeded hash of each line) are never drawn; val_loss and the
     val_ rewards at the end equal the formula from both models' log-probabilities over exactly those pairs."""
     run = tmp_path / "run"
-    _dpo(world, run, "--set", "train.budget=3", "--set", "train.lr=1e-2", "--set", "train.dpo_beta=0.5",
-         "--set", "train.dpo_val_fraction=0.25")
+    _dpo(world, run, "--set", "train.budget=3", "--set", "train.lr=1e-2", "--set", "train.dpo.beta=0.5",
+         "--set", "train.dpo.val_fraction=0.25")
     data = load_preference_data(world / "prefs.jsonl", world / "tok", max_tokens=32, progress=False)
-    cfg = TrainConfig(batch_size=4, seq_len=32, objective="dpo", dpo_beta=0.5, dpo_val_fraction=0.25)
+    cfg = TrainConfig(batch_size=4, seq_len=32, method="dpo", dpo=DPOConfig(beta=0.5, val_fraction=0.25))
     from archlab.training.dpo import held_out
     val = held_out(data, cfg)
     assert 0 < len(val) < len(data.pairs)
-    assert held_out(data, cfg) == val and held_out(data, TrainConfig(dpo_val_fraction=0.25, seed=7)) != val
+    assert held_out(data, cfg) == val and held_out(data, TrainConfig(dpo=DPOConfig(val_fraction=0.25), seed=7)) != val
     batches = DPOBatches(data, cfg, val=val)
     drawn = {i for draw in range(40) for i in batches.sampler.indices(draw)}
     assert drawn == set(range(len(data.pairs))) - set(val)          # every training pair, no held-out one
@@ -337,7 +337,7 @@ def test_held_out_pairs_never_train_and_their_loss_equals_the_formula(world, tmp
     assert record["val_rewards/margins"] == pytest.approx(sum(margins) / len(margins), abs=1e-5)
     assert record["val_rewards/accuracies"] == pytest.approx(sum(m > 0 for m in margins) / len(margins))
     # without a hold-out there is nothing to validate on
-    _dpo(world, tmp_path / "all", "--set", "train.budget=1", "--set", "train.dpo_val_fraction=0")
+    _dpo(world, tmp_path / "all", "--set", "train.budget=1", "--set", "train.dpo.val_fraction=0")
     assert not [r for r in read_metrics(tmp_path / "all" / "metrics.jsonl") if "val_loss" in r]
 
 
@@ -352,7 +352,7 @@ def test_two_process_dpo_matches_single_process(world, tmp_path, strategy):
     import sys
 
     settings = [*COMMON, "--set", "train.objective=dpo", "--set", "train.budget=4", "--set", "train.lr=1e-2",
-                "--set", "train.eval_every=2", "--set", "train.dpo_val_fraction=0.25"]
+                "--set", "train.eval_every=2", "--set", "train.dpo.val_fraction=0.25"]
     args = ["train", "--init-from", str(world / "base"), "--data", str(world / "prefs.jsonl"), *settings]
     assert main([*args, "--out", str(tmp_path / "single")]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -21,12 +21,13 @@ from archlab.data.objectives import IGNORE
 from archlab.data.sft import SFTDataset, SFTSampler, collate_examples, pack_rows, real_token_share, write_sft_folder
 from archlab.eval.evaluate import evaluate
 from archlab.models import build_model
+from archlab.nn.lora import LoRAConfig
 from archlab.runs.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from archlab.runs.model_folder import load_run
 from archlab.tokenizer import train as train_bpe
 from archlab.tokenizer.chat import read_chat_templates
 from archlab.tokenizer.chat_builtin import CHAT_FORMATS, install_chat_template
-from archlab.training.config import TrainConfig
+from archlab.training.config import SFTConfig, TrainConfig
 from archlab.training.finetune import finetune
 
 WORDS = ["cat", "dog", "bird", "fish", "tree", "rock", "star", "moon", "sun", "rain", "snow", "wind"]
@@ -149,7 +150,7 @@ def _val_loss(run_or_model, data_dir: Path) -> float:
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_finetune_lowers_the_masked_loss(world, tmp_path, lora):
-    cfg = _cfg(lora_r=4, lora_targets="all-linear", lr=1e-2) if lora else _cfg(lr=1e-2)
+    cfg = _cfg(lora=LoRAConfig(r=4, targets=("all-linear",)), lr=1e-2) if lora else _cfg(lr=1e-2)
     out = tmp_path / "run"
     result = finetune(world["base"], world["data"], out, train_cfg=cfg, val=world["data"], progress=False)
     before = _val_loss(load_run(world["base"], device="cpu")[0], out / "data")
@@ -189,7 +190,8 @@ def test_finetune_through_the_cli_with_a_built_in_template_grows_the_vocabulary(
 
 
 def test_unpacked_finetune_trains_the_same_examples_padded(world, tmp_path):
-    result = finetune(world["base"], world["data"], tmp_path / "run", train_cfg=_cfg(packing=False, budget=3),
+    result = finetune(world["base"], world["data"], tmp_path / "run",
+                      train_cfg=_cfg(sft=SFTConfig(packing=False), budget=3),
                       progress=False)
     assert result.steps == 3 and result.final_val_loss is not None
 
@@ -218,7 +220,7 @@ def test_resume_of_a_finetune_is_exact(world, tmp_path):
     first = finetune(world["base"], world["data"], tmp_path / "prep", train_cfg=_cfg(budget=1), progress=False)
     assert first.steps == 1
     model_cfg = ModelConfig.from_dict(yaml.safe_load((tmp_path / "prep" / "config.yaml").read_text())["model"])
-    cfg = _cfg(budget=4, checkpoint_every=1, lora_r=2, lora_targets="q,v", eval_every=2, log_every=1)
+    cfg = _cfg(budget=4, checkpoint_every=1, lora=LoRAConfig(r=2, targets=("q", "v")), eval_every=2, log_every=1)
     assert_resume_is_exact(model_cfg, cfg, tmp_path / "prep" / "data", tmp_path)
 
 
@@ -244,7 +246,7 @@ def test_finetune_from_an_hf_folder_keeps_its_tokenizer_and_template(world, tmp_
     assert all(torch.allclose(state[k], base[k], atol=1e-6) for k in base)
 
 
-# ---- LoRA with trainable token rows (train.lora_trainable_tokens) --------------------------------------------------
+# ---- LoRA with trainable token rows (train.lora.trainable_tokens) --------------------------------------------------
 def test_template_names_the_special_tokens_the_chat_template_writes(world, tmp_path):
     from archlab.tokenizer.chat import ChatTokenizer
     from archlab.training.lora import resolve_tokens
@@ -253,17 +255,19 @@ def test_template_names_the_special_tokens_the_chat_template_writes(world, tmp_p
     install_chat_template(shutil.copytree(world["root"] / "tok_plain", tmp_path / "plain"), "plain")
     plain = ChatTokenizer.of(tmp_path / "plain")
     assert plain.template_token_ids() == [plain.tokenizer.token_to_id("<|endoftext|>")]   # plain writes only that
-    cfg = TrainConfig(lora_r=2).with_overrides({"lora.trainable_tokens": "<|im_end|>, 5,template,5"})
-    assert resolve_tokens(cfg, world["tok"]).lora_trainable_tokens == "5,300,301"
-    assert resolve_tokens(TrainConfig(lora_r=2, lora_trainable_tokens="7,2"), None).lora_trainable_tokens == "2,7"
+    cfg = TrainConfig(lora=LoRAConfig(r=2)).with_overrides({"lora.trainable_tokens": "<|im_end|>, 5,template,5"})
+    assert resolve_tokens(cfg, world["tok"]).lora.trainable_tokens == (5, 300, 301)
+    seven_two = TrainConfig(lora=LoRAConfig(r=2, trainable_tokens=(7, 2)))
+    assert resolve_tokens(seven_two, None).lora.trainable_tokens == (2, 7)
 
 
 def test_lora_with_template_tokens_trains_those_rows_alone(world, tmp_path):
     from archlab.runs.checkpoint import list_checkpoints, load_trainer_state
 
-    cfg = _cfg(lora_r=4, lora_targets="all-linear", lora_trainable_tokens="template", budget=4, lr=1e-2)
+    cfg = _cfg(lora=LoRAConfig(r=4, targets=("all-linear",), trainable_tokens=("template",)), budget=4, lr=1e-2)
     finetune(world["base"], world["data"], tmp_path / "run", train_cfg=cfg, progress=False)
-    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]["lora_trainable_tokens"] == "300,301"
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["train"]
+    assert recorded["lora"]["trainable_tokens"] == [300, 301]
     state, _ = load_checkpoint(latest_checkpoint(tmp_path / "run"))
     base, _ = load_checkpoint(latest_checkpoint(world["base"]))
     assert all(torch.equal(state[k], base[k]) for k in base)                     # embed.weight itself never moves
@@ -282,7 +286,7 @@ def test_a_trainable_token_that_is_no_token_is_one_line_and_writes_nothing(world
                "--lora-trainable-tokens", "<|im_start|>,<|nope|>", "--set", "train.memory_check=false"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err
-    assert "train.lora_trainable_tokens: '<|nope|>' is not a token of the tokenizer" in err
+    assert "train.lora.trainable_tokens: '<|nope|>' is not a token of the tokenizer" in err
     assert not out.exists()
 
 

@@ -26,7 +26,7 @@ def _tiny_suite(**kw) -> suites.Suite:
     fields = dict(name="ft_tiny", claim="LoRA comes close", runs="finetune", corpus="reverse-words", seeds=1,
                   axes=[{"name": "method", "values": [
                       {"label": "full", "set": {}},
-                      {"label": "lora-r2", "set": {"train.lora_r": 2, "train.lora_targets": "all-linear"}}]}],
+                      {"label": "lora-r2", "set": {"train.lora.r": 2, "train.lora.targets": "all-linear"}}]}],
                   base=base, scales={"small": {"budget": 3, "unit": "steps"}},
                   finetune={"pretrain": {"budget": 4, "batch_size": 8, "eval_every": 2, "warmup_steps": 1},
                             "test_words": 6},
@@ -43,7 +43,7 @@ def task_data(tmp_path_factory):
 def test_finetune_suites_share_one_base_unless_per_seed(tmp_path):
     lora = plan(suites.BUILTIN["lora_rank"], tmp_path, vocab_size=259)
     assert len({p.base.folder for p in lora}) == 1                  # full and every rank, every seed: one base
-    assert {p.train.lora_r for p in lora} == {None, 1, 4, 16}
+    assert {p.train.lora and p.train.lora.r for p in lora} == {None, 1, 4, 16}
     norm = plan(suites.BUILTIN["norm_transfer"], tmp_path, vocab_size=259)
     assert len({p.base.folder for p in norm}) == len(norm)         # per seed and per norm position
     assert {p.base.model.norm.position for p in norm} == {"pre", "post"}

@@ -1,8 +1,9 @@
-"""LoRA fine-tuning through the trainer (train.lora_*): the base frozen, only the adapters in the optimizer and its
+"""LoRA fine-tuning through the trainer (train.lora): the base frozen, only the adapters in the optimizer and its
 memory measured, exact resume, the run folder loading merged, and `archlab convert --to-peft` giving PEFT the
 run's logits."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -15,13 +16,20 @@ import archlab
 from archlab.cli import main
 from archlab.config import ConfigError
 from archlab.data.prepare import prepare
+from archlab.nn.lora import LoRAConfig
 from archlab.runs.checkpoint import list_checkpoints, load_checkpoint, load_trainer_state
 from archlab.runs.model_folder import load_run
 from archlab.training.trainer import TrainConfig, fit_vocab, read_metrics, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
+LORA = LoRAConfig(r=4, alpha=8.0, targets=("q", "v", "down"))
 FAST = dict(batch_size=4, seq_len=16, warmup_steps=2, eval_batches=2, log_every=1, sample_every=-1, lr=1e-2,
-            eval_every=0, lora_r=4, lora_alpha=8.0, lora_targets="q,v,down", memory_check=False)
+            eval_every=0, lora=LORA, memory_check=False)
+
+
+def lora(**changes) -> dict:
+    """FAST with train.lora changed."""
+    return {**FAST, "lora": dataclasses.replace(LORA, **changes)}
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +70,14 @@ def test_lora_run_trains_adapters_only_and_reports_optimizer_memory(data_dir, tm
 
 
 def test_lora_run_resumes_exactly(data_dir, tmp_path):
-    cfg = TrainConfig(budget=4, checkpoint_every=2, lora_dropout=0.1, **FAST)
+    cfg = TrainConfig(budget=4, checkpoint_every=2, **lora(dropout=0.1))
     assert_resume_is_exact(_cfg(data_dir), cfg, data_dir, tmp_path)
 
 
 def test_run_folder_loads_merged_and_exports_to_peft(data_dir, tmp_path, capsys):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    cfg = TrainConfig(budget=3, lora_targets="all-linear", lora_rslora=True,
-                      **{k: v for k, v in FAST.items() if k != "lora_targets"})
+    cfg = TrainConfig(budget=3, **lora(targets=("all-linear",), use_rslora=True))
     train(_cfg(data_dir), cfg, data_dir, tmp_path / "run", progress=False)
     adapted, _ = load_run(tmp_path / "run", merge_adapters=False)
     merged, _ = load_run(tmp_path / "run")
@@ -99,17 +106,17 @@ def test_run_folder_loads_merged_and_exports_to_peft(data_dir, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"lora_r": 0}, "train.lora_r=0 must be >= 1"),
-    ({"lora_targets": "q,nope"}, "lora target 'nope' matches no Linear"),
-    ({"lora_trainable_tokens": "<|endoftext|>,bogus"}, "train.lora_trainable_tokens: 'bogus' is not a token of the "
-                                                      "tokenizer in"),
-    ({"lora_trainable_tokens": "3,999"}, "train.lora_trainable_tokens: token id 999 is past the model's vocab_size"),
-    ({"lora_modules_to_save": "blocks.0.attn"}, "lora modules_to_save 'blocks.0.attn.q_proj' holds the LoRA target"),
-    ({"lora_modules_to_save": "embed", "lora_trainable_tokens": "3"}, "'embed' is the input embedding whose"),
+    ({"r": 0}, "lora.r=0 must be an integer >= 1"),
+    ({"targets": "q,nope"}, "lora target 'nope' matches no Linear"),
+    ({"trainable_tokens": "<|endoftext|>,bogus"}, "train.lora.trainable_tokens: 'bogus' is not a token of the "
+                                                  "tokenizer in"),
+    ({"trainable_tokens": "3,999"}, "train.lora.trainable_tokens: token id 999 is past the model's vocab_size"),
+    ({"modules_to_save": "blocks.0.attn"}, "lora modules_to_save 'blocks.0.attn.q_proj' holds the LoRA target"),
+    ({"modules_to_save": "embed", "trainable_tokens": "3"}, "'embed' is the input embedding whose"),
 ])
 def test_bad_lora_settings_write_nothing(data_dir, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
-        cfg = TrainConfig(budget=2, **{**FAST, **overrides})
+        cfg = TrainConfig(budget=2, **lora(**overrides))
         train(_cfg(data_dir), cfg, data_dir, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
 
@@ -117,11 +124,15 @@ def test_bad_lora_settings_write_nothing(data_dir, tmp_path, overrides, message)
 def test_lora_settings_as_dotted_keys():
     cfg = TrainConfig().with_overrides({"train.lora.r": "8", "lora.alpha": "32", "lora.targets": "all-linear",
                                         "lora.rslora": "true"})
-    assert (cfg.lora_r, cfg.lora_alpha, cfg.lora_targets, cfg.lora_rslora) == (8, 32.0, "all-linear", True)
-    assert TrainConfig().lora_r is None
-    assert cfg.with_overrides({"lora.trainable_tokens": "template"}).lora_trainable_tokens == "template"
-    with pytest.raises(ConfigError, match=r"train.lora_trainable_tokens='template' needs train.lora_r"):
+    assert cfg.lora == LoRAConfig(r=8, alpha=32.0, targets=("all-linear",), use_rslora=True)
+    assert TrainConfig().lora is None
+    assert cfg.with_overrides({"lora.trainable_tokens": "template"}).lora.trainable_tokens == ("template",)
+    with pytest.raises(ConfigError, match=r"train.lora.trainable_tokens needs train.lora.r"):
         TrainConfig().with_overrides({"lora.trainable_tokens": "template"})
+    # the earlier flat keys read through the rename table (runs/train_section.py), and LoRA turns off again
+    assert TrainConfig().with_overrides({"train.lora_r": "8", "train.lora_alpha": "32", "lora_targets": "all-linear",
+                                         "lora_rslora": "true"}) == cfg
+    assert cfg.with_overrides({"train.lora": "none"}).lora is None
 
 
 def test_adapters_draw_from_the_run_seed_alone():
@@ -131,7 +142,7 @@ def test_adapters_draw_from_the_run_seed_alone():
     def adapters(global_seed: int, run_seed: int):
         model = archlab.build_model(archlab.presets.tiny("llama3-8b"))
         torch.manual_seed(global_seed)
-        attach(model, TrainConfig(lora_r=2, seed=run_seed))
+        attach(model, TrainConfig(lora=LoRAConfig(r=2), seed=run_seed))
         return {k: v for k, v in model.state_dict().items() if k.endswith("lora_A")}
 
     a, b, c = adapters(0, 5), adapters(1, 5), adapters(0, 6)
@@ -143,8 +154,8 @@ def test_resume_with_other_lora_settings_is_refused_and_writes_nothing(data_dir,
     cfg = TrainConfig(budget=2, **FAST)
     train(_cfg(data_dir), cfg, data_dir, tmp_path / "run", progress=False)
     before = (tmp_path / "run" / "config.yaml").read_bytes()
-    with pytest.raises(ConfigError, match=r"train.lora_r=8 differs from the run's 4"):
-        train(_cfg(data_dir), TrainConfig(budget=3, **{**FAST, "lora_r": 8}), data_dir, tmp_path / "run",
+    with pytest.raises(ConfigError, match=r"train.lora.r=8 differs from the run's 4"):
+        train(_cfg(data_dir), TrainConfig(budget=3, **lora(r=8)), data_dir, tmp_path / "run",
               resume=True, progress=False)
     assert (tmp_path / "run" / "config.yaml").read_bytes() == before
 
@@ -153,7 +164,7 @@ def test_a_run_with_trainable_token_rows_loads_merged_and_exports_to_peft(data_d
     """The checkpoint names the rows (embed.token_indices); load_run wraps the embedding on them before loading."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    cfg = TrainConfig(budget=3, lora_trainable_tokens="101,32", **FAST)          # 'e' and ' ' bytes (+1 offset)
+    cfg = TrainConfig(budget=3, **lora(trainable_tokens=(101, 32)))          # 'e' and ' ' bytes (+1 offset)
     train(_cfg(data_dir), cfg, data_dir, tmp_path / "run", progress=False)
     adapted, _ = load_run(tmp_path / "run", merge_adapters=False)
     merged, _ = load_run(tmp_path / "run")
@@ -177,11 +188,11 @@ def test_a_run_with_trainable_token_rows_loads_merged_and_exports_to_peft(data_d
 
 
 def test_a_run_with_modules_to_save_trains_them_whole_and_exports_to_peft(data_dir, tmp_path, capsys):
-    """train.lora_modules_to_save: the module trains beside the adapters (and has optimizer state), every other
+    """train.lora.modules_to_save: the module trains beside the adapters (and has optimizer state), every other
     base tensor stays; `convert --to-peft` writes it as PEFT's modules_to_save and PEFT computes the run's logits."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    cfg = TrainConfig(budget=3, checkpoint_every=1, keep_last=10, lora_modules_to_save="final_norm", **FAST)
+    cfg = TrainConfig(budget=3, checkpoint_every=1, keep_last=10, **lora(modules_to_save=("final_norm",)))
     train(_cfg(data_dir), cfg, data_dir, tmp_path / "run", progress=False)
     init = archlab.build_model(_cfg(data_dir)).state_dict()
     last_ckpt = list_checkpoints(tmp_path / "run")[-1]
@@ -210,8 +221,8 @@ def test_a_run_with_modules_to_save_trains_them_whole_and_exports_to_peft(data_d
     assert float((ours - plain).abs().max()) > 1e-4
     # a name that matches no module is refused before anything is written
     with pytest.raises(ConfigError, match=r"lora modules_to_save 'nope' matches no module of this model"):
-        train(_cfg(data_dir), TrainConfig(budget=2, lora_modules_to_save="nope", **FAST), data_dir,
+        train(_cfg(data_dir), TrainConfig(budget=2, **lora(modules_to_save=("nope",))), data_dir,
               tmp_path / "bad", progress=False)
     assert not (tmp_path / "bad").exists()
-    with pytest.raises(ConfigError, match=r"train.lora_modules_to_save='final_norm' needs train.lora_r"):
+    with pytest.raises(ConfigError, match=r"train.lora.modules_to_save needs train.lora.r"):
         TrainConfig().with_overrides({"lora.modules_to_save": "final_norm"})

@@ -109,7 +109,7 @@ def test_the_truncation_error_names_the_setting(tmp_path, tok):
 
 
 def test_finetune_names_train_truncation(tmp_path, tok, capsys):
-    """Through the command line: the key a user sets (train.truncation), not the Python argument."""
+    """Through the command line: the key a user sets (train.sft.truncation), not the Python argument."""
     import shutil
 
     from archlab.cli import main
@@ -127,4 +127,4 @@ def test_finetune_names_train_truncation(tmp_path, tok, capsys):
     rc = main(["finetune", str(base), "--data", data, "--out", str(tmp_path / "run"), "--no-progress",
                "--set", "train.seq_len=32"])
     err = capsys.readouterr().err
-    assert rc == 2 and "choose a policy with train.truncation" in err, err
+    assert rc == 2 and "choose a policy with train.sft.truncation" in err, err

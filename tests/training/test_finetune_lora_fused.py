@@ -98,11 +98,12 @@ def test_lora_finetune_of_gpt2_exports_an_adapter_peft_computes(world, tmp_path)
 @pytest.mark.parametrize("preset", list(FAMILIES_OF))
 def test_lora_checks_and_memory_estimate_on_the_meta_model_of_a_fused_family(preset):
     """What `train --init-from ... --set train.lora.r=8` and the memory plan run before any write."""
+    from archlab.nn.lora import LoRAConfig
     from archlab.training.config import TrainConfig
     from archlab.training.lora import check, scale_memory
 
-    cfg, train_cfg = _tiny(preset), TrainConfig(lora_r=8, lora_targets="c_attn" if preset == "gpt2"
-                                                                else "query_key_value")
+    cfg, train_cfg = _tiny(preset), TrainConfig(lora=LoRAConfig(r=8, targets=("c_attn",) if preset == "gpt2"
+                                                                               else ("query_key_value",)))
     check(cfg, train_cfg)
     parts = scale_memory({"weights": 1000, "grads": 1000, "optimizer": 2000}, cfg, train_cfg)
     model = build_model(cfg)

@@ -32,7 +32,8 @@ def test_select_reads_the_config_and_the_data(tmp_path):
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text("{}\n")
     assert select(TrainConfig(), folder) == "pretrain"
-    assert select(TrainConfig(objective="dpo"), folder) == "dpo"
+    assert select(TrainConfig(method="dpo"), folder) == "dpo"
+    assert select(TrainConfig().with_overrides({"train.objective": "dpo"}), folder) == "dpo"   # the earlier key
     assert select(TrainConfig(), prefs) == "dpo"       # a file trains DPO, which says what it needs
 
 

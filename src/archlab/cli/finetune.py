@@ -1,4 +1,5 @@
-"""`archlab finetune`: instruction tuning of a trained model on chat data (full or LoRA)."""
+"""`archlab finetune`: post-training of a trained model with a method (training/methods: sft on chat data, dpo on
+preference pairs), full or LoRA."""
 from __future__ import annotations
 
 import argparse
@@ -12,29 +13,36 @@ EXAMPLE = """example:
   archlab finetune runs/gpt2 --data sft.jsonl --out runs/sft-lora --lora-r 8 --lora-modules-to-save wpe
   archlab finetune runs/base --data sft.jsonl --out runs/sft --chat-template chatml --set train.seq_len=512
   archlab finetune runs/t5 --data pairs.jsonl --out runs/t5-sft          # encoder-decoder: prompt -> completion
-  (lines: {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"}; the loss on train.loss_mask:
+  archlab finetune runs/sft --method dpo --data prefs.jsonl --out runs/dpo --set train.lr=5e-6 \
+      --set train.dpo.beta=0.1        # preference lines {"prompt", "chosen", "rejected"}; train.dpo.loss=ipo|simpo
+  (lines: {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"}; the loss on train.sft.loss_mask:
   assistant (default), all, last, completion; examples packed into rows of train.seq_len with no attention
-  across them, or one per row with --set train.packing=false; OUT/data keeps the prepared examples)"""
+  across them, or one per row with --set train.sft.packing=false; OUT/data keeps the prepared examples)"""
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("finetune", help="fine-tune a trained model on chat data (full or LoRA)",
-                              description="Instruction tuning: start from BASE's weights, train on the chat "
-                              "examples of --data (decoders: the loss on the assistant's tokens; encoder-decoders: "
-                              "prompt -> completion) and write a run folder.",
+    p = subparsers.add_parser("finetune", help="fine-tune a trained model: sft on chat data, dpo on preferences",
+                              description="Post-training: start from BASE's weights, train with --method on --data "
+                              "and write a run folder. sft (default): the chat examples of --data (decoders: the loss "
+                              "on the assistant's tokens; encoder-decoders: prompt -> completion); dpo: preference "
+                              "pairs against BASE as the reference.",
                               epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("base", metavar="BASE", help="a run folder, an HF folder, or hf:ORG/NAME")
-    p.add_argument("--data", required=True, help="chat data: a .jsonl of messages or prompt/completion lines")
+    p.add_argument("--method", default="sft", metavar="sft|dpo",
+                   help="how to train (default sft): sft on chat lines, dpo on prompt/chosen/rejected lines")
+    p.add_argument("--data", required=True, help="a .jsonl: chat lines (messages, or prompt/completion) for sft, "
+                   "prompt/chosen/rejected lines for dpo")
     p.add_argument("--out", required=True, help="run folder to write")
     p.add_argument("--val", help="validation .jsonl (default: a seeded hash of each --data line picks "
                    "--val-fraction of them)")
-    p.add_argument("--val-fraction", type=float, default=0.05, help="share of --data held out (default 0.05)")
+    p.add_argument("--val-fraction", type=float, help="share of --data held out (default 0.05; dpo: "
+                   "train.dpo.val_fraction)")
     p.add_argument("--chat-template", metavar="chatml|llama3|plain|FILE",
                    help="template to train with instead of the base tokenizer's own; a built-in one adds its "
                    "special tokens (new embedding rows = the mean embedding)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override: train.lr=1e-4, train.loss_mask=last, train.packing=false, train.lora.dropout=0.05, "
-                   "attention.dropout=0.1 ...")
+                   help="override: train.lr=1e-4, train.sft.loss_mask=last, train.sft.packing=false, "
+                   "train.lora.dropout=0.05, attention.dropout=0.1 ...")
     p.add_argument("--lora-r", type=int, help="LoRA rank (train.lora.r): adapters only, the base frozen")
     p.add_argument("--lora-alpha", type=float, help="LoRA alpha (train.lora.alpha, default 16)")
     p.add_argument("--lora-targets", help="LoRA targets (train.lora.targets): q,v (default), all-linear, module "
@@ -55,9 +63,9 @@ def _lora_sets(args) -> list[str]:
 
     if args.lora_alpha is not None and not math.isfinite(args.lora_alpha):
         raise UserError(f"--lora-alpha {args.lora_alpha} must be a finite number")
-    flags = (("lora_r", args.lora_r), ("lora_alpha", args.lora_alpha), ("lora_targets", args.lora_targets),
-             ("lora_trainable_tokens", args.lora_trainable_tokens),
-             ("lora_modules_to_save", args.lora_modules_to_save))
+    flags = (("lora.r", args.lora_r), ("lora.alpha", args.lora_alpha), ("lora.targets", args.lora_targets),
+             ("lora.trainable_tokens", args.lora_trainable_tokens),
+             ("lora.modules_to_save", args.lora_modules_to_save))
     return [f"train.{key}={value}" for key, value in flags if value is not None]
 
 
@@ -68,12 +76,13 @@ def run_finetune(args) -> int:
     from archlab.training.trainer import Diverged, TrainConfig
     from archlab.units import human_bytes
 
-    if not math.isfinite(args.val_fraction):
+    if args.val_fraction is not None and not math.isfinite(args.val_fraction):
         raise UserError(f"--val-fraction {args.val_fraction} must be in [0, 1)")
     model_over, train_over = parse_sets(args.set + _lora_sets(args))
     train_cfg = TrainConfig().with_overrides(train_over) if train_over else TrainConfig()
     try:
-        result = finetune(args.base, args.data, args.out, train_cfg=train_cfg, model_overrides=model_over or None,
+        result = finetune(args.base, args.data, args.out, train_cfg=train_cfg, method=args.method,
+                          model_overrides=model_over or None,
                           val=args.val, chat_template=args.chat_template, val_fraction=args.val_fraction,
                           resume=args.resume, progress="lines" if args.no_progress else True)
     except Diverged as exc:

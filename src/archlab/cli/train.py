@@ -14,8 +14,8 @@ TRAIN_EXAMPLE = """example:
   archlab convert --from-hf ~/models/Qwen2.5-0.5B --out runs/qwen
   archlab data prepare --corpus my_docs/ --tokenizer runs/qwen/tokenizer --out data/mine
   archlab train --init-from runs/qwen --data data/mine --out runs/qwen-mine --set train.lr=3e-5
-  archlab train --init-from runs/qwen-sft --data prefs.jsonl --out runs/qwen-dpo --set train.objective=dpo \
-      --set train.dpo_beta=0.1 --set train.lr=5e-6          # preference tuning (DPO / IPO / SimPO)
+  archlab train --init-from runs/qwen-sft --data prefs.jsonl --out runs/qwen-dpo --set train.method=dpo \
+      --set train.dpo.beta=0.1 --set train.lr=5e-6          # preference tuning (DPO / IPO / SimPO)
   (model keys as ModelConfig.with_overrides, train keys prefixed `train.`; --resume continues a run;
   --init-from starts a new run from another model's weights: fresh optimizer and schedule, its model config)"""
 
@@ -43,7 +43,7 @@ def register(subparsers) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override: model key (norm.kind=layernorm) or train key (train.lr=1e-3)")
     p.add_argument("--data", required=True, help="prepared data folder (archlab data prepare); with "
-                   "--set train.objective=dpo and --init-from, a .jsonl of prompt / chosen / rejected lines")
+                   "--set train.method=dpo and --init-from, a .jsonl of prompt / chosen / rejected lines")
     p.add_argument("--out", required=True, help="run folder to write")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --out that verifies (sha256)")
@@ -190,7 +190,7 @@ def run_train(args) -> int:
     if not args.init_from and Path(args.data).is_file():
         from archlab.errors import UserError
         raise UserError(f"--data {args.data} is a file: preference data (.jsonl) trains a model given by --init-from "
-                        "BASE with --set train.objective=dpo")
+                        "BASE with --set train.method=dpo")
     if args.init_from:
         from archlab.training.init_from import read_init_source
         init_from = read_init_source(args.init_from)

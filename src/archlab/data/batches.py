@@ -235,7 +235,7 @@ class TrainBatches(SamplerState):
         self.rows: BatchSampler | SentencePairs | None = None   # what draws the rows the objective turns
         if isinstance(dataset, SFTDataset):
             _check_sft_objective(model_cfg, train_cfg)
-            self.sampler = SFTSampler(dataset, local_batch, train_cfg.seq_len, packing=train_cfg.packing,
+            self.sampler = SFTSampler(dataset, local_batch, train_cfg.seq_len, packing=train_cfg.sft.packing,
                                       seed=train_cfg.seed, rank=rank, world_size=world_size)
         elif isinstance(dataset, PairDataset):
             _check_pairs_objective(model_cfg, train_cfg)

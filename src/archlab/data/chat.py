@@ -228,7 +228,7 @@ def _refuse(ids: list[int], mask: list[int], limit: int) -> tuple[list[int], lis
 
 
 def truncation_advice(setting: str) -> str:
-    """How an error names the truncation setting: "choose a policy with train.truncation (refuse, ...)"."""
+    """How an error names the truncation setting: "choose a policy with train.sft.truncation (refuse, ...)"."""
     return f"choose a policy with {setting} ({', '.join(TRUNCATIONS)})"
 
 
@@ -347,7 +347,7 @@ def load_chat_data(path: str | os.PathLike, tokenizer: Any, *, mask: str = "assi
     """Every line of `path` as a ChatExample. `tokenizer`: a tokenizer folder (its chat template and special
     tokens come along), a ChatTokenizer, or a tokenizer object with `chat_template` (a source, or a name among
     the folder's templates). `max_tokens`: the longest input_ids (train.seq_len). Errors name the file and line,
-    and `setting` (how the caller's user sets `truncation`, e.g. train.truncation) where an example is too long.
+    and `setting` (how the caller's user sets `truncation`, e.g. train.sft.truncation) where an example is too long.
     Example: data = load_chat_data("sft.jsonl", "runs/x/tokenizer", max_tokens=512, truncation="keep_start")"""
     if mask not in LOSS_MASKS:
         raise UserError(f"unknown loss mask {mask!r}: choose one of {', '.join(LOSS_MASKS)}")

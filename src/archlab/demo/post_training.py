@@ -124,7 +124,7 @@ def run_post_training_demo(out: str | Path = "runs/demo-post-training", *, quick
     log(f"      {seconds['sft']:.0f} s; held-out exact match (case ignored) {base['exact']:.0%} -> {sft['exact']:.0%}; "
         f"answers in lowercase {sft['preferred']:.0%}")
 
-    log(f"[3/4] preference tuning (DPO, beta {cfg['dpo'].dpo_beta:g}): {cfg['dpo'].budget} steps on "
+    log(f"[3/4] preference tuning (DPO, beta {cfg['dpo'].dpo.beta:g}): {cfg['dpo'].budget} steps on "
         f"{cfg['dpo_pairs']:,} pairs preferring the lowercase answer; the SFT model is the reference")
     source = read_init_source(out / "sft")
     t = time.time()

@@ -4,7 +4,7 @@
                     SWEEP/bases/<hash>/run, under a lock on SWEEP/bases/<hash>/: a worker that finds another
                     building it waits, and every run (and seed, unless `finetune.bases: per_seed`) reuses it
     2. fine-tuning  archlab.training.finetune on the data folder's SFT examples (archlab.data.reverse_words
-                    SFT_FILE) with the run's TrainConfig: full fine-tuning, or LoRA with train.lora_r
+                    SFT_FILE) with the run's TrainConfig: full fine-tuning, or LoRA with train.lora
     3. scoring      greedy answers to held-out words (archlab.eval.reverse_words.score_reversal): `exact_match`
                     (case ignored) and `preferred_case` in the row's extra; final_val_loss is the SFT validation loss
 

@@ -722,12 +722,12 @@ _SFT_BUDGET = {"small": {"budget": 200, "unit": "steps"}, "large": {"budget": 20
 # rank-r update of the Linears can move: with them frozen, plain LoRA reached 0-4.5% held-out exact match where full
 # fine-tuning reached 100% (an earlier report), and LoRA r=16 with the positions trainable reached 100%. ChatML's
 # special tokens were never seen in pretraining, so their embedding rows train too (PEFT's trainable_token_indices).
-LORA_EXTRA: dict[str, Any] = {"train.lora_modules_to_save": "abs_position", "train.lora_trainable_tokens": "template"}
+LORA_EXTRA: dict[str, Any] = {"train.lora.modules_to_save": "abs_position", "train.lora.trainable_tokens": "template"}
 
 
 @builtin_suite
 def _lora_rank() -> Suite:
-    lora = [{"label": f"lora-r{r}", "set": {"train.lora_r": r, "train.lora_targets": "all-linear", **LORA_EXTRA}}
+    lora = [{"label": f"lora-r{r}", "set": {"train.lora.r": r, "train.lora.targets": "all-linear", **LORA_EXTRA}}
             for r in (1, 4, 16)]
     return Suite(
         name="lora_rank",
@@ -753,9 +753,9 @@ def _lora_rank() -> Suite:
               "packed ChatML examples, loss on the answers, lr 3e-3 for all methods) and is scored by greedy "
               "decoding on 200 held-out words (exact match, case ignored). LoRA on all Linears, alpha 16 for every "
               "rank (Hu et al. fix alpha and scale by alpha/r). Beside the adapters the learned position embeddings "
-              "train whole (train.lora_modules_to_save=abs_position: no adapter on a Linear can move them, and "
+              "train whole (train.lora.modules_to_save=abs_position: no adapter on a Linear can move them, and "
               "with them frozen LoRA stayed at 0-4.5% exact match) and so do the embedding rows of ChatML's "
-              "special tokens, which pretraining never saw (train.lora_trainable_tokens=template); the rest of "
+              "special tokens, which pretraining never saw (train.lora.trainable_tokens=template); the rest of "
               "the embedding and the (untied) output head stay frozen. Tolerances: 5 points of "
               "exact match is 10 of 200 words, about two binomial standard errors at 80%; 0.05 nats per answer "
               "token is the full model's probability of the answer within ~5% per token.",

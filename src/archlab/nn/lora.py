@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import ConfigError
-from archlab.nn.trainable_tokens import EMBED_PATH, token_module, unwrap_embedding, wrap_embedding
+from archlab.nn.trainable_tokens import EMBED_PATH, parse_token_list, token_module, unwrap_embedding, wrap_embedding
 
 __all__ = ["LoRAConfig", "LoRALinear", "ALIASES", "ALL_LINEAR", "apply_lora", "merge_lora", "lora_modules",
            "lora_state", "adapter_names", "linear_paths", "select", "select_modules", "saved_modules", "wrap",
@@ -57,16 +57,22 @@ class LoRAConfig:
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q", "v")
     use_rslora: bool = False
-    trainable_tokens: tuple[int, ...] = ()
+    trainable_tokens: tuple[int | str, ...] = ()   # ids; a run's config may name token texts / `template` until
+                                                   # training.lora.resolve_tokens turns them into ids
     modules_to_save: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("targets", "modules_to_save"):
             value: object = getattr(self, name)
             object.__setattr__(self, name, parse_targets(value) if isinstance(value, str) else tuple(value))  # type: ignore[arg-type]
-        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.trainable_tokens):
-            raise ConfigError(f"lora.trainable_tokens={list(self.trainable_tokens)!r} must be token ids >= 0")
-        object.__setattr__(self, "trainable_tokens", tuple(sorted(set(self.trainable_tokens))))
+        tokens: object = self.trainable_tokens
+        items: list = parse_token_list(tokens) if isinstance(tokens, str) else list(tokens)  # type: ignore[call-overload]
+        items = [int(i) if isinstance(i, str) and i.isdecimal() else i for i in items]      # "5" is an id
+        if any(isinstance(i, bool) or not isinstance(i, (int, str)) or (isinstance(i, int) and i < 0) for i in items):
+            raise ConfigError(f"lora.trainable_tokens={items!r} must be token ids >= 0 (or token texts)")
+        ids = sorted({i for i in items if isinstance(i, int)})
+        texts = list(dict.fromkeys(i for i in items if isinstance(i, str)))
+        object.__setattr__(self, "trainable_tokens", (*ids, *texts))
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise ConfigError(f"lora.r={self.r!r} must be an integer >= 1")
         if not 0.0 <= self.dropout < 1.0:
@@ -79,6 +85,29 @@ class LoRAConfig:
     @property
     def scaling(self) -> float:
         return lora_scaling(self.alpha, self.r, self.use_rslora)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """trainable_tokens as ids; token texts left unresolved are a ConfigError naming them."""
+        texts = [t for t in self.trainable_tokens if isinstance(t, str)]
+        if texts:
+            raise ConfigError(f"lora.trainable_tokens holds token texts {texts}: resolve them to ids with the run's "
+                              "tokenizer first (training.lora.resolve_tokens)")
+        return tuple(int(t) for t in self.trainable_tokens)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LoRAConfig":
+        """The config of a mapping (a run's config.yaml train.lora); unknown keys are a ConfigError.
+        Example: LoRAConfig.from_dict({"r": 4, "targets": ["q", "v"]})"""
+        if not isinstance(data, dict):
+            raise ConfigError(f"train.lora must be a mapping (or null), got {type(data).__name__}")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown field(s) in train.lora: {', '.join(sorted(unknown))}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"train.lora: {exc}") from exc
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -257,7 +286,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, module_names: Callable[[str], 
     for path in paths:
         wrap(model, path, cfg.r, cfg.scaling, cfg.dropout, generator)
     if cfg.trainable_tokens:
-        wrap_embedding(model, cfg.trainable_tokens)
+        wrap_embedding(model, cfg.token_ids)
     for path in saved:
         model.get_submodule(path).requires_grad_(True)
     # read by saving and merging: the saved modules by their resolved paths

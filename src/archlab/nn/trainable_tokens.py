@@ -129,7 +129,7 @@ def unwrap_embedding(model: nn.Module) -> None:
 
 def wrap_from_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Wrap the embedding on the ids a checkpoint's tensors name (`embed.token_indices`, a run trained with
-    train.lora_trainable_tokens), so that `model.load_state_dict(state)` finds its delta; no-op without them."""
+    train.lora.trainable_tokens), so that `model.load_state_dict(state)` finds its delta; no-op without them."""
     ids = state.get(f"{EMBED_PATH}.token_indices")
     if ids is not None:
         wrap_embedding(model, ids.tolist())

@@ -8,6 +8,7 @@ For generation, a folder's generation_config.json is read as data and attached a
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -193,7 +194,7 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = 
     """(model in eval mode with the latest (or given) checkpoint's weights, tokenizer or None): a TransformerLM,
     or the class the config's `arch` names (archlab.models.build_model). The weights file is verified first
     (`verified_weights`: sha256 against meta.json, no link out of the run folder). A LoRA run's adapters
-    (train.lora_r) are folded into the weights, or with merge_adapters=False kept as adapters (nn.lora.LoRALinear)."""
+    (train.lora) are folded into the weights, or with merge_adapters=False kept as adapters (nn.lora.LoRALinear)."""
     run_dir = Path(run_dir)
     run_cfg = read_run_config(run_dir)
     cfg = ModelConfig.from_dict(run_cfg["model"])
@@ -211,17 +212,18 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = 
 
 def _adapters_for(model, state: dict, train: dict | None) -> None:
     """Wrap the Linears whose adapters `state` holds (`<path>.lora_A` / `.lora_B`, a LoRA run's checkpoint), at
-    the rank their A has and the scale the run's train section (lora_alpha, lora_rslora) gives; the embedding on
-    the rows a run trained with train.lora_trainable_tokens (its checkpoint names them)."""
+    the rank their A has and the scale the run's train section (train.lora: alpha, use_rslora) gives; the embedding
+    on the rows a run trained with train.lora.trainable_tokens (its checkpoint names them)."""
     from archlab.nn.lora import lora_scaling, wrap
     from archlab.nn.trainable_tokens import wrap_from_state
+    from archlab.runs.train_section import lora_section
 
     wrap_from_state(model, state)
     paths = [name[: -len(".lora_A")] for name in state if name.endswith(".lora_A")]
     if not paths:
         return
-    train = train if isinstance(train, dict) else {}
-    alpha, rslora = float(train.get("lora_alpha", 16.0)), bool(train.get("lora_rslora", False))
+    settings = lora_section(train if isinstance(train, dict) else None)
+    alpha, rslora = (settings.alpha, settings.use_rslora) if settings is not None else (16.0, False)
     for path in paths:
         rank = int(state[f"{path}.lora_A"].shape[0])
         try:
@@ -263,19 +265,18 @@ def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = No
     """A LoRA run folder's adapters (latest checkpoint) in PEFT's format, for the HF export of the run's base
     (the model the run started from). A run without adapters is a UserError."""
     from archlab.interop.peft import hf_module_names, save_peft
-    from archlab.nn.lora import LoRAConfig, lora_modules, parse_targets, select_modules
+    from archlab.nn.lora import LoRAConfig, lora_modules, select_modules
     from archlab.runs.outputs import check_output
+    from archlab.runs.train_section import lora_section
 
     check_output(out, inputs=[run_dir], overwrite=overwrite)        # before loading anything
     model, _ = load_run(run_dir, merge_adapters=False)
     if not lora_modules(model):
-        raise UserError(f"{run_dir} holds no LoRA adapters (train.lora_r was not set): export it with --to-hf")
-    train = read_run_config(run_dir).get("train") or {}
-    first = next(iter(lora_modules(model).values()))
-    model.lora_config = LoRAConfig(                                   # type: ignore[assignment]
-        r=int(train.get("lora_r") or first.r), alpha=float(train.get("lora_alpha", 16.0)),
-        dropout=float(train.get("lora_dropout", 0.0)), use_rslora=bool(train.get("lora_rslora", False)),
-        targets=parse_targets(str(train.get("lora_targets") or "all-linear")),
-        modules_to_save=tuple(select_modules(model, parse_targets(str(train.get("lora_modules_to_save") or "")),
-                                             hf_module_names(model))))
+        raise UserError(f"{run_dir} holds no LoRA adapters (train.lora was not set): export it with --to-hf")
+    settings = lora_section(read_run_config(run_dir).get("train"))      # the run's LoRA config, typed
+    if settings is None:
+        first = next(iter(lora_modules(model).values()))
+        settings = LoRAConfig(r=first.r, alpha=first.scaling * first.r, targets=("all-linear",))
+    model.lora_config = dataclasses.replace(                          # type: ignore[assignment]
+        settings, modules_to_save=tuple(select_modules(model, settings.modules_to_save, hf_module_names(model))))
     return save_peft(model, out, family=family, overwrite=overwrite, inputs=[run_dir])

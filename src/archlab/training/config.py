@@ -1,29 +1,63 @@
 """TrainConfig: every knob of a training run, validated on construction, with dotted overrides and YAML
-like ModelConfig. Kept apart from the loop so the CLI and the lab can build and check configs without
-importing it."""
+like ModelConfig; nested by concern: `train.lora` (the typed LoRA config itself, nn.lora.LoRAConfig, or null),
+`train.dpo`, `train.sft`. Earlier flat keys (lora_r, dpo_beta, packing, objective=dpo, ...) read through the one
+rename table, runs/train_section.py. Kept apart from the loop so the CLI and the lab can build and check configs
+without importing it."""
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal, get_origin, get_type_hints
 
 import yaml
 
 from archlab.config import ConfigError, _check_literals, _parse_value, check_seed
+from archlab.nn.lora import LoRAConfig
+from archlab.runs.train_section import current_key, upgrade_train_section
 
-__all__ = ["TrainConfig", "NO_DECAY_CATEGORIES"]
+__all__ = ["TrainConfig", "DPOConfig", "SFTConfig", "NO_DECAY_CATEGORIES", "METHOD_NAMES"]
 
 NO_DECAY_CATEGORIES = ("norms", "biases", "embeddings")
-ALIASES = {"dist.strategy": "dist_strategy",   # --set dist.strategy=fsdp, as torchrun users write it
-           "lora.r": "lora_r", "lora.alpha": "lora_alpha", "lora.dropout": "lora_dropout",
-           "lora.targets": "lora_targets", "lora.rslora": "lora_rslora", "lora.use_rslora": "lora_rslora",
-           "lora.trainable_tokens": "lora_trainable_tokens", "lora.modules_to_save": "lora_modules_to_save"}
+METHOD_NAMES = ("pretrain", "sft", "dpo")      # training/methods registers one Method under each
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPOConfig:
+    """train.dpo: preference tuning (training/dpo.py holds the losses)."""
+
+    beta: float = 0.1                      # the strength of the pull toward the reference
+    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"   # DPO, IPO, or SimPO (reference-free)
+    simpo_gamma: float = 0.5               # simpo: the target reward margin
+    truncation: Literal["refuse", "keep_start", "keep_end", "skip"] = "refuse"   # a side past seq_len
+    val_fraction: float = 0.05             # share of the lines held out for validation (val_loss, val_rewards/...)
+
+    def __post_init__(self):
+        _check_literals(self, "train.dpo")
+        if not 0 < self.beta < math.inf:
+            raise ConfigError(f"train.dpo.beta={self.beta} must be a positive number")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"train.dpo.val_fraction={self.val_fraction} must be in [0, 1)")
+        if not 0 <= self.simpo_gamma < math.inf:
+            raise ConfigError(f"train.dpo.simpo_gamma={self.simpo_gamma} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """train.sft: chat examples (archlab finetune --method sft)."""
+
+    packing: bool = True                   # whole examples packed into rows of seq_len with document ids; false: one
+                                           # example per row, padded per batch
+    loss_mask: str = "assistant"           # the tokens the loss scores (data/chat.LOSS_MASKS)
+    truncation: str = "refuse"             # an example past seq_len (data/chat.TRUNCATIONS)
+
+
+SECTIONS: dict[str, type] = {"lora": LoRAConfig, "dpo": DPOConfig, "sft": SFTConfig}
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Every knob of a training run; dotted overrides and YAML as ModelConfig (no nesting here)."""
+    """Every knob of a training run; dotted overrides and YAML as ModelConfig; the methods' sections nested."""
 
     lr: float = 3e-4
     min_lr_ratio: float = 0.1              # final LR = lr * min_lr_ratio (cosine, wsd)
@@ -62,7 +96,7 @@ class TrainConfig:
     mask_token_id: int | None = None       # encoders: the [MASK] id; None: the tokenizer's [MASK] / <mask>. An id
                                            # past the tokenizer (a padded vocabulary) gives a byte-level run one
     objective: Literal["auto", "next_token", "mlm", "next_sentence", "span_corruption", "text_infilling",
-                       "continuation", "dpo"] = "auto"
+                       "continuation"] = "auto"
                                            # auto: the kind's own (decoder next_token, encoder mlm, encoder-decoder
                                            # span_corruption; paired data: source -> target); objectives.py
     noise_density: float | None = None     # span_corruption / text_infilling: share of tokens noised (None: T5's
@@ -72,26 +106,12 @@ class TrainConfig:
     prefix_fraction: float = 0.5           # continuation: the window's share given as context, the rest scored
     document_masks: bool = False           # next_token: end-of-text ends a document; no token attends across,
                                            # positions restart, the label across a boundary is ignored
-    lora_r: int | None = None              # LoRA adapters of this rank (None: every parameter trains); the base frozen
-    lora_alpha: float = 16.0               # the adapter's scale is alpha / r (alpha / sqrt(r) with lora_rslora)
-    lora_dropout: float = 0.0              # dropout on the adapters' input
-    lora_targets: str = "q,v"              # comma list: q, k, v, o, gate, up, down, module names, HF names, a
-    #                                        full-match regex (.*(q|v)_proj, as PEFT), all-linear
-    lora_rslora: bool = False              # rank-stabilised scaling (Kalajdzievski 2023)
-    lora_trainable_tokens: str = ""        # comma list of token ids, token texts, or `template` (the chat template's
-                                           # special tokens): their input-embedding rows train too (PEFT's
-                                           # trainable_token_indices); config.yaml records the ids
-    lora_modules_to_save: str = ""         # comma list of modules that train whole beside the adapters (PEFT's
-                                           # modules_to_save), e.g. abs_position: learned positions LoRA cannot move
-    packing: bool = True                   # chat examples (archlab finetune): whole examples packed into rows of
-                                           # seq_len with document ids; false: one example per row, padded per batch
-    loss_mask: str = "assistant"           # archlab finetune: the tokens the loss scores (data/chat.LOSS_MASKS)
-    truncation: str = "refuse"             # archlab finetune: an example past seq_len (data/chat.TRUNCATIONS)
-    dpo_beta: float = 0.1                  # dpo: the strength of the pull toward the reference (training/dpo.py)
-    dpo_loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"   # DPO, IPO, or SimPO (reference-free)
-    dpo_simpo_gamma: float = 0.5           # simpo: the target reward margin
-    dpo_truncation: Literal["refuse", "keep_start", "keep_end", "skip"] = "refuse"   # a side past seq_len
-    dpo_val_fraction: float = 0.05         # dpo: share of the lines held out for validation (val_loss, val_rewards/...)
+    method: Literal["pretrain", "sft", "dpo"] = "pretrain"   # how the run trains (training/methods); METHOD_NAMES
+    lora: LoRAConfig | None = None         # LoRA adapters (nn.lora.LoRAConfig: r, alpha, dropout, targets (names, HF
+                                           # names, a full-match regex as PEFT, all-linear), use_rslora,
+                                           # trainable_tokens, modules_to_save); None: every parameter trains
+    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
 
     def __post_init__(self):
         if isinstance(self.betas, list):
@@ -122,27 +142,12 @@ class TrainConfig:
             raise ConfigError(f"train.betas={self.betas!r} must be two numbers in [0, 1)")
         if self.grad_clip is not None and self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip={self.grad_clip} must be >= 0 (or None)")
-        if self.lora_r is not None:
-            if self.lora_r < 1:
-                raise ConfigError(f"train.lora_r={self.lora_r} must be >= 1 (or None: no adapters)")
-            if not 0.0 <= self.lora_dropout < 1.0:
-                raise ConfigError(f"train.lora_dropout={self.lora_dropout} must be in [0, 1)")
-            if not 0 < self.lora_alpha < math.inf:
-                raise ConfigError(f"train.lora_alpha={self.lora_alpha} must be a positive number")
-            if not self.lora_targets.strip(" ,"):
-                raise ConfigError("train.lora_targets is empty: name Linears (q,v ...) or all-linear")
-        elif self.lora_trainable_tokens.strip(" ,"):
-            raise ConfigError(f"train.lora_trainable_tokens={self.lora_trainable_tokens!r} needs train.lora_r (without "
-                              "LoRA every embedding row trains)")
-        elif self.lora_modules_to_save.strip(" ,"):
-            raise ConfigError(f"train.lora_modules_to_save={self.lora_modules_to_save!r} needs train.lora_r (without "
-                              "LoRA every module trains)")
-        if not 0 < self.dpo_beta < math.inf:
-            raise ConfigError(f"train.dpo_beta={self.dpo_beta} must be a positive number")
-        if not 0.0 <= self.dpo_val_fraction < 1.0:
-            raise ConfigError(f"train.dpo_val_fraction={self.dpo_val_fraction} must be in [0, 1)")
-        if not 0 <= self.dpo_simpo_gamma < math.inf:
-            raise ConfigError(f"train.dpo_simpo_gamma={self.dpo_simpo_gamma} must be >= 0")
+        for name, section in SECTIONS.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):            # TrainConfig(lora={"r": 8}) as from YAML
+                object.__setattr__(self, name, _section(name, section, value))
+            elif (value is not None or name != "lora") and not isinstance(value, section):
+                raise ConfigError(f"train.{name} must be a {section.__name__}, got {type(value).__name__}")
         check_seed("train.seed", self.seed)
         parts = self.no_decay_set  # validates
         del parts
@@ -173,14 +178,18 @@ class TrainConfig:
 
     # serialization, as ModelConfig
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["betas"] = list(self.betas)
+        d["lora"] = self.lora.to_dict() if self.lora is not None else None
+        d["dpo"], d["sft"] = dataclasses.asdict(self.dpo), dataclasses.asdict(self.sft)
         return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        """The config of a mapping: today's nested keys, or a run folder's earlier flat ones (runs/train_section)."""
         if not isinstance(data, dict):
             raise ConfigError(f"train config must be a mapping, got {type(data).__name__}")
+        data = upgrade_train_section(data)
         unknown = set(data) - {f.name for f in fields(cls)}
         if unknown:
             raise ConfigError(f"unknown field(s) in train: {', '.join(sorted(unknown))}")
@@ -200,24 +209,65 @@ class TrainConfig:
         return cls.from_dict(data.get("train", data))
 
     def with_overrides(self, overrides: dict[str, Any]) -> "TrainConfig":
-        """New config from {"lr": "1e-3", "betas": "0.9,0.99"}; a leading "train." is accepted, and
-        "dist.strategy" for dist_strategy."""
+        """New config from {"lr": "1e-3", "betas": "0.9,0.99", "lora.r": "8", "dpo.beta": "0.2"}; a leading
+        "train." is accepted, and the earlier flat keys (lora_r, dpo_beta, objective=dpo, dist.strategy) through
+        the rename table. LoRA is off until train.lora.r is given (train.lora=none turns it off)."""
         data = self.to_dict()
         hints = get_type_hints(TrainConfig)
+        lora_started = False
         for key, value in overrides.items():
-            name = key[len("train."):] if key.startswith("train.") else key
-            name = ALIASES.get(name, name)
-            if name not in hints:
+            name, value = current_key(key, value)
+            head, _, rest = name.partition(".")
+            if head not in hints:
                 raise ConfigError(f"unknown train config key {key!r}")
-            if name == "betas" and isinstance(value, str):
+            if rest:
+                data[head], started = _override_section(head, data[head], rest, value, key)
+                lora_started |= started
+                continue
+            if head in SECTIONS:
+                if not (head == "lora" and isinstance(value, str) and value.strip().lower() in ("none", "off", "null")):
+                    raise ConfigError(f"{key} is a group: set its fields ({key}.FIELD=...)")
+                data[head] = None
+            elif name == "betas" and isinstance(value, str):
                 text = value.strip().strip("[]()")
                 try:
                     value = [float(v) for v in text.split(",")]
                 except ValueError as exc:
                     raise ConfigError(f"{key}={value!r} must be two comma-separated numbers") from exc
+                data[name] = value
             elif name == "grad_clip" and isinstance(value, str) and value.strip().lower() in ("none", "off", "0"):
-                value = None
+                data[name] = None
             else:
-                value = _parse_value(hints[name], value, key)
-            data[name] = value
+                data[name] = _parse_value(hints[name], value, key)
+        if lora_started and isinstance(data["lora"], dict) and "r" not in data["lora"]:
+            raise ConfigError(f"train.lora.{next(iter(data['lora']))} needs train.lora.r (LoRA is off)")
         return TrainConfig.from_dict(data)
+
+
+def _section(name: str, section: type, value: dict) -> Any:
+    if section is LoRAConfig:
+        return LoRAConfig.from_dict(value)
+    unknown = set(value) - {f.name for f in fields(section)}
+    if unknown:
+        raise ConfigError(f"unknown field(s) in train.{name}: {', '.join(sorted(unknown))}")
+    hints = get_type_hints(section)
+    return section(**{k: _parse_value(hints[k], v, f"train.{name}.{k}") for k, v in value.items()})
+
+
+def _override_section(head: str, current: Any, field: str, value: Any, key: str) -> tuple[Any, bool]:
+    """(the section's mapping with `field` set, whether this started the LoRA section)."""
+    section = SECTIONS.get(head)
+    if section is None:
+        raise ConfigError(f"train config key {key!r}: train.{head} is not a group")
+    hints = get_type_hints(section)
+    if field not in hints:
+        raise ConfigError(f"unknown train config key {key!r} (train.{head} has {', '.join(hints)})")
+    if head == "lora" and field == "r" and isinstance(value, str) and value.strip().lower() in ("none", "off", "null"):
+        return None, False
+    started = current is None
+    node = dict(current) if isinstance(current, dict) else {}
+    if get_origin(hints[field]) is tuple and isinstance(value, str):
+        node[field] = value                 # a comma list, parsed by the section
+    else:
+        node[field] = _parse_value(hints[field], value, key)
+    return node, started

@@ -1,26 +1,26 @@
-"""Preference tuning on the trainer: `train.objective=dpo` over a `.jsonl` of prompt / chosen / rejected lines.
+"""Preference tuning on the trainer: `train.method=dpo` over a `.jsonl` of prompt / chosen / rejected lines.
 
-    archlab train --init-from BASE --data prefs.jsonl --out runs/dpo --set train.objective=dpo
+    archlab train --init-from BASE --data prefs.jsonl --out runs/dpo --set train.method=dpo
 
 The policy starts from BASE's weights. The reference is that same starting model, scored ONCE before the first
 step: the summed log-probability of every line's chosen and rejected completion is written to the run folder
 (REFERENCE_FILE, safetensors keyed by line, with the data file's sha256) and read back on --resume, so no second
-model is held in memory. With LoRA (train.lora_r) the adapters start at zero, so the reference is the frozen base.
+model is held in memory. With LoRA (train.lora) the adapters start at zero, so the reference is the frozen base.
 
 Per pair, with logp the policy's summed completion log-probability, ref the reference's, n the completion tokens
-and beta = train.dpo_beta, the losses of LOSSES (train.dpo_loss):
+and beta = train.dpo.beta, the losses of LOSSES (train.dpo.loss):
 
     sigmoid   -log sigmoid(beta * ((logp_c - ref_c) - (logp_r - ref_r)))           DPO, Rafailov et al. 2023
     ipo       ((logp_c - ref_c) / n_c - (logp_r - ref_r) / n_r - 1 / (2 beta))^2      IPO, Azar et al. 2023
               (per-token log-ratios, as TRL's DPOTrainer computes loss_type="ipo")
     simpo     -log sigmoid(beta * (logp_c / n_c - logp_r / n_r) - gamma)             SimPO, Meng et al. 2024,
-              reference-free; gamma = train.dpo_simpo_gamma
+              reference-free; gamma = train.dpo.simpo_gamma
 
 Logged as TRL names them: rewards/chosen and rewards/rejected (the implicit reward beta * (logp - ref), batch
 means), rewards/margins, rewards/accuracies (share of pairs whose chosen reward is the larger), logps/chosen,
 logps/rejected. The model's z-loss and MoE auxiliary losses are not added to a preference loss.
 
-Validation: train.dpo_val_fraction of the lines (a seeded hash of each line's text, as `archlab finetune` holds
+Validation: train.dpo.val_fraction of the lines (a seeded hash of each line's text, as `archlab finetune` holds
 out SFT lines) never train; at each evaluation their preference loss is `val_loss` and their rewards and log-probs
 are logged with a `val_` prefix (TRL's eval_rewards/accuracies ...), over all of them on every rank. The reference
 file scores every pair, held out or not.
@@ -47,6 +47,7 @@ from archlab.data.preference import (
     load_preference_data,
     pad_pairs,
 )
+from archlab.data.preference_folder import is_preference_folder, open_preference_folder
 from archlab.data.prepare import split_by_line
 from archlab.errors import UserError
 from archlab.eval.evaluate import autocast
@@ -75,7 +76,7 @@ def _simpo(logp_c, logp_r, ref_c, ref_r, n_c, n_r, beta, gamma) -> torch.Tensor:
     return -F.logsigmoid(beta * (logp_c / n_c - logp_r / n_r) - gamma)
 
 
-# train.dpo_loss -> per-pair loss from (policy logps, reference logps, completion lengths, beta, gamma), all (b,)
+# train.dpo.loss -> per-pair loss from (policy logps, reference logps, completion lengths, beta, gamma), all (b,)
 LOSSES: dict[str, Loss] = {"sigmoid": _sigmoid, "ipo": _ipo, "simpo": _simpo}
 
 
@@ -100,7 +101,7 @@ def implicit_rewards(logp: torch.Tensor, ref: torch.Tensor, beta: float) -> torc
 
 
 class DPOBatches(SamplerState):
-    """The trainer's batches for train.objective=dpo: PreferenceBatches' pairs, and the loss the trainer calls instead
+    """The trainer's batches for train.method=dpo: PreferenceBatches' pairs, and the loss the trainer calls instead
     of the model's own (`loss(model, inputs, labels)` -> LossOutput) with the reference log-probs (`reference`, set
     by prepare_reference). Metrics gather between `metrics()` calls."""
 
@@ -140,9 +141,9 @@ class DPOBatches(SamplerState):
         logp_c, logp_r = logps.chunk(2)
         n_c, n_r = counts.chunk(2)
         ref_c, ref_r = (r[index.cpu()].to(logps.device) for r in self.reference)
-        loss = LOSSES[cfg.dpo_loss](logp_c, logp_r, ref_c, ref_r, n_c, n_r, cfg.dpo_beta, cfg.dpo_simpo_gamma)
+        loss = LOSSES[cfg.dpo.loss](logp_c, logp_r, ref_c, ref_r, n_c, n_r, cfg.dpo.beta, cfg.dpo.simpo_gamma)
         logp_c, logp_r = logp_c.detach(), logp_r.detach()
-        chosen, rejected = implicit_rewards(logp_c, ref_c, cfg.dpo_beta), implicit_rewards(logp_r, ref_r, cfg.dpo_beta)
+        chosen, rejected = implicit_rewards(logp_c, ref_c, cfg.dpo.beta), implicit_rewards(logp_r, ref_r, cfg.dpo.beta)
         return loss, torch.stack([chosen, rejected, chosen - rejected, (chosen > rejected).float(), logp_c, logp_r],
                                  dim=1)
 
@@ -177,20 +178,22 @@ class DPOBatches(SamplerState):
 
 def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: Any, info: Any, *,
                          progress: bool = True) -> DPOBatches:
-    """The DPO batches of `data_path`, encoded with the --init-from source's tokenizer; a UserError for data or
-    settings DPO cannot train, before anything is written."""
-    if cfg.objective != "dpo":
-        raise UserError(f"--data {data_path} is a file: preference .jsonl trains with --set train.objective=dpo "
+    """The DPO batches of `data_path`: a prepared preference folder (archlab finetune --method dpo: its own tokenizer),
+    or a .jsonl encoded with the --init-from source's tokenizer; a UserError for data or settings DPO cannot train,
+    before anything is written."""
+    folder = is_preference_folder(data_path)
+    if cfg.method != "dpo":
+        raise UserError(f"--data {data_path} is a file: preference .jsonl trains with --set train.method=dpo "
                         "(token data is a folder from archlab data prepare)")
-    if not (data_path.is_file() and data_path.suffix == ".jsonl"):
-        raise UserError(f"train.objective=dpo reads a .jsonl file of prompt / chosen / rejected lines; "
+    if not folder and not (data_path.is_file() and data_path.suffix == ".jsonl"):
+        raise UserError(f"train.method=dpo reads a .jsonl file of prompt / chosen / rejected lines; "
                         f"--data {data_path} is not one")
     if model_cfg.arch != "decoder":
-        raise UserError(f"train.objective=dpo trains decoder models, not arch={model_cfg.arch}")
+        raise UserError(f"train.method=dpo trains decoder models, not arch={model_cfg.arch}")
     if init_from is None:
-        raise UserError("train.objective=dpo starts from a trained model: pass --init-from RUN_OR_HF_FOLDER (its "
+        raise UserError("train.method=dpo starts from a trained model: pass --init-from RUN_OR_HF_FOLDER (its "
                         "weights begin the policy and score the reference)")
-    if init_from.tokenizer_dir is None:
+    if init_from.tokenizer_dir is None and not folder:
         raise UserError(f"--init-from {init_from.spec} holds no tokenizer to encode {data_path} with")
     if model_cfg.position.kind == "learned" and cfg.seq_len > model_cfg.max_seq_len:
         raise UserError(f"train.seq_len={cfg.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
@@ -205,31 +208,35 @@ def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: A
         warnings.warn("dropout is on: the policy's log-probs are noisy against the reference's (scored without "
                       "dropout), so the first loss is not ln 2; TRL's DPOTrainer turns dropout off",
                       stacklevel=3)
-    staged = _tokenizer_only(init_from.tokenizer_dir)
-    try:
-        data = load_preference_data(data_path, staged.name if staged else init_from.tokenizer_dir,
-                                    max_tokens=cfg.seq_len, truncation=cfg.dpo_truncation,
-                                    progress=progress and info.is_main, setting="train.dpo_truncation")
-    except NoTemplateForMessages as exc:
-        raise UserError(f"{exc.where}: these lines are chat messages and --init-from {init_from.spec} has no chat "
-                        f"template: fine-tune it first with one (archlab finetune {init_from.spec} --data SFT.jsonl "
-                        "--chat-template chatml --out SFT_RUN), then --init-from SFT_RUN; or write prompt, chosen "
-                        "and rejected as plain text") from None
+    staged = None
+    reading = dict(max_tokens=cfg.seq_len, truncation=cfg.dpo.truncation, progress=progress and info.is_main,
+                   setting="train.dpo.truncation")
+    if folder:                                  # its own tokenizer, template inside
+        data = open_preference_folder(data_path, **reading)
+    else:
+        staged = _tokenizer_only(init_from.tokenizer_dir)
+        try:
+            data = load_preference_data(data_path, staged.name if staged else init_from.tokenizer_dir, **reading)
+        except NoTemplateForMessages as exc:
+            raise UserError(f"{exc.where}: these lines are chat messages and --init-from {init_from.spec} has no "
+                            f"chat template: fine-tune it first with one (archlab finetune {init_from.spec} --data "
+                            "SFT.jsonl --chat-template chatml --out SFT_RUN), then --init-from SFT_RUN; or write "
+                            "prompt, chosen and rejected as plain text") from None
     if model_cfg.vocab_size < data.vocab_size:
         raise UserError(f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
-                        f"{data.vocab_size} ({init_from.tokenizer_dir})")
+                        f"{data.vocab_size} ({data.tokenizer_dir})")
     batches = DPOBatches(data, cfg, rank=info.rank, world_size=info.world_size, val=held_out(data, cfg))
     batches.staged_tokenizer = staged           # removed with the batches, after the run folder has its copy
     return batches
 
 
 def held_out(data: PreferenceData, cfg: Any) -> list[int]:
-    """The indices of the pairs held out for validation: train.dpo_val_fraction of the lines by a seeded hash of each
+    """The indices of the pairs held out for validation: train.dpo.val_fraction of the lines by a seeded hash of each
     line's text (train.seed), as archlab finetune holds out SFT lines; with two or more pairs neither side is empty.
-    Example: held_out(data, TrainConfig(dpo_val_fraction=0.25)) -> [3, 9, 17] (indices into data.pairs)"""
-    if cfg.dpo_val_fraction <= 0:
+    Example: held_out(data, TrainConfig(dpo={"val_fraction": 0.25})) -> [3, 9, 17] (indices into data.pairs)"""
+    if cfg.dpo.val_fraction <= 0:
         return []
-    _, val = split_by_line(data.path, data.pairs, cfg.seed, cfg.dpo_val_fraction)
+    _, val = split_by_line(data.path, data.pairs, cfg.seed, cfg.dpo.val_fraction)
     held = {id(pair) for pair in val}
     return [i for i, pair in enumerate(data.pairs) if id(pair) in held]
 

@@ -6,18 +6,19 @@ The stages, in order; every check passes before anything is written:
     2. the tokenizer, staged with its chat template: the base's own, or a built-in one / a Jinja file
        (--chat-template); a built-in one's new special tokens grow the embedding and head by as many rows,
        each set to the mean embedding row
-    3. the examples: decoders read archlab.data.chat (loss mask train.loss_mask, truncation train.truncation),
+    3. the examples: decoders read archlab.data.chat (loss mask train.sft.loss_mask, truncation train.sft.truncation),
        encoder-decoders archlab.data.chat_pairs (source -> target); the validation split is a seeded hash of
        each line (train.seed, val_fraction) or a --val file
     4. OUT/data: an SFT folder (archlab.data.sft) or a pairs folder, with the staged tokenizer
-    5. the trainer on OUT/data from the base's weights: full fine-tuning, or LoRA with train.lora_r; exact
+    5. the trainer on OUT/data from the base's weights: full fine-tuning, or LoRA with train.lora; exact
        resume as any run. The run folder's tokenizer holds the template, so generate / serve / chat use it.
 
-    result = finetune("runs/base", "sft.jsonl", "runs/sft", train_cfg=TrainConfig(lora_r=8, seq_len=256))
+    result = finetune("runs/base", "sft.jsonl", "runs/sft", train_cfg=TrainConfig(lora=LoRAConfig(r=8), seq_len=256))
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 import sys
@@ -37,8 +38,9 @@ from archlab.runs.outputs import check_output
 from archlab.training import lora as lora_stage
 from archlab.training.config import TrainConfig
 from archlab.training.init_from import InitSource, read_init_source
+from archlab.training.methods.base import FinetuneRequest
 
-__all__ = ["finetune", "stage_tokenizer", "grow_vocab"]
+__all__ = ["finetune", "stage_tokenizer", "grow_vocab", "staged_base", "prepare_sft", "check_same_data"]
 
 # files of an HF folder that belong to its tokenizer (a run folder's tokenizer/ is copied whole)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -98,28 +100,28 @@ def grow_vocab(source: InitSource, new_ids: list[int], old_rows: int) -> tuple[I
     return dataclasses.replace(source, model_config=cfg, state=state), line
 
 
-def _checked_file(path: str | os.PathLike, flag: str) -> Path:
+def _checked_file(path: str | os.PathLike, flag: str, what: str) -> Path:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{flag} {path}: no such file")
     if path.suffix.lower() != ".jsonl":
-        raise UserError(f"{flag} {path}: chat data is a .jsonl file of messages or prompt/completion lines")
+        raise UserError(f"{flag} {path}: {what}")
     return path
 
 
 def _read_examples(arch: str, path: Path, tokenizer_dir: Path, cfg: TrainConfig, progress: bool) -> list:
     if arch == "encoder_decoder":
         from archlab.data.chat_pairs import read_chat_pairs
-        return list(read_chat_pairs(path, tokenizer_dir, max_len=cfg.seq_len, truncation=cfg.truncation,
-                                    setting="train.truncation"))
+        return list(read_chat_pairs(path, tokenizer_dir, max_len=cfg.seq_len, truncation=cfg.sft.truncation,
+                                    setting="train.sft.truncation"))
     if arch != "decoder":
         raise UserError(f"archlab finetune trains decoders and encoder-decoders, not arch={arch}")
     from archlab.data.chat import load_chat_data
-    data = load_chat_data(path, tokenizer_dir, mask=cfg.loss_mask, max_tokens=cfg.seq_len, truncation=cfg.truncation,
-                          progress=progress, setting="train.truncation")
+    data = load_chat_data(path, tokenizer_dir, mask=cfg.sft.loss_mask, max_tokens=cfg.seq_len,
+                          truncation=cfg.sft.truncation, progress=progress, setting="train.sft.truncation")
     if data.truncated or data.skipped:
-        print(f"{path}: {data.truncated} examples truncated, {data.skipped} skipped (train.truncation="
-              f"{cfg.truncation})", file=sys.stderr)
+        print(f"{path}: {data.truncated} examples truncated, {data.skipped} skipped (train.sft.truncation="
+              f"{cfg.sft.truncation})", file=sys.stderr)
     return data.examples
 
 
@@ -146,12 +148,15 @@ def _data_settings(data: Path, val: Path | None, cfg: TrainConfig, chat_template
                    val_fraction: float) -> dict:
     """What the examples depend on, kept in the data folder's meta.json (a resume must find the same)."""
     return {"corpus": str(data), "sha256": file_sha256(data), "val_corpus": str(val) if val else None,
-            "val_sha256": file_sha256(val) if val else None, "loss_mask": cfg.loss_mask, "truncation": cfg.truncation,
+            "val_sha256": file_sha256(val) if val else None, "loss_mask": cfg.sft.loss_mask,
+            "truncation": cfg.sft.truncation,
             "seq_len": cfg.seq_len, "seed": cfg.seed, "val_fraction": None if val else val_fraction,
             "chat_template": chat_template}
 
 
-def _check_same_data(folder: Path, settings: dict) -> None:
+def check_same_data(folder: Path, settings: dict) -> None:
+    """--resume: the prepared folder's meta.json must hold the settings this command gives (a UserError naming the
+    first that differs)."""
     import json
 
     meta = json.loads((folder / META_FILE).read_text())
@@ -162,44 +167,53 @@ def _check_same_data(folder: Path, settings: dict) -> None:
 
 
 def _check_settings(cfg: TrainConfig, val_fraction: float) -> None:
+    """The sft section's names (train.sft.loss_mask, truncation) and the held-out share, before anything is read."""
     from archlab.data.chat import LOSS_MASKS, TRUNCATIONS
 
-    if cfg.loss_mask not in LOSS_MASKS:
-        raise ConfigError(f"train.loss_mask={cfg.loss_mask!r}: choose one of {', '.join(LOSS_MASKS)}")
-    if cfg.truncation not in TRUNCATIONS:
-        raise ConfigError(f"train.truncation={cfg.truncation!r}: choose one of {', '.join(TRUNCATIONS)}")
-    if not 0.0 <= val_fraction < 1.0:
+    if cfg.sft.loss_mask not in LOSS_MASKS:
+        raise ConfigError(f"train.sft.loss_mask={cfg.sft.loss_mask!r}: choose one of {', '.join(LOSS_MASKS)}")
+    if cfg.sft.truncation not in TRUNCATIONS:
+        raise ConfigError(f"train.sft.truncation={cfg.sft.truncation!r}: choose one of {', '.join(TRUNCATIONS)}")
+    if not 0.0 <= val_fraction < 1.0 or not math.isfinite(val_fraction):
         raise UserError(f"--val-fraction {val_fraction} must be in [0, 1)")
 
 
-def _prepare(base, data_path: Path, val_path: Path | None, out: Path, train_cfg: TrainConfig,
-             model_overrides: dict | None, chat_template: str | None, val_fraction: float, resume: bool,
-             progress: bool | str) -> tuple[Any, Path, InitSource]:
-    """Stages 1-4: (model config, the data folder, the base to start from)."""
-    source = read_init_source(base)
+def staged_base(req: FinetuneRequest, tmp: Path) -> tuple[InitSource, Any, Path]:
+    """Stages 1-2, shared by every method: (the base, grown where a built-in template adds tokens; the model config
+    with the overrides, checked against the base; the staged tokenizer folder under `tmp`). LoRA settings are
+    checked here too, before anything is written."""
+    source = read_init_source(req.base)
     if source.tokenizer_dir is None:
-        raise UserError(f"{base} holds no tokenizer: chat fine-tuning needs one")
+        raise UserError(f"{req.base} holds no tokenizer: fine-tuning needs one")
+    staged = tmp / "tokenizer"
+    new_ids, old_rows = stage_tokenizer(Path(source.tokenizer_dir), staged, req.chat_template)
+    if new_ids:
+        source, line = grow_vocab(source, new_ids, old_rows)
+        if req.progress:
+            print(line, file=sys.stderr)
+    overrides = req.model_overrides
+    model_cfg = source.model_config.with_overrides(overrides) if overrides else source.model_config
+    source.check_model(model_cfg)
+    lora_stage.check(model_cfg, req.train_cfg, staged)     # trainable token texts (`template`): in this tokenizer
+    return source, model_cfg, staged
+
+
+def prepare_sft(req: FinetuneRequest) -> tuple[Any, Path, InitSource]:
+    """`--method sft`, stages 1-4: (model config, the data folder OUT/data, the base to start from)."""
+    train_cfg, data_path, val_path, out = req.train_cfg, req.data, req.val, req.out
     data_dir = out / "data"
     with tempfile.TemporaryDirectory(prefix="archlab-finetune-") as tmp:
-        staged = Path(tmp) / "tokenizer"
-        new_ids, old_rows = stage_tokenizer(Path(source.tokenizer_dir), staged, chat_template)
-        if new_ids:
-            source, line = grow_vocab(source, new_ids, old_rows)
-            if progress:
-                print(line, file=sys.stderr)
-        model_cfg = source.model_config.with_overrides(model_overrides) if model_overrides else source.model_config
-        source.check_model(model_cfg)
-        lora_stage.check(model_cfg, train_cfg, staged)     # trainable token texts (`template`): in this tokenizer
-        settings = _data_settings(data_path, val_path, train_cfg, chat_template, val_fraction)
-        if resume and (data_dir / META_FILE).is_file():
-            _check_same_data(data_dir, settings)
+        source, model_cfg, staged = staged_base(req, Path(tmp))
+        settings = _data_settings(data_path, val_path, train_cfg, req.chat_template, req.val_fraction)
+        if req.resume and (data_dir / META_FILE).is_file():
+            check_same_data(data_dir, settings)
         else:
-            examples = _read_examples(model_cfg.arch, data_path, staged, train_cfg, progress is True)
+            examples = _read_examples(model_cfg.arch, data_path, staged, train_cfg, req.progress is True)
             if val_path is not None:
                 splits = {"train": examples,
-                          "val": _read_examples(model_cfg.arch, val_path, staged, train_cfg, progress is True)}
+                          "val": _read_examples(model_cfg.arch, val_path, staged, train_cfg, req.progress is True)}
             else:
-                train_part, val_part = split_by_line(data_path, examples, train_cfg.seed, val_fraction)
+                train_part, val_part = split_by_line(data_path, examples, train_cfg.seed, req.val_fraction)
                 splits = {"train": train_part, "val": val_part}
             if not splits["train"]:
                 raise UserError(f"--data {data_path}: no examples to train on")
@@ -209,26 +223,35 @@ def _prepare(base, data_path: Path, val_path: Path | None, out: Path, train_cfg:
 
 
 def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.PathLike, *,
-             train_cfg: TrainConfig, model_overrides: dict | None = None, val: str | os.PathLike | None = None,
-             chat_template: str | None = None, val_fraction: float = 0.05, resume: bool = False,
-             progress: bool | str = True) -> Any:
-    """Fine-tune `base` on the chat .jsonl `data` into the run folder `out` (training.trainer.TrainResult).
-    Bad input (a line, a setting, a LoRA target) is a UserError / ConfigError, and a folder this call created
-    is removed again: nothing is left behind."""
+             train_cfg: TrainConfig, method: str = "sft", model_overrides: dict | None = None,
+             val: str | os.PathLike | None = None, chat_template: str | None = None, val_fraction: float | None = None,
+             resume: bool = False, progress: bool | str = True) -> Any:
+    """Fine-tune `base` on the .jsonl `data` with `method` (training/methods: sft on chat lines, dpo on preference
+    lines) into the run folder `out` (training.trainer.TrainResult). val_fraction: the share of lines held out
+    (None: sft 0.05, dpo train.dpo.val_fraction). Bad input (a line, a setting, a LoRA target) is a UserError /
+    ConfigError, and a folder this call created is removed again: nothing is left behind.
+    Example: finetune("runs/sft", "prefs.jsonl", "runs/dpo", method="dpo", train_cfg=TrainConfig(lr=5e-6))"""
+    from archlab.training.methods import METHODS, finetune_methods
     from archlab.training.trainer import train
 
+    if method not in finetune_methods():
+        raise UserError(f"--method {method}: choose one of {', '.join(finetune_methods())}")
+    chosen = METHODS.get(method)
     out = Path(out)
     check_output(out, inputs=[None if str(base).startswith("hf:") else base, data, val, chat_template],
                  in_place=True)                 # never the base, the data or the template, nor a live writer's
     if not resume and out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} exists and is not empty: choose a new folder (or --resume a fine-tune there)")
-    data_path = _checked_file(data, "--data")
-    val_path = _checked_file(val, "--val") if val is not None else None
+    data_path = _checked_file(data, "--data", chosen.data_help)
+    val_path = _checked_file(val, "--val", chosen.data_help) if val is not None else None
+    train_cfg, val_fraction = chosen.fit_settings(dataclasses.replace(train_cfg, method=method), val_path,
+                                                  val_fraction)
     _check_settings(train_cfg, val_fraction)
     created = not out.exists()
     try:
-        model_cfg, data_dir, source = _prepare(base, data_path, val_path, out, train_cfg, model_overrides,
-                                               chat_template, val_fraction, resume, progress)
+        request = FinetuneRequest(base, data_path, val_path, out, train_cfg, model_overrides, chat_template,
+                                  val_fraction, resume, progress)
+        model_cfg, data_dir, source = chosen.prepare(request)
         return train(model_cfg, train_cfg, data_dir, out, resume=resume, progress=progress, init_from=source)
     except (UserError, ConfigError, FileExistsError):
         if created and not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists():

@@ -1,8 +1,8 @@
-"""LoRA fine-tuning on the trainer: `train.lora_r` (with lora_alpha, lora_dropout, lora_targets, lora_rslora) puts
+"""LoRA fine-tuning on the trainer: `train.lora` (nn.lora.LoRAConfig: r, alpha, dropout, targets, use_rslora) puts
 adapters on the built model's Linears (nn/lora.py) before the optimizer is made, so only the adapters train and
 only they have optimizer state; checkpoints hold the base and the adapters (a resume restores both).
-`train.lora_modules_to_save` trains whole modules beside the adapters (PEFT's modules_to_save: learned position
-embeddings, a norm, the head). `train.lora_trainable_tokens` trains some input-embedding rows too
+`train.lora.modules_to_save` trains whole modules beside the adapters (PEFT's modules_to_save: learned position
+embeddings, a norm, the head). `train.lora.trainable_tokens` trains some input-embedding rows too
 (nn/trainable_tokens.py): token ids, token texts and `template` (the chat template's special tokens) are resolved
 to ids with the run's tokenizer (`resolve_tokens`) before anything is written, and config.yaml records the ids.
 
@@ -21,8 +21,7 @@ from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.interop.peft import hf_module_names
-from archlab.nn.lora import LoRAConfig, apply_lora, parse_targets
-from archlab.nn.trainable_tokens import parse_token_list
+from archlab.nn.lora import LoRAConfig, apply_lora
 from archlab.training.config import TrainConfig
 
 __all__ = ["lora_config", "resolve_tokens", "attach", "check", "check_resume", "scale_memory", "optimizer_bytes",
@@ -30,39 +29,31 @@ __all__ = ["lora_config", "resolve_tokens", "attach", "check", "check_resume", "
 
 
 def lora_config(cfg: TrainConfig) -> LoRAConfig | None:
-    """The adapters the train config asks for (None: full training)."""
-    if cfg.lora_r is None:
+    """The adapters the train config asks for, token texts resolved (None: full training)."""
+    if cfg.lora is None:
         return None
-    items = parse_token_list(cfg.lora_trainable_tokens)
-    if not all(item.isdecimal() for item in items):
-        raise ConfigError(f"train.lora_trainable_tokens={cfg.lora_trainable_tokens!r} holds token texts: resolve them "
-                          "to ids with the run's tokenizer first (training.lora.resolve_tokens)")
-    return LoRAConfig(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                      targets=parse_targets(cfg.lora_targets), use_rslora=cfg.lora_rslora,
-                      trainable_tokens=tuple(int(item) for item in items),
-                      modules_to_save=parse_targets(cfg.lora_modules_to_save))
+    cfg.lora.token_ids  # noqa: B018  (token texts left unresolved: a ConfigError naming them)
+    return cfg.lora
 
 
-TEMPLATE = "template"      # lora_trainable_tokens: the special tokens of the tokenizer's chat template
+TEMPLATE = "template"      # lora.trainable_tokens: the special tokens of the tokenizer's chat template
 
 
 def resolve_tokens(cfg: TrainConfig, tokenizer_dir: str | Path | None) -> TrainConfig:
-    """cfg with train.lora_trainable_tokens as sorted token ids: digits are ids, `template` the special tokens the
-    tokenizer folder's chat template writes, anything else a token's exact text in that tokenizer. A text that is
+    """cfg with train.lora.trainable_tokens as sorted token ids: ids stay, `template` is the special tokens the
+    tokenizer folder's chat template writes, any other text a token's exact text in that tokenizer. A text that is
     no token, or texts with no tokenizer to read them, is a ConfigError naming it.
-    Example: resolve_tokens(TrainConfig(lora_r=8, lora_trainable_tokens="template"), "runs/sft/data/tokenizer")"""
-    items = parse_token_list(cfg.lora_trainable_tokens)
-    if all(item.isdecimal() for item in items):
-        ids = {int(item) for item in items}
-    else:
-        ids = _token_ids(items, tokenizer_dir)
-    return dataclasses.replace(cfg, lora_trainable_tokens=",".join(map(str, sorted(ids))))
+    Example: resolve_tokens(TrainConfig(lora={"r": 8, "trainable_tokens": "template"}), "runs/sft/data/tokenizer")"""
+    if cfg.lora is None or all(isinstance(t, int) for t in cfg.lora.trainable_tokens):
+        return cfg
+    ids = _token_ids([str(t) for t in cfg.lora.trainable_tokens], tokenizer_dir)
+    return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, trainable_tokens=tuple(sorted(ids))))
 
 
 def _token_ids(items: list[str], tokenizer_dir: str | Path | None) -> set[int]:
     from archlab.data.tokenizer_adapter import load_tokenizer
 
-    key = "train.lora_trainable_tokens"
+    key = "train.lora.trainable_tokens"
     texts = [item for item in items if not item.isdecimal()]
     if tokenizer_dir is None or not Path(tokenizer_dir).is_dir():
         raise ConfigError(f"{key}: {texts[0]!r} is a token text and this run has no tokenizer to look it up in: "
@@ -92,7 +83,7 @@ def _token_ids(items: list[str], tokenizer_dir: str | Path | None) -> set[int]:
 
 def attach(model: nn.Module, cfg: TrainConfig) -> LoRAStep | None:
     """Adapters on `model` as `cfg` asks (targets may use the model's HF family names), the base frozen; None
-    when train.lora_r is unset."""
+    when train.lora is unset."""
     settings = lora_config(cfg)
     if settings is None:
         return None
@@ -102,16 +93,17 @@ def attach(model: nn.Module, cfg: TrainConfig) -> LoRAStep | None:
 
 
 def check(model_cfg: ModelConfig, cfg: TrainConfig, tokenizer_dir: str | Path | None = None) -> None:
-    """Raise ConfigError, before anything is written, for what `attach` would refuse: train.lora_targets or
-    lora_modules_to_save that name nothing of this model or overlap, and trainable tokens that are no token of
+    """Raise ConfigError, before anything is written, for what `attach` would refuse: train.lora.targets or
+    modules_to_save that name nothing of this model or overlap, and trainable tokens that are no token of
     `tokenizer_dir` or lie past the embedding. The adapters go on a model built on the meta device (no memory, no
     init) through the same apply_lora the run uses."""
-    if cfg.lora_r is None:
+    if cfg.lora is None:
         return
     settings = lora_config(resolve_tokens(cfg, tokenizer_dir))
     assert settings is not None
-    if settings.trainable_tokens and settings.trainable_tokens[-1] >= model_cfg.vocab_size:
-        raise ConfigError(f"train.lora_trainable_tokens: token id {settings.trainable_tokens[-1]} is past the "
+    ids = settings.token_ids
+    if ids and ids[-1] >= model_cfg.vocab_size:
+        raise ConfigError(f"train.lora.trainable_tokens: token id {ids[-1]} is past the "
                           f"model's vocab_size={model_cfg.vocab_size}")
     adapted_on_meta(model_cfg, settings)
 
@@ -127,27 +119,29 @@ def adapted_on_meta(model_cfg: ModelConfig, settings: LoRAConfig) -> nn.Module:
         return apply_lora(model, settings, hf_module_names(model))
 
 
-LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_rslora", "lora_trainable_tokens",
-               "lora_modules_to_save")
-
-
 def check_resume(run_dir: Path, cfg: TrainConfig) -> None:
     """A resumed run keeps the adapters it began with: a LoRA setting that differs from the run's config.yaml is
     a ConfigError naming it (the checkpoint's tensors would not fit)."""
     from archlab.runs.model_folder import read_run_config
+    from archlab.runs.train_section import lora_section
 
-    recorded = read_run_config(run_dir).get("train") or {}
-    defaults = TrainConfig()
-    for name in LORA_FIELDS:
-        before, now = recorded.get(name, getattr(defaults, name)), getattr(cfg, name)
-        if before != now:
-            raise ConfigError(f"train.{name}={now!r} differs from the run's {before!r} ({run_dir}/config.yaml): "
-                              "a run resumes with the adapters it began with")
+    before, now = lora_section(read_run_config(run_dir).get("train")), cfg.lora
+    if before == now:
+        return
+    if before is None or now is None:
+        was, is_ = (before.r if before else None), (now.r if now else None)
+        raise ConfigError(f"train.lora.r={is_!r} differs from the run's {was!r} ({run_dir}/config.yaml): "
+                          "a run resumes with the adapters it began with")
+    for name in (f.name for f in dataclasses.fields(LoRAConfig)):
+        if getattr(before, name) != getattr(now, name):
+            raise ConfigError(f"train.lora.{name}={getattr(now, name)!r} differs from the run's "
+                              f"{getattr(before, name)!r} ({run_dir}/config.yaml): a run resumes with the adapters it "
+                              "began with")
 
 
 def scale_memory(parts: dict[str, int], model_cfg: ModelConfig, cfg: TrainConfig) -> dict[str, int]:
     """accounting.training_memory's parts for a LoRA run: grads and optimizer state scaled to the adapters'
-    share of the parameters (counted on a meta model); the parts as they are without train.lora_r."""
+    share of the parameters (counted on a meta model); the parts as they are without train.lora."""
     settings = lora_config(cfg)
     if settings is None or not {"grads", "optimizer"} <= set(parts):
         return parts

@@ -17,7 +17,7 @@ from typing import Any
 
 from archlab.config import ModelConfig
 from archlab.data.reverse_words import SIZES
-from archlab.training.config import TrainConfig
+from archlab.training.config import DPOConfig, TrainConfig
 
 __all__ = ["reverse_words"]
 
@@ -44,6 +44,6 @@ def reverse_words(*, quick: bool, seed: int = 0) -> dict[str, Any]:
                            eval_every=max(4, steps["sft"] // 6), log_every=max(2, steps["sft"] // 60), **common),
         "dpo": TrainConfig(lr=1e-4, warmup_steps=5, batch_size=16, seq_len=64, budget=steps["dpo"],
                            eval_every=max(3, steps["dpo"] // 4), log_every=max(1, steps["dpo"] // 30),
-                           objective="dpo", dpo_beta=0.1, **common),
+                           method="dpo", dpo=DPOConfig(beta=0.1), **common),
         **SIZES["quick" if quick else "full"],
     }

@@ -198,7 +198,7 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_
     # data cannot train is an error that leaves nothing behind
     device = resolve_device(cfg, info)
     session = open_run(model_cfg, cfg, data_dir, init_from, info, progress=progress is True)
-    # trainable token texts (train.lora_trainable_tokens) become ids with the data's tokenizer; config.yaml keeps ids
+    # trainable token texts (train.lora.trainable_tokens) become ids with the data's tokenizer; config.yaml keeps ids
     cfg = lora_stage.resolve_tokens(cfg, session.tokenizer_dir)
     lora_stage.check(model_cfg, cfg)                   # LoRA targets this model lacks: refused before any write
     if cfg.memory_check:
@@ -285,7 +285,7 @@ class _Run:
 
         seed_everything(cfg.seed + info.rank)
         self.raw = build_model(model_cfg).to(device)        # TransformerLM, EncoderLM or EncoderDecoderLM by arch
-        self.lora = lora_stage.attach(self.raw, cfg)        # train.lora_r: adapters on, the base frozen (lora.py)
+        self.lora = lora_stage.attach(self.raw, cfg)        # train.lora: adapters on, the base frozen (lora.py)
         # (inputs, labels) per micro-step, a function of (seed, step, micro-batch, rank): the method's batches
         self.method, self.batches = session, session.batches
         self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len)

@@ -1,8 +1,8 @@
-"""Ways to train on one loop (base.py): `pretrain` (tokens.py), `sft`, `dpo` (dpo.py). The trainer asks `select`
+"""Ways to train on one loop (base.py): `pretrain` and `sft` (tokens.py), `dpo` (dpo.py). The trainer asks `select`
 which method a run uses and drives the MethodRun that method opens; it names none of them.
 
     from archlab.training.methods import METHODS, select
-    select(TrainConfig(objective="dpo"), Path("prefs.jsonl"))      # -> "dpo"
+    select(TrainConfig(method="dpo"), Path("prefs.jsonl"))      # -> "dpo"
 """
 from __future__ import annotations
 
@@ -11,17 +11,21 @@ from typing import Any
 
 from archlab.training.methods import dpo as _dpo  # noqa: F401  (registers "dpo")
 from archlab.training.methods import tokens as _tokens  # noqa: F401  (registers "pretrain")
-from archlab.training.methods.base import METHODS, Batches, Method, MethodRun
+from archlab.training.methods.base import METHODS, Batches, FinetuneRequest, Method, MethodRun
 
-__all__ = ["METHODS", "Method", "MethodRun", "Batches", "select", "open_run"]
+__all__ = ["METHODS", "Method", "MethodRun", "Batches", "FinetuneRequest", "select", "open_run", "finetune_methods"]
+
+
+def finetune_methods() -> list[str]:
+    """The methods `archlab finetune --method` runs (those with a `prepare`), the default (sft) first."""
+    return sorted((name for name in METHODS.names() if METHODS.get(name).prepare is not None),
+                  key=lambda name: name != "sft")
 
 
 def select(cfg: Any, data_dir: Path) -> str:
-    """The method a run trains with: DPO for train.objective=dpo or a data file (preference .jsonl; it refuses
-    other settings with a message saying which), else the prepared folder's own (pretrain)."""
-    if cfg.objective == "dpo" or data_dir.is_file():
-        return "dpo"
-    return "pretrain"
+    """The method a run trains with: train.method, or DPO for a data file (a preference .jsonl: DPO refuses it
+    unless train.method=dpo, saying so)."""
+    return "dpo" if data_dir.is_file() else cfg.method
 
 
 def open_run(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any, *, progress: bool = True

@@ -21,7 +21,7 @@ import torch
 
 from archlab.nn.registry import Registry
 
-__all__ = ["Batches", "MethodRun", "Method", "METHODS"]
+__all__ = ["Batches", "MethodRun", "Method", "METHODS", "FinetuneRequest"]
 
 
 class Batches(Protocol):
@@ -64,17 +64,41 @@ class MethodRun(Protocol):
 
 
 @dataclass(frozen=True)
+class FinetuneRequest:
+    """What `archlab finetune` asks of a method's `prepare`: the base (run folder, HF folder or hf: id), the data
+    and validation files (checked to exist), the run folder, the settings."""
+
+    base: Any
+    data: Path
+    val: Path | None
+    out: Path
+    train_cfg: Any
+    model_overrides: dict | None
+    chat_template: str | None
+    val_fraction: float
+    resume: bool
+    progress: bool | str
+
+
+def _sft_settings(train_cfg: Any, val: Path | None, val_fraction: float | None) -> tuple[Any, float]:
+    return train_cfg, 0.05 if val_fraction is None else val_fraction
+
+
+@dataclass(frozen=True)
 class Method:
     """A way to train: its name, a one-line summary (`archlab finetune --help`), and `open`, which builds the run's
     MethodRun from (model_cfg, train_cfg, data_dir, init_from, info, progress=...) or raises UserError /
-    ConfigError before anything is written. `prepare`, where the method has one, turns a user's data file into the
-    prepared data folder under OUT (archlab finetune): (base, data, out, ...) -> data folder."""
+    ConfigError before anything is written. Methods `archlab finetune` runs have `prepare` (FinetuneRequest ->
+    (model config, the prepared data folder OUT/data, the base as an InitSource), every check before a write),
+    `data_help` (what their --data lines hold) and `fit_settings` ((train_cfg, --val, --val-fraction) ->
+    (train_cfg, the held-out share): where the method keeps its held-out share)."""
 
     name: str
     summary: str
     open: Any
     prepare: Any = None
     data_help: str = ""
+    fit_settings: Any = _sft_settings
 
 
 METHODS: Registry[Method] = Registry("method")

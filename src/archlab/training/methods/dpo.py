@@ -3,13 +3,18 @@ and their batches, the loss against the reference log-probs scored once before t
 log fields and the held-out pairs' figures."""
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from archlab.errors import UserError
 from archlab.training import dpo
-from archlab.training.methods.base import METHODS, Method
+from archlab.training.methods.base import METHODS, FinetuneRequest, Method
 
 __all__ = ["DPORun", "open_dpo"]
 
@@ -29,7 +34,7 @@ class DPORun:
         return self.batches.metrics()             # rewards/..., logps/... (this rank's, since the last line)
 
     def evaluate(self, model: Any, *, device: torch.device, dtype: str, info: Any) -> dict[str, float]:
-        return self.batches.evaluate(model, device=device, dtype=dtype)   # the held-out pairs (train.dpo_val_fraction)
+        return self.batches.evaluate(model, device=device, dtype=dtype)   # the held-out pairs (train.dpo.val_fraction)
 
     def start(self, model: torch.nn.Module, run_dir: Path, *, device: torch.device, dtype: str, info: Any,
               resuming: bool, progress: bool) -> None:
@@ -40,9 +45,52 @@ class DPORun:
 
 def open_dpo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any, *, progress: bool = True) -> DPORun:
     batches = dpo.open_preference_data(model_cfg, cfg, data_dir, init_from, info, progress=progress)
-    tokenizer = Path(init_from.tokenizer_dir) if init_from is not None and init_from.tokenizer_dir else None
-    return DPORun(batches, tokenizer)
+    return DPORun(batches, Path(batches.data.tokenizer_dir))      # the tokenizer the pairs were encoded with
+
+
+def prepare_preferences(req: FinetuneRequest) -> tuple[Any, Path, Any]:
+    """archlab finetune --method dpo: every line of the preference .jsonl checked with the staged tokenizer (its chat
+    template), then OUT/data written as a preference folder (data/preference_folder.py) holding the lines and that
+    tokenizer; (model config, OUT/data, the base). On --resume the folder's settings must be this command's."""
+    from archlab.data.preference import file_sha256, load_preference_data
+    from archlab.data.preference_folder import write_preference_folder
+    from archlab.data.tokens import META_FILE
+    from archlab.training.finetune import check_same_data, staged_base
+
+    cfg, out = req.train_cfg, req.out
+    if req.val is not None:
+        raise UserError(f"--val {req.val}: --method {cfg.method} holds out --val-fraction of --data's lines "
+                        "(train.dpo.val_fraction) instead")
+    data_dir = out / "data"
+    with tempfile.TemporaryDirectory(prefix="archlab-finetune-") as tmp:
+        source, model_cfg, staged = staged_base(req, Path(tmp))
+        if model_cfg.arch != "decoder":
+            raise UserError(f"--method {cfg.method} trains decoder models, not arch={model_cfg.arch}")
+        settings = {"corpus": str(req.data), "sha256": file_sha256(req.data), "seq_len": cfg.seq_len,
+                    "truncation": cfg.dpo.truncation, "chat_template": req.chat_template}
+        if req.resume and (data_dir / META_FILE).is_file():
+            check_same_data(data_dir, settings)
+        else:
+            data = load_preference_data(req.data, staged, max_tokens=cfg.seq_len, truncation=cfg.dpo.truncation,
+                                        progress=req.progress is True, setting="train.dpo.truncation")
+            out.mkdir(parents=True, exist_ok=True)
+            building = data_dir.with_name(data_dir.name + ".tmp")
+            if building.exists():
+                shutil.rmtree(building)
+            write_preference_folder(building, req.data, staged, vocab_size=data.vocab_size, eot_id=data.eot_id,
+                                    **settings)
+            os.replace(building, data_dir)
+    return model_cfg, data_dir, dataclasses.replace(source, tokenizer_dir=data_dir / "tokenizer")
+
+
+def _dpo_settings(train_cfg: Any, val: Path | None, val_fraction: float | None) -> tuple[Any, float]:
+    """--val-fraction is train.dpo.val_fraction (the held-out pairs), when given."""
+    if val_fraction is None:
+        return train_cfg, train_cfg.dpo.val_fraction
+    return dataclasses.replace(train_cfg, dpo=dataclasses.replace(train_cfg.dpo, val_fraction=val_fraction)), \
+        val_fraction
 
 
 METHODS.register("dpo")(Method("dpo", "direct preference optimization (DPO, IPO, SimPO) against the starting model",
-                               open_dpo))
+                               open_dpo, prepare=prepare_preferences, fit_settings=_dpo_settings,
+                               data_help="preference data is a .jsonl file of prompt / chosen / rejected lines"))

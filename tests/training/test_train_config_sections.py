@@ -1,0 +1,65 @@
+"""TrainConfig nested by concern: train.lora is the typed LoRA config itself, train.dpo and train.sft the methods'
+sections; run folders are written nested and the earlier flat keys read through one rename table
+(runs/train_section.py), so old run folders still load, resume and export."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from archlab.config import ConfigError
+from archlab.nn.lora import LoRAConfig
+from archlab.runs.model_folder import read_run_config
+from archlab.runs.train_section import lora_section, upgrade_train_section
+from archlab.training.config import DPOConfig, SFTConfig, TrainConfig
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "run_v1"
+FLAT = {"lr": 1e-3, "objective": "dpo", "lora_r": 4, "lora_alpha": 8.0, "lora_dropout": 0.1, "lora_targets": "q,v,down",
+        "lora_rslora": True, "lora_trainable_tokens": "5,3", "lora_modules_to_save": "final_norm", "dpo_beta": 0.2,
+        "dpo_loss": "ipo", "dpo_simpo_gamma": 1.0, "dpo_truncation": "skip", "dpo_val_fraction": 0.1,
+        "packing": False, "loss_mask": "last", "truncation": "keep_end"}
+NESTED = TrainConfig(lr=1e-3, method="dpo",
+                     lora=LoRAConfig(r=4, alpha=8.0, dropout=0.1, targets=("q", "v", "down"), use_rslora=True,
+                                     trainable_tokens=(3, 5), modules_to_save=("final_norm",)),
+                     dpo=DPOConfig(beta=0.2, loss="ipo", simpo_gamma=1.0, truncation="skip", val_fraction=0.1),
+                     sft=SFTConfig(packing=False, loss_mask="last", truncation="keep_end"))
+
+
+def test_an_earlier_flat_train_section_reads_as_the_nested_config():
+    assert TrainConfig.from_dict(FLAT) == NESTED
+    assert lora_section(FLAT) == NESTED.lora                       # what load_run and export_peft read, typed
+    # flat LoRA keys without lora_r did nothing then: they read as LoRA off
+    assert TrainConfig.from_dict({"lora_r": None, "lora_alpha": 32.0, "lora_targets": "all-linear"}).lora is None
+
+
+def test_config_yaml_is_written_nested_and_reads_back_equal():
+    written = yaml.safe_load(NESTED.to_yaml())
+    assert not [key for key in written if key.startswith(("lora_", "dpo_"))]
+    assert written["lora"]["targets"] == ["q", "v", "down"] and written["dpo"]["loss"] == "ipo"
+    assert TrainConfig.from_yaml(NESTED.to_yaml()) == NESTED
+    assert upgrade_train_section(written) == written                # today's keys pass through unchanged
+
+
+def test_the_v1_fixture_run_reads_its_train_section():
+    cfg = TrainConfig.from_dict(read_run_config(FIXTURE)["train"])
+    assert cfg.lora is None and cfg.method == "pretrain" and cfg.batch_size == 4
+
+
+def test_dotted_overrides_reach_the_sections():
+    cfg = TrainConfig().with_overrides({"train.dpo.beta": "0.3", "sft.packing": "false", "train.method": "sft"})
+    assert (cfg.dpo.beta, cfg.sft.packing, cfg.method) == (0.3, False, "sft")
+    with pytest.raises(ConfigError, match="train.dpo.beta=-1"):
+        TrainConfig().with_overrides({"dpo.beta": "-1"})
+    with pytest.raises(ConfigError, match="unknown train config key 'train.dpo.gamma'"):
+        TrainConfig().with_overrides({"train.dpo.gamma": "1"})
+    with pytest.raises(ConfigError, match="is a group"):
+        TrainConfig().with_overrides({"train.dpo": "1"})
+    assert TrainConfig().with_overrides({"train.lora.r": "2"}).with_overrides({"lora.r": "none"}).lora is None
+
+
+def test_the_train_config_has_its_sections_and_no_flat_method_keys():
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    assert not [n for n in names if n.startswith(("lora_", "dpo_"))]
+    assert {"lora", "dpo", "sft", "method"} <= set(names)

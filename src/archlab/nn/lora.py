@@ -99,15 +99,9 @@ class LoRAConfig:
     def from_dict(cls, data: dict) -> "LoRAConfig":
         """The config of a mapping (a run's config.yaml train.lora); unknown keys are a ConfigError.
         Example: LoRAConfig.from_dict({"r": 4, "targets": ["q", "v"]})"""
-        if not isinstance(data, dict):
-            raise ConfigError(f"train.lora must be a mapping (or null), got {type(data).__name__}")
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown field(s) in train.lora: {', '.join(sorted(unknown))}")
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise ConfigError(f"train.lora: {exc}") from exc
+        from archlab.config import _build
+
+        return _build(cls, data, "train.lora")
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

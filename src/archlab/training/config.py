@@ -12,7 +12,7 @@ from typing import Any, Literal, get_origin, get_type_hints
 
 import yaml
 
-from archlab.config import ConfigError, _check_literals, _parse_value, check_seed
+from archlab.config import ConfigError, _build, _check_literals, _parse_value, check_seed
 from archlab.nn.lora import LoRAConfig
 from archlab.runs.train_section import current_key, upgrade_train_section
 
@@ -145,7 +145,7 @@ class TrainConfig:
         for name, section in SECTIONS.items():
             value = getattr(self, name)
             if isinstance(value, dict):            # TrainConfig(lora={"r": 8}) as from YAML
-                object.__setattr__(self, name, _section(name, section, value))
+                object.__setattr__(self, name, _build(section, value, f"train.{name}"))
             elif (value is not None or name != "lora") and not isinstance(value, section):
                 raise ConfigError(f"train.{name} must be a {section.__name__}, got {type(value).__name__}")
         check_seed("train.seed", self.seed)
@@ -242,16 +242,6 @@ class TrainConfig:
         if lora_started and isinstance(data["lora"], dict) and "r" not in data["lora"]:
             raise ConfigError(f"train.lora.{next(iter(data['lora']))} needs train.lora.r (LoRA is off)")
         return TrainConfig.from_dict(data)
-
-
-def _section(name: str, section: type, value: dict) -> Any:
-    if section is LoRAConfig:
-        return LoRAConfig.from_dict(value)
-    unknown = set(value) - {f.name for f in fields(section)}
-    if unknown:
-        raise ConfigError(f"unknown field(s) in train.{name}: {', '.join(sorted(unknown))}")
-    hints = get_type_hints(section)
-    return section(**{k: _parse_value(hints[k], v, f"train.{name}.{k}") for k, v in value.items()})
 
 
 def _override_section(head: str, current: Any, field: str, value: Any, key: str) -> tuple[Any, bool]:

@@ -274,7 +274,9 @@ def run_eval(args) -> int:
     data_dir = args.data or (cfg.get("data") or {}).get("dir")
     if not data_dir:
         raise DataError(f"{args.run_dir}/config.yaml names no data folder; pass --data")
-    if not args.data and (cfg.get("train") or {}).get("objective") == "dpo":
+    from archlab.runs.train_section import upgrade_train_section
+
+    if not args.data and upgrade_train_section(cfg.get("train") or {}).get("method") == "dpo":
         run = Path(args.run_dir)
         raise UserError(f"{run} is a DPO run: its data {data_dir} holds preference pairs, and archlab eval "
                         "scores next-token loss on a prepared data folder: pass --data DIR (`archlab data prepare "

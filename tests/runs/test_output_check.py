@@ -18,6 +18,7 @@ import pytest
 import archlab
 from archlab.cli import main
 from archlab.data.prepare import prepare
+from archlab.nn.lora import LoRAConfig
 from archlab.runs.outputs import check_output, fresh_output
 from archlab.training.trainer import TrainConfig, fit_vocab, train
 
@@ -37,7 +38,7 @@ def runs(tmp_path_factory) -> Path:
     prepare([" ".join(rng.choice(WORDS) for _ in range(200)) for _ in range(20)], "bytes", root / "data",
             num_workers=0, progress=False)
     cfg = fit_vocab(archlab.presets.tiny("llama3-8b", d_model=32), root / "data")
-    train(cfg, TrainConfig(budget=1, batch_size=2, seq_len=16, eval_every=0, sample_every=-1, lora_r=2,
+    train(cfg, TrainConfig(budget=1, batch_size=2, seq_len=16, eval_every=0, sample_every=-1, lora=LoRAConfig(r=2),
                            memory_check=False), root / "data", root / "lora", progress=False)
     (root / "sibling").mkdir()
     (root / "sibling" / "metrics.jsonl").write_text('{"step": 1}\n')

@@ -679,6 +679,51 @@ def smollm2_1_7b() -> ModelConfig:
                       d_ff=8192, max_seq_len=8192, rope_theta=130_000.0, tie_embeddings=True)
 
 
+# ---- the notes' remaining table rows ------------------------------------------------------------
+@_preset("mt5-xxl", year=2021, source="HF google/mt5-xxl config.json (Xue et al. 2021, Table 1: 13B)",
+         params=13e9)
+def mt5_xxl() -> ModelConfig:  # T5 v1.1 XXL's shape with a 250,112-token multilingual vocabulary
+    return t5_like("mt5-xxl", vocab_size=250_112, d_model=4096, n_layers=24, n_heads=64, head_dim=64,
+                   d_ff=10_240, max_seq_len=1024, activation="geglu_tanh", tie_embeddings=False)
+
+
+@_preset("grok-1", year=2024, source="xai-org/grok-1 run.py and model.py (ffn_size(6144, 8) = 32768; "
+         "xAI: 314B parameters)", params=314e9)
+def grok_1() -> ModelConfig:  # 8 GeGLU experts top-2, RMSNorm before and after each sublayer, attention 30 tanh
+    return _model(
+        "grok-1", vocab_size=131_072, d_model=6144, n_layers=64, max_seq_len=8192,
+        attention=dict(n_heads=48, n_kv_heads=8, head_dim=128, logit_softcap=30.0),
+        mlp=dict(activation="geglu_tanh", d_ff=32_768, moe=dict(n_experts=8, top_k=2)),
+        norm=dict(kind="rmsnorm", eps=1e-5, position="sandwich"),
+        position=dict(kind="rope", rope_theta=10_000.0),
+        tie_embeddings=True, scale_embeddings=True,          # embedding_multiplier_scale 78.38 = sqrt(6144)
+        logit_scale=0.5773502691896257,                      # output_multiplier_scale 1/sqrt(3)
+    )
+
+
+@_preset("phi3-small", year=2024, source="HF microsoft/Phi-3-small-8k-instruct config.json and "
+         "modeling_phi3_small.py (7.39B on the model page)", params=7.39e9,
+         approximation="GeGeLU (a quick-GeLU gate clamped at 20 times (linear + 1)) is GeGLU here; the block-sparse "
+                       "attention of every other layer (16 local blocks of 64, vertical stride 8) is dense; the muP "
+                       "embedding multiplier 10 is left out (logits / 8 and 1/head_dim scores are kept)")
+def phi3_small() -> ModelConfig:  # LayerNorm, biases everywhere, tied, GQA 32/8, tiktoken vocabulary
+    return _model(
+        "phi3-small", vocab_size=100_352, d_model=4096, n_layers=32, max_seq_len=8192,
+        attention=dict(n_heads=32, n_kv_heads=8, query_pre_attn_scalar=128.0 ** 2),   # muP: q.k / head_dim
+        mlp=dict(activation="geglu", d_ff=14_336),
+        norm=dict(kind="layernorm", eps=1e-5, position="pre"),
+        position=dict(kind="rope", rope_theta=1e6),
+        bias=dict(qkv=True, attn_out=True, mlp=True, norm=True),
+        tie_embeddings=True, logit_scale=1 / 8,              # mup_width_multiplier 8
+    )
+
+
+@_preset("reka-flash-3", year=2025, source="HF RekaAI/reka-flash-3 config.json (Reka: 21B)", params=21e9)
+def reka_flash_3() -> ModelConfig:  # a LLaMA shape: GQA 64/8, head_dim 96, rope_theta 8e6, untied
+    return llama_like("reka-flash-3", vocab_size=100_352, d_model=6144, n_layers=44, n_heads=64, n_kv_heads=8,
+                      d_ff=19_648, max_seq_len=32_768, rope_theta=8e6)
+
+
 # ---- public API ----------------------------------------------------------------------------------
 def names() -> list[str]:
     return list(_PRESETS)

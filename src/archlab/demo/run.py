@@ -6,7 +6,7 @@
     4. train a small model for `minutes`: LLaMA-style (RMSNorm, SwiGLU, RoPE, ~2.6M params) by default; with
        arch="encoder" a BERT-style masked LM (post-norm LayerNorm, GeLU, biases, an MLM head tied to the
        embedding) with RoPE positions, which a small MLM learns far sooner than learned absolute positions;
-       with arch="encoder_decoder" a T5-style model on span corruption (demo_encoder_decoder.py)
+       with arch="encoder_decoder" a T5-style model on span corruption (encoder_decoder.py)
     5. report validation perplexity before/after, bits/byte beside a 5-gram's (modified Kneser-Ney) on the same
        bytes, and a sample (an encoder: MLM loss and accuracy on the masked slots before/after and a fill-mask
        example); leave a run folder with loss_curve.png

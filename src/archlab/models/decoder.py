@@ -2,8 +2,8 @@
 (nn/heads.LMHead), every choice from ModelConfig.
 
 Read top to bottom: the variants live in archlab.nn (norms, mlp, position, attention, block);
-this file only wires them. Parallelism, compilation and checkpointing are applied to a built
-model from outside (train.py), never here.
+this file only wires them. Parallelism, compilation and activation checkpointing are applied to a built
+model from outside (training/distributed.py prepare_model, training/recompute.py), never here.
 """
 from __future__ import annotations
 

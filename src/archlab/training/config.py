@@ -98,7 +98,7 @@ class TrainConfig:
     objective: Literal["auto", "next_token", "mlm", "next_sentence", "span_corruption", "text_infilling",
                        "continuation"] = "auto"
                                            # auto: the kind's own (decoder next_token, encoder mlm, encoder-decoder
-                                           # span_corruption; paired data: source -> target); objectives.py
+                                           # span_corruption; paired data: source -> target); data/objectives.py
     noise_density: float | None = None     # span_corruption / text_infilling: share of tokens noised (None: T5's
                                            # 0.15, BART's 0.3)
     mean_span: float | None = None         # their mean span length (None: T5's 3, BART's Poisson lambda 3.5)

@@ -2,10 +2,11 @@
 
     result = train(model_cfg, train_cfg, data_dir, out_dir, resume=False)
 
-The pieces it wires together live beside it: TrainConfig (train_config.py), AdamW groups and LR
-schedules (optim.py), metrics.jsonl and the loss curve (metrics.py), FLOPs and peak memory for MFU
-(throughput.py), RNG states (rng.py), checkpoints (checkpoint.py), DDP/FSDP (distributed.py), the device,
-precision and memory check (placement.py).
+The pieces it wires together live beside it: TrainConfig (config.py), AdamW groups and LR schedules
+(optim.py), metrics.jsonl and the loss curve (metrics.py), FLOPs and peak memory for MFU (throughput.py), RNG
+states (rng.py), DDP/FSDP (distributed.py), the device, precision and memory check (placement.py), what a step
+trains on and scores (methods/); and below it: checkpoints and the run folder (archlab.runs.checkpoint,
+archlab.runs.model_folder), validation (archlab.eval.evaluate).
 
 - Gradient clipping by global norm, gradient accumulation, bf16 autocast, torch.compile opt-in.
 - Loss = LossOutput.total of the model (cross-entropy + z-loss + MoE auxiliary losses).

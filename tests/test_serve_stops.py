@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from variants import BASE
 
 import archlab
-from archlab.serve.stops import first_stop, releasable
+from archlab.serve.stops import first_stop, releasable, settled_stop
 from archlab.tokenizer import Tokenizer
 
 httpx = pytest.importorskip("httpx")
@@ -119,6 +119,18 @@ def test_deltas_join_to_the_reference_cut_for_any_text_and_stops(script, engine,
     assert "".join(d.text for d in deltas) == want
     stopped_by_string = want != decoded
     assert deltas[-1].finish_reason == ("length" if cut <= len(data) and not stopped_by_string else "stop")
+
+
+@pytest.mark.parametrize("cut", [2, 3, 9])
+def test_a_stop_that_starts_earlier_wins_over_one_found_first(script, engine, cut):
+    """' ' is found when 'a ' is out, but 'a a' starts before it: OpenAI's leftmost rule waits for the next
+    token (found by the test above: the engine once ended at ' ' and answered 'a')."""
+    script.say("a a")
+    deltas = list(engine.complete(CompletionRequest(PROMPT, max_tokens=cut, temperature=0, stop=[" ", "a a"])))
+    assert "".join(d.text for d in deltas) == ("a" if cut == 2 else "")
+    assert deltas[-1].finish_reason == "stop"
+    assert settled_stop("a ", [" ", "a a"]) is None and settled_stop("a a", [" ", "a a"]) == 0
+    assert settled_stop("b a", [" ", "a a"]) == 1
 
 
 @settings(max_examples=300, deadline=None)

@@ -32,7 +32,7 @@ from archlab.nn.fused import DecodeSession, direct_calls
 from archlab.runs.chat_folder import chat_tokenizer
 from archlab.runs.model_folder import check_vocabulary
 from archlab.serve.fields import RANGES, RequestError
-from archlab.serve.stops import first_stop, releasable
+from archlab.serve.stops import first_stop, releasable, settled_stop
 from archlab.tokenizer.chat import ChatTokenizer
 
 __all__ = ["Engine", "CompletionRequest", "RequestError"]
@@ -273,9 +273,7 @@ class Engine:
         job.new.append(token)
         stops = cfg.stop_strings or ()
         job.text = _continuation(self.tokenizer.decode(job.ids + job.new), job.head)
-        cut = first_stop(job.text, stops)
-        if cut is not None:
-            job.text = job.text[:cut]
+        if settled_stop(job.text, stops) is not None:
             return self._finish(job, "stop")
         if len(job.new) >= (cfg.max_new_tokens or 0):
             return self._finish(job, "length")
@@ -285,7 +283,11 @@ class Engine:
             job.sent = ready
 
     def _finish(self, job: _Job, reason: str) -> None:
-        """The last delta: all the text not yet sent (what was held back for a stop that never came)."""
+        """The last delta: all the text not yet sent (what was held back for a stop that never came), cut before
+        the leftmost stop string, which may have waited for a longer one (serve/stops.settled_stop)."""
+        cut = first_stop(job.text, job.settings.stop_strings or ())
+        if cut is not None:
+            job.text, reason = job.text[:cut], "stop"
         job.out.put(Delta(job.text[len(job.sent):], reason, len(job.ids), len(job.new)))
         self._leave(job, "done")
 

@@ -4,38 +4,18 @@ PEFT row map used to compare meta tensors and crash every such run before it sta
 `convert --to-peft` adapter gives PEFT the run's logits on the base's HF folder."""
 from __future__ import annotations
 
-import json
-import random
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from finetune_runs import VOCAB, finetune_argv
 
 import archlab
 from archlab.cli import main
 from archlab.models import build_model
-from archlab.runs.checkpoint import save_checkpoint
 from archlab.runs.model_folder import load_run
-from archlab.tokenizer import train as train_bpe
-from archlab.tokenizer.chat_builtin import install_chat_template
 
-WORDS = ["cat", "dog", "bird", "fish", "tree", "rock", "star", "moon"]
 FAMILIES_OF = {"gpt2": "gpt2", "gpt-neox-20b": "gpt_neox", "bloom-176b": "bloom"}
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("fused")
-    rng = random.Random(0)
-    (root / "corpus.txt").write_text("\n".join(f"Repeat {w}: {w}." for w in WORDS * 6))
-    train_bpe(root / "corpus.txt", 300, ["<|endoftext|>"]).save(root / "tok")
-    install_chat_template(root / "tok", "chatml")
-    rows = [{"messages": [{"role": "user", "content": f"Repeat {w}"}, {"role": "assistant", "content": w}]}
-            for w in (rng.choice(WORDS) for _ in range(32))]
-    (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"root": root, "tok": root / "tok", "data": root / "sft.jsonl"}
 
 
 def _tiny(preset: str, vocab_size: int = 256) -> archlab.ModelConfig:
@@ -47,28 +27,14 @@ def _tiny(preset: str, vocab_size: int = 256) -> archlab.ModelConfig:
     return cfg
 
 
-def _base_run(folder: Path, tok: Path, preset: str) -> Path:
-    """A run folder holding an untrained tiny model of `preset`'s architecture and the tokenizer `tok`."""
-    cfg = _tiny(preset, vocab_size=302)                                      # 300 + the two ChatML tokens
-    folder.mkdir(parents=True)
-    (folder / "config.yaml").write_text(yaml.safe_dump({"model": cfg.to_dict()}))
-    torch.manual_seed(0)
-    save_checkpoint(folder / "checkpoints", 1, build_model(cfg).state_dict(), {})
-    shutil.copytree(tok, folder / "tokenizer")
-    return folder
-
-
 def _finetune(world: dict, base: Path, out: Path) -> int:
-    return main(["finetune", str(base), "--data", str(world["data"]), "--out", str(out), "--lora-r", "4",
-                 "--lora-targets", "q,k,v,o", "--no-progress", "--set", "train.budget=3", "--set", "train.seq_len=32",
-                 "--set", "train.batch_size=4", "--set", "train.lr=1e-2", "--set", "train.eval_every=0",
-                 "--set", "train.sample_every=-1", "--set", "train.memory_check=false"])
+    return main(finetune_argv(base, world["data"], out, "--lora-r", "4", "--lora-targets", "q,k,v,o"))
 
 
 @pytest.mark.parametrize("preset", ["gpt2", "gpt-neox-20b", "bloom-176b"])
-def test_lora_finetune_on_a_fused_qkv_family_trains(world, tmp_path, preset):
-    base = _base_run(tmp_path / "base", world["tok"], preset)
-    assert _finetune(world, base, tmp_path / "run") == 0
+def test_lora_finetune_on_a_fused_qkv_family_trains(chat_world, make_base, tmp_path, preset):
+    base = make_base(tmp_path / "base", _tiny(preset, VOCAB))
+    assert _finetune(chat_world, base, tmp_path / "run") == 0
     adapted, _ = load_run(tmp_path / "run", merge_adapters=False)
     trained = {k: v for k, v in adapted.state_dict().items() if k.endswith("lora_B")}
     assert {k.split(".")[-2] for k in trained} == {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -76,11 +42,11 @@ def test_lora_finetune_on_a_fused_qkv_family_trains(world, tmp_path, preset):
 
 
 @pytest.mark.slow
-def test_lora_finetune_of_gpt2_exports_an_adapter_peft_computes(world, tmp_path):
+def test_lora_finetune_of_gpt2_exports_an_adapter_peft_computes(chat_world, make_base, tmp_path):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    base = _base_run(tmp_path / "base", world["tok"], "gpt2")
-    assert _finetune(world, base, tmp_path / "run") == 0
+    base = make_base(tmp_path / "base", _tiny("gpt2", VOCAB))
+    assert _finetune(chat_world, base, tmp_path / "run") == 0
     plain, _ = load_run(base)
     archlab.interop.save_hf(plain, tmp_path / "base-hf")
     assert main(["convert", "--to-peft", str(tmp_path / "run"), "--out", str(tmp_path / "adapter")]) == 0

@@ -186,6 +186,12 @@ class RunLock:
             self._remove_if_created()
         self.held = False
 
+    @property
+    def created(self) -> bool:
+        """Whether this lock made the folder (it did not exist when acquire began): what was in it otherwise
+        belongs to someone else."""
+        return bool(getattr(self, "_created", False))
+
     def __enter__(self) -> RunLock:
         return self.acquire()
 

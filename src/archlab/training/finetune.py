@@ -17,6 +17,7 @@ The stages, in order; every check passes before anything is written:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -229,8 +230,11 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
     """Fine-tune `base` on the .jsonl `data` with `method` (training/methods: sft on chat lines, dpo on preference
     lines) into the run folder `out` (training.trainer.TrainResult). val_fraction: the share of lines held out
     (None: sft 0.05, dpo train.dpo.val_fraction). Bad input (a line, a setting, a LoRA target) is a UserError /
-    ConfigError, and a folder this call created is removed again: nothing is left behind.
+    ConfigError. The run folder's lock is taken before anything is written in it (a second fine-tune of the same
+    --out is refused and touches nothing), and a refusal removes only what this call wrote: the folder if it made
+    it, else the data folder it prepared.
     Example: finetune("runs/sft", "prefs.jsonl", "runs/dpo", method="dpo", train_cfg=TrainConfig(lr=5e-6))"""
+    from archlab.runs.lock import LOCK_FILE, RunLock
     from archlab.training.methods import METHODS, finetune_methods
     from archlab.training.trainer import train
 
@@ -240,20 +244,31 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
     out = Path(out)
     check_output(out, inputs=[None if str(base).startswith("hf:") else base, data, val, chat_template],
                  in_place=True)                 # never the base, the data or the template, nor a live writer's
-    if not resume and out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out} exists and is not empty: choose a new folder (or --resume a fine-tune there)")
+    _refuse_not_empty(out, resume)
     data_path = _checked_file(data, "--data", chosen.data_help)
     val_path = _checked_file(val, "--val", chosen.data_help) if val is not None else None
     train_cfg, val_fraction = chosen.fit_settings(dataclasses.replace(train_cfg, method=method), val_path,
                                                   val_fraction)
     _check_settings(train_cfg, val_fraction)
-    created = not out.exists()
-    try:
-        request = FinetuneRequest(base, data_path, val_path, out, train_cfg, model_overrides, chat_template,
-                                  val_fraction, resume, progress)
-        model_cfg, data_dir, source = chosen.prepare(request)
-        return train(model_cfg, train_cfg, data_dir, out, resume=resume, progress=progress, init_from=source)
-    except (UserError, ConfigError, FileExistsError):
-        if created and not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists():
-            shutil.rmtree(out, ignore_errors=True)      # refused before training: leave nothing behind
-        raise
+    main = int(os.environ.get("RANK", "0")) == 0       # torchrun: rank 0 writes, as in the trainer
+    with RunLock(out) if main else contextlib.nullcontext() as lock:
+        _refuse_not_empty(out, resume, ignore=LOCK_FILE)    # a writer that finished while this one started
+        had_data = (out / "data").exists()
+        try:
+            request = FinetuneRequest(base, data_path, val_path, out, train_cfg, model_overrides, chat_template,
+                                      val_fraction, resume, progress)
+            model_cfg, data_dir, source = chosen.prepare(request)
+            return train(model_cfg, train_cfg, data_dir, out, resume=resume, progress=progress, init_from=source,
+                         locked=main)
+        except (UserError, ConfigError, FileExistsError):
+            if main and not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists():
+                if lock.created:                  # refused before training: leave nothing behind
+                    shutil.rmtree(out, ignore_errors=True)
+                elif not had_data:
+                    shutil.rmtree(out / "data", ignore_errors=True)
+            raise
+
+
+def _refuse_not_empty(out: Path, resume: bool, ignore: str = "") -> None:
+    if not resume and out.is_dir() and any(p.name != ignore for p in out.iterdir()):
+        raise UserError(f"--out {out} exists and is not empty: choose a new folder (or --resume a fine-tune there)")

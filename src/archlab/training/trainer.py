@@ -156,7 +156,7 @@ def fit_vocab(model_cfg: ModelConfig, data_dir: str | os.PathLike) -> ModelConfi
 # --------------------------------------------------------------------------- the loop
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.PathLike,
           out_dir: str | os.PathLike, *, resume: bool = False, progress: bool | str = True,
-          allow_new_data: bool = False, init_from: InitSource | None = None) -> TrainResult:
+          allow_new_data: bool = False, init_from: InitSource | None = None, locked: bool = False) -> TrainResult:
     """Train `model_cfg` on the prepared data in `data_dir`; write the run folder `out_dir`.
 
     resume=True continues from the newest checkpoint in out_dir that verifies (a fresh start if there is
@@ -170,6 +170,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.Pat
     Under torchrun (WORLD_SIZE > 1) it runs data-parallel (train_cfg.dist_strategy); rank 0 writes.
     progress: True, the plan and a progress bar on stderr; "lines", the plan and plain log lines instead (a loss
     line at most every 30 s: batch jobs); False, nothing but warnings.
+    locked: the caller holds RunLock(out_dir) already (finetune takes it before it writes the data folder).
     """
     cfg = train_cfg
     data_dir, run_dir = Path(data_dir), Path(out_dir)
@@ -177,7 +178,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.Pat
         check_run_output(run_dir, data_dir, init_from)
     info = dist_util.setup(device_kind(cfg.device), cfg.dist_strategy)
     try:
-        return _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data, init_from)
+        return _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data, init_from, locked)
     finally:
         dist_util.teardown(info)
 
@@ -194,7 +195,7 @@ def check_run_output(run_dir: Path, data_dir: Path, init_from: InitSource | None
 
 
 def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_data=False,
-           init_from=None) -> TrainResult:
+           init_from=None, locked=False) -> TrainResult:
     # 1. the method (training/methods) opens its data and batches, checked against the settings: a setting this
     # data cannot train is an error that leaves nothing behind
     device = resolve_device(cfg, info)
@@ -205,7 +206,7 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_
     if cfg.memory_check:
         check_memory_fits(model_cfg, cfg, device, info)
     # 2. run folder: rank 0 locks and writes it, the others wait
-    with RunLock(run_dir) if info.is_main else contextlib.nullcontext():
+    with RunLock(run_dir) if info.is_main and not locked else contextlib.nullcontext():
         latest = _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, session.train_data, session.val_data, resume,
                                   info, allow_new_data, init_from)
         return _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device, session, init_from)

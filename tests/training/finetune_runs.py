@@ -1,0 +1,15 @@
+"""Plain helpers of the fine-tuning tests (the fixtures are in conftest.py): fast `archlab finetune` arguments."""
+from __future__ import annotations
+
+from pathlib import Path
+
+WORDS = ["cat", "dog", "bird", "fish", "tree", "rock", "star", "moon"]
+VOCAB = 302          # the BPE's 300 + ChatML's two special tokens
+
+
+def finetune_argv(base: Path, data: Path, out: Path, *extra: str, budget: int = 3) -> list[str]:
+    """`archlab finetune` arguments for a fast CPU run (no eval, no samples, no memory check)."""
+    return ["finetune", str(base), "--data", str(data), "--out", str(out), "--no-progress",
+            "--set", f"train.budget={budget}", "--set", "train.seq_len=32", "--set", "train.batch_size=4",
+            "--set", "train.lr=1e-2", "--set", "train.eval_every=0", "--set", "train.sample_every=-1",
+            "--set", "train.memory_check=false", *extra]

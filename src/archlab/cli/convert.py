@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from archlab.config import ConfigError
+from archlab.config import ConfigError, ModelConfig
 
 CONVERT_EXAMPLE = """\
 examples:
@@ -26,6 +26,9 @@ examples:
   archlab convert --to-hf runs/my-run --out exported/my-run          # family inferred from the config
   archlab convert --to-hf runs/my-run --out exported/my-run --family mistral
   archlab convert --to-peft runs/my-lora-run --out exported/my-adapter    # adapter_config.json + safetensors
+  archlab convert --from-gguf SmolLM2-135M-Instruct.Q4_1.gguf --out runs/smollm2   # dequantized, tokenizer rebuilt
+  archlab convert --from-gguf smollm2-135m-instruct --out runs/smollm2   # a packaged model (the `models` extra)
+  archlab convert --to-gguf runs/smollm2 --out smollm2-q8_0.gguf --type q8_0   # for llama.cpp / Ollama
 """
 
 VERIFY_EXAMPLE = """\
@@ -61,9 +64,7 @@ def convert_from_hf(hf_dir: str | Path, run_dir: str | Path, dtype: torch.dtype 
     """HF folder -> run folder (config.yaml, tokenizer/, checkpoints/step_0000000/). An existing non-empty
     run_dir is refused unless `overwrite`, which replaces it atomically (archlab.runs.outputs)."""
     from archlab.interop.hf import load_hf, read_hf_config
-    from archlab.runs.checkpoint import CHECKPOINT_DIR, save_checkpoint
     from archlab.runs.hub import resolve_model
-    from archlab.runs.model_folder import write_run_config
     from archlab.runs.outputs import check_output, fresh_output
 
     run_dir = Path(run_dir)
@@ -77,19 +78,89 @@ def convert_from_hf(hf_dir: str | Path, run_dir: str | Path, dtype: torch.dtype 
     if source_id.startswith("hf:"):
         source["hub_id"] = source_id
     with fresh_output(run_dir, overwrite=overwrite, inputs=[hf_dir]) as tmp:
-        write_run_config(tmp, model=model.config.to_dict(), train={"seq_len": model.config.max_seq_len},
-                         data={"converted_from": source})
-        save_checkpoint(tmp / CHECKPOINT_DIR, 0, model.state_dict(), {}, keep_last=0,
-                        extra_meta={"converted_from": source})
+        _write_converted_run(tmp, model, source)
         if (hf_dir / "tokenizer.json").is_file():
-            problem = _tokenizer_problem(hf_dir)
-            if problem is None:
-                _copy_tokenizer(hf_dir, tmp / "tokenizer")
-            else:  # keep it, but where load_run does not trip over it
-                _copy_tokenizer(hf_dir, tmp / "tokenizer_hf")
-                print(f"note: archlab's tokenizer cannot read {hf_dir / 'tokenizer.json'} ({problem}); "
-                      f"copied to {run_dir / 'tokenizer_hf'} instead of tokenizer/", file=sys.stderr)
+            _place_tokenizer(hf_dir, tmp, run_dir)
     return run_dir
+
+
+def _write_converted_run(tmp: Path, model: torch.nn.Module, source: dict) -> None:
+    """config.yaml and checkpoints/step_0000000 of a run converted from `source` (its provenance)."""
+    from archlab.runs.checkpoint import CHECKPOINT_DIR, save_checkpoint
+    from archlab.runs.model_folder import write_run_config
+
+    cfg: ModelConfig = model.config       # type: ignore[assignment]
+    write_run_config(tmp, model=cfg.to_dict(), train={"seq_len": cfg.max_seq_len}, data={"converted_from": source})
+    save_checkpoint(tmp / CHECKPOINT_DIR, 0, model.state_dict(), {}, keep_last=0, extra_meta={"converted_from": source})
+
+
+def _place_tokenizer(src: Path, tmp: Path, run_dir: Path) -> None:
+    """The tokenizer files of folder `src` into tmp/tokenizer, or tmp/tokenizer_hf when archlab cannot load them."""
+    problem = _tokenizer_problem(src)
+    if problem is None:
+        _copy_tokenizer(src, tmp / "tokenizer")
+    else:  # keep it, but where load_run does not trip over it
+        _copy_tokenizer(src, tmp / "tokenizer_hf")
+        print(f"note: archlab's tokenizer cannot read {src / 'tokenizer.json'} ({problem}); "
+              f"copied to {run_dir / 'tokenizer_hf'} instead of tokenizer/", file=sys.stderr)
+
+
+def convert_from_gguf(gguf_file: str | Path, run_dir: str | Path, dtype: torch.dtype = torch.float32,
+                      overwrite: bool = False) -> Path:
+    """GGUF file -> run folder: the weights dequantized (archlab.interop.gguf.load_gguf), tokenizer/ rebuilt from
+    the file's tokenizer.ggml.* metadata with its chat template, generation_config.json from its token ids (and
+    sampling defaults). Everything is read and checked before anything is written; an existing non-empty run_dir
+    is refused unless `overwrite` (replaced atomically).
+    Example: convert_from_gguf(packaged_model("smollm2-135m-instruct"), "runs/smollm2")"""
+    import json
+    import tempfile
+
+    from archlab.interop.gguf.load import load_gguf_spec, read_spec
+    from archlab.interop.gguf.tokenizer import tokenizer_files
+    from archlab.runs.outputs import check_output, fresh_output
+
+    run_dir, gguf_file = Path(run_dir), Path(gguf_file)
+    check_output(run_dir, inputs=[gguf_file], overwrite=overwrite)
+    spec = read_spec(gguf_file)
+    tok_files = tokenizer_files(spec.file, spec.config.vocab_size)
+    model = load_gguf_spec(spec, dtype=dtype)
+    source = {"gguf_file": str(gguf_file.resolve()), "architecture": spec.arch.name,
+              "model_type": spec.arch.model_type, "bytes": gguf_file.stat().st_size}
+    with tempfile.TemporaryDirectory(prefix="archlab-gguf-tok-") as tok_dir:
+        for name, content in tok_files.items():
+            (Path(tok_dir) / name).write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n")
+        with fresh_output(run_dir, overwrite=overwrite, inputs=[gguf_file]) as tmp:
+            _write_converted_run(tmp, model, source)
+            _place_tokenizer(Path(tok_dir), tmp, run_dir)
+            generation = json.dumps(tok_files["generation_config.json"], indent=2)
+            (tmp / "generation_config.json").write_text(generation + "\n")
+    return run_dir
+
+
+def convert_to_gguf(run_dir: str | Path, out_file: str | Path, qtype: str = "f16", overwrite: bool = False,
+                    check: bool = True) -> dict:
+    """Run folder (latest checkpoint) -> one GGUF file (archlab.interop.gguf.write.save_gguf) with the run's
+    tokenizer, chat template and sampling defaults; with `check`, read back by archlab and by transformers
+    (archlab.interop.gguf.validate), returning that report. An existing out_file is replaced only with `overwrite`.
+    Example: convert_to_gguf("runs/smollm2", "smollm2-q8_0.gguf", qtype="q8_0")"""
+    from archlab.errors import UserError
+    from archlab.generation.config import FILE as GENERATION_FILE
+    from archlab.interop.gguf.validate import readback, sample_ids
+    from archlab.interop.gguf.write import save_gguf
+    from archlab.runs.model_folder import load_run
+    from archlab.runs.outputs import check_output
+
+    run_dir, out_file = Path(run_dir), Path(out_file)
+    check_output(out_file, inputs=[run_dir], overwrite=overwrite)
+    if out_file.is_dir():
+        raise UserError(f"{out_file} is a folder; --to-gguf writes one .gguf file")
+    model, tokenizer = load_run(run_dir)
+    tok_dir = run_dir / "tokenizer"
+    generation_file = run_dir / GENERATION_FILE
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
+    save_gguf(model, out_file, qtype=qtype, generation=generation,
+              tokenizer_dir=tok_dir if (tok_dir / "tokenizer.json").is_file() else None)
+    return readback(model, out_file, sample_ids(model, tokenizer)) if check else {}
 
 
 def _tokenizer_problem(folder: Path) -> str | None:
@@ -197,6 +268,19 @@ def run_convert(args: argparse.Namespace) -> int:
             out = convert_from_hf(args.from_hf, args.out, dtype=dtype, overwrite=args.overwrite)
             print(f"wrote run folder {out} (config.yaml, checkpoints/step_0000000"
                   + (", tokenizer/" if (out / "tokenizer").is_dir() else "") + ")")
+        elif args.from_gguf:
+            from archlab.interop.gguf.packaged import resolve_gguf
+            out = convert_from_gguf(resolve_gguf(args.from_gguf), args.out, dtype=DTYPES[args.dtype or "float32"],
+                                    overwrite=args.overwrite)
+            print(f"wrote run folder {out} (config.yaml, checkpoints/step_0000000, generation_config.json"
+                  + (", tokenizer/" if (out / "tokenizer").is_dir() else "") + ")")
+        elif args.to_gguf:
+            from archlab.interop.gguf.validate import report_lines
+            report = convert_to_gguf(args.to_gguf, args.out, qtype=args.type, overwrite=args.overwrite,
+                                     check=not args.no_check)
+            print(f"wrote GGUF file {args.out} ({args.type})")
+            for line in report_lines(report):
+                print(line)
         elif args.to_peft:
             from archlab.interop.peft import CONFIG_FILE, WEIGHTS_FILE
             from archlab.runs.model_folder import export_peft
@@ -245,17 +329,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="HF_DIR", help="Hugging Face folder to import")
+    src.add_argument("--from-gguf", metavar="FILE",
+                     help="GGUF file (llama.cpp's format) to import: weights dequantized to --dtype (default "
+                     "float32), tokenizer and chat template rebuilt from its metadata; or a packaged model's name "
+                     "(smollm2-135m-instruct, gemma-3-270m: the `models` extra)")
+    src.add_argument("--to-gguf", metavar="RUN_DIR",
+                     help="archlab run folder to export as one GGUF file (--out FILE.gguf, --type) for llama.cpp / "
+                     "Ollama, tokenizer and chat template included; read back by archlab and transformers after")
     src.add_argument("--to-hf", metavar="RUN_DIR",
                      help="archlab run folder to export (latest checkpoint; a LoRA run's adapters merged in)")
     src.add_argument("--to-peft", metavar="RUN_DIR",
                      help="a LoRA run's adapters (latest checkpoint) as a PEFT adapter folder for its base")
-    c.add_argument("--out", required=True, metavar="DIR", help="folder to write (must be new or empty)")
+    c.add_argument("--out", required=True, metavar="DIR",
+                   help="folder to write (must be new or empty); with --to-gguf, the .gguf file")
+    c.add_argument("--type", default="f16", choices=["f32", "f16", "q8_0"],
+                   help="with --to-gguf: how the 2-D weights are stored (default f16; norms and biases stay f32)")
+    c.add_argument("--no-check", action="store_true",
+                   help="with --to-gguf: skip reading the file back (archlab and transformers) after writing")
     c.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out folder (atomically: a failure leaves the old one intact)")
     c.add_argument("--family", default=None, metavar="MODEL_TYPE",
                    help="with --to-hf / --to-peft: HF model_type to write (default: inferred from the config)")
     c.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="with --from-hf: weight dtype of the run (default: the checkpoint's)")
+                   help="with --from-hf: weight dtype of the run (default: the checkpoint's); "
+                   "with --from-gguf: the dtype dequantized to (default float32)")
     c.set_defaults(func=run_convert)
 
     v = subparsers.add_parser(

@@ -19,7 +19,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 
@@ -112,6 +112,15 @@ class SafetensorsFolder:
         return tensor
 
 
+class TensorSource(Protocol):
+    """Named checkpoint tensors: a SafetensorsFolder, or a GGUF file's tensors under their HF names
+    (archlab.interop.gguf.load.GGUFTensors)."""
+
+    def names(self) -> list[str]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
 # ---- loading -----------------------------------------------------------------------------------
 def load_hf(folder: str | Path, dtype: torch.dtype | None = torch.float32,
             family: str | None = None, adapter: str | Path | None = None) -> HFModel:
@@ -166,7 +175,7 @@ def _prefix_fix(fam: Family, names: list[str]) -> dict[str, str]:
     return {fam.hf_name(prefix + n if bare else n): n for n in names}
 
 
-def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder
+def map_from_hf(fam: Family, cfg: ModelConfig, source: TensorSource
                 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(the config the checkpoint holds, all of our parameters from its HF tensors). Every stored tensor is read,
     or equal to one read (a stored copy), or one transformers does not load either (`ignored_hf`); a copy that
@@ -203,7 +212,7 @@ def map_from_hf(fam: Family, cfg: ModelConfig, source: SafetensorsFolder
     return cfg, out
 
 
-def _settle_copies(fam: Family, cfg: ModelConfig, source: SafetensorsFolder, stored: dict[str, str]
+def _settle_copies(fam: Family, cfg: ModelConfig, source: TensorSource, stored: dict[str, str]
                    ) -> tuple[ModelConfig, dict[str, str], set[str]]:
     """(config, HF name -> the HF name read in its place, HF names accounted for without being read) after
     comparing every stored copy the config does not read with what it copies (Family.stored_copies). A copy

@@ -171,3 +171,35 @@ def test_cli_by_position_and_lengths_write_a_plot_and_refuse_to_overwrite(run_di
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(got["by_length"]) == {"8", "16"} and (run_dir / "ppl_by_length.png").is_file()
     assert got["by_length"]["8"]["tokens"] == 2 * 8
+
+
+def test_eval_set_scores_the_same_weights_under_a_zero_shot_rope_scaling(run_dir, data_dir, tmp_path, capsys):
+    """--set position.rope_scaling...: the run's max_seq_len (32) becomes the original context, the figures are
+    evaluate()'s on a model built with that config and the run's weights."""
+    from archlab.models import build_model
+    from archlab.runs.model_folder import load_run
+
+    capsys.readouterr()
+    sets = ["--set", "position.rope_scaling.kind=yarn", "--set", "position.rope_scaling.factor=4"]
+    assert main(["eval", str(run_dir), "--lengths", "64", "--batches", "1", "--json", "--plot",
+                 str(tmp_path / "yarn.png"), *sets]) == 0
+    out = capsys.readouterr()
+    got = json.loads(out.out.strip().splitlines()[-1])["by_length"]["64"]
+    assert "original 32 positions; max_seq_len 32 -> 128" in out.err
+    model, _ = load_run(run_dir)
+    cfg = model.config.with_overrides({"position.rope_scaling.kind": "yarn", "position.rope_scaling.factor": 4,
+                                       "position.rope_scaling.original_max_seq_len": 32, "max_seq_len": 128})
+    scaled = build_model(cfg).eval()
+    scaled.load_state_dict(model.state_dict())
+    val = TokenDataset(data_dir, "val")
+    want = evaluate(scaled, val, batch_size=2, seq_len=64, max_batches=1)
+    assert got["loss"] == pytest.approx(want.loss, rel=1e-6)
+    x = torch.arange(64)[None] % 200
+    with torch.no_grad():
+        assert float((scaled(x) - model(x)).abs().max()) > 1e-5          # the scaling changed the model
+    for extra, needle in [(["--set", "train.lr=1"], "eval --set takes model keys only"),
+                          (["--set", "d_model=64"], "changes the model's weights"),
+                          (["--set", "position.rope_scaling.kind=linear"], "factor=1 must be > 1")]:
+        assert main(["eval", str(run_dir), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1

@@ -11,7 +11,9 @@ CONTEXT_EXAMPLE = """
   archlab eval runs/exp1 --seq-len 256 --stride 128     # overlapping windows: each scores its last 128 tokens
   archlab eval runs/exp1 --by-position                  # loss by position in the window (table + PNG)
   archlab eval runs/exp1 --lengths 64,128,256,512       # perplexity by evaluation length (table + PNG)
-  archlab eval runs/exp1 --passkey --lengths 256,1024 --depths 0,0.5,1 --trials 5   # passkey retrieval"""
+  archlab eval runs/exp1 --passkey --lengths 256,1024 --depths 0,0.5,1 --trials 5   # passkey retrieval
+  archlab eval runs/exp1 --lengths 256,1024 --set position.rope_scaling.kind=yarn \
+      --set position.rope_scaling.factor=4      # zero-shot context extension: the same weights, YaRN x4"""
 
 
 def add_arguments(e) -> None:
@@ -33,6 +35,35 @@ def add_arguments(e) -> None:
     e.add_argument("--plot", default=None, metavar="FILE.png",
                    help="with --by-position or --lengths: where the PNG goes (default: in the run folder)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing PNG")
+    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="evaluate under a changed model config that keeps every weight's shape (e.g. "
+                   "position.rope_scaling.kind=yarn: zero-shot context extension, the run's length taken as "
+                   "the original one, as train --init-from does)")
+
+
+def with_overrides(model, pairs: list[str], device: str):
+    """The run's weights in a model built from its config with `--set` model overrides (a new rope_scaling: the
+    run's max_seq_len becomes original_max_seq_len, as training.init_from.extended_config). UserError for a
+    train key or an override that changes a weight's shape."""
+    import sys
+
+    from archlab.cli.train import parse_sets
+    from archlab.models import build_model
+    from archlab.training.init_from import extended_config
+
+    model_over, train_over = parse_sets(pairs)
+    if train_over:
+        raise UserError(f"eval --set takes model keys only, not train.{next(iter(train_over))}")
+    cfg, note = extended_config(model.config, model.config.with_overrides(model_over), model_over)
+    new = build_model(cfg)
+    try:
+        new.load_state_dict(model.state_dict())
+    except RuntimeError as exc:
+        raise UserError(f"eval --set {' '.join(pairs)} changes the model's weights: {str(exc).splitlines()[-1].strip()}"
+                        ) from None
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return new.to(device).eval()
 
 
 def wanted(args) -> bool:

@@ -289,6 +289,8 @@ def run_eval(args) -> int:
     dataset = dict(zip(("train", "val"), open_splits(data_dir)))[args.split]
     windows = isinstance(dataset, TokenDataset)
     model, _ = load_run(args.run_dir, checkpoint=args.checkpoint, device=device)
+    if args.set:
+        model = eval_context.with_overrides(model, args.set, device)
     train_cfg = cfg.get("train") or {}
     if model.config.vocab_size < dataset.vocab_size:
         raise DataError(f"{data_dir} has vocab_size={dataset.vocab_size}, the model "

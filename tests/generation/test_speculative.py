@@ -11,7 +11,7 @@ import torch
 import archlab
 from archlab import TransformerLM
 from archlab.generation import NgramDraft, PromptLookupDraft, SpeculativeStats
-from archlab.generation.drafts import lookup
+from archlab.generation.drafts import NgramIndex, lookup
 from archlab.nn.kv_cache import KVCache, StaticKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -127,6 +127,9 @@ def test_prompt_lookup_equals_transformers():
         ref = PromptLookupCandidateGenerator(num_output_tokens=k, max_matching_ngram_size=ngram, max_length=1000)
         cand, _ = ref.get_candidates(row[None])
         assert lookup(row.tolist(), k, ngram) == cand[0, n:].tolist(), (row.tolist(), k, ngram)
+        cut = int(torch.randint(0, n, (1,), generator=g))     # the index a draft grows as tokens are accepted
+        assert NgramIndex(ngram).extend(row[:cut].tolist()).extend(row[cut:].tolist()).propose(k) == \
+            cand[0, n:].tolist()
     assert lookup([5, 6, 7, 8, 5, 6], 2) == [7, 8]
     assert lookup([5, 6, 7, 2, 8, 5, 6], 5, eos=(2,)) == [7]      # cut before an EOS token
 

@@ -2,7 +2,10 @@
 
 Each user line is added to the history; the whole history is rendered through the folder's chat template
 with the generation prompt (archlab.generation.chat.Conversation), decoded as `archlab generate` decodes that
-text, and streamed until the template's end-of-turn token, an EOS token or --max-new-tokens."""
+text, and streamed until the template's end-of-turn token, an EOS token or --max-new-tokens. The KV cache of
+the conversation is kept between turns (archlab.generation.PrefixCache): each turn's rendered prompt is compared
+token by token with what the cache holds and only the rest is prefilled, so the time to the first token does not
+grow with the conversation (and a template that rewrites earlier text still gets a correct, longer prefill)."""
 from __future__ import annotations
 
 import argparse
@@ -77,7 +80,10 @@ class _Session:
     """The loop's state: the model, the decoding settings, the conversation, whether a drop was reported."""
 
     def __init__(self, model, convo, settings, seed, limit):
+        from archlab.generation import PrefixCache
+
         self.model, self.convo, self.settings, self.seed, self.limit = model, convo, settings, seed, limit
+        self.cache = PrefixCache()     # the conversation's KV cache, kept from turn to turn
         self.warned = False
         self.refused = 0
         self.turn = 0
@@ -147,7 +153,7 @@ class _Session:
         printer = _TextPrinter(self.convo.chat.tokenizer, prefix=prompt)
         try:
             for tokens in stream(self.model, prompt, generation_config=self.settings, seed=seed,
-                                 vocab_limit=self.limit):
+                                 vocab_limit=self.limit, prefix_cache=self.cache):
                 if int(tokens[0]) in self.settings.eos:
                     break
                 printer.add(int(tokens[0]))

@@ -10,19 +10,21 @@ Modules: sampling (filters and their order), processors (transformers' logits pr
 blocking, bad words, forced BOS/EOS, minimum lengths, repetition penalty), config (a folder's
 generation_config.json), stepper (prompts, padding, caches, model steps), decode (generate / stream),
 beam (beam search), speculative and drafts (speculative decoding: a draft model, prompt lookup, the
-n-gram model). Caches live in archlab.nn.kv_cache; the model's math lives in archlab.nn alone:
-every step, cached or not, runs through the model's own modules.
+n-gram model), prefix (a KV cache kept across calls: a chat's turns). Caches live in archlab.nn.kv_cache;
+the model's math lives in archlab.nn alone: every step, cached or not, runs through the model's own modules.
 """
 from archlab.generation.beam import beam_search
 from archlab.generation.config import GenerationConfig, read_generation_config
 from archlab.generation.decode import generate, stream
 from archlab.generation.drafts import ModelDraft, NgramDraft, PromptLookupDraft
+from archlab.generation.prefix import PrefixCache
 from archlab.generation.sampling import SamplingParams, filter_logits, next_token
 from archlab.generation.speculative import SpeculativeStats
 from archlab.generation.stepper import Stepper, positions_from_mask, prepare_prompts
 
 __all__ = [
-    "GenerationConfig", "ModelDraft", "NgramDraft", "PromptLookupDraft", "SamplingParams", "SpeculativeStats",
+    "GenerationConfig", "ModelDraft", "NgramDraft", "PrefixCache", "PromptLookupDraft", "SamplingParams",
+    "SpeculativeStats",
     "Stepper", "beam_search", "filter_logits", "generate", "next_token",
     "positions_from_mask", "prepare_prompts", "read_generation_config", "stream",
 ]

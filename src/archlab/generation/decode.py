@@ -14,6 +14,7 @@ from a folder's generation_config.json, which explicit arguments override.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Callable, Iterator, Sequence
 
@@ -22,6 +23,7 @@ import torch
 from archlab.generation.beam import beam_search
 from archlab.generation.config import GenerationConfig
 from archlab.generation.drafts import resolve as resolve_draft
+from archlab.generation.prefix import PrefixCache
 from archlab.generation.processors import apply as apply_processors
 from archlab.generation.processors import build as build_processors
 from archlab.generation.sampling import SamplingParams, next_token
@@ -72,7 +74,7 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
            fast_decode: bool = True, vocab_limit: int | None = None,
            decoder_start_token_id: int | None = None, sampling_order: str | Sequence[str] | None = None,
            generation_config: GenerationConfig | None = None, draft=None, draft_tokens: int | str | None = None,
-           stats: SpeculativeStats | None = None) -> Iterator[torch.Tensor]:
+           stats: SpeculativeStats | None = None, prefix_cache: PrefixCache | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (b,) long, as each is decoded.
 
     Arguments as for `generate` (which collects this iterator; beams are `generate`'s alone). Bad
@@ -103,7 +105,7 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
     stepper = Stepper(model, ids, mask, new, use_cache=use_cache,
                       sink_tokens=4 if sink_tokens is None and sink_window is not None else sink_tokens,
                       sink_window=sink_window, fast=fast_decode, vocab_limit=vocab_limit, source=source,
-                      rewindable=speculation is not None)
+                      rewindable=speculation is not None, prefix=prefix_cache)
     if generator is None and seed is not None:
         generator = torch.Generator(stepper.ids.device).manual_seed(seed)
     stops = None
@@ -122,7 +124,7 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
                                  stats if stats is not None else SpeculativeStats(), tuple(eos))
         if stats is not None:
             stats.draft = getattr(speculation, "name", type(speculation).__name__)
-        return _run(stepper, new, loop)
+        return _run(stepper, new, loop, speculation.calls())
     processors = build_processors(cfg, eos=eos, prompt_width=ids.shape[1], max_length=ids.shape[1] + new,
                                   penalty=False)   # the repetition penalty: in next_token
     return _run(stepper, new, _steps(stepper, new, params, eos, pad, stops, generator, processors, ids))
@@ -155,10 +157,12 @@ class _Finished:
 
 
 @torch.inference_mode()
-def _run(stepper: Stepper, max_new_tokens: int, loop: Iterator[torch.Tensor]):
+def _run(stepper: Stepper, max_new_tokens: int, loop: Iterator[torch.Tensor],
+         draft_calls: contextlib.AbstractContextManager | None = None):
     if max_new_tokens == 0:
         return
-    with stepper.calls():        # a hook-free model's modules called straight into forward, for the whole loop
+    # a hook-free model's modules called straight into forward, for the whole loop (a draft model's too)
+    with stepper.calls(), draft_calls or contextlib.nullcontext():
         yield from loop
 
 
@@ -275,6 +279,9 @@ def generate(model, prompt_ids, max_new_tokens: int | None = None, *, num_beams:
     per target forward, the theory's prediction). Example:
         stats = archlab.generation.SpeculativeStats()
         archlab.generate(model, ids, 64, draft="prompt_lookup", draft_tokens=8, stats=stats); print(stats.summary())
+    prefix_cache: a PrefixCache (archlab.generation.prefix) kept across calls on one row (a chat's turns): the
+    prompt's tokens it already holds are not prefilled again. Example:
+        cache = archlab.generation.PrefixCache(); archlab.generate(model, ids, 32, prefix_cache=cache)
     """
     cfg = _settings(generation_config, num_beams=num_beams, length_penalty=length_penalty,
                     early_stopping=early_stopping)
@@ -297,7 +304,8 @@ def generate(model, prompt_ids, max_new_tokens: int | None = None, *, num_beams:
     return out[0] if single else out
 
 
-_NOT_IN_BEAMS = ("top_k", "top_p", "min_p", "sampling_order", "stop_strings", "sink_window", "generator", "seed")
+_NOT_IN_BEAMS = ("top_k", "top_p", "min_p", "sampling_order", "stop_strings", "sink_window", "generator", "seed",
+                 "prefix_cache")
 _BEAM_SETTINGS = ("repetition_penalty", "eos_token_id", "pad_token_id", "no_repeat_ngram_size", "bad_words_ids",
                   "min_length", "min_new_tokens", "forced_bos_token_id", "forced_eos_token_id",
                   "decoder_start_token_id")

@@ -20,12 +20,14 @@ A draft follows one protocol, driven by archlab.generation.speculative:
     propose(seqs, k, choose)          -> Proposal: up to k tokens per row (b, k') and, where the draft has a
                                       distribution, the probabilities each was chosen from (b, k', v)
     commit(length)                    the first `length` tokens of seqs + proposal stand (the rest was rejected)
+    calls()                           the context the decode loop runs in (a draft model's direct module calls)
 `choose(logits (b, v), seqs (b, t)) -> (tokens (b,), probs (b, v) | None)` is the target's own selection rule
 (logits processors, temperature, top-k, top-p; greedy: argmax and None), so a draft that has logits proposes
 with exactly the processing the target is verified with. Shapes: b rows, t tokens so far, v vocabulary.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from archlab.generation.stepper import Stepper
+from archlab.nn.fused import direct_calls
 
 Choose = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
 
@@ -60,10 +63,24 @@ class Draft(Protocol):
 
     def commit(self, length: int) -> None: ...
 
+    def calls(self) -> contextlib.AbstractContextManager: ...
 
-def _rows(seqs: torch.Tensor, pad: torch.Tensor) -> list[list[int]]:
-    """Each row's real tokens (its left padding, `pad` slots, dropped)."""
-    return [row[p:] for row, p in zip(seqs.tolist(), pad.tolist())]
+
+class _Rows:
+    """Each row's real tokens so far as Python lists (left padding dropped), extended from the session's seqs."""
+
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor):
+        pad = (~mask).sum(-1).tolist()
+        self.rows = [row[p:] for row, p in zip(ids.tolist(), pad)]
+        self.width = ids.shape[1]                         # columns of seqs already in `rows`
+
+    def update(self, seqs: torch.Tensor) -> list[list[int]]:
+        """Append the columns of seqs (b, t) not seen yet; -> the rows."""
+        if seqs.shape[1] > self.width:
+            for row, new in zip(self.rows, seqs[:, self.width:].tolist()):
+                row.extend(new)
+            self.width = seqs.shape[1]
+        return self.rows
 
 
 def _stack(rows: list[list[int]], k: int, device) -> torch.Tensor:
@@ -99,6 +116,9 @@ class ModelDraft:
         self.stepper: Stepper | None = None
         self.fed = 0            # tokens of the sequence (left padding included) the draft's cache holds
 
+    def calls(self) -> contextlib.AbstractContextManager:
+        return direct_calls(self.model) if self.fast else contextlib.nullcontext()
+
     def check(self, target, prompt_width: int, max_new_tokens: int) -> None:
         """A draft of another vocabulary, or one whose context cannot hold the generation: ValueError."""
         mine = getattr(getattr(self.model, "config", None), "vocab_size", None)
@@ -116,8 +136,7 @@ class ModelDraft:
     def start(self, ids: torch.Tensor, mask: torch.Tensor, setup: Setup) -> None:
         self.stepper = Stepper(self.model, ids, mask, setup.max_new_tokens, fast=self.fast,
                                vocab_limit=self.vocab_limit, rewindable=True)
-        with self.stepper.calls():
-            self.stepper.prefill()
+        self.stepper.prefill()
         self.fed = ids.shape[1]
 
     def propose(self, seqs: torch.Tensor, k: int, choose: Choose) -> Proposal:
@@ -125,16 +144,15 @@ class ModelDraft:
         assert stepper is not None
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor | None] = []
-        with stepper.calls():
-            logits = stepper.extend(seqs[:, self.fed:].to(stepper.ids.device))[:, -1]      # (b, v)
-            self.fed = seqs.shape[1]
-            for i in range(k):
-                tok, p = choose(logits, torch.cat([seqs, *[t[:, None] for t in tokens]], 1) if tokens else seqs)
-                tokens.append(tok)
-                probs.append(p)
-                if i < k - 1:
-                    logits = stepper.step(tok)
-                    self.fed += 1
+        logits = stepper.extend(seqs[:, self.fed:].to(stepper.ids.device))[:, -1]          # (b, v)
+        self.fed = seqs.shape[1]
+        for i in range(k):
+            tok, p = choose(logits, torch.cat([seqs, *[t[:, None] for t in tokens]], 1) if tokens else seqs)
+            tokens.append(tok)
+            probs.append(p)
+            if i < k - 1:
+                logits = stepper.step(tok)
+                self.fed += 1
         return _proposal(tokens, probs, seqs.device)
 
     def commit(self, length: int) -> None:
@@ -147,46 +165,76 @@ class ModelDraft:
 @dataclass
 class PromptLookupDraft:
     """Prompt lookup decoding: match the row's last n-gram (n = max_ngram .. 1) earlier in the row and propose
-    what followed its first occurrence (transformers' PromptLookupCandidateGenerator, cut at an EOS token)."""
+    what followed its first occurrence (transformers' PromptLookupCandidateGenerator, cut at an EOS token).
+    Each row keeps an NgramIndex, extended by the accepted tokens: a proposal is a few dictionary lookups."""
 
     max_ngram: int = 3
     name: str = "prompt-lookup"
     _eos: tuple[int, ...] = ()
-    _pad: torch.Tensor | None = field(default=None, repr=False)
+    _rows: _Rows | None = field(default=None, repr=False)
+    _index: list[NgramIndex] = field(default_factory=list, repr=False)
 
     def start(self, ids: torch.Tensor, mask: torch.Tensor, setup: Setup) -> None:
         if self.max_ngram < 1:
             raise ValueError(f"prompt lookup's max_ngram={self.max_ngram} must be at least 1")
-        self._pad = (~mask).sum(-1).cpu()
-        self._eos = setup.eos
+        self._rows, self._eos = _Rows(ids, mask), setup.eos
+        self._index = [NgramIndex(self.max_ngram).extend(row) for row in self._rows.rows]
 
     def propose(self, seqs: torch.Tensor, k: int, choose: Choose) -> Proposal:
-        assert self._pad is not None
-        rows = [lookup(row, k, self.max_ngram, self._eos) for row in _rows(seqs, self._pad)]
-        return Proposal(_stack(rows, k, seqs.device))
+        assert self._rows is not None
+        rows = self._rows.update(seqs)
+        out = []
+        for row, index in zip(rows, self._index):
+            index.extend(row[len(index.row):])
+            out.append(index.propose(k, self._eos))
+        return Proposal(_stack(out, k, seqs.device))
 
     def commit(self, length: int) -> None:
         pass
 
+    def calls(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
-def lookup(row: list[int], k: int, max_ngram: int = 3, eos: tuple[int, ...] = ()) -> list[int]:
-    """Up to k tokens that followed the first earlier occurrence of `row`'s last n-gram, the longest n that has
-    one (n <= max_ngram), stopped before an EOS token; [] when no n-gram recurs.
-    Example: lookup([5, 6, 7, 8, 5, 6], 2) -> [7, 8]"""
-    t = len(row)
-    arr = np.asarray(row)
-    for n in range(min(max_ngram, t - 1), 0, -1):
-        tail = arr[t - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(arr, n)                          # (t-n+1, n)
-        for start in np.flatnonzero((windows == tail).all(-1)):
-            begin, end = int(start) + n, min(int(start) + n + k, t)
-            if begin < end:
-                out = row[begin:end]
+
+class NgramIndex:
+    """Where each n-gram (n <= max_ngram) of a growing row first occurs: prompt lookup in O(max_ngram) a proposal.
+    Example: NgramIndex(2).extend([5, 6, 7, 8, 5, 6]).propose(2) -> [7, 8]"""
+
+    def __init__(self, max_ngram: int):
+        self.max_ngram = max_ngram
+        self.row: list[int] = []
+        self.first: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: list[int]) -> NgramIndex:
+        row, first = self.row, self.first
+        for tok in tokens:
+            row.append(tok)
+            end = len(row)
+            for n in range(1, min(self.max_ngram, end) + 1):
+                first.setdefault(tuple(row[end - n:end]), end - n)
+        return self
+
+    def propose(self, k: int, eos: tuple[int, ...] = ()) -> list[int]:
+        """Up to k tokens that followed the first occurrence of the row's last n-gram, for the longest n <= max_ngram
+        that occurred before (transformers' order: n from max_ngram down, the earliest occurrence), cut before an EOS
+        token; [] when none recurs."""
+        row = self.row
+        t = len(row)
+        for n in range(min(self.max_ngram, t - 1), 0, -1):
+            begin = self.first[tuple(row[t - n:])] + n
+            if begin < t:                  # an occurrence before the row's own last n tokens
+                out = row[begin:min(begin + k, t)]
                 for i, tok in enumerate(out):
                     if tok in eos:
                         return out[:i]
                 return out
-    return []
+        return []
+
+
+def lookup(row: list[int], k: int, max_ngram: int = 3, eos: tuple[int, ...] = ()) -> list[int]:
+    """Prompt lookup on one row: NgramIndex(max_ngram).extend(row).propose(k, eos).
+    Example: lookup([5, 6, 7, 8, 5, 6], 2) -> [7, 8]"""
+    return NgramIndex(max_ngram).extend(row).propose(k, eos)
 
 
 @dataclass
@@ -194,13 +242,14 @@ class NgramDraft:
     """archlab's modified Kneser-Ney n-gram model (archlab.eval.ngram.NgramCounts) of order `order`, counted per row
     on `data` (training token ids, optional) followed by the row's prompt. Greedy decoding proposes its most likely
     token (found among the counted tokens: one never counted only has back-off mass, below any counted one's);
-    sampling draws from its whole distribution after the target's processing."""
+    sampling draws from its whole distribution after the target's processing. The model is fixed once counted, so
+    each row's log-probabilities are kept per history (its last order-1 tokens) after their first use."""
 
     order: int = 3
     data: np.ndarray | None = None
     name: str = "ngram"
     _models: list = field(default_factory=list, repr=False)
-    _pad: torch.Tensor | None = field(default=None, repr=False)
+    _rows: _Rows | None = field(default=None, repr=False)
     _vocab: int = 0
     _sampling: bool = False
 
@@ -210,37 +259,49 @@ class NgramDraft:
         if self.order < 1:
             raise ValueError(f"the n-gram draft's order {self.order} must be at least 1")
         self._vocab, self._sampling = setup.vocab, setup.sampling
-        self._pad = (~mask).sum(-1).cpu()
+        self._rows = _Rows(ids, mask)
         head = np.zeros(0, np.int64) if self.data is None else np.asarray(self.data, dtype=np.int64)
         self._models = []
-        for row in _rows(ids, self._pad):
+        for row in self._rows.rows:
             stream = np.concatenate((head, np.asarray(row, np.int64)))
             model = NgramCounts(stream, self._vocab, self.order).model(self.order)
-            self._models.append((model, np.unique(stream)))
+            self._models.append((model, None if self._sampling else np.unique(stream), {}))
+
+    def _logits(self, model, seen, memo: dict, history: list[int]) -> torch.Tensor:    # -> (v,)
+        key = tuple(history[len(history) - self.order + 1:]) if self.order > 1 else ()
+        hit = memo.get(key)
+        if hit is None:
+            p = model.distribution(list(key), seen)
+            if seen is None:
+                hit = torch.from_numpy(np.log(p)).float()
+            else:
+                hit = torch.full((self._vocab,), float("-inf"))
+                hit[torch.from_numpy(seen)] = torch.from_numpy(np.log(p)).float()
+            memo[key] = hit
+        return hit
 
     def propose(self, seqs: torch.Tensor, k: int, choose: Choose) -> Proposal:
-        assert self._pad is not None
-        rows = _rows(seqs, self._pad)
+        assert self._rows is not None
+        rows = self._rows.update(seqs)
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor | None] = []
+        drafted: list[list[int]] = [[] for _ in rows]
         for _ in range(k):
-            logits = torch.full((len(rows), self._vocab), float("-inf"))
-            for i, (row, (model, seen)) in enumerate(zip(rows, self._models)):
-                history = row + [int(t[i]) for t in tokens]
-                words = None if self._sampling else seen
-                p = model.distribution(history, words)
-                if words is None:
-                    logits[i] = torch.from_numpy(np.log(p))
-                else:
-                    logits[i, torch.from_numpy(words)] = torch.from_numpy(np.log(p)).float()
-            so_far = torch.cat([seqs, *[t[:, None].to(seqs.device) for t in tokens]], 1) if tokens else seqs
+            logits = torch.stack([self._logits(model, seen, memo, row + mine)
+                                  for row, mine, (model, seen, memo) in zip(rows, drafted, self._models)])
+            so_far = torch.cat([seqs, *[t[:, None] for t in tokens]], 1) if tokens else seqs
             tok, prob = choose(logits.to(seqs.device), so_far)
-            tokens.append(tok.cpu())
+            tokens.append(tok)
             probs.append(prob)
+            for mine, t in zip(drafted, tok.tolist()):
+                mine.append(t)
         return _proposal(tokens, probs, seqs.device)
 
     def commit(self, length: int) -> None:
         pass
+
+    def calls(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 # draft names (Python and the CLI) -> a factory; a model or a Draft object is passed as itself
@@ -260,6 +321,6 @@ def resolve(draft, *, fast: bool, vocab_limit: int | None) -> Draft:
         return DRAFTS[draft]()
     if isinstance(draft, torch.nn.Module):
         return ModelDraft(draft, fast=fast, vocab_limit=vocab_limit)
-    if all(hasattr(draft, a) for a in ("start", "propose", "commit")):
+    if all(hasattr(draft, a) for a in ("start", "propose", "commit", "calls")):
         return draft
     raise TypeError(f"draft must be a model, a Draft, or one of {sorted(set(DRAFTS))}; got {type(draft).__name__}")

@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 
 from archlab.config import ABSOLUTE_POSITIONS
+from archlab.generation.prefix import PrefixCache
 from archlab.nn.fused import DecodeSession, direct_calls
 from archlab.nn.kv_cache import SinkKVCache, StaticKVCache
 from archlab.nn.masks import Context
@@ -174,10 +175,12 @@ class Stepper:
                  use_cache: bool = True, sink_tokens: int | None = None,
                  sink_window: int | None = None, fast: bool = True, vocab_limit: int | None = None,
                  source: tuple[torch.Tensor, torch.Tensor | None] | None = None, source_repeats: int = 1,
-                 rewindable: bool = False):
+                 rewindable: bool = False, prefix: PrefixCache | None = None):
         """source: an encoder-decoder's (source ids (b', s), mask (b', s) or None), encoded once at prefill, each
         row serving `source_repeats` consecutive rows of `ids` (its decoder prompts: b = b' * source_repeats).
-        rewindable: `rewind` may drop tokens at any point (windowed layers keep every slot, no rolling buffer)."""
+        rewindable: `rewind` may drop tokens at any point (windowed layers keep every slot, no rolling buffer).
+        prefix: a PrefixCache kept across calls (one unpadded row): only the prompt's tokens it does not hold are
+        prefilled, and every token fed is recorded in it."""
         self.model = model
         self.config = config = getattr(model, "config", None)
         device = model_device(model)
@@ -199,7 +202,16 @@ class Stepper:
                 raise ValueError("StreamingLLM mode (sink_window) is for decoder-only models")
             check_source(model, src, src_mask)
             self.source = (src.to(device), None if src_mask is None else src_mask.to(device))
-        if self.sink:
+        self.prefix = prefix
+        if prefix is not None:
+            if b != 1 or not bool(self.mask.all()) or self.sink or source is not None or not use_cache:
+                raise ValueError("a prefix cache (prefix_cache=) serves one unpadded row of a decoder-only model, "
+                                 "cached, without StreamingLLM")
+            if config is None:
+                raise ValueError("a prefix cache needs model.config")
+            self._check_context(max_new_tokens)
+            self.cache = prefix.open(model, self.ids, model_dtype(model), device)
+        elif self.sink:
             self._check_sink_mode(sink_tokens, sink_window)
             self.cache = SinkKVCache(config, b, sink_tokens=sink_tokens or 0, window=sink_window,
                                      dtype=model_dtype(model), device=device)
@@ -288,7 +300,11 @@ class Stepper:
             self.context = expand_context(self.model.encode(*self.source), self.source_repeats)
         if self.cache is None:
             return self._logits(self.ids, self.positions, None)
-        if self.sink:  # fill the cache in one call, then token by token (evicting) past it
+        if self.prefix is not None:   # continue the held prefix: only what the prompt adds
+            new = self.ids[:, self.prefix.reused:]
+            logits = self._logits(new, None, self.cache)
+            self.prefix.fed(new)
+        elif self.sink:  # fill the cache in one call, then token by token (evicting) past it
             cap = self.cache.sink_tokens + self.cache.window
             logits = self._logits(self.ids[:, :cap], self.positions[:, :cap], self.cache)
             for i in range(cap, self.ids.shape[1]):
@@ -307,6 +323,8 @@ class Stepper:
             return self._logits(self.ids, self.positions, None)
         logits = self._logits(tokens, self.next_pos, self.cache)
         self.next_pos = self.next_pos + 1
+        if self.prefix is not None:
+            self.prefix.fed(tokens)
         return logits
 
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:         # (b, m) -> (b, m, v)
@@ -320,6 +338,8 @@ class Stepper:
             return self._logits(self.ids, self.positions, None, last=m)
         logits = self._logits(tokens, self.next_pos + steps, self.cache, last=m)
         self.next_pos = self.next_pos + m
+        if self.prefix is not None:
+            self.prefix.fed(tokens)
         return logits
 
     def rewind(self, n: int) -> None:
@@ -331,6 +351,8 @@ class Stepper:
             return
         self.cache.crop(len(self.cache) - n)
         self.next_pos = self.next_pos - n
+        if self.prefix is not None:
+            self.prefix.dropped(n)
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep rows `index` (beam search)."""

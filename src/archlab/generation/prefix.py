@@ -1,0 +1,76 @@
+"""A KV cache that outlives one generate call: a chat's turns share their history, so each turn prefills only the
+tokens its prompt does not share with what the cache already holds.
+
+    cache = PrefixCache()
+    archlab.generate(model, turn_1_ids, 64, prefix_cache=cache)     # prefills the whole prompt
+    archlab.generate(model, turn_2_ids, 64, prefix_cache=cache)     # prefills only what turn 2 adds
+    cache.reused, cache.prefilled                                   # the last call's split
+
+The prompt is compared token by token with the ids the cache holds (the last prompt and the tokens decoded after
+it): the cache is cropped to the longest common prefix and the rest prefilled, so a template that rewrites earlier
+text, or a conversation that dropped its oldest turns, costs a longer prefill, never a wrong answer. At least the
+prompt's last token is always fed (its logits choose the first new token). One row, no padding; the cache keeps
+every slot of windowed layers (StaticKVCache(rolling=False)) so it can be cropped anywhere.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from archlab.nn.kv_cache import StaticKVCache
+
+
+class PrefixCache:
+    """The KV cache of one sequence kept across generate / stream calls (one model; another model, dtype or device
+    starts it afresh). Example: cache = PrefixCache(); archlab.generate(model, ids, 32, prefix_cache=cache)"""
+
+    def __init__(self) -> None:
+        self.cache: StaticKVCache | None = None
+        self._held: list[int] = []                       # ids whose keys and values the cache holds, in order
+        self._pending: list[torch.Tensor] = []           # fed since, as (1, m) tensors (no host sync per step)
+        self._owner: weakref.ref | None = None
+        self._kind: tuple | None = None
+        self.reused = 0                                  # the last call: prompt tokens found in the cache
+        self.prefilled = 0                               # ... and prompt tokens prefilled
+
+    def reset(self) -> None:
+        """Forget everything held (the next call prefills its whole prompt)."""
+        self.cache, self._held, self._pending, self._owner, self._kind = None, [], [], None, None
+
+    @property
+    def ids(self) -> list[int]:
+        """The token ids the cache holds."""
+        if self._pending:
+            self._held.extend(torch.cat(self._pending, 1)[0].tolist())
+            self._pending = []
+        return self._held
+
+    def open(self, model, prompt: torch.Tensor, dtype: torch.dtype, device: torch.device) -> StaticKVCache:
+        """The cache for `model`, cropped to its longest common prefix with `prompt` (1, t) (at most t - 1 tokens);
+        sets `reused` and `prefilled`."""
+        config = model.config
+        kind = (config.max_seq_len, dtype, str(device))
+        if self.cache is None or self._owner is None or self._owner() is not model or self._kind != kind:
+            self.reset()
+            self.cache = StaticKVCache(config, 1, config.max_seq_len, dtype=dtype, device=device, rolling=False)
+            self._owner, self._kind = weakref.ref(model), kind
+        held, ids = self.ids, prompt[0].tolist()
+        common = 0
+        limit = min(len(held), len(ids) - 1)
+        while common < limit and held[common] == ids[common]:
+            common += 1
+        assert self.cache is not None
+        self.cache.crop(common)
+        del held[common:]
+        self.reused, self.prefilled = common, len(ids) - common
+        return self.cache
+
+    def fed(self, tokens: torch.Tensor) -> None:
+        """Tokens (1, m) just written to the cache."""
+        self._pending.append(tokens.detach())
+
+    def dropped(self, n: int) -> None:
+        """The last n tokens written were cropped from the cache (rejected drafts)."""
+        ids = self.ids
+        del ids[len(ids) - n:]

@@ -1,0 +1,76 @@
+"""archlab.generation.PrefixCache: a KV cache kept across generate calls prefills only what a prompt adds to the
+tokens it holds, and decodes exactly what a fresh prefill decodes: turns that extend the conversation, a turn that
+changes earlier text (a template rewriting history, dropped turns), sampling with a seed, speculative decoding."""
+import pytest
+import torch
+
+import archlab
+from archlab import TransformerLM
+from archlab.generation import PrefixCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def _model(name: str) -> TransformerLM:
+    cfg = archlab.presets.tiny(name, vocab_size=128, window=6, max_seq_len=128)
+    return TransformerLM(cfg.with_overrides({"init.std": 0.2, "seed": 0})).eval()
+
+
+@pytest.mark.parametrize("family", ["llama3-8b", "gpt2", "gemma2-2b"])
+def test_turns_through_the_cache_equal_fresh_prefills(family):
+    model = _model(family)
+    g = torch.Generator().manual_seed(0)
+    cache = PrefixCache()
+    history = torch.randint(0, 128, (10,), generator=g).tolist()
+    held = 0
+    for turn in range(5):
+        out = archlab.generate(model, history, 8, prefix_cache=cache)
+        assert torch.equal(out, archlab.generate(model, history, 8)), turn
+        if turn == 3:                          # the turn after an earlier token changed: prefilled from there on
+            assert cache.reused == 3
+        elif turn:                             # the last prompt and the answer's fed tokens are held
+            assert cache.reused == held and cache.prefilled == len(history) - held
+        assert cache.ids == out.tolist()[:-1]  # every token fed, the last new one not yet
+        held = len(out) - 1
+        history = out.tolist() + torch.randint(0, 128, (5,), generator=g).tolist()
+        if turn == 2:
+            history[3] = (history[3] + 1) % 128
+
+
+def test_cached_prefill_logits_equal_a_fresh_prefill():
+    model = _model("gemma2-2b")                # windows and softcaps: the cropped cache keeps every slot
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    cache = PrefixCache()
+    archlab.generate(model, ids[:, :25], 6, prefix_cache=cache)
+    from archlab.generation.stepper import Stepper
+    with torch.inference_mode():
+        continued = Stepper(model, ids, torch.ones_like(ids, dtype=torch.bool), 4, prefix=cache).prefill()
+        fresh = Stepper(model, ids, torch.ones_like(ids, dtype=torch.bool), 4).prefill()
+    assert cache.reused == 25 and cache.prefilled == 15
+    torch.testing.assert_close(continued, fresh, rtol=0, atol=1e-4)
+
+
+def test_sampling_and_speculation_through_the_cache():
+    model = _model("llama3-8b")
+    cache = PrefixCache()
+    first = torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    out = archlab.generate(model, first, 10, temperature=0.8, top_k=20, seed=3, prefix_cache=cache)
+    assert torch.equal(out, archlab.generate(model, first, 10, temperature=0.8, top_k=20, seed=3))
+    second = out.tolist() + first[:6]
+    spec = archlab.generate(model, second, 12, draft="prompt_lookup", draft_tokens=4, prefix_cache=cache)
+    assert torch.equal(spec, archlab.generate(model, second, 12))
+    assert cache.reused == len(out) - 1
+    assert cache.ids == spec.tolist()[:len(cache.ids)] and len(cache.ids) == len(spec) - 1   # drafts rolled back
+
+
+def test_another_model_starts_afresh_and_bad_uses_are_refused():
+    a, b = _model("llama3-8b"), _model("gpt2")
+    cache = PrefixCache()
+    ids = [1, 2, 3, 4, 5]
+    archlab.generate(a, ids, 4, prefix_cache=cache)
+    assert torch.equal(archlab.generate(b, ids, 4, prefix_cache=cache), archlab.generate(b, ids, 4))
+    assert cache.reused == 0
+    with pytest.raises(ValueError, match="one unpadded row"):
+        archlab.generate(a, [[1, 2, 3], [4, 5]], 4, prefix_cache=cache)
+    with pytest.raises(ValueError, match="prefix_cache"):
+        archlab.generate(a, ids, 4, num_beams=2, prefix_cache=cache)

@@ -1,7 +1,16 @@
-"""Human-readable counts, FLOPs and bytes, shared by the CLI and the trainer's messages."""
+"""Human-readable counts, FLOPs and bytes, shared by the CLI and the trainer's messages; bits per byte, the unit
+every evaluation reports."""
 from __future__ import annotations
 
-__all__ = ["human_count", "human_flops", "human_bytes"]
+import math
+
+__all__ = ["bits_per_byte", "human_count", "human_flops", "human_bytes"]
+
+
+def bits_per_byte(loss_nats: float, tokens: int, n_bytes: float) -> float:
+    """Mean nats per token over `tokens` tokens -> bits per UTF-8 byte of their `n_bytes` bytes (nan without bytes).
+    Example: bits_per_byte(math.log(2), 4, 4) -> 1.0"""
+    return loss_nats * tokens / (n_bytes * math.log(2)) if n_bytes else float("nan")
 
 
 def human_count(n: float, units=(("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3))) -> str:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from archlab.training.precision import autocast  # re-exported: the step's bf16 / float32 context
+from archlab.units import bits_per_byte  # re-exported: eval.evaluate.bits_per_byte, its long-standing name
 
 __all__ = ["EvalResult", "evaluate", "autocast", "sample_ids", "bits_per_byte"]
 
@@ -29,10 +30,6 @@ class EvalResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def bits_per_byte(loss_nats: float, tokens: int, n_bytes: float) -> float:
-    return loss_nats * tokens / (n_bytes * math.log(2)) if n_bytes else float("nan")
 
 
 @torch.no_grad()

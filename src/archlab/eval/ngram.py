@@ -337,7 +337,7 @@ def evaluate_ngram(data_dir: str | os.PathLike, orders: list[int], *, span: tupl
     Example: evaluate_ngram("runs/demo/data", [5])[0].bpb"""
     from archlab.data.tokens import TokenDataset
     from archlab.errors import DataError
-    from archlab.eval.evaluate import bits_per_byte
+    from archlab.units import bits_per_byte
 
     if not orders or min(orders) < 1:
         raise UserError(f"n-gram orders {orders}: each must be at least 1")

@@ -181,10 +181,11 @@ def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None =
     tokenizer_files); returns the HF model_type used. An existing non-empty out_dir is replaced only with
     `overwrite` (atomically)."""
     from archlab.interop.hf import save_hf, write_tokenizer_files
-    from archlab.runs.model_folder import load_run
+    from archlab.runs.model_folder import load_run, refuse_quantized
     from archlab.runs.outputs import check_output, fresh_output
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    refuse_quantized(run_dir, "convert --to-hf")
     check_output(out_dir, inputs=[run_dir], overwrite=overwrite)
     model, _ = load_run(run_dir)
     with fresh_output(out_dir, overwrite=overwrite, inputs=[run_dir]) as tmp:

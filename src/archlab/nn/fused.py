@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+from archlab.nn.int8 import Int8Matrix, Int8Packed, int8_pack, is_quantized
+
 __all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed", "packed_linears",
            "packed_matmul", "packed_split", "packed_groups", "packable", "decode_weights", "DecodeSession", "matrix",
            "DECODE_ROWS", "direct_calls"]
@@ -119,14 +121,15 @@ def decode_weights(session: DecodeSession | None, x: torch.Tensor, owner: Hashab
 
 
 def _session_pack(session: DecodeSession | None, x: torch.Tensor, key: Hashable, modules: tuple[nn.Module, ...],
-                  build: Callable[..., _Packed | None], *args: Any) -> _Packed | None:
+                  build: Callable[..., Any], *args: Any) -> Any:
     """`decode_weights` under `key`: `build(*args)`, or None when `modules` must run as themselves."""
     if session is None:
         return None
     return decode_weights(session, x, key, lambda x: build(*args) if packable(x, modules) else None)
 
 
-def _linears_pack(session: DecodeSession | None, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> _Packed | None:
+def _linears_pack(session: DecodeSession | None, x: torch.Tensor, linears: tuple[nn.Linear, ...]
+                  ) -> _Packed | Int8Packed | None:
     """`_session_pack` for some Linears of the same input, keyed by the Linears themselves."""
     return _session_pack(session, x, linears, linears, packed_linears, linears)
 
@@ -187,7 +190,7 @@ def packed(owner: nn.Module, key: str, weights: list[torch.Tensor], biases: list
     return hit
 
 
-def packed_groups(x: torch.Tensor, *groups: tuple[nn.Linear, ...]) -> tuple[_Packed, ...] | None:
+def packed_groups(x: torch.Tensor, *groups: tuple[nn.Linear, ...]) -> tuple[_Packed | Int8Packed, ...] | None:
     """A module's decode weights: each group of its Linears packed (`packed_linears`), or None when one of
     them must run as itself for input x (hooks, autocast: `packable`) or a group mixes bias settings.
     Example (DenseMLP._decode_weights): return packed_groups(x, (self.gate_proj, self.up_proj), (self.down_proj,))"""
@@ -214,9 +217,11 @@ def _matrix_sources(lin: nn.Linear) -> list[torch.Tensor]:
     return [lin.weight] if sources is None else sources()
 
 
-def packed_linears(linears: tuple[nn.Linear, ...]) -> _Packed | None:
+def packed_linears(linears: tuple[nn.Linear, ...]) -> _Packed | Int8Packed | None:
     """The packed weights of `linears` (None when some have a bias and some do not, or one has no single matrix:
-    `matrix`)."""
+    `matrix`); int8 layers (nn/int8.py) pack into their decode kernel's form, or run as themselves beside float ones."""
+    if any(map(is_quantized, linears)):
+        return int8_pack(cast(tuple[Int8Matrix, ...], linears)) if all(map(is_quantized, linears)) else None
     biases: list[torch.Tensor] = [lin.bias for lin in linears if lin.bias is not None]
     if biases and len(biases) != len(linears):
         return None
@@ -232,15 +237,17 @@ def packed_linears(linears: tuple[nn.Linear, ...]) -> _Packed | None:
     return packed(linears[0], f"project{len(linears)}", weights, biases, sources)
 
 
-def packed_matmul(x: torch.Tensor, pack: _Packed) -> torch.Tensor:   # (..., in) -> (..., sum of outs)
+def packed_matmul(x: torch.Tensor, pack: _Packed | Int8Packed) -> torch.Tensor:   # (..., in) -> (..., sum of outs)
     """x times the packed weights (+ bias)."""
+    if isinstance(pack, Int8Packed):
+        return pack.matmul(x)
     if x.dim() == 2:
         return torch.mm(x, pack.w_t) if pack.bias is None else torch.addmm(pack.bias, x, pack.w_t)
     out = x @ pack.w_t                                # matmul folds (b, t, in) into one mm in C++: no Python views
     return out if pack.bias is None else out.add_(pack.bias)
 
 
-def packed_split(x: torch.Tensor, pack: _Packed) -> tuple[torch.Tensor, ...]:
+def packed_split(x: torch.Tensor, pack: _Packed | Int8Packed) -> tuple[torch.Tensor, ...]:
     """(l(x) for l in the packed Linears): one matmul, split by their output sizes.
     Example: gate, up = packed_split(x, packed_linears((mlp.gate_proj, mlp.up_proj)))"""
     return packed_matmul(x, pack).split_with_sizes(pack.sizes, dim=-1)
@@ -264,7 +271,8 @@ def project(x: torch.Tensor, linears: tuple[nn.Linear, ...], session: DecodeSess
     if not (torch.is_autocast_enabled(x.device.type) and x.shape[:-1].numel() >= x.shape[-1]):
         return tuple(linear(x) for linear in linears)
     biases = [linear.bias for linear in linears]
-    if len({bias is None for bias in biases}) != 1 or any(hasattr(lin, "effective_weight") for lin in linears):
+    if len({bias is None for bias in biases}) != 1 or any(hasattr(lin, "effective_weight") or is_quantized(lin)
+                                                           for lin in linears):
         return tuple(linear(x) for linear in linears)                    # adapters run as themselves (dropout, grads)
     weight = torch.cat([linear.weight for linear in linears], dim=0)    # (sum of outs, d)
     bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
@@ -278,10 +286,15 @@ def linear(x: torch.Tensor, module: nn.Linear, session: DecodeSession | None = N
     return module(x) if pack is None else packed_matmul(x, pack)
 
 
-def head_linear(x: torch.Tensor, owner: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None,
+def head_linear(x: torch.Tensor, owner: nn.Module, weight: torch.Tensor | Int8Matrix, bias: torch.Tensor | None,
                 session: DecodeSession | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for an LM head (a matrix that may be the tied embedding, not a
-    Linear), through a packed transposed copy when decoding in `session`."""
+    Linear), through a packed transposed copy when decoding in `session`; `weight` may be int8 rows
+    (nn/int8.Int8Matrix: the decode kernel's form when decoding, else the dequantized matrix)."""
+    if isinstance(weight, Int8Matrix):
+        rows = weight
+        pack8 = _session_pack(session, x, ("head", owner), (owner,), int8_pack, (rows,), [] if bias is None else [bias])
+        return F.linear(x, rows.weight.to(x.dtype), bias) if pack8 is None else pack8.matmul(x)
     pack = _session_pack(session, x, ("head", owner), (owner,), packed, owner, "head", [weight],
                          [] if bias is None else [bias])
     return F.linear(x, weight, bias) if pack is None else packed_matmul(x, pack)

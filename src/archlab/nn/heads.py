@@ -21,6 +21,7 @@ from torch import nn
 from archlab.config import GATED_ACTIVATIONS, ModelConfig
 from archlab.nn.fused import DecodeSession, head_linear
 from archlab.nn.fused_loss import linear_cross_entropy
+from archlab.nn.int8 import Int8Matrix, is_quantized
 from archlab.nn.mlp import ACTIVATIONS
 from archlab.nn.norms import build_norm
 
@@ -48,6 +49,7 @@ class LMHead(nn.Module):
         # a tuple, not a child: a tied matrix stays `embed.weight`, held once
         self.tied: tuple[nn.Embedding, ...] = (embed,) if cfg.tie_embeddings else ()
         self.weight = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+        self.int8: Int8Matrix | None = None   # an untied head's int8 rows (nn/int8.quantize_int8) in place of weight
         if cfg.bias.head_buffer:
             self.register_buffer("bias", torch.zeros(cfg.vocab_size))
         else:
@@ -58,17 +60,27 @@ class LMHead(nn.Module):
     def matrix(self) -> torch.Tensor:                                    # (v, d)
         if self.weight is not None:
             return self.weight
+        if self.int8 is not None:
+            return self.int8.weight                                      # dequantized
         # an embedding with trainable token rows (nn/trainable_tokens.py): the tied head reads the trained rows too
         effective = getattr(self.tied[0], "effective_weight", None)
         return self.tied[0].weight if effective is None else effective()
 
     def forward(self, x: torch.Tensor, session: DecodeSession | None = None) -> torch.Tensor:  # (b, t, d) -> (b, t, v)
-        logits = head_linear(x, self, self.matrix, self.bias, session)     # packed in a decode session
+        logits = head_linear(x, self, self._source(), self.bias, session)  # packed in a decode session
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         if self.softcap is not None:
             logits = (self.softcap * torch.tanh(logits.float() / self.softcap)).to(logits.dtype)
         return logits
+
+    def _source(self):
+        """The matrix, or the int8 module whose rows it is (the tied embedding's or `int8`): decoding multiplies by
+        the int8 rows' kernel form instead of dequantizing them."""
+        if self.weight is not None:
+            return self.weight
+        rows = self.int8 if self.int8 is not None else self.tied[0]
+        return rows if is_quantized(rows) else self.matrix
 
     def fused_loss(self, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

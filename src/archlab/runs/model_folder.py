@@ -19,7 +19,8 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.errors import UserError
 from archlab.runs.checkpoint import CHECKPOINT_DIR, MODEL_FILE, CheckpointError, latest_checkpoint, verified_weights
 
-__all__ = ["check_vocabulary", "folder_arch", "load_masked_lm", "load_model_and_tokenizer", "load_run",
+__all__ = ["quantization_of", "refuse_quantized", "QUANTIZATION",
+           "check_vocabulary", "folder_arch", "load_masked_lm", "load_model_and_tokenizer", "load_run",
            "load_run_tokenizer", "model_with_weights", "read_run_config", "write_run_config", "export_peft",
            "CONFIG_FILE"]
 
@@ -202,7 +203,8 @@ def load_run(run_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = 
     if ckpt is None:
         raise CheckpointError(f"{run_dir} has no checkpoint under {run_dir / CHECKPOINT_DIR}")
     state = verified_weights(ckpt, run_dir if checkpoint is None else None)
-    model = model_with_weights(cfg, state, ckpt / MODEL_FILE, train=run_cfg.get("train"))
+    model = model_with_weights(cfg, state, ckpt / MODEL_FILE, train=run_cfg.get("train"),
+                               quantization=quantization_of(run_dir, run_cfg))
     if merge_adapters:
         from archlab.nn.lora import merge_lora
         merge_lora(model)
@@ -232,10 +234,12 @@ def _adapters_for(model, state: dict, train: dict | None) -> None:
             raise CheckpointError(f"adapter {path}.lora_A names no Linear of the model in config.yaml") from exc
 
 
-def model_with_weights(cfg: ModelConfig, state: dict, source: Path, train: dict | None = None):
+def model_with_weights(cfg: ModelConfig, state: dict, source: Path, train: dict | None = None,
+                       quantization: dict | None = None):
     """The model `cfg.arch` names (archlab.models.build_model) holding `state`, every parameter exactly once; a
     mismatch is a CheckpointError naming `source`, the file the weights came from. LoRA adapters in `state` are
-    put on their Linears (scaled by the run's `train` section).
+    put on their Linears (scaled by the run's `train` section); `quantization` (a run's section, `archlab
+    quantize`) gives the model int8 layers (nn/int8.quantize_int8) before `state` loads into them.
     Example: model = model_with_weights(cfg, load_file(path), path)"""
     from archlab.models import build_model
     from archlab.models.accounting import check_weights_fit
@@ -245,11 +249,40 @@ def model_with_weights(cfg: ModelConfig, state: dict, source: Path, train: dict 
     model = build_model(cfg)
     state = upgrade_keys(state, cfg.arch)              # a run folder of an earlier module layout
     _adapters_for(model, state, train)
+    if quantization is not None:
+        from archlab.nn.int8 import quantize_int8
+        quantize_int8(model, layout_only=True)
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
         raise CheckpointError(f"{source} does not match the model in config.yaml: {exc}") from exc
     return model
+
+
+QUANTIZATION = "quantization"           # config.yaml's section of a quantized run (archlab quantize)
+_SCHEMES = ("int8",)                    # what `quantization.weights` may name
+
+
+def quantization_of(run_dir: str | os.PathLike, run_cfg: dict | None = None) -> dict | None:
+    """A run folder's `quantization` section ({weights: int8, ...}), None for a float run; a section naming an
+    unknown scheme is a CheckpointError.
+    Example: if quantization_of("runs/smol-int8"): ..."""
+    section = (read_run_config(run_dir) if run_cfg is None else run_cfg).get(QUANTIZATION)
+    if section is None:
+        return None
+    if not isinstance(section, dict) or section.get("weights") not in _SCHEMES:
+        raise CheckpointError(f"{Path(run_dir) / CONFIG_FILE}: `{QUANTIZATION}` must name weights: "
+                              f"{' or '.join(_SCHEMES)}, got {section!r}")
+    return section
+
+
+def refuse_quantized(folder: str | os.PathLike, purpose: str) -> None:
+    """A UserError when `folder` is a quantized run (its int8 weights cannot train or export as floats).
+    Example: refuse_quantized(base, "finetune")"""
+    folder = Path(folder)
+    if (folder / CONFIG_FILE).is_file() and quantization_of(folder) is not None:
+        raise UserError(f"{folder} holds int8 weights (archlab quantize): {purpose} needs a float run; "
+                        f"use the run it was quantized from")
 
 
 def load_run_tokenizer(run_dir: str | os.PathLike):
@@ -269,6 +302,7 @@ def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = No
     from archlab.runs.outputs import check_output
     from archlab.runs.train_section import lora_section
 
+    refuse_quantized(run_dir, "convert --to-peft")
     check_output(out, inputs=[run_dir], overwrite=overwrite)        # before loading anything
     model, _ = load_run(run_dir, merge_adapters=False)
     if not lora_modules(model):

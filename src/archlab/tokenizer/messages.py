@@ -47,7 +47,7 @@ def content_text(content: Any, where: str) -> str:
 
 def check_message(message: Any, where: str, *, null_content: bool = False) -> dict:
     """The message with its content as text (the other keys kept), checked: an object with a known role and a
-    content; `null_content`: a null content reads as "" (OpenAI's assistant turn that only calls tools).
+    content; `null_content`: an assistant's null content reads as "" (OpenAI's turn that only calls tools).
     Example: check_message({"role": "user", "content": "Hi"}, "line 3: messages[0]")"""
     if not isinstance(message, dict):
         raise MessageError(f"{where} is a JSON {_kind(message)}, not an object with role and content")
@@ -57,7 +57,7 @@ def check_message(message: Any, where: str, *, null_content: bool = False) -> di
     if message["role"] not in ROLES:
         raise MessageError(f"{where} has unknown role {message['role']!r} (roles: {', '.join(ROLES)})", "role")
     content = message["content"]
-    if content is None and null_content:
+    if content is None and null_content and message["role"] == "assistant":
         return {**message, "content": ""}
     return {**message, "content": content_text(content, where)}
 

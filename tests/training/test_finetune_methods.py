@@ -89,3 +89,125 @@ def test_bad_method_input_is_one_line_and_writes_nothing(world, tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err and "Traceback" not in err
     assert not out.exists()
+
+
+# ---- reward models (--method reward) --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reward_run(world, tmp_path_factory):
+    """A reward run: 3 steps on the preferences, a margin on every line, TRL's centring term on."""
+    rng = random.Random(2)
+    lines = [json.loads(line) for line in (world / "prefs.jsonl").read_text().splitlines()]
+    data = tmp_path_factory.mktemp("rm") / "prefs_margin.jsonl"
+    data.write_text("".join(json.dumps({**line, "margin": round(rng.uniform(0, 1), 3)}) + "\n" for line in lines))
+    out = data.parent / "rm"
+    assert main(["finetune", str(world / "base"), "--method", "reward", "--data", str(data), "--out", str(out),
+                 *COMMON, "--set", "train.budget=3", "--set", "train.reward.center_rewards_coefficient=0.01",
+                 "--set", "train.reward.val_fraction=0.25", "--set", "train.eval_every=3"]) == 0
+    return out, data
+
+
+def test_reward_first_loss_is_ln2_with_trls_log_names_and_held_out_accuracy(reward_run):
+    import torch
+
+    from archlab.training.methods.reward import reward_loss
+
+    zero = torch.zeros(4)
+    assert float(reward_loss(zero, zero)) == pytest.approx(math.log(2), abs=1e-7)   # without margins: ln 2
+    run, data = reward_run
+    rows = read_metrics(run / "metrics.jsonl")
+    steps = [r for r in rows if "loss" in r]
+    # the head starts at zero: every reward 0, so the first loss is mean(softplus(margin)) over the first batch
+    ours = _reward_run_of(run)
+    margins = ours.margins[ours.batches.indices(0)]
+    assert steps[0]["loss"] == pytest.approx(float(torch.nn.functional.softplus(margins).mean()), abs=1e-6)
+    assert steps[0]["accuracy"] == 0.0 and steps[0]["margin"] == 0.0 and steps[0]["max_reward"] == 0.0
+    assert {"accuracy", "margin", "min_reward", "mean_reward", "max_reward"} <= set(steps[-1])
+    assert steps[-1]["max_reward"] != 0.0                       # the head has learned something
+    val = [r for r in rows if "val_accuracy" in r][-1]
+    assert 0.0 <= val["val_accuracy"] <= 1.0 and "val_loss" in val and "val_margin" in val
+
+
+def test_reward_loss_and_logs_equal_trls_on_one_batch(reward_run):
+    """Our loss and logged figures of one batch equal TRL's RewardTrainer.compute_loss given the same rewards; the
+    rewards are the score head on the hidden state of each side's last token, computed here row by row."""
+    from types import SimpleNamespace
+
+    import torch
+
+    trl = pytest.importorskip("trl")
+    from archlab.nn.heads import SCORE_HEAD
+    from archlab.runs.model_folder import load_run
+
+    run, _ = reward_run
+    model, _ = load_run(run)
+    ours = _reward_run_of(run)
+    inputs, labels = ours.batches.next(0, 0)
+    with torch.no_grad():
+        loss = ours.loss(model, inputs, labels).total
+    logged = ours.log_fields()
+    # the rewards by hand: head . hidden at the last real token of each unpadded row
+    lengths = inputs["attention_mask"].sum(-1)
+    head = getattr(model, SCORE_HEAD).weight[0]
+    with torch.no_grad():
+        rewards = torch.stack([model(input_ids=inputs["input_ids"][i:i + 1, :n], return_hidden=True)[0, -1] @ head
+                               for i, n in enumerate(lengths.tolist())])                        # (2b,)
+    # TRL's compute_loss on those rewards, its accelerator and logging stubbed to one process
+    metrics: dict = {"train": {}}
+    fake = SimpleNamespace(model=SimpleNamespace(training=True), args=SimpleNamespace(center_rewards_coefficient=0.01),
+                           accelerator=SimpleNamespace(gather=lambda x: x, gather_for_metrics=lambda x: x),
+                           _total_train_tokens=0, _tp_size=1,
+                           _metrics={"train": __import__("collections").defaultdict(list)})
+    margin = ours.margins[inputs["pair_index"]]
+    theirs = trl.RewardTrainer.compute_loss(
+        fake, lambda **kw: SimpleNamespace(logits=rewards[:, None]),
+        {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "margin": margin})
+    metrics = {k: v[0] for k, v in fake._metrics["train"].items() if k != "num_tokens"}
+    assert float(loss) == pytest.approx(float(theirs), abs=1e-5)
+    assert set(metrics) == set(logged)
+    for name, value in metrics.items():
+        assert logged[name] == pytest.approx(value, abs=1e-5), name
+
+
+def test_score_prints_each_sides_reward_and_the_accuracy(reward_run, tmp_path, capsys):
+    import torch
+
+    from archlab.runs.model_folder import load_run
+    from archlab.training.methods.reward import sequence_rewards
+
+    run, data = reward_run
+    capsys.readouterr()
+    assert main(["score", str(run), "--data", str(data)]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 16 and "accuracy" in err
+    model, _ = load_run(run)
+    first = open_first_pair(run)
+    with torch.no_grad():
+        expected = sequence_rewards(model, torch.tensor([first.chosen[0]]), torch.tensor([len(first.chosen[0])]))
+    assert rows[0]["chosen"] == pytest.approx(float(expected[0]), abs=1e-5)
+    share = sum(r["chosen"] > r["rejected"] for r in rows) / len(rows)
+    assert f"accuracy {share:.4f}" in err
+    assert main(["score", str(run), "--data", str(data), "--batch-size", "0"]) == 2
+
+
+def test_score_refuses_a_run_without_a_score_head(world, capsys):
+    assert main(["score", str(world / "base"), "--data", str(world / "prefs.jsonl")]) == 2
+    assert "is not a reward run" in capsys.readouterr().err
+
+
+def open_first_pair(run):
+    from archlab.data.preference_folder import open_preference_folder
+
+    return open_preference_folder(run / "data", max_tokens=None, truncation="refuse", progress=False).pairs[0]
+
+
+def _reward_run_of(run):
+    """The RewardRun a reward run folder trained with (its config, its prepared folder), one process."""
+    from types import SimpleNamespace
+
+    from archlab.data.preference_folder import open_preference_folder
+    from archlab.training.methods.reward import RewardRun, _margins
+
+    cfg = TrainConfig.from_yaml((run / "config.yaml").read_text())
+    data = open_preference_folder(run / "data", max_tokens=cfg.seq_len, truncation="refuse", progress=False)
+    return RewardRun(data, cfg, SimpleNamespace(rank=0, world_size=1, is_main=True), _margins(data))

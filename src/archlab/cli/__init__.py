@@ -17,8 +17,8 @@ from archlab.errors import one_line_warnings, report
 
 # In the order `archlab --help` lists them.
 COMMAND_MODULES = [
-    "demo", "presets", "tokenizer", "data", "train", "finetune", "generate", "chat", "fill_mask", "convert", "lab",
-    "diagnose", "check", "serve", "ngram", "quantize",
+    "demo", "presets", "tokenizer", "data", "train", "finetune", "score", "generate", "chat", "fill_mask", "convert",
+    "lab", "diagnose", "check", "serve", "ngram", "quantize",
 ]
 
 

@@ -4,6 +4,7 @@
                                         2017), a vocabulary bias, Cohere's logit scale, Gemma 2's soft-cap
     MLMHead    (b, t, d) -> (b, t, v)   BERT's masked-LM head: transform (dense, activation, norm), then an LMHead
     NSPHead    (b, t, d) -> (b, 2)      BERT's next-sentence head: pooler (dense + tanh) on the first slot, classifier
+    ScoreHead  (b, t, d) -> (b,)        a reward model's scalar at each row's last real token
 
 A tied LMHead holds no matrix of its own: it reads the embedding it was given, which stays the model's child
 (`embed.weight`), so a checkpoint holds the tensor once. Training losses are fused with the projection in row
@@ -25,7 +26,7 @@ from archlab.nn.int8 import Int8Matrix, is_quantized
 from archlab.nn.mlp import ACTIVATIONS
 from archlab.nn.norms import build_norm
 
-__all__ = ["LMHead", "LossOutput", "MLMHead", "NSPHead"]
+__all__ = ["LMHead", "LossOutput", "MLMHead", "NSPHead", "ScoreHead", "attach_score_head", "SCORE_HEAD"]
 
 
 @dataclass
@@ -167,3 +168,32 @@ class NSPHead(nn.Module):
         nsp = F.cross_entropy(logits, labels)
         accuracy = None if torch.is_grad_enabled() else (logits.argmax(-1) == labels).float().mean()
         return dataclasses.replace(out, total=out.total + nsp, nsp_loss=nsp.detach(), nsp_accuracy=accuracy)
+
+
+SCORE_HEAD = "score_head"      # the attribute, and the prefix of its state-dict keys
+
+
+class ScoreHead(nn.Module):
+    """A scalar per sequence from a decoder's normed hidden state at its last real token: a reward model's head
+    (Ouyang et al. 2022, as HF's *ForSequenceClassification with one label: `score`, no bias). Starts at zero, so
+    every reward is 0 and a Bradley-Terry loss starts at ln 2."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, d_model))
+
+    def forward(self, hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:   # (b, t, d), (b,) -> (b,)
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths.to(hidden.device) - 1]   # (b, d)
+        return F.linear(last.float(), self.weight.float()).squeeze(-1)
+
+
+def attach_score_head(model: nn.Module) -> ScoreHead:
+    """Put a ScoreHead (zeros) on `model` as `score_head` (its keys `score_head.weight`), or return the one it has.
+    Example: rewards = attach_score_head(model)(model(ids, return_hidden=True), lengths)"""
+    head = getattr(model, SCORE_HEAD, None)
+    if head is None:
+        weight = next(model.parameters())
+        config: ModelConfig = model.config                                  # type: ignore[assignment]
+        head = ScoreHead(config.d_model).to(weight.device)
+        setattr(model, SCORE_HEAD, head)
+    return head

@@ -16,10 +16,10 @@ from archlab.config import ConfigError, _build, _check_literals, _parse_value, c
 from archlab.nn.lora import LoRAConfig
 from archlab.runs.train_section import current_key, upgrade_train_section
 
-__all__ = ["TrainConfig", "DPOConfig", "SFTConfig", "NO_DECAY_CATEGORIES", "METHOD_NAMES"]
+__all__ = ["TrainConfig", "DPOConfig", "SFTConfig", "RewardConfig", "NO_DECAY_CATEGORIES", "METHOD_NAMES"]
 
 NO_DECAY_CATEGORIES = ("norms", "biases", "embeddings")
-METHOD_NAMES = ("pretrain", "sft", "dpo")      # training/methods registers one Method under each
+METHOD_NAMES = ("pretrain", "sft", "dpo", "reward")      # training/methods registers one Method under each
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +52,24 @@ class SFTConfig:
     truncation: str = "refuse"             # an example past seq_len (data/chat.TRUNCATIONS)
 
 
-SECTIONS: dict[str, type] = {"lora": LoRAConfig, "dpo": DPOConfig, "sft": SFTConfig}
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """train.reward: a reward model (training/methods/reward.py), with TRL RewardConfig's centring term."""
+
+    center_rewards_coefficient: float | None = None   # c * mean((r_chosen + r_rejected)^2) added to the loss; None: off
+    truncation: Literal["refuse", "keep_start", "keep_end", "skip"] = "refuse"   # a side past seq_len
+    val_fraction: float = 0.05             # share of the lines held out (val_loss, val_accuracy, ...)
+
+    def __post_init__(self):
+        _check_literals(self, "train.reward")
+        if self.center_rewards_coefficient is not None and not 0 <= self.center_rewards_coefficient < math.inf:
+            raise ConfigError(f"train.reward.center_rewards_coefficient={self.center_rewards_coefficient} must be "
+                              ">= 0 (or None)")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"train.reward.val_fraction={self.val_fraction} must be in [0, 1)")
+
+
+SECTIONS: dict[str, type] = {"lora": LoRAConfig, "dpo": DPOConfig, "sft": SFTConfig, "reward": RewardConfig}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,12 +123,13 @@ class TrainConfig:
     prefix_fraction: float = 0.5           # continuation: the window's share given as context, the rest scored
     document_masks: bool = False           # next_token: end-of-text ends a document; no token attends across,
                                            # positions restart, the label across a boundary is ignored
-    method: Literal["pretrain", "sft", "dpo"] = "pretrain"   # how the run trains (training/methods); METHOD_NAMES
+    method: Literal["pretrain", "sft", "dpo", "reward"] = "pretrain"   # how the run trains (training/methods)
     lora: LoRAConfig | None = None         # LoRA adapters (nn.lora.LoRAConfig: r, alpha, dropout, targets (names, HF
                                            # names, a full-match regex as PEFT, all-linear), use_rslora,
                                            # trainable_tokens, modules_to_save); None: every parameter trains
     dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
 
     def __post_init__(self):
         if isinstance(self.betas, list):
@@ -181,7 +199,8 @@ class TrainConfig:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["betas"] = list(self.betas)
         d["lora"] = self.lora.to_dict() if self.lora is not None else None
-        d["dpo"], d["sft"] = dataclasses.asdict(self.dpo), dataclasses.asdict(self.sft)
+        for name in ("dpo", "sft", "reward"):
+            d[name] = dataclasses.asdict(getattr(self, name))
         return d
 
     @classmethod

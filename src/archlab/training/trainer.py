@@ -229,7 +229,7 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
         run.resume_from(latest)
     elif init_from is not None:   # the source's weights; LoRA adapters (train.lora) keep their fresh init
         from archlab.nn.lora import lora_state
-        dist_util.load_full_model_state(run.model, {**lora_state(run.raw), **init_from.state}, info)
+        dist_util.load_full_model_state(run.model, {**lora_state(run.raw), **run.fresh_state, **init_from.state}, info)
     session.start(run.raw, run_dir, device=device, dtype=cfg.dtype, info=info, resuming=latest is not None,
                   progress=progress is True)          # what the method needs of the starting weights (a reference)
     # 5. the loop
@@ -288,6 +288,7 @@ class _Run:
         seed_everything(cfg.seed + info.rank)
         self.raw = build_model(model_cfg).to(device)        # TransformerLM, EncoderLM or EncoderDecoderLM by arch
         self.lora = lora_stage.attach(self.raw, cfg)        # train.lora: adapters on, the base frozen (lora.py)
+        self.fresh_state = session.extend(self.raw)          # modules the method adds (a scalar head): they train
         # (inputs, labels) per micro-step, a function of (seed, step, micro-batch, rank): the method's batches
         self.method, self.batches = session, session.batches
         self.flops_token = train_flops_per_token(model_cfg, cfg.seq_len)

@@ -1,5 +1,6 @@
-"""Ways to train on one loop (base.py): `pretrain` and `sft` (tokens.py), `dpo` (dpo.py). The trainer asks `select`
-which method a run uses and drives the MethodRun that method opens; it names none of them.
+"""Ways to train on one loop (base.py): `pretrain` (tokens.py), `sft` (sft.py), `dpo` (dpo.py), `reward`
+(reward.py); the stages every `archlab finetune` method shares (staging.py). The trainer asks `select` which method
+a run uses and drives the MethodRun that method opens; it names none of them.
 
     from archlab.training.methods import METHODS, select
     select(TrainConfig(method="dpo"), Path("prefs.jsonl"))      # -> "dpo"
@@ -10,10 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from archlab.training.methods import dpo as _dpo  # noqa: F401  (registers "dpo")
+from archlab.training.methods import reward as _reward  # noqa: F401  (registers "reward")
+from archlab.training.methods import sft as _sft  # noqa: F401  (registers "sft")
 from archlab.training.methods import tokens as _tokens  # noqa: F401  (registers "pretrain")
 from archlab.training.methods.base import METHODS, Batches, FinetuneRequest, Method, MethodRun
 
 __all__ = ["METHODS", "Method", "MethodRun", "Batches", "FinetuneRequest", "select", "open_run", "finetune_methods"]
+
+
+PREFERENCE_METHODS = ("dpo", "reward")      # the methods that read preference pairs
 
 
 def finetune_methods() -> list[str]:
@@ -23,9 +29,11 @@ def finetune_methods() -> list[str]:
 
 
 def select(cfg: Any, data_dir: Path) -> str:
-    """The method a run trains with: train.method, or DPO for a data file (a preference .jsonl: DPO refuses it
-    unless train.method=dpo, saying so)."""
-    return "dpo" if data_dir.is_file() else cfg.method
+    """The method a run trains with: train.method; a data file (a preference .jsonl) for a method that reads
+    prepared folders goes to DPO, which refuses it unless train.method=dpo, saying so."""
+    if data_dir.is_file() and cfg.method not in PREFERENCE_METHODS:
+        return "dpo"
+    return cfg.method
 
 
 def open_run(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any, *, progress: bool = True

@@ -57,6 +57,11 @@ class MethodRun(Protocol):
         """Held-out figures, `val_loss` first; {} when there is nothing to evaluate. Collective under DDP/FSDP."""
         ...
 
+    def extend(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Modules the method adds to the built model before the optimizer is made (a reward model's score head),
+        after LoRA's adapters (so they train); returns their fresh state, which starting weights do not hold."""
+        ...
+
     def start(self, model: torch.nn.Module, run_dir: Path, *, device: torch.device, dtype: str, info: Any,
               resuming: bool, progress: bool) -> None:
         """Once, after the weights are in place and before the first step (DPO scores its reference here)."""

@@ -15,6 +15,7 @@ import torch
 from archlab.errors import UserError
 from archlab.training import dpo
 from archlab.training.methods.base import METHODS, FinetuneRequest, Method
+from archlab.training.methods.staging import check_same_data, staged_base
 
 __all__ = ["DPORun", "open_dpo"]
 
@@ -36,6 +37,9 @@ class DPORun:
     def evaluate(self, model: Any, *, device: torch.device, dtype: str, info: Any) -> dict[str, float]:
         return self.batches.evaluate(model, device=device, dtype=dtype)   # the held-out pairs (train.dpo.val_fraction)
 
+    def extend(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {}
+
     def start(self, model: torch.nn.Module, run_dir: Path, *, device: torch.device, dtype: str, info: Any,
               resuming: bool, progress: bool) -> None:
         """The reference log-probs: scored now from the starting weights, or read back on a resume."""
@@ -49,30 +53,31 @@ def open_dpo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any
 
 
 def prepare_preferences(req: FinetuneRequest) -> tuple[Any, Path, Any]:
-    """archlab finetune --method dpo: every line of the preference .jsonl checked with the staged tokenizer (its chat
-    template), then OUT/data written as a preference folder (data/preference_folder.py) holding the lines and that
-    tokenizer; (model config, OUT/data, the base). On --resume the folder's settings must be this command's."""
+    """archlab finetune --method dpo|reward: every line of the preference .jsonl checked with the staged tokenizer (its
+    chat template), then OUT/data written as a preference folder (data/preference_folder.py) holding the lines and
+    that tokenizer; (model config, OUT/data, the base). On --resume the folder's settings must be this command's.
+    The method's config section (train.dpo, train.reward) gives the truncation policy."""
     from archlab.data.preference import file_sha256, load_preference_data
     from archlab.data.preference_folder import write_preference_folder
     from archlab.data.tokens import META_FILE
-    from archlab.training.finetune import check_same_data, staged_base
 
     cfg, out = req.train_cfg, req.out
     if req.val is not None:
         raise UserError(f"--val {req.val}: --method {cfg.method} holds out --val-fraction of --data's lines "
-                        "(train.dpo.val_fraction) instead")
+                        f"(train.{cfg.method}.val_fraction) instead")
     data_dir = out / "data"
     with tempfile.TemporaryDirectory(prefix="archlab-finetune-") as tmp:
         source, model_cfg, staged = staged_base(req, Path(tmp))
         if model_cfg.arch != "decoder":
             raise UserError(f"--method {cfg.method} trains decoder models, not arch={model_cfg.arch}")
+        truncation, setting = getattr(cfg, cfg.method).truncation, f"train.{cfg.method}.truncation"
         settings = {"corpus": str(req.data), "sha256": file_sha256(req.data), "seq_len": cfg.seq_len,
-                    "truncation": cfg.dpo.truncation, "chat_template": req.chat_template}
+                    "truncation": truncation, "chat_template": req.chat_template}
         if req.resume and (data_dir / META_FILE).is_file():
             check_same_data(data_dir, settings)
         else:
-            data = load_preference_data(req.data, staged, max_tokens=cfg.seq_len, truncation=cfg.dpo.truncation,
-                                        progress=req.progress is True, setting="train.dpo.truncation")
+            data = load_preference_data(req.data, staged, max_tokens=cfg.seq_len, truncation=truncation,
+                                        progress=req.progress is True, setting=setting)
             out.mkdir(parents=True, exist_ok=True)
             building = data_dir.with_name(data_dir.name + ".tmp")
             if building.exists():
@@ -83,14 +88,16 @@ def prepare_preferences(req: FinetuneRequest) -> tuple[Any, Path, Any]:
     return model_cfg, data_dir, dataclasses.replace(source, tokenizer_dir=data_dir / "tokenizer")
 
 
-def _dpo_settings(train_cfg: Any, val: Path | None, val_fraction: float | None) -> tuple[Any, float]:
-    """--val-fraction is train.dpo.val_fraction (the held-out pairs), when given."""
+def preference_settings(train_cfg: Any, val: Path | None, val_fraction: float | None) -> tuple[Any, float]:
+    """--val-fraction is the method's section's val_fraction (train.dpo.val_fraction: the held-out pairs), when
+    given."""
+    section = getattr(train_cfg, train_cfg.method)
     if val_fraction is None:
-        return train_cfg, train_cfg.dpo.val_fraction
-    return dataclasses.replace(train_cfg, dpo=dataclasses.replace(train_cfg.dpo, val_fraction=val_fraction)), \
-        val_fraction
+        return train_cfg, section.val_fraction
+    changed = dataclasses.replace(section, val_fraction=val_fraction)
+    return dataclasses.replace(train_cfg, **{train_cfg.method: changed}), val_fraction
 
 
 METHODS.register("dpo")(Method("dpo", "direct preference optimization (DPO, IPO, SimPO) against the starting model",
-                               open_dpo, prepare=prepare_preferences, fit_settings=_dpo_settings,
+                               open_dpo, prepare=prepare_preferences, fit_settings=preference_settings,
                                data_help="preference data is a .jsonl file of prompt / chosen / rejected lines"))

@@ -59,6 +59,9 @@ class TokenRun:
             record.update(val_nsp_loss=result.nsp_loss, val_nsp_accuracy=result.nsp_accuracy)
         return record
 
+    def extend(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {}
+
     def start(self, model: torch.nn.Module, run_dir: Path, **_: Any) -> None:
         return None
 
@@ -96,13 +99,3 @@ def open_tokens(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: 
 
 
 METHODS.register("pretrain")(Method("pretrain", "next-token (or the objective's) loss on a token stream", open_tokens))
-def prepare_sft(request: Any) -> Any:
-    """archlab finetune --method sft: the chat lines as an SFT folder (training/finetune.prepare_sft)."""
-    from archlab.training.finetune import prepare_sft as prepare
-
-    return prepare(request)
-
-
-METHODS.register("sft")(Method("sft", "supervised fine-tuning on chat examples: the loss on the assistant's tokens",
-                               open_tokens, prepare=prepare_sft,
-                               data_help="chat data is a .jsonl file of messages or prompt/completion lines"))

@@ -1,0 +1,200 @@
+"""`reward`: a reward model on preference pairs (Ouyang et al. 2022, §3.5): a ScoreHead (nn/heads.py, zeros at the
+start) reads each side's normed hidden state at its last real token, and the Bradley-Terry loss of TRL's
+RewardTrainer trains it with the decoder under it:
+
+    loss = -log sigmoid(r_chosen - r_rejected - margin)  +  c * mean((r_chosen + r_rejected)^2)
+
+`margin`: an optional per-line "margin" field of the data (TRL's margin column; 0 without); c:
+train.reward.center_rewards_coefficient (None: no centring term; Eisenstein et al. 2023). Logged as TRL names them:
+accuracy (share of pairs whose chosen reward is the larger), margin (mean r_chosen - r_rejected), min_reward,
+mean_reward, max_reward; the held-out pairs (train.reward.val_fraction) as val_loss, val_accuracy, ...
+
+    archlab finetune runs/sft --method reward --data prefs.jsonl --out runs/rm
+    archlab score runs/rm --data prefs.jsonl          # each line's rewards, and the accuracy
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from archlab.data.corpora import jsonl_records
+from archlab.data.preference import PreferenceBatches, PreferenceData, load_preference_data, pad_pairs
+from archlab.data.preference_folder import is_preference_folder, open_preference_folder
+from archlab.data.prepare import split_by_line
+from archlab.errors import UserError
+from archlab.eval.evaluate import autocast
+from archlab.models.decoder import LossOutput
+from archlab.nn.heads import SCORE_HEAD, attach_score_head
+from archlab.training.dpo import _tokenizer_only
+from archlab.training.methods.base import METHODS, Method
+from archlab.training.methods.dpo import preference_settings, prepare_preferences
+
+__all__ = ["METRICS", "reward_loss", "sequence_rewards", "RewardRun", "open_reward"]
+
+METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")     # TRL's RewardTrainer's names
+
+
+def reward_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
+                center_coefficient: float | None = None) -> torch.Tensor:
+    """TRL's RewardTrainer loss of rewards (b,) each: Bradley-Terry with an optional margin (b,), plus the centring
+    term. Example: reward_loss(torch.zeros(4), torch.zeros(4)) -> ln 2"""
+    diff = chosen - rejected if margin is None else chosen - rejected - margin
+    loss = -F.logsigmoid(diff).mean()
+    if center_coefficient is not None:
+        loss = loss + center_coefficient * torch.mean((chosen + rejected) ** 2)
+    return loss
+
+
+def _unwrapped(model: Any) -> Any:
+    """The model under DDP (`module`) and torch.compile (`_orig_mod`) wrappers: where the score head is."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+def sequence_rewards(model: Any, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The reward of each row (b,), float32: the score head on the hidden state at the row's last real token
+    (rows right-padded; `lengths` (b,) their real tokens)."""
+    hidden = model(input_ids=input_ids, return_hidden=True)                           # (b, t, d)
+    return getattr(_unwrapped(model), SCORE_HEAD)(hidden, lengths)
+
+
+def _margins(data: PreferenceData) -> torch.Tensor | None:
+    """Each pair's "margin" field (pairs,), or None when no line has one; some lines without one, or a margin that
+    is no finite number, is a UserError naming the line."""
+    found: dict[int, Any] = {line: value.get("margin") for line, value in jsonl_records(data.path)
+                             if isinstance(value, dict)}
+    values = [found.get(pair.line) for pair in data.pairs]
+    if all(v is None for v in values):
+        return None
+    for pair, value in zip(data.pairs, values):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UserError(f"{data.path}:{pair.line}: margin must be a finite number when any line has one "
+                            f"(TRL's margin column), got {value!r}")
+    return torch.tensor(values, dtype=torch.float32)
+
+
+class RewardRun:
+    """Preference pairs, their batches, the reward loss and its logged figures; `extend` puts the score head on."""
+
+    def __init__(self, data: PreferenceData, cfg: Any, info: Any, margins: torch.Tensor | None):
+        self.cfg, self.data, self.margins = cfg, data, margins
+        self.train_data, self.val_data = data, data.without_pairs()
+        self.tokenizer_dir: Path | None = Path(data.tokenizer_dir)
+        held = {id(p) for p in split_by_line(data.path, data.pairs, cfg.seed, cfg.reward.val_fraction)[1]} \
+            if cfg.reward.val_fraction > 0 else set()
+        self.val = [i for i, p in enumerate(data.pairs) if id(p) in held]
+        pool = [i for i in range(len(data.pairs)) if id(data.pairs[i]) not in held]
+        self.batches = PreferenceBatches(data, cfg.batch_size, seed=cfg.seed, rank=info.rank,
+                                         world_size=info.world_size, pool=pool if held else None)
+        self._sums: torch.Tensor | None = None
+        self._count = 0
+
+    def extend(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The score head (zeros) on the model; its fresh state, which starting weights do not hold."""
+        head = attach_score_head(model)
+        return {f"{SCORE_HEAD}.{name}": t for name, t in head.state_dict().items()}
+
+    def _per_pair(self, model: Any, input_ids: torch.Tensor, lengths: torch.Tensor, index: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, chosen rewards (b,), rejected rewards (b,)) of 2b rows (b chosen, then b rejected)."""
+        chosen, rejected = sequence_rewards(model, input_ids, lengths).chunk(2)
+        margin = self.margins[index.cpu()].to(chosen.device) if self.margins is not None else None
+        return reward_loss(chosen, rejected, margin, self.cfg.reward.center_rewards_coefficient), chosen, rejected
+
+    def loss(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> LossOutput:
+        lengths = inputs["attention_mask"].sum(-1)                                         # (2b,)
+        loss, chosen, rejected = self._per_pair(model, inputs["input_ids"], lengths, inputs["pair_index"])
+        values = _figures(chosen.detach(), rejected.detach())                               # (METRICS,)
+        self._sums = values if self._sums is None else self._sums + values    # on device: no host sync per batch
+        self._count += 1
+        zero = loss.new_zeros(())
+        return LossOutput(total=loss, ce=loss.detach(), z_loss=zero, aux_loss=zero)
+
+    def log_fields(self) -> dict[str, float]:
+        out = dict(zip(METRICS, (self._sums / self._count).tolist())) if self._sums is not None else {}
+        self._sums, self._count = None, 0
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, model: Any, *, device: torch.device, dtype: str, info: Any) -> dict[str, float]:
+        """val_loss and val_<METRICS> over every held-out pair (the loss a mean over batches of train.batch_size)."""
+        if not self.val:
+            return {}
+        was_training = model.training
+        model.eval()
+        losses, chosen, rejected = [], [], []
+        try:
+            for start in range(0, len(self.val), self.cfg.batch_size):
+                index = torch.tensor(self.val[start:start + self.cfg.batch_size])                  # (b,)
+                pairs = [self.data.pairs[i] for i in index]
+                ids, _ = pad_pairs(pairs, self.data.eot_id or 0)                                    # (2b, t)
+                lengths = torch.tensor([len(p.chosen[0]) for p in pairs] + [len(p.rejected[0]) for p in pairs])
+                with autocast(device, dtype):
+                    loss, c, r = self._per_pair(model, ids.to(device), lengths.to(device), index)
+                losses.append(float(loss) * len(index))
+                chosen.append(c.float().cpu())
+                rejected.append(r.float().cpu())
+        finally:
+            model.train(was_training)
+        figures = _figures(torch.cat(chosen), torch.cat(rejected)).tolist()
+        return {"val_loss": sum(losses) / len(self.val), **{f"val_{k}": v for k, v in zip(METRICS, figures)}}
+
+    def start(self, model: torch.nn.Module, run_dir: Path, **_: Any) -> None:
+        return None
+
+
+def _figures(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """METRICS of rewards (b,) each, as TRL's RewardTrainer computes them per batch."""
+    both = torch.cat([chosen, rejected])
+    return torch.stack([(chosen > rejected).float().mean(), (chosen - rejected).mean(), both.min(), both.mean(),
+                        both.max()])
+
+
+def open_reward(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any, *,
+                progress: bool = True) -> RewardRun:
+    """The RewardRun of a prepared preference folder (archlab finetune --method reward) or a preference .jsonl
+    (archlab train --init-from BASE --set train.method=reward, encoded with BASE's tokenizer); UserError before any
+    write for what a reward model cannot train."""
+    folder = is_preference_folder(data_dir)
+    if not folder and not (data_dir.is_file() and data_dir.suffix == ".jsonl"):
+        raise UserError(f"train.method=reward reads preference lines (prompt / chosen / rejected): --data {data_dir} "
+                        "is neither a .jsonl file nor a folder from archlab finetune --method reward")
+    if model_cfg.arch != "decoder":
+        raise UserError(f"train.method=reward puts its score head on decoder models, not arch={model_cfg.arch}")
+    if cfg.batch_size % info.world_size:
+        raise UserError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the world size "
+                        f"{info.world_size}")
+    if cfg.budget_unit == "tokens":
+        raise UserError("train.budget_unit=tokens counts fixed windows; preference pairs have every length: give the "
+                        "budget in steps or minutes")
+    if model_cfg.position.kind == "learned" and cfg.seq_len > model_cfg.max_seq_len:
+        raise UserError(f"train.seq_len={cfg.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
+    reading = dict(max_tokens=cfg.seq_len, truncation=cfg.reward.truncation, progress=progress and info.is_main,
+                   setting="train.reward.truncation")
+    if folder:
+        data = open_preference_folder(data_dir, **reading)
+    else:
+        if init_from is None or init_from.tokenizer_dir is None:
+            raise UserError(f"train.method=reward on {data_dir} encodes it with --init-from's tokenizer: pass "
+                            "--init-from RUN_OR_HF_FOLDER (or use archlab finetune BASE --method reward)")
+        staged = _tokenizer_only(init_from.tokenizer_dir)      # an HF folder's tokenizer files alone
+        data = load_preference_data(data_dir, staged.name if staged else init_from.tokenizer_dir, **reading)
+        data.staged_tokenizer = staged                         # type: ignore[attr-defined]  # kept while it trains
+    if model_cfg.vocab_size < data.vocab_size:
+        raise UserError(f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {data.vocab_size} "
+                        f"({data.tokenizer_dir})")
+    if init_from is None and info.is_main:
+        warnings.warn("train.method=reward from a fresh model: a reward model is usually an SFT model with a score "
+                      "head (--init-from)", stacklevel=3)
+    return RewardRun(data, cfg, info, _margins(data))
+
+
+METHODS.register("reward")(Method("reward", "a reward model: a scalar head, the Bradley-Terry loss on preference pairs",
+                                  open_reward, prepare=prepare_preferences, fit_settings=preference_settings,
+                                  data_help="preference data is a .jsonl file of prompt / chosen / rejected lines"))

@@ -195,14 +195,7 @@ def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: A
                         "weights begin the policy and score the reference)")
     if init_from.tokenizer_dir is None and not folder:
         raise UserError(f"--init-from {init_from.spec} holds no tokenizer to encode {data_path} with")
-    if model_cfg.position.kind == "learned" and cfg.seq_len > model_cfg.max_seq_len:
-        raise UserError(f"train.seq_len={cfg.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
-    if cfg.batch_size % info.world_size:
-        raise UserError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the world size "
-                        f"{info.world_size}")
-    if cfg.budget_unit == "tokens":
-        raise UserError("train.budget_unit=tokens counts fixed windows; preference pairs have every length: give "
-                        "the budget in steps or minutes")
+    check_pair_settings(model_cfg, cfg, info)
     if (model_cfg.attention.dropout or model_cfg.block.residual_dropout or model_cfg.embedding_dropout) \
             and info.is_main:
         warnings.warn("dropout is on: the policy's log-probs are noisy against the reference's (scored without "
@@ -228,6 +221,19 @@ def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: A
     batches = DPOBatches(data, cfg, rank=info.rank, world_size=info.world_size, val=held_out(data, cfg))
     batches.staged_tokenizer = staged           # removed with the batches, after the run folder has its copy
     return batches
+
+
+def check_pair_settings(model_cfg: Any, cfg: Any, info: Any) -> None:
+    """The settings every method on preference pairs needs (a UserError naming the one that fails): seq_len within a
+    learned position table, a global batch the ranks divide, a budget in steps or minutes."""
+    if model_cfg.position.kind == "learned" and cfg.seq_len > model_cfg.max_seq_len:
+        raise UserError(f"train.seq_len={cfg.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
+    if cfg.batch_size % info.world_size:
+        raise UserError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the world size "
+                        f"{info.world_size}")
+    if cfg.budget_unit == "tokens":
+        raise UserError("train.budget_unit=tokens counts fixed windows; preference pairs have every length: give "
+                        "the budget in steps or minutes")
 
 
 def held_out(data: PreferenceData, cfg: Any) -> list[int]:

@@ -30,7 +30,7 @@ from archlab.errors import UserError
 from archlab.eval.evaluate import autocast
 from archlab.models.decoder import LossOutput
 from archlab.nn.heads import SCORE_HEAD, attach_score_head
-from archlab.training.dpo import _tokenizer_only
+from archlab.training.dpo import _tokenizer_only, check_pair_settings
 from archlab.training.methods.base import METHODS, Method
 from archlab.training.methods.dpo import preference_settings, prepare_preferences
 
@@ -167,14 +167,7 @@ def open_reward(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: 
                         "is neither a .jsonl file nor a folder from archlab finetune --method reward")
     if model_cfg.arch != "decoder":
         raise UserError(f"train.method=reward puts its score head on decoder models, not arch={model_cfg.arch}")
-    if cfg.batch_size % info.world_size:
-        raise UserError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the world size "
-                        f"{info.world_size}")
-    if cfg.budget_unit == "tokens":
-        raise UserError("train.budget_unit=tokens counts fixed windows; preference pairs have every length: give the "
-                        "budget in steps or minutes")
-    if model_cfg.position.kind == "learned" and cfg.seq_len > model_cfg.max_seq_len:
-        raise UserError(f"train.seq_len={cfg.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
+    check_pair_settings(model_cfg, cfg, info)
     reading = dict(max_tokens=cfg.seq_len, truncation=cfg.reward.truncation, progress=progress and info.is_main,
                    setting="train.reward.truncation")
     if folder:

@@ -6,7 +6,7 @@ One `GGUFArch` per `general.architecture`; adding one is one entry in ARCHES:
   * `model_type`: the HF family whose config fields and weight table the file follows;
   * `fields`: `{arch}.<key>` -> config.json field, over COMMON_FIELDS;
   * `fixed`: config.json fields the architecture implies (llama.cpp hard-codes them);
-  * `permute_qk`: llama.cpp's convert_hf_to_gguf.py reorders the rows of q and k of LLaMA-style models so that
+  * `permute_qk`: llama.cpp's converter (convert_hf_to_gguf) reorders the rows of q and k of LLaMA-style models so that
     its RoPE rotates adjacent pairs (interleaved) instead of the two halves of each head (HF's rotate-half);
   * `norm_offset`: Gemma's RMSNorm multiplies by (1 + w); llama.cpp stores 1 + w, HF stores w;
   * `transposed`: GGUF tensor names stored (out, in) where HF stores (in, out) (GPT-2's Conv1D).
@@ -106,7 +106,7 @@ def _heads(name: str, hf: dict) -> int:
 
 
 def permute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """HF's rotate-half row order -> llama.cpp's interleaved pairs, per head (convert_hf_to_gguf.py's permute):
+    """HF's rotate-half row order -> llama.cpp's interleaved pairs, per head (convert_hf_to_gguf's permute):
     within each head, rows (0..e/2-1 | e/2..e-1) become (0, e/2, 1, e/2+1, ...)."""
     e = w.shape[0] // n_heads
     return w.reshape(n_heads, 2, e // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)   # (h*e, ...) -> same

@@ -211,3 +211,26 @@ def _reward_run_of(run):
     cfg = TrainConfig.from_yaml((run / "config.yaml").read_text())
     data = open_preference_folder(run / "data", max_tokens=cfg.seq_len, truncation="refuse", progress=False)
     return RewardRun(data, cfg, SimpleNamespace(rank=0, world_size=1, is_main=True), _margins(data))
+
+
+def test_orpo_first_loss_equals_the_formula_from_the_stored_logps(world, tmp_path):
+    """--method dpo with train.dpo.loss=orpo: at the first step the policy is the base, whose log-probs the run
+    stored, so the logged loss is ORPO's from them (training/dpo.py LOSSES)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from archlab.data.preference_folder import open_preference_folder
+    from archlab.training.dpo import REFERENCE_FILE, DPOBatches, held_out, preference_loss
+
+    out = tmp_path / "orpo"
+    assert main(["finetune", str(world / "base"), "--method", "dpo", "--data", str(world / "prefs.jsonl"),
+                 "--out", str(out), *COMMON, "--set", "train.budget=1", "--set", "train.dpo.loss=orpo"]) == 0
+    cfg = TrainConfig.from_yaml((out / "config.yaml").read_text())
+    data = open_preference_folder(out / "data", max_tokens=cfg.seq_len, truncation="refuse", progress=False)
+    index = DPOBatches(data, cfg, val=held_out(data, cfg)).sampler.indices(0)
+    stored = load_file(str(out / REFERENCE_FILE))
+    count = torch.tensor([[sum(t != -100 for t in side[1]) for side in (data.pairs[i].chosen, data.pairs[i].rejected)]
+                          for i in index], dtype=torch.float32)                               # (b, 2)
+    c, r = stored["chosen"][index], stored["rejected"][index]
+    expected = preference_loss("orpo", c, r, c, r, count[:, 0], count[:, 1], beta=cfg.dpo.beta)
+    assert _losses(out)[0]["loss"] == pytest.approx(float(expected), abs=1e-5)

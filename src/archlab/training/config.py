@@ -27,7 +27,8 @@ class DPOConfig:
     """train.dpo: preference tuning (training/dpo.py holds the losses)."""
 
     beta: float = 0.1                      # the strength of the pull toward the reference
-    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"   # DPO, IPO, or SimPO (reference-free)
+    loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"   # DPO, IPO, SimPO or ORPO (the last two
+                                                                   # reference-free); training/dpo.py LOSSES
     simpo_gamma: float = 0.5               # simpo: the target reward margin
     truncation: Literal["refuse", "keep_start", "keep_end", "skip"] = "refuse"   # a side past seq_len
     val_fraction: float = 0.05             # share of the lines held out for validation (val_loss, val_rewards/...)

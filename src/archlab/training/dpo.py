@@ -15,6 +15,9 @@ and beta = train.dpo.beta, the losses of LOSSES (train.dpo.loss):
               (per-token log-ratios, as TRL's DPOTrainer computes loss_type="ipo")
     simpo     -log sigmoid(beta * (logp_c / n_c - logp_r / n_r) - gamma)             SimPO, Meng et al. 2024,
               reference-free; gamma = train.dpo.simpo_gamma
+    orpo      NLL of the chosen tokens - beta * log sigmoid(log odds(p_c) - log odds(p_r)),   ORPO, Hong et al. 2024,
+              p = exp(logp / n), odds(p) = p / (1 - p); reference-free; the NLL a mean over the batch's chosen
+              tokens, as TRL's ORPOTrainer computes it (each pair carries its share: -logp_c * pairs / sum n_c)
 
 Logged as TRL names them: rewards/chosen and rewards/rejected (the implicit reward beta * (logp - ref), batch
 means), rewards/margins, rewards/accuracies (share of pairs whose chosen reward is the larger), logps/chosen,
@@ -76,8 +79,21 @@ def _simpo(logp_c, logp_r, ref_c, ref_r, n_c, n_r, beta, gamma) -> torch.Tensor:
     return -F.logsigmoid(beta * (logp_c / n_c - logp_r / n_r) - gamma)
 
 
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler 2012: log1p(-exp(x)) below -ln 2, else
+    log(-expm1(x)))."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def _orpo(logp_c, logp_r, ref_c, ref_r, n_c, n_r, beta, gamma) -> torch.Tensor:
+    mean_c, mean_r = logp_c / n_c, logp_r / n_r                          # per-token log-probs (b,)
+    log_odds = (mean_c - mean_r) - (log1mexp(mean_c) - log1mexp(mean_r))
+    nll = -logp_c * (n_c.numel() / n_c.sum())                             # mean over pairs = mean over chosen tokens
+    return nll - beta * F.logsigmoid(log_odds)
+
+
 # train.dpo.loss -> per-pair loss from (policy logps, reference logps, completion lengths, beta, gamma), all (b,)
-LOSSES: dict[str, Loss] = {"sigmoid": _sigmoid, "ipo": _ipo, "simpo": _simpo}
+LOSSES: dict[str, Loss] = {"sigmoid": _sigmoid, "ipo": _ipo, "simpo": _simpo, "orpo": _orpo}
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,7 +37,7 @@ def add_arguments(e) -> None:
     e.add_argument("--overwrite", action="store_true", help="replace an existing PNG")
     e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="evaluate under a changed model config that keeps every weight's shape (e.g. "
-                   "position.rope_scaling.kind=yarn: zero-shot context extension, the run's length taken as "
+                   "position.rope_scaling.kind=yarn for zero-shot context extension, the run's length taken as "
                    "the original one, as train --init-from does)")
 
 
@@ -47,7 +47,7 @@ def with_overrides(model, pairs: list[str], device: str):
     train key or an override that changes a weight's shape."""
     import sys
 
-    from archlab.cli.train import parse_sets
+    from archlab.cli.sets import parse_sets
     from archlab.models import build_model
     from archlab.training.init_from import extended_config
 

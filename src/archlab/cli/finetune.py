@@ -70,7 +70,7 @@ def _lora_sets(args) -> list[str]:
 
 
 def run_finetune(args) -> int:
-    from archlab.cli.train import parse_sets
+    from archlab.cli.sets import parse_sets
     from archlab.errors import UserError
     from archlab.training.finetune import finetune
     from archlab.training.trainer import Diverged, TrainConfig

@@ -7,6 +7,8 @@ import math
 import sys
 from pathlib import Path
 
+from archlab.cli.sets import parse_sets
+
 TRAIN_EXAMPLE = """example:
   archlab train --preset tiny:llama2-7b --data data/shakespeare --out runs/exp1 \\
       --set n_layers=4 --set train.lr=1e-3 --set train.budget=5 --set train.budget_unit=minutes
@@ -93,44 +95,6 @@ def resolve_preset(name: str):
         if name.startswith(prefix):
             return presets.tiny(name[len(prefix):])
     return presets.get(name)       # an unknown name: ConfigError naming it, the closest and the known ones
-
-
-def parse_sets(pairs: list[str]) -> tuple[dict, dict]:
-    """Split `--set` pairs into (model overrides, train overrides)."""
-    from archlab.config import ConfigError
-
-    model, train = {}, {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ConfigError(f"--set {pair!r} must look like key=value")
-        key, value = pair.split("=", 1)
-        key = key.strip()
-        if key.startswith("train."):
-            train[key[len("train."):]] = value
-        elif key.startswith("dist."):          # dist.strategy=fsdp: train.dist_strategy's other spelling
-            train[key] = value
-        else:
-            key = key.removeprefix("model.")
-            top = key.split(".")[0]
-            if top not in _model_fields() and top in _train_fields():
-                raise ConfigError(f"--set {pair}: {top!r} is a training setting, not a model field: "
-                                  f"--set train.{key}={value}")
-            model[key] = value
-    return model, train
-
-
-def _model_fields() -> set[str]:
-    import dataclasses
-
-    from archlab.config import ModelConfig
-    return {f.name for f in dataclasses.fields(ModelConfig)}
-
-
-def _train_fields() -> set[str]:
-    import dataclasses
-
-    from archlab.training.config import TrainConfig
-    return {f.name for f in dataclasses.fields(TrainConfig)}
 
 
 def build_configs(args, base_model=None):

@@ -36,6 +36,14 @@ def tensor_info(name: str, dims: list[int], ggml_type: int = 0, offset: int = 0)
         "<IQ", ggml_type, offset)
 
 
+def finish(writer) -> None:
+    """Write a GGUFWriter's header, metadata and tensors, and close it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def tiny_llama(path, *, vocab: int = 8, tokens: int | None = None, arch: str = "llama"):
     """A 1-layer LLaMA GGUF (d 8, 2 heads) written with gguf.GGUFWriter; `tokens` tokenizer entries."""
     w = gguf.GGUFWriter(str(path), arch)
@@ -54,10 +62,24 @@ def tiny_llama(path, *, vocab: int = 8, tokens: int | None = None, arch: str = "
               "blk.0.ffn_up.weight": (f, d), "blk.0.ffn_down.weight": (d, f)}
     for name, shape in shapes.items():
         w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
+    return path
+
+
+def rewritten(source, path, *, merges=(), extra=None):
+    """A copy of tiny_llama's file `source` with other merges and extra tensors."""
+    data = GGUFFile(source)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in data.metadata.items():
+        if key.startswith("llama."):
+            (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(data.metadata["tokenizer.ggml.tokens"])
+    w.add_token_merges(list(merges))
+    tensors = {name: data.dequantized(name).numpy() for name in data.tensors} | (extra or {})
+    for name, value in tensors.items():
+        w.add_tensor(name, value)
+    finish(w)
     return path
 
 
@@ -141,21 +163,7 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, capsys):
 def test_unknown_tensor_is_refused(tmp_path, capsys):
     """A tensor the architecture's table does not hold (llama 3's rope_freqs) is named, not dropped."""
     file = tiny_llama(tmp_path / "model.gguf")
-    data = GGUFFile(file)
-    assert "blk.0.attn_q.weight" in data.tensors
-    w = gguf.GGUFWriter(str(tmp_path / "extra.gguf"), "llama")
-    for key, value in data.metadata.items():
-        if key.startswith("llama."):
-            (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(data.metadata["tokenizer.ggml.tokens"])
-    for name in data.tensors:
-        w.add_tensor(name, data.dequantized(name).numpy())
-    w.add_tensor("rope_freqs.weight", np.ones(4, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    rewritten(file, tmp_path / "extra.gguf", extra={"rope_freqs.weight": np.ones(4, dtype=np.float32)})
     _refused(tmp_path, capsys, tmp_path / "extra.gguf", "rope_freqs.weight")
 
 
@@ -181,3 +189,32 @@ def test_missing_model_wheel_names_the_extra(monkeypatch, capsys, tmp_path):
         packaged_model("nope")
     assert main(["convert", "--from-gguf", "smollm2-135m-instruct", "--out", str(tmp_path / "run")]) == 2
     assert "archlab[models]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_each_tensor_type_reads_back_to_its_values(tmp_path, qtype):
+    """A (3, 64) tensor stored in each type gguf.quants can write reads back in place (offsets, byte shapes) and
+    within that type's rounding of the original values."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    values = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_tensor("before", np.arange(5, dtype=np.float32))
+    kind = GGMLQuantizationType[qtype]
+    data = values if qtype == "F32" else quantize(values, kind)
+    w.add_tensor("t", data, raw_dtype=None if qtype == "F32" else kind)
+    w.add_tensor("after", np.arange(7, dtype=np.float32))
+    finish(w)
+    f = GGUFFile(tmp_path / "t.gguf")
+    got = f.dequantized("t").numpy()
+    assert got.shape == (3, 64) and f.tensors["t"].type_name == qtype
+    bits = {"F32": 24, "F16": 11, "BF16": 8, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5, "Q4_0": 4, "Q4_1": 4}[qtype]
+    assert np.abs(got - values).max() <= np.abs(values).max() * 2.0 ** (1 - bits)
+    assert f.dequantized("after").tolist() == list(range(7))
+
+
+def test_merge_of_unknown_tokens_is_refused(tmp_path, capsys):
+    file = tiny_llama(tmp_path / "model.gguf")
+    rewritten(file, tmp_path / "bad.gguf", merges=["A B", "Q Z"])
+    _refused(tmp_path, capsys, tmp_path / "bad.gguf", "tokenizer.ggml.merges[0]='A B'")

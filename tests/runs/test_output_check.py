@@ -78,7 +78,7 @@ def test_finetune_never_writes_into_its_base(runs, capsys, tmp_path):
     assert _snapshot(runs) == before
 
 
-def test_a_run_is_never_written_inside_a_live_writers_folder(runs, capsys):
+def test_a_run_is_never_written_over_a_live_writers_folder(runs, capsys):
     code = ("import sys, time\nfrom archlab.runs.lock import RunLock\n"
             "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(runs / "sibling")], stdout=subprocess.PIPE,
@@ -87,9 +87,11 @@ def test_a_run_is_never_written_inside_a_live_writers_folder(runs, capsys):
         assert holder.stdout.readline().strip() == "held"
         before = _snapshot(runs)
         _refused(capsys, ["train", "--preset", "tiny:llama3-8b", "--data", str(runs / "data"), "--out",
-                          str(runs / "sibling" / "inner"), "--set", "train.budget=1", "--no-progress"],
+                          str(runs), "--set", "train.budget=1", "--no-progress"],
+                 match=rf"holds the folder .*sibling, which pid {holder.pid} .* is writing")
+        _refused(capsys, ["convert", "--to-hf", str(runs / "lora"), "--out", str(runs / "sibling" / "hf")],
                  match=rf"sits inside the folder .*sibling, which pid {holder.pid} .* is writing")
-        assert _snapshot(runs) == before and not (runs / "sibling" / "inner").exists()
+        assert _snapshot(runs) == before and not (runs / "sibling" / "hf").exists()
     finally:
         holder.kill()
         holder.wait()

@@ -10,7 +10,8 @@ of killed processes (`.NAME.partial-PID`, `.NAME.old-PID` whose process is gone)
 runs before any work and before it takes any lock (`inputs` has no default: a caller names what it reads, or
 says `()`): an output may never be, hold, or sit inside one of its inputs (paths compared resolved, symlinks
 followed), and a folder a live writer holds (archlab.runs.lock: the folder, a folder above it, or one inside
-it) is never written. A replaced output (convert, export, `data prepare`, `tokenizer train`) that exists
+it; a run written in place may sit inside one: a sweep's runs inside the sweep folder its driver locks) is never
+written. A replaced output (convert, export, `data prepare`, `tokenizer train`) that exists
 and is not empty needs `overwrite`; a run folder written in place (`in_place=True`: `train`, `finetune`,
 `ablate`) keeps its own rule for what it finds there (a run resumed, or refused). `fresh_output` runs the
 check again just before the rename.
@@ -90,13 +91,13 @@ def _refuse_overlap(target: str | os.PathLike, inputs: Iterable[str | os.PathLik
                                   "into what it is made from; choose another folder")
 
 
-def _refuse_live_writers(target: str | os.PathLike, flag: str = "--out") -> None:
-    """OutputConflictError when a live writer other than this process holds `target`, a folder above it or
-    one inside it (archlab.runs.lock): writing there would pull the folder from under that writer."""
+def _refuse_live_writers(target: str | os.PathLike, flag: str = "--out", above: bool = True) -> None:
+    """OutputConflictError when a live writer other than this process holds `target`, one inside it or (`above`)
+    a folder above it (archlab.runs.lock): writing there would pull the folder from under that writer."""
     from archlab.runs.lock import LOCK_FILE, describe_holder, live_holder
 
     out = _resolved(target)
-    folders = [out, *out.parents]
+    folders = [out, *out.parents] if above else [out]
     if out.is_dir():
         folders += [Path(root) for root, _, files in os.walk(out) if LOCK_FILE in files]
     for folder in folders:
@@ -114,13 +115,14 @@ def check_output(target: str | os.PathLike, *, inputs: Iterable[str | os.PathLik
     """Every check an output gets before any work and any lock: not one of its `inputs`, nor holding or inside
     one (paths that do not exist and None are skipped); not existing and non-empty unless `overwrite` (a replaced
     output) or `in_place` (a run folder written where it is: its caller decides about what is there); and not
-    the folder of a live writer, nor above or inside one. Raises OutputConflictError / OutputExistsError (one
-    line, exit 2).
+    the folder of a live writer, nor above one, nor (unless `in_place`) inside one: a run written in place may sit
+    inside a live writer's folder (a sweep's runs inside the sweep its driver locks), it replaces nothing there.
+    Raises OutputConflictError / OutputExistsError (one line, exit 2).
     Example: check_output("exported/adapter", inputs=["runs/lora"], overwrite=True)"""
     _refuse_overlap(target, inputs, out_flag)
     if not in_place:
         _refuse_existing(target, overwrite, flag)
-    _refuse_live_writers(target, out_flag)
+    _refuse_live_writers(target, out_flag, above=not in_place)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,9 @@ that cannot fit): the CLI prints its message as one line, `archlab <command>: er
 with status 2. No network (a connection refused, a host that does not answer, an offline mode that
 forbids a download) is such a mistake too. A reader that leaves early (`archlab presets | head`) ends
 the command quietly with status 141, as a shell reports a writer killed by SIGPIPE. Every other
-exception is a bug in archlab: the CLI prints the traceback and asks for a report. `ARCHLAB_DEBUG=1`
+exception is a bug in archlab: the CLI prints the traceback and asks for a report. A `SignalStop` (SIGTERM or
+SIGINT caught by a loop that saved its state and stopped: `train`, `finetune`, the demos) prints its line and
+exits 128 + the signal's number, as the signal would have. `ARCHLAB_DEBUG=1`
 shows the traceback for user errors too.
 
 The library's own error classes (`ConfigError`, `DataError`, `CheckpointError`, ...) derive from
@@ -42,6 +44,12 @@ class UserError(Exception):
 
 class DataError(UserError, ValueError):
     """A data folder, split, tokenizer or sampling request that cannot be served."""
+
+
+class SignalStop(Exception):
+    """A signal stopped the command cleanly (its state saved); `signal_name` is "SIGTERM" or "SIGINT"."""
+
+    signal_name: str = "SIGTERM"
 
 
 # OS errors that come from the user's environment, not from archlab's code: missing or unreadable
@@ -141,6 +149,11 @@ def report(exc: BaseException, prog: str = "archlab") -> int:
     if isinstance(exc, KeyboardInterrupt):
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    if isinstance(exc, SignalStop):
+        import signal
+
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 128 + int(signal.Signals[exc.signal_name])
     if isinstance(exc, BrokenPipeError):
         _silence_stdout()
         return EXIT_BROKEN_PIPE

@@ -146,9 +146,7 @@ def build_configs(args, base_model=None):
 
 
 def run_train(args) -> int:
-    import signal
-
-    from archlab.training.trainer import Diverged, Stopped, train
+    from archlab.training.trainer import Diverged, train
 
     init_from = None
     if not args.init_from and Path(args.data).is_file():
@@ -169,9 +167,6 @@ def run_train(args) -> int:
     except FileExistsError as exc:
         from archlab.errors import UserError
         raise UserError(str(exc)) from exc
-    except Stopped as exc:                     # SIGTERM / SIGINT: checkpoint saved, exit as the signal would
-        print(f"archlab train: {exc}", file=sys.stderr)
-        return 128 + int(signal.Signals[exc.signal_name])
     import os
     if int(os.environ.get("RANK", "0")) == 0:
         val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"

@@ -39,6 +39,7 @@ import torch
 
 from archlab.config import ModelConfig
 from archlab.data.batches import tokens_processed
+from archlab.errors import SignalStop
 from archlab.eval.evaluate import autocast, sample_ids
 from archlab.generation.stepper import vocab_limit
 from archlab.models.accounting import MemoryCheckError
@@ -90,7 +91,7 @@ class Diverged(RuntimeError):
         self.step, self.checkpoint, self.result = step, checkpoint, result
 
 
-class Stopped(Exception):
+class Stopped(SignalStop):
     """SIGTERM or SIGINT arrived (cluster preemption, Ray cancel, Ctrl-C): the loop finished its step,
     saved a checkpoint and stopped. `.signal_name`, `.step`, `.checkpoint` say where; `--resume` continues."""
 

@@ -29,10 +29,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "cut, and the command says so)")
     p.add_argument("--out", metavar="DIR", help="output folder (default MODEL/diagnostics)")
     p.add_argument("--top-k", type=int, default=5, help="largest activations listed per layer")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary (summary.json's `summary`) as one JSON line instead of the table; "
+                   "e.g. archlab diagnose runs/smollm2 --text notes.txt --json | jq .max_ratio")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import json
+    import sys
     from pathlib import Path
 
     import torch
@@ -51,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         ids, pieces = ids[:limit], pieces[:limit]
         why = (f"--max-tokens {args.max_tokens}" if limit == args.max_tokens
                else f"the model's context, max_seq_len {limit}")
-        print(f"--text {args.text} is longer than {limit} tokens: diagnosing its first {limit} ({why})")
+        print(f"--text {args.text} is longer than {limit} tokens: diagnosing its first {limit} ({why})",
+              file=sys.stderr if args.json else sys.stdout)
     if len(ids) < 2:
         raise UserError(f"--text {args.text} encodes to {len(ids)} token(s); need at least 2")
     result = diagnostics.diagnose(model, torch.tensor([ids]), pieces, top_k=args.top_k)
@@ -60,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default
     paths = diagnostics.save_report(result, out)
     s = result["summary"]
+    if args.json:
+        print(json.dumps(s, default=str))
+        return 0
     print(f"{s['n_tokens']} tokens, {s['n_layers']} layers: first-token attention mass {s['first_token_mass']:.3f} "
           f"(mean over layers and heads), max |h| {s['max_activation']:.4g}, max/median ratio "
           f"{s['max_ratio']:.4g} at layer {s['max_ratio_layer']}, mean entropy {s['mean_entropy']:.3f} nats "

@@ -11,8 +11,9 @@ by measurement (benchmarks/int8_decode.py, docs/real_models_int8.md): on a 2-cor
 SmolLM2-135M's 211 linears at one row took 38.7 ms in fp32 (F.linear), 17.5 ms with fbgemm's dynamic int8 linear
 (activations quantized per call, one scale for the rows of the call: per token at batch 1), 39.0 ms with
 torch._int_mm after a per-token quantization, 106.7 ms with torch._weight_int8pack_mm, and torchao 0.18's
-Int8WeightOnly / Int8DynamicActivationInt8Weight 3x slower than fp32 (single-thread CPU time; torchao is not a
-dependency). So `fbgemm` is the decode kernel where torch has that engine, `dequantize` (the reference) elsewhere.
+Int8WeightOnly / Int8DynamicActivationInt8Weight about 2x slower than fp32 (single-thread CPU time, torchao's in
+a wall-clock run; torchao is not a dependency). So `fbgemm` is the decode kernel where torch has that engine,
+`dequantize` (the reference) elsewhere.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ draft; tokens/s against plain greedy in interleaved rounds, the output asserted 
     .venv/bin/python benchmarks/speculative.py [--threads 1] [--steps 500] [--rounds 7] [--batch 1]
 
 The task: tokens 2..V/2-1 are words; a prompt is  BOS passage SEP  and the target text is the passage again with
-each word below V/16 replaced by word + V/2 (its "synonym", ~1 word in 8), so prompt lookup finds the passage but
+each word below V/16 replaced by word + V/2 (its "synonym", ~1 word in 15), so prompt lookup finds the passage but
 misses at each synonym, as when a model rewrites a given text. The model (2-layer LLaMA-style, d_model 128) trains
 for --steps AdamW steps (minutes on 2 shared cores; the weights are kept in --weights and reused by the next run
 with the same settings). Each decode produces exactly the rewrite's length (EOS off), so every mode does the same
@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--weights", default=None, help="where the trained weights are kept (default: the temp folder)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
     ap.add_argument("--batch", type=int, default=1, help="prompts per call (left-padded when > 1)")
-    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--length", type=int, default=64, help="passage length (words)")
     args = ap.parse_args()
     from archlab.runs.provenance import provenance_line

@@ -23,7 +23,8 @@ from archlab.nn.kv_cache import StaticKVCache
 
 class PrefixCache:
     """The KV cache of one sequence kept across generate / stream calls (one model; another model, dtype or device
-    starts it afresh). Example: cache = PrefixCache(); archlab.generate(model, ids, 32, prefix_cache=cache)"""
+    starts it afresh; call reset() after changing the model's weights, whose old keys and values it still holds).
+    Example: cache = PrefixCache(); archlab.generate(model, ids, 32, prefix_cache=cache)"""
 
     def __init__(self) -> None:
         self.cache: StaticKVCache | None = None

@@ -61,7 +61,10 @@ def stale_paths(text: str, here: Path | None = None) -> list[str]:
         for m in BARE.finditer(text):
             name = m.group(1)
             beside = [here.parent / name, *room.rglob(name), SRC / name]
-            if name not in EXTERNAL and not any(p.is_file() for p in beside):
+            cited = re.search(r"[\w-]+/[\w.-]+\s", text[max(0, m.start() - 80):m.start()])   # "xai-org/grok-1 run.py"
+            if name in EXTERNAL or name.startswith(("modeling_", "configuration_")) or cited:
+                continue                                       # another project's file (transformers' modeling_*)
+            if not any(p.is_file() for p in beside):
                 bad.append(name)
     return bad
 
@@ -86,3 +89,4 @@ def test_the_checks_catch_stale_names_and_spare_real_ones():
         "train_config.py", "checkpoint.py"]                 # checkpoint.py is in runs/, not beside the trainer
     assert stale_paths("a run folder's tokenizer/chat_template.jinja") == []
     assert stale_paths("parallelism from outside (train.py)", SRC / "models" / "decoder.py") == ["train.py"]
+    assert stale_paths("source: xai-org/grok-1 run.py and model.py; modeling_phi3_small.py", trainer) == []

@@ -132,7 +132,8 @@ def test_quantize_prints_both_perplexities_and_the_run_loads_with_int8_layers(in
 def test_commands_that_train_or_export_refuse_a_quantized_run(int8_run, tmp_path):
     out = int8_run[0]
     for args in (["convert", "--to-hf", str(out), "--out", str(tmp_path / "hf")],
-                 ["quantize", str(out), "--weights", "int8", "--out", str(tmp_path / "again"), "--text", "x"]):
+                 ["quantize", str(out), "--weights", "int8", "--out", str(tmp_path / "again"), "--text", "x"],
+                 ["finetune", str(out), "--data", str(FIXTURE / "config.yaml"), "--out", str(tmp_path / "ft")]):
         proc = _cli(*args)
         assert proc.returncode == 2 and "int8 weights" in proc.stderr and "Traceback" not in proc.stderr, args
         assert len(proc.stderr.strip().splitlines()) == 1
@@ -140,7 +141,7 @@ def test_commands_that_train_or_export_refuse_a_quantized_run(int8_run, tmp_path
     from archlab.training.init_from import read_init_source
     with pytest.raises(UserError, match="int8 weights"):
         read_init_source(str(out))
-    assert not (tmp_path / "hf").exists() and not (tmp_path / "again").exists()
+    assert not any((tmp_path / name).exists() for name in ("hf", "again", "ft"))
 
 
 def test_quantize_refuses_an_existing_out_before_loading(tmp_path):

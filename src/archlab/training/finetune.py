@@ -78,6 +78,8 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
     check_output(out, inputs=[None if str(base).startswith("hf:") else base, data, val, chat_template],
                  in_place=True)                 # never the base, the data or the template, nor a live writer's
     _refuse_not_empty(out, resume)
+    from archlab.runs.model_folder import refuse_quantized
+    refuse_quantized(base, "finetune")           # int8 weights cannot train: before anything is written
     data_path = _checked_file(data, "--data", chosen.data_help)
     val_path = _checked_file(val, "--val", chosen.data_help) if val is not None else None
     train_cfg, val_fraction = chosen.fit_settings(dataclasses.replace(train_cfg, method=method), val_path,

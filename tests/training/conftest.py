@@ -32,19 +32,23 @@ def chat_world(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def make_base(chat_world):
-    """make_base(folder, cfg=None) -> a run folder with an untrained model of `cfg` (default: a 2-layer decoder
-    of the chat tokenizer's vocabulary) and the chat tokenizer."""
+    """make_base(folder, cfg=None, seed=0) -> a run folder with an untrained model of `cfg` (default: a 2-layer
+    decoder of the chat tokenizer's vocabulary), its weights drawn from `seed`, and the chat tokenizer."""
     from archlab.config import ModelConfig
     from archlab.models import build_model
     from archlab.runs.checkpoint import save_checkpoint
 
-    def make(folder: Path, cfg: ModelConfig | None = None) -> Path:
+    def make(folder: Path, cfg: ModelConfig | None = None, seed: int = 0) -> Path:
         cfg = cfg or ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, max_seq_len=64,
                                  attention={"n_heads": 4})
         folder.mkdir(parents=True)
         (folder / "config.yaml").write_text(yaml.safe_dump({"model": cfg.to_dict()}))
-        torch.manual_seed(0)
-        save_checkpoint(folder / "checkpoints", 1, build_model(cfg).state_dict(), {})
+        state = build_model(cfg).state_dict()         # the config's own init: the same for every seed
+        if seed:
+            gen = torch.Generator().manual_seed(seed)
+            state = {k: v + 0.02 * torch.randn(v.shape, generator=gen) if v.is_floating_point() else v
+                     for k, v in state.items()}
+        save_checkpoint(folder / "checkpoints", 1, state, {})
         shutil.copytree(chat_world["tok"], folder / "tokenizer")
         return folder
 

@@ -123,6 +123,19 @@ def _hash_edges(digest, path: Path) -> None:
             digest.update(f.read(_EDGE))
 
 
+def tensors_sha256(tensors: dict) -> str:
+    """sha256 of named tensors: each name, dtype, shape and bytes, in name order (a model's weights, a file's
+    tensors), so the same values under the same names give the same digest wherever they were loaded from.
+    Example: tensors_sha256(model.state_dict()) -> "9f2c..." (64 hex digits)"""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
 def data_fingerprint(data_dir: str | os.PathLike) -> str:
     """sha256 (16 hex digits) of a data file, or of a data folder's meta.json and the edges of each split's files
     (a token stream's "file"; a pairs folder's "source_file", "target_file", "offsets_file")."""

@@ -4,8 +4,11 @@
 
 The policy starts from BASE's weights. The reference is that same starting model, scored ONCE before the first
 step: the summed log-probability of every line's chosen and rejected completion is written to the run folder
-(REFERENCE_FILE, safetensors keyed by line, with the data file's sha256) and read back on --resume, so no second
-model is held in memory. With LoRA (train.lora) the adapters start at zero, so the reference is the frozen base.
+(REFERENCE_FILE, safetensors keyed by line, with the data file's sha256, the sha256 of the starting weights that
+scored it and of its own values) and read back on --resume, so no second model is held in memory. A resume whose
+--init-from holds other weights, a file scored by another model or on other data, or values edited since, is
+refused: the reference must be the run's own. With LoRA (train.lora) the adapters start at zero, so the reference
+is the frozen base.
 
 Per pair, with logp the policy's summed completion log-probability, ref the reference's, n the completion tokens
 and beta = train.dpo.beta, the losses of LOSSES (train.dpo.loss):
@@ -56,9 +59,10 @@ from archlab.errors import UserError
 from archlab.eval.evaluate import autocast
 from archlab.models.decoder import LossOutput
 from archlab.progress import progress_bar
+from archlab.runs.provenance import tensors_sha256
 
 __all__ = ["LOSSES", "METRICS", "REFERENCE_FILE", "sequence_logps", "preference_loss", "implicit_rewards", "DPOBatches",
-           "open_preference_data", "reference_logps", "prepare_reference"]
+           "open_preference_data", "reference_logps", "prepare_reference", "read_reference"]
 
 REFERENCE_FILE = "reference_logps.safetensors"
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -132,6 +136,7 @@ class DPOBatches(SamplerState):
         self._sums: torch.Tensor | None = None
         self._count = 0
         self.staged_tokenizer: tempfile.TemporaryDirectory | None = None
+        self.reference_model: tuple[str, str] | None = None     # (--init-from, sha256 of its weights)
 
     def next(self, step: int, micro: int):
         return self.sampler.next(step, micro)
@@ -236,6 +241,7 @@ def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: A
                         f"{data.vocab_size} ({data.tokenizer_dir})")
     batches = DPOBatches(data, cfg, rank=info.rank, world_size=info.world_size, val=held_out(data, cfg))
     batches.staged_tokenizer = staged           # removed with the batches, after the run folder has its copy
+    batches.reference_model = (init_from.spec, tensors_sha256(init_from.state))     # what scores the reference
     return batches
 
 
@@ -303,19 +309,27 @@ def reference_logps(model: torch.nn.Module, data: PreferenceData, *, batch_size:
     return both[0].contiguous(), both[1].contiguous()
 
 
-def _write(path: Path, data: PreferenceData, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+def _write(path: Path, batches: DPOBatches, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
     from safetensors.torch import save_file
 
-    lines = torch.tensor([p.line for p in data.pairs], dtype=torch.long)
+    data = batches.data
+    tensors = {"line": torch.tensor([p.line for p in data.pairs], dtype=torch.long), "chosen": chosen,
+               "rejected": rejected}
+    source, weights = batches.reference_model or ("", "")
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"line": lines, "chosen": chosen, "rejected": rejected}, str(tmp),
-              metadata={"data_sha256": data.fingerprint, "data": str(data.path)})
+    save_file(tensors, str(tmp), metadata={"data_sha256": data.fingerprint, "data": str(data.path),
+                                           "model": source, "model_sha256": weights,
+                                           "values_sha256": tensors_sha256(tensors)})
     os.replace(tmp, path)
 
 
-def _read(path: Path, data: PreferenceData) -> tuple[torch.Tensor, torch.Tensor]:
+def read_reference(run_dir: Path, batches: DPOBatches) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run folder's stored reference log-probs (chosen, rejected), refused (a UserError naming why) unless they
+    are this run's: scored on this data, by the weights --init-from holds now, with the values they were written
+    with. Example: read_reference(Path("runs/dpo"), batches) -> ((pairs,), (pairs,))"""
     from safetensors import safe_open
 
+    data, path = batches.data, run_dir / REFERENCE_FILE
     if not path.is_file():
         raise UserError(f"cannot resume {path.parent}: {path.name} (the reference log-probs, written before the "
                         "first step) is missing, and the starting weights are gone: start a new run")
@@ -326,6 +340,14 @@ def _read(path: Path, data: PreferenceData) -> tuple[torch.Tensor, torch.Tensor]
     if meta.get("data_sha256") != data.fingerprint or tensors["line"].tolist() != lines:
         raise UserError(f"cannot resume {path.parent}: its reference log-probs score {meta.get('data')}, and "
                         f"--data {data.path} holds other lines")
+    if meta.get("values_sha256") != tensors_sha256(tensors):
+        raise UserError(f"cannot resume {path.parent}: {path} does not hold the values it was written with (edited, "
+                        "damaged, or from an earlier archlab without a checksum): start a new run")
+    source, weights = batches.reference_model or ("", "")
+    if meta.get("model_sha256") != weights:
+        raise UserError(f"cannot resume {path.parent}: its reference log-probs were scored by the weights of "
+                        f"{meta.get('model') or 'another model'}, and --init-from {source} holds other weights: "
+                        "resume with the --init-from the run started from")
     return tensors["chosen"], tensors["rejected"]
 
 
@@ -340,10 +362,10 @@ def prepare_reference(batches: DPOBatches, model: torch.nn.Module, run_dir: Path
         if not (torch.isfinite(chosen).all() and torch.isfinite(rejected).all()):
             raise UserError("the starting model gives a non-finite log-probability to a completion: no reference")
         if info.is_main:
-            _write(path, batches.data, chosen, rejected)
+            _write(path, batches, chosen, rejected)
         if info.enabled:
             torch.distributed.barrier()
     else:
-        chosen, rejected = _read(path, batches.data)
+        chosen, rejected = read_reference(run_dir, batches)
     batches.reference = (chosen, rejected)
 

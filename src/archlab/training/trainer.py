@@ -208,7 +208,7 @@ def _train(model_cfg, cfg, data_dir, run_dir, resume, progress, info, allow_new_
         check_memory_fits(model_cfg, cfg, device, info)
     # 2. run folder: rank 0 locks and writes it, the others wait
     with RunLock(run_dir) if info.is_main and not locked else contextlib.nullcontext():
-        latest = _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, session.train_data, session.val_data, resume,
+        latest = _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, session, resume,
                                   info, allow_new_data, init_from)
         return _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device, session, init_from)
 
@@ -635,12 +635,13 @@ def _weights_only_message(run_dir: Path, checkpoint: Path) -> str:
             f"no run to resume: start a new run from them with --init-from {run_dir} --out NEW_FOLDER")
 
 
-def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, resume, info,
+def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, session, resume, info,
                      allow_new_data=False, init_from=None) -> Path | None:
     """Rank 0 checks the run folder can take this run, then writes its config and tokenizer: nothing in
     the folder changes before every check has passed. Returns the checkpoint to resume from (None: a
     fresh start)."""
     metrics_path = run_dir / "metrics.jsonl"
+    train_data, val_data = session.train_data, session.val_data
     latest = ckpt_io.resumable_checkpoint(run_dir) if resume else None
     if not info.is_main:
         return latest
@@ -658,6 +659,7 @@ def _prepare_run_dir(run_dir, data_dir, model_cfg, cfg, train_data, val_data, re
         _check_resumable_weights(latest)
         check_resume_matches(run_dir, model_cfg, data_info, tok_src, allow_new_data)
         lora_stage.check_resume(run_dir, cfg)
+        session.check_resume(run_dir)                 # the method's own files in the run folder
         started_from = model_folder.read_run_config(run_dir).get("init_from")
     elif init_from is not None:
         init_from.check_model(model_cfg)

@@ -67,6 +67,11 @@ class MethodRun(Protocol):
         """Once, after the weights are in place and before the first step (DPO scores its reference here)."""
         ...
 
+    def check_resume(self, run_dir: Path) -> None:
+        """On a resume, before anything in the run folder is written: a UserError unless the method's own files
+        there are this run's (DPO: the reference log-probs scored by --init-from's weights on this data)."""
+        ...
+
 
 @dataclass(frozen=True)
 class FinetuneRequest:

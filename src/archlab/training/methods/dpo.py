@@ -46,6 +46,10 @@ class DPORun:
         dpo.prepare_reference(self.batches, model, run_dir, device=device, dtype=dtype, info=info, resuming=resuming,
                               progress=progress)
 
+    def check_resume(self, run_dir: Path) -> None:
+        """The stored reference log-probs are this run's (dpo.read_reference refuses them otherwise)."""
+        dpo.read_reference(run_dir, self.batches)
+
 
 def open_dpo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any, *, progress: bool = True) -> DPORun:
     batches = dpo.open_preference_data(model_cfg, cfg, data_dir, init_from, info, progress=progress)

@@ -148,6 +148,9 @@ class RewardRun:
     def start(self, model: torch.nn.Module, run_dir: Path, **_: Any) -> None:
         return None
 
+    def check_resume(self, run_dir: Path) -> None:
+        return None
+
 
 def _figures(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """METRICS of rewards (b,) each, as TRL's RewardTrainer computes them per batch."""

@@ -65,6 +65,9 @@ class TokenRun:
     def start(self, model: torch.nn.Module, run_dir: Path, **_: Any) -> None:
         return None
 
+    def check_resume(self, run_dir: Path) -> None:
+        return None
+
 
 def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
     """Raises ConfigError for settings this data cannot train. Returns whether the val split is long

@@ -16,8 +16,9 @@ EXAMPLE = """example:
   archlab finetune runs/sft --method dpo --data prefs.jsonl --out runs/dpo --set train.lr=5e-6 \
       --set train.dpo.beta=0.1        # preference lines {"prompt", "chosen", "rejected"}; train.dpo.loss=ipo|simpo
   (lines: {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"}; the loss on train.sft.loss_mask:
-  assistant (default), all, last, completion; examples packed into rows of train.seq_len with no attention
-  across them, or one per row with --set train.sft.packing=false; OUT/data keeps the prepared examples)"""
+  assistant (default), all, last, completion; examples packed into rows of train.seq_len (default 256, or the
+  base's context when shorter) with no attention across them, or one per row with --set train.sft.packing=false;
+  OUT/data keeps the prepared examples)"""
 
 
 def register(subparsers) -> None:
@@ -80,6 +81,12 @@ def run_finetune(args) -> int:
         raise UserError(f"--val-fraction {args.val_fraction} must be in [0, 1)")
     model_over, train_over = parse_sets(args.set + _lora_sets(args))
     train_cfg = TrainConfig().with_overrides(train_over) if train_over else TrainConfig()
+    if "seq_len" not in train_over:               # not given: rows no longer than the base's context
+        from archlab.training.init_from import source_context
+
+        context = int(model_over["max_seq_len"]) if "max_seq_len" in model_over else source_context(args.base)
+        if context is not None and context < train_cfg.seq_len:
+            train_cfg = train_cfg.with_overrides({"seq_len": context})
     try:
         result = finetune(args.base, args.data, args.out, train_cfg=train_cfg, method=args.method,
                           model_overrides=model_over or None,

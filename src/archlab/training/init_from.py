@@ -145,3 +145,23 @@ def _size(tokenizer_dir: str | os.PathLike) -> str:
         return f"{load(tokenizer_dir).vocab_size:,} tokens"
     except Exception:  # noqa: BLE001 - only a description in an error that is already being raised
         return "unreadable"
+
+
+def source_context(spec: str | os.PathLike) -> int | None:
+    """The context (max_seq_len) of a run folder's or an HF folder's model, read from its config alone (no
+    weights); None for an hf: id or a folder of neither kind (the full read says what is wrong with it).
+    Example: source_context("runs/base") -> 128"""
+    from archlab.interop.hf import family_for, read_hf_config
+    from archlab.runs import model_folder
+
+    folder = Path(os.fspath(spec))
+    try:
+        if (folder / "config.yaml").is_file():
+            return int(ModelConfig.from_dict(model_folder.read_run_config(folder)["model"]).max_seq_len)
+        if (folder / "config.json").is_file():
+            hf = read_hf_config(folder)
+            return int(family_for(hf).to_config(hf).max_seq_len)
+    except (UserError, ValueError, KeyError, TypeError):
+        return None
+    return None
+

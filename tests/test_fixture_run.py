@@ -47,7 +47,7 @@ def test_the_saved_optimizer_state_loads_under_todays_parameter_names():
     old = state["optimizer"]
     assert "final_norm.weight" in old["state"]                   # the fixture holds the earlier names
     train = TrainConfig(**{k: v for k, v in read_run_config(FIXTURE)["train"].items() if k != "betas"})
-    optimizer = torch.optim.AdamW(param_groups(model, train.weight_decay, train.no_decay))
+    optimizer = torch.optim.AdamW(param_groups(model, train.optimizer.weight_decay, train.optimizer.no_decay))
     load_full_optimizer_state(model, optimizer, upgrade_optimizer_state(old, "decoder"), DistInfo())
     names = dict(model.named_parameters())
     moments = {name: s["exp_avg"] for name, s in upgrade_keys(old["state"], "decoder").items()}

@@ -43,7 +43,8 @@ def test_train_config_yaml_and_overrides_round_trip():
     assert TrainConfig.from_yaml(cfg.to_yaml()) == cfg
     new = cfg.with_overrides({"train.lr": "2e-3", "betas": "0.9,0.99", "budget_unit": "tokens",
                               "grad_clip": "0.5", "compile": "true"})
-    assert (new.lr, new.betas, new.budget_unit, new.grad_clip, new.compile) == (2e-3, (0.9, 0.99), "tokens", 0.5, True)
+    assert (new.lr, new.optimizer.betas, new.budget_unit, new.optimizer.grad_clip, new.compile) == (2e-3, (0.9, 0.99),
+                                                                                          "tokens", 0.5, True)
     with pytest.raises(ConfigError, match="schedule"):
         cfg.with_overrides({"schedule": "linear"})
     with pytest.raises(ConfigError, match="unknown train config key"):

@@ -46,8 +46,8 @@ def test_budget_shorter_than_warmup_warns_once_naming_both(data_dir, tmp_path):
     cfg = TrainConfig(**FAST, budget=3, warmup_steps=10)
     said = _warnings_of(lambda: train(tiny(), cfg, data_dir, tmp_path / "short", progress=False))
     about = [m for m in said if "warmup" in m]
-    assert about == ["train.budget=3 steps ends inside train.warmup_steps=10: the LR peaks at 30% of train.lr=0.003 "
-                     "(0.0009); lower train.warmup_steps or raise the budget"]
+    assert about == ["train.budget=3 steps ends inside train.schedule.warmup_steps=10: the LR peaks at 30% of "
+                     "train.lr=0.003 (0.0009); lower train.schedule.warmup_steps or raise the budget"]
     enough = TrainConfig(**FAST, budget=3, warmup_steps=3)
     assert not [m for m in _warnings_of(lambda: train(tiny(), enough, data_dir, tmp_path / "ok", progress=False))
                 if "warmup" in m]
@@ -63,13 +63,14 @@ def test_minutes_budget_that_ends_inside_the_warmup_says_so_at_the_end(data_dir,
         result = train(tiny(), cfg, data_dir, tmp_path / "run", progress=False)
     about = [m for m in _warnings_of(run) if "warmup" in m]
     assert len(about) == 1 and about[0].startswith(f"train.budget=0.005 minutes ended at step {result.steps:,}, "
-                                                   "inside train.warmup_steps=10000: the LR peaked at")
+                                                   "inside train.schedule.warmup_steps=10000: the LR peaked at")
 
 
 def test_warmup_shortfall_counts_a_tokens_budget_in_steps():
     cfg = TrainConfig(batch_size=4, seq_len=32, budget=4096, budget_unit="tokens", warmup_steps=100, lr=1e-3)
     assert warmup_shortfall(cfg, cfg.total_steps()).startswith(
-        "train.budget=4096 tokens (32 steps) ends inside train.warmup_steps=100: the LR peaks at 32% of train.lr=0.001")
+        "train.budget=4096 tokens (32 steps) ends inside train.schedule.warmup_steps=100: the LR peaks at 32% of "
+        "train.lr=0.001")
 
 
 # ---- plain log lines ---------------------------------------------------------------------------------------------

@@ -63,3 +63,22 @@ def test_the_train_config_has_its_sections_and_no_flat_method_keys():
     names = [f.name for f in dataclasses.fields(TrainConfig)]
     assert not [n for n in names if n.startswith(("lora_", "dpo_"))]
     assert {"lora", "dpo", "sft", "method"} <= set(names)
+
+
+def test_the_train_config_has_at_most_30_direct_fields_and_reads_the_earlier_names():
+    assert len(dataclasses.fields(TrainConfig)) <= 30
+    flat = {"warmup_steps": 5, "schedule": "wsd", "min_lr_ratio": 0.0, "decay_fraction": 0.3, "betas": [0.9, 0.99],
+            "eps": 1e-6, "weight_decay": 0.0, "grad_clip": None, "no_decay": "none", "eval_every": 7,
+            "eval_batches": 3, "sample_every": -1, "sample_tokens": 8, "sample_prompt": "a", "sample_temperature": 1.0,
+            "checkpoint_every": 2, "keep_last": 1, "mlm_probability": 0.2, "whole_word_mask": True, "mask_token_id": 3,
+            "noise_density": 0.3, "mean_span": 2.0, "permute_sentences": False}
+    cfg = TrainConfig.from_dict(flat)
+    assert cfg == TrainConfig(**flat)                              # Python keywords read through the same table
+    assert (cfg.schedule.kind, cfg.schedule.warmup_steps, cfg.optimizer.betas, cfg.optimizer.grad_clip) == \
+        ("wsd", 5, (0.9, 0.99), None)
+    assert (cfg.eval.every, cfg.sample.every, cfg.checkpoint.keep_last, cfg.mlm.mask_token_id, cfg.noising.density) \
+        == (7, -1, 1, 3, 0.3)
+    assert TrainConfig.from_yaml(cfg.to_yaml()) == cfg and "warmup_steps" not in yaml.safe_load(cfg.to_yaml())
+    assert dataclasses.replace(cfg, warmup_steps=9).schedule == dataclasses.replace(cfg.schedule, warmup_steps=9)
+    assert TrainConfig().with_overrides({"train.schedule": "constant", "train.grad_clip": "none"}).schedule.kind \
+        == "constant"

@@ -37,5 +37,6 @@ def _model_fields() -> set[str]:
 def _train_fields() -> set[str]:
     import dataclasses
 
+    from archlab.runs.train_section import RENAMES
     from archlab.training.config import TrainConfig
-    return {f.name for f in dataclasses.fields(TrainConfig)}
+    return {f.name for f in dataclasses.fields(TrainConfig)} | set(RENAMES)    # the earlier flat names too

@@ -25,7 +25,7 @@ PERPLEXITY_DEFINITION = """\
 perplexity = exp(mean next-token cross-entropy, in nats) over the predicted tokens of non-overlapping
 windows of --seq-len tokens taken in order from the split (each token sees only its window's earlier
 tokens); bits/byte = total nats / ln 2 / the bytes those tokens decode to. `archlab demo` and train's
-validation lines use the same windows, but only train.eval_batches batches of them, spread evenly over
+validation lines use the same windows, but only train.eval.batches batches of them, spread evenly over
 the split when it holds more; `eval` uses the whole split unless --batches (spread the same way): so
 figures on the same model differ by that sample. A fine-tune's data (archlab finetune) is scored as its
 training scored it: chat examples on their answer tokens (no bits/byte), source/target pairs on the targets."""

@@ -96,8 +96,8 @@ def _next_token(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: TokenDa
 @register_objective("mlm", trains=("encoder",))
 def _mlm(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: TokenDataset, shard: Shard) -> Task:
     return Task(objectives.masked_lm_for(dataset.load_tokenizer(), model_cfg.vocab_size, seed=train_cfg.seed,
-                                         whole_word=train_cfg.whole_word_mask, mask_id=train_cfg.mask_token_id,
-                                         prob=train_cfg.mlm_probability))
+                                         whole_word=train_cfg.mlm.whole_word_mask, mask_id=train_cfg.mlm.mask_token_id,
+                                         prob=train_cfg.mlm.probability))
 
 
 @register_objective("next_sentence", trains=("encoder",))
@@ -107,8 +107,8 @@ def _next_sentence(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: Toke
         raise UserError("train.objective=next_sentence needs the next-sentence head: --set nsp_head=true")
     pairs, masked_lm = next_sentence_for(dataset, dataset.load_tokenizer(), model_cfg.vocab_size,
                                          seq_len=train_cfg.seq_len, seed=train_cfg.seed, batch_size=shard.batch_size,
-                                         whole_word=train_cfg.whole_word_mask, mask_id=train_cfg.mask_token_id,
-                                         prob=train_cfg.mlm_probability, rank=shard.rank,
+                                         whole_word=train_cfg.mlm.whole_word_mask, mask_id=train_cfg.mlm.mask_token_id,
+                                         prob=train_cfg.mlm.probability, rank=shard.rank,
                                          world_size=shard.world_size)
     return Task(masked_lm, rows=pairs)
 
@@ -116,16 +116,16 @@ def _next_sentence(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: Toke
 @register_objective("span_corruption", trains=("encoder_decoder",))
 def _span_corruption(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: TokenDataset, shard: Shard) -> Task:
     return Task(span_corruption_for(dataset.load_tokenizer(), model_cfg.vocab_size, seed=train_cfg.seed,
-                                    eos_id=dataset.eot_id, density=train_cfg.noise_density or 0.15,
-                                    mean_span=train_cfg.mean_span or 3.0))
+                                    eos_id=dataset.eot_id, density=train_cfg.noising.density or 0.15,
+                                    mean_span=train_cfg.noising.mean_span or 3.0))
 
 
 @register_objective("text_infilling", trains=("encoder_decoder",))
 def _text_infilling(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: TokenDataset, shard: Shard) -> Task:
     return Task(text_infilling_for(dataset.load_tokenizer(), model_cfg.vocab_size, seed=train_cfg.seed,
-                                   mask_id=train_cfg.mask_token_id, ratio=train_cfg.noise_density or 0.3,
-                                   poisson_lambda=train_cfg.mean_span or 3.5,
-                                   permute_sentences=train_cfg.permute_sentences))
+                                   mask_id=train_cfg.mlm.mask_token_id, ratio=train_cfg.noising.density or 0.3,
+                                   poisson_lambda=train_cfg.noising.mean_span or 3.5,
+                                   permute_sentences=train_cfg.noising.permute_sentences))
 
 
 @register_objective("continuation", trains=("decoder", "encoder_decoder"))

@@ -169,9 +169,10 @@ def masked_lm_for(tokenizer: Any, vocab_size: int, *, seed: int = 0, whole_word:
     if mask_id is None:
         raise UserError(f"{needed_by} needs a mask token in the tokenizer ({' or '.join(MASK_TOKENS)}): train one "
                         f"with `archlab tokenizer train ... --special-tokens '<|endoftext|>' '{suggested}'`, or set "
-                        "train.mask_token_id to an id past the tokenizer in a padded vocabulary")
+                        "train.mlm.mask_token_id to an id past the tokenizer in a padded vocabulary")
     if not 0 <= mask_id < vocab_size:
-        raise UserError(f"train.mask_token_id={mask_id} is outside the model's vocabulary (vocab_size={vocab_size})")
+        raise UserError(f"train.mlm.mask_token_id={mask_id} is outside the model's vocabulary "
+                        f"(vocab_size={vocab_size})")
     special = torch.zeros(vocab_size, dtype=torch.bool)
     for token in getattr(tokenizer, "special_tokens", None) or []:
         i = tokenizer.token_to_id(token)

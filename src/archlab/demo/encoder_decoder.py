@@ -103,7 +103,7 @@ def run_encoder_decoder_demo(out: Path, *, quick: bool, minutes: float, corpus: 
 
     def score(model):
         return evaluate(model, val, batch_size=train_cfg.batch_size, seq_len=train_cfg.seq_len,
-                        max_batches=train_cfg.eval_batches, objective=objective)
+                        max_batches=train_cfg.eval.batches, objective=objective)
 
     untrained = EncoderDecoderLM(model_cfg)
     before = score(untrained)

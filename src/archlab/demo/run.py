@@ -135,14 +135,14 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, minutes: flo
     val = TokenDataset(data_dir, "val")
     untrained = TransformerLM(model_cfg)
     before = evaluate(untrained, val, batch_size=train_cfg.batch_size, seq_len=train_cfg.seq_len,
-                      max_batches=train_cfg.eval_batches)
+                      max_batches=train_cfg.eval.batches)
     result, model, tokenizer = train_and_reload(
         model_cfg, train_cfg, data_dir, out, progress=progress, log=log,
         what=f"a LLaMA-style model ({untrained.num_params() / 1e6:.2f}M params, {model_cfg.n_layers} layers, "
              f"d_model {model_cfg.d_model}, seq {train_cfg.seq_len})",
         before=f"validation perplexity before training: {before.ppl:,.1f}")
     after = evaluate(model, val, batch_size=train_cfg.batch_size, seq_len=train_cfg.seq_len,
-                     max_batches=train_cfg.eval_batches)
+                     max_batches=train_cfg.eval.batches)
     prompt_ids = tokenizer.encode(prompt) if prompt else [val.eot_id]
     new = sample_ids(model, prompt_ids, 24 if quick else 120, temperature=0.8, top_k=50, seed=0)
     sample = prompt + tokenizer.decode(new)
@@ -192,7 +192,7 @@ def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vo
 
     def score(model):
         return evaluate(model, val, batch_size=train_cfg.batch_size, seq_len=train_cfg.seq_len,
-                        max_batches=train_cfg.eval_batches, objective=objective)
+                        max_batches=train_cfg.eval.batches, objective=objective)
 
     before = score(untrained)
     assert before.accuracy is not None     # an MLM evaluation reports it
@@ -200,7 +200,7 @@ def _run_encoder_demo(out: Path, *, quick: bool, minutes: float, corpus: str, vo
         model_cfg, train_cfg, data_dir, out, progress=progress, log=log,
         what=f"a BERT-style encoder on the masked LM ({untrained.num_params() / 1e6:.2f}M params, "
              f"{model_cfg.n_layers} layers, d_model {model_cfg.d_model}, RoPE, seq {train_cfg.seq_len}, "
-             f"{train_cfg.mlm_probability:.0%} of tokens masked)",
+             f"{train_cfg.mlm.probability:.0%} of tokens masked)",
         before=f"validation MLM loss before training: {before.loss:.3f} (accuracy {before.accuracy:.1%})")
     after = score(model)
     filled = fill_mask(model, tokenizer, text, top_k=5)

@@ -458,7 +458,7 @@ def _rank_collapse() -> Suite:
         # one id past the byte vocabulary (257) for both: the encoder's [MASK], never a target of the decoder
         axes=[{"name": "arch", "values": [
             {"label": "decoder", "set": {"vocab_size": 258}},
-            {"label": "encoder", "set": {"arch": "encoder", "vocab_size": 258, "train.mask_token_id": 257}}]}],
+            {"label": "encoder", "set": {"arch": "encoder", "vocab_size": 258, "train.mlm.mask_token_id": 257}}]}],
         seeds=3, measure=["effective_rank"],
         rules=[
             Rule(kind="less", metric="final_effective_rank", a={"arch": "encoder"}, b={"arch": "decoder"},
@@ -583,9 +583,9 @@ def _regularization() -> Suite:
         claim="Weight decay acts through the LR schedule: with a constant LR it does not help, after "
               "the LR decays it ends lowest; dropout does not help single-epoch pretraining",
         axes=[{"name": "schedule", "key": "train.schedule", "values": ["constant", "cosine"]},
-              {"name": "wd", "key": "train.weight_decay", "values": [0.0, 0.1, 0.5]}],
+              {"name": "wd", "key": "train.optimizer.weight_decay", "values": [0.0, 0.1, 0.5]}],
         variants=[{"label": "schedule=cosine,wd=0.1,dropout=0.1",
-                   "set": {"train.schedule": "cosine", "train.weight_decay": 0.1,
+                   "set": {"train.schedule": "cosine", "train.optimizer.weight_decay": 0.1,
                            "attention.dropout": 0.1, "block.residual_dropout": 0.1},
                    "labels": {"schedule": "cosine", "wd": "0.1", "dropout": "0.1"}}],
         seeds=2,
@@ -698,6 +698,7 @@ def _post_training_base() -> dict:
     """The post-training demo's model and SFT settings (archlab.training.recipes.reverse_words) as a suite `base`:
     every key the demo sets away from the defaults, and every key the lab's base and scales set (so neither leaks
     in)."""
+    from archlab.runs.train_section import current_key
     from archlab.training.config import TrainConfig
     from archlab.training.recipes import reverse_words
 
@@ -710,8 +711,9 @@ def _post_training_base() -> dict:
     demo = reverse_words(quick=False)
     model, default_model = flat(demo["model"].to_dict()), flat(ModelConfig().to_dict())
     keep = set(BASE_MODEL) | {k for k, v in model.items() if v != default_model.get(k)}
-    sft, default_train = demo["sft"].to_dict(), TrainConfig().to_dict()
-    lab_keys = set(BASE_TRAIN) | {k for sc in DEFAULT_SCALES.values() for k in sc.get("train", {})}
+    sft, default_train = flat(demo["sft"].to_dict()), flat(TrainConfig().to_dict())     # today's dotted keys
+    scale_keys = [k for sc in DEFAULT_SCALES.values() for k in sc.get("train", {})]
+    lab_keys = {current_key(k)[0] for k in [*BASE_TRAIN, *scale_keys]}
     keep_train = lab_keys | {k for k, v in sft.items() if v != default_train.get(k)}
     return {"model": {k: model[k] for k in sorted(keep - {"seed", "vocab_size"}) if k in model},
             "train": {k: sft[k] for k in sorted(keep_train - {"seed", "budget", "budget_unit", "device"})}}

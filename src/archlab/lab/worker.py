@@ -165,14 +165,14 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
     out: dict[str, Any] = {}
     if "val_loss_2x" in wanted:
         out["val_loss_1x"] = evaluate(model, val, batch_size=bs, seq_len=seq,
-                                      max_batches=run.train.eval_batches).loss
+                                      max_batches=run.train.eval.batches).loss
         if run.model.position.kind == "learned" and 2 * seq > run.model.max_seq_len:
             out["val_loss_2x"] = None
             out["val_loss_2x_note"] = (f"n/a: learned positions have {run.model.max_seq_len} rows, "
                                        f"2x the training length is {2 * seq}")
         else:
             out["val_loss_2x"] = evaluate(model, val, batch_size=max(1, bs // 2), seq_len=2 * seq,
-                                          max_batches=run.train.eval_batches).loss
+                                          max_batches=run.train.eval.batches).loss
     if "addition" in wanted:      # exact match, digit accuracy, answer NLL on held-out sums (eval.arithmetic)
         from archlab.data import arithmetic
         from archlab.data.tokenizer_adapter import load_tokenizer

@@ -9,6 +9,15 @@ below the trainer (the LoRA settings of a run, typed: `lora_section`).
     dpo_beta, dpo_loss, ...   dpo.beta, dpo.loss, dpo.simpo_gamma, dpo.truncation, dpo.val_fraction
     packing, loss_mask,       sft.packing, sft.loss_mask, sft.truncation
       truncation
+    schedule, warmup_steps,   schedule.kind, schedule.warmup_steps, schedule.min_lr_ratio, schedule.decay_fraction
+      min_lr_ratio, ...
+    betas, eps, weight_decay, optimizer.betas, optimizer.eps, optimizer.weight_decay, optimizer.grad_clip,
+      grad_clip, no_decay       optimizer.no_decay
+    eval_*, sample_*          eval.every, eval.batches; sample.every, sample.tokens, sample.prompt, sample.temperature
+    checkpoint_every,         checkpoint.every, checkpoint.keep_last
+      keep_last
+    mlm_probability, ...      mlm.probability, mlm.whole_word_mask, mlm.mask_token_id
+    noise_density, ...        noising.density, noising.mean_span, noising.permute_sentences
     objective: dpo            method: dpo
     dist.strategy             dist_strategy   (as torchrun users write it)
 """
@@ -28,6 +37,18 @@ RENAMES: dict[str, str] = {
     "dpo_beta": "dpo.beta", "dpo_loss": "dpo.loss", "dpo_simpo_gamma": "dpo.simpo_gamma",
     "dpo_truncation": "dpo.truncation", "dpo_val_fraction": "dpo.val_fraction",
     "packing": "sft.packing", "loss_mask": "sft.loss_mask", "truncation": "sft.truncation",
+    "schedule": "schedule.kind", "warmup_steps": "schedule.warmup_steps", "min_lr_ratio": "schedule.min_lr_ratio",
+    "decay_fraction": "schedule.decay_fraction",
+    "betas": "optimizer.betas", "eps": "optimizer.eps", "weight_decay": "optimizer.weight_decay",
+    "grad_clip": "optimizer.grad_clip", "no_decay": "optimizer.no_decay",
+    "eval_every": "eval.every", "eval_batches": "eval.batches",
+    "sample_every": "sample.every", "sample_tokens": "sample.tokens", "sample_prompt": "sample.prompt",
+    "sample_temperature": "sample.temperature",
+    "checkpoint_every": "checkpoint.every", "keep_last": "checkpoint.keep_last",
+    "mlm_probability": "mlm.probability", "whole_word_mask": "mlm.whole_word_mask",
+    "mask_token_id": "mlm.mask_token_id",
+    "noise_density": "noising.density", "mean_span": "noising.mean_span",
+    "permute_sentences": "noising.permute_sentences",
 }
 # (key, value) -> (key, value): a setting that became another key's value
 VALUE_RENAMES: dict[tuple[str, str], tuple[str, str]] = {("objective", "dpo"): ("method", "dpo")}
@@ -37,6 +58,8 @@ def current_key(key: str, value: Any = None) -> tuple[str, Any]:
     """(today's dotted key, value) of an old or current one (a leading `train.` dropped).
     Example: current_key("train.lora_r", 8) -> ("lora.r", 8); current_key("objective", "dpo") -> ("method", "dpo")"""
     name = key[len("train."):] if key.startswith("train.") else key
+    if isinstance(value, dict):                   # a section's mapping is today's shape
+        return name, value
     if isinstance(value, str) and (name, value.strip()) in VALUE_RENAMES:
         return VALUE_RENAMES[(name, value.strip())]
     return RENAMES.get(name, name), value

@@ -16,7 +16,8 @@ from archlab.config import ConfigError, _build, _check_literals, _parse_value, c
 from archlab.nn.lora import LoRAConfig
 from archlab.runs.train_section import current_key, upgrade_train_section
 
-__all__ = ["TrainConfig", "DPOConfig", "SFTConfig", "RewardConfig", "NO_DECAY_CATEGORIES", "METHOD_NAMES"]
+__all__ = ["TrainConfig", "DPOConfig", "SFTConfig", "RewardConfig", "ScheduleConfig", "OptimizerConfig", "EvalConfig",
+           "SampleConfig", "CheckpointConfig", "MLMConfig", "NoisingConfig", "NO_DECAY_CATEGORIES", "METHOD_NAMES"]
 
 NO_DECAY_CATEGORIES = ("norms", "biases", "embeddings")
 METHOD_NAMES = ("pretrain", "sft", "dpo", "reward")      # training/methods registers one Method under each
@@ -70,104 +71,51 @@ class RewardConfig:
             raise ConfigError(f"train.reward.val_fraction={self.val_fraction} must be in [0, 1)")
 
 
-SECTIONS: dict[str, type] = {"lora": LoRAConfig, "dpo": DPOConfig, "sft": SFTConfig, "reward": RewardConfig}
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """train.schedule: the learning-rate schedule (training/optim.py)."""
+
+    kind: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1              # final LR = lr * min_lr_ratio (cosine, wsd)
+    decay_fraction: float = 0.2            # wsd: the cooldown's share of the budget
+
+    def __post_init__(self):
+        _check_literals(self, "train.schedule")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.schedule.warmup_steps={self.warmup_steps!r} must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.schedule.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if not 0.0 <= self.decay_fraction <= 1.0:
+            raise ConfigError(f"train.schedule.decay_fraction={self.decay_fraction} must be in [0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Every knob of a training run; dotted overrides and YAML as ModelConfig; the methods' sections nested."""
+class OptimizerConfig:
+    """train.optimizer: AdamW's settings and gradient clipping (training/optim.py)."""
 
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1              # final LR = lr * min_lr_ratio (cosine, wsd)
-    warmup_steps: int = 100
-    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    decay_fraction: float = 0.2            # wsd: the cooldown's share of the budget
-    weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+    weight_decay: float = 0.1
     grad_clip: float | None = 1.0          # None / 0: no clipping
-    batch_size: int = 32                   # global sequences per micro-step (all ranks together)
-    seq_len: int = 256
-    grad_accum: int = 1
-    budget: float = 1000.0
-    budget_unit: Literal["steps", "tokens", "minutes"] = "steps"
-    eval_every: int = 200                  # optimizer steps; 0: only at the end
-    eval_batches: int = 20
-    sample_every: int = 0                  # 0: only at the end; -1: never
-    sample_tokens: int = 64
-    sample_prompt: str = ""                # "" : start from the end-of-text token
-    sample_temperature: float = 0.8
-    log_every: int = 10
-    dtype: Literal["float32", "bfloat16", "auto"] = "float32"   # auto: bf16 where the hardware has it (precision.py)
-    compile: bool = False
-    activation_checkpointing: bool = False # recompute each block's activations in backward (recompute.py)
-    seed: int = 0                          # data order and dropout (init: ModelConfig.seed)
-    checkpoint_every: int = 500            # 0: only at the end
-    keep_last: int = 3
-    nan_policy: Literal["stop", "skip"] = "stop"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
     no_decay: str = "norms,biases,embeddings"   # comma list of norms, biases, embeddings; or "none"
-    dist_strategy: Literal["ddp", "fsdp"] = "ddp"
-    memory_check: bool = True              # refuse before building when the estimate exceeds free memory
-    mlm_probability: float = 0.15          # encoders: share of tokens chosen for the masked-LM loss (BERT)
-    whole_word_mask: bool = False          # encoders: choose whole words (all of a word's pieces) instead
-    mask_token_id: int | None = None       # encoders: the [MASK] id; None: the tokenizer's [MASK] / <mask>. An id
-                                           # past the tokenizer (a padded vocabulary) gives a byte-level run one
-    objective: Literal["auto", "next_token", "mlm", "next_sentence", "span_corruption", "text_infilling",
-                       "continuation"] = "auto"
-                                           # auto: the kind's own (decoder next_token, encoder mlm, encoder-decoder
-                                           # span_corruption; paired data: source -> target); data/objectives.py
-    noise_density: float | None = None     # span_corruption / text_infilling: share of tokens noised (None: T5's
-                                           # 0.15, BART's 0.3)
-    mean_span: float | None = None         # their mean span length (None: T5's 3, BART's Poisson lambda 3.5)
-    permute_sentences: bool = True         # text_infilling: BART's sentence permutation too
-    prefix_fraction: float = 0.5           # continuation: the window's share given as context, the rest scored
-    document_masks: bool = False           # next_token: end-of-text ends a document; no token attends across,
-                                           # positions restart, the label across a boundary is ignored
-    method: Literal["pretrain", "sft", "dpo", "reward"] = "pretrain"   # how the run trains (training/methods)
-    lora: LoRAConfig | None = None         # LoRA adapters (nn.lora.LoRAConfig: r, alpha, dropout, targets (names, HF
-                                           # names, a full-match regex as PEFT, all-linear), use_rslora,
-                                           # trainable_tokens, modules_to_save); None: every parameter trains
-    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
-    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
-    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
 
     def __post_init__(self):
-        if isinstance(self.betas, list):
-            object.__setattr__(self, "betas", tuple(self.betas))
-        _check_literals(self, "train")
-        for name in ("lr", "eps", "batch_size", "seq_len", "grad_accum", "budget", "eval_batches",
-                     "log_every"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ConfigError(f"train.{name}={getattr(self, name)!r} must be a positive (finite) number")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "sample_tokens", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name}={getattr(self, name)!r} must be >= 0")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
-        if self.mask_token_id is not None and self.mask_token_id < 0:
-            raise ConfigError(f"train.mask_token_id={self.mask_token_id} must be >= 0")
-        if not 0.0 < self.mlm_probability < 1.0:
-            raise ConfigError(f"train.mlm_probability={self.mlm_probability} must be in (0, 1)")
-        if self.noise_density is not None and not 0.0 < self.noise_density < 1.0:
-            raise ConfigError(f"train.noise_density={self.noise_density} must be in (0, 1)")
-        if self.mean_span is not None and not self.mean_span > 0:
-            raise ConfigError(f"train.mean_span={self.mean_span} must be positive")
-        if not 0.0 < self.prefix_fraction < 1.0:
-            raise ConfigError(f"train.prefix_fraction={self.prefix_fraction} must be in (0, 1)")
-        if not 0.0 <= self.decay_fraction <= 1.0:
-            raise ConfigError(f"train.decay_fraction={self.decay_fraction} must be in [0, 1]")
+        betas: Any = self.betas
+        if isinstance(betas, str):
+            try:
+                betas = [float(v) for v in betas.strip().strip("[]()").split(",")]
+            except ValueError as exc:
+                raise ConfigError(f"train.optimizer.betas={self.betas!r} must be two comma-separated numbers") from exc
+        object.__setattr__(self, "betas", tuple(betas))
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ConfigError(f"train.betas={self.betas!r} must be two numbers in [0, 1)")
+            raise ConfigError(f"train.optimizer.betas={self.betas!r} must be two numbers in [0, 1)")
+        if not 0 < self.eps < math.inf:
+            raise ConfigError(f"train.optimizer.eps={self.eps!r} must be a positive (finite) number")
+        if self.weight_decay < 0:
+            raise ConfigError(f"train.optimizer.weight_decay={self.weight_decay!r} must be >= 0")
         if self.grad_clip is not None and self.grad_clip < 0:
-            raise ConfigError(f"train.grad_clip={self.grad_clip} must be >= 0 (or None)")
-        for name, section in SECTIONS.items():
-            value = getattr(self, name)
-            if isinstance(value, dict):            # TrainConfig(lora={"r": 8}) as from YAML
-                object.__setattr__(self, name, _build(section, value, f"train.{name}"))
-            elif (value is not None or name != "lora") and not isinstance(value, section):
-                raise ConfigError(f"train.{name} must be a {section.__name__}, got {type(value).__name__}")
-        check_seed("train.seed", self.seed)
+            raise ConfigError(f"train.optimizer.grad_clip={self.grad_clip} must be >= 0 (or None)")
         parts = self.no_decay_set  # validates
         del parts
 
@@ -179,9 +127,161 @@ class TrainConfig:
         parts = frozenset(p.strip() for p in text.split(",") if p.strip())
         unknown = parts - set(NO_DECAY_CATEGORIES)
         if unknown:
-            raise ConfigError(f"train.no_decay has unknown categories {sorted(unknown)}; "
+            raise ConfigError(f"train.optimizer.no_decay has unknown categories {sorted(unknown)}; "
                               f"use a comma list of {', '.join(NO_DECAY_CATEGORIES)} or 'none'")
         return parts
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """train.eval: validation during training."""
+
+    every: int = 200                       # optimizer steps; 0: only at the end
+    batches: int = 20
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ConfigError(f"train.eval.every={self.every!r} must be >= 0")
+        if not 0 < self.batches < math.inf:
+            raise ConfigError(f"train.eval.batches={self.batches!r} must be a positive (finite) number")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleConfig:
+    """train.sample: the progress samples in samples.txt."""
+
+    every: int = 0                         # 0: only at the end; -1: never
+    tokens: int = 64
+    prompt: str = ""                       # "" : start from the end-of-text token
+    temperature: float = 0.8
+
+    def __post_init__(self):
+        if self.tokens < 0:
+            raise ConfigError(f"train.sample.tokens={self.tokens!r} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """train.checkpoint: when checkpoints are written and how many stay."""
+
+    every: int = 500                       # 0: only at the end
+    keep_last: int = 3
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ConfigError(f"train.checkpoint.every={self.every!r} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLMConfig:
+    """train.mlm: an encoder's masked-LM objective (BERT)."""
+
+    probability: float = 0.15              # share of tokens chosen for the masked-LM loss
+    whole_word_mask: bool = False          # choose whole words (all of a word's pieces) instead
+    mask_token_id: int | None = None       # the [MASK] id; None: the tokenizer's [MASK] / <mask>. An id past the
+                                           # tokenizer (a padded vocabulary) gives a byte-level run one
+
+    def __post_init__(self):
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ConfigError(f"train.mlm.mask_token_id={self.mask_token_id} must be >= 0")
+        if not 0.0 < self.probability < 1.0:
+            raise ConfigError(f"train.mlm.probability={self.probability} must be in (0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NoisingConfig:
+    """train.noising: span_corruption (T5) and text_infilling (BART) (data/noising.py)."""
+
+    density: float | None = None           # share of tokens noised (None: T5's 0.15, BART's 0.3)
+    mean_span: float | None = None         # their mean span length (None: T5's 3, BART's Poisson lambda 3.5)
+    permute_sentences: bool = True         # text_infilling: BART's sentence permutation too
+
+    def __post_init__(self):
+        if self.density is not None and not 0.0 < self.density < 1.0:
+            raise ConfigError(f"train.noising.density={self.density} must be in (0, 1)")
+        if self.mean_span is not None and not self.mean_span > 0:
+            raise ConfigError(f"train.noising.mean_span={self.mean_span} must be positive")
+
+
+SECTIONS: dict[str, type] = {"schedule": ScheduleConfig, "optimizer": OptimizerConfig, "eval": EvalConfig,
+                             "sample": SampleConfig, "checkpoint": CheckpointConfig, "mlm": MLMConfig,
+                             "noising": NoisingConfig, "lora": LoRAConfig, "dpo": DPOConfig, "sft": SFTConfig,
+                             "reward": RewardConfig}
+
+
+@dataclass(frozen=True, kw_only=True, init=False)
+class TrainConfig:
+    """Every knob of a training run; dotted overrides and YAML as ModelConfig; the methods' sections nested."""
+
+    lr: float = 3e-4
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    batch_size: int = 32                   # global sequences per micro-step (all ranks together)
+    seq_len: int = 256
+    grad_accum: int = 1
+    budget: float = 1000.0
+    budget_unit: Literal["steps", "tokens", "minutes"] = "steps"
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
+    log_every: int = 10
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"   # auto: bf16 where the hardware has it (precision.py)
+    compile: bool = False
+    activation_checkpointing: bool = False # recompute each block's activations in backward (recompute.py)
+    seed: int = 0                          # data order and dropout (init: ModelConfig.seed)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    nan_policy: Literal["stop", "skip"] = "stop"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dist_strategy: Literal["ddp", "fsdp"] = "ddp"
+    memory_check: bool = True              # refuse before building when the estimate exceeds free memory
+    objective: Literal["auto", "next_token", "mlm", "next_sentence", "span_corruption", "text_infilling",
+                       "continuation"] = "auto"
+                                           # auto: the kind's own (decoder next_token, encoder mlm, encoder-decoder
+                                           # span_corruption; paired data: source -> target); data/objectives.py
+    mlm: MLMConfig = dataclasses.field(default_factory=MLMConfig)
+    noising: NoisingConfig = dataclasses.field(default_factory=NoisingConfig)
+    prefix_fraction: float = 0.5           # continuation: the window's share given as context, the rest scored
+    document_masks: bool = False           # next_token: end-of-text ends a document; no token attends across,
+                                           # positions restart, the label across a boundary is ignored
+    method: Literal["pretrain", "sft", "dpo", "reward"] = "pretrain"   # how the run trains (training/methods)
+    lora: LoRAConfig | None = None         # LoRA adapters (nn.lora.LoRAConfig: r, alpha, dropout, targets (names, HF
+                                           # names, a full-match regex as PEFT, all-linear), use_rslora,
+                                           # trainable_tokens, modules_to_save); None: every parameter trains
+    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+
+    def __init__(self, **settings: Any):
+        """Fields by name, a section as its config or a mapping; the earlier flat names (warmup_steps=...,
+        lora_r=...) read through the rename table (runs/train_section.py). Example: TrainConfig(lr=1e-3,
+        schedule=ScheduleConfig(warmup_steps=10), eval={"every": 50})"""
+        given = {k: _as_mapping(v) if k in SECTIONS else v for k, v in settings.items()}
+        data = upgrade_train_section(given)
+        names = {f.name: f for f in fields(TrainConfig)}
+        unknown = set(data) - set(names)
+        if unknown:
+            raise TypeError(f"TrainConfig got unexpected keyword argument(s) {', '.join(sorted(unknown))}")
+        for name, f in names.items():
+            if name in data:
+                value = data[name]
+            else:
+                value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
+    def __post_init__(self):
+        _check_literals(self, "train")
+        for name in ("lr", "batch_size", "seq_len", "grad_accum", "budget", "log_every"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"train.{name}={getattr(self, name)!r} must be a positive (finite) number")
+        if not 0.0 < self.prefix_fraction < 1.0:
+            raise ConfigError(f"train.prefix_fraction={self.prefix_fraction} must be in (0, 1)")
+        for name, section in SECTIONS.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):            # TrainConfig(lora={"r": 8}) as from YAML
+                object.__setattr__(self, name, _build(section, value, f"train.{name}"))
+            elif (value is not None or name != "lora") and not isinstance(value, section):
+                raise ConfigError(f"train.{name} must be a {section.__name__}, got {type(value).__name__}")
+        check_seed("train.seed", self.seed)
 
     @property
     def tokens_per_step(self) -> int:
@@ -198,10 +298,8 @@ class TrainConfig:
     # serialization, as ModelConfig
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["betas"] = list(self.betas)
-        d["lora"] = self.lora.to_dict() if self.lora is not None else None
-        for name in ("dpo", "sft", "reward"):
-            d[name] = dataclasses.asdict(getattr(self, name))
+        for name in SECTIONS:
+            d[name] = _as_mapping(d[name])
         return d
 
     @classmethod
@@ -248,15 +346,6 @@ class TrainConfig:
                 if not (head == "lora" and isinstance(value, str) and value.strip().lower() in ("none", "off", "null")):
                     raise ConfigError(f"{key} is a group: set its fields ({key}.FIELD=...)")
                 data[head] = None
-            elif name == "betas" and isinstance(value, str):
-                text = value.strip().strip("[]()")
-                try:
-                    value = [float(v) for v in text.split(",")]
-                except ValueError as exc:
-                    raise ConfigError(f"{key}={value!r} must be two comma-separated numbers") from exc
-                data[name] = value
-            elif name == "grad_clip" and isinstance(value, str) and value.strip().lower() in ("none", "off", "0"):
-                data[name] = None
             else:
                 data[name] = _parse_value(hints[name], value, key)
         if lora_started and isinstance(data["lora"], dict) and "r" not in data["lora"]:
@@ -278,6 +367,20 @@ def _override_section(head: str, current: Any, field: str, value: Any, key: str)
     node = dict(current) if isinstance(current, dict) else {}
     if get_origin(hints[field]) is tuple and isinstance(value, str):
         node[field] = value                 # a comma list, parsed by the section
+    elif head == "optimizer" and field == "grad_clip" and isinstance(value, str) and \
+            value.strip().lower() in ("none", "off", "0"):
+        node[field] = None
     else:
         node[field] = _parse_value(hints[field], value, key)
     return node, started
+
+
+def _as_mapping(section: Any) -> Any:
+    """A section config as the mapping config.yaml holds (lists for tuples); anything else as it is (a mapping, None,
+    or an earlier flat value such as schedule="wsd", which the rename table reads)."""
+    if not dataclasses.is_dataclass(section) or isinstance(section, type):   # a mapping, None, or a flat value
+        return section
+    if isinstance(section, LoRAConfig):
+        return section.to_dict()
+    out = dataclasses.asdict(section)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}

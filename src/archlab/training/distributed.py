@@ -230,7 +230,7 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
     saved_names = [g["params"] for g in state["param_groups"]]
     if live_names != saved_names:
         raise ValueError("the optimizer's parameter groups differ from the checkpoint's "
-                         "(was train.no_decay or the model changed?)")
+                         "(was train.optimizer.no_decay or the model changed?)")
     name_to_index, i = {}, 0
     for group in live_names:
         for name in group:

@@ -426,11 +426,11 @@ class _Run:
             if self.bar is not None:
                 self.bar.update(1)
             end = self.budget_spent()
-            if (cfg.eval_every and self.step % cfg.eval_every == 0) or end:
+            if (cfg.eval.every and self.step % cfg.eval.every == 0) or end:
                 self.validate()
-            if (cfg.sample_every > 0 and self.step % cfg.sample_every == 0) or (end and cfg.sample_every >= 0):
+            if (cfg.sample.every > 0 and self.step % cfg.sample.every == 0) or (end and cfg.sample.every >= 0):
                 self.sample()
-            saved = (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or end
+            saved = (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or end
             if saved:
                 self.checkpoint()
             if stats.stop_requested:
@@ -497,9 +497,9 @@ class _Run:
         return self.method.loss(self.step_model, inputs, y)
 
     def _grad_norm(self) -> float:
-        """Global gradient norm, after clipping to cfg.grad_clip when set."""
-        if self.cfg.grad_clip:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.grad_clip)
+        """Global gradient norm, after clipping to cfg.optimizer.grad_clip when set."""
+        if self.cfg.optimizer.grad_clip:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.optimizer.grad_clip)
         else:
             grads = [p.grad for p in self.raw.parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm(grads)
@@ -562,19 +562,19 @@ class _Run:
         """Append a sampled continuation to samples.txt. DDP: rank 0 alone samples; FSDP: every rank
         takes part in the sharded forward passes (no KV-cache generate); rank 0 writes."""
         cfg, info = self.cfg, self.info
-        if cfg.sample_every < 0 or self.tokenizer is None or self.raw.config.arch != "decoder":
+        if cfg.sample.every < 0 or self.tokenizer is None or self.raw.config.arch != "decoder":
             return   # encoders don't sample; an encoder-decoder's samples need a source (archlab generate)
         if info.strategy == "ddp" and not info.is_main:
             return
-        prompt = self.tokenizer.encode(cfg.sample_prompt) if cfg.sample_prompt else [self.train_data.eot_id]
+        prompt = self.tokenizer.encode(cfg.sample.prompt) if cfg.sample.prompt else [self.train_data.eot_id]
         module = self.raw if info.strategy != "fsdp" else self.model
-        ids = sample_ids(module, prompt, cfg.sample_tokens, temperature=cfg.sample_temperature,
+        ids = sample_ids(module, prompt, cfg.sample.tokens, temperature=cfg.sample.temperature,
                          seed=cfg.seed + self.step, device=self.device, use_cache=info.strategy != "fsdp",
                          vocab_limit=vocab_limit(self.raw, self.tokenizer))   # a padded vocabulary: decodable ids
         if info.is_main:
             text = self.tokenizer.decode(ids)
             with open(self.run_dir / "samples.txt", "a") as f:
-                f.write(f"=== step {self.step} (tokens {self.tokens}) ===\n{cfg.sample_prompt}{text}\n\n")
+                f.write(f"=== step {self.step} (tokens {self.tokens}) ===\n{cfg.sample.prompt}{text}\n\n")
 
     def save(self) -> Path | None:
         """A checkpoint of everything resume_from restores (collective: every rank calls it). Returns its
@@ -591,7 +591,7 @@ class _Run:
                      "optimizer": optim_state, "sampler": self.batches.state_dict(), "rng": rngs,
                      "world_size": info.world_size, "train_config": self.cfg.to_dict()}
             path = ckpt_io.save_checkpoint(self.ckpt_root, self.step, model_state, state,
-                                           keep_last=self.cfg.keep_last, extra_meta={"tokens": self.tokens})
+                                           keep_last=self.cfg.checkpoint.keep_last, extra_meta={"tokens": self.tokens})
         if info.enabled:
             torch.distributed.barrier()
         return path if info.is_main else ckpt_io.latest_checkpoint(self.run_dir)

@@ -48,7 +48,7 @@ class TokenRun:
             return {}
         cfg = self.cfg
         result = evaluate(model, self.val_data, batch_size=cfg.batch_size,  # whole batches split over ranks
-                          seq_len=cfg.seq_len, max_batches=cfg.eval_batches, device=device, dtype=dtype,
+                          seq_len=cfg.seq_len, max_batches=cfg.eval.batches, device=device, dtype=dtype,
                           dist_info=info, objective=self.eval_objective)
         record = {"val_loss": result.loss, "val_ppl": result.ppl}
         if math.isfinite(result.bpb):                # the loss is a code length of the text

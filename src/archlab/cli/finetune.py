@@ -14,7 +14,8 @@ EXAMPLE = """example:
   archlab finetune runs/base --data sft.jsonl --out runs/sft --chat-template chatml --set train.seq_len=512
   archlab finetune runs/t5 --data pairs.jsonl --out runs/t5-sft          # encoder-decoder: prompt -> completion
   archlab finetune runs/sft --method dpo --data prefs.jsonl --out runs/dpo --set train.lr=5e-6 \
-      --set train.dpo.beta=0.1        # preference lines {"prompt", "chosen", "rejected"}; train.dpo.loss=ipo|simpo
+      --set train.dpo.beta=0.1        # preference lines {"prompt", "chosen", "rejected"}; train.dpo.loss=ipo|simpo|orpo
+  archlab finetune runs/sft --method reward --data prefs.jsonl --out runs/rm     # then: archlab score runs/rm ...
   (lines: {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"}; the loss on train.sft.loss_mask:
   assistant (default), all, last, completion; examples packed into rows of train.seq_len (default 256, or the
   base's context when shorter) with no attention across them, or one per row with --set train.sft.packing=false;
@@ -26,11 +27,12 @@ def register(subparsers) -> None:
                               description="Post-training: start from BASE's weights, train with --method on --data "
                               "and write a run folder. sft (default): the chat examples of --data (decoders: the loss "
                               "on the assistant's tokens; encoder-decoders: prompt -> completion); dpo: preference "
-                              "pairs against BASE as the reference.",
+                              "pairs against BASE as the reference; reward: a scalar head on the same pairs.",
                               epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("base", metavar="BASE", help="a run folder, an HF folder, or hf:ORG/NAME")
-    p.add_argument("--method", default="sft", metavar="sft|dpo",
-                   help="how to train (default sft): sft on chat lines, dpo on prompt/chosen/rejected lines")
+    p.add_argument("--method", default="sft", metavar="sft|dpo|reward",
+                   help="how to train (default sft): sft on chat lines; dpo, or a reward model, on prompt/chosen/"
+                   "rejected lines (training/methods)")
     p.add_argument("--data", required=True, help="a .jsonl: chat lines (messages, or prompt/completion) for sft, "
                    "prompt/chosen/rejected lines for dpo")
     p.add_argument("--out", required=True, help="run folder to write")

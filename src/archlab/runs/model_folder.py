@@ -306,6 +306,8 @@ def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = No
     from archlab.runs.train_section import lora_section
 
     refuse_quantized(run_dir, "convert --to-peft")
+    if family is None:
+        _peft_family(run_dir)                       # a run no family expresses: said first, in one short line
     check_output(out, inputs=[run_dir], overwrite=overwrite)        # before loading anything
     model, _ = load_run(run_dir, merge_adapters=False)
     if not lora_modules(model):
@@ -317,3 +319,18 @@ def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = No
     model.lora_config = dataclasses.replace(                          # type: ignore[assignment]
         settings, modules_to_save=tuple(select_modules(model, settings.modules_to_save, hf_module_names(model))))
     return save_peft(model, out, family=family, overwrite=overwrite, inputs=[run_dir])
+
+
+def _peft_family(run_dir: str | Path) -> None:
+    """A UserError unless an HF family expresses the run's model (PEFT names adapters after its modules), naming
+    the closest family and what differs, from config.yaml alone."""
+    from archlab.interop.families import infer_family
+
+    try:
+        infer_family(ModelConfig.from_dict(read_run_config(run_dir)["model"]))
+    except ConfigError as exc:
+        lines = str(exc).splitlines()
+        closest = f" (closest: {lines[1].strip()})" if len(lines) > 1 else ""
+        raise UserError(f"convert --to-peft {run_dir}: no Hugging Face family expresses this run's model{closest}, "
+                        "so PEFT has no module names for its adapters; --family MODEL_TYPE names one to try") from None
+

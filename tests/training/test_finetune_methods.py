@@ -234,3 +234,14 @@ def test_orpo_first_loss_equals_the_formula_from_the_stored_logps(world, tmp_pat
     c, r = stored["chosen"][index], stored["rejected"][index]
     expected = preference_loss("orpo", c, r, c, r, count[:, 0], count[:, 1], beta=cfg.dpo.beta)
     assert _losses(out)[0]["loss"] == pytest.approx(float(expected), abs=1e-5)
+
+
+def test_reward_refuses_data_parallel_before_reading_anything(tmp_path):
+    from types import SimpleNamespace
+
+    from archlab.errors import UserError
+    from archlab.training.methods.reward import open_reward
+
+    with pytest.raises(UserError, match="train.method=reward trains on one process"):
+        open_reward(None, TrainConfig(method="reward"), tmp_path / "nothing.jsonl", None,
+                    SimpleNamespace(world_size=2, rank=0, is_main=True))

@@ -164,6 +164,9 @@ def open_reward(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: 
     """The RewardRun of a prepared preference folder (archlab finetune --method reward) or a preference .jsonl
     (archlab train --init-from BASE --set train.method=reward, encoded with BASE's tokenizer); UserError before any
     write for what a reward model cannot train."""
+    if info.world_size > 1:       # the score head reads hidden states outside the wrapped forward; lm_head idles
+        raise UserError("train.method=reward trains on one process: data-parallel reward models are not supported "
+                        "(run it without torchrun)")
     folder = is_preference_folder(data_dir)
     if not folder and not (data_dir.is_file() and data_dir.suffix == ".jsonl"):
         raise UserError(f"train.method=reward reads preference lines (prompt / chosen / rejected): --data {data_dir} "

@@ -142,3 +142,18 @@ def test_config_llama_cpp_cannot_express_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "query_pre_attn_scalar" in err, err
     assert not list(tmp_path.glob("*.gguf*")) and not list(tmp_path.glob(".m.gguf*"))
+
+
+def test_sampling_defaults_travel_and_a_file_without_tokenizer_converts(tmp_path, capsys):
+    """generation_config.json's sampling (do_sample, temperature, top_k, top_p) -> llama.cpp's general.sampling.*
+    -> the converted run's generation_config.json; a file without a tokenizer gives a run without tokenizer/."""
+    model = archlab.TransformerLM(archlab.presets.tiny("llama3-8b"))
+    file = save_gguf(model, tmp_path / "m.gguf", qtype="f32",
+                     generation={"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.9})
+    assert GGUFFile(file).metadata["general.sampling.top_k"] == 20
+    assert main(["convert", "--from-gguf", str(file), "--out", str(tmp_path / "run")]) == 0
+    assert "holds no tokenizer" in capsys.readouterr().err
+    generation = json.loads((tmp_path / "run" / "generation_config.json").read_text())
+    assert generation == {"_from_model_config": False, "do_sample": True, "temperature": 0.7, "top_k": 20,
+                          "top_p": 0.9}
+    assert not (tmp_path / "run" / "tokenizer").exists()

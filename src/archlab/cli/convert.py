@@ -131,7 +131,10 @@ def convert_from_gguf(gguf_file: str | Path, run_dir: str | Path, dtype: torch.d
             (Path(tok_dir) / name).write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n")
         with fresh_output(run_dir, overwrite=overwrite, inputs=[gguf_file]) as tmp:
             _write_converted_run(tmp, model, source)
-            _place_tokenizer(Path(tok_dir), tmp, run_dir)
+            if "tokenizer.json" in tok_files:
+                _place_tokenizer(Path(tok_dir), tmp, run_dir)
+            else:
+                print(f"note: {gguf_file} holds no tokenizer; the run has no tokenizer/", file=sys.stderr)
             generation = json.dumps(tok_files["generation_config.json"], indent=2)
             (tmp / "generation_config.json").write_text(generation + "\n")
     return run_dir

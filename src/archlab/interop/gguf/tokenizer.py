@@ -34,11 +34,14 @@ SENTENCEPIECE_BY_ORDER = ("gemma", "gemma2", "gemma3")     # merges ranked by to
 
 
 def tokenizer_files(f: GGUFFile, vocab_size: int) -> dict[str, dict[str, Any]]:
-    """{file name: JSON content} of the tokenizer folder the file describes; a GGUFError when the file has no
-    tokenizer, one archlab cannot build, or one whose vocabulary does not fit the model's `vocab_size`."""
+    """{file name: JSON content} of the tokenizer folder the file describes (generation_config.json alone for a file
+    without a tokenizer); a GGUFError for one archlab cannot build or whose vocabulary does not fit the model's
+    `vocab_size`."""
     kind = f.field("tokenizer.ggml.model", str)
+    if kind is None and "tokenizer.ggml.tokens" not in f.metadata:      # a file without a tokenizer
+        return {"generation_config.json": {"_from_model_config": False, **_sampling(f)}}
     if kind is None:
-        raise GGUFError(f"{f.path}: no tokenizer.ggml.model in the metadata (the file holds no tokenizer)")
+        raise GGUFError(f"{f.path}: tokenizer.ggml.tokens without tokenizer.ggml.model")
     tokens = f.field("tokenizer.ggml.tokens", list)
     if not tokens:
         raise GGUFError(f"{f.path}: no tokenizer.ggml.tokens in the metadata")

@@ -5,7 +5,8 @@ tokenizer.py's inverse, for the two kinds it reads.
         -> tokenizer.ggml.model "gpt2": tokens in id order, merges "a b", `pre` named by its split regex
     SentencePiece BPE with byte fallback (Gemma) -> "llama": tokens in id order, scores -id (Gemma's merge order)
 Special roles (bos, eos, unk, pad) come from tokenizer_config.json, or for a tokenizer archlab trained from its
-special tokens (archlab.tokenizer.roles); the chat template from the folder (archlab.tokenizer.chat).
+special tokens (archlab.tokenizer.roles); the chat template from the folder (archlab.tokenizer.chat); sampling
+defaults from a generation_config.json as llama.cpp's general.sampling.* keys.
 """
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ def _roles(folder: Path) -> dict[str, str]:
     return {role: special[f"{role}_token"] for role in _ROLE_KEYS if isinstance(special.get(f"{role}_token"), str)}
 
 
-def tokenizer_metadata(folder: str | os.PathLike, cfg: ModelConfig, arch: GGUFArch,
-                       generation: dict | None = None) -> dict[str, tuple[str, Any]]:
+def tokenizer_metadata(folder: str | os.PathLike, cfg: ModelConfig, arch: GGUFArch) -> dict[str, tuple[str, Any]]:
     """{GGUF key: (GGUFWriter add_<kind>, value)} for the tokenizer in `folder`; a ConfigError names a tokenizer
     GGUF cannot hold or one larger than the model's vocabulary."""
     from archlab.tokenizer.chat import read_chat_templates
@@ -80,8 +80,6 @@ def tokenizer_metadata(folder: str | os.PathLike, cfg: ModelConfig, arch: GGUFAr
         template = template.get("default")
     if isinstance(template, str):
         meta["tokenizer.chat_template"] = ("string", template)
-    for key, value in _sampling(generation or {}).items():
-        meta[key] = ("float32", value) if isinstance(value, float) else ("uint32", value)
     return meta
 
 
@@ -113,13 +111,14 @@ def _post_processor_adds(data: dict, flag: str) -> bool:
     return "SpecialToken" in edge
 
 
-def _sampling(generation: dict) -> dict[str, Any]:
+def sampling_metadata(generation: dict | None) -> dict[str, tuple[str, Any]]:
+    """llama.cpp's general.sampling.* keys from a generation_config.json dict that samples (do_sample)."""
     from archlab.interop.gguf.tokenizer import SAMPLING_KEYS
-    if not generation.get("do_sample"):
+    if not (generation or {}).get("do_sample"):
         return {}
-    out: dict[str, Any] = {}
+    out: dict[str, tuple[str, Any]] = {}
     for key, field in SAMPLING_KEYS.items():
-        value = generation.get(field)
+        value = (generation or {}).get(field)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = int(value) if field == "top_k" else float(value)
+            out[key] = ("uint32", int(value)) if field == "top_k" else ("float32", float(value))
     return out

@@ -115,7 +115,7 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, qtype: str = "
     import gguf
 
     from archlab.interop.gguf.load import hf_to_gguf_names, read_spec
-    from archlab.interop.gguf.tokenizer_out import tokenizer_metadata
+    from archlab.interop.gguf.tokenizer_out import sampling_metadata, tokenizer_metadata
 
     if qtype not in QTYPES:
         raise ConfigError(f"GGUF export: type {qtype!r} is not one of {', '.join(QTYPES)}")
@@ -123,7 +123,8 @@ def save_gguf(model: torch.nn.Module, path: str | os.PathLike, *, qtype: str = "
     arch, fam = export_arch(cfg)
     hf = fam.to_hf(cfg)
     names = hf_to_gguf_names(arch, fam, cfg)
-    token_meta = tokenizer_metadata(tokenizer_dir, cfg, arch, generation) if tokenizer_dir is not None else {}
+    token_meta = tokenizer_metadata(tokenizer_dir, cfg, arch) if tokenizer_dir is not None else {}
+    token_meta.update(sampling_metadata(generation))
     path = Path(path)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     writer = gguf.GGUFWriter(str(partial), arch.name)

@@ -69,6 +69,9 @@ def load_meta(data_dir: str | os.PathLike, expect: str | None = "archlab-tokens"
     """A data folder's meta.json; a folder of another format than `expect` (None: any) is a DataError
     that names what the folder is and what reads it."""
     path = Path(data_dir) / META_FILE
+    if not Path(data_dir).exists():
+        raise DataError(f"{data_dir}: no such data folder; make one with `archlab data prepare --corpus TEXT "
+                        f"--tokenizer TOKENIZER --out {data_dir}`")
     if not path.is_file():
         raise DataError(f"{data_dir} is not a prepared data folder (no {META_FILE}); "
                         "run `archlab data prepare` first")

@@ -39,18 +39,19 @@ def lora_config(cfg: TrainConfig) -> LoRAConfig | None:
 TEMPLATE = "template"      # lora.trainable_tokens: the special tokens of the tokenizer's chat template
 
 
-def resolve_tokens(cfg: TrainConfig, tokenizer_dir: str | Path | None) -> TrainConfig:
+def resolve_tokens(cfg: TrainConfig, tokenizer_dir: str | Path | None, *, shown_as: str | None = None) -> TrainConfig:
     """cfg with train.lora.trainable_tokens as sorted token ids: ids stay, `template` is the special tokens the
     tokenizer folder's chat template writes, any other text a token's exact text in that tokenizer. A text that is
-    no token, or texts with no tokenizer to read them, is a ConfigError naming it.
+    no token, or texts with no tokenizer to read them, is a ConfigError naming it (and the tokenizer as `shown_as`,
+    where `tokenizer_dir` is a staging folder the user never named).
     Example: resolve_tokens(TrainConfig(lora={"r": 8, "trainable_tokens": "template"}), "runs/sft/data/tokenizer")"""
     if cfg.lora is None or all(isinstance(t, int) for t in cfg.lora.trainable_tokens):
         return cfg
-    ids = _token_ids([str(t) for t in cfg.lora.trainable_tokens], tokenizer_dir)
+    ids = _token_ids([str(t) for t in cfg.lora.trainable_tokens], tokenizer_dir, shown_as or str(tokenizer_dir))
     return dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, trainable_tokens=tuple(sorted(ids))))
 
 
-def _token_ids(items: list[str], tokenizer_dir: str | Path | None) -> set[int]:
+def _token_ids(items: list[str], tokenizer_dir: str | Path | None, shown_as: str) -> set[int]:
     from archlab.data.tokenizer_adapter import load_tokenizer
 
     key = "train.lora.trainable_tokens"
@@ -67,7 +68,7 @@ def _token_ids(items: list[str], tokenizer_dir: str | Path | None) -> set[int]:
         except ChatTemplateError as exc:
             raise ConfigError(f"{key}={TEMPLATE}: {exc}") from None
         if not found:
-            raise ConfigError(f"{key}={TEMPLATE}: the chat template of {tokenizer_dir} writes no special token")
+            raise ConfigError(f"{key}={TEMPLATE}: the chat template of {shown_as} writes no special token")
         ids.update(found)
     tokenizer = load_tokenizer(tokenizer_dir)
     for text in texts:
@@ -75,7 +76,7 @@ def _token_ids(items: list[str], tokenizer_dir: str | Path | None) -> set[int]:
             continue
         token_id = tokenizer.token_to_id(text)
         if token_id is None:
-            raise ConfigError(f"{key}: {text!r} is not a token of the tokenizer in {tokenizer_dir} (give a token's "
+            raise ConfigError(f"{key}: {text!r} is not a token of the tokenizer in {shown_as} (give a token's "
                               f"exact text, an id, or {TEMPLATE})")
         ids.add(int(token_id))
     return ids
@@ -92,14 +93,15 @@ def attach(model: nn.Module, cfg: TrainConfig) -> LoRAStep | None:
     return LoRAStep(model)
 
 
-def check(model_cfg: ModelConfig, cfg: TrainConfig, tokenizer_dir: str | Path | None = None) -> None:
+def check(model_cfg: ModelConfig, cfg: TrainConfig, tokenizer_dir: str | Path | None = None, *,
+          shown_as: str | None = None) -> None:
     """Raise ConfigError, before anything is written, for what `attach` would refuse: train.lora.targets or
     modules_to_save that name nothing of this model or overlap, and trainable tokens that are no token of
     `tokenizer_dir` or lie past the embedding. The adapters go on a model built on the meta device (no memory, no
-    init) through the same apply_lora the run uses."""
+    init) through the same apply_lora the run uses. `shown_as`: the tokenizer's name in messages (resolve_tokens)."""
     if cfg.lora is None:
         return
-    settings = lora_config(resolve_tokens(cfg, tokenizer_dir))
+    settings = lora_config(resolve_tokens(cfg, tokenizer_dir, shown_as=shown_as))
     assert settings is not None
     ids = settings.token_ids
     if ids and ids[-1] >= model_cfg.vocab_size:

@@ -108,5 +108,7 @@ def staged_base(req: FinetuneRequest, tmp: Path) -> tuple[InitSource, Any, Path]
     overrides = req.model_overrides
     model_cfg = source.model_config.with_overrides(overrides) if overrides else source.model_config
     source.check_model(model_cfg)
-    lora_stage.check(model_cfg, req.train_cfg, staged)     # trainable token texts (`template`): in this tokenizer
+    template = f" with --chat-template {req.chat_template}" if req.chat_template else ""
+    lora_stage.check(model_cfg, req.train_cfg, staged,     # trainable token texts (`template`): in this tokenizer
+                     shown_as=f"{source.tokenizer_dir}{template}")          # the user's path, not the staging one
     return source, model_cfg, staged

@@ -1,0 +1,26 @@
+"""Errors name the user's paths: a --data folder that does not exist is called a missing data folder (with the
+command that makes one), and a trainable token finetune cannot find names the base's tokenizer, not the staging
+folder finetune builds it in."""
+from __future__ import annotations
+
+from finetune_runs import finetune_argv
+
+from archlab.cli import main
+
+
+def test_a_missing_data_folder_is_named_as_one(tmp_path, capsys):
+    missing = tmp_path / "shakespeare"
+    assert main(["train", "--preset", "tiny:llama3-8b", "--data", str(missing), "--out", str(tmp_path / "run"),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{missing}: no such data folder; make one with `archlab data prepare" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_trainable_token_names_the_bases_tokenizer(chat_world, make_base, tmp_path, capsys):
+    base = make_base(tmp_path / "base")
+    assert main(finetune_argv(base, chat_world["data"], tmp_path / "run", "--lora-r", "2",
+                              "--lora-trainable-tokens", "<|nope|>")) == 2
+    err = capsys.readouterr().err
+    assert f"'<|nope|>' is not a token of the tokenizer in {base / 'tokenizer'} (give" in err, err
+    assert "archlab-finetune-" not in err and not (tmp_path / "run").exists()

@@ -3,6 +3,7 @@ one word class replaced by its synonym) decodes the rewrite plainly and with pro
 draft; tokens/s against plain greedy in interleaved rounds, the output asserted identical.
 
     .venv/bin/python benchmarks/speculative.py [--threads 1] [--steps 500] [--rounds 7] [--batch 1]
+    .venv/bin/python benchmarks/speculative.py --model runs/smollm2 --rounds 3     # a real chat model rewrites PASSAGE
 
 The task: tokens 2..V/2-1 are words; a prompt is  BOS passage SEP  and the target text is the passage again with
 each word below V/16 replaced by word + V/2 (its "synonym", ~1 word in 15), so prompt lookup finds the passage but
@@ -67,19 +68,15 @@ def train(cfg, steps: int, lengths, seed: int) -> archlab.TransformerLM:
     return model.eval()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=500, help="training steps of the rewrite model")
-    ap.add_argument("--weights", default=None, help="where the trained weights are kept (default: the temp folder)")
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
-    ap.add_argument("--batch", type=int, default=1, help="prompts per call (left-padded when > 1)")
-    ap.add_argument("--vocab", type=int, default=64)
-    ap.add_argument("--length", type=int, default=64, help="passage length (words)")
-    args = ap.parse_args()
-    from archlab.runs.provenance import provenance_line
-    print(provenance_line(threads=args.threads), flush=True)
-    torch.set_num_threads(args.threads)
+PASSAGE = ("The old lighthouse stood at the edge of the cliff for more than a century. Every night its keeper climbed "
+           "the narrow stairs, trimmed the wick and wound the clockwork that turned the great lens. Ships passing in "
+           "the dark counted its flashes to know where they were, and fishermen said the light had saved more lives "
+           "than any doctor in the town.")
+INSTRUCTION = "Rewrite the following passage in the past perfect tense, changing nothing else:\n\n"
+
+
+def trained_model(args):
+    """(the rewrite model, its prompts, generate's settings): trained here, or kept from an earlier run."""
     lengths = (args.length // 2, args.length)
     base = archlab.presets.tiny("llama3-8b", vocab_size=args.vocab, d_model=128, max_seq_len=2 * args.length + 8)
     weights = Path(args.weights or Path(tempfile.gettempdir()) /
@@ -96,15 +93,57 @@ def main() -> None:
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights)
     pairs = task(args.batch, args.vocab, (args.length, args.length), torch.Generator().manual_seed(123))
     prompts = [p for p, _ in pairs]
-    new = args.length
-    kw = dict(max_new_tokens=new, eos_token_id=[], pad_token_id=SEP)
+    kw = dict(max_new_tokens=args.length, eos_token_id=[], pad_token_id=SEP)
     plain = archlab.generate(model, prompts, **kw)
-    right = sum(int((plain[i, -new:] == torch.tensor(r)).sum()) for i, (_, r) in enumerate(pairs))
-    print(f"the model's rewrite: {right / (new * args.batch):.1%} of tokens right", flush=True)
+    right = sum(int((plain[i, -args.length:] == torch.tensor(r)).sum()) for i, (_, r) in enumerate(pairs))
+    print(f"the model's rewrite: {right / (args.length * args.batch):.1%} of tokens right", flush=True)
+    return model, prompts, kw
+
+
+def folder_model(args):
+    """(a chat model folder's model, the rewrite instruction + PASSAGE through its chat template, settings that stop
+    at its end of turn)."""
+    from archlab.generation.chat import Conversation, end_of_turn_ids
+    from archlab.runs.chat_folder import chat_tokenizer
+    from archlab.runs.model_folder import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(args.model, "cpu")
+    chat = chat_tokenizer(args.model, tok)
+    if chat is None:
+        raise SystemExit(f"{args.model} has no chat template")
+    prompt = Conversation(chat, context=model.config.max_seq_len, reserve=args.new).prompt(INSTRUCTION + PASSAGE)
+    eos = end_of_turn_ids(chat) + ([tok.eot_id] if getattr(tok, "eot_id", None) is not None else [])
+    kw = dict(max_new_tokens=args.new, eos_token_id=eos)
+    plain = archlab.generate(model, prompt, **kw)
+    print(f"{args.model}: a {len(prompt)}-token prompt, the answer: {tok.decode(plain[len(prompt):].tolist())!r}",
+          flush=True)
+    return model, [prompt], kw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=500, help="training steps of the rewrite model")
+    ap.add_argument("--weights", default=None, help="where the trained weights are kept (default: the temp folder)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
+    ap.add_argument("--batch", type=int, default=1, help="prompts per call (left-padded when > 1)")
+    ap.add_argument("--vocab", type=int, default=64)
+    ap.add_argument("--length", type=int, default=64, help="passage length (words)")
+    ap.add_argument("--model", default=None, help="a chat model folder instead (e.g. SmolLM2-135M-Instruct converted "
+                    "by archlab convert --from-gguf): it rewrites PASSAGE, stopping at its end of turn")
+    ap.add_argument("--new", type=int, default=128, help="with --model: most new tokens")
+    args = ap.parse_args()
+    from archlab.runs.provenance import provenance_line
+    print(provenance_line(threads=args.threads), flush=True)
+    torch.set_num_threads(args.threads)
+    model, prompts, kw = folder_model(args) if args.model else trained_model(args)
+    plain = archlab.generate(model, prompts, **kw)
+    tokens = (plain.shape[-1] - len(prompts[0])) * len(prompts)      # every mode decodes exactly these
     modes = {"prompt lookup, k=auto": dict(draft="prompt_lookup", draft_tokens="auto"),
              "prompt lookup, k=8": dict(draft="prompt_lookup", draft_tokens=8),
              "n-gram (order 3), k=auto": dict(draft="ngram", draft_tokens="auto")}
-    print(f"batch {args.batch}, {new} new tokens per row, greedy; median of {args.rounds} interleaved rounds")
+    print(f"batch {len(prompts)}, {tokens // len(prompts)} new tokens per row, greedy; median of {args.rounds} "
+          "interleaved rounds")
     print(f"{'draft':<26} {'tok/s':>8} {'plain':>8} {'speed-up':>8} {'alpha':>6} {'tok/fwd':>8} {'per round':>9} "
           f"{'theory':>7}")
     for name, extra in modes.items():
@@ -115,9 +154,8 @@ def main() -> None:
                "draft": lambda extra=extra: archlab.generate(model, prompts, **kw, **extra)}
         times = interleaved(fns, args.rounds)
         ratios = [p / d for p, d in zip(times["plain"], times["draft"])]
-        tokens = new * args.batch
-        print(f"{name:<26} {tokens / statistics.median(times['draft']):>8.0f} "
-              f"{tokens / statistics.median(times['plain']):>8.0f} {statistics.median(ratios):>7.2f}x "
+        print(f"{name:<26} {tokens / statistics.median(times['draft']):>8.1f} "
+              f"{tokens / statistics.median(times['plain']):>8.1f} {statistics.median(ratios):>7.2f}x "
               f"{stats.alpha:>6.2f} {stats.tokens_per_forward:>8.2f} {stats.tokens_per_round:>9.2f} "
               f"{stats.theory:>7.2f}", flush=True)
 

@@ -24,3 +24,13 @@ def test_an_unknown_trainable_token_names_the_bases_tokenizer(chat_world, make_b
     err = capsys.readouterr().err
     assert f"'<|nope|>' is not a token of the tokenizer in {base / 'tokenizer'} (give" in err, err
     assert "archlab-finetune-" not in err and not (tmp_path / "run").exists()
+
+
+def test_finetune_data_that_is_a_folder_or_missing_says_which(chat_world, make_base, tmp_path, capsys):
+    base = make_base(tmp_path / "base")
+    (tmp_path / "prepared").mkdir()
+    for data, said in ((tmp_path / "prepared", " is a folder: chat data is a .jsonl file"),
+                       (tmp_path / "gone.jsonl", ": no such file (chat data is a .jsonl file")):
+        assert main(finetune_argv(base, data, tmp_path / "run")) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--data {data}{said}" in err, err

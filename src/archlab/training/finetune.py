@@ -37,8 +37,10 @@ __all__ = ["finetune", "stage_tokenizer", "grow_vocab"]
 
 def _checked_file(path: str | os.PathLike, flag: str, what: str) -> Path:
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder: {what}")
     if not path.is_file():
-        raise UserError(f"{flag} {path}: no such file")
+        raise UserError(f"{flag} {path}: no such file ({what})")
     if path.suffix.lower() != ".jsonl":
         raise UserError(f"{flag} {path}: {what}")
     return path

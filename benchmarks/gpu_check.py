@@ -360,7 +360,7 @@ def env() -> dict:
 def flex_unit_test(deadline: float) -> dict:
     """The repository's own CUDA test (skipped on CPU machines)."""
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/test_flex_attention.py", "-k", "cuda", "-o", "addopts="],
+                          "tests/nn/test_flex_attention.py", "-k", "cuda", "-o", "addopts="],
                          capture_output=True, text=True, cwd=ROOT, env=env(),
                          timeout=max(20, deadline - time.perf_counter()))
     print(run.stdout[-2000:], run.stderr[-1000:], flush=True)

@@ -4,6 +4,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/variants.py and friends
+# tests/ mirrors the source rooms (tests/runs/, tests/training/, ...); a test may import another room's test module
+# (`from test_checkpoint import tiny_model`), whichever folder pytest collects first, and when run alone
+for _room in sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir() and any(p.glob("test_*.py"))):
+    sys.path.insert(1, str(_room))
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ def readme_demo_commands() -> list[str]:
             in_bash = line.strip() == "```bash"
             continue
         text = line.split("  #")[0].strip()
-        serves = text.startswith("archlab serve")      # runs until stopped: tests/test_serve.py covers it
+        serves = text.startswith("archlab serve")      # runs until stopped: tests/serve/test_serve.py covers it
         if in_bash and text.startswith("archlab ") and "runs/demo" in text and "..." not in text and not serves:
             commands.append(text)
     return commands

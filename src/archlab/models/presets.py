@@ -216,7 +216,7 @@ def vaswani_like(name: str, *, d_model: int, n_heads: int, d_ff: int, dropout: f
 #   encoder layer: attention + FFN + 2 LayerNorms (4d)                           3,152,384         12,596,224
 #   decoder layer: + cross-attention + a third LayerNorm (2d)                    4,204,032         16,796,672
 #   total: V*d + 6 * (encoder + decoder layer)                                  63,082,496        214,245,376
-# (accounting.param_count and EncoderDecoderLM(cfg).num_params() give the same; tests/test_transformer_2017.py.)
+# (accounting.param_count and EncoderDecoderLM(cfg).num_params() give the same; tests/models/test_transformer_2017.py.)
 # 214.2M rounds to the paper's 213M within 0.6%; 63.1M is 3.0% under its 65M, beyond rounding. Not the biases and
 # norms (98K in all) nor the tying (an untied softmax would add 18.9M): the exact vocabulary is unpublished, and no
 # single V fits both (65M needs ~40.7K rows, 213M ~35.8K). Table 3's other rows (N 2/4/8, d 256/1024, f 1024/4096)

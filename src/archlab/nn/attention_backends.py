@@ -6,7 +6,7 @@ faster choice here. Each backend declares
     prefers(call)  -> bool          whether it is worth choosing for this call on this machine: speed
 
 "eager" supports every call and is the reference: every other backend is tested equal to it over
-tests/variants.py, gradients included (tests/test_attention_backends.py). A new kernel (sliding-window,
+tests/variants.py, gradients included (tests/nn/test_attention_backends.py). A new kernel (sliding-window,
 block-sparse, FlexAttention) is one more registered class here; layers never change.
 
     with forced("eager"): model(x)      # every layer on one backend (tests, diagnostics)

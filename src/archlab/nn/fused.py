@@ -6,7 +6,7 @@ Eager PyTorch runs every op of a composite layer as its own pass over memory. Fo
 forward keeps only the normalized x and 1/rms, and the backward is 5 passes (forward + backward measured
 1.6x faster on CPU, about 5% of a LLaMA-style training step). RoPE's backward is the transposed
 rotation, one multiply and one multiply-add (1.6x faster in isolation; within the noise of a step).
-tests/test_fused.py checks values and gradients against the composite formulas.
+tests/nn/test_fused.py checks values and gradients against the composite formulas.
 
 Decoding is the other end: a step over a few rows is dominated by per-op and per-module overhead, so
 without gradients `rms_norm` and `rope_half` run their forward math directly (no autograd.Function), and

@@ -25,7 +25,7 @@ It runs tile by tile in Python, so it is the reference for memory, not for speed
   "cpu_causal"  bf16 training on CPUs with bf16 matmul units: SDPA's flash forward (which returns the same
                 lse) and this backward, one span per tile (torch's CPU flash backward runs bf16 slower than
                 float32 there; measured 6-9% of a bf16 training step)
-tests/test_tiled_attention.py checks both against a float64 reference and the eager backend.
+tests/nn/test_tiled_attention.py checks both against a float64 reference and the eager backend.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from archlab.data.prepare import prepare
 from archlab.data.tokens import TokenDataset
 from archlab.eval.ngram import NgramCounts, evaluate_ngram
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 # ---- a table checkable by eye ------------------------------------------------------------------------------------

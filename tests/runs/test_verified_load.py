@@ -1,7 +1,7 @@
 """What generate, serve and convert --to-hf load from a run folder is verified first: the weights file's sha256
 against meta.json, no file a link out of its checkpoint folder, no name in meta.json outside it, and a stray
 `step_*` folder without meta.json is not the newest checkpoint. (The CLI rows for generate and convert --to-hf
-are in tests/test_bad_input.py.)"""
+are in tests/cli/test_bad_input.py.)"""
 from __future__ import annotations
 
 import json

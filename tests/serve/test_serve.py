@@ -194,7 +194,7 @@ def _live_server(engine):
 
 def _readme_client_snippet() -> str:
     from pathlib import Path
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("## Serving", 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 

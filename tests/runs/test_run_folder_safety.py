@@ -29,7 +29,7 @@ from archlab.runs.statefile import load_state, save_state
 from archlab.training.rng import rng_state
 from archlab.training.trainer import TrainConfig, read_metrics, train
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 # ---- the guard: nothing under src/ can unpickle ------------------------------------------------

@@ -141,7 +141,7 @@ def test_eval_hub_task_with_hf_datasets_offline_is_one_line(tmp_path):
     pytest.importorskip("lm_eval")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
            "ARCHLAB_DEBUG": ""}
-    run = Path(__file__).parent / "fixtures" / "run_v1"
+    run = Path(__file__).parents[1] / "fixtures" / "run_v1"
     proc = subprocess.run([sys.executable, "-m", "archlab.cli", "eval", str(run), "--tasks", "hellaswag",
                            "--limit", "1"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2, proc.stderr
@@ -197,7 +197,7 @@ def test_convert_under_a_file_size_limit_is_one_line_and_leaves_nothing(tmp_path
     import sys
     from pathlib import Path
 
-    run = Path(__file__).parent / "fixtures" / "run_v1"
+    run = Path(__file__).parents[1] / "fixtures" / "run_v1"
 
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (16_384, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))

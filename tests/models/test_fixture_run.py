@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from archlab.runs.checkpoint import latest_checkpoint, verify_checkpoint
 from archlab.runs.model_folder import load_run
 
-FIXTURE = Path(__file__).parent / "fixtures" / "run_v1"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "run_v1"
 
 
 def test_the_saved_run_loads_with_the_same_logits():

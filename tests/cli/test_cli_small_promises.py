@@ -15,7 +15,7 @@ from archlab.cli import main
 from archlab.config import ConfigError
 from archlab.models import accounting, presets
 
-RUN_V1 = Path(__file__).parent / "fixtures" / "run_v1"      # byte tokenizer, rope, max_seq_len 64
+RUN_V1 = Path(__file__).parents[1] / "fixtures" / "run_v1"      # byte tokenizer, rope, max_seq_len 64
 
 
 def _exit_code(argv: list[str]) -> int:
@@ -62,7 +62,7 @@ def test_version_is_the_package_version(capsys):
 
     assert _exit_code(["--version"]) == 0
     assert capsys.readouterr().out == f"archlab {archlab.__version__}\n"
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert pyproject["project"]["version"] == archlab.__version__
 
 

@@ -5,7 +5,7 @@ built, composed or registered that moves one masked slot, one span or one senten
 from a checkpoint written before such a change would no longer continue exactly.
 
 If a torch upgrade changes its CPU generator's streams, every hash moves together: regenerate with
-`python tests/test_objective_batches.py` (it rewrites fixtures/objective_batches.json) and check that the
+`python tests/data/test_objective_batches.py` (it rewrites fixtures/objective_batches.json) and check that the
 change is torch's, not the code's."""
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def draws(case: str, folders: dict[str, Path]) -> dict:
     return out
 
 
-RECORD = Path(__file__).parent / "fixtures" / "objective_batches.json"
+RECORD = Path(__file__).parents[1] / "fixtures" / "objective_batches.json"
 EXPECTED: dict[str, dict] = json.loads(RECORD.read_text()) if RECORD.exists() else {}
 
 

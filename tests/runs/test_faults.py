@@ -17,7 +17,7 @@ from archlab.faults import FAULT_EXIT, POINTS
 from archlab.runs.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 from archlab.training.trainer import TrainConfig, read_metrics, train
 
-TESTS = Path(__file__).parent
+TESTS = os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1])])   # test_checkpoint, helpers
 CFG = dict(batch_size=4, seq_len=16, budget=6, warmup_steps=1, eval_batches=1, sample_every=-1,
            checkpoint_every=2, log_every=1, keep_last=2)
 
@@ -31,7 +31,7 @@ def _train_in_subprocess(data: Path, run_dir: Path, fault: str | None, **cfg) ->
             "from test_checkpoint import tiny_model\n"
             f"train(tiny_model(), TrainConfig(**{ {**CFG, **cfg}!r}), {str(data)!r}, {str(run_dir)!r}, "
             "progress=False)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
     env.pop("ARCHLAB_FAULT", None)
     if fault:
         env["ARCHLAB_FAULT"] = fault
@@ -95,7 +95,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(reference, tmp_path):
 def test_a_killed_data_prepare_leaves_nothing_a_rerun_trips_on(tmp_path):
     code = ("from test_checkpoint import make_data\n"
             f"make_data(__import__('pathlib').Path({str(tmp_path / 'data')!r}), n_docs=10, words=100)\n")
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "ARCHLAB_FAULT": "prepare:split"}
+    env = {**os.environ, "PYTHONPATH": TESTS, "ARCHLAB_FAULT": "prepare:split"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == FAULT_EXIT, proc.stderr
     assert not (tmp_path / "data").exists() and list(tmp_path.glob(".data.partial-*"))

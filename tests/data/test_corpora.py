@@ -269,7 +269,7 @@ def test_an_unreachable_hub_is_one_line_without_the_retry_loop(tmp_path, capsys,
 
 def test_no_source_file_trusts_remote_code():
     from pathlib import Path
-    src = Path(__file__).resolve().parents[1] / "src"
+    src = Path(__file__).resolve().parents[2] / "src"
     offenders = [str(p) for p in src.rglob("*.py") if "trust_remote_code=True" in p.read_text()]
     assert not offenders
 

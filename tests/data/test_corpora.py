@@ -254,8 +254,13 @@ def test_an_unreachable_hub_is_one_line_without_the_retry_loop(tmp_path, capsys,
     """hf: corpora with no network: one line naming the id and HF_HUB_OFFLINE, in about a second."""
     import time
 
-    pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets")
+    import huggingface_hub.constants
+
     from archlab.cli import main
+    # the libraries read HF_HUB_OFFLINE once, at import: as in a process that imported them before it was set
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")            # no traffic leaves this machine in tests
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     start = time.perf_counter()

@@ -355,7 +355,7 @@ def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
 def _iter_hf(spec: str, text_field: str) -> Iterator[str]:
     """Records of a hub dataset, streamed. `datasets` >= 4 loads data files only (no dataset scripts, so
     no remote code); an unreachable hub is one line within a second (archlab.runs.hub)."""
-    from archlab.runs.hub import probe_dataset, unreachable
+    from archlab.runs.hub import offline_as_asked, probe_dataset, unreachable
     try:
         import datasets
     except ImportError as err:
@@ -366,8 +366,9 @@ def _iter_hf(spec: str, text_field: str) -> Iterator[str]:
         raise CorpusError(f"{spec!r}: expected hf:NAME[:CONFIG]")
     probe_dataset(spec, name)
     try:
-        records = iter(datasets.load_dataset(name, config or None, split="train", streaming=True))
-        first = next(records, None)
+        with offline_as_asked():
+            records = iter(datasets.load_dataset(name, config or None, split="train", streaming=True))
+            first = next(records, None)
     except Exception as exc:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
         raise unreachable(spec, exc) from exc
     for i, record in enumerate(() if first is None else itertools.chain([first], records)):

@@ -5,12 +5,13 @@ say the same thing: the id, the reason in one line, and what to do without a net
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 from archlab.errors import UserError
 
-__all__ = ["HubError", "hub_offline", "probe_dataset", "unreachable", "resolve_model", "parse_model_id"]
+__all__ = ["HubError", "hub_offline", "offline_as_asked", "probe_dataset", "unreachable", "resolve_model", "parse_model_id"]
 
 
 class HubError(UserError):
@@ -21,6 +22,29 @@ def hub_offline() -> bool:
     """Whether the user asked for the local cache only (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)."""
     return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
                for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+@contextlib.contextmanager
+def offline_as_asked():
+    """HF_HUB_OFFLINE honoured as it is now: huggingface_hub and datasets read it once, at import, so a process
+    that imported them before the variable was set (a notebook, a test run) would still try the network and
+    retry for ~25 s. While offline is asked for, their flags say so; restored on the way out."""
+    if not hub_offline():
+        yield
+        return
+    import huggingface_hub.constants as hub_constants
+    flags = [hub_constants]
+    with contextlib.suppress(ImportError):
+        import datasets.config
+        flags.append(datasets.config)
+    before = [getattr(module, "HF_HUB_OFFLINE") for module in flags]
+    try:
+        for module in flags:
+            module.HF_HUB_OFFLINE = True
+        yield
+    finally:
+        for module, value in zip(flags, before):
+            module.HF_HUB_OFFLINE = value
 
 
 def unreachable(spec: str, exc: BaseException) -> HubError:

@@ -23,7 +23,7 @@ def test_the_three_stages_chain_and_report(quick_demo):
     for stage in ("base", "sft", "dpo"):
         assert (out / stage / "metrics.jsonl").exists()
     dpo_config = (out / "dpo" / "config.yaml").read_text()
-    assert "objective: dpo" in dpo_config
+    assert "method: dpo" in dpo_config
     dpo_rows = [json.loads(x) for x in (out / "dpo" / "metrics.jsonl").read_text().splitlines()]
     assert any("rewards/accuracies" in r for r in dpo_rows)
     assert result.dpo_reward_accuracy == [r for r in dpo_rows if "rewards/accuracies" in r][-1]["rewards/accuracies"]

@@ -687,7 +687,7 @@ def mt5_xxl() -> ModelConfig:  # T5 v1.1 XXL's shape with a 250,112-token multil
                    d_ff=10_240, max_seq_len=1024, activation="geglu_tanh", tie_embeddings=False)
 
 
-@_preset("grok-1", year=2024, source="xai-org/grok-1 run.py and model.py (ffn_size(6144, 8) = 32768; "
+@_preset("grok-1", year=2024, source="xai-org/grok-1 (its run and model scripts: ffn_size(6144, 8) = 32768; "
          "xAI: 314B parameters)", params=314e9)
 def grok_1() -> ModelConfig:  # 8 GeGLU experts top-2, RMSNorm before and after each sublayer, attention 30 tanh
     return _model(
@@ -702,7 +702,7 @@ def grok_1() -> ModelConfig:  # 8 GeGLU experts top-2, RMSNorm before and after 
 
 
 @_preset("phi3-small", year=2024, source="HF microsoft/Phi-3-small-8k-instruct config.json and "
-         "modeling_phi3_small.py (7.39B on the model page)", params=7.39e9,
+         "its modeling_phi3_small module (7.39B on the model page)", params=7.39e9,
          approximation="GeGeLU (a quick-GeLU gate clamped at 20 times (linear + 1)) is GeGLU here; the block-sparse "
                        "attention of every other layer (16 local blocks of 64, vertical stride 8) is dense; the muP "
                        "embedding multiplier 10 is left out (logits / 8 and 1/head_dim scores are kept)")

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from archlab.errors import UserError
 
-__all__ = ["HubError", "hub_offline", "offline_as_asked", "probe_dataset", "unreachable", "resolve_model", "parse_model_id"]
+__all__ = ["HubError", "hub_offline", "offline_as_asked", "probe_dataset", "unreachable", "resolve_model",
+           "parse_model_id"]
 
 
 class HubError(UserError):
@@ -37,7 +38,7 @@ def offline_as_asked():
     with contextlib.suppress(ImportError):
         import datasets.config
         flags.append(datasets.config)
-    before = [getattr(module, "HF_HUB_OFFLINE") for module in flags]
+    before = [module.HF_HUB_OFFLINE for module in flags]
     try:
         for module in flags:
             module.HF_HUB_OFFLINE = True

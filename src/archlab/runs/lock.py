@@ -62,6 +62,11 @@ def _stamp(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+class _FolderGone(FileNotFoundError):
+    """The folder went between this process's mkdir and its flock: a racer that had made it, and found it taken,
+    removed it again (RunLock._remove_if_created). The flock then sits on a removed folder: start over."""
+
+
 @contextlib.contextmanager
 def _folder_mutex(folder: Path) -> Iterator[None]:
     """An exclusive flock on the folder (released by the kernel if this process dies): the lock file's
@@ -75,6 +80,12 @@ def _folder_mutex(folder: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError:      # a filesystem without flock on folders (some NFS setups): the exclusive link remains
             pass
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(folder))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise _FolderGone(folder)
         yield
     finally:
         os.close(fd)         # closing releases the flock
@@ -158,6 +169,14 @@ class RunLock:
 
     # ---- acquire / release
     def acquire(self) -> RunLock:
+        for _ in range(100):
+            try:
+                return self._try_acquire()
+            except FileNotFoundError:   # the folder removed by a racer that made it and gave up (_FolderGone)
+                continue
+        raise LockedError(f"{self.folder} keeps being removed by other processes while this one locks it")
+
+    def _try_acquire(self) -> RunLock:
         self._created = not self.folder.exists()    # removed again on release if left empty
         self.folder.mkdir(parents=True, exist_ok=True)
         record = {**self.me, "since": time.time(), "heartbeat": time.time()}
@@ -180,7 +199,7 @@ class RunLock:
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self.held and self.folder.is_dir():
-            with _folder_mutex(self.folder):
+            with contextlib.suppress(FileNotFoundError), _folder_mutex(self.folder):
                 if self._is_mine(_read_record(self.path)):
                     self.path.unlink(missing_ok=True)
             self._remove_if_created()

@@ -34,3 +34,20 @@ def test_finetune_data_that_is_a_folder_or_missing_says_which(chat_world, make_b
         assert main(finetune_argv(base, data, tmp_path / "run")) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"--data {data}{said}" in err, err
+
+
+def test_a_tokenizer_without_end_of_text_is_named_as_the_user_gave_it(tmp_path):
+    """The data folder is written with the staged copy of the base's tokenizer; its error names the base's."""
+    import pytest
+
+    from archlab.errors import UserError
+    from archlab.tokenizer import Tokenizer
+    from archlab.training.methods.sft import _write_data
+
+    staged = Tokenizer({i: bytes([i]) for i in range(256)}, [], []).save(tmp_path / "archlab-finetune-x" / "tok")
+    with pytest.raises(UserError) as caught:
+        _write_data(tmp_path / "out" / "data", "decoder", {"train": [], "val": []}, staged, {},
+                    shown_as="runs/base/tokenizer")
+    assert str(caught.value) == ("the tokenizer of runs/base/tokenizer has no end-of-text token to pad and end "
+                                 "examples with")
+    assert not (tmp_path / "out").exists()

@@ -45,14 +45,16 @@ def _read_examples(arch: str, path: Path, tokenizer_dir: Path, cfg: TrainConfig,
     return data.examples
 
 
-def _write_data(folder: Path, arch: str, splits: dict, tokenizer_dir: Path, described: dict) -> None:
-    """The data folder, built under a temporary name beside `folder` and renamed into place."""
+def _write_data(folder: Path, arch: str, splits: dict, tokenizer_dir: Path, described: dict,
+                shown_as: str | os.PathLike) -> None:
+    """The data folder, built under a temporary name beside `folder` and renamed into place. `shown_as`: the
+    tokenizer as the user named it (the base's), not the staging copy `tokenizer_dir` that errors would show."""
     from archlab.tokenizer.loading import load
 
     tokenizer = load(tokenizer_dir)
     eot_id = getattr(tokenizer, "eot_id", None)
     if eot_id is None:
-        raise UserError(f"the tokenizer of {tokenizer_dir} has no end-of-text token to pad and end examples with")
+        raise UserError(f"the tokenizer of {shown_as} has no end-of-text token to pad and end examples with")
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -94,7 +96,7 @@ def prepare_sft(req: FinetuneRequest) -> tuple[Any, Path, InitSource]:
             if not splits["train"]:
                 raise UserError(f"--data {data_path}: no examples to train on")
             out.mkdir(parents=True, exist_ok=True)
-            _write_data(data_dir, model_cfg.arch, splits, staged, settings)
+            _write_data(data_dir, model_cfg.arch, splits, staged, settings, shown_as=source.tokenizer_dir)
     return model_cfg, data_dir, dataclasses.replace(source, tokenizer_dir=data_dir / "tokenizer")
 
 

@@ -335,13 +335,16 @@ class MoEConfig:
     n_experts: int = 8
     top_k: int = 2
     normalize_top_k: bool = True        # renormalize the k routing weights (Mixtral)
-    aux_loss_coef: float = 0.01         # Switch load-balancing loss
+    aux_loss_coef: float = 0.01         # Switch load-balancing loss per layer, at transformers Mixtral scale
     router_z_loss_coef: float = 0.0     # ST-MoE router z-loss
     shared_expert_d_ff: int | None = None  # an always-on dense expert (DeepSeek/Qwen-MoE style)
+    capacity_factor: float | None = None   # None: no limit; else each expert takes at most
+                                           # ceil(real tokens x top_k / n_experts x capacity_factor) per batch
+                                           # (Switch, Fedus 2021); the overflow gets no expert output
 
     def __post_init__(self):
         _positive("mlp.moe", n_experts=self.n_experts, top_k=self.top_k,
-                  shared_expert_d_ff=self.shared_expert_d_ff)
+                  shared_expert_d_ff=self.shared_expert_d_ff, capacity_factor=self.capacity_factor)
         if self.top_k > self.n_experts:
             raise ConfigError(
                 f"mlp.moe.top_k={self.top_k} must be <= mlp.moe.n_experts={self.n_experts}"

@@ -27,7 +27,7 @@ from torch import nn
 from archlab.config import LayerSpec, ModelConfig
 from archlab.nn.attention import Attention
 from archlab.nn.masks import AttnInputs, Context
-from archlab.nn.mlp import build_mlp
+from archlab.nn.mlp import MoEMLP, build_mlp
 from archlab.nn.norms import build_norm
 from archlab.nn.position import NoPosition, T5RelativeBias, build_attention_position
 
@@ -96,5 +96,6 @@ class Block(nn.Module):
         return self.drop(out) if self.training else out
 
     def _mlp(self, h: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:  # the MLP decodes in the forward's session
-        out = self.mlp(h, inputs.session)
+        out = (self.mlp(h, inputs.session, real=inputs.real_tokens()) if isinstance(self.mlp, MoEMLP)
+               else self.mlp(h, inputs.session))                 # routed: statistics over real tokens only
         return self.drop(out) if self.training else out

@@ -245,6 +245,18 @@ class AttnInputs:
     shared: dict = field(default_factory=dict)   # built once per forward, read by every layer
     session: DecodeSession | None = None     # a decode loop's session (nn/fused), or None
 
+    def real_tokens(self) -> torch.Tensor | None:
+        """(b, t) bool, True on a real token: padding (position -1: from an attention mask, a document id -1 or
+        given so) is False; (1, t) where the positions are one shared row. None when every token is real (the plain
+        path or continued decoding). What per-token statistics count,
+        e.g. the MoE balance loss (nn/mlp.py). Example: inputs.real_tokens() -> tensor([[True, True, False]])"""
+        if self.plain or self.continued:
+            return None
+        hit = self.shared.get("real")
+        if hit is None:
+            hit = self.shared["real"] = self.positions >= 0                      # (b, t)
+        return hit
+
     def contiguous(self) -> bool:
         """Each row's positions run on by one (padding, -1, aside; packed documents each on their own): key index
         distance = position distance wherever a query may see a key, what a blocked kernel needs. A host sync,

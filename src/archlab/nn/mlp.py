@@ -8,11 +8,13 @@ Gated:  y = W2 (act(W_gate x) * W_up x)                   ReGLU, GeGLU, SwiGLU (
         layer with no gate function (Mnih & Hinton 2007), both in Shazeer 2020's table.
         Gemma's GeGLU uses the tanh approximation of GeLU.
 MoE:    y = sum_{i in topk(router(x))} p_i E_i(x)         (Shazeer 2017; Switch, Fedus 2021;
-        Mixtral). Load-balancing aux loss (Switch) and router z-loss (ST-MoE, Zoph 2022).
+        Mixtral). Load-balancing aux loss (Switch) and router z-loss (ST-MoE, Zoph 2022), over real tokens;
+        expert capacity with token dropping (Switch).
 Shapes: b batch, t time, d model, f ffn width, n experts.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -81,7 +83,12 @@ class MoEMLP(nn.Module):
     """Top-k routed experts, each a DenseMLP; an optional always-on shared expert.
 
     After each forward `aux_loss` holds this layer's weighted load-balancing + router z-loss, which
-    TransformerLM.loss adds to the objective.
+    TransformerLM.loss adds to the objective, and `load` its (n,) fraction of routed slots per expert, both over
+    the real tokens only (`real`: padding and the padded tail of packed documents never count; every statistic
+    is per token, so packed documents need nothing else). With `capacity_factor` an expert takes at most
+    `capacity` slots, first choices before second ones and earlier tokens first (Switch); the rest get no
+    expert output (the block's residual carries them).
+    Example: y = MoEMLP(64, 128, cfg.mlp, bias=False)(x, real=inputs.real_tokens())
     """
 
     def __init__(self, d_model: int, d_ff: int, cfg: MLPConfig, bias: bool):
@@ -90,6 +97,7 @@ class MoEMLP(nn.Module):
         assert moe is not None, "MoEMLP needs mlp.moe"
         self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
         self.aux_coef, self.z_coef = moe.aux_loss_coef, moe.router_z_loss_coef
+        self.capacity_factor = moe.capacity_factor
         self.router = nn.Linear(d_model, moe.n_experts, bias=False)
         self.experts = nn.ModuleList(
             DenseMLP(d_model, d_ff, cfg.activation, bias) for _ in range(moe.n_experts)
@@ -99,34 +107,70 @@ class MoEMLP(nn.Module):
             if moe.shared_expert_d_ff else None
         )
         self.aux_loss = torch.zeros(())
+        self.load = torch.zeros(moe.n_experts)
 
-    def forward(self, x: torch.Tensor, session: DecodeSession | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, session: DecodeSession | None = None,
+                real: torch.Tensor | None = None) -> torch.Tensor:          # (b, t, d) -> same
+        """real: (b, t) or (1, t) bool, True on real tokens (AttnInputs.real_tokens()); None: all are real."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
+        mask = None if real is None else real.expand(b, t).reshape(b * t)   # (bt,) bool
         logits = self.router(flat).float()                     # (bt, n)
         probs = logits.softmax(-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)       # (bt, k)
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
+        kept = self._kept(chosen, mask)                        # (bt, k) bool: the slots an expert computes
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
-            token_idx, slot = torch.where(chosen == e)
+            token_idx, slot = torch.where((chosen == e) & kept)
             if token_idx.numel() == 0:
                 continue
             y = expert(flat[token_idx], session) * weights[token_idx, slot, None].to(flat.dtype)
             out.index_add_(0, token_idx, y)
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat, session)
-        self.aux_loss = self._aux_loss(logits, probs, chosen)
+        self.aux_loss = self._aux_loss(logits, probs, chosen, mask)
         return out.reshape(b, t, d)
 
-    def _aux_loss(self, logits, probs, chosen) -> torch.Tensor:
+    def capacity(self, n_real: int) -> int | None:
+        """Slots per expert for a batch of n_real real tokens: ceil(n_real x top_k / n_experts x capacity_factor),
+        Switch's tokens_per_batch / n_experts x capacity_factor at top_k = 1; None without a capacity factor.
+        Example: capacity(10) with 4 experts, top_k 1, capacity_factor 1.0 -> 3"""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(n_real * self.top_k / len(self.experts) * self.capacity_factor)
+
+    def _kept(self, chosen: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """(bt, k) bool: the routed slots that fit their expert's capacity (all slots without a capacity factor);
+        with one, padding takes no capacity and gets no expert output. Priority: slot 0 of every token, then
+        slot 1, ...; within a slot, token order."""
+        if self.capacity_factor is None:
+            return torch.ones_like(chosen, dtype=torch.bool)
+        real = torch.ones_like(chosen[:, 0], dtype=torch.bool) if mask is None else mask    # (bt,)
+        kept = real[:, None].expand_as(chosen)                                             # (bt, k)
+        cap = self.capacity(int(real.sum()))                                               # a host sync
+        assert cap is not None
+        onehot = F.one_hot(chosen, len(self.experts)) * kept[..., None]                    # (bt, k, n)
+        order = onehot.transpose(0, 1).reshape(-1, onehot.shape[-1])                       # (k*bt, n) by priority
+        rank = (order.cumsum(0) - 1).reshape(onehot.shape[1], onehot.shape[0], -1)         # (k, bt, n)
+        rank = rank.transpose(0, 1).gather(-1, chosen[..., None]).squeeze(-1)              # (bt, k)
+        return kept & (rank < cap)
+
+    def _aux_loss(self, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        """Switch's balance n * sum_i f_i * P_i with f_i = routed slots to expert i per real token (top_k at
+        perfect balance, transformers' Mixtral load_balancing_loss_func with an attention mask, one layer's
+        logits) and P_i its mean router probability; plus the router z-loss, both over real tokens only.
+        Also sets `load`, f / top_k."""
         n = probs.shape[-1]
-        # Switch: n * sum_i f_i * P_i, f_i = fraction of routed slots to expert i, P_i = mean prob
-        routed = F.one_hot(chosen, n).float().sum(1)           # (bt, n)
-        fraction = routed.mean(0) / self.top_k
-        balance = n * (fraction * probs.mean(0)).sum()
-        z = torch.logsumexp(logits, -1).square().mean()
+        w = torch.ones_like(probs[:, 0]) if mask is None else mask.to(probs.dtype)         # (bt,)
+        count = w.sum().clamp_min(1)
+        routed = F.one_hot(chosen, n).to(probs.dtype).sum(1)                               # (bt, n)
+        fraction = (routed * w[:, None]).sum(0) / count                                    # (n,)
+        balance = n * (fraction * (probs * w[:, None]).sum(0) / count).sum()
+        z = (torch.logsumexp(logits, -1).square() * w).sum() / count
+        self.load = (fraction / self.top_k).detach()
         return self.aux_coef * balance + self.z_coef * z
 
 

@@ -1,0 +1,141 @@
+"""MoE done properly (nn/mlp.MoEMLP): the balance loss counts real tokens only and equals transformers' Mixtral
+`load_balancing_loss_func` with an attention mask; packed documents give the statistics their separate rows
+would; expert capacity (Switch) drops the overflow, checked on hand-computed routings."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from archlab.config import AttentionConfig, ConfigError, MLPConfig, ModelConfig, MoEConfig
+from archlab.models.decoder import TransformerLM
+from archlab.nn.mlp import MoEMLP
+
+N_EXPERTS, TOP_K = 4, 2
+
+
+def moe_model(n_layers: int = 1, **moe) -> TransformerLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=53, d_model=16, n_layers=n_layers, max_seq_len=32,
+                      attention=AttentionConfig(n_heads=2),
+                      mlp=MLPConfig(d_ff=24, moe=MoEConfig(**({
+                          "n_experts": N_EXPERTS, "top_k": TOP_K, "aux_loss_coef": 1.0, "router_z_loss_coef": 0.0,
+                      } | moe))))
+    return TransformerLM(cfg).eval()
+
+
+def router_logits(model: TransformerLM, ids: torch.Tensor, **forward_kw) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(aux loss, each MoE layer's (b*t, n) router logits) of one forward."""
+    seen: list[torch.Tensor] = []
+    hooks = [m.router.register_forward_hook(lambda _m, _i, out: seen.append(out.detach()))
+             for m in model.modules() if isinstance(m, MoEMLP)]
+    with torch.no_grad():
+        out = model.loss(ids, ids, **forward_kw)
+    for h in hooks:
+        h.remove()
+    return out.aux_loss, seen
+
+
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_balance_loss_equals_transformers_mixtral_with_attention_mask(n_layers):
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    model = moe_model(n_layers)
+    ids = torch.randint(0, 53, (3, 10))
+    documents = torch.tensor([[0] * 10, [0] * 6 + [-1] * 4, [0] * 3 + [1] * 4 + [-1] * 3])   # padding: -1
+    aux, logits = router_logits(model, ids, document_ids=documents)
+    real = (documents >= 0).long()
+    # transformers pools its layers into one loss; archlab adds each layer's (Switch, Megatron): per layer equal
+    expected = sum(load_balancing_loss_func((g,), N_EXPERTS, TOP_K, attention_mask=real) for g in logits)
+    torch.testing.assert_close(aux, expected)
+    unmasked = sum(load_balancing_loss_func((g,), N_EXPERTS, TOP_K) for g in logits)
+    assert not torch.allclose(aux, unmasked)       # the padding would have counted: the mask matters here
+    aux_plain, plain_logits = router_logits(model, ids)
+    torch.testing.assert_close(aux_plain, sum(load_balancing_loss_func((g,), N_EXPERTS, TOP_K) for g in plain_logits))
+
+
+def test_padding_content_and_packing_do_not_change_the_statistics():
+    """Two documents packed in one row give the aux loss and expert load of the same documents one per padded
+    row: each token's router input stays in its document, and padding counts nowhere."""
+    model = moe_model(2, router_z_loss_coef=0.1)
+    a, b = torch.randint(0, 53, (3,)), torch.randint(0, 53, (5,))
+    packed = torch.cat([a, b, torch.tensor([7, 7])])[None]                                   # (1, 10)
+    packed_docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, -1, -1]])
+    rows = torch.stack([torch.cat([a, torch.full((7,), 11)]), torch.cat([b, torch.full((5,), 13)])])   # (2, 10)
+    row_docs = torch.tensor([[0] * 3 + [-1] * 7, [0] * 5 + [-1] * 5])
+    aux_packed, _ = router_logits(model, packed, document_ids=packed_docs)
+    loads_packed = [m.load for m in model.modules() if isinstance(m, MoEMLP)]
+    aux_rows, _ = router_logits(model, rows, document_ids=row_docs)
+    loads_rows = [m.load for m in model.modules() if isinstance(m, MoEMLP)]
+    torch.testing.assert_close(aux_packed, aux_rows)
+    for p, r in zip(loads_packed, loads_rows):
+        torch.testing.assert_close(p, r)
+        torch.testing.assert_close(p.sum(), torch.tensor(1.0))
+
+
+def routed_layer(top_k: int, capacity_factor: float | None) -> MoEMLP:
+    """2 experts, d_model 2, router = identity: a token [s, 0] prefers expert 0, [0, s] expert 1."""
+    torch.manual_seed(0)
+    layer = MoEMLP(2, 3, MLPConfig(activation="silu", moe=MoEConfig(
+        n_experts=2, top_k=top_k, capacity_factor=capacity_factor, normalize_top_k=False)), bias=False)
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.eye(2))
+    return layer
+
+
+# tokens 0-3 prefer expert 0, token 4 expert 1
+X = torch.tensor([[[2.0, 0.0], [3.0, 0.0], [1.0, 0.0], [4.0, 0.0], [0.0, 2.0]]])           # (1, 5, 2)
+
+
+def expected(layer: MoEMLP, kept: dict[int, list[int]]) -> torch.Tensor:
+    """Sum over each token's kept experts of p_e * E_e(x) (p: the router softmax; no renormalization)."""
+    flat = X[0]
+    probs = layer.router(flat).softmax(-1)
+    out = torch.zeros_like(flat)
+    for token, experts in kept.items():
+        for e in experts:
+            out[token] += probs[token, e] * layer.experts[e](flat[token][None])[0]
+    return out[None]
+
+
+def test_capacity_top1_drops_the_overflow_in_token_order():
+    # capacity = ceil(5 tokens x 1 / 2 experts x 1.0) = 3: expert 0 keeps tokens 0, 1, 2; token 3 passes through
+    layer = routed_layer(1, 1.0)
+    assert layer.capacity(5) == 3
+    with torch.no_grad():
+        out = layer(X)
+        torch.testing.assert_close(out, expected(layer, {0: [0], 1: [0], 2: [0], 4: [1]}))
+        assert out[0, 3].abs().sum() == 0
+        torch.testing.assert_close(routed_layer(1, None)(X), expected(layer, {t: [0] for t in range(4)} | {4: [1]}))
+
+
+def test_capacity_top2_serves_first_choices_before_second_ones():
+    # capacity = ceil(5 x 2 / 2 x 0.5) = 3 slots per expert. Expert 0: first choices of tokens 0-3 -> keeps 0, 1, 2
+    # (token 3's and token 4's second choice dropped). Expert 1: token 4's first choice, then the second choices
+    # of tokens 0 and 1 (those of tokens 2 and 3 dropped).
+    layer = routed_layer(2, 0.5)
+    assert layer.capacity(5) == 3
+    with torch.no_grad():
+        out = layer(X)
+        torch.testing.assert_close(out, expected(layer, {0: [0, 1], 1: [0, 1], 2: [0], 4: [1]}))
+
+
+def test_padding_takes_no_capacity():
+    # token 1 is padding: 4 real tokens, capacity = ceil(4 x 1 / 2 x 1.0) = 2; expert 0 keeps tokens 0 and 2
+    layer = routed_layer(1, 1.0)
+    real = torch.tensor([[True, False, True, True, True]])
+    with torch.no_grad():
+        out = layer(X, real=real)
+        torch.testing.assert_close(out, expected(layer, {0: [0], 2: [0], 4: [1]}))
+        torch.testing.assert_close(layer.load, torch.tensor([0.75, 0.25]))   # routing counted before dropping
+
+
+def test_a_large_capacity_changes_nothing_in_the_model():
+    ids = torch.randint(0, 53, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(moe_model(2, capacity_factor=100.0)(ids), moe_model(2)(ids))
+
+
+@pytest.mark.parametrize("value", [0, -1.5])
+def test_capacity_factor_must_be_positive(value):
+    cfg = moe_model().config
+    with pytest.raises(ConfigError, match="mlp.moe.capacity_factor"):
+        cfg.with_overrides({"mlp.moe.capacity_factor": value})

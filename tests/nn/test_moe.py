@@ -139,3 +139,19 @@ def test_capacity_factor_must_be_positive(value):
     cfg = moe_model().config
     with pytest.raises(ConfigError, match="mlp.moe.capacity_factor"):
         cfg.with_overrides({"mlp.moe.capacity_factor": value})
+
+
+def test_load_fields_count_each_layers_top_k_choices_over_real_tokens():
+    from archlab.models.decoder import moe_load_fields
+    model = moe_model(2)
+    ids = torch.randint(0, 53, (2, 7))
+    documents = torch.tensor([[0] * 7, [0] * 4 + [-1] * 3])
+    _, logits = router_logits(model, ids, document_ids=documents)
+    real = (documents >= 0).flatten()
+    fields = moe_load_fields(model)
+    for row, g in zip(fields["moe/expert_fraction"], logits):
+        chosen = g[real].topk(TOP_K, -1).indices                                    # (real tokens, k)
+        counts = torch.bincount(chosen.flatten(), minlength=N_EXPERTS).float()
+        torch.testing.assert_close(torch.tensor(row), counts / counts.sum(), atol=1e-4, rtol=0)
+    assert fields["moe/max_expert_fraction"] == max(max(row) for row in fields["moe/expert_fraction"])
+    assert moe_load_fields(torch.nn.Linear(2, 2)) == {}

@@ -17,12 +17,25 @@ from archlab.nn.heads import LMHead, LossOutput
 from archlab.nn.mlp import MoEMLP
 from archlab.nn.stack import TransformerStack
 
-__all__ = ["LossOutput", "TransformerLM", "moe_aux_loss", "next_token_loss"]
+__all__ = ["LossOutput", "TransformerLM", "moe_aux_loss", "moe_load_fields", "next_token_loss"]
 
 
 def moe_aux_loss(model: nn.Module, zero: torch.Tensor) -> torch.Tensor:
     """The MoE layers' weighted auxiliary losses of the last forward (zero without MoE)."""
     return sum((m.aux_loss for m in model.modules() if isinstance(m, MoEMLP)), zero)
+
+
+def moe_load_fields(model: nn.Module) -> dict[str, float | list[list[float]]]:
+    """The routed experts' load in the model's last forward, for a metrics line (real tokens only): the share of
+    routed slots each expert took, per MoE layer (`moe/expert_fraction`, 4 decimals; 1 / n_experts each is perfect
+    balance) and the busiest expert's share over all layers (`moe/max_expert_fraction`). {} without MoE.
+    Example: moe_load_fields(model) -> {"moe/max_expert_fraction": 0.41, "moe/expert_fraction": [[0.41, ...]]}"""
+    loads = [m.load for m in model.modules() if isinstance(m, MoEMLP)]
+    if not loads:
+        return {}
+    table = torch.stack([load.float().cpu() for load in loads])        # (moe layers, n) one host sync
+    return {"moe/max_expert_fraction": round(float(table.max()), 4),
+            "moe/expert_fraction": [[round(f, 4) for f in row] for row in table.tolist()]}
 
 
 def next_token_loss(model: nn.Module, head: LMHead, hidden: torch.Tensor, targets: torch.Tensor,

@@ -43,6 +43,7 @@ from archlab.errors import SignalStop
 from archlab.eval.evaluate import autocast, sample_ids
 from archlab.generation.stepper import vocab_limit
 from archlab.models.accounting import MemoryCheckError
+from archlab.models.decoder import moe_load_fields
 from archlab.models.legacy_keys import upgrade_keys, upgrade_optimizer_state
 from archlab.runs import checkpoint as ckpt_io
 from archlab.runs import model_folder
@@ -531,11 +532,12 @@ class _Run:
         """A training line (throughput since the last one) to metrics.jsonl and the progress bar."""
         tps = self.window.tokens_per_s()
         mfu = self.flops_token * tps / self.peak if self.peak else 0.0
-        record = {"step": self.step, "tokens": self.tokens, "loss": stats.ce, "lr": lr,
-                  "grad_norm": stats.grad_norm, "tokens_per_s": tps, "mfu": mfu}
+        record: dict[str, Any] = {"step": self.step, "tokens": self.tokens, "loss": stats.ce, "lr": lr,
+                                  "grad_norm": stats.grad_norm, "tokens_per_s": tps, "mfu": mfu}
         if stats.total != stats.ce:
             record["loss_total"] = stats.total
         record.update(self.method.log_fields())   # the method's own figures (this rank's, since the last line)
+        record.update(moe_load_fields(self.raw))  # routed experts' load: the last micro-batch's, this rank's
         self.log(record)
         left = {}
         if self.total_steps is None:              # a minutes budget: the bar has no total, so say what is left

@@ -661,6 +661,8 @@ CASES = [
     ("inspect zero seq len", ["inspect", "llama2-7b", "--seq-len", "0"], "--seq-len 0"),
     ("inspect zero batch", ["inspect", "llama2-7b", "--batch", "0"], "--batch 0"),
     ("inspect bad set", ["inspect", "llama2-7b", "--set", "attention.n_kv_heads=5"], "n_kv_heads"),
+    ("inspect zero moe capacity", ["inspect", "mixtral-8x7b", "--set", "mlp.moe.capacity_factor=0"],
+     "mlp.moe.capacity_factor=0.0 must be positive"),
     ("inspect bad dtype", ["inspect", "llama2-7b", "--dtype", "float12"], "float12"),
     ("check missing", ["check", "{tmp}/norun"], "norun"),
     ("serve missing folder", ["serve", "{tmp}/nomodel"], "nomodel"),

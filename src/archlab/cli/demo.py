@@ -12,6 +12,7 @@ EXAMPLE = """example:
   archlab demo --arch encoder_decoder   # a T5-style model on span corruption; ./runs/demo-encoder_decoder
   archlab demo --post-training      # pretraining, SFT and DPO of a tiny model; ./runs/demo-post-training
   archlab demo --post-training --seed 1 --out runs/demo-post-training-1   # another init and data order
+  archlab demo --real-model         # SmolLM2-135M-Instruct: convert, chat, diagnose, int8, GGUF; ./runs/demo-real-model
   archlab demo --quick              # seconds: a smoke test of every stage"""
 
 
@@ -40,6 +41,11 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None,
                    help="with --post-training: the model's init and the stages' data order (default 0); the "
                    "figures vary with it, as with the CPU")
+    p.add_argument("--real-model", action="store_true",
+                   help="a real pretrained model instead (the models extra): convert SmolLM2-135M-Instruct from "
+                   "GGUF, chat with it, show its massive activation and sink, quantize to int8, export to GGUF")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --real-model: replace an existing, non-empty --out folder")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -48,6 +54,10 @@ def run(args) -> int:
     from archlab.config import ConfigError
     from archlab.demo.run import MASK_TOKEN, run_demo
 
+    if args.real_model:
+        return _real_model(args)
+    if args.overwrite:
+        raise ConfigError("--overwrite applies to --real-model (the other demos replace their own earlier folder)")
     if args.post_training:
         return _post_training(args)
     if args.seed is not None:
@@ -75,4 +85,18 @@ def _post_training(args) -> int:
     check_seed("--seed", seed)
     run_post_training_demo(args.out or "runs/demo-post-training", quick=args.quick, seed=seed,
                            progress=not args.no_progress)
+    return 0
+
+
+def _real_model(args) -> int:
+    from archlab.config import ConfigError
+    from archlab.demo.real_model import run_real_model_demo
+
+    defaults = (("--arch", args.arch, "decoder"), ("--minutes", args.minutes, 2.5), ("--quick", args.quick, False),
+                ("--corpus", args.corpus, "shakespeare"), ("--prompt", args.prompt, None),
+                ("--post-training", args.post_training, False), ("--seed", args.seed, None))
+    given = [flag for flag, value, default in defaults if value != default]
+    if given:
+        raise ConfigError(f"--real-model trains nothing and asks its own questions: drop {', '.join(given)}")
+    run_real_model_demo(args.out or "runs/demo-real-model", overwrite=args.overwrite)
     return 0

@@ -34,7 +34,7 @@ def main() -> None:
 
     import transformers
 
-    from archlab.cli.convert import convert_from_gguf
+    from archlab.interop.convert import convert_from_gguf
     from archlab.interop.gguf import load_gguf, packaged_model
 
     transformers.logging.set_verbosity_error()

@@ -68,7 +68,7 @@ def test_version_is_the_package_version(capsys):
 
 # ---- numbers ----------------------------------------------------------------------------------------
 def test_mean_kl_is_torch_kl_div_and_never_negative():
-    from archlab.cli.convert import mean_kl
+    from archlab.interop.convert import mean_kl
 
     gen = torch.Generator().manual_seed(0)
     p, q = torch.randn(2, 8, 50, generator=gen), torch.randn(2, 8, 50, generator=gen)

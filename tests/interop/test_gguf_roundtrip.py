@@ -132,7 +132,7 @@ def test_run_to_gguf_and_back_keeps_logits_tokenizer_and_template(tmp_path, run_
 
 def test_config_llama_cpp_cannot_express_is_refused(tmp_path, capsys):
     """Gemma 3 with a query scale other than llama.cpp's fixed one: refused by name, no file left."""
-    from archlab.cli.convert import _write_converted_run
+    from archlab.interop.convert import _write_converted_run
 
     model = archlab.TransformerLM(archlab.presets.tiny("gemma3-27b"))
     run = tmp_path / "run"

@@ -194,7 +194,7 @@ def test_save_refuses_what_bert_cannot_express(tmp_path):
 
 
 def test_verify_compares_an_encoder_with_automodel_for_masked_lm(tmp_path):
-    from archlab.cli.convert import compare_with_transformers
+    from archlab.interop.convert import compare_with_transformers
 
     build_hf("roberta").save_pretrained(tmp_path)
     stats = compare_with_transformers(tmp_path, seq_len=SEQ, batch=2)

@@ -186,7 +186,7 @@ def test_verify_and_run_folder_round_trip_of_a_t5_folder(tmp_path):
     """`archlab verify` compares with AutoModelForSeq2SeqLM; `convert --from-hf` then `--to-hf` gives a folder
     transformers reads to the same logits."""
     pytest.importorskip("transformers")
-    from archlab.cli.convert import compare_with_transformers, convert_from_hf, convert_to_hf
+    from archlab.interop.convert import compare_with_transformers, convert_from_hf, convert_to_hf
 
     _hf_t5(True, **V11).save_pretrained(tmp_path / "hf", safe_serialization=True)
     assert compare_with_transformers(tmp_path / "hf")["max_rel"] < TOLERANCE

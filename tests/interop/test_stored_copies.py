@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from archlab.cli.convert import compare_with_transformers  # noqa: E402
 from archlab.interop import FAMILIES, WeightsError, load_hf, save_hf  # noqa: E402
+from archlab.interop.convert import compare_with_transformers  # noqa: E402
 from archlab.models import build_model, presets  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -206,7 +206,7 @@ def test_no_family_drops_a_tensor_transformers_would_use(tmp_path, model_type):
 
 def test_convert_from_hf_keeps_a_head_of_its_own(tmp_path):
     """The run folder `convert --from-hf` writes (what generate and serve then load) holds the file's own head."""
-    from archlab.cli.convert import convert_from_hf
+    from archlab.interop.convert import convert_from_hf
     from archlab.runs.model_folder import load_run
 
     folder = _llama(tmp_path / "hf")

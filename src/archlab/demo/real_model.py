@@ -101,9 +101,9 @@ def run_real_model_demo(out: str | Path = "runs/demo-real-model", *, overwrite: 
     """Convert, chat with, diagnose, quantize and export SmolLM2-135M-Instruct into `out` (refused when it exists
     and is not empty, unless `overwrite`); print each stage's figures and return them.
     Example: run_real_model_demo("runs/real", overwrite=True).summary["max_ratio"]"""
-    from archlab.cli.convert import convert_from_gguf, convert_to_gguf
     from archlab.eval import diagnostics
     from archlab.eval.perplexity import compare_logits, perplexity
+    from archlab.interop.convert import convert_from_gguf, convert_to_gguf
     from archlab.interop.gguf.validate import report_lines
     from archlab.nn.int8 import decode_kernel, quantize_int8
     from archlab.runs.chat_folder import chat_tokenizer

@@ -1,10 +1,6 @@
-"""`archlab convert` (HF folder <-> archlab run folder) and `archlab verify` (archlab vs transformers).
-
-A converted run folder is an ordinary run folder (archlab.runs.checkpoint): config.yaml with the model
-under `model`, tokenizer/ (copied when the HF folder has a tokenizer.json that archlab.tokenizer.load
-reads: natively, or through the `tokenizers` library; otherwise put aside in tokenizer_hf/) and one checkpoint
-`checkpoints/step_0000000/model.safetensors` holding our parameter names, so `archlab generate`,
-`archlab eval` and `archlab diagnose` read it like a trained run.
+"""`archlab convert` (HF folder or GGUF file <-> archlab run folder, PEFT adapters) and `archlab verify` (archlab vs
+transformers): the arguments and the printing; the conversions themselves are library calls in
+archlab.interop.convert.
 """
 from __future__ import annotations
 
@@ -17,12 +13,12 @@ import torch
 
 from archlab.config import ConfigError
 from archlab.interop.convert import (
-    no_hf_tokenizer,
     compare_with_transformers,
     convert_from_gguf,
     convert_from_hf,
     convert_to_gguf,
     convert_to_hf,
+    no_hf_tokenizer,
 )
 
 CONVERT_EXAMPLE = """\

@@ -100,6 +100,21 @@ def test_tokenizing_streams_with_a_bounded_read_ahead(monkeypatch):
     stream.close()
 
 
+def test_a_stream_closed_early_lets_its_workers_finish_rather_than_killing_them(monkeypatch):
+    """Pool.terminate can kill a worker holding the result queue's lock and then wait on it forever (it hung CI
+    for 15 minutes); an early close waits for the batches in flight and closes the pool instead."""
+    import multiprocessing.pool
+
+    def refuse(self):
+        raise AssertionError("terminate called")
+    monkeypatch.setattr(multiprocessing.pool.Pool, "terminate", refuse)
+    monkeypatch.setattr(preparing, "BATCH_DOCS", 1)
+    stream = preparing.encoded((f"document {i}" for i in range(100)), ByteTokenizer(), 0, np.dtype(np.uint16),
+                               num_workers=2)
+    assert bytes(next(stream)[0][0].tolist()) == b"document 0"
+    stream.close()
+
+
 def test_two_documents_always_give_one_to_each_split(tmp_path):
     for seed in range(4):
         for fraction in (0.0001, 0.5, 0.9999):

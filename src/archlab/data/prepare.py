@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -131,15 +132,32 @@ def encoded(docs: Iterable[str], tokenizer: Any, seed: int, dtype: np.dtype, num
         return
     import multiprocessing
 
-    with multiprocessing.Pool(num_workers, initializer=_init_worker,
-                              initargs=(tokenizer, seed, dtype, sentences)) as pool:
-        pending: deque = deque()
+    pool = multiprocessing.Pool(num_workers, initializer=_init_worker, initargs=(tokenizer, seed, dtype, sentences))
+    pending: deque = deque()
+    try:
         for batch in _batched(docs):
             pending.append(pool.apply_async(_encode_batch, (batch,)))
             if len(pending) >= 2 * num_workers:
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+    finally:
+        _shut(pool, pending)
+
+
+def _shut(pool: Any, pending: deque, patience_s: float = 60.0) -> None:
+    """Let the batches in flight finish, then close the pool. Pool.terminate (what `with Pool` does) kills
+    workers that may hold the result queue's lock mid-write, and its task thread then waits on that lock
+    forever; a generator closed early (a consumer that stopped reading) would hang there. Terminate only
+    when the workers do not finish within `patience_s` (a worker lost to a signal)."""
+    deadline = time.monotonic() + patience_s
+    for result in pending:
+        result.wait(max(0.0, deadline - time.monotonic()))
+    if all(result.ready() for result in pending):
+        pool.close()
+    else:
+        pool.terminate()
+    pool.join()
 
 
 def default_workers() -> int:

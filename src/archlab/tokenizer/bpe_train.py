@@ -82,6 +82,8 @@ def count_file_pretokens(input_path, special_tokens: Iterable[str] = (), *, num_
         with multiprocessing.get_context(method).Pool(num_workers) as pool:
             for part in pool.imap_unordered(_count_job, jobs):
                 counts.update(part)
+            pool.close()  # workers exit by themselves: terminate (the with's exit) can deadlock on a busy queue
+            pool.join()
     return Counter({tok.encode("utf-8"): n for tok, n in counts.items()})
 
 

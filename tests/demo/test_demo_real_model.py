@@ -51,3 +51,20 @@ def test_the_whole_demo_on_smollm2(tmp_path):
     assert ours["max_rel"] < 0.05 and abs(ours["ppl"] / ours["ppl_ref"] - 1) < 0.02
     assert (result.run_dir / "smollm2-int8" / "config.yaml").is_file()
     assert any(line.startswith("[5/5]") for line in lines) and lines[-1].startswith("next: archlab chat")
+
+
+def test_no_progress_silences_every_bar_beneath_the_demo(tmp_path, monkeypatch):
+    """--no-progress reaches the bars of everything the demo calls (archlab's and transformers' loaders)
+    without a flag passed down, and the bars come back afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    from archlab.progress import progress_bar
+    seen = []
+    monkeypatch.setattr(rm, "run_real_model_demo",
+                        lambda out, overwrite: seen.append((progress_bar(range(3)).disable,
+                                                            hf_logging.is_progress_bar_enabled())))
+    monkeypatch.setattr(rm, "check_models_extra", lambda: tmp_path)
+    for flags in (["--no-progress"], []):
+        assert cli_main(["demo", "--real-model", "--out", str(tmp_path / "d"), *flags]) == 0
+    assert seen == [(True, False), (False, True)]
+    assert hf_logging.is_progress_bar_enabled()

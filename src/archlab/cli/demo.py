@@ -3,6 +3,7 @@ a BERT-style masked LM; with --arch encoder_decoder, a T5-style model on span co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 
 EXAMPLE = """example:
@@ -91,6 +92,7 @@ def _post_training(args) -> int:
 def _real_model(args) -> int:
     from archlab.config import ConfigError
     from archlab.demo.real_model import run_real_model_demo
+    from archlab.progress import quiet
 
     defaults = (("--arch", args.arch, "decoder"), ("--minutes", args.minutes, 2.5), ("--quick", args.quick, False),
                 ("--corpus", args.corpus, "shakespeare"), ("--prompt", args.prompt, None),
@@ -98,5 +100,6 @@ def _real_model(args) -> int:
     given = [flag for flag, value, default in defaults if value != default]
     if given:
         raise ConfigError(f"--real-model trains nothing and asks its own questions: drop {', '.join(given)}")
-    run_real_model_demo(args.out or "runs/demo-real-model", overwrite=args.overwrite)
+    with contextlib.nullcontext() if not args.no_progress else quiet():
+        run_real_model_demo(args.out or "runs/demo-real-model", overwrite=args.overwrite)
     return 0

@@ -622,6 +622,7 @@ CASES = [
     ("ablate workers serial", ["ablate", "{suite}", "--workers", "2", "--out", "{new}"], "--executor local or ray"),
     ("ablate address not ray", ["ablate", "{suite}", "--executor", "local", "--address", "h:1", "--out", "{new}"],
      "--executor ray"),
+    ("report out exists", ["report", "{corpus}", "--out", "{data}"], "pass --overwrite"),
     ("report missing", ["report", "{tmp}/nosweep"], "nosweep"),
     ("report no results", ["report", "{corpus}"], "results"),
     ("report corrupt db", ["report", "{tmp}/sweep"], "not a readable archlab results table",
@@ -649,6 +650,7 @@ CASES = [
     ("finetune out not empty", ["finetune", "{bpe_run}", "--data", "{bad}", "--out", "{tmp}/full"],
      "exists and is not empty", combine(write("bad.jsonl", PC), write("full/x.txt", "x"))),
     # ---- diagnose, inspect, check, demo ---------------------------------------------------------
+    ("diagnose out exists", ["diagnose", "{run}", "--text", "{prompt}", "--out", "{corpus}"], "pass --overwrite"),
     ("diagnose missing model", ["diagnose", "{tmp}/nomodel", "--text", "{prompt}"], "nomodel"),
     ("diagnose missing text", ["diagnose", "{run}", "--text", "{tmp}/notext"], "notext"),
     ("diagnose short text", ["diagnose", "{run}", "--text", "{bad}", "--out", "{new}"], "need at least 2",

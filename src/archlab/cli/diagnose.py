@@ -27,7 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=256,
                    help="tokens of the text to use, at most the model's context (default 256; a longer text is "
                    "cut, and the command says so)")
-    p.add_argument("--out", metavar="DIR", help="output folder (default MODEL/diagnostics)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default MODEL/diagnostics, rewritten each time; a "
+                   "given folder that exists and is not empty needs --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="write into an existing non-empty --out folder")
     p.add_argument("--top-k", type=int, default=5, help="largest activations listed per layer")
     p.add_argument("--json", action="store_true",
                    help="print the summary (summary.json's `summary`) as one JSON line instead of the table; "
@@ -48,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--max-tokens", args.max_tokens), ("--top-k", args.top_k)):
         if value < 1:
             raise UserError(f"{flag} {value} must be at least 1")
+    if args.out:      # the default, MODEL/diagnostics, is the model's own and is rewritten (inside the model is fine)
+        from archlab.runs.outputs import check_output
+        check_output(args.out, inputs=[args.text], overwrite=args.overwrite)
     text = Path(args.text).read_bytes().decode("utf-8", errors="replace")
     model, tokenizer = diagnostics.load_model_and_tokenizer(args.model)
     limit = min(args.max_tokens, model.config.max_seq_len)

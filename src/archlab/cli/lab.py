@@ -68,7 +68,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog=REPORT_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     report.add_argument("dir", metavar="DIR", help="a sweep folder, or a folder of sweep folders")
-    report.add_argument("--out", metavar="DIR", help="report folder (default DIR/report)")
+    report.add_argument("--out", metavar="DIR", help="report folder (default DIR/report, rewritten each time; a "
+                        "given folder that exists and is not empty needs --overwrite)")
+    report.add_argument("--overwrite", action="store_true", help="write into an existing non-empty --out folder")
     report.set_defaults(func=run_report)
 
 
@@ -120,7 +122,10 @@ def run_ablate(args: argparse.Namespace) -> int:
 
 def run_report(args: argparse.Namespace) -> int:
     from archlab.lab.report import build_report
+    from archlab.runs.outputs import check_output
 
+    if args.out:                            # the default, DIR/report, is the sweep's own and is rewritten
+        check_output(args.out, inputs=(), overwrite=args.overwrite)
     paths = build_report(args.dir, args.out)
     print(f"wrote {paths['md']}, {paths['html']}, {paths['json']}")
     return 0

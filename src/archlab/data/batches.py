@@ -90,7 +90,7 @@ def register_objective(name: str, *, trains: tuple[str, ...]) -> Callable[[Build
 @register_objective("next_token", trains=("decoder",))
 def _next_token(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: TokenDataset, shard: Shard) -> Task:
     """The sampler's (x, y) as they are, or with train.document_masks its documents kept apart."""
-    return Task(objectives.DocumentMasks(dataset.eot_id) if train_cfg.document_masks else objectives.NextToken())
+    return Task(objectives.DocumentMasks(dataset.eot_id) if train_cfg.stream.document_masks else objectives.NextToken())
 
 
 @register_objective("mlm", trains=("encoder",))
@@ -130,10 +130,10 @@ def _text_infilling(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: Tok
 
 @register_objective("continuation", trains=("decoder", "encoder_decoder"))
 def _continuation(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: TokenDataset, shard: Shard) -> Task:
-    prefix = int(round(train_cfg.seq_len * train_cfg.prefix_fraction))
+    prefix = int(round(train_cfg.seq_len * train_cfg.stream.prefix_fraction))
     if not 0 < prefix < train_cfg.seq_len:
-        raise UserError(f"train.prefix_fraction={train_cfg.prefix_fraction} leaves no prefix or no continuation "
-                        f"in a window of train.seq_len={train_cfg.seq_len}")
+        raise UserError(f"train.prefix_fraction={train_cfg.stream.prefix_fraction} leaves no prefix or no "
+                        f"continuation in a window of train.seq_len={train_cfg.seq_len}")
     return Task(objectives.Continuation(prefix, model_cfg.arch, model_cfg.attention.prefix_lm))
 
 
@@ -155,7 +155,7 @@ def objective_for(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: Token
     the objective needs it) for `shard` (default: one rank drawing train.batch_size rows).
     Example: inputs, labels = objective_for(model_cfg, train_cfg, val).objective.turn(Rows(x, y), step=0)"""
     name = objective_name(model_cfg, train_cfg)
-    if train_cfg.document_masks and name != "next_token":
+    if train_cfg.stream.document_masks and name != "next_token":
         raise UserError(f"train.document_masks keeps next-token documents apart: not with train.objective={name}")
     return OBJECTIVES.get(name).build(model_cfg, train_cfg, dataset, shard or Shard(train_cfg.batch_size))
 
@@ -176,8 +176,8 @@ def _check_pairs_objective(model_cfg: ModelConfig, train_cfg: TrainConfig) -> No
     if model_cfg.arch != "encoder_decoder":
         raise UserError(f"paired source/target data trains encoder-decoders, not arch={model_cfg.arch}: "
                         "prepare a token stream for it (archlab data prepare without --pairs)")
-    if train_cfg.objective != "auto" or train_cfg.document_masks:
-        setting = ("train.document_masks" if train_cfg.document_masks
+    if train_cfg.objective != "auto" or train_cfg.stream.document_masks:
+        setting = ("train.document_masks" if train_cfg.stream.document_masks
                    else f"train.objective={train_cfg.objective}")
         raise UserError(f"{setting} reads a token stream; paired data is its own "
                         "objective (source -> target): leave train.objective=auto")
@@ -186,7 +186,7 @@ def _check_pairs_objective(model_cfg: ModelConfig, train_cfg: TrainConfig) -> No
 def _check_sft_objective(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
     if model_cfg.arch != "decoder":
         raise UserError(f"chat examples (an SFT folder) train decoders, not arch={model_cfg.arch}")
-    if train_cfg.objective not in ("auto", "next_token") or train_cfg.document_masks:
+    if train_cfg.objective not in ("auto", "next_token") or train_cfg.stream.document_masks:
         raise UserError("an SFT folder is its own objective (the loss mask's tokens): leave train.objective=auto "
                         "and train.document_masks=false")
 

@@ -18,6 +18,8 @@ below the trainer (the LoRA settings of a run, typed: `lora_section`).
       keep_last
     mlm_probability, ...      mlm.probability, mlm.whole_word_mask, mlm.mask_token_id
     noise_density, ...        noising.density, noising.mean_span, noising.permute_sentences
+    document_masks,           stream.document_masks, stream.prefix_fraction
+      prefix_fraction
     objective: dpo            method: dpo
     dist.strategy             dist_strategy   (as torchrun users write it)
 """
@@ -49,6 +51,7 @@ RENAMES: dict[str, str] = {
     "mask_token_id": "mlm.mask_token_id",
     "noise_density": "noising.density", "mean_span": "noising.mean_span",
     "permute_sentences": "noising.permute_sentences",
+    "document_masks": "stream.document_masks", "prefix_fraction": "stream.prefix_fraction",
 }
 # (key, value) -> (key, value): a setting that became another key's value
 VALUE_RENAMES: dict[tuple[str, str], tuple[str, str]] = {("objective", "dpo"): ("method", "dpo")}

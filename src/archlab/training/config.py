@@ -17,7 +17,8 @@ from archlab.nn.lora import LoRAConfig
 from archlab.runs.train_section import current_key, upgrade_train_section
 
 __all__ = ["TrainConfig", "DPOConfig", "SFTConfig", "RewardConfig", "ScheduleConfig", "OptimizerConfig", "EvalConfig",
-           "SampleConfig", "CheckpointConfig", "MLMConfig", "NoisingConfig", "NO_DECAY_CATEGORIES", "METHOD_NAMES"]
+           "SampleConfig", "CheckpointConfig", "MLMConfig", "NoisingConfig", "StreamConfig",
+           "NO_DECAY_CATEGORIES", "METHOD_NAMES"]
 
 NO_DECAY_CATEGORIES = ("norms", "biases", "embeddings")
 METHOD_NAMES = ("pretrain", "sft", "dpo", "reward")      # training/methods registers one Method under each
@@ -203,10 +204,23 @@ class NoisingConfig:
             raise ConfigError(f"train.noising.mean_span={self.mean_span} must be positive")
 
 
+@dataclass(frozen=True, kw_only=True)
+class StreamConfig:
+    """train.stream: how the windows of a token stream are read (pretraining objectives)."""
+
+    document_masks: bool = False           # next_token: end-of-text ends a document; no token attends across,
+                                           # positions restart, the label across a boundary is ignored
+    prefix_fraction: float = 0.5           # continuation: the window's share given as context, the rest scored
+
+    def __post_init__(self):
+        if not 0.0 < self.prefix_fraction < 1.0:
+            raise ConfigError(f"train.stream.prefix_fraction={self.prefix_fraction} must be in (0, 1)")
+
+
 SECTIONS: dict[str, type] = {"schedule": ScheduleConfig, "optimizer": OptimizerConfig, "eval": EvalConfig,
                              "sample": SampleConfig, "checkpoint": CheckpointConfig, "mlm": MLMConfig,
                              "noising": NoisingConfig, "lora": LoRAConfig, "dpo": DPOConfig, "sft": SFTConfig,
-                             "reward": RewardConfig}
+                             "reward": RewardConfig, "stream": StreamConfig}
 
 
 @dataclass(frozen=True, kw_only=True, init=False)
@@ -239,9 +253,7 @@ class TrainConfig:
                                            # span_corruption; paired data: source -> target); data/objectives.py
     mlm: MLMConfig = dataclasses.field(default_factory=MLMConfig)
     noising: NoisingConfig = dataclasses.field(default_factory=NoisingConfig)
-    prefix_fraction: float = 0.5           # continuation: the window's share given as context, the rest scored
-    document_masks: bool = False           # next_token: end-of-text ends a document; no token attends across,
-                                           # positions restart, the label across a boundary is ignored
+    stream: StreamConfig = dataclasses.field(default_factory=StreamConfig)   # how a token stream's windows are read
     method: Literal["pretrain", "sft", "dpo", "reward"] = "pretrain"   # how the run trains (training/methods)
     lora: LoRAConfig | None = None         # LoRA adapters (nn.lora.LoRAConfig: r, alpha, dropout, targets (names, HF
                                            # names, a full-match regex as PEFT, all-linear), use_rslora,
@@ -273,8 +285,6 @@ class TrainConfig:
         for name in ("lr", "batch_size", "seq_len", "grad_accum", "budget", "log_every"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} must be a positive (finite) number")
-        if not 0.0 < self.prefix_fraction < 1.0:
-            raise ConfigError(f"train.prefix_fraction={self.prefix_fraction} must be in (0, 1)")
         for name, section in SECTIONS.items():
             value = getattr(self, name)
             if isinstance(value, dict):            # TrainConfig(lora={"r": 8}) as from YAML

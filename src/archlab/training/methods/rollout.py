@@ -1,0 +1,122 @@
+"""Rollouts for the RL methods (grpo, ppo): prompts -> sampled completions through archlab's own KV-cached
+generation (archlab.generation.generate), each with its per-token log-probs under the policy that sampled it and a
+mask that ends at the first end-of-sequence token (the EOS itself kept, as TRL's GRPOTrainer keeps it).
+
+    out = rollout(model, [[5, 6, 7], [8, 9]], group=4, max_new_tokens=32, eos_ids=[0], pad_id=0, seed=17)
+    out.completion_ids          # (8, c): prompt 0's four completions, then prompt 1's (c <= 32)
+    out.completion_mask         # (8, c): 1 up to and including the first EOS
+    out.logps                   # (8, c): log p(token | prefix) at `temperature`, 0 outside the mask
+    logps, entropy = completion_logps(model, out.prompt_ids, out.prompt_mask, out.completion_ids, temperature=1.0)
+
+Prompts are left-padded; the forward that scores them gives each token its real position (padding -1), so a model
+scores a padded row as it scores the row alone. The log-probs are those of the temperature-scaled distribution
+(logits / T), the one sampled from, as TRL computes them; top-k / top-p are not applied to them (TRL neither).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from archlab.generation import generate
+from archlab.generation.stepper import model_device, positions_from_mask, prepare_prompts
+
+__all__ = ["Rollout", "rollout", "completion_logps", "mask_at_eos", "prompt_completion"]
+
+
+@dataclass
+class Rollout:
+    """One batch of sampled completions; row i is prompt i // group's (i % group)-th sample.
+
+    prompt_ids, prompt_mask: (b, p) left-padded; completion_ids, completion_mask: (b, c) right-padded (pad_id past
+    the first EOS); logps: (b, c) the sampling policy's log-probs (0 outside the mask); truncated: (b,) no EOS within
+    max_new_tokens."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    logps: torch.Tensor
+    truncated: torch.Tensor
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Each completion's tokens (b,), its EOS included."""
+        return self.completion_mask.sum(-1)
+
+    def completion_tokens(self) -> list[list[int]]:
+        """Each row's completion ids up to and including its EOS."""
+        return [row[: int(n)].tolist() for row, n in zip(self.completion_ids, self.lengths)]
+
+
+def mask_at_eos(completion_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
+    """(b, c) long: 1 up to and including each row's first EOS (every slot when it has none), as TRL's GRPOTrainer.
+    Example: mask_at_eos(torch.tensor([[4, 0, 0]]), [0]) -> [[1, 1, 0]]"""
+    b, c = completion_ids.shape
+    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_ids), device=completion_ids.device))  # (b, c)
+    first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), torch.full((b,), c, device=completion_ids.device))
+    return (torch.arange(c, device=completion_ids.device)[None] <= first[:, None]).long()
+
+
+def prompt_completion(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                      completion_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (b, p + c), positions (b, p + c)) of prompts and completions side by side: left padding and the slots past
+    a completion's mask get position -1 (no token attends to them), real tokens their place in the row."""
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)                                    # (b, p + c)
+    tail = torch.ones_like(completion_ids, dtype=torch.bool) if completion_mask is None else completion_mask.bool()
+    mask = torch.cat([prompt_mask.bool(), tail], dim=1)
+    return ids.masked_fill(~mask, 0), positions_from_mask(mask)
+
+
+def completion_logps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, *,
+                     temperature: float = 1.0, completion_mask: torch.Tensor | None = None,
+                     vocab_limit: int | None = None, entropy: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (b, c) of the completions under `model` at `temperature` (float32), and the entropy (b, c)
+    of each position's distribution (None with entropy=False); differentiable when grad is on. One forward over the
+    prompt and completion (the policy's, the reference's). vocab_limit: the first ids only (a padded vocabulary).
+    Example: logps, ent = completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=0.7)"""
+    p, c = prompt_ids.shape[1], completion_ids.shape[1]
+    ids, positions = prompt_completion(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    logits = model(input_ids=ids, positions=positions)[:, p - 1: p + c - 1]               # (b, c, v)
+    if vocab_limit is not None:
+        logits = logits[..., :vocab_limit]
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)                      # (b, c, v)
+    logps = logprobs.gather(-1, completion_ids[..., None]).squeeze(-1)                      # (b, c)
+    if not entropy:
+        return logps, None
+    return logps, -(logprobs.exp() * logprobs).sum(-1)
+
+
+@torch.no_grad()
+def rollout(model, prompts: Sequence[Sequence[int]], *, group: int, max_new_tokens: int, eos_ids: Sequence[int],
+            pad_id: int, seed: int, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+            vocab_limit: int | None = None) -> Rollout:
+    """`group` sampled completions of each prompt (token id lists), at most `max_new_tokens` each, through
+    archlab.generate over the KV cache, from a private generator seeded with `seed` (the caller's RNG untouched: a
+    rollout is a function of the weights and the seed, so a resumed run samples what the uninterrupted one did).
+    The model is put in eval mode while it samples and scores (dropout off), then back as it was."""
+    device = model_device(model)
+    rows = [list(p) for p in prompts for _ in range(group)]
+    prompt_ids, prompt_mask, _ = prepare_prompts(rows, pad_token_id=pad_id)                 # (b, p) left-padded
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        out = generate(model, prompt_ids, max_new_tokens, attention_mask=prompt_mask, temperature=temperature,
+                       top_k=top_k, top_p=top_p, generator=generator, eos_token_id=list(eos_ids),
+                       pad_token_id=pad_id, vocab_limit=vocab_limit)                        # (b, p + c)
+        completion_ids = out[:, prompt_ids.shape[1]:]                                       # (b, c)
+        if completion_ids.shape[1] == 0:
+            raise ValueError("max_new_tokens must be >= 1 for a rollout")
+        mask = mask_at_eos(completion_ids, eos_ids)                                         # (b, c)
+        completion_ids = completion_ids.masked_fill(mask == 0, pad_id)
+        logps, _ = completion_logps(model, prompt_ids, prompt_mask, completion_ids, temperature=temperature,
+                                    completion_mask=mask, vocab_limit=vocab_limit, entropy=False)
+    finally:
+        model.train(was_training)
+    truncated = ~torch.isin(completion_ids.gather(1, (mask.sum(-1, keepdim=True) - 1)),
+                            torch.tensor(list(eos_ids), device=device)).squeeze(-1)          # (b,)
+    return Rollout(prompt_ids.long(), prompt_mask.long(), completion_ids, mask, logps * mask, truncated)

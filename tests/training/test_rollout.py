@@ -1,0 +1,61 @@
+"""Rollouts (training/methods/rollout.py): groups of sampled completions through the KV-cached generate, masks that
+end at the first EOS, and per-token log-probs that do not depend on the padding a batch puts around a row."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from archlab import TransformerLM
+from archlab.training.methods.rollout import completion_logps, mask_at_eos, rollout
+
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from test_checkpoint import tiny_model
+
+    torch.manual_seed(0)
+    return TransformerLM(tiny_model()).eval()
+
+
+def test_mask_at_eos_keeps_the_first_eos_and_nothing_after():
+    ids = torch.tensor([[4, 0, 7, 0], [4, 5, 6, 7], [0, 1, 2, 3]])
+    assert mask_at_eos(ids, [0]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert mask_at_eos(ids, [6, 7]).tolist() == [[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+
+
+def test_a_rollout_is_a_function_of_the_seed_and_groups_rows_by_prompt(model):
+    kw = dict(group=4, max_new_tokens=6, eos_ids=list(range(100)), pad_id=0, temperature=1.0)
+    a, b, c = rollout(model, PROMPTS, seed=3, **kw), rollout(model, PROMPTS, seed=3, **kw), rollout(model, PROMPTS,
+                                                                                                       seed=4, **kw)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logps, b.logps)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    assert a.completion_ids.shape[0] == 12 and a.prompt_ids.shape == (12, 4)
+    for i, prompt in enumerate(PROMPTS):                      # rows 4i..4i+3 hold prompt i, left-padded
+        for row in range(4 * i, 4 * i + 4):
+            assert a.prompt_ids[row][a.prompt_mask[row].bool()].tolist() == prompt
+    eos = torch.tensor(kw["eos_ids"])
+    for row, n in zip(a.completion_ids, a.lengths):           # the mask ends at the first EOS; pad after it
+        hits = torch.isin(row[:n], eos).nonzero()
+        assert (len(hits) == 0 and n == row.numel()) or (len(hits) == 1 and hits[0, 0] == n - 1)
+        assert (row[n:] == 0).all()
+    assert a.truncated.tolist() == [not bool(torch.isin(r[n - 1], eos)) for r, n in zip(a.completion_ids, a.lengths)]
+    assert (a.logps[a.completion_mask == 0] == 0).all() and (a.logps[a.completion_mask == 1] < 0).all()
+    assert model.training is False
+
+
+def test_rollout_logps_equal_each_row_scored_alone_without_padding(model):
+    out = rollout(model, PROMPTS, group=2, max_new_tokens=5, eos_ids=[1], pad_id=0, seed=0, temperature=0.7)
+    for row in range(out.completion_ids.shape[0]):
+        prompt = out.prompt_ids[row][out.prompt_mask[row].bool()]
+        n = int(out.lengths[row])
+        ids = torch.cat([prompt, out.completion_ids[row, :n]])[None]
+        with torch.no_grad():
+            logits = model(ids)[0, len(prompt) - 1: -1].float() / 0.7                  # (n, v)
+        alone = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+        torch.testing.assert_close(out.logps[row, :n], alone, atol=1e-5, rtol=0)
+    logps, entropy = completion_logps(model, out.prompt_ids, out.prompt_mask, out.completion_ids, temperature=0.7,
+                                      completion_mask=out.completion_mask)
+    torch.testing.assert_close(logps * out.completion_mask, out.logps, atol=1e-5, rtol=0)
+    assert entropy is not None and (entropy >= 0).all() and (entropy <= torch.log(torch.tensor(257.0)) + 1e-4).all()

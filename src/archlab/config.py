@@ -341,10 +341,17 @@ class MoEConfig:
     capacity_factor: float | None = None   # None: no limit; else each expert takes at most
                                            # ceil(real tokens x top_k / n_experts x capacity_factor) per batch
                                            # (Switch, Fedus 2021); the overflow gets no expert output
+    balance: Literal["loss", "bias"] = "loss"   # loss: Switch's balance loss at aux_loss_coef; bias: DeepSeek-V3's
+                                           # auxiliary-loss-free balancing (Wang et al. 2024, arXiv 2408.15664): a
+                                           # per-expert bias on the routing scores for top-k selection only, moved by
+                                           # +-bias_update_rate after each optimizer step; no balance loss then
+    bias_update_rate: float = 0.001        # balance=bias: gamma, the bias step per optimizer step (DeepSeek-V3's)
 
     def __post_init__(self):
+        _check_literals(self, "mlp.moe")
         _positive("mlp.moe", n_experts=self.n_experts, top_k=self.top_k,
-                  shared_expert_d_ff=self.shared_expert_d_ff, capacity_factor=self.capacity_factor)
+                  shared_expert_d_ff=self.shared_expert_d_ff, capacity_factor=self.capacity_factor,
+                  bias_update_rate=self.bias_update_rate)
         if self.top_k > self.n_experts:
             raise ConfigError(
                 f"mlp.moe.top_k={self.top_k} must be <= mlp.moe.n_experts={self.n_experts}"

@@ -1,6 +1,7 @@
 """MoE done properly (nn/mlp.MoEMLP): the balance loss counts real tokens only and equals transformers' Mixtral
 `load_balancing_loss_func` with an attention mask; packed documents give the statistics their separate rows
-would; expert capacity (Switch) drops the overflow, checked on hand-computed routings."""
+would; expert capacity (Switch) drops the overflow, and DeepSeek-V3's expert bias chooses without weighing and
+moves by +-gamma, all checked on hand-computed routings."""
 from __future__ import annotations
 
 import pytest
@@ -71,11 +72,11 @@ def test_padding_content_and_packing_do_not_change_the_statistics():
         torch.testing.assert_close(p.sum(), torch.tensor(1.0))
 
 
-def routed_layer(top_k: int, capacity_factor: float | None) -> MoEMLP:
+def routed_layer(top_k: int, capacity_factor: float | None, **moe) -> MoEMLP:
     """2 experts, d_model 2, router = identity: a token [s, 0] prefers expert 0, [0, s] expert 1."""
     torch.manual_seed(0)
     layer = MoEMLP(2, 3, MLPConfig(activation="silu", moe=MoEConfig(
-        n_experts=2, top_k=top_k, capacity_factor=capacity_factor, normalize_top_k=False)), bias=False)
+        n_experts=2, top_k=top_k, capacity_factor=capacity_factor, normalize_top_k=False, **moe)), bias=False)
     with torch.no_grad():
         layer.router.weight.copy_(torch.eye(2))
     return layer
@@ -155,3 +156,71 @@ def test_load_fields_count_each_layers_top_k_choices_over_real_tokens():
         torch.testing.assert_close(torch.tensor(row), counts / counts.sum(), atol=1e-4, rtol=0)
     assert fields["moe/max_expert_fraction"] == max(max(row) for row in fields["moe/expert_fraction"])
     assert moe_load_fields(torch.nn.Linear(2, 2)) == {}
+
+
+def test_the_expert_bias_chooses_but_the_plain_probabilities_weigh():
+    # top 1, bias [-0.8, 0]. probs p0 of the tokens [2,0], [3,0], [1,0], [4,0], [0,2]: 0.881, 0.953, 0.731, 0.982,
+    # 0.119; p0 - 0.8 beats p1 = 1 - p0 only for tokens 1 (0.153 > 0.047) and 3 (0.182 > 0.018)
+    layer = routed_layer(1, None, balance="bias")
+    with torch.no_grad():
+        layer.expert_bias.copy_(torch.tensor([-0.8, 0.0]))
+        out = layer.eval()(X)
+        torch.testing.assert_close(out, expected(layer, {0: [1], 1: [0], 2: [1], 3: [0], 4: [1]}))
+    torch.testing.assert_close(layer.load, torch.tensor([0.4, 0.6]))
+    assert layer.take_routed() is None                      # an eval forward counts nothing for the update
+
+
+def test_without_a_bias_the_same_layer_routes_by_probability():
+    layer = routed_layer(1, None, balance="bias")           # bias starts at zero: plain top-k
+    with torch.no_grad():
+        torch.testing.assert_close(layer.eval()(X), routed_layer(1, None)(X))
+
+
+def test_the_bias_update_moves_each_expert_by_gamma_toward_the_mean_load():
+    layer = routed_layer(1, None, balance="bias", bias_update_rate=0.01)
+    layer.train()
+    real = torch.tensor([[True, True, True, False, True]])   # token 3 is padding: it counts nowhere
+    with torch.no_grad():
+        layer(X, real=real)                                  # routed to expert 0: tokens 0, 1, 2; expert 1: token 4
+        layer(X[:, 4:])                                      # a second micro-batch: token 4 again, to expert 1
+    routed = layer.take_routed()
+    torch.testing.assert_close(routed, torch.tensor([3.0, 2.0]))
+    assert layer.take_routed() is None                       # taken: the count starts again
+    layer.update_bias(routed)                                # mean 2.5: expert 0 overloaded, expert 1 under
+    torch.testing.assert_close(layer.expert_bias, torch.tensor([-0.01, 0.01]))
+    layer.update_bias(torch.tensor([2.0, 2.0]))              # at the mean: sign 0, no move
+    torch.testing.assert_close(layer.expert_bias, torch.tensor([-0.01, 0.01]))
+
+
+def test_the_balance_step_sums_the_ranks_counts_and_a_skipped_step_drops_them():
+    from archlab.models.decoder import moe_balance_step
+    model = moe_model(2, balance="bias", bias_update_rate=0.5).train()
+    layers = [m for m in model.modules() if isinstance(m, MoEMLP)]
+    other_rank = torch.tensor([[0.0, 100.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    ids = torch.randint(0, 53, (2, 6))
+    model.loss(ids, ids)
+    mine = torch.stack([m.routed.clone() for m in layers])  # (2 layers, 4): 24 routed slots each
+    assert mine.sum(1).tolist() == [24.0, 24.0]
+    moe_balance_step(model, reduce=lambda table: table + other_rank)
+    for m, counts in zip(layers, mine + other_rank):
+        torch.testing.assert_close(m.expert_bias, 0.5 * torch.sign(counts.mean() - counts))
+    assert layers[0].expert_bias[1] == -0.5                 # the other rank's 100 slots overloaded expert 1
+    before = [m.expert_bias.clone() for m in layers]
+    model.loss(ids, ids)
+    moe_balance_step(model, update=False)                    # a non-finite step: the counts go, the bias stays
+    assert all(m.routed is None and torch.equal(m.expert_bias, b) for m, b in zip(layers, before))
+
+
+def test_balance_bias_has_no_balance_loss_and_its_bias_is_in_the_state_dict():
+    model = moe_model(1, balance="bias")
+    ids = torch.randint(0, 53, (2, 6))
+    aux, _ = router_logits(model, ids)
+    assert float(aux) == 0.0                                 # aux_loss_coef 1.0 is the loss mode's; z-loss is 0
+    assert any(k.endswith("mlp.expert_bias") for k in model.state_dict())
+    assert not any("expert_bias" in k for k in moe_model(1).state_dict())
+
+
+@pytest.mark.parametrize("key, value", [("mlp.moe.balance", "none"), ("mlp.moe.bias_update_rate", 0)])
+def test_balance_settings_are_checked(key, value):
+    with pytest.raises(ConfigError, match=key):
+        moe_model().config.with_overrides({key: value})

@@ -7,6 +7,8 @@ model from outside (training/distributed.py prepare_model, training/recompute.py
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -17,7 +19,7 @@ from archlab.nn.heads import LMHead, LossOutput
 from archlab.nn.mlp import MoEMLP
 from archlab.nn.stack import TransformerStack
 
-__all__ = ["LossOutput", "TransformerLM", "moe_aux_loss", "moe_load_fields", "next_token_loss"]
+__all__ = ["LossOutput", "TransformerLM", "moe_aux_loss", "moe_balance_step", "moe_load_fields", "next_token_loss"]
 
 
 def moe_aux_loss(model: nn.Module, zero: torch.Tensor) -> torch.Tensor:
@@ -36,6 +38,25 @@ def moe_load_fields(model: nn.Module) -> dict[str, float | list[list[float]]]:
     table = torch.stack([load.float().cpu() for load in loads])        # (moe layers, n) one host sync
     return {"moe/max_expert_fraction": round(float(table.max()), 4),
             "moe/expert_fraction": [[round(f, 4) for f in row] for row in table.tolist()]}
+
+
+def moe_balance_step(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     update: bool = True) -> None:
+    """After an optimizer step: every MoE layer with balance=bias moves its expert bias by the routed slots its
+    training forwards counted since the last call (DeepSeek-V3: over the whole step, every micro-batch), and the
+    counts start again. `reduce` sums a (layers, n) count table over data-parallel ranks, so every rank moves its
+    bias alike; update=False (a skipped, non-finite step) drops the counts. No-op without such layers.
+    Example: loss.backward(); optimizer.step(); moe_balance_step(model)"""
+    layers = [(m, m.expert_bias) for m in model.modules() if isinstance(m, MoEMLP) and m.expert_bias is not None]
+    taken = [m.take_routed() for m, _ in layers]
+    if not update or not layers:
+        return
+    table = torch.stack([torch.zeros_like(bias) if c is None else c.to(bias)                     # (layers, n)
+                         for (_, bias), c in zip(layers, taken)])
+    if reduce is not None:
+        table = reduce(table)
+    for (m, _), counts in zip(layers, table):
+        m.update_bias(counts)
 
 
 def next_token_loss(model: nn.Module, head: LMHead, hidden: torch.Tensor, targets: torch.Tensor,

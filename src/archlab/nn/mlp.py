@@ -9,7 +9,8 @@ Gated:  y = W2 (act(W_gate x) * W_up x)                   ReGLU, GeGLU, SwiGLU (
         Gemma's GeGLU uses the tanh approximation of GeLU.
 MoE:    y = sum_{i in topk(router(x))} p_i E_i(x)         (Shazeer 2017; Switch, Fedus 2021;
         Mixtral). Load-balancing aux loss (Switch) and router z-loss (ST-MoE, Zoph 2022), over real tokens;
-        expert capacity with token dropping (Switch).
+        expert capacity with token dropping (Switch); or auxiliary-loss-free balancing (DeepSeek-V3; Wang et
+        al. 2024): topk(p + b) chooses, p weighs, and b_i += gamma sign(mean load - load_i) after each step.
 Shapes: b batch, t time, d model, f ffn width, n experts.
 """
 from __future__ import annotations
@@ -88,6 +89,11 @@ class MoEMLP(nn.Module):
     is per token, so packed documents need nothing else). With `capacity_factor` an expert takes at most
     `capacity` slots, first choices before second ones and earlier tokens first (Switch); the rest get no
     expert output (the block's residual carries them).
+    With `balance="bias"` (DeepSeek-V3) the persistent buffer `expert_bias` (n,) is added to the routing
+    probabilities to choose the top k only (the gate weights stay the plain probabilities), there is no balance
+    loss, and training forwards count routed slots per expert until `take_routed()`; `update_bias` then moves
+    the bias (models.decoder.moe_balance_step does both after each optimizer step). The bias is part of the
+    state dict, so checkpoints hold it and a resumed run continues it exactly.
     Example: y = MoEMLP(64, 128, cfg.mlp, bias=False)(x, real=inputs.real_tokens())
     """
 
@@ -96,7 +102,9 @@ class MoEMLP(nn.Module):
         moe = cfg.moe
         assert moe is not None, "MoEMLP needs mlp.moe"
         self.top_k, self.normalize = moe.top_k, moe.normalize_top_k
-        self.aux_coef, self.z_coef = moe.aux_loss_coef, moe.router_z_loss_coef
+        self.aux_coef = moe.aux_loss_coef if moe.balance == "loss" else 0.0   # the bias replaces the loss
+        self.z_coef = moe.router_z_loss_coef
+        self.bias_update_rate = moe.bias_update_rate if moe.balance == "bias" else None
         self.capacity_factor = moe.capacity_factor
         self.router = nn.Linear(d_model, moe.n_experts, bias=False)
         self.experts = nn.ModuleList(
@@ -108,6 +116,11 @@ class MoEMLP(nn.Module):
         )
         self.aux_loss = torch.zeros(())
         self.load = torch.zeros(moe.n_experts)
+        self.expert_bias: torch.Tensor | None      # (n,), a persistent buffer with balance=bias (else None: none)
+        self.register_buffer("expert_bias", torch.zeros(moe.n_experts) if self.bias_update_rate is not None else None)
+        # routed slots per expert over real tokens since take_routed(): a plain tensor, not a buffer, so that
+        # DDP's buffer broadcast leaves each rank's own count alone
+        self.routed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, session: DecodeSession | None = None,
                 real: torch.Tensor | None = None) -> torch.Tensor:          # (b, t, d) -> same
@@ -117,7 +130,7 @@ class MoEMLP(nn.Module):
         mask = None if real is None else real.expand(b, t).reshape(b * t)   # (bt,) bool
         logits = self.router(flat).float()                     # (bt, n)
         probs = logits.softmax(-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)       # (bt, k)
+        weights, chosen = self._route(probs)                   # (bt, k) each
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
         kept = self._kept(chosen, mask)                        # (bt, k) bool: the slots an expert computes
@@ -132,6 +145,31 @@ class MoEMLP(nn.Module):
             out = out + self.shared_expert(flat, session)
         self.aux_loss = self._aux_loss(logits, probs, chosen, mask)
         return out.reshape(b, t, d)
+
+    def _route(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate weights, chosen experts), (bt, k) each: the top k of probs, or with an expert bias the top k of
+        probs + bias, weighted by their plain probabilities (DeepSeek-V3: the bias only chooses)."""
+        if self.expert_bias is None:
+            return probs.topk(self.top_k, dim=-1)
+        chosen = (probs + self.expert_bias.float()).topk(self.top_k, dim=-1).indices      # (bt, k)
+        return probs.gather(-1, chosen), chosen
+
+    def take_routed(self) -> torch.Tensor | None:
+        """(n,) routed slots per expert over real tokens counted by training forwards since the last call (then
+        reset), or None: no bias to update, or no training forward since. Recompute (activation checkpointing)
+        counts a forward twice, which scales every expert alike and leaves the update's signs as they are."""
+        routed, self.routed = self.routed, None
+        return routed
+
+    @torch.no_grad()
+    def update_bias(self, routed: torch.Tensor) -> None:
+        """DeepSeek-V3's update, b_i += gamma * sign(mean_j c_j - c_i) for the (n,) routed counts c: an overloaded
+        expert's bias falls by gamma, an underloaded one's rises, one exactly at the mean stays.
+        Example: counts [6, 2, 0, 0] (mean 2), gamma 0.001 -> bias += [-0.001, 0, +0.001, +0.001]"""
+        assert self.expert_bias is not None and self.bias_update_rate is not None, "update_bias needs balance=bias"
+        routed = routed.to(self.expert_bias.device, torch.float32)
+        step = torch.sign(routed.mean() - routed) * self.bias_update_rate
+        self.expert_bias.add_(step.to(self.expert_bias.dtype))
 
     def capacity(self, n_real: int) -> int | None:
         """Slots per expert for a batch of n_real real tokens: ceil(n_real x top_k / n_experts x capacity_factor),
@@ -171,6 +209,9 @@ class MoEMLP(nn.Module):
         balance = n * (fraction * (probs * w[:, None]).sum(0) / count).sum()
         z = (torch.logsumexp(logits, -1).square() * w).sum() / count
         self.load = (fraction / self.top_k).detach()
+        if self.expert_bias is not None and self.training:
+            counts = (routed * w[:, None]).sum(0).detach()                                # (n,)
+            self.routed = counts if self.routed is None else self.routed + counts
         return self.aux_coef * balance + self.z_coef * z
 
 

@@ -43,7 +43,7 @@ from archlab.errors import SignalStop
 from archlab.eval.evaluate import autocast, sample_ids
 from archlab.generation.stepper import vocab_limit
 from archlab.models.accounting import MemoryCheckError
-from archlab.models.decoder import moe_load_fields
+from archlab.models.decoder import moe_balance_step, moe_load_fields
 from archlab.models.legacy_keys import upgrade_keys, upgrade_optimizer_state
 from archlab.runs import checkpoint as ckpt_io
 from archlab.runs import model_folder
@@ -490,6 +490,10 @@ class _Run:
         if finite:
             self.optimizer.step()
             self.skipped = 0
+        # MoE balance=bias: the expert biases move by this step's routed counts, summed over ranks (DeepSeek-V3)
+        moe_balance_step(self.raw, update=finite,
+                         reduce=lambda t: torch.tensor(dist_util.all_reduce_sum(t.flatten().tolist(), info),
+                                                       dtype=t.dtype, device=t.device).view_as(t))
         self.optimizer.zero_grad(set_to_none=True)
         return _StepStats(ce, total_loss, grad_norm, finite, stop > 0, round(tokens_mean * info.world_size))
 

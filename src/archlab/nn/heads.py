@@ -4,7 +4,8 @@
                                         2017), a vocabulary bias, Cohere's logit scale, Gemma 2's soft-cap
     MLMHead    (b, t, d) -> (b, t, v)   BERT's masked-LM head: transform (dense, activation, norm), then an LMHead
     NSPHead    (b, t, d) -> (b, 2)      BERT's next-sentence head: pooler (dense + tanh) on the first slot, classifier
-    ScoreHead  (b, t, d) -> (b,)        a reward model's scalar at each row's last real token
+    ScoreHead  (b, t, d) -> (b,)        a reward model's scalar at each row's last real token; (b, t) at every
+                                        token as PPO's value head (`values`)
 
 A tied LMHead holds no matrix of its own: it reads the embedding it was given, which stays the model's child
 (`embed.weight`), so a checkpoint holds the tensor once. Training losses are fused with the projection in row
@@ -26,7 +27,8 @@ from archlab.nn.int8 import Int8Matrix, is_quantized
 from archlab.nn.mlp import ACTIVATIONS
 from archlab.nn.norms import build_norm
 
-__all__ = ["LMHead", "LossOutput", "MLMHead", "NSPHead", "ScoreHead", "attach_score_head", "SCORE_HEAD"]
+__all__ = ["LMHead", "LossOutput", "MLMHead", "NSPHead", "ScoreHead", "attach_score_head", "SCORE_HEAD", "VALUE_HEAD",
+           "SCALAR_HEADS"]
 
 
 @dataclass
@@ -171,6 +173,8 @@ class NSPHead(nn.Module):
 
 
 SCORE_HEAD = "score_head"      # the attribute, and the prefix of its state-dict keys
+VALUE_HEAD = "value_head"      # a PPO policy's value head: a ScoreHead read at every token
+SCALAR_HEADS = (SCORE_HEAD, VALUE_HEAD)    # the heads a checkpoint may add to a model (runs.model_folder)
 
 
 class ScoreHead(nn.Module):
@@ -186,14 +190,19 @@ class ScoreHead(nn.Module):
         last = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths.to(hidden.device) - 1]   # (b, d)
         return F.linear(last.float(), self.weight.float()).squeeze(-1)
 
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:                          # (b, t, d) -> (b, t)
+        """The scalar at every position (float32): a value head reads the state before each token (PPO)."""
+        return F.linear(hidden.float(), self.weight.float()).squeeze(-1)
 
-def attach_score_head(model: nn.Module) -> ScoreHead:
-    """Put a ScoreHead (zeros) on `model` as `score_head` (its keys `score_head.weight`), or return the one it has.
+
+def attach_score_head(model: nn.Module, name: str = SCORE_HEAD) -> ScoreHead:
+    """Put a ScoreHead (zeros) on `model` as `name` (a reward model's `score_head`, PPO's `value_head`; its keys
+    `<name>.weight`), or return the one it has.
     Example: rewards = attach_score_head(model)(model(ids, return_hidden=True), lengths)"""
-    head = getattr(model, SCORE_HEAD, None)
+    head = getattr(model, name, None)
     if head is None:
         weight = next(model.parameters())
         config: ModelConfig = model.config                                  # type: ignore[assignment]
         head = ScoreHead(config.d_model).to(weight.device)
-        setattr(model, SCORE_HEAD, head)
+        setattr(model, name, head)
     return head

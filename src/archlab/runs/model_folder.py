@@ -244,14 +244,15 @@ def model_with_weights(cfg: ModelConfig, state: dict, source: Path, train: dict 
     from archlab.models import build_model
     from archlab.models.accounting import check_weights_fit
     from archlab.models.legacy_keys import upgrade_keys
-    from archlab.nn.heads import SCORE_HEAD, attach_score_head
+    from archlab.nn.heads import SCALAR_HEADS, attach_score_head
 
     check_weights_fit(cfg, what=f"the model in {CONFIG_FILE} (for {source})")
     model = build_model(cfg)
     state = upgrade_keys(state, cfg.arch)              # a run folder of an earlier module layout
     _adapters_for(model, state, train)
-    if any(name.startswith(SCORE_HEAD + ".") for name in state):     # a reward run's scalar head (methods/reward)
-        attach_score_head(model)
+    for head in SCALAR_HEADS:       # a reward run's scalar head (methods/reward), a PPO policy's value head
+        if any(name.startswith(head + ".") for name in state):
+            attach_score_head(model, head)
     if quantization is not None:
         from archlab.nn.int8 import quantize_int8
         quantize_int8(model, layout_only=True)

@@ -26,7 +26,10 @@ def register(subparsers) -> None:
                               "is refused as OpenAI refuses it (a JSON 400 naming it); a request body past "
                               "--max-request-mb is a 413; on SIGTERM a request whose body is still arriving is "
                               "answered 503 at once, and requests generating are cancelled after --shutdown-timeout "
-                              "seconds.",
+                              "seconds. Finished requests leave their keys and values in the KV cache's rows: a "
+                              "request whose prompt shares a token prefix with a row (a chat's next turn, a shared "
+                              "system prompt) prefills only the rest (usage.prompt_tokens_details.cached_tokens "
+                              "counts them); the least recently used row is evicted first.",
                               epilog=SERVE_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", metavar="RUN_OR_HF_FOLDER", help="a run folder or a Hugging Face model folder")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -36,6 +39,14 @@ def register(subparsers) -> None:
                    help="largest request body in MB; a larger one is refused with 413 (default %(default)g)")
     p.add_argument("--shutdown-timeout", type=float, default=Limits.shutdown_timeout_s,
                    help="seconds SIGTERM waits for open requests before cancelling them (default %(default)g)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="requests decoded together at most (continuous batching; default %(default)s)")
+    p.add_argument("--cache-rows", type=int, default=None,
+                   help="rows of KV cache, each the model's context long (default: --max-batch); the rows not "
+                   "decoding keep finished requests' prefixes for later ones, e.g. --cache-rows 32 keeps 24 "
+                   "conversations while 8 decode")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (no reuse of what a row holds)")
     p.set_defaults(func=run)
 
 
@@ -55,9 +66,15 @@ def run(args) -> int:
     from archlab.cli.generate import check_device
     from archlab.serve import Engine, create_app
     from archlab.serve.server import make_server
+    from archlab.units import human_bytes
 
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch {args.max_batch} must be >= 1")
+    if args.cache_rows is not None and args.cache_rows < args.max_batch:
+        raise UserError(f"--cache-rows {args.cache_rows} must be at least --max-batch {args.max_batch}")
     check_device(args.device)
-    engine = Engine.from_folder(args.path, args.device)
+    engine = Engine.from_folder(args.path, args.device, args.max_batch, cache_rows=args.cache_rows,
+                                prefix_cache=not args.no_prefix_cache)
     print(f"serving {engine.name} (context {engine.context}) on http://{args.host}:{args.port}/v1", flush=True)
     if engine.applied:
         print("generation_config.json, the defaults under each request's fields: "
@@ -65,6 +82,12 @@ def run(args) -> int:
     if engine.not_applied:
         print("generation_config.json, not applied (one sequence a request, no beam search): "
               + ", ".join(engine.not_applied), flush=True)
+    rows = len(engine.slots.length)
+    print(f"KV cache: {rows} rows x {engine.context} tokens, {human_bytes(engine.slots.nbytes)}; up to "
+          f"{engine.max_batch} decoding at once; prefix cache "
+          + ("off" if args.no_prefix_cache else "on (rows not decoding keep finished requests' tokens; the least "
+                                              "recently used is evicted first)"),
+          flush=True)
     limits = Limits(max_body_bytes=int(args.max_request_mb * MB), shutdown_timeout_s=args.shutdown_timeout)
     # a client holding a half-sent body is answered 503 as the server starts stopping (archlab.serve.server);
     # requests already generating get the graceful-shutdown timeout to finish

@@ -15,10 +15,22 @@ every slot of windowed layers (StaticKVCache(rolling=False)) so it can be croppe
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from archlab.nn.kv_cache import StaticKVCache
+
+
+def common_prefix(held: Sequence[int], ids: Sequence[int], limit: int | None = None) -> int:
+    """How many leading tokens `held` and `ids` share, at most `limit`.
+    Example: common_prefix([1, 2, 3], [1, 2, 4]) == 2"""
+    n = min(len(held), len(ids), len(ids) if limit is None else limit)
+    if n <= 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(held[:n], dtype=np.int64) != np.asarray(ids[:n], dtype=np.int64))
+    return int(differ[0]) if len(differ) else n
 
 
 class PrefixCache:
@@ -57,10 +69,7 @@ class PrefixCache:
             self.cache = StaticKVCache(config, 1, config.max_seq_len, dtype=dtype, device=device, rolling=False)
             self._owner, self._kind = weakref.ref(model), kind
         held, ids = self.ids, prompt[0].tolist()
-        common = 0
-        limit = min(len(held), len(ids) - 1)
-        while common < limit and held[common] == ids[common]:
-            common += 1
+        common = common_prefix(held, ids, len(ids) - 1)
         assert self.cache is not None
         self.cache.crop(common)
         del held[common:]

@@ -293,8 +293,27 @@ class SlotKVCache:
 
     def reset(self, row: int) -> None:
         """Free a row for the next request."""
-        self.pos[row] = -1
-        self.length[row] = 0
+        self.crop(row, 0)
+
+    def crop(self, row: int, length: int) -> None:
+        """Keep a row's first `length` tokens (a prefix the next request shares); the next forward writes after."""
+        _check_crop(length, self.length[row])
+        self.pos[row, length:] = -1
+        self.length[row] = length
+
+    def copy(self, source: int, row: int, length: int) -> None:
+        """Row `row` holds `source`'s first `length` tokens (a prefix another request shares) and nothing after."""
+        _check_crop(length, self.length[source])
+        self.k[:, row, :, :length] = self.k[:, source, :, :length]
+        self.v[:, row, :, :length] = self.v[:, source, :, :length]
+        self.pos[row, :length] = self.pos[source, :length]
+        self.pos[row, length:] = -1
+        self.length[row] = length
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by keys and values, every row: fixed at construction whatever the rows hold."""
+        return self.k.nbytes + self.v.nbytes
 
     def view(self, rows: list[int]) -> _SlotView:
         return _SlotView(self, rows)
@@ -317,9 +336,11 @@ class _SlotView:
             s.v[layer, row, :, start:start + t] = v[i]
             s.pos[row, start:start + t] = positions[i]     # the same for every layer of this forward
             s.length[row] = start + t
-        keys = s.k[layer].index_select(0, self.index)                        # (b, k, cap, e)
-        values = s.v[layer].index_select(0, self.index)
-        return keys, values, s.pos.index_select(0, self.index)              # ..., (b, cap)
+        # only the slots some row has written: attention never spans the empty tail of the capacity
+        end = max(self.starts) + t
+        keys = s.k[layer, :, :, :end].index_select(0, self.index)            # (b, k, end, e)
+        values = s.v[layer, :, :, :end].index_select(0, self.index)
+        return keys, values, s.pos[:, :end].index_select(0, self.index)    # ..., (b, end)
 
     def __len__(self) -> int:
         return max(self.starts)

@@ -23,7 +23,9 @@ Every field is honoured or refused as OpenAI refuses it (archlab.serve.fields): 
 Nothing a request sends is worked on by the event loop: the body is parsed, the chat template rendered (with a
 time limit) and the prompt tokenized on worker threads, and decoding runs on the Engine's batching thread
 (concurrent requests share one batched decode), so /health and /v1/models answer whatever a request costs; a
-client that disconnects stops its decode at the next step. Stop strings are held back until they cannot
+client that disconnects stops its decode at the next step. A prompt sharing a token prefix with what a slot of the
+Engine holds (an earlier request's prompt and answer) prefills only the rest; `usage` counts those tokens as
+OpenAI does, in prompt_tokens_details.cached_tokens. Stop strings are held back until they cannot
 match (archlab.serve.stops): streamed and non-streamed texts are the same, cut just before the stop.
 """
 from __future__ import annotations
@@ -327,11 +329,14 @@ async def _until_disconnect(request, events: AsyncIterator[str], cancel: threadi
 
 
 def _usage(last: list[Delta | None]) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens: the prompt tokens the server's prefix cache held (the
+    first choice's: each choice of n places its prompt on its own)."""
     finished = [d for d in last if d is not None]
     prompt_tokens = finished[0].prompt_tokens if finished else 0
     completion_tokens = sum(d.completion_tokens for d in finished)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": finished[0].cached_tokens if finished else 0}}
 
 
 def _full(rid: str, kind: str, model: str, texts: list[str], last: list[Delta | None]) -> dict:

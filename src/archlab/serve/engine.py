@@ -12,6 +12,11 @@ many rows each decode step carried. A request's deltas hold back a tail that may
 A model folder's generation_config.json gives each request its defaults (archlab.serve.settings): EOS ids,
 sampling, stop strings and the logits processors, each request with its own (its own history for n-gram
 blocking), its own fields winning.
+
+The rows outlive their requests (archlab.serve.prefixes): a finished request's keys and values stay in its row, and
+a request whose prompt shares a token prefix with what a row holds prefills only the rest (a chat's next turn, a
+shared system prompt); `cache_rows` rows are kept, at most `max_batch` of them decoding at once, the least recently
+used evicted first. Each answer's last delta counts the prompt tokens found cached (`cached_tokens`).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from archlab.nn.fused import DecodeSession, direct_calls
 from archlab.runs.chat_folder import chat_tokenizer
 from archlab.runs.model_folder import check_vocabulary
 from archlab.serve.fields import RANGES, RequestError
+from archlab.serve.prefixes import SlotPrefixes
 from archlab.serve.stops import first_stop, releasable, settled_stop
 from archlab.tokenizer.chat import ChatTokenizer
 
@@ -63,6 +69,7 @@ class Delta:
     finish_reason: str | None = None       # "stop" (EOS or a stop string) | "length" on the last one
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0                 # prompt tokens whose keys and values a slot already held
 
 
 @dataclass
@@ -72,6 +79,7 @@ class _Job:
     cancel: threading.Event
     out: queue.Queue = field(default_factory=queue.Queue)
     row: int = -1
+    cached: int = 0                        # prompt tokens found in the row's prefix cache
     new: list[int] = field(default_factory=list)
     sent: str = ""                         # the text handed out so far: never a part a stop string may still cut
     text: str = ""                         # the whole text decoded so far (past any stop string: cut)
@@ -82,12 +90,15 @@ class _Job:
 
 class Engine:
     """A loaded model and tokenizer serving up to `max_batch` requests at once; `generation_config`: the
-    folder's decoding defaults (archlab.serve.settings), under each request's own fields.
+    folder's decoding defaults (archlab.serve.settings), under each request's own fields. `cache_rows`: rows of
+    keys and values kept (default max_batch; each the model's context long), finished requests' prefixes held in
+    the free ones for later requests; prefix_cache=False: every request prefills its whole prompt.
     Example: Engine.from_folder("runs/demo").complete(CompletionRequest("ROMEO:", max_tokens=8))"""
 
     def __init__(self, model, tokenizer, name: str, chat_template: str | ChatTokenizer | None = None,
                  max_batch: int = 8,
-                 generation_config: GenerationConfig | None = None):
+                 generation_config: GenerationConfig | None = None, *, cache_rows: int | None = None,
+                 prefix_cache: bool = True):
         from archlab.generation.stepper import vocab_limit
         from archlab.nn.kv_cache import SlotKVCache
         from archlab.serve.settings import applied, defaults_for, not_served
@@ -103,7 +114,13 @@ class Engine:
                                      self.vocab_limit or model.config.vocab_size)
         self.applied, self.not_applied = applied(generation_config), not_served(generation_config)
         weight = next(model.parameters())
-        self.slots = SlotKVCache(model.config, max_batch, self.context, dtype=weight.dtype, device=weight.device)
+        rows = max_batch if cache_rows is None else cache_rows
+        if max_batch < 1 or rows < max_batch:
+            raise UserError(f"cache rows ({rows}) must be at least the batch ({max_batch}), and the batch >= 1")
+        self.max_batch = max_batch
+        self.slots = SlotKVCache(model.config, rows, self.context, dtype=weight.dtype, device=weight.device)
+        self.prefixes = SlotPrefixes(self.slots, enabled=prefix_cache)
+        self.prompt_tokens = self.cached_tokens = 0   # over every request admitted: the prefix cache's hit count
         self.rows_per_step: collections.Counter = collections.Counter()
         self._waiting: collections.deque[_Job] = collections.deque()
         self._active: dict[int, _Job] = {}
@@ -113,9 +130,10 @@ class Engine:
         self._end_of_turn: tuple[int, ...] | None = None
 
     @classmethod
-    def from_folder(cls, path: str | Path, device: str = "cpu", max_batch: int = 8) -> Engine:
+    def from_folder(cls, path: str | Path, device: str = "cpu", max_batch: int = 8, **kw) -> Engine:
         """The folder's decoder-only LM, tokenizer, chat template and generation_config.json; another kind of
-        model is a UserError naming the command that serves it, before any weights load."""
+        model is a UserError naming the command that serves it, before any weights load. `kw`: cache_rows,
+        prefix_cache."""
         from archlab.runs.hub import resolve_model
         from archlab.runs.model_folder import folder_arch, load_model_and_tokenizer
 
@@ -127,7 +145,7 @@ class Engine:
         model, tokenizer = load_model_and_tokenizer(resolved, device, purpose="serve", generation_config=True)
         folder = Path(str(path).split("@")[0])
         return cls(model, tokenizer, folder.resolve().name, chat_tokenizer(Path(resolved), tokenizer), max_batch,
-                   generation_config=getattr(model, "generation_config", None))
+                   generation_config=getattr(model, "generation_config", None), **kw)
 
     def end_of_turn(self) -> tuple[int, ...]:
         """The ids the chat template writes after an assistant's text (archlab.generation.chat), found once:
@@ -207,10 +225,10 @@ class Engine:
     def _schedule(self) -> bool:
         """Admit waiting requests into free rows, drop cancelled ones, run one decode step; whether work is left."""
         with self._wake:
-            free = [r for r in range(len(self.slots.length)) if r not in self._active]
-            joining = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-        for row, job in zip(free, joining):
-            self._guarded(job, self._prefill, row)
+            joining = [self._waiting.popleft()
+                       for _ in range(min(self.max_batch - len(self._active), len(self._waiting)))]
+        for job in joining:               # one at a time: a request may reuse the prefix the one before just wrote
+            self._guarded(job, self._prefill)
         for job in [j for j in self._active.values() if j.cancel.is_set()]:
             self._leave(job, None)
         if self._active:
@@ -229,15 +247,26 @@ class Engine:
             self._leave(job, exc)
 
     @torch.no_grad()
-    def _prefill(self, job: _Job, row: int) -> None:
-        job.row = row
-        self.slots.reset(row)
-        self._active[row] = job
+    def _prefill(self, job: _Job) -> None:
+        """Place the job in a row (archlab.serve.prefixes) and prefill what of its prompt the row does not hold."""
+        free = [r for r in range(len(self.slots.length)) if r not in self._active]
+        place = self.prefixes.place(job.ids, free, {r: self._fed(j) for r, j in self._active.items()})
+        self.prefixes.apply(place)
+        job.row, job.cached = place.row, place.cached
+        self._active[place.row] = job
         self._session = None
-        ids = torch.tensor([job.ids], device=self.slots.pos.device)                  # (1, t)
-        logits = self.model(ids, positions=torch.arange(ids.shape[1], device=ids.device)[None],
-                            cache=self.slots.view([row]))                            # (1, t, v)
+        self.prompt_tokens += len(job.ids)
+        self.cached_tokens += job.cached
+        device = self.slots.pos.device
+        ids = torch.tensor([job.ids[job.cached:]], device=device)                      # (1, t')
+        positions = torch.arange(job.cached, len(job.ids), device=device)[None]        # (1, t')
+        logits = self.model(ids, positions=positions, cache=self.slots.view([place.row]))  # (1, t', v)
         self._advance(job, logits[0, -1])
+
+    def _fed(self, job: _Job) -> list[int]:
+        """The ids whose keys and values the job's row holds: its prompt and the tokens fed back (the newest one
+        is fed at the next step)."""
+        return (job.ids + job.new)[:self.slots.length[job.row]]
 
     @torch.no_grad()
     def _step(self) -> None:
@@ -288,14 +317,15 @@ class Engine:
         cut = first_stop(job.text, job.settings.stop_strings or ())
         if cut is not None:
             job.text, reason = job.text[:cut], "stop"
-        job.out.put(Delta(job.text[len(job.sent):], reason, len(job.ids), len(job.new)))
+        job.out.put(Delta(job.text[len(job.sent):], reason, len(job.ids), len(job.new), job.cached))
         self._leave(job, "done")
 
     def _leave(self, job: _Job, why) -> None:
-        """Free the job's row; tell its reader it was cancelled (None) or failed (the exception)."""
+        """Free the job's row, its tokens kept for a later prefix (emptied after a failure); tell its reader it was
+        cancelled (None) or failed (the exception)."""
         if self._active.get(job.row) is job:
+            self.prefixes.release(job.row, None if isinstance(why, BaseException) else self._fed(job))
             del self._active[job.row]
-            self.slots.reset(job.row)
             self._session = None
         if why is None or isinstance(why, BaseException):
             job.out.put(why)

@@ -64,8 +64,14 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
     # fused AdamW (one kernel over all parameters, CPU and CUDA): ~4x less optimizer time on CPU than
     # the per-parameter loop torch picks by default there; FSDP's DTensor parameters keep the default
     fused = device.type in ("cpu", "cuda") and strategy != "fsdp"
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.optimizer.betas, eps=cfg.optimizer.eps,
-                             **({"fused": True} if fused else {}))
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.optimizer.betas, eps=cfg.optimizer.eps,
+                                  **({"fused": True} if fused else {}))
+    if fused:   # the fused kernel writes the parameters without bumping their version counters, which caches of
+        # weights derived from them (the decode session's packed weights, nn/fused.py) read to see a change: without
+        # this, generation in the training process (samples, RL rollouts) ran on the weights of the first generation
+        params = [p for g in groups for p in g["params"]]
+        optimizer.register_step_post_hook(lambda *_: torch.autograd.graph.increment_version(params))
+    return optimizer
 
 
 def lr_multiplier(cfg: TrainConfig, step: int, progress: float) -> float:

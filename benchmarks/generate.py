@@ -1,6 +1,6 @@
 """Decode throughput of archlab.generate against transformers' generate on the same weights, and
 against archlab's own uncached loop; measured KV-cache bytes against the analytic estimate; and the same
-model decoded through its modules with a DecodeSession's packed weight copies and direct calls (the default)
+model decoded through its modules with its decode plan (packed weight copies, direct calls: the default)
 against the plain module path (fast_decode=False).
 
     .venv/bin/python benchmarks/generate.py [--threads 1] [--new 128] [--prompt 32] [--rounds 7]

@@ -28,12 +28,11 @@ def _prompt(cfg, b=2, t=7):
 def _decode_logits(model, ids, mask, fast, steps=12):
     with torch.inference_mode():
         st = Stepper(model, ids, mask, steps, fast=fast)
-        with st.calls():                      # fast: direct module calls for the loop, as generate runs it
-            logits, out = st.prefill(), []
-            for i in range(steps):
-                tokens = (torch.arange(ids.shape[0]) * 7 + i * 3) % model.config.vocab_size
-                logits = st.step(tokens)
-                out.append(logits)
+        logits, out = st.prefill(), []                # fast: the model's plan, direct module calls
+        for i in range(steps):
+            tokens = (torch.arange(ids.shape[0]) * 7 + i * 3) % model.config.vocab_size
+            logits = st.step(tokens)
+            out.append(logits)
     return st, torch.stack(out, 1)
 
 
@@ -208,16 +207,17 @@ def test_module_forward_through_packed_weights_equals_the_plain_forward(name):
 def test_packed_weights_only_in_a_session_and_never_under_gradients():
     model = TransformerLM(variant("qk-norm-per-head")).eval()
     x = torch.randint(0, model.config.vocab_size, (1, 3))
-    fused._PACKED.clear()
+    plan = model.decode_plan()
     with torch.no_grad():
         model(x)                                         # a user's no-grad forward: no weight copies
-    assert len(fused._PACKED) == 0
-    session = DecodeSession()
+    assert len(plan.packs) == 0
+    session = fused.decode_session(model)
+    assert session.plan is plan
     model(x, session=session).sum().backward()           # gradients: the plain Linears, even in a session
-    assert len(fused._PACKED) == 0 and not session.packs
+    assert len(plan.packs) == 0 and not session.packs
     with torch.no_grad():
         model(x, session=session)
-    assert model.blocks[0].attn.q_proj in fused._PACKED
+    assert model.blocks[0].attn.q_proj in plan.packs
 
 
 def test_module_packed_weights_follow_in_place_changes_and_hooks_see_every_step():
@@ -264,61 +264,3 @@ def test_cached_decode_under_bf16_autocast_equals_the_full_forward(name):
     torch.testing.assert_close(step[:, 0].float(), full[:, 5].float(), rtol=2e-2, atol=2e-2)
 
 
-# ---- direct module calls: the decode loop's one transformation of the model ----
-def _refuse_module_call(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("went through nn.Module.__call__")
-    monkeypatch.setattr(nn.Module, "_call_impl", refuse)
-
-
-def test_direct_calls_skip_module_call_and_restore_every_class(monkeypatch):
-    model = TransformerLM(variant("gqa")).eval()
-    classes = [type(m) for m in model.modules()]
-    x = torch.randint(0, model.config.vocab_size, (2, 5))
-    with torch.no_grad():
-        expected = model(x)
-    with monkeypatch.context() as patch:
-        _refuse_module_call(patch)
-        with torch.no_grad(), fused.direct_calls(model):
-            got = model(x)                                  # every module straight into forward
-            assert all(isinstance(m, cls) for m, cls in zip(model.modules(), classes))
-        with pytest.raises(AssertionError, match="nn.Module.__call__"):
-            model(x)                                        # outside the block: modules again
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    assert [type(m) for m in model.modules()] == classes
-    with pytest.raises(RuntimeError, match="boom"), fused.direct_calls(model):
-        raise RuntimeError("boom")
-    assert [type(m) for m in model.modules()] == classes   # restored on an error too
-
-
-@pytest.mark.parametrize("hook", ["module", "global"])
-def test_a_hook_anywhere_leaves_the_model_as_it_is(hook):
-    model = TransformerLM(variant("base")).eval()
-    fired = []
-    if hook == "module":
-        handle = model.blocks[1].mlp.register_forward_pre_hook(lambda *a: fired.append(1))
-    else:
-        handle = nn.modules.module.register_module_forward_pre_hook(lambda *a: fired.append(1))
-    classes = [type(m) for m in model.modules()]
-    try:
-        with torch.no_grad(), fused.direct_calls(model):
-            assert [type(m) for m in model.modules()] == classes
-            model(torch.randint(0, model.config.vocab_size, (1, 3)))
-    finally:
-        handle.remove()
-    assert fired
-
-
-def test_generate_decodes_through_direct_calls_and_an_abandoned_stream_restores_them(monkeypatch):
-    model = TransformerLM(variant("base")).eval()
-    prompt = torch.randint(0, model.config.vocab_size, (2, 4))
-    expected = archlab.generate(model, prompt, max_new_tokens=6, fast_decode=False)
-    classes = [type(m) for m in model.modules()]
-    with monkeypatch.context() as patch:
-        _refuse_module_call(patch)
-        assert torch.equal(archlab.generate(model, prompt, max_new_tokens=6), expected)
-        tokens = archlab.generation.stream(model, prompt, max_new_tokens=6)
-        next(tokens)
-        assert [type(m) for m in model.modules()] != classes    # mid-stream: swapped
-        tokens.close()
-    assert [type(m) for m in model.modules()] == classes

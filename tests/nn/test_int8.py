@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import archlab
 from archlab.nn import quantize as qm
+from archlab.nn.fused import DecodePlan
 from archlab.nn.int8 import KERNELS, QuantizedLinear, int8_pack, quantize_int8
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "run_v1"
@@ -63,12 +64,14 @@ def test_decode_kernel_equals_the_dequantize_reference(kernel, rows):
         assert (y - ref).abs().max() <= 0.02 * ref.abs().max(), kernel
 
 
-def test_pack_is_rebuilt_when_the_int8_weights_change():
+def test_pack_is_kept_by_the_plan_and_rebuilt_when_the_int8_weights_change():
     lin = quantize_int8(torch.nn.Sequential(torch.nn.Linear(8, 4)))[0]
-    first = int8_pack((lin,))
-    assert int8_pack((lin,)) is first
+    plan = DecodePlan()
+    first = plan.int8((lin,))
+    assert plan.int8((lin,)) is first
+    assert DecodePlan().int8((lin,)) is not first          # per plan: another model's plan builds its own
     lin.qweight.add_(1)
-    assert int8_pack((lin,)) is not first
+    assert plan.int8((lin,)) is not first
 
 
 @pytest.mark.parametrize("tie", [True, False])

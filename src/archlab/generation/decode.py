@@ -14,7 +14,6 @@ from a folder's generation_config.json, which explicit arguments override.
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Callable, Iterator, Sequence
 
@@ -124,7 +123,7 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
                                  stats if stats is not None else SpeculativeStats(), tuple(eos))
         if stats is not None:
             stats.draft = getattr(speculation, "name", type(speculation).__name__)
-        return _run(stepper, new, loop, speculation.calls())
+        return _run(stepper, new, loop)
     processors = build_processors(cfg, eos=eos, prompt_width=ids.shape[1], max_length=ids.shape[1] + new,
                                   penalty=False)   # the repetition penalty: in next_token
     return _run(stepper, new, _steps(stepper, new, params, eos, pad, stops, generator, processors, ids))
@@ -157,13 +156,10 @@ class _Finished:
 
 
 @torch.inference_mode()
-def _run(stepper: Stepper, max_new_tokens: int, loop: Iterator[torch.Tensor],
-         draft_calls: contextlib.AbstractContextManager | None = None):
+def _run(stepper: Stepper, max_new_tokens: int, loop: Iterator[torch.Tensor]):
     if max_new_tokens == 0:
         return
-    # a hook-free model's modules called straight into forward, for the whole loop (a draft model's too)
-    with stepper.calls(), draft_calls or contextlib.nullcontext():
-        yield from loop
+    yield from loop
 
 
 def _settings(generation_config: GenerationConfig | None, **arguments) -> GenerationConfig:

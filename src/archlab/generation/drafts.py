@@ -20,14 +20,12 @@ A draft follows one protocol, driven by archlab.generation.speculative:
     propose(seqs, k, choose)          -> Proposal: up to k tokens per row (b, k') and, where the draft has a
                                       distribution, the probabilities each was chosen from (b, k', v)
     commit(length)                    the first `length` tokens of seqs + proposal stand (the rest was rejected)
-    calls()                           the context the decode loop runs in (a draft model's direct module calls)
 `choose(logits (b, v), seqs (b, t)) -> (tokens (b,), probs (b, v) | None)` is the target's own selection rule
 (logits processors, temperature, top-k, top-p; greedy: argmax and None), so a draft that has logits proposes
 with exactly the processing the target is verified with. Shapes: b rows, t tokens so far, v vocabulary.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -35,7 +33,6 @@ import numpy as np
 import torch
 
 from archlab.generation.stepper import Stepper
-from archlab.nn.fused import direct_calls
 
 Choose = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
 
@@ -62,8 +59,6 @@ class Draft(Protocol):
     def propose(self, seqs: torch.Tensor, k: int, choose: Choose) -> Proposal: ...
 
     def commit(self, length: int) -> None: ...
-
-    def calls(self) -> contextlib.AbstractContextManager: ...
 
 
 class _Rows:
@@ -115,9 +110,6 @@ class ModelDraft:
         self.model, self.fast, self.vocab_limit = model, fast, vocab_limit
         self.stepper: Stepper | None = None
         self.fed = 0            # tokens of the sequence (left padding included) the draft's cache holds
-
-    def calls(self) -> contextlib.AbstractContextManager:
-        return direct_calls(self.model) if self.fast else contextlib.nullcontext()
 
     def check(self, target, prompt_width: int, max_new_tokens: int) -> None:
         """A draft of another vocabulary, or one whose context cannot hold the generation: ValueError."""
@@ -191,9 +183,6 @@ class PromptLookupDraft:
 
     def commit(self, length: int) -> None:
         pass
-
-    def calls(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
 
 
 class NgramIndex:
@@ -300,9 +289,6 @@ class NgramDraft:
     def commit(self, length: int) -> None:
         pass
 
-    def calls(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
 
 # draft names (Python and the CLI) -> a factory; a model or a Draft object is passed as itself
 DRAFTS: dict[str, Callable[[], Draft]] = {
@@ -321,6 +307,6 @@ def resolve(draft, *, fast: bool, vocab_limit: int | None) -> Draft:
         return DRAFTS[draft]()
     if isinstance(draft, torch.nn.Module):
         return ModelDraft(draft, fast=fast, vocab_limit=vocab_limit)
-    if all(hasattr(draft, a) for a in ("start", "propose", "commit", "calls")):
+    if all(hasattr(draft, a) for a in ("start", "propose", "commit")):
         return draft
     raise TypeError(f"draft must be a model, a Draft, or one of {sorted(set(DRAFTS))}; got {type(draft).__name__}")

@@ -5,10 +5,10 @@ far) and the next positions. `prefill()` runs the prompt, `step(tokens)` feeds o
 both return the next-token logits (b, v). `reorder(index)` selects rows (beam search). Speculative decoding
 (rewindable=True) feeds several tokens at once with `extend(tokens)` -> logits at each (b, m, v) and drops
 the rejected ones with `rewind(n)`. Every step
-runs the model's own forward; fast=True (the default) hands each one the Stepper's DecodeSession
-(`model(..., session=...)`): packed weight copies, and `calls()` is the context a decode loop runs its steps
-in: a hook-free model's modules called straight into forward (archlab.nn.fused.direct_calls); fast=False: no
-session, no weight copies, every call through nn.Module.__call__.
+runs the model's own forward; fast=True (the default) hands each one the Stepper's DecodeSession over the
+model's decode plan (`model(..., session=...)`, archlab.nn.fused): packed weight copies and, for a hook-free
+model, its modules called straight into forward; fast=False: no session, no weight copies, every call through
+nn.Module.__call__.
 
 Batched prompts of different lengths are left-padded: positions = cumsum(mask) - 1 and padded
 slots get position -1, which attention masks out; every row's newest token is then in the last
@@ -21,7 +21,6 @@ projects once; every step then runs the decoder alone over its self-attention KV
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Sequence
 
@@ -29,7 +28,7 @@ import torch
 
 from archlab.config import ABSOLUTE_POSITIONS
 from archlab.generation.prefix import PrefixCache
-from archlab.nn.fused import DecodeSession, direct_calls
+from archlab.nn.fused import call, decode_session
 from archlab.nn.kv_cache import SinkKVCache, StaticKVCache
 from archlab.nn.masks import Context
 
@@ -229,17 +228,13 @@ class Stepper:
         self._hidden_head = hasattr(model, "lm_head") and config is not None
         # no padding: a TransformerLM is given positions=None and counts them from its cache (0..t-1 at first)
         self.implied = config is not None and bool(self.mask.all())
-        # packed weights looked up once per generate call, not per step
-        self.session = DecodeSession() if fast else None
+        # the model's decode plan (packed weights, direct calls) checked once per generate call, not per step
+        self.session = decode_session(model) if fast else None
         # a model whose embedding is padded past its tokenizer (e.g. to a multiple of 64) must never pick
         # an id the tokenizer cannot decode: logits are cut to the first `vocab_limit` ids
         if vocab_limit is not None and vocab_limit < 1:
             raise ValueError(f"vocab_limit={vocab_limit} must be >= 1")
         self.vocab_limit = vocab_limit
-
-    def calls(self) -> contextlib.AbstractContextManager:
-        """The context a decode loop steps in: direct module calls when fast (nn/fused.direct_calls)."""
-        return direct_calls(self.model) if self.session is not None else contextlib.nullcontext()
 
     # ---- checks ------------------------------------------------------------------------------
     def _check_context(self, max_new_tokens: int) -> None:
@@ -287,12 +282,13 @@ class Stepper:
     def _model_logits(self, ids, positions, cache, last: int | None = None) -> torch.Tensor:
         where = -1 if last is None else slice(ids.shape[1] - last, None)   # the positions whose logits are wanted
         if self.context is not None:   # an encoder-decoder's decoder (unpadded rows: positions implied)
-            hidden = self.model.decode(ids, self.context, return_hidden=True, cache=cache, session=self.session)
-            return self.model.lm_head(hidden[:, where], self.session)                    # (b, v) | (b, last, v)
+            session = self.session
+            hidden = self.model.decode(ids, self.context, return_hidden=True, cache=cache, session=session)
+            return call(self.model.lm_head, session)(hidden[:, where], session)          # (b, v) | (b, last, v)
         if self._hidden_head:  # the head over the last position(s) only (the prompt can be long)
             session = self.session
-            hidden = self.model(ids, positions, cache, return_hidden=True, session=session)      # (b, t, d)
-            return self.model.lm_head(hidden[:, where], session)                 # (b, v) | (b, last, v)
+            hidden = call(self.model, session)(ids, positions, cache, return_hidden=True, session=session)  # (b, t, d)
+            return call(self.model.lm_head, session)(hidden[:, where], session)  # (b, v) | (b, last, v)
         return self.model(ids, positions=positions, cache=cache)[:, where]
 
     def prefill(self) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch import nn
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.nn.embedding import Embedder, init_weights
-from archlab.nn.fused import DecodeSession
+from archlab.nn.fused import DecodeSession, PlannedDecode, call
 from archlab.nn.heads import LMHead, LossOutput
 from archlab.nn.mlp import MoEMLP
 from archlab.nn.stack import TransformerStack
@@ -68,7 +68,7 @@ def next_token_loss(model: nn.Module, head: LMHead, hidden: torch.Tensor, target
     return LossOutput(total=total + aux, ce=ce, z_loss=z_loss, aux_loss=aux)
 
 
-class TransformerLM(Embedder, nn.Module):
+class TransformerLM(Embedder, PlannedDecode, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         cfg = self.config = config
@@ -100,13 +100,13 @@ class TransformerLM(Embedder, nn.Module):
     ) -> torch.Tensor | LossOutput:                   # (b, t, v) logits, or (b, t, d) hidden
         inputs = self.blocks.inputs(input_ids, positions=positions, document_ids=document_ids, cache=cache,
                                     prefix_lengths=prefix_lengths, session=session)
-        x = self.embed_tokens(input_ids, inputs.positions)                          # (b, t, d)
-        x = self.blocks(x, inputs)                                           # (b, t, d), normed
+        x = self.embed_tokens(input_ids, inputs.positions, session=session)        # (b, t, d)
+        x = call(self.blocks, session)(x, inputs)     # (b, t, d), normed; decoding: the stack's forward (nn/fused)
         if return_hidden:
             return x
         if targets is not None:  # through forward, so DDP/FSDP/compile wrappers see the whole step
             return self.loss_from_hidden(x, targets)
-        return self.lm_head(x, session)                                      # (b, t, v)
+        return call(self.lm_head, session)(x, session)                       # (b, t, v)
 
     # ---- loss ----------------------------------------------------------------------------
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,

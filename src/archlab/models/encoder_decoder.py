@@ -26,7 +26,7 @@ from archlab.config import ConfigError, ModelConfig
 from archlab.models.decoder import LossOutput, next_token_loss
 from archlab.nn.block import Block
 from archlab.nn.embedding import Embedder, init_weights
-from archlab.nn.fused import DecodeSession
+from archlab.nn.fused import DecodeSession, PlannedDecode, call
 from archlab.nn.heads import LMHead
 from archlab.nn.masks import Context
 from archlab.nn.stack import TransformerStack
@@ -46,7 +46,7 @@ def shift_right(labels: torch.Tensor, start_token_id: int, ignore_index: int = -
     return shifted.masked_fill(shifted == ignore_index, start_token_id)
 
 
-class EncoderDecoderLM(Embedder, nn.Module):
+class EncoderDecoderLM(Embedder, PlannedDecode, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         cfg = self.config = config
@@ -86,9 +86,9 @@ class EncoderDecoderLM(Embedder, nn.Module):
         context = context.for_targets(document_ids)
         inputs = self.decoder.inputs(decoder_input_ids, attention_mask=decoder_attention_mask,
                                      document_ids=document_ids, cache=cache, session=session)
-        x = self.embed_tokens(decoder_input_ids, inputs.positions, decoder=True)   # (b, t, d)
-        x = self.decoder(x, inputs, context)                                 # (b, t, d), normed
-        return x if return_hidden else self.lm_head(x, session)
+        x = self.embed_tokens(decoder_input_ids, inputs.positions, decoder=True, session=session)   # (b, t, d)
+        x = call(self.decoder, session)(x, inputs, context)                  # (b, t, d), normed
+        return x if return_hidden else call(self.lm_head, session)(x, session)
 
     def forward(
         self,

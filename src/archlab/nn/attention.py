@@ -25,7 +25,7 @@ from torch import nn
 from archlab.config import AttentionConfig, BiasConfig, LayerSpec, NormConfig
 from archlab.nn import attention_backends as backends
 from archlab.nn import flex_attention, local_attention, strided_attention  # noqa: F401  (register their backends)
-from archlab.nn.fused import DecodeSession, decode_weights, linear, packed_groups, packed_matmul, project
+from archlab.nn.fused import DecodePlan, DecodeSession, decode_weights, linear, packed_groups, packed_matmul, project
 from archlab.nn.masks import AttnInputs, Context, LocalPattern, MaskSpec
 from archlab.nn.mlp import mark_residual_out
 from archlab.nn.norms import HeadwiseNorm, build_norm
@@ -127,12 +127,12 @@ class Attention(nn.Module):
             out = out * torch.sigmoid(linear(x, self.gate_proj, session))
         return linear(out, self.o_proj, session) if packs is None else packed_matmul(out, packs[1])
 
-    def _decode_weights(self, x: torch.Tensor):
+    def _decode_weights(self, x: torch.Tensor, plan: DecodePlan):
         """(q/k/v packed, o packed) for decoding (nn/fused.py), or None: QK-norm between the projection and
         the heads (those layers decode Linear by Linear), or hooks or autocast to honour."""
         if self.qk_norm != "none":
             return None
-        return packed_groups(x, (self.q_proj, self.k_proj, self.v_proj), (self.o_proj,))
+        return packed_groups(plan, x, (self.q_proj, self.k_proj, self.v_proj), (self.o_proj,))
 
     def _cross_call(self, x: torch.Tensor, inputs: AttnInputs, context: Context) -> backends.AttnCall:
         """Cross-attention's call: q from x; k, v from the context's hidden states, once per context and layer

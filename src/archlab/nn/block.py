@@ -26,6 +26,7 @@ from torch import nn
 
 from archlab.config import LayerSpec, ModelConfig
 from archlab.nn.attention import Attention
+from archlab.nn.fused import direct
 from archlab.nn.masks import AttnInputs, Context
 from archlab.nn.mlp import MoEMLP, build_mlp
 from archlab.nn.norms import build_norm
@@ -61,41 +62,43 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, inputs: AttnInputs, context: Context | None = None
                 ) -> torch.Tensor:                                               # (b, t, d) -> (b, t, d)
-        attn_norm, mlp_norm = self.attn_norm, self.mlp_norm
+        m = direct(self, inputs.session)   # the sublayers, or in a decode session their forwards (nn/fused.direct)
+        attn_norm, mlp_norm = m.attn_norm, m.mlp_norm
         if self.parallel:
             y = attn_norm(x)
-            return x + self._attn(y, inputs) + self._mlp(mlp_norm(x) if mlp_norm is not None else y, inputs)
+            return x + self._attn(m, y, inputs) + self._mlp(m, mlp_norm(x) if mlp_norm is not None else y, inputs)
         assert mlp_norm is not None          # a serial block always has its own MLP norm
-        x = self._wire(x, attn_norm, self.attn_post_norm, self._attn, inputs)
+        x = self._wire(x, attn_norm, m.attn_post_norm, self._attn, m, inputs)
         if self.cross_attn is not None:
             if context is None:
                 raise ValueError("a cross-attention layer needs the encoder's output (a Context)")
-            x = self._wire(x, self.cross_norm, self.cross_post_norm, self._cross, inputs, context)
-        return self._wire(x, mlp_norm, self.mlp_post_norm, self._mlp, inputs)
+            x = self._wire(x, m.cross_norm, m.cross_post_norm, self._cross, m, inputs, context)
+        return self._wire(x, mlp_norm, m.mlp_post_norm, self._mlp, m, inputs)
 
-    def _wire(self, x: torch.Tensor, norm: nn.Module, post_norm: nn.Module | None,
-              sublayer: Callable[..., torch.Tensor], inputs: AttnInputs, *args: Any) -> torch.Tensor:
-        """One residual sublayer in the configured serial wiring (the diagram above): sublayer(h, inputs, *args)."""
+    def _wire(self, x: torch.Tensor, norm: Callable[..., torch.Tensor], post_norm: Callable[..., torch.Tensor] | None,
+              sublayer: Callable[..., torch.Tensor], m: Any, inputs: AttnInputs, *args: Any) -> torch.Tensor:
+        """One residual sublayer in the configured serial wiring (the diagram above): sublayer(m, h, inputs, *args);
+        m: this block or its direct view."""
         position = self.position
         if position == "pre":
-            return x + sublayer(norm(x), inputs, *args)
+            return x + sublayer(m, norm(x), inputs, *args)
         if position == "post":
-            return norm(x + sublayer(x, inputs, *args))
+            return norm(x + sublayer(m, x, inputs, *args))
         if position == "sandwich":
             assert post_norm is not None
-            return x + post_norm(sublayer(norm(x), inputs, *args))
-        return x + norm(sublayer(x, inputs, *args))                     # post_sublayer
+            return x + post_norm(sublayer(m, norm(x), inputs, *args))
+        return x + norm(sublayer(m, x, inputs, *args))                     # post_sublayer
 
-    def _attn(self, h: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:    # the sublayer + residual dropout
-        out = self.attn(h, inputs)
+    def _attn(self, m: Any, h: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:  # the sublayer + residual dropout
+        out = m.attn(h, inputs)
         return self.drop(out) if self.training else out
 
-    def _cross(self, h: torch.Tensor, inputs: AttnInputs, context: Context) -> torch.Tensor:
+    def _cross(self, m: Any, h: torch.Tensor, inputs: AttnInputs, context: Context) -> torch.Tensor:
         assert self.cross_attn is not None   # forward calls it only for a layer that has one
-        out = self.cross_attn(h, inputs, context)
+        out = m.cross_attn(h, inputs, context)
         return self.drop(out) if self.training else out
 
-    def _mlp(self, h: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:  # the MLP decodes in the forward's session
-        out = (self.mlp(h, inputs.session, real=inputs.real_tokens()) if isinstance(self.mlp, MoEMLP)
-               else self.mlp(h, inputs.session))                 # routed: statistics over real tokens only
+    def _mlp(self, m: Any, h: torch.Tensor, inputs: AttnInputs) -> torch.Tensor:  # decodes in the forward's session
+        out = (m.mlp(h, inputs.session, real=inputs.real_tokens()) if isinstance(self.mlp, MoEMLP)
+               else m.mlp(h, inputs.session))                 # routed: statistics over real tokens only
         return self.drop(out) if self.training else out

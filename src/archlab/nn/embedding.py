@@ -11,11 +11,13 @@ HF weight rules and optimizer states name them the same in decoders and encoders
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
 
 from archlab.config import ModelConfig
+from archlab.nn.fused import DecodeSession, direct
 from archlab.nn.heads import LMHead
 from archlab.nn.norms import build_norm
 from archlab.nn.position import AbsolutePosition
@@ -52,23 +54,28 @@ class Embedder:
                                    if own and cfg.norm.embedding_norm else None)
 
     def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                     token_type_ids: torch.Tensor | None = None, *, decoder: bool = False) -> torch.Tensor:
+                     token_type_ids: torch.Tensor | None = None, *, decoder: bool = False,
+                     session: DecodeSession | None = None) -> torch.Tensor:
         """Token vectors (scaled as Gemma), token types (BERT's segments; 0 where not given), absolute
         positions where the config adds them at the input, the embedding norm and dropout. (b, t) -> (b, t, d).
         decoder: an encoder-decoder's decoder side, which reads its own position and embedding norm where it
-        has them (position.per_stack) in place of the model's `abs_position` and `embed_norm`."""
-        abs_position, embed_norm = self.abs_position, self.embed_norm
-        if decoder and self.decoder_abs_position is not None:
-            abs_position, embed_norm = self.decoder_abs_position, self.decoder_embed_norm
-        x = self.embed(input_ids)                                           # (b, t, d)
+        has them (position.per_stack) in place of the model's `abs_position` and `embed_norm`; session: a decode
+        loop's (its direct calls, nn/fused.direct)."""
+        m = direct(cast(nn.Module, self), session)   # the embeddings, or in a decode session their forwards
+        position = self.decoder_abs_position if decoder and self.decoder_abs_position is not None else None
+        own = position is not None
+        at_input = (self.abs_position if position is None else position).at_input
+        abs_position, embed_norm = ((m.decoder_abs_position, m.decoder_embed_norm) if own
+                                    else (m.abs_position, m.embed_norm))
+        x = m.embed(input_ids)                                              # (b, t, d)
         if self.config.scale_embeddings:  # Gemma: sqrt(d) rounded to the activation dtype
             x = x * torch.tensor(self.config.d_model ** 0.5, dtype=x.dtype)
         if self.token_types is not None:
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
-            x = x + self.token_types(types)
+            x = x + m.token_types(types)
         elif token_type_ids is not None:
             raise ValueError("token_type_ids given but the config has no token types (type_vocab_size=0)")
-        if abs_position.at_input:
+        if at_input:
             x = x + abs_position(positions).to(x.dtype)
         if embed_norm is not None:
             x = embed_norm(x)

@@ -10,29 +10,30 @@ tests/nn/test_fused.py checks values and gradients against the composite formula
 
 Decoding is the other end: a step over a few rows is dominated by per-op and per-module overhead, so
 without gradients `rms_norm` and `rope_half` run their forward math directly (no autograd.Function), and
-a forward given a `DecodeSession` (`model(tok, positions=p, cache=c, session=s)`: generation and the server
-pass one) multiplies by packed, transposed copies of its modules' weights: at one row `x @ W_t` runs
-MKL's faster gemv layout (~1.3x on the weights that dominate a step). The copies are built once per
-parameter version (`packed`) and cost one extra copy of the weights; the session (one per generate call)
-keeps each module's decode weights (`decode_weights`: Attention's q/k/v and o, the MLP's up and down) after
-their first use, so a step looks each module up once. The session travels with the forward, as
-`AttnInputs.session` and as an argument to the MLP and the head, so two threads decoding two models each use
-their own; the packed copies themselves are kept per module (weakly: they go with it) across sessions, and
-rebuilt when a weight is replaced or changed in place.
+the decode form of a model is one object, its `DecodePlan`, which the model builds and keeps
+(`model.decode_plan()`: per model, released with it; no module-level table). The plan holds
 
-The decode loop itself runs inside `direct_calls(model)`: a step makes some 35 module calls, each through
-nn.Module.__call__'s two frames of hook checks (~1.5 us, 3-5% of a small model's step); for a model with no
-hook anywhere, the loop calls its modules straight into forward. That is one transformation applied from
-outside for the loop's duration (the modules' classes swapped to subclasses whose __call__ is forward, and
-back), so the modules themselves read `self.norm(x)` and the plain path stays the reference it is tested
-equal to.
+- packed weights: transposed copies of the Linears a decode step multiplies by (q/k/v as one, gate/up as one,
+  o, down, the head), built at their first use and rebuilt when a weight is replaced or changed in place
+  (at one row `x @ W_t` runs MKL's faster gemv layout, ~1.3x on the weights that dominate a step; one
+  extra copy of the weights, per model, weakly keyed by the modules so a replaced module's copy goes with it);
+- the direct call path: `direct(module, session)`, a view of a module whose children are their `forward`s,
+  so a step's ~35 module calls skip nn.Module.__call__'s two frames of hook checks (~1.5 us each, 3-5% of a
+  small model's step). The modules still read `self.norm(x)` off the view or themselves: the plain path
+  stays the reference the decode path is tested equal to, and no module or class is changed.
+
+A `DecodeSession` is one decode loop's use of the plan (a generate call, a server's batch composition),
+handed to every forward of the loop (`model(tok, positions=p, cache=c, session=s)`, then `AttnInputs.session`,
+the MLP's and the head's `session` argument): it checks the model once for hooks (none anywhere: the direct
+path; else every call goes through its module) and keeps each module's decode weights after their first use
+in the session, so a step looks each module up once. Two threads decoding two models each use their own
+session and plan; two sessions of one model share its plan's packed copies.
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 import weakref
-from typing import Any, Callable, Hashable, Iterator, cast
+from typing import Any, Callable, Hashable, cast
 
 import torch
 import torch.nn.functional as F
@@ -41,26 +42,108 @@ from torch.nn.modules import module as _module
 
 from archlab.nn.int8 import Int8Matrix, Int8Packed, int8_pack, is_quantized
 
-__all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed", "packed_linears",
-           "packed_matmul", "packed_split", "packed_groups", "packable", "decode_weights", "DecodeSession", "matrix",
-           "DECODE_ROWS", "direct_calls"]
+__all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed_linears",
+           "packed_matmul", "packed_split", "packed_groups", "packable", "decode_weights", "DecodeSession",
+           "DecodePlan", "PlannedDecode", "decode_session", "direct", "matrix", "DECODE_ROWS"]
 
 DECODE_ROWS = 32   # at most this many rows without gradients: the packed (decode) path of project/linear
 
 
-class DecodeSession:
-    """One decode loop's state checked once (a generate call, a server step), handed to every forward of the
-    loop (`model(..., session=session)`): each module's packed weights at their first use in the session
-    (built from the current tensors, no hooks on the module, no autocast), then reused without checks. So a
-    weight changed in place between two generate calls is seen; one changed in the middle of a call is not
-    (nor is a hook registered on a Linear mid-call). Every module is still called as a module: its hooks fire.
-    Example: session = DecodeSession()
-             for each step: with torch.no_grad(): logits = model(tok, positions=p, cache=c, session=session)"""
+class DecodePlan:
+    """A model's decode form (the module docstring): its packed weights, kept across sessions while the weights
+    are unchanged, and the direct views of its modules. Built by the model (`PlannedDecode.decode_plan`) and
+    held by it and by each session decoding it; a copy or a pickle of the model starts a fresh, empty plan.
+    Example: session = DecodeSession(model.decode_plan(), model)"""
 
-    __slots__ = ("packs",)
+    __slots__ = ("packs", "__weakref__")
 
     def __init__(self) -> None:
+        # first module of a group (or a head's owner) -> {key: packed weights}; weak keys: a replaced module's
+        # copies go with it, and the plan never keeps a module (nor its model) alive
+        self.packs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __reduce__(self):                     # copy.deepcopy / pickle of a model: an empty plan, rebuilt on use
+        return (DecodePlan, ())
+
+    def packed(self, owner: nn.Module, key: str, weights: list[torch.Tensor], biases: list[torch.Tensor],
+               sources: list[torch.Tensor] | None = None) -> _Packed:
+        """`weights` (out_i, in) concatenated and transposed to (in, sum out_i), `biases` (all or none of them)
+        concatenated; kept per `owner` and `key`, rebuilt when a tensor is replaced or changed in place.
+        `sources`: the tensors the weights are computed from, when they are not the weights themselves (an
+        adapted Linear's W + s B A is computed from W, A and B)."""
+        sources = (weights if sources is None else sources) + biases
+        slot = self._slot(owner)
+        hit = slot.get(key)
+        if hit is None or not hit.fresh(sources):
+            slot[key] = hit = _Packed(sources, weights, biases)
+        return hit
+
+    def fresh(self, owner: nn.Module, key: str, sources: list[torch.Tensor]) -> _Packed | None:
+        """The packed weights under (owner, key) if they were built from `sources`, unchanged since; else None."""
+        hit = self.packs.get(owner, {}).get(key)
+        return hit if hit is not None and hit.fresh(sources) else None
+
+    def int8(self, modules: tuple[Int8Matrix, ...], bias: list[torch.Tensor] | None = None) -> Int8Packed | None:
+        """Some int8 modules' decode form (nn/int8.int8_pack), kept per module group while their int8 tensors
+        and the decode kernel are unchanged."""
+        from archlab.nn.int8 import decode_kernel
+
+        slot, key = self._slot(modules[0]), (decode_kernel(), len(modules))
+        hit = slot.get(key)
+        if hit is None or not hit.fresh(modules):
+            hit = int8_pack(modules, bias, kernel=key[0])
+            if hit is not None:
+                slot[key] = hit
+        return hit
+
+    def _slot(self, owner: nn.Module) -> dict:
+        slot = self.packs.get(owner)
+        if slot is None:
+            slot = self.packs[owner] = {}
+        return slot
+
+
+class PlannedDecode:
+    """Mixin for an LM that decodes (before nn.Module in its bases): its DecodePlan, made with the model and kept
+    by it (an attribute, not a module: no state-dict key, released with the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._decode_plan = DecodePlan()
+
+    def decode_plan(self) -> DecodePlan:
+        """This model's decode plan (nn/fused.DecodePlan).
+        Example: session = DecodeSession(model.decode_plan(), model)"""
+        plan = self.__dict__.get("_decode_plan")
+        if plan is None:
+            plan = self.__dict__["_decode_plan"] = DecodePlan()
+        return plan
+
+
+class DecodeSession:
+    """One decode loop's use of a model's plan, checked once (a generate call, a server step), handed to every
+    forward of the loop (`model(..., session=session)`): each module's packed weights at their first use in the
+    session (built from the current tensors, no hooks on the module, no autocast), then reused without checks.
+    So a weight changed in place between two generate calls is seen; one changed in the middle of a call is not
+    (nor is a hook registered mid-call). Given the model, the session also takes the direct call path when no
+    hook is anywhere (`direct`); without it every module is called as a module and its hooks fire.
+    Example: session = decode_session(model)
+             for each step: with torch.no_grad(): logits = model(tok, positions=p, cache=c, session=session)"""
+
+    __slots__ = ("plan", "packs", "views")
+
+    def __init__(self, plan: DecodePlan | None = None, model: nn.Module | None = None) -> None:
+        self.plan = plan if plan is not None else DecodePlan()
         self.packs: dict = {}     # a module | linears tuple | ("head", owner) -> its decode weights, or None
+        # module -> its direct view (None: every call through nn.Module.__call__): only for a hook-free model
+        self.views: dict[nn.Module, _Direct] | None = {} if model is not None and _hook_free(model) else None
+
+
+def decode_session(model: nn.Module) -> DecodeSession:
+    """A session over `model`'s own plan (`model.decode_plan()` where the model builds one, else a plan for this
+    session alone). Example: session = decode_session(model); logits = model(tok, cache=c, session=session)"""
+    build = getattr(model, "decode_plan", None)
+    return DecodeSession(build() if callable(build) else None, model)
 
 
 def _hook_free(model: nn.Module) -> bool:
@@ -73,65 +156,62 @@ def _hook_free(model: nn.Module) -> bool:
                    or m._compiled_call_impl is not None for m in model.modules())
 
 
-_DIRECT: dict[type, type] = {}   # a module class -> its subclass whose __call__ is its forward (made once)
+class _Direct:
+    """A module's direct view: each child (and each child of a tuple attribute, a stack's `layers`) as its
+    `forward`, an absent one (None) as None, every other attribute read from the module itself."""
+
+    def __init__(self, module: nn.Module):
+        self._module = module
+        for name, value in vars(module).items():
+            if value is None or (isinstance(value, tuple) and value and all(isinstance(v, nn.Module) for v in value)):
+                setattr(self, name, None if value is None else tuple(v.forward for v in value))
+        for name, child in module._modules.items():
+            setattr(self, name, None if child is None else child.forward)
+
+    def __getattr__(self, name: str) -> Any:      # only for what the view does not hold: the module's own
+        return getattr(self._module, name)
 
 
-def _direct_class(cls: type[nn.Module]) -> type:
-    sub = _DIRECT.get(cls)
-    if sub is None:
-        sub = _DIRECT[cls] = type(cls.__name__, (cls,), {"__call__": cls.forward, "__module__": cls.__module__,
-                                                         "__qualname__": cls.__qualname__})
-    return sub
+def direct(module: nn.Module, session: DecodeSession | None) -> Any:
+    """`module` itself, or, in a session that takes the direct path, its view whose children are their forwards:
+    `direct(self, session).norm(x)` is `self.norm(x)` without nn.Module.__call__. Example (Block.forward):
+    m = direct(self, inputs.session); x = x + m.attn(m.attn_norm(x), inputs)"""
+    views = None if session is None else session.views
+    if views is None:
+        return module
+    view = views.get(module)
+    if view is None:
+        view = views[module] = _Direct(module)
+    return view
 
 
-@contextlib.contextmanager
-def direct_calls(model: nn.Module) -> Iterator[None]:
-    """Within the block, `model`'s modules are called straight into their forward, without nn.Module.__call__'s
-    bookkeeping, when nothing could tell the difference (no hook on any of them, no global hook, no compile or
-    trace running); otherwise the model is left as it is. Each module's class is swapped to a subclass whose
-    __call__ is forward (isinstance holds) and swapped back on exit, also on an error. A hook registered inside
-    the block is not seen until it ends: the decode loop's contract, as for its packed weights.
-    Example: with torch.no_grad(), direct_calls(model): for each step: logits = model(tok, cache=c, session=s)"""
-    swapped: list[tuple[nn.Module, type[nn.Module]]] = []
-    if _hook_free(model):
-        for m in model.modules():
-            cls = type(m)
-            if cls.forward is not nn.Module.forward and cls.__call__ is nn.Module.__call__:
-                m.__class__ = _direct_class(cls)
-                swapped.append((m, cls))
-    try:
-        yield
-    finally:
-        for m, cls in swapped:
-            m.__class__ = cls
+def call(module: nn.Module, session: DecodeSession | None) -> Callable[..., Any]:
+    """`module` as a callable: its forward in a session that takes the direct path, else the module.
+    Example: logits = call(model.lm_head, session)(hidden, session)"""
+    return module if session is None or session.views is None else module.forward
 
 
 def decode_weights(session: DecodeSession | None, x: torch.Tensor, owner: Hashable,
-                   build: Callable[[torch.Tensor], Any]) -> Any:
+                   build: Callable[[torch.Tensor, DecodePlan], Any]) -> Any:
     """`owner`'s prepared decode weights when x is a decode input (a session, a few rows, no gradients),
-    else None: the session's entry for `owner`, `build(x)` at its first use in the session (None from
+    else None: the session's entry for `owner`, `build(x, plan)` at its first use in the session (None from
     build: the module runs its usual path all session). One lookup per module and step.
     Example (DenseMLP.forward): packs = decode_weights(session, x, self, self._decode_weights)"""
     if session is None or torch.is_grad_enabled() or x.shape[:-1].numel() > DECODE_ROWS:
         return None
     hit = session.packs.get(owner, _MISSING)
     if hit is _MISSING:
-        hit = session.packs[owner] = build(x)
+        hit = session.packs[owner] = build(x, session.plan)
     return hit
-
-
-def _session_pack(session: DecodeSession | None, x: torch.Tensor, key: Hashable, modules: tuple[nn.Module, ...],
-                  build: Callable[..., Any], *args: Any) -> Any:
-    """`decode_weights` under `key`: `build(*args)`, or None when `modules` must run as themselves."""
-    if session is None:
-        return None
-    return decode_weights(session, x, key, lambda x: build(*args) if packable(x, modules) else None)
 
 
 def _linears_pack(session: DecodeSession | None, x: torch.Tensor, linears: tuple[nn.Linear, ...]
                   ) -> _Packed | Int8Packed | None:
-    """`_session_pack` for some Linears of the same input, keyed by the Linears themselves."""
-    return _session_pack(session, x, linears, linears, packed_linears, linears)
+    """`decode_weights` for some Linears of the same input, keyed by the Linears themselves."""
+    if session is None:
+        return None
+    return decode_weights(session, x, linears,
+                          lambda x, plan: packed_linears(plan, linears) if packable(x, linears) else None)
 
 
 _MISSING = object()
@@ -171,32 +251,17 @@ class _Packed:
 
 
 _VERSION = operator.attrgetter("_version")
-_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # first Linear (or owner) -> {key: _Packed}
 
 
-def packed(owner: nn.Module, key: str, weights: list[torch.Tensor], biases: list[torch.Tensor],
-           sources: list[torch.Tensor] | None = None) -> _Packed:
-    """`weights` (out_i, in) concatenated and transposed to (in, sum out_i), `biases` (all or none of
-    them) concatenated; kept per `owner` and `key` across sessions, rebuilt when a tensor is replaced or
-    changed in place. `sources`: the tensors the weights are computed from, when they are not the weights
-    themselves (an adapted Linear's W + s B A is computed from W, A and B)."""
-    sources = (weights if sources is None else sources) + biases
-    slot = _PACKED.get(owner)
-    if slot is None:
-        slot = _PACKED[owner] = {}
-    hit = slot.get(key)
-    if hit is None or not hit.fresh(sources):
-        slot[key] = hit = _Packed(sources, weights, biases)
-    return hit
-
-
-def packed_groups(x: torch.Tensor, *groups: tuple[nn.Linear, ...]) -> tuple[_Packed | Int8Packed, ...] | None:
-    """A module's decode weights: each group of its Linears packed (`packed_linears`), or None when one of
-    them must run as itself for input x (hooks, autocast: `packable`) or a group mixes bias settings.
-    Example (DenseMLP._decode_weights): return packed_groups(x, (self.gate_proj, self.up_proj), (self.down_proj,))"""
+def packed_groups(plan: DecodePlan, x: torch.Tensor, *groups: tuple[nn.Linear, ...]
+                  ) -> tuple[_Packed | Int8Packed, ...] | None:
+    """A module's decode weights from `plan`: each group of its Linears packed (`packed_linears`), or None when
+    one of them must run as itself for input x (hooks, autocast: `packable`) or a group mixes bias settings.
+    Example (DenseMLP._decode_weights):
+        return packed_groups(plan, x, (self.gate_proj, self.up_proj), (self.down_proj,))"""
     if not packable(x, tuple(lin for group in groups for lin in group)):
         return None
-    packs = [packed_linears(group) for group in groups]
+    packs = [packed_linears(plan, group) for group in groups]
     return tuple(pack for pack in packs if pack is not None) if None not in packs else None
 
 
@@ -217,24 +282,26 @@ def _matrix_sources(lin: nn.Linear) -> list[torch.Tensor]:
     return [lin.weight] if sources is None else sources()
 
 
-def packed_linears(linears: tuple[nn.Linear, ...]) -> _Packed | Int8Packed | None:
-    """The packed weights of `linears` (None when some have a bias and some do not, or one has no single matrix:
-    `matrix`); int8 layers (nn/int8.py) pack into their decode kernel's form, or run as themselves beside float ones."""
+def packed_linears(plan: DecodePlan, linears: tuple[nn.Linear, ...]) -> _Packed | Int8Packed | None:
+    """The packed weights of `linears`, kept in `plan` (None when some have a bias and some do not, or one has no
+    single matrix: `matrix`); int8 layers (nn/int8.py) pack into their decode kernel's form, or run as
+    themselves beside float ones. Example: pack = packed_linears(model.decode_plan(), (attn.q_proj, attn.k_proj))"""
     if any(map(is_quantized, linears)):
-        return int8_pack(cast(tuple[Int8Matrix, ...], linears)) if all(map(is_quantized, linears)) else None
+        return plan.int8(cast(tuple[Int8Matrix, ...], linears)) if all(map(is_quantized, linears)) else None
     biases: list[torch.Tensor] = [lin.bias for lin in linears if lin.bias is not None]
     if biases and len(biases) != len(linears):
         return None
+    key = f"project{len(linears)}"
     if not any(hasattr(lin, "effective_weight") for lin in linears):
-        return packed(linears[0], f"project{len(linears)}", [lin.weight for lin in linears], biases)
+        return plan.packed(linears[0], key, [lin.weight for lin in linears], biases)
     if not all(getattr(lin, "has_matrix", _always)() for lin in linears):
         return None
     sources = [t for lin in linears for t in _matrix_sources(lin)]
-    hit = _PACKED.get(linears[0], {}).get(f"project{len(linears)}")
-    if hit is not None and hit.fresh(sources + biases):   # adapters unchanged: no new W + s B A
+    hit = plan.fresh(linears[0], key, sources + biases)
+    if hit is not None:                                       # adapters unchanged: no new W + s B A
         return hit
     weights = cast(list[torch.Tensor], [matrix(lin) for lin in linears])
-    return packed(linears[0], f"project{len(linears)}", weights, biases, sources)
+    return plan.packed(linears[0], key, weights, biases, sources)
 
 
 def packed_matmul(x: torch.Tensor, pack: _Packed | Int8Packed) -> torch.Tensor:   # (..., in) -> (..., sum of outs)
@@ -249,7 +316,7 @@ def packed_matmul(x: torch.Tensor, pack: _Packed | Int8Packed) -> torch.Tensor: 
 
 def packed_split(x: torch.Tensor, pack: _Packed | Int8Packed) -> tuple[torch.Tensor, ...]:
     """(l(x) for l in the packed Linears): one matmul, split by their output sizes.
-    Example: gate, up = packed_split(x, packed_linears((mlp.gate_proj, mlp.up_proj)))"""
+    Example: gate, up = packed_split(x, packed_linears(plan, (mlp.gate_proj, mlp.up_proj)))"""
     return packed_matmul(x, pack).split_with_sizes(pack.sizes, dim=-1)
 
 
@@ -291,12 +358,16 @@ def head_linear(x: torch.Tensor, owner: nn.Module, weight: torch.Tensor | Int8Ma
     """F.linear(x, weight, bias) for an LM head (a matrix that may be the tied embedding, not a
     Linear), through a packed transposed copy when decoding in `session`; `weight` may be int8 rows
     (nn/int8.Int8Matrix: the decode kernel's form when decoding, else the dequantized matrix)."""
+    biases = [] if bias is None else [bias]
     if isinstance(weight, Int8Matrix):
         rows = weight
-        pack8 = _session_pack(session, x, ("head", owner), (owner,), int8_pack, (rows,), [] if bias is None else [bias])
+        pack8 = None if session is None else decode_weights(
+            session, x, ("head", owner),
+            lambda x, plan: plan.int8((rows,), biases) if packable(x, (owner,)) else None)
         return F.linear(x, rows.weight.to(x.dtype), bias) if pack8 is None else pack8.matmul(x)
-    pack = _session_pack(session, x, ("head", owner), (owner,), packed, owner, "head", [weight],
-                         [] if bias is None else [bias])
+    pack = None if session is None else decode_weights(
+        session, x, ("head", owner),
+        lambda x, plan: plan.packed(owner, "head", [weight], biases) if packable(x, (owner,)) else None)
     return F.linear(x, weight, bias) if pack is None else packed_matmul(x, pack)
 
 

@@ -18,7 +18,6 @@ a wall-clock run; torchao is not a dependency). So `fbgemm` is the decode kernel
 from __future__ import annotations
 
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -210,22 +209,13 @@ class Int8Packed:
                 and [t._version for t in sources] == self.versions)
 
 
-_PACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # first module -> {(kernel, n): Int8Packed}
-
-
 def int8_pack(modules: tuple[Int8Matrix, ...], bias: list[torch.Tensor] | None = None,
               kernel: str | None = None) -> Int8Packed | None:
-    """The decode form of some int8 modules of the same input (None when some have a bias and some not): built
-    once and kept per module group while their int8 tensors are unchanged.
+    """The decode form of some int8 modules of the same input (None when some have a bias and some not), built
+    now; a model's nn/fused.DecodePlan keeps it while their int8 tensors are unchanged (`Int8Packed.fresh`).
     Example: pack = int8_pack((attn.q_proj, attn.k_proj, attn.v_proj)); q, k, v = pack.matmul(x).split(...)"""
     biases = [b for b in (bias if bias is not None else [getattr(m, "bias", None) for m in modules]) if b is not None]
     if biases and len(biases) != len(modules):
         return None
-    name = decode_kernel(kernel)
-    slot = _PACKS.setdefault(modules[0], {})
-    key = (name, len(modules))
-    hit = slot.get(key)
-    if hit is None or not hit.fresh(modules):
-        with torch.no_grad():
-            slot[key] = hit = Int8Packed(name, modules, torch.cat([b.detach() for b in biases]) if biases else None)
-    return hit
+    with torch.no_grad():
+        return Int8Packed(decode_kernel(kernel), modules, torch.cat([b.detach() for b in biases]) if biases else None)

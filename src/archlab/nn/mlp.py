@@ -23,7 +23,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from archlab.config import GATED_ACTIVATIONS, MLPConfig
-from archlab.nn.fused import DecodeSession, decode_weights, linear, packed_groups, packed_matmul, packed_split, project
+from archlab.nn.fused import (
+    DecodePlan,
+    DecodeSession,
+    decode_weights,
+    linear,
+    packed_groups,
+    packed_matmul,
+    packed_split,
+    project,
+)
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
@@ -74,10 +83,10 @@ class DenseMLP(nn.Module):
             h = self.act(linear(x, self.up_proj, session) if packs is None else packed_matmul(x, packs[0]))
         return linear(h, self.down_proj, session) if packs is None else packed_matmul(h, packs[1])
 
-    def _decode_weights(self, x: torch.Tensor):
+    def _decode_weights(self, x: torch.Tensor, plan: DecodePlan):
         """(gate/up packed, down packed) for decoding (nn/fused.py), or None: hooks or autocast to honour."""
         ups = (self.up_proj,) if self.gate_proj is None else (self.gate_proj, self.up_proj)
-        return packed_groups(x, ups, (self.down_proj,))
+        return packed_groups(plan, x, ups, (self.down_proj,))
 
 
 class MoEMLP(nn.Module):

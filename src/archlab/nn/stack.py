@@ -20,6 +20,7 @@ from torch import nn
 
 from archlab.config import STACK_ROLES, ConfigError, ModelConfig, StackRole
 from archlab.nn.block import Block
+from archlab.nn.fused import direct
 from archlab.nn.masks import AttnInputs, Context, MaskSpec, document_positions
 from archlab.nn.norms import build_norm
 from archlab.nn.position import T5RelativeBias
@@ -131,10 +132,11 @@ class TransformerStack(nn.Module):
         if (context is not None) != (self.role == "cross_decoder"):
             raise ValueError(f"a {self.role} stack " + ("needs the encoder's output (a Context)"
                                                       if context is None else "takes no context"))
+        m = direct(self, inputs.session)   # the blocks, or in a decode session their forwards (nn/fused.direct)
         if context is None:
-            for block in self.layers:
+            for block in m.layers:
                 x = block(x, inputs)
         else:
-            for block in self.layers:
+            for block in m.layers:
                 x = block(x, inputs, context)
-        return x if self.final_norm is None else self.final_norm(x)
+        return x if m.final_norm is None else m.final_norm(x)

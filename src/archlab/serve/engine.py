@@ -33,7 +33,7 @@ import torch
 from archlab.errors import UserError
 from archlab.generation.chat import end_of_turn_ids, stopping_at
 from archlab.generation.config import GenerationConfig
-from archlab.nn.fused import DecodeSession, direct_calls
+from archlab.nn.fused import DecodeSession, call, decode_session
 from archlab.runs.chat_folder import chat_tokenizer
 from archlab.runs.model_folder import check_vocabulary
 from archlab.serve.fields import RANGES, RequestError
@@ -216,11 +216,9 @@ class Engine:
             with self._wake:
                 while not self._waiting and not self._active:
                     self._wake.wait()
-            # the scheduler alone runs the model: while it has work, a hook-free model's modules are called
-            # straight into forward (archlab.nn.fused.direct_calls), as in generate's decode loop
-            with direct_calls(self.model):
-                while self._schedule():
-                    pass
+            # the scheduler alone runs the model
+            while self._schedule():
+                pass
 
     def _schedule(self) -> bool:
         """Admit waiting requests into free rows, drop cancelled ones, run one decode step; whether work is left."""
@@ -275,10 +273,12 @@ class Engine:
         device = self.slots.pos.device
         last = torch.tensor([[j.new[-1]] for j in jobs], device=device)               # (b, 1)
         positions = torch.tensor([[self.slots.length[r]] for r in rows], device=device)   # (b, 1)
-        if self._session is None:  # packed weights and the hook check, once per batch composition
-            self._session = DecodeSession()
-        # the modules decode through the session's packed weights (archlab.nn.fused)
-        logits = self.model(last, positions=positions, cache=self.slots.view(rows), session=self._session)  # (b, 1, v)
+        if self._session is None:  # the model's decode plan and the hook check, once per batch composition
+            self._session = decode_session(self.model)
+        # the modules decode through the plan's packed weights and, hook-free, direct calls (archlab.nn.fused)
+        session = self._session
+        logits = call(self.model, session)(last, positions=positions, cache=self.slots.view(rows),
+                                           session=session)                                   # (b, 1, v)
         self.rows_per_step[len(rows)] += 1
         for i, job in enumerate(jobs):
             self._guarded(job, self._advance, logits[i, -1])

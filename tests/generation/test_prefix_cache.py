@@ -74,3 +74,27 @@ def test_another_model_starts_afresh_and_bad_uses_are_refused():
         archlab.generate(a, [[1, 2, 3], [4, 5]], 4, prefix_cache=cache)
     with pytest.raises(ValueError, match="prefix_cache"):
         archlab.generate(a, ids, 4, num_beams=2, prefix_cache=cache)
+
+
+def test_a_continued_prefill_turns_its_mask_into_sdpas_form_once_for_every_layer():
+    """A prefill over held keys needs a (t, s) mask; SDPA would turn the bool mask into its additive form in every
+    layer: it is turned once per forward (nn/attention_backends._additive), and the output is SDPA's on the bool."""
+    import torch.nn.functional as F
+
+    from archlab.nn import attention_backends
+    model = _model("llama3-8b")
+    cache = PrefixCache()
+    ids = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    archlab.generate(model, ids[:20], 1, prefix_cache=cache)
+    calls: list = []
+    with attention_backends.observe(calls.append):
+        archlab.generate(model, ids, 1, prefix_cache=cache)
+    prefill = [c for c in calls if c.q.shape[2] == 10]
+    assert len(prefill) == model.config.n_layers and attention_backends.choose(prefill[0]).name == "sdpa"
+    shared = prefill[0].inputs.shared
+    assert len([key for key in shared if key[0] == "additive"]) == 1
+    with torch.no_grad():
+        mask, _ = prefill[-1].dense()
+        want = F.scaled_dot_product_attention(prefill[-1].q, prefill[-1].k, prefill[-1].v, attn_mask=mask,
+                                              scale=prefill[-1].scale, enable_gqa=True)
+        assert torch.equal(attention_backends.run(prefill[-1])[0], want)

@@ -180,10 +180,27 @@ class SDPA(Backend):
             bias = bias.to(q.dtype)
             attn_mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
             is_causal = False
+        elif attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = _additive(call, attn_mask)
         out = F.scaled_dot_product_attention(q, call.k, call.v, attn_mask=attn_mask,
                                              is_causal=is_causal and attn_mask is None, dropout_p=call.dropout,
                                              scale=call.scale, enable_gqa=call.k.shape[1] != q.shape[1])
         return out, None
+
+
+def _additive(call: AttnCall, mask: torch.Tensor) -> torch.Tensor:
+    """The bool mask as the additive float mask SDPA turns it into on every call (0 where allowed, -inf
+    elsewhere: the same numbers), turned once per forward for the layers sharing it (AttnInputs.shared), not
+    once per layer: a prefill continuing a long cache has a (t, s) mask as large as its keys. Without gradients
+    only; a mask not from the forward's shared ones is handed on as it is."""
+    if call.inputs is None or torch.is_grad_enabled():
+        return mask
+    key = ("additive", id(mask), call.q.dtype)         # the shared bool mask lives as long as the forward
+    hit = call.inputs.shared.get(key)
+    if hit is None:
+        hit = call.inputs.shared[key] = torch.zeros(mask.shape, dtype=call.q.dtype, device=mask.device
+                                                    ).masked_fill_(~mask, float("-inf"))
+    return hit
 
 
 @register(priority=200)

@@ -3,7 +3,8 @@
 A gated MLP has three matrices where a plain one has two, so "SwiGLU beats ReLU" only means something
 at equal size (Shazeer 2020 sets d_ff to 2/3 of the plain width). `match` solves one integer knob of a
 variant (by default `mlp.d_ff`; `d_model` for aspect-ratio sweeps) so that the variant's parameter
-count (or forward FLOPs per token) lands within a relative tolerance of the base's.
+count (its active parameters, for a mixture of experts against a dense model, or its forward FLOPs per token)
+lands within a relative tolerance of the base's.
 
 Counts come from `archlab.models.accounting` (analytic, from the config alone); when that module is absent
 the parameter count falls back to building the model on the meta device, which allocates nothing.
@@ -29,6 +30,20 @@ def param_count(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token (archlab.models.accounting: matmuls and attention)."""
     return float(accounting.flops_per_token(cfg, seq_len))
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token passes through: a mixture of experts counts its top_k experts (and router, shared
+    expert), a dense model all (archlab.models.accounting)."""
+    return int(accounting.active_param_count(cfg))
+
+
+# what `match.by` may hold -> the measure of a config (seq_len: the FLOPs' context length)
+MATCH_BY: dict[str, Callable[[ModelConfig, int], float]] = {
+    "params": lambda cfg, seq_len: param_count(cfg),
+    "active": lambda cfg, seq_len: active_param_count(cfg),
+    "flops": flops_per_token,
+}
 
 
 @dataclass(frozen=True)
@@ -63,17 +78,16 @@ def match(
 ) -> MatchResult:
     """Smallest-error integer `knob` (a multiple of `multiple`) so that the measure hits `target`.
 
-    by: "params" or "flops". The measure grows monotonically with d_ff and with d_model, so a
-    doubling search for an upper bound and a bisection find the crossing; the closer of the two
-    neighbours wins. Raises MatchError when even that one misses by more than `tolerance`.
+    by: one of MATCH_BY ("params", "active": a mixture of experts' active parameters, "flops"). The measure
+    grows monotonically with d_ff and with d_model, so a doubling search for an upper bound and a bisection
+    find the crossing; the closer of the two neighbours wins. Raises MatchError when even that one misses by
+    more than `tolerance`.
     """
-    if by not in ("params", "flops"):
-        raise ConfigError(f"match by={by!r} must be 'params' or 'flops'")
+    if by not in MATCH_BY:
+        raise ConfigError(f"match by={by!r} must be one of {', '.join(MATCH_BY)}")
     if target <= 0:
         raise ConfigError(f"match target={target} must be positive")
-    measure: Callable[[ModelConfig], float] = (
-        param_count if by == "params" else (lambda c: flops_per_token(c, seq_len))
-    )
+    measure: Callable[[ModelConfig], float] = lambda c: MATCH_BY[by](c, seq_len)  # noqa: E731
     extra = dict(extra_overrides or {})
 
     def build(units: int) -> ModelConfig:

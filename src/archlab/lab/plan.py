@@ -163,8 +163,7 @@ def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | No
     target = None
     if suite.match:
         by = suite.match.get("by", "params")
-        target = (matching.param_count(base_cfg) if by == "params"
-                  else matching.flops_per_token(base_cfg, seq_len))
+        target = matching.MATCH_BY[by](base_cfg, seq_len)
     n_seeds = seeds or suite.seeds
     _check_finetune(suite)
     out: list[PlannedRun] = []

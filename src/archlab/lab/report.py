@@ -4,7 +4,8 @@ For each suite in DIR/results.sqlite (or DIR/*/results.sqlite): the claim, the v
 computed from the recorded numbers (archlab.lab.verdicts), the published figure beside ours, a table
 per variant, and plots (matplotlib, Agg): loss curves per variant with the spread over seeds, final loss
 per variant with error bars, loss against learning rate for suites with an LR axis, step time per
-variant, and the suite's own metrics. Images are relative PNG paths, so report.html opens from disk.
+variant, the suite's own metrics, and per-layer expert-load histograms of runs with MoE layers
+(lab/moe_report.py). Images are relative PNG paths, so report.html opens from disk.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-from archlab.lab import baseline, emergence_report, ngram_report, scaling_report
+from archlab.lab import baseline, emergence_report, moe_report, ngram_report, scaling_report
 from archlab.lab import suites as suites_mod
 from archlab.lab.document import Block
 from archlab.lab.plotstyle import series_style
@@ -27,7 +28,8 @@ STANDARD_METRICS = ("final_val_loss", "step_time_s", "lr_sensitivity", "diverged
 ANALYSES: dict[str, Callable[..., list[Block]]] = {"scaling": scaling_report.section,
                                                    "emergence": emergence_report.section,
                                                    "ngram": ngram_report.section}
-MEASURED_METRICS = ("val_loss_2x", "max_attn_logit", "first_token_mass", "massive_ratio", "kv_cache_bytes")
+MEASURED_METRICS = ("val_loss_2x", "max_attn_logit", "first_token_mass", "massive_ratio", "kv_cache_bytes",
+                    "busiest_routed_share")
 
 
 # --------------------------------------------------------------------------- document blocks
@@ -326,6 +328,7 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
                         rows=vrows))
     if suite.runs != "ngram":           # an n-gram suite's runs have no curves, sizes or step times
         blocks.extend(_variant_blocks(suite, rows, verdicts, img_dir, rel))
+        blocks.extend(moe_report.section(suite, rows, img_dir, rel))      # [] unless runs have MoE layers
     if suite.analysis:
         blocks.extend(ANALYSES[suite.analysis](suite, rows, img_dir, rel))
     return blocks, verdicts

@@ -15,7 +15,7 @@ figures in CLAIMS.md). A suite can also come from YAML with the same fields::
           - {label: "lr=1e-2", set: {train.lr: 1.0e-2}}
     variants:                                       # appended after the axes' product
       - {label: "norm=rmsnorm,lr=3e-3", set: {norm.kind: rmsnorm}, labels: {norm: rmsnorm}}
-    match: {by: params, knob: mlp.d_ff, tolerance: 0.02}
+    match: {by: params, knob: mlp.d_ff, tolerance: 0.02}   # by: params | active (MoE: top_k experts) | flops
     seeds: 3
     scales: {small: {budget: 300, unit: steps}, large: {budget: 4000, unit: steps}}
     measure: [val_loss_2x]
@@ -51,10 +51,11 @@ from typing import Any
 import yaml
 
 from archlab.config import ConfigError, ModelConfig
+from archlab.lab.matching import MATCH_BY
 from archlab.lab.verdicts import Rule
 
 MEASUREMENTS = ("val_loss_2x", "max_attn_logit", "sinks", "kv_cache_bytes", "paired_step_time", "effective_rank",
-                "addition")
+                "addition", "expert_load")
 
 # The tiny model every built-in suite starts from (~0.23M parameters with the byte vocabulary).
 BASE_MODEL: dict[str, Any] = {
@@ -136,8 +137,8 @@ class Suite:
                               f"known: {', '.join(MEASUREMENTS)}")
         if not self.variants and not self.axes:
             raise ConfigError(f"suite {self.name} has neither variants nor axes")
-        if self.match is not None and self.match.get("by", "params") not in ("params", "flops"):
-            raise ConfigError(f"suite {self.name}: match.by must be 'params' or 'flops'")
+        if self.match is not None and self.match.get("by", "params") not in MATCH_BY:
+            raise ConfigError(f"suite {self.name}: match.by must be one of {', '.join(MATCH_BY)}")
         if self.seeds < 1:
             raise ConfigError(f"suite {self.name}: seeds={self.seeds} must be >= 1")
         if self.analysis is not None and self.analysis not in ANALYSES:
@@ -900,6 +901,55 @@ def _ngram_baseline() -> Suite:
               "validation token (archlab.eval.ngram), once with interpolated modified Kneser-Ney and once with "
               "maximum likelihood plus add-1 (Laplace: (c(hw) + 1) / (c(h.) + V); an unseen history gets 1/V). "
               "Both are deterministic, so one seed; the rules compare the curves over n with a 2% tolerance.",
+    )
+
+
+_MOE = {"mlp.moe.n_experts": 8, "mlp.moe.top_k": 2}
+_BALANCE = {"none": {**_MOE, "mlp.moe.aux_loss_coef": 0.0},
+            "loss": {**_MOE, "mlp.moe.aux_loss_coef": 0.01},
+            "bias": {**_MOE, "mlp.moe.balance": "bias", "mlp.moe.bias_update_rate": 0.001}}
+
+
+@builtin_suite
+def _moe() -> Suite:
+    return Suite(
+        name="moe",
+        claim="Experts add parameters without adding compute: at matched active parameters and tokens, 8 experts "
+              "with top-2 routing reach a lower validation loss than a dense MLP; without balancing the routing "
+              "collapses onto few experts, and a balance loss or DeepSeek-V3's expert bias keeps it spread",
+        variants=[{"label": "dense", "set": {}, "labels": {"mlp": "dense"}},
+                  *({"label": f"moe8-top2,balance={b}", "set": sets, "labels": {"mlp": "moe", "balance": b}}
+                    for b, sets in _BALANCE.items())],
+        match={"by": "active", "knob": "mlp.d_ff", "tolerance": 0.02},
+        seeds=3, measure=["expert_load"],
+        rules=[
+            Rule(kind="less", metric="final_val_loss", a={"mlp": "moe", "balance": "loss"}, b={"mlp": "dense"},
+                 statement="8 experts top-2 with the balance loss end below dense at the same active parameters"),
+            Rule(kind="less", metric="final_val_loss", a={"mlp": "moe", "balance": "bias"}, b={"mlp": "dense"},
+                 statement="8 experts top-2 with the expert bias end below dense at the same active parameters"),
+            Rule(kind="above", metric="busiest_expert_share", a={"balance": "none"}, expected=0.5,
+                 statement="without balancing, the busiest expert is the first choice of more than 50% of tokens"),
+            Rule(kind="below", metric="busiest_expert_share", a={"balance": "loss"}, expected=0.25,
+                 statement="with the balance loss, the busiest expert is the first choice of less than 25% of tokens"),
+            Rule(kind="below", metric="busiest_expert_share", a={"balance": "bias"}, expected=0.25,
+                 statement="with the expert bias, the busiest expert is the first choice of less than 25% of tokens"),
+        ],
+        published="Fedus et al. 2021 (Switch, 2101.03961): Switch-Base reached T5-Base's quality up to 7x faster at "
+                  "equal FLOPs per token; Shazeer et al. 2017: without a balancing term the gating network "
+                  "converges to a state where it always gives large weights to the same few experts; DeepSeek-V3 "
+                  "(2412.19437) and Wang et al. 2024 (2408.15664): a per-expert bias on the routing scores, moved "
+                  "by +-gamma per step (gamma 0.001), balances without an auxiliary loss and ends with a lower loss "
+                  "than the loss-balanced model",
+        notes="Dense is the lab's SwiGLU MLP (d_ff 172); each MoE variant has 8 SwiGLU experts with d_ff solved so "
+              "its active parameters (2 experts + the router per layer) are within 2% of dense's: about half the "
+              "width, and 2.7x the total parameters. Every variant reads the same tokens. Balancing: none (no "
+              "balance loss), loss (Switch's loss at 0.01 per layer, transformers' Mixtral scale), bias "
+              "(DeepSeek-V3's bias, gamma 0.001 per optimizer step, no balance loss). 'Busiest expert' is "
+              "measured after training on the validation batches: per MoE layer, the largest share of tokens "
+              "whose first choice one expert is (1/8 = 12.5% at perfect balance), averaged over the 4 layers. "
+              "It counts first choices because with top-2 an expert takes at most one of a token's two slots: "
+              "its share of routed slots cannot pass 50%, and its share of tokens routed to it (either slot) "
+              "cannot fall below 25%; both are in the table too (expert_load_routed).",
     )
 
 

@@ -14,6 +14,8 @@ and prints what comes back. Kinds:
   flat    the variants selected by `a`: (max mean - min mean) <= tol * min mean   -> held
           range > tol * min mean + spread (of the two extreme variants)            -> did not hold
   ratio   mean(a) / mean(b) == expected within tol (relative; deterministic metrics like KV bytes)
+  above / below  mean(metric | a) beyond the threshold `expected` (above it / below it) by more than the std over
+          seeds -> held; on the other side by more than the std -> did not hold; otherwise inconclusive
   power_law  L(N, D) = E + A/N^alpha + B/D^beta fitted to the runs `a` selects (archlab.lab.scaling; N the
           `params` count). Over the ladder's range, the N term's fall A (N_min^-alpha - N_max^-alpha) and
           the D term's, each with its bootstrap interval, against tol x the median loss:
@@ -51,12 +53,13 @@ from typing import Any, Iterable, Literal
 import numpy as np
 
 HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
-KINDS = ("less", "parity", "flat", "ratio", "power_law", "sharper", "falls", "rises_past_best")
+KINDS = ("less", "parity", "flat", "ratio", "power_law", "sharper", "falls", "rises_past_best", "above", "below")
 
 
 @dataclass(frozen=True)
 class Rule:
-    kind: Literal["less", "parity", "flat", "ratio", "power_law", "sharper", "falls", "rises_past_best"]
+    kind: Literal["less", "parity", "flat", "ratio", "power_law", "sharper", "falls", "rises_past_best", "above",
+                  "below"]
     statement: str
     metric: str = "final_val_loss"
     a: dict = field(default_factory=dict)
@@ -83,8 +86,8 @@ class Rule:
             raise ValueError(f"rule {self.statement!r}: params={self.params!r} must be total or non_embedding")
         if self.kind in ("less", "parity", "ratio") and self.b is None:
             raise ValueError(f"rule {self.statement!r}: kind {self.kind} needs a `b` selector")
-        if self.kind == "ratio" and self.expected is None:
-            raise ValueError(f"rule {self.statement!r}: kind ratio needs `expected`")
+        if self.kind in ("ratio", "above", "below") and self.expected is None:
+            raise ValueError(f"rule {self.statement!r}: kind {self.kind} needs `expected`")
         if self.tol_abs is not None and (self.kind != "parity" or not self.tol_abs >= 0):
             raise ValueError(f"rule {self.statement!r}: tol_abs is a parity rule's allowed gap (>= 0)")
         if self.metric == "lr_sensitivity" and not self.over:
@@ -215,6 +218,8 @@ def judge(rule: Rule, rows: list) -> Verdict:
         return _judge_sharper(rule, rows)
     if rule.kind == "power_law":
         return _judge_power_law(rule, rows)
+    if rule.kind in ("above", "below"):
+        return _judge_threshold(rule, rows)
     a = Side(describe(rule.a), side_values(rows, rule.a, rule.metric, rule.over))
     b = Side(describe(rule.b), side_values(rows, rule.b, rule.metric, rule.over))
     sides = [a, b]
@@ -273,6 +278,10 @@ _TOLERANCE_TEXT = {
     "flat": lambda r: (f"held if the range is within {_allowed_text(r)}; did not hold if it exceeds that "
                        "by more than 1x the seed spread"),
     "ratio": lambda r: f"held if within {max(r.tol, 1e-9):.0%} of {r.expected:g}",
+    "above": lambda r: (f"held if above {r.expected:g} by more than 1x the std over seeds; did not hold if below "
+                        "by more"),
+    "below": lambda r: (f"held if below {r.expected:g} by more than 1x the std over seeds; did not hold if above "
+                        "by more"),
 }
 
 
@@ -280,6 +289,18 @@ def tolerance(rule: Rule) -> str:
     """The rule's bar in words, printed beside its verdict; kinds whose reason states it give ''."""
     text = _TOLERANCE_TEXT.get(rule.kind)
     return text(rule) if text else ""
+
+
+def _judge_threshold(rule: Rule, rows: list) -> Verdict:
+    """above / below: one side's mean against a fixed threshold, the std over its seeds as the noise."""
+    assert rule.expected is not None                      # Rule.__post_init__ requires it
+    a = Side(describe(rule.a), side_values(rows, rule.a, rule.metric))
+    if a.n < 2:
+        return Verdict(rule, INCONCLUSIVE, f"{a.n} finished runs with {rule.metric} for {a.label}: no spread", [a])
+    gap = a.mean - rule.expected if rule.kind == "above" else rule.expected - a.mean
+    verdict = HELD if gap > a.std else NOT_HELD if gap < -a.std else INCONCLUSIVE
+    reason = f"{a.label}: {a.mean:.4g} vs threshold {rule.expected:g} ({rule.kind}; std over seeds {a.std:.3g})"
+    return Verdict(rule, verdict, reason, [a], {"gap": gap, "std": a.std, "threshold": rule.expected})
 
 
 def _judge_flat(rule: Rule, rows: list) -> Verdict:

@@ -183,6 +183,14 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
         if digits is None:
             raise ValueError("the addition scores need data prepared from an addition-K corpus")
         out.update(score_addition(model, load_tokenizer(Path(data) / "tokenizer"), arithmetic.problems(digits)))
+    if "expert_load" in wanted:   # how the trained router spreads held-out tokens (eval.expert_load); dense: none
+        from archlab.eval.expert_load import busiest_share, expert_load
+
+        load = expert_load(model, [xb for xb, _ in eval_batches(val, bs, seq, run.train.eval.batches)])
+        if load:
+            out["busiest_expert_share"] = busiest_share(load["first_choice"])
+            out["busiest_routed_share"] = busiest_share(load["routed"])
+            out["expert_load_first_choice"], out["expert_load_routed"] = load["first_choice"], load["routed"]
     if "max_attn_logit" in wanted or "sinks" in wanted or "effective_rank" in wanted:
         from archlab.eval import diagnostics
 

@@ -139,7 +139,7 @@ class MoEMLP(nn.Module):
         mask = None if real is None else real.expand(b, t).reshape(b * t)   # (bt,) bool
         logits = self.router(flat).float()                     # (bt, n)
         probs = logits.softmax(-1)
-        weights, chosen = self._route(probs)                   # (bt, k) each
+        weights, chosen = self.route(probs)                   # (bt, k) each
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
         kept = self._kept(chosen, mask)                        # (bt, k) bool: the slots an expert computes
@@ -155,7 +155,7 @@ class MoEMLP(nn.Module):
         self.aux_loss = self._aux_loss(logits, probs, chosen, mask)
         return out.reshape(b, t, d)
 
-    def _route(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate weights, chosen experts), (bt, k) each: the top k of probs, or with an expert bias the top k of
         probs + bias, weighted by their plain probabilities (DeepSeek-V3: the bias only chooses)."""
         if self.expert_bias is None:

@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 
 from archlab.lab.document import Block
-from archlab.lab.plotstyle import series_style
+from archlab.lab.plotstyle import pyplot, save, series_style
 
 __all__ = ["section", "read_load"]
 
@@ -86,20 +86,13 @@ def _per_layer(group: list, key: str) -> str:
     return " / ".join(f"{x:.0%}" for x in per_layer) + f" (mean {statistics.fmean(per_layer):.1%})"
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
 def _histograms(loads: dict[str, list], out: Path) -> Path | None:
     """A grid: one row per variant, one panel per layer, bars = experts ranked by load."""
     tables = {v: _ranked_mean([t for _, _, t in runs if t]) for v, runs in loads.items()
               if any(t for _, _, t in runs)}
     if not tables:
         return None
-    plt = _plt()
+    plt = pyplot()
     n_layers = max(len(t) for t in tables.values())
     fig, axes = plt.subplots(len(tables), n_layers, figsize=(2.2 * n_layers + 1, 1.9 * len(tables) + 0.6),
                              dpi=100, squeeze=False, sharey=True)
@@ -117,14 +110,11 @@ def _histograms(loads: dict[str, list], out: Path) -> Path | None:
             if j == 0:
                 ax.set_ylabel(variant, fontsize=6)
     fig.suptitle("share of routed slots per expert (ranked), last training micro-batch, mean over seeds", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save(fig, out)
 
 
 def _busiest_curve(loads: dict[str, list], out: Path) -> Path | None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     drawn = 0
     for variant, runs in loads.items():
@@ -145,7 +135,4 @@ def _busiest_curve(loads: dict[str, list], out: Path) -> Path | None:
                  fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save(fig, out)

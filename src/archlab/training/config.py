@@ -16,12 +16,12 @@ from archlab.config import ConfigError, _build, _check_literals, _parse_value, c
 from archlab.nn.lora import LoRAConfig
 from archlab.runs.train_section import current_key, upgrade_train_section
 
-__all__ = ["TrainConfig", "DPOConfig", "SFTConfig", "RewardConfig", "ScheduleConfig", "OptimizerConfig", "EvalConfig",
-           "SampleConfig", "CheckpointConfig", "MLMConfig", "NoisingConfig", "StreamConfig",
+__all__ = ["TrainConfig", "DPOConfig", "SFTConfig", "RewardConfig", "GRPOConfig", "ScheduleConfig", "OptimizerConfig",
+           "EvalConfig", "SampleConfig", "CheckpointConfig", "MLMConfig", "NoisingConfig", "StreamConfig",
            "NO_DECAY_CATEGORIES", "METHOD_NAMES"]
 
 NO_DECAY_CATEGORIES = ("norms", "biases", "embeddings")
-METHOD_NAMES = ("pretrain", "sft", "dpo", "reward")      # training/methods registers one Method under each
+METHOD_NAMES = ("pretrain", "sft", "dpo", "reward", "grpo")      # training/methods registers one Method under each
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +70,69 @@ class RewardConfig:
                               ">= 0 (or None)")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"train.reward.val_fraction={self.val_fraction} must be in [0, 1)")
+
+
+def _names(value: Any) -> tuple:
+    """A comma list given on the command line (`--set train.grpo.rewards=exact_match,format`) as a tuple."""
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    return (value,) if isinstance(value, (int, float)) else tuple(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    """train.grpo: group relative policy optimization (training/grpo.py, training/methods/grpo.py), with TRL
+    GRPOConfig's defaults. train.batch_size counts completions per micro-batch (TRL's per-device batch size); each
+    step samples batch_size * grad_accum / num_generations prompts, num_generations completions of each."""
+
+    num_generations: int = 8               # completions per prompt: the group its advantages are relative to
+    max_completion_length: int = 512       # new tokens per completion at most
+    temperature: float = 1.0               # sampling temperature (the log-probs are the scaled distribution's)
+    top_p: float = 1.0
+    top_k: int = 0                         # 0: off
+    beta: float = 0.0                      # KL(policy || reference) coefficient, k3 estimator; 0: no reference
+    use_bias_correction_kl: bool = True    # the KL term times the ratio (TRL's default; DeepSeek-V3.2)
+    epsilon: float = 0.2                   # ratio clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float | None = None      # None: epsilon (DAPO recommends 0.28)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"   # how per-token losses are averaged
+    scale_rewards: Literal["group", "batch", "none"] = "group"       # advantages divided by the group's std
+    mask_truncated_completions: bool = False   # completions without an EOS take no part in the loss
+    rewards: tuple[str, ...] = ("exact_match",)  # built-ins (exact_match, format), a reward run folder, or
+                                           # FILE.py:FUNC given with archlab finetune --reward (not a config file)
+    reward_weights: tuple[float, ...] | None = None   # one per reward (default 1 each); the reward is their sum
+    format_regex: str = r"<think>.*?</think>\s*<answer>.*?</answer>"   # the format reward: 1 when it matches
+                                           # the whole completion (re.fullmatch, DOTALL), else 0
+    equal_rewards_warn_steps: int = 10     # warn when every group's rewards are equal this many steps in a row
+
+    def __post_init__(self):
+        _check_literals(self, "train.grpo")
+        object.__setattr__(self, "rewards", _names(self.rewards))
+        if self.reward_weights is not None:
+            try:
+                weights = tuple(float(w) for w in _names(self.reward_weights))
+            except ValueError:
+                raise ConfigError(f"train.grpo.reward_weights={self.reward_weights!r} must be numbers") from None
+            object.__setattr__(self, "reward_weights", weights)
+            if len(weights) != len(self.rewards):
+                raise ConfigError(f"train.grpo.reward_weights has {len(weights)} weights for {len(self.rewards)} "
+                                  f"rewards ({', '.join(self.rewards)})")
+        if not self.rewards:
+            raise ConfigError("train.grpo.rewards is empty: name at least one reward (exact_match, format, a reward "
+                              "run, or --reward FILE.py:FUNC)")
+        if self.num_generations < 2:
+            raise ConfigError(f"train.grpo.num_generations={self.num_generations} must be at least 2: advantages "
+                              "are relative to the other completions of the same prompt")
+        if not 0 <= self.beta < math.inf:
+            raise ConfigError(f"train.grpo.beta={self.beta} must be >= 0 (0: no KL term, no reference model)")
+        if self.max_completion_length < 1 or self.equal_rewards_warn_steps < 1:
+            raise ConfigError("train.grpo.max_completion_length and equal_rewards_warn_steps must be at least 1")
+        if not 0 < self.temperature < math.inf or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError(f"train.grpo: temperature={self.temperature} must be > 0, top_p={self.top_p} in "
+                              f"(0, 1], top_k={self.top_k} >= 0")
+        for name in ("epsilon", "epsilon_high"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < math.inf:
+                raise ConfigError(f"train.grpo.{name}={value} must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,7 +283,7 @@ class StreamConfig:
 SECTIONS: dict[str, type] = {"schedule": ScheduleConfig, "optimizer": OptimizerConfig, "eval": EvalConfig,
                              "sample": SampleConfig, "checkpoint": CheckpointConfig, "mlm": MLMConfig,
                              "noising": NoisingConfig, "lora": LoRAConfig, "dpo": DPOConfig, "sft": SFTConfig,
-                             "reward": RewardConfig, "stream": StreamConfig}
+                             "reward": RewardConfig, "stream": StreamConfig, "grpo": GRPOConfig}
 
 
 @dataclass(frozen=True, kw_only=True, init=False)
@@ -254,13 +317,14 @@ class TrainConfig:
     mlm: MLMConfig = dataclasses.field(default_factory=MLMConfig)
     noising: NoisingConfig = dataclasses.field(default_factory=NoisingConfig)
     stream: StreamConfig = dataclasses.field(default_factory=StreamConfig)   # how a token stream's windows are read
-    method: Literal["pretrain", "sft", "dpo", "reward"] = "pretrain"   # how the run trains (training/methods)
+    method: Literal["pretrain", "sft", "dpo", "reward", "grpo"] = "pretrain"   # how the run trains (training/methods)
     lora: LoRAConfig | None = None         # LoRA adapters (nn.lora.LoRAConfig: r, alpha, dropout, targets (names, HF
                                            # names, a full-match regex as PEFT, all-linear), use_rslora,
                                            # trainable_tokens, modules_to_save); None: every parameter trains
     dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
 
     def __init__(self, **settings: Any):
         """Fields by name, a section as its config or a mapping; the earlier flat names (warmup_steps=...,

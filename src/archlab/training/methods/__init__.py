@@ -1,5 +1,6 @@
 """Ways to train on one loop (base.py): `pretrain` (tokens.py), `sft` (sft.py), `dpo` (dpo.py), `reward`
-(reward.py); the stages every `archlab finetune` method shares (staging.py). The trainer asks `select` which method
+(reward.py), `grpo` (grpo.py, its rollouts in rollout.py and rewards in rewards.py); the stages every `archlab
+finetune` method shares (staging.py). The trainer asks `select` which method
 a run uses and drives the MethodRun that method opens; it names none of them.
 
     from archlab.training.methods import METHODS, select
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from archlab.training.methods import dpo as _dpo  # noqa: F401  (registers "dpo")
+from archlab.training.methods import grpo as _grpo  # noqa: F401  (registers "grpo")
 from archlab.training.methods import reward as _reward  # noqa: F401  (registers "reward")
 from archlab.training.methods import sft as _sft  # noqa: F401  (registers "sft")
 from archlab.training.methods import tokens as _tokens  # noqa: F401  (registers "pretrain")
@@ -20,6 +22,7 @@ __all__ = ["METHODS", "Method", "MethodRun", "Batches", "FinetuneRequest", "sele
 
 
 PREFERENCE_METHODS = ("dpo", "reward")      # the methods that read preference pairs
+OWN_DATA_METHODS = (*PREFERENCE_METHODS, "grpo")   # the methods that say themselves what data they read
 
 
 def finetune_methods() -> list[str]:
@@ -31,7 +34,7 @@ def finetune_methods() -> list[str]:
 def select(cfg: Any, data_dir: Path) -> str:
     """The method a run trains with: train.method; a data file (a preference .jsonl) for a method that reads
     prepared folders goes to DPO, which refuses it unless train.method=dpo, saying so."""
-    if data_dir.is_file() and cfg.method not in PREFERENCE_METHODS:
+    if data_dir.is_file() and cfg.method not in OWN_DATA_METHODS:
         return "dpo"
     return cfg.method
 

@@ -1,0 +1,347 @@
+"""`grpo`: group relative policy optimization (Shao et al. 2024) on prompts, with verifiable or learned rewards, as
+TRL's GRPOTrainer does it (its defaults, loss types and log names; training/grpo.py holds the math):
+
+    archlab finetune runs/sft --method grpo --data prompts.jsonl --out runs/grpo --reward exact_match
+    archlab finetune runs/sft --method grpo --data prompts.jsonl --out runs/grpo --reward FILE.py:FUNC
+
+Each step: train.batch_size * train.grad_accum / num_generations prompts (a seeded pass over the lines, epoch by
+epoch), num_generations completions of each sampled through archlab's KV-cached generate (methods/rollout.py) from
+the current weights, scored by the rewards (methods/rewards.py), advantages relative to each prompt's group; then one
+gradient step of the clipped surrogate (+ β k3 KL to the starting weights, frozen). The rollout is drawn from a
+generator seeded by (train.seed, step), so a run resumed from a checkpoint samples what the uninterrupted run did.
+
+Lines: {"prompt": "text" | [messages], ...}; the other columns reach the reward functions by name (TRL's
+**kwargs), e.g. "answer" for exact_match. Logged under TRL's names: reward, reward_std, rewards/<name>/mean and /std,
+frac_reward_zero_std, completions/mean_length (min, max, clipped_ratio, mean_terminated_length), kl (β > 0), entropy,
+clip_ratio/low_mean, low_min, high_mean, high_max, region_mean; with the trainer's loss and grad_norm.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from archlab.data.corpora import jsonl_records
+from archlab.data.preference import file_sha256
+from archlab.data.prepare import write_json
+from archlab.data.prompts import PromptData, load_prompts
+from archlab.data.tokens import META_FILE, load_meta
+from archlab.errors import DataError, UserError
+from archlab.models.decoder import LossOutput
+from archlab.training.grpo import group_advantages, grpo_loss
+from archlab.training.methods import rewards as reward_fns
+from archlab.training.methods.base import METHODS, FinetuneRequest, Method
+from archlab.training.methods.rollout import completion_logps, rollout
+from archlab.training.methods.staging import check_same_data, staged_base
+
+__all__ = ["PROMPTS_FORMAT", "PROMPTS_FILE", "read_prompts", "GRPORun", "open_grpo", "prepare_grpo"]
+
+PROMPTS_FORMAT = "prompts"
+PROMPTS_FILE = "prompts.jsonl"
+PREFERENCE_KEYS = ("chosen", "rejected")
+
+
+def _refuse_pairs(path: Path) -> None:
+    """Preference pairs (chosen / rejected) given to --method grpo: a UserError naming the first such line."""
+    for line, value in jsonl_records(path):
+        if isinstance(value, dict) and all(k in value for k in PREFERENCE_KEYS):
+            raise UserError(f"{path}:{line} is a preference pair (chosen / rejected): --method grpo reads prompt lines "
+                            "({\"prompt\", ...}); train on pairs with --method dpo or --method reward")
+
+
+def read_prompts(path: Path, tokenizer_dir: Path) -> PromptData:
+    """The prompt lines of `path` (data/prompts.py: text as it is, messages through the chat template with the
+    assistant's turn opened), preference pairs refused first."""
+    _refuse_pairs(path)
+    return load_prompts(path, tokenizer_dir)
+
+
+def _columns(data: PromptData) -> set[str]:
+    """The columns every line has."""
+    return set.intersection(*(set(p.columns) for p in data.prompts))
+
+
+def _check_data(data: PromptData, model_cfg: Any, cfg: Any) -> None:
+    """What this run's settings need of the data and model: the end-of-text id, prompts + completion within the
+    context, whole groups per step."""
+    section = cfg.grpo
+    if data.eot_id is None:
+        raise UserError(f"the tokenizer of {data.tokenizer_dir} has no end-of-text token to end completions with")
+    if model_cfg.arch != "decoder":
+        raise UserError(f"--method grpo samples from decoder models, not arch={model_cfg.arch}")
+    longest = max(data.prompts, key=lambda p: len(p.ids))
+    if len(longest.ids) + section.max_completion_length > model_cfg.max_seq_len:
+        raise UserError(f"{data.path}: the longest prompt ({len(longest.ids)} tokens, line {longest.line}) plus "
+                        f"train.grpo.max_completion_length={section.max_completion_length} exceeds the model's "
+                        f"context of {model_cfg.max_seq_len}")
+    per_step = cfg.batch_size * cfg.grad_accum
+    if per_step % section.num_generations:
+        raise UserError(f"train.batch_size * train.grad_accum = {per_step} completions per step must be a multiple "
+                        f"of train.grpo.num_generations={section.num_generations} (whole groups)")
+
+
+def _probe(funcs: list[reward_fns.RewardFunc], data: PromptData) -> None:
+    """Each reward called once before anything is written, on the first line with an empty completion and its
+    answer (or "0"): a function that raises or returns other than one number per completion is refused now."""
+    first = data.prompts[0]
+    columns = {k: [v, v] for k, v in first.columns.items()}
+    texts = ["", str(first.columns.get("answer", "0"))]
+    for fn in funcs:
+        reward_fns.call(fn, [first.prompt] * 2, texts, [[], []], columns, prompt_ids=[first.ids] * 2)
+
+
+def prepare_grpo(req: FinetuneRequest) -> tuple[Any, Path, Any]:
+    """archlab finetune --method grpo: the base staged, every prompt line checked and encoded with its tokenizer,
+    the rewards loaded (FILE.py:FUNC from the command line) and called once, then OUT/data written: the lines, the
+    tokenizer and meta.json (format "prompts"); on --resume the folder's settings must be this command's."""
+    import dataclasses
+
+    cfg, out = req.train_cfg, req.out
+    if req.val is not None:
+        raise UserError(f"--val {req.val}: --method grpo trains on prompts and holds none out")
+    for spec in cfg.grpo.rewards:
+        if reward_fns.is_code_spec(spec):
+            reward_fns.load_user_reward(spec)              # the user's code, named on this command line
+    data_dir = out / "data"
+    with tempfile.TemporaryDirectory(prefix="archlab-finetune-") as tmp:
+        source, model_cfg, staged = staged_base(req, Path(tmp))
+        data = read_prompts(req.data, staged)
+        _check_data(data, model_cfg, cfg)
+        funcs = reward_fns.resolve(cfg.grpo.rewards, columns=_columns(data),
+                                   format_regex=cfg.grpo.format_regex, policy_tokenizer=staged, data=req.data)
+        _probe(funcs, data)
+        settings = {"corpus": str(req.data), "sha256": file_sha256(req.data), "chat_template": req.chat_template}
+        if req.resume and (data_dir / META_FILE).is_file():
+            check_same_data(data_dir, settings)
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            building = data_dir.with_name(data_dir.name + ".tmp")
+            if building.exists():
+                shutil.rmtree(building)
+            building.mkdir()
+            shutil.copy2(req.data, building / PROMPTS_FILE)
+            shutil.copytree(staged, building / "tokenizer")
+            write_json(building / META_FILE, {"format": PROMPTS_FORMAT, "version": 1, **settings,
+                                              "vocab_size": data.vocab_size, "eot_id": data.eot_id,
+                                              "splits": {"train": {"file": PROMPTS_FILE}}, "tokenizer": "tokenizer"})
+            os.replace(building, data_dir)
+    return model_cfg, data_dir, dataclasses.replace(source, tokenizer_dir=data_dir / "tokenizer")
+
+
+def is_prompts_folder(data_dir: Path) -> bool:
+    """Whether `data_dir` is a prompts folder archlab finetune --method grpo prepared."""
+    try:
+        return data_dir.is_dir() and load_meta(data_dir, expect=None).get("format") == PROMPTS_FORMAT
+    except DataError:
+        return False
+
+
+class _Batches:
+    """The trainer's view of the rollouts: at micro-step 0 the step's whole generation batch is sampled and scored
+    (TRL's steps_per_generation = grad_accum), each micro-step takes its share. State: the equal-rewards streak."""
+
+    def __init__(self, run: GRPORun):
+        self.run = run
+        self.buffer: list[dict[str, torch.Tensor]] = []
+
+    def next(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        if micro == 0:
+            self.buffer = self.run.generation_batch(step)
+        inputs = self.buffer[micro]
+        return inputs, inputs["completion_ids"]
+
+    def state_dict(self) -> dict:
+        return {"equal_reward_steps": self.run.equal_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.run.equal_steps = int(state.get("equal_reward_steps", 0))
+
+
+class GRPORun:
+    """One GRPO run: the prompts, the rewards, the policy (set at `start`) and its frozen reference (β > 0)."""
+
+    def __init__(self, data: PromptData, cfg: Any, funcs: list[reward_fns.RewardFunc], init_from: Any):
+        from archlab.tokenizer.loading import load
+
+        self.data, self.cfg, self.section, self.funcs, self.init_from = data, cfg, cfg.grpo, funcs, init_from
+        self.train_data, self.val_data = data, data.without_prompts()
+        self.tokenizer_dir: Path | None = data.tokenizer_dir
+        self.tokenizer = load(data.tokenizer_dir)
+        self.batches = _Batches(self)
+        self.weights = torch.tensor(self.section.reward_weights or [1.0] * len(funcs))
+        self.model: torch.nn.Module | None = None
+        self.reference: torch.nn.Module | None = None
+        self.vocab_limit: int | None = None
+        self.equal_steps = 0
+        self._figures: dict[str, list[float]] = {}
+
+    # ---- the seam
+    def extend(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {}
+
+    def start(self, model: torch.nn.Module, run_dir: Path, *, resuming: bool, **_: Any) -> None:
+        """The policy to sample from; with β > 0 a frozen copy of the starting weights (on a resume: the base's
+        weights from --init-from, adapters at zero) as the reference."""
+        from archlab.generation.stepper import vocab_limit
+
+        self.model = model
+        self.vocab_limit = vocab_limit(model, self.tokenizer)
+        if self.section.beta == 0.0:
+            return
+        reference = copy.deepcopy(model)
+        if resuming and self.init_from is not None:
+            state = {k: v for k, v in self.init_from.state.items() if k in reference.state_dict()}
+            reference.load_state_dict(state, strict=False)
+            for name, p in reference.named_parameters():
+                if name.endswith("lora_B"):
+                    p.data.zero_()
+        self.reference = reference.eval().requires_grad_(False)
+
+    def check_resume(self, run_dir: Path) -> None:
+        return None
+
+    def evaluate(self, model: Any, *, device: torch.device, dtype: str, info: Any) -> dict[str, float]:
+        return {}
+
+    # ---- a step's rollouts
+    def _prompt_indices(self, step: int) -> list[int]:
+        """The prompts of `step`: seeded passes over the lines, one permutation per epoch (a function of seed, step)."""
+        n, per_step = len(self.data.prompts), self.cfg.batch_size * self.cfg.grad_accum // self.section.num_generations
+        out = []
+        for k in range(step * per_step, (step + 1) * per_step):
+            epoch, pos = divmod(k, n)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch))
+            out.append(int(order[pos]))
+        return out
+
+    def _completion_texts(self, tokens: list[list[int]]) -> list[str]:
+        eot = self.data.eot_id
+        return [self.tokenizer.decode(t[:-1] if t and t[-1] == eot else t) for t in tokens]
+
+    @torch.no_grad()
+    def generation_batch(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """Sample, score and split the step's completions into grad_accum micro-batches of train.batch_size rows."""
+        assert self.model is not None, "start() sets the policy before the first step"
+        section, group, eot = self.section, self.section.num_generations, int(self.data.eot_id or 0)
+        index = self._prompt_indices(step)
+        lines = [self.data.prompts[i] for i in index for _ in range(group)]
+        out = rollout(self.model, [self.data.prompts[i].ids for i in index], group=group,
+                      max_new_tokens=section.max_completion_length, eos_ids=[eot], pad_id=eot,
+                      seed=self.cfg.seed * 1_000_003 + step, temperature=section.temperature,
+                      top_k=section.top_k or None, top_p=section.top_p if section.top_p < 1 else None,
+                      vocab_limit=self.vocab_limit)
+        tokens = out.completion_tokens()
+        texts = self._completion_texts(tokens)
+        prompts = [line.prompt for line in lines]
+        if any(isinstance(p, list) for p in prompts):       # TRL's conversational form: the completion as a message
+            completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts]
+        else:
+            completions = texts
+        keys = sorted({k for line in lines for k in line.columns})
+        columns = {k: [line.columns.get(k) for line in lines] for k in keys}
+        per_func = torch.tensor([reward_fns.call(f, prompts, completions, tokens, columns,
+                                                 prompt_ids=[line.ids for line in lines]) for f in self.funcs]
+                                ).T                                                              # (n, k)
+        rewards = (per_func * self.weights).sum(-1)                                              # (n,)
+        advantages, zero_std = group_advantages(rewards, group, section.scale_rewards)
+        self._rollout_figures(per_func, rewards, zero_std, out.lengths, out.truncated)
+        mask = out.completion_mask.clone()
+        if section.mask_truncated_completions:
+            mask = mask * (~out.truncated).long()[:, None]
+        batch = {"prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask, "completion_ids": out.completion_ids,
+                 "completion_mask": out.completion_mask, "loss_mask": mask,
+                 "attention_mask": torch.cat([out.prompt_mask, out.completion_mask], 1),
+                 "advantages": advantages.to(out.logps.device)}
+        if self.reference is not None:
+            batch["ref_logps"], _ = completion_logps(self.reference, out.prompt_ids, out.prompt_mask,
+                                                     out.completion_ids, temperature=section.temperature,
+                                                     completion_mask=out.completion_mask,
+                                                     vocab_limit=self.vocab_limit, entropy=False)
+        # dapo: the tokens of the whole generation batch, per micro-step (the trainer divides by grad_accum)
+        items = mask.sum().float() / self.cfg.grad_accum
+        return [{**{k: v[m * self.cfg.batch_size:(m + 1) * self.cfg.batch_size] for k, v in batch.items()},
+                 "num_items": items} for m in range(self.cfg.grad_accum)]
+
+    def _rollout_figures(self, per_func: torch.Tensor, rewards: torch.Tensor, zero_std: torch.Tensor,
+                         lengths: torch.Tensor, truncated: torch.Tensor) -> None:
+        """TRL's per-generation-batch figures; the warning when every group's rewards have been equal for
+        train.grpo.equal_rewards_warn_steps steps in a row (no group has anything to learn from)."""
+        figures = {"reward": rewards.mean(), "reward_std": rewards.std(),
+                   "frac_reward_zero_std": zero_std.float().mean()}
+        for j, f in enumerate(self.funcs):
+            figures[f"rewards/{f.name}/mean"] = per_func[:, j].mean()
+            figures[f"rewards/{f.name}/std"] = per_func[:, j].std()
+        lengths = lengths.float()
+        terminated = lengths[~truncated] if bool((~truncated).any()) else torch.zeros(1)
+        figures.update({"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+                        "completions/max_length": lengths.max(),
+                        "completions/clipped_ratio": truncated.float().mean(),
+                        "completions/mean_terminated_length": terminated.mean(),
+                        "completions/min_terminated_length": terminated.min(),
+                        "completions/max_terminated_length": terminated.max()})
+        for name, value in figures.items():
+            self._figures.setdefault(name, []).append(float(value))
+        self.equal_steps = self.equal_steps + 1 if bool(zero_std.all()) else 0
+        if self.equal_steps == self.section.equal_rewards_warn_steps:
+            warnings.warn(f"every group's rewards have been equal for {self.equal_steps} steps (frac_reward_zero_std "
+                          "= 1): the advantages are 0 and GRPO learns nothing; make the task easier or the rewards "
+                          "finer, sample more (train.grpo.num_generations, temperature)", stacklevel=2)
+
+    # ---- the loss
+    def loss(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> LossOutput:
+        section = self.section
+        logps, entropy = completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
+                                          temperature=section.temperature, completion_mask=inputs["completion_mask"],
+                                          vocab_limit=self.vocab_limit)
+        out = grpo_loss(logps, None, inputs["advantages"], inputs["loss_mask"], loss_type=section.loss_type,
+                        epsilon_low=section.epsilon, epsilon_high=section.epsilon_high, beta=section.beta,
+                        ref_logps=inputs.get("ref_logps"), max_completion_length=section.max_completion_length,
+                        num_items=inputs["num_items"], entropy=entropy.detach() if entropy is not None else None,
+                        bias_correction_kl=section.use_bias_correction_kl)
+        for name, value in out.figures.items():
+            self._figures.setdefault(name, []).append(value)
+        zero = out.loss.new_zeros(())
+        return LossOutput(total=out.loss, ce=out.loss.detach(), z_loss=zero, aux_loss=zero)
+
+    def log_fields(self) -> dict[str, float]:
+        """Each figure's mean since the last log line (TRL averages its lists the same way)."""
+        out = {name: sum(values) / len(values) for name, values in self._figures.items() if values}
+        self._figures = {}
+        return out
+
+
+def open_grpo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any, *, progress: bool = True
+              ) -> GRPORun:
+    """The GRPORun of a prompts folder (archlab finetune --method grpo); UserError before any write for what this
+    run cannot train."""
+    if info.world_size > 1:
+        raise UserError("train.method=grpo trains on one process: data-parallel GRPO is not supported yet "
+                        "(run it without torchrun)")
+    if not is_prompts_folder(data_dir):
+        raise UserError(f"train.method=grpo reads a prompts folder from archlab finetune BASE --method grpo --data "
+                        f"prompts.jsonl: {data_dir} is not one")
+    data = read_prompts(data_dir / PROMPTS_FILE, data_dir / "tokenizer")
+    _check_data(data, model_cfg, cfg)
+    funcs = reward_fns.resolve(cfg.grpo.rewards, columns=_columns(data), format_regex=cfg.grpo.format_regex,
+                               policy_tokenizer=data_dir / "tokenizer", data=data.path)
+    if model_cfg.vocab_size < data.vocab_size:
+        raise UserError(f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {data.vocab_size}")
+    return GRPORun(data, cfg, funcs, init_from)
+
+
+def _grpo_settings(train_cfg: Any, val: Path | None, val_fraction: float | None) -> tuple[Any, float]:
+    """No held-out share: --val-fraction is refused unless 0."""
+    if val_fraction:
+        raise UserError(f"--val-fraction {val_fraction}: --method grpo holds no prompts out")
+    return train_cfg, 0.0
+
+
+METHODS.register("grpo")(Method("grpo", "group relative policy optimization on prompts with rewards (TRL's GRPO)",
+                                open_grpo, prepare=prepare_grpo, fit_settings=_grpo_settings,
+                                data_help="prompt data is a .jsonl file of {\"prompt\", ...} lines"))

@@ -1,0 +1,146 @@
+"""`archlab finetune --method grpo` (training/methods/grpo.py, training/grpo.py): prompts in, groups of sampled
+completions scored by rewards (built-ins, the user's FILE.py:FUNC from the command line, a reward run), TRL's
+GRPO loss and log names; bad input refused in one line before anything is written."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from archlab.cli import main
+from archlab.training.grpo import group_advantages
+from archlab.training.metrics import read_metrics
+
+WORDS = ["red", "green", "blue", "cat", "dog", "bird", "one", "two", "yes", "no"]
+COMMON = ["--no-progress", "--set", "train.batch_size=8", "--set", "train.log_every=1", "--set",
+          "train.warmup_steps=0", "--set", "train.sample_every=-1", "--set", "train.budget=2", "--set", "train.lr=1e-3",
+          "--set", "train.memory_check=false", "--set", "train.eval_every=0", "--set", "train.grpo.num_generations=4",
+          "--set", "train.grpo.max_completion_length=6"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A byte-level BPE tokenizer, a tiny decoder trained 2 steps (the base), prompt lines with answers."""
+    from test_checkpoint import tiny_model
+
+    from archlab.tokenizer import train as train_tokenizer
+    from archlab.training.config import TrainConfig
+    from archlab.training.trainer import fit_vocab, train
+
+    root = tmp_path_factory.mktemp("grpo")
+    rng = random.Random(0)
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(2):
+        (corpus / f"d{i}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(200)) + "\n")
+    tok = train_tokenizer(corpus / "d0.txt", 280, ["<|endoftext|>"])
+    tok.save(root / "tok")
+    assert main(["data", "prepare", "--corpus", str(corpus), "--tokenizer", str(root / "tok"), "--out",
+                 str(root / "data"), "--workers", "0", "--quiet"]) == 0
+    train(fit_vocab(tiny_model(), root / "data"), TrainConfig(
+        batch_size=4, seq_len=32, budget=2, lr=3e-3, warmup_steps=0, eval_batches=1, sample_every=-1),
+        root / "data", root / "base", progress=False)
+    lines = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(3)) + ":", "answer": rng.choice(WORDS)}
+             for _ in range(12)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (root / "my_rewards.py").write_text(
+        "def has_e(prompts, completions, answer, **kw):\n    return [float('e' in c) for c in completions]\n"
+        "def boom(prompts, completions, **kw):\n    raise RuntimeError('no reward today')\n"
+        "def short(prompts, completions, **kw):\n    return [1.0]\n"
+        "def words(prompts, completions, **kw):\n    return ['good' for _ in completions]\n")
+    return root
+
+
+def _rows(run):
+    return [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+
+
+def test_grpo_trains_with_a_builtin_and_a_users_reward_and_logs_trls_names(world, tmp_path):
+    out = tmp_path / "run"
+    assert main(["finetune", str(world / "base"), "--method", "grpo", "--data", str(world / "prompts.jsonl"),
+                 "--out", str(out), "--reward", "exact_match", "--reward", f"{world / 'my_rewards.py'}:has_e",
+                 "--set", "train.grpo.beta=0.04", *COMMON]) == 0
+    rows = _rows(out)
+    assert len(rows) == 2
+    names = {"loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "rewards/exact_match/mean",
+             "rewards/has_e/mean", "rewards/has_e/std", "completions/mean_length", "completions/clipped_ratio",
+             "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_max", "clip_ratio/region_mean"}
+    assert names <= set(rows[0]), names - set(rows[0])
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)          # policy = reference at the first step
+    assert rows[0]["clip_ratio/region_mean"] == 0.0               # on-policy: the ratio is 1
+    assert 1 <= rows[0]["completions/mean_length"] <= 6
+    assert (out / "data" / "prompts.jsonl").is_file() and (out / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_group_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0, 3.0, 1.0])
+    adv, zero = group_advantages(r, 2)
+    a, b = 0.5 / (0.5 ** 0.5 + 1e-4), 1.0 / (2 ** 0.5 + 1e-4)      # (r - mean) / (unbiased std + 1e-4) per group
+    torch.testing.assert_close(adv, torch.tensor([a, -a, 0.0, 0.0, b, -b]))
+    assert zero.tolist() == [False, False, True, True, False, False]
+    adv, _ = group_advantages(r, 3, "none")
+    torch.testing.assert_close(adv, r - torch.tensor([2 / 3] * 3 + [5 / 3] * 3))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--reward", "{root}/missing.py:f"], "missing.py:f: no such file"),
+    (["--reward", "{root}/my_rewards.py:nope"], "my_rewards.py has no function nope"),
+    (["--reward", "{root}/my_rewards.py:boom"], "raised RuntimeError: no reward today"),
+    (["--reward", "{root}/my_rewards.py:short"], "returned 1 values for 2 completions"),
+    (["--reward", "{root}/my_rewards.py:words"], "returned 'good': every reward must be a finite number"),
+    (["--data", "{root}/no_prompt.jsonl"], "no_prompt.jsonl:1 has no 'prompt'"),
+    (["--data", "{root}/prefs.jsonl"], "prefs.jsonl:1 is a preference pair"),
+    (["--data", "{root}/no_answer.jsonl"], "the exact_match reward compares with an 'answer'"),
+    (["--set", "train.grpo.num_generations=1"], "train.grpo.num_generations=1 must be at least 2"),
+    (["--set", "train.grpo.beta=-0.1"], "train.grpo.beta=-0.1 must be >= 0"),
+    (["--set", "train.batch_size=6"], "must be a multiple of train.grpo.num_generations=4"),
+    (["--reward", "{root}/other_rm"], "was trained with another tokenizer than the policy's"),
+    (["--reward", "nonsense"], "reward 'nonsense': neither a built-in"),
+])
+def test_bad_grpo_input_is_one_line_exit_2_and_writes_nothing(world, tmp_path, capsys, args, message):
+    root = world
+    (root / "no_prompt.jsonl").write_text(json.dumps({"question": "hi", "answer": "x"}) + "\n")
+    (root / "no_answer.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
+    (root / "prefs.jsonl").write_text(json.dumps({"prompt": "a", "chosen": " b", "rejected": " c"}) + "\n")
+    other = root / "other_rm" / "tokenizer"
+    if not other.is_dir():                  # a reward run folder whose tokenizer is another one
+        from archlab.tokenizer import train as train_tokenizer
+
+        other.parent.mkdir(exist_ok=True)
+        (other.parent / "c.txt").write_text("zz yy xx ww " * 50)
+        train_tokenizer(other.parent / "c.txt", 270, ["<|endoftext|>"]).save(other)
+    args = [a.replace("{root}", str(root)) for a in args]
+    data = [] if "--data" in args else ["--data", str(root / "prompts.jsonl")]
+    out = tmp_path / "run"
+    assert main(["finetune", str(root / "base"), "--method", "grpo", *data, "--out", str(out), *COMMON, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_reward_is_for_grpo_only(world, tmp_path, capsys):
+    assert main(["finetune", str(world / "base"), "--data", str(world / "prompts.jsonl"), "--out", str(tmp_path / "r"),
+                 "--reward", "exact_match"]) == 2
+    assert "--reward is for --method grpo, not --method sft" in capsys.readouterr().err
+
+
+def test_grpo_resumed_after_an_interruption_equals_the_uninterrupted_run(world, tmp_path):
+    """A rollout is a function of the weights and (seed, step): stopped after step 2 and resumed, the run logs what
+    the uninterrupted one did, β > 0 (the reference rebuilt from --init-from's weights) and grad_accum 2 included."""
+    import shutil
+
+    argv = ["finetune", str(world / "base"), "--method", "grpo", "--data", str(world / "prompts.jsonl"), *COMMON,
+            "--reward", "exact_match", "--reward", f"{world / 'my_rewards.py'}:has_e", "--set", "train.grpo.beta=0.1",
+            "--set", "train.grad_accum=2", "--set", "train.batch_size=4", "--set", "train.checkpoint_every=2",
+            "--set", "train.keep_last=2", "--set", "train.budget=4"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert main([*argv, "--out", str(whole)]) == 0
+    shutil.copytree(whole, parts)
+    shutil.rmtree(parts / "checkpoints" / "step_0000004")     # interrupted after step 2's checkpoint
+    assert main([*argv, "--out", str(parts), "--resume"]) == 0
+    keep = ("loss", "grad_norm", "reward", "kl", "entropy", "completions/mean_length")
+    a, b = ([{k: r[k] for k in keep} for r in _rows(run)] for run in (whole, parts))
+    assert len(a) == 4 and a == b
+    assert a[-1]["kl"] > 0                                   # the policy moved away from the reference

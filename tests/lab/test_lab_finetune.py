@@ -9,6 +9,7 @@ import pytest
 
 from archlab.config import ConfigError
 from archlab.data import reverse_words
+from archlab.lab import bases as lab_bases
 from archlab.lab import finetune as lab_finetune
 from archlab.lab import suites
 from archlab.lab.plan import plan
@@ -93,7 +94,7 @@ def test_a_finetune_sweep_records_exact_match_builds_the_base_once_and_reports(t
 
 def test_a_worker_waits_for_the_base_another_is_building(tmp_path, task_data, monkeypatch):
     spec = plan(_tiny_suite(), tmp_path, vocab_size=259)[0].base
-    monkeypatch.setattr(lab_finetune, "WAIT_S", 0.05)
+    monkeypatch.setattr(lab_bases, "WAIT_S", 0.05)
     lock = RunLock(spec.folder, what="base folder").acquire()       # another worker is building it
 
     def finish():

@@ -1,8 +1,8 @@
 """A `finetune` run of the lab (a suite with `runs: finetune`): the post-training demo's stages 1-2 as one row.
 
     1. the base     pretrained once per distinct BaseSpec (model + pretraining settings, archlab.lab.plan) into
-                    SWEEP/bases/<hash>/run, under a lock on SWEEP/bases/<hash>/: a worker that finds another
-                    building it waits, and every run (and seed, unless `finetune.bases: per_seed`) reuses it
+                    SWEEP/bases/<hash>/run by archlab.lab.bases: every run (and seed, unless `finetune.bases:
+                    per_seed`) reuses it
     2. fine-tuning  archlab.training.finetune on the data folder's SFT examples (archlab.data.reverse_words
                     SFT_FILE) with the run's TrainConfig: full fine-tuning, or LoRA with train.lora
     3. scoring      greedy answers to held-out words (archlab.eval.reverse_words.score_reversal): `exact_match`
@@ -12,54 +12,28 @@ The data folder is what data.reverse_words.prepare_task_folder writes (a sweep p
 """
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from archlab.errors import UserError
+from archlab.lab import bases
+from archlab.lab.bases import BASE_RECORD
 from archlab.lab.plan import BaseSpec, RunJob
 from archlab.lab.store import RunRecord
-from archlab.runs.lock import LockedError, RunLock
+from archlab.runs.lock import LockedError
 
 __all__ = ["finetune_job", "ensure_base", "BASE_RECORD"]
 
-BASE_RECORD = "base.json"    # in the base's folder, written last: the base is complete
-WAIT_S = 2.0                 # how often a worker waiting for another's base looks again
-
 
 def ensure_base(spec: BaseSpec, data: Path) -> tuple[Path, dict]:
-    """The base's run folder and its record ({seconds, exact_plain, ...}), pretraining it first unless a finished
-    one is there. Two workers that need the same base at once: one builds it, the other waits for its record."""
+    """The base's run folder and its record (archlab.lab.bases.ensure_base) with `exact_plain`: the base's held-out
+    exact match in the pretraining text's own format, scored once when it is built."""
     from archlab.data.reverse_words import reverse_problems
     from archlab.eval.reverse_words import score_plain
-    from archlab.training.trainer import train
 
-    run_dir, record_path = spec.folder / "run", spec.folder / BASE_RECORD
-    while True:
-        if record_path.is_file():
-            return run_dir, json.loads(record_path.read_text())
-        try:
-            with RunLock(spec.folder, what="base folder"):
-                if record_path.is_file():          # built while we waited for the lock
-                    continue
-                if run_dir.exists():               # a builder that died: start it over
-                    shutil.rmtree(run_dir)
-                t0 = time.perf_counter()
-                result = train(spec.model, spec.train, data, run_dir, progress=False)
-                if result.diverged:
-                    raise RuntimeError(f"the base in {spec.folder} diverged while pretraining")
-                record = {"seconds": time.perf_counter() - t0, "final_val_loss": result.final_val_loss,
-                          "exact_plain": score_plain(run_dir, reverse_problems(spec.test_words)),
-                          **spec.to_dict()}
-                tmp = record_path.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
-                tmp.replace(record_path)
-                return run_dir, {**record, "built_here": True}
-        except LockedError:
-            time.sleep(WAIT_S)
+    return bases.ensure_base(spec, data, lambda run_dir: {
+        "exact_plain": score_plain(run_dir, reverse_problems(spec.test_words or 1))})
 
 
 def finetune_job(job: RunJob, train_and_measure: Callable[..., RunRecord],

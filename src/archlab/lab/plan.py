@@ -29,17 +29,23 @@ LAB_TRAIN_DEFAULTS = {"sample_every": -1, "checkpoint_every": 0, "keep_last": 1,
 
 @dataclass(frozen=True)
 class BaseSpec:
-    """The pretrained base of a `finetune` run: its model and pretraining settings, and the folder it is built in
-    (SWEEP/bases/<hash of both>/, shared by every run whose base is the same)."""
+    """The pretrained base of a `finetune` or `extend` run: its model and pretraining settings, and the folder it is
+    built in (SWEEP/bases/<hash of both>/, shared by every run whose base is the same; archlab.lab.bases)."""
 
     model: ModelConfig
     train: TrainConfig
     folder: Path
-    test_words: int               # held-out words the fine-tuned model is scored on
+    test_words: int | None = None     # finetune: held-out words the fine-tuned model is scored on
 
     def to_dict(self) -> dict:
         return {"model": self.model.to_dict(), "train": self.train.to_dict(), "folder": str(self.folder),
-                "test_words": self.test_words}
+                **({"test_words": self.test_words} if self.test_words is not None else {})}
+
+
+def base_folder(sweep_dir: Path, model: ModelConfig, train: TrainConfig) -> Path:
+    """SWEEP/bases/<12 hex digits of the model's and the pretraining's settings>: equal bases share a folder."""
+    key = json.dumps([model.to_dict(), train.to_dict()], sort_keys=True, default=str)
+    return Path(sweep_dir) / "bases" / hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -50,13 +56,14 @@ class PlannedRun:
     train: TrainConfig
     run_dir: Path
     match_note: str | None = None
-    base: BaseSpec | None = None  # a finetune run's base (`train` is then the fine-tuning)
+    base: BaseSpec | None = None  # a finetune or extend run's base (`train` is then the fine-tuning / extension)
 
     @property
     def config(self) -> dict:
         return {"model": self.model.to_dict(), "train": self.train.to_dict(),
                 "overrides": {"model": self.variant.model, "train": self.variant.train,
-                              **({"ngram": self.variant.ngram} if self.variant.ngram else {})},
+                              **({"ngram": self.variant.ngram} if self.variant.ngram else {}),
+                              **({"extend": self.variant.extend} if self.variant.extend else {})},
                 "labels": self.variant.labels, **({"base": self.base.to_dict()} if self.base else {})}
 
 
@@ -140,9 +147,80 @@ def _base_spec(suite: Suite, model: ModelConfig, sft: TrainConfig, seed: int, sw
     except ConfigError as exc:
         raise ConfigError(f"suite {suite.name}, finetune.pretrain: {exc}") from exc
     model = model.with_overrides({"seed": base_seed})
-    key = json.dumps([model.to_dict(), train.to_dict()], sort_keys=True, default=str)
-    folder = Path(sweep_dir) / "bases" / hashlib.sha256(key.encode()).hexdigest()[:12]
-    return BaseSpec(model, train, folder, int(settings.get("test_words", demo["test_words"])))
+    return BaseSpec(model, train, base_folder(sweep_dir, model, train),
+                    int(settings.get("test_words", demo["test_words"])))
+
+
+# an extend suite's `extend:` keys: how many times the base's length the context grows, bases shared by the seeds or
+# one per seed, the extension's TrainConfig keys (over the base's pretraining settings, seq_len = factor x L), the
+# evaluation lengths as multiples of L, the passkey keys tried per depth (0: no passkey)
+EXTEND_SETTINGS = {"factor": float, "bases": ("shared", "per_seed"), "train": dict, "lengths": list,
+                   "passkey_trials": int}
+
+
+def _check_extend(suite: Suite, variant: Variant) -> None:
+    """An extend suite's settings and each variant's `extend.steps` (a whole number >= 0); other suites have none."""
+    where = f"suite {suite.name}"
+    if suite.runs != "extend":
+        if suite.extend is not None or variant.extend:
+            raise ConfigError(f"{where}: `extend` settings and extend.* keys need `runs: extend`")
+        return
+    settings = suite.extend or {}
+    unknown = set(settings) - set(EXTEND_SETTINGS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown extend key(s) {sorted(unknown)}; known: {', '.join(EXTEND_SETTINGS)}")
+    factor = settings.get("factor", 4)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
+        raise ConfigError(f"{where}: extend.factor={factor!r} must be a number > 1 (the extended length is factor "
+                          "x the base's training length)")
+    if settings.get("bases", "per_seed") not in EXTEND_SETTINGS["bases"]:
+        raise ConfigError(f"{where}: extend.bases={settings['bases']!r}; known: shared, per_seed")
+    if not isinstance(settings.get("train", {}), dict):
+        raise ConfigError(f"{where}: extend.train must be a mapping of train keys")
+    lengths = settings.get("lengths", [1])
+    if not isinstance(lengths, list) or not lengths or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in lengths):
+        raise ConfigError(f"{where}: extend.lengths={lengths!r} must be a list of multiples of the base's length > 0")
+    trials = settings.get("passkey_trials", 0)
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 0:
+        raise ConfigError(f"{where}: extend.passkey_trials={trials!r} must be a whole number >= 0")
+    unknown = set(variant.extend) - {"steps"}
+    steps = variant.extend.get("steps", 0)
+    if unknown or isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ConfigError(f"{where}, variant {variant.name}: extend.* takes `steps`, a whole number >= 0 (0: the "
+                          f"base's weights under the scaling, no training); got {variant.extend!r}")
+
+
+def _extension(suite: Suite, variant: Variant, base_model: dict, train_base: dict, seed: int,
+               sweep_dir: Path) -> tuple[ModelConfig, TrainConfig, BaseSpec]:
+    """An extend run: (the extended model, the extension's TrainConfig, the base trained at L it starts from).
+    The base is the suite's model and training at its own length; the extended model is the base's config with the
+    variant's model keys (a `position.rope_scaling.kind` gets extend.factor unless it names one), the base's length
+    as original_max_seq_len (training.init_from.extended_config, as `train --init-from` does) and max_seq_len
+    factor x L."""
+    from archlab.errors import UserError
+    from archlab.training.init_from import extended_config
+
+    settings = suite.extend or {}
+    where = f"suite {suite.name}, variant {variant.name}"
+    base_seed = seed if settings.get("bases", "per_seed") == "per_seed" else 0
+    source = build_model_config({**base_model, "seed": base_seed})
+    pretrain = TrainConfig.from_dict({**train_base, "seed": base_seed})
+    base = BaseSpec(source, pretrain, base_folder(sweep_dir, source, pretrain))
+    overrides = dict(variant.model)
+    if "position.rope_scaling.kind" in overrides:
+        overrides.setdefault("position.rope_scaling.factor", settings.get("factor", 4))
+    long = round(source.max_seq_len * settings.get("factor", 4))
+    steps = int(variant.extend.get("steps", 0))
+    try:
+        cfg, _ = extended_config(source, source.with_overrides(overrides), overrides)
+        cfg = cfg.with_overrides({"max_seq_len": long, "seed": seed})
+        # a 0-step run trains nothing (archlab.lab.extend); its TrainConfig only has to be a valid one
+        train = TrainConfig.from_dict({**train_base, "seq_len": long, **settings.get("train", {}), **variant.train,
+                                       "budget": max(steps, 1), "budget_unit": "steps", "seed": seed})
+    except UserError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    return cfg, train, base
 
 
 def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | None = None,
@@ -169,6 +247,7 @@ def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | No
     out: list[PlannedRun] = []
     for variant in suite.expand(scale):
         _check_ngram(suite, variant)
+        _check_extend(suite, variant)
         try:
             cfg = build_model_config({**base_model, **variant.model})
         except ConfigError as exc:
@@ -186,6 +265,8 @@ def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | No
             model_cfg = cfg.with_overrides({"seed": seed})
             train_cfg = TrainConfig.from_dict({**train_base, **variant.train, "seed": seed})
             base = _base_spec(suite, cfg, train_cfg, seed, Path(sweep_dir)) if suite.runs == "finetune" else None
+            if suite.runs == "extend":
+                model_cfg, train_cfg, base = _extension(suite, variant, base_model, train_base, seed, Path(sweep_dir))
             out.append(PlannedRun(variant, seed, model_cfg, train_cfg,
                                   Path(sweep_dir) / "runs" / slug(variant.name) / f"seed{seed}", note, base))
     return out

@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-from archlab.lab import baseline, emergence_report, moe_report, ngram_report, scaling_report
+from archlab.lab import baseline, context_report, emergence_report, moe_report, ngram_report, scaling_report
 from archlab.lab import suites as suites_mod
 from archlab.lab.document import Block
 from archlab.lab.plotstyle import series_style
@@ -27,7 +27,8 @@ STANDARD_METRICS = ("final_val_loss", "step_time_s", "lr_sensitivity", "diverged
 # a suite's `analysis`: its own section after the plots, (suite, rows, img_dir, rel) -> blocks
 ANALYSES: dict[str, Callable[..., list[Block]]] = {"scaling": scaling_report.section,
                                                    "emergence": emergence_report.section,
-                                                   "ngram": ngram_report.section}
+                                                   "ngram": ngram_report.section,
+                                                   "context": context_report.section}
 MEASURED_METRICS = ("val_loss_2x", "max_attn_logit", "first_token_mass", "massive_ratio", "kv_cache_bytes",
                     "busiest_routed_share")
 
@@ -314,6 +315,8 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
             f"{cfg.get('seq_len')}" if suite.runs != "ngram" else "n-gram models counted and scored, none trained")
     if suite.runs == "finetune":
         what = f"fine-tuning {what}; {_bases_line(rows)}"
+    if suite.runs == "extend":
+        what = context_report.runs_line(rows)
     blocks.append(Block("p", (
         f"Runs: {len(rows)} ({', '.join(f'{v} {k}' for k, v in status.items() if v)}); {what}; total wall time "
         f"{wall / 60:.1f} min.")))

@@ -26,6 +26,7 @@ figures in CLAIMS.md). A suite can also come from YAML with the same fields::
     runs: train              # optional: what a run is (RUN_KINDS: train a model, evaluate an n-gram model, or
                              # fine-tune a pretrained base on the post-training demo's task)
     finetune: {bases: per_seed, pretrain: {budget: 100}, test_words: 200}   # optional, runs: finetune only
+    extend: {factor: 4, bases: per_seed, train: {lr: 1.0e-3}}   # optional, runs: extend only (archlab.lab.extend)
     corpus: addition-2       # optional: the corpus a sweep prepares unless --corpus / --data say otherwise
 
 A scale may also carry `axes` (replacing the suite's axes of the same name: a model ladder sized for
@@ -33,9 +34,13 @@ GPUs) and `corpus`. Per-variant `train.budget` / `train.budget_unit` give each r
 scaling suite's token ladder).
 
 Keys starting with `train.` go to TrainConfig, keys starting with `ngram.` to an n-gram run (`order`, `add_k`),
-all others to ModelConfig.with_overrides. A `finetune` run (archlab.lab.finetune) pretrains its base from the
-ModelConfig (once per distinct base, shared by seeds unless `finetune.bases` is per_seed), then fine-tunes it with
-the TrainConfig on the demo's chat examples and scores held-out words (`exact_match`). Variant names
+`extend.` to an extend run (`steps`), all others to ModelConfig.with_overrides. A `finetune` run
+(archlab.lab.finetune) pretrains its base from the ModelConfig (once per distinct base, shared by seeds unless
+`finetune.bases` is per_seed), then fine-tunes it with the TrainConfig on the demo's chat examples and scores
+held-out words (`exact_match`). An `extend` run
+(archlab.lab.extend) starts from a base trained once at the suite's length L (shared by the seeds, or one per seed),
+gives RoPE the variant's `position.rope_scaling` over `extend.factor` x L, fine-tunes `extend.steps` steps at that
+length (0: the base's weights as they are) and scores perplexity by length and passkey retrieval. Variant names
 are the axis labels joined with "," (e.g. "norm=post,lr=1e-2"); each run also records its labels per
 axis, which is what rules select on.
 """
@@ -85,17 +90,20 @@ class Variant:
     train: dict[str, Any]          # TrainConfig overrides (without the `train.` prefix)
     labels: dict[str, str]         # axis name -> label
     ngram: dict[str, Any] = field(default_factory=dict)   # an n-gram run's settings (without the `ngram.` prefix)
+    extend: dict[str, Any] = field(default_factory=dict)  # an extend run's settings (without `extend.`): steps
 
 
 _FIELD_TYPES = {"name": str, "claim": str, "variants": list, "axes": list, "base": dict, "match": dict, "seeds": int,
                 "scales": dict, "measure": list, "rules": list, "published": str, "lr_axis": str, "notes": str,
-                "timing_seq_len": int, "analysis": str, "corpus": str, "runs": str, "finetune": dict}
+                "timing_seq_len": int, "analysis": str, "corpus": str, "runs": str, "finetune": dict,
+                "extend": dict}
 # report sections beyond the rules' table, by name (archlab.lab.report.ANALYSES holds their code)
-ANALYSES = ("scaling", "emergence", "ngram")
+ANALYSES = ("scaling", "emergence", "ngram", "context")
 # what one run of a suite is (archlab.lab.worker.RUN_KINDS holds their code): a trained model, an n-gram
 # model counted on the train split and scored on the validation split (no training, no model), or a pretrained base
-# fine-tuned on the post-training demo's task and scored on held-out words (archlab.lab.finetune)
-RUN_KINDS = ("train", "ngram", "finetune")
+# fine-tuned on the post-training demo's task and scored on held-out words (archlab.lab.finetune), or a base's
+# context extended by RoPE scaling and a few steps at the longer length (archlab.lab.extend)
+RUN_KINDS = ("train", "ngram", "finetune", "extend")
 _KIND_NAMES = {str: "a string", list: "a list", dict: "a mapping", int: "an integer"}
 
 
@@ -121,6 +129,8 @@ class Suite:
     runs: str = "train"                                    # one of RUN_KINDS: what each run is
     finetune: dict | None = None                           # runs: finetune: {bases, pretrain, test_words}
                                                            # (archlab.lab.plan.FINETUNE_SETTINGS)
+    extend: dict | None = None                             # runs: extend: {factor, bases, train, passkey_trials}
+                                                           # (archlab.lab.plan.EXTEND_SETTINGS)
 
     def __post_init__(self):
         for name, kind in _FIELD_TYPES.items():
@@ -238,10 +248,10 @@ def _fmt(value: Any) -> str:
 
 
 def _variant(name: str, sets: dict, labels: dict) -> Variant:
-    model = {k: v for k, v in sets.items() if not k.startswith(("train.", "ngram."))}
-    train = {k[len("train."):]: v for k, v in sets.items() if k.startswith("train.")}
-    ngram = {k[len("ngram."):]: v for k, v in sets.items() if k.startswith("ngram.")}
-    return Variant(name=name, model=model, train=train, labels=labels, ngram=ngram)
+    model = {k: v for k, v in sets.items() if not k.startswith(("train.", "ngram.", "extend."))}
+    train, ngram, extend = ({k[len(p):]: v for k, v in sets.items() if k.startswith(p)}
+                            for p in ("train.", "ngram.", "extend."))
+    return Variant(name=name, model=model, train=train, labels=labels, ngram=ngram, extend=extend)
 
 
 def build_model_config(model_overrides: dict) -> ModelConfig:
@@ -950,6 +960,64 @@ def _moe() -> Suite:
               "It counts first choices because with top-2 an expert takes at most one of a token's two slots: "
               "its share of routed slots cannot pass 50%, and its share of tokens routed to it (either slot) "
               "cannot fall below 25%; both are in the table too (expert_load_routed).",
+    )
+
+
+# context_extension's methods: RoPE scaling kinds (nn/position.py); "ntk" is dynamic NTK, which at the extended
+# length is NTK-aware scaling of the base (bloc97 2023), and below the original length changes nothing
+_EXTENSIONS = {"none": None, "linear": "linear", "ntk": "dynamic", "yarn": "yarn"}
+
+
+@builtin_suite
+def _context_extension() -> Suite:
+    methods = [{"label": name, "set": {"position.rope_scaling.kind": kind} if kind else {}}
+               for name, kind in _EXTENSIONS.items()]
+    zero_shot = {"steps": "0"}
+    return Suite(
+        name="context_extension",
+        claim="RoPE scaling extends a model's context: without fine-tuning NTK-aware scaling and YaRN keep the "
+              "perplexity at 4x the trained length where plain RoPE and position interpolation do not; after a "
+              "short fine-tuning YaRN reaches what interpolation reaches, in fewer steps; passkey retrieval works "
+              "at 4x after extension and not before",
+        axes=[{"name": "method", "values": methods},
+              {"name": "steps", "values": [{"label": str(n), "set": {"extend.steps": n}} for n in (0, 50, 200)]}],
+        variants=[{"label": "method=yarn,steps=100", "set": {"position.rope_scaling.kind": "yarn", "extend.steps": 100},
+                   "labels": {"method": "yarn", "steps": "100"}}],
+        runs="extend", analysis="context", seeds=2,
+        extend={"factor": 4, "bases": "per_seed", "lengths": [0.5, 1, 2, 4], "passkey_trials": 10,
+                "train": {"lr": 1e-3, "warmup_steps": 5, "batch_size": 4, "eval_every": 1000, "eval_batches": 16}},
+        scales={"small": {"budget": 600, "unit": "steps"},
+                "large": {"budget": 4000, "unit": "steps"}},
+        rules=[
+            *[Rule(kind="less", metric="ppl_extended", a={"method": good, **zero_shot}, b={"method": bad, **zero_shot},
+                   statement=f"without fine-tuning, {good.upper() if good == 'ntk' else 'YaRN'}'s perplexity at 4x "
+                             f"the trained length below {'plain RoPE' if bad == 'none' else 'linear interpolation'}'s")
+              for good in ("ntk", "yarn") for bad in ("linear", "none")],
+            Rule(kind="less", metric="ppl_extended", a={"method": "yarn", "steps": "100"},
+                 b={"method": "linear", "steps": "200"},
+                 statement="YaRN after 100 steps below linear interpolation's perplexity at 4x after 200 steps "
+                           "(it reaches it in half the steps)"),
+            Rule(kind="above", metric="passkey_extended", a={"method": "yarn", "steps": "200"}, expected=0.9,
+                 statement="after extension (YaRN, 200 steps) passkey accuracy at 4x the trained length above 90%"),
+            Rule(kind="below", metric="passkey_extended", a={"method": "none", **zero_shot}, expected=0.2,
+                 statement="before extension (plain RoPE, no fine-tuning) passkey accuracy at 4x below 20%"),
+        ],
+        published="Chen et al. 2023 (position interpolation, 2306.15595): LLaMA 7B-65B extended to 32,768 tokens "
+                  "within ~1,000 fine-tuning steps, where extrapolation without it fails; Peng et al. 2023 (YaRN, "
+                  "2309.00071): 10x fewer tokens and 2.5x fewer steps than earlier methods, Llama 2 to 64k/128k in "
+                  "~400 steps, passkey retrieval ~100% over the extended context; NTK-aware scaling (bloc97 2023) "
+                  "works without fine-tuning to ~2x",
+        notes="Each seed trains one base at L = the scale's seq_len (small: the lab's 0.23M-parameter byte model, "
+              "600 steps of 16 x 64 bytes of Shakespeare; large: the large scale's model at 256), shared by every "
+              "method and step count. Each run gives RoPE its scaling over factor 4 with original_max_seq_len = L "
+              "(what `archlab train --init-from RUN --set position.rope_scaling...` does), then either scores the "
+              "base's weights as they are (steps 0) or fine-tunes them at 4L (batch 4, lr 1e-3, 5 warmup steps, "
+              "cosine) for 50, 100 (YaRN only, for the rule) or 200 steps. 'ntk' is dynamic NTK (as transformers' "
+              "`dynamic`: the base grows with the call's length past L). Perplexity: 16 validation batches of about "
+              "4 x 4L tokens at each length, the same windows for every run; passkey: 10 keys at depths 0, 0.5 "
+              "and 1 (Mohtashami & Jaggi's prompt, greedy). At L = 64 the passkey prompt only just fits 4L = 256 "
+              "bytes (243 without filler), and a byte model of Shakespeare has never had to copy a number: the "
+              "passkey rules can fail for that reason alone, which the verdicts then say.",
     )
 
 

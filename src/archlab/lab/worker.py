@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from archlab.config import ModelConfig
 from archlab.errors import one_line_warnings
+from archlab.lab.extend import extend_job
 from archlab.lab.finetune import finetune_job
 from archlab.lab.plan import INTERRUPTED, PlannedRun, RunJob
 from archlab.lab.store import RunRecord
@@ -77,7 +78,8 @@ def failed(record: RunRecord, exc: BaseException, t0: float) -> RunRecord:
 # a suite's `runs` -> the function that does one of its runs (archlab.lab.suites.RUN_KINDS names them)
 RUN_KINDS: dict[str, Callable[[RunJob], RunRecord]] = {"train": _train_job, "ngram": evaluate_ngram_run,
                                                        "finetune": lambda job: finetune_job(job, train_and_measure,
-                                                                                            failed)}
+                                                                                            failed),
+                                                       "extend": lambda job: extend_job(job, train_and_measure, failed)}
 
 
 def train_and_measure(suite: Suite, run: PlannedRun, data: Path, record: RunRecord, train_fn: Callable | None,

@@ -123,7 +123,9 @@ def _stats(values: list[float]) -> tuple[float, float]:
 
 
 def _fmt(x: Any, digits: int = 4) -> str:
-    if x is None:
+    """A number for a table cell; "–" for none (None, or the NaN of a mean over no runs: a run that did not train
+    has no step time)."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     if isinstance(x, float):
         if not math.isfinite(x):

@@ -1,17 +1,31 @@
 """Time to first token across a chat's turns, with the conversation's KV cache kept between turns (PrefixCache, as
-`archlab chat` does) and without it (every turn prefills the whole history).
+`archlab chat` does) and without it (every turn prefills the whole history); where turn 1's and the last turn's
+time goes; and the server's per-slot prefix cache on the same conversation.
 
     .venv/bin/python benchmarks/chat_cache.py [--threads 1] [--turns 10] [--rounds 5] [--user 60] [--answer 60]
+                                              [--d-model 256] [--no-server]
 
 The model: the decode benchmark's LLaMA shape (8 layers, d_model 256, GQA 8:2, random weights; only shapes matter
-for time). A turn appends --user tokens to the history, streams an answer of --answer tokens (greedy, EOS off) and
-appends it; the time to first token is from the call to the first streamed token, the prefill included. Both
-conversations run in interleaved rounds (one whole conversation each per round, the order alternating); each turn's
-figure is the median over rounds, and the answers of both are asserted identical.
+for time; --d-model widens it, heads of 32). A turn appends --user tokens to the history, streams an answer of
+--answer tokens (greedy, EOS off) and appends it; the time to first token is from the call to the first streamed
+token, the prefill included. Both conversations run in interleaved rounds (one whole conversation each per round,
+the order alternating); each turn's figure is the median over rounds, and the answers of both are asserted
+identical.
+
+The breakdown (turn 1 and the last turn, the cache holding what it holds in the chat; each part the least of
+interleaved repeats): setup (the prompt's tensors, the cache's common prefix), the prefill forward, of it the
+attention (the prefill's time less that of the same prefill with SDPA's calls answering zeros at once: the other
+operations' time does not depend on their values), and the first token's sampling.
+
+The server (archlab.serve.Engine, one decoding row): the same turns as requests of one token each (prefill + the
+first token), with the prefix cache and without (prefix_cache=False), interleaved; ids below 256 (a byte
+tokenizer) and fixed answers, so the row holds the previous prompt and each follow-up prefills the answer and the
+user's turn.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -36,6 +50,80 @@ def conversation(model, users: list[list[int]], answer: int, cached: bool) -> tu
     return ttft, history
 
 
+@contextlib.contextmanager
+def attention_skipped():
+    """SDPA's calls answer zeros at once: what is left of a forward's time is everything but the attention itself
+    (the time of the other operations does not depend on the values they get)."""
+    from archlab.nn import attention_backends
+
+    real = attention_backends.SDPA.__call__
+    attention_backends.SDPA.__call__ = lambda self, call: (torch.zeros_like(call.q), None)   # type: ignore
+    try:
+        yield
+    finally:
+        attention_backends.SDPA.__call__ = real                                                # type: ignore
+
+
+def breakdown(model, prompt: list[int], held: int, repeats: int) -> dict[str, float]:
+    """Milliseconds of a turn whose cache holds prompt[:held], each the least of `repeats` (a shared machine's noise
+    only adds): setup, prefill, sample (the first token), total, and `rest`: the prefill with attention skipped."""
+    from archlab.generation.sampling import SamplingParams, next_token
+    from archlab.generation.stepper import Stepper, prepare_prompts
+    from archlab.nn import attention_backends
+
+    cache = PrefixCache()
+    list(stream(model, prompt[:max(held, 1)], 1, eos_token_id=[], prefix_cache=cache))
+    best: dict[str, float] = {}
+
+    def prefill() -> tuple[float, float, torch.Tensor, list]:
+        assert cache.cache is not None
+        cache.cache.crop(held)
+        del cache.ids[held:]
+        calls: list = []
+        start = time.perf_counter()
+        ids, mask, _ = prepare_prompts(prompt)
+        stepper = Stepper(model, ids, mask, 2, prefix=cache)
+        setup = time.perf_counter()
+        with attention_backends.observe(calls.append):
+            logits = stepper.prefill()
+        return setup - start, time.perf_counter() - setup, logits, calls
+
+    for _ in range(repeats):
+        with torch.inference_mode():
+            setup, forward, logits, calls = prefill()
+            start = time.perf_counter()
+            int(next_token(logits, SamplingParams(temperature=0.0))[0])
+            sample = time.perf_counter() - start
+            assert {attention_backends.choose(c).name for c in calls} == {"sdpa"}
+            with attention_skipped():
+                rest = prefill()[1]
+        for key, seconds in (("total", setup + forward + sample), ("setup", setup), ("prefill", forward),
+                             ("sample", sample), ("rest", rest)):
+            best[key] = min(best.get(key, float("inf")), seconds)
+    return {k: 1e3 * v for k, v in best.items()}
+
+
+def server_turns(model, users: list[list[int]], answers: list[list[int]], cached: bool) -> tuple[list[float], list]:
+    """(seconds per one-token request of each turn, (text, cached tokens) of each) through a fresh Engine."""
+    from archlab.serve import CompletionRequest, Engine
+    from archlab.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    engine = Engine(model, tokenizer, "bench", max_batch=1, prefix_cache=cached)
+    _, settings = engine.prepare(CompletionRequest("x", max_tokens=1, temperature=0))
+    history: list[int] = []
+    times, out = [], []
+    for user, answer in zip(users, answers):
+        history = history + user
+        start = time.perf_counter()
+        deltas = list(engine.complete(CompletionRequest("", max_tokens=1, temperature=0),
+                                      prepared=(list(history), settings)))
+        times.append(time.perf_counter() - start)
+        out.append(("".join(d.text for d in deltas), deltas[-1].cached_tokens))
+        history = history + answer
+    return times, out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -43,12 +131,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--user", type=int, default=60, help="tokens each user turn adds")
     ap.add_argument("--answer", type=int, default=60, help="tokens of each answer")
+    ap.add_argument("--d-model", type=int, default=256, help="model width (heads of 32, GQA 4:1, d_ff 2.69x)")
+    ap.add_argument("--repeats", type=int, default=15, help="repeats of the breakdown (min taken)")
+    ap.add_argument("--no-server", action="store_true", help="skip the server's table")
     args = ap.parse_args()
     from archlab.runs.provenance import provenance_line
     print(provenance_line(threads=args.threads), flush=True)
     torch.set_num_threads(args.threads)
-    cfg = archlab.presets.tiny("llama3-8b", vocab_size=4096, d_model=256, max_seq_len=2048).with_overrides(
-        {"n_layers": 8, "attention.n_heads": 8, "attention.n_kv_heads": 2, "mlp.d_ff": 688})
+    heads = args.d_model // 32
+    cfg = archlab.presets.tiny("llama3-8b", vocab_size=4096, d_model=args.d_model, max_seq_len=2048).with_overrides(
+        {"n_layers": 8, "attention.n_heads": heads, "attention.n_kv_heads": max(1, heads // 4),
+         "mlp.d_ff": round(args.d_model * 2.6875)})
     model = archlab.TransformerLM(cfg).eval()
     g = torch.Generator().manual_seed(0)
     users = [torch.randint(0, cfg.vocab_size, (args.user,), generator=g).tolist() for _ in range(args.turns)]
@@ -63,16 +156,62 @@ def main() -> None:
             else:
                 assert history == kept, "the cached conversation decoded different answers"
     med = {c: [statistics.median(t[i] for t in times[c]) for i in range(args.turns)] for c in (True, False)}
-    print(f"time to first token (ms), median of {args.rounds} interleaved rounds; {args.user} user + {args.answer} "
-          f"answer tokens a turn")
+    print(f"d_model {args.d_model}: time to first token (ms), median of {args.rounds} interleaved rounds; "
+          f"{args.user} user + {args.answer} answer tokens a turn")
     print(f"{'turn':>4} {'prompt':>7} {'cached':>8} {'fresh':>8}")
     for i in range(args.turns):
         print(f"{i + 1:>4} {(i + 1) * args.user + i * args.answer:>7} {1e3 * med[True][i]:>8.1f} "
               f"{1e3 * med[False][i]:>8.1f}")
     last = args.turns - 1
-    print(f"turn {args.turns} / turn 1: cached {med[True][last] / med[True][0]:.2f}x, "
-          f"fresh {med[False][last] / med[False][0]:.2f}x; at turn {args.turns} the cache is "
-          f"{med[False][last] / med[True][last]:.1f}x faster to the first token")
+    print(f"turn {args.turns} / turn 1: cached {med[True][last] / med[True][0]:.2f}x (against the fresh turn 1 "
+          f"{med[True][last] / med[False][0]:.2f}x), fresh {med[False][last] / med[False][0]:.2f}x; at turn "
+          f"{args.turns} the cache is {med[False][last] / med[True][last]:.1f}x faster to the first token")
+
+    last_prompt = kept[:args.turns * args.user + last * args.answer]
+    cases = {1: (users[0], 0), args.turns: (last_prompt, len(last_prompt) - args.user - 1)}
+    parts: dict[int, list[dict[str, float]]] = {t: [] for t in cases}
+    for _ in range(3):                                 # interleaved: turn 1, the last turn, again
+        for turn, (prompt, held) in cases.items():
+            parts[turn].append(breakdown(model, prompt, held, max(1, args.repeats // 3)))
+    print(f"where the time to first token goes (ms, each the least of {3 * max(1, args.repeats // 3)} interleaved "
+          "repeats): setup | prefill = attention + the rest of the forward (timed with attention skipped) | "
+          "the first token")
+    print(f"{'turn':>4} {'keys':>5} {'total':>7} {'setup':>6} {'prefill':>8} {'attn':>6} {'other':>6} {'sample':>6}")
+    best = {t: {k: min(p[k] for p in parts[t]) for k in parts[t][0]} for t in parts}
+    for turn, (prompt, _) in cases.items():
+        b = best[turn]
+        print(f"{turn:>4} {len(prompt):>5} {b['total']:>7.1f} {b['setup']:>6.2f} {b['prefill']:>8.1f} "
+              f"{b['prefill'] - b['rest']:>6.1f} {b['rest']:>6.1f} {b['sample']:>6.2f}")
+    first, end = best[1], best[args.turns]
+    grew = {k: end[k] - first[k] for k in end}
+    print(f"turn {args.turns} - turn 1: {grew['total']:+.1f} ms ({end['total'] / first['total']:.2f}x), of which "
+          f"attention {grew['prefill'] - grew['rest']:+.1f} ms, the rest of the forward {grew['rest']:+.1f} ms, "
+          f"setup {grew['setup']:+.2f} ms, the first token {grew['sample']:+.2f} ms")
+
+    if args.no_server:
+        return
+    g = torch.Generator().manual_seed(1)
+    small = [torch.randint(0, 256, (args.user,), generator=g).tolist() for _ in range(args.turns)]
+    answers = [torch.randint(0, 256, (args.answer,), generator=g).tolist() for _ in range(args.turns)]
+    server_turns(model, small[:2], answers[:2], True)                              # warm-up
+    serve: dict[bool, list[list[float]]] = {True: [], False: []}
+    for r in range(args.rounds):
+        for cached in ((True, False) if r % 2 == 0 else (False, True)):
+            seconds, out = server_turns(model, small, answers, cached)
+            serve[cached].append(seconds)
+            if cached:
+                found = out
+            else:
+                assert [t for t, _ in out] == [t for t, _ in found], "the server's answers differ with the cache"
+    smed = {c: [statistics.median(t[i] for t in serve[c]) for i in range(args.turns)] for c in (True, False)}
+    print(f"the server (Engine, one row): a one-token request per turn (ms, median of {args.rounds} interleaved "
+          "rounds), with the prefix cache and without; cached tokens as usage reports them")
+    print(f"{'turn':>4} {'prompt':>7} {'cached':>8} {'found':>6} {'uncached':>9}")
+    for i in range(args.turns):
+        print(f"{i + 1:>4} {(i + 1) * args.user + i * args.answer:>7} {1e3 * smed[True][i]:>8.1f} "
+              f"{found[i][1]:>6} {1e3 * smed[False][i]:>9.1f}")
+    print(f"turn {args.turns}: the prefix cache answers {smed[False][last] / smed[True][last]:.1f}x sooner; "
+          f"turn {args.turns} / turn 1 with it {smed[True][last] / smed[True][0]:.2f}x")
 
 
 if __name__ == "__main__":

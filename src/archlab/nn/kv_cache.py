@@ -326,6 +326,8 @@ class _SlotView:
         self.slots, self.rows = slots, rows
         self.index = torch.tensor(rows, dtype=torch.long, device=slots.pos.device)
         self.starts = [slots.length[r] for r in rows]   # where this forward writes in each row
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows))) if rows else False
+        self.span = (rows[0], rows[0] + len(rows)) if consecutive else None
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         s, t = self.slots, k.shape[2]
@@ -338,6 +340,9 @@ class _SlotView:
             s.length[row] = start + t
         # only the slots some row has written: attention never spans the empty tail of the capacity
         end = max(self.starts) + t
+        if self.span is not None:                 # consecutive rows (a prefill's one row): views, no copy
+            lo, hi = self.span
+            return s.k[layer, lo:hi, :, :end], s.v[layer, lo:hi, :, :end], s.pos[lo:hi, :end]
         keys = s.k[layer, :, :, :end].index_select(0, self.index)            # (b, k, end, e)
         values = s.v[layer, :, :, :end].index_select(0, self.index)
         return keys, values, s.pos[:, :end].index_select(0, self.index)    # ..., (b, end)

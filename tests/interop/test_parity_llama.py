@@ -64,3 +64,4 @@ def test_mixtral_moe_routing(hf_parity, hf_roundtrip, tiny_kwargs):
     moe = ours.config.mlp.moe
     assert (moe.n_experts, moe.top_k, moe.normalize_top_k) == (4, 2, True)
     hf_roundtrip(ours, expect_family="mixtral")
+

@@ -1,5 +1,5 @@
-"""OLMo (non-parametric LayerNorm, clip_qkv) and OLMo 2 (post-sublayer RMSNorm, full-width
-QK-norm): logits equal transformers'."""
+"""OLMo (non-parametric LayerNorm, clip_qkv), OLMo 2 (post-sublayer RMSNorm, full-width QK-norm) and OLMoE
+(full-width QK-norm, routed experts): logits equal transformers'."""
 import pytest
 
 pytest.importorskip("transformers")
@@ -33,3 +33,24 @@ def test_olmo2_post_sublayer_norms_full_qk_norm(hf_parity, hf_roundtrip, tiny_kw
     cfg = ours.config
     assert cfg.norm.position == "post_sublayer" and cfg.attention.qk_norm == "full"
     hf_roundtrip(ours, expect_family="olmo2")
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_olmoe_moe_routing_and_full_qk_norm(hf_parity, hf_roundtrip, tiny_kwargs, norm_topk_prob):
+    """OLMoE: full-width QK-norm, 4 experts top-2 with and without renormalizing the k weights, attention biases."""
+    _, ours, _ = hf_parity("olmoe", **tiny_kwargs(num_experts=4, num_experts_per_tok=2,
+                                                  norm_topk_prob=norm_topk_prob, attention_bias=True))
+    cfg = ours.config
+    assert (cfg.mlp.moe.n_experts, cfg.mlp.moe.top_k, cfg.mlp.moe.normalize_top_k) == (4, 2, norm_topk_prob)
+    assert cfg.attention.qk_norm == "full" and cfg.bias.qkv and cfg.bias.attn_out
+    hf_roundtrip(ours, expect_family="olmoe")
+
+
+def test_olmoe_with_clip_qkv_is_refused_naming_the_field():
+    """transformers clamps OLMoE's q and k after the QK-norm; archlab's attention clamps before it."""
+    from archlab.config import ConfigError
+    from archlab.interop.hf import family_for
+    hf = {"model_type": "olmoe", "num_experts": 4, "clip_qkv": 8.0, "hidden_size": 64, "num_attention_heads": 4,
+          "num_hidden_layers": 2, "intermediate_size": 32, "vocab_size": 128}
+    with pytest.raises(ConfigError, match="clip_qkv"):
+        family_for(hf).to_config(hf)

@@ -107,6 +107,7 @@ class LlamaLike(Family):
     norm_position = "pre"             # olmo2: post_sublayer
     norms = PRE_NORMS                 # our block norm name -> HF name
     clip_qkv = False                  # olmo: clamp q, k, v to +-clip_qkv
+    routed_experts = False            # mixtral, olmoe: the MLP is a top-k mixture of experts (mlp.moe)
 
     def to_config(self, hf: dict) -> ModelConfig:
         c = HFConfig(hf, self.model_type)
@@ -224,7 +225,7 @@ class LlamaLike(Family):
             req(cfg, "bias.attn_out", False)
         if self.model_type != "llama":
             req(cfg, "bias.mlp", False)
-        if self.model_type != "mixtral":
+        if not self.routed_experts:
             req(cfg, "mlp.moe", None)
         if self.window_style == "none":
             req(cfg, "attention.window", None)
@@ -303,6 +304,7 @@ class MixtralFamily(LlamaLike):
     has_attention_bias_field = False
     window_style = "all"
     save_priority = 40
+    routed_experts = True
 
     def read_moe(self, c: HFConfig) -> MoEConfig:
         c.unsupported("router_jitter_noise", why="multiplicative router noise in training")

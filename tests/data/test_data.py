@@ -355,3 +355,50 @@ def test_cli_prepare_writes_a_data_folder(tmp_path, capsys):
                "--out", str(tmp_path / "x"), "--quiet"])
     assert rc == 2 and "missing" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+# --------------------------------------------------------------------------- repeated data (train.stream.unique_tokens)
+def test_unique_tokens_trains_on_the_splits_head_repeated_epoch_after_epoch(counting_dir):
+    from archlab.config import ModelConfig
+    from archlab.data.batches import TrainBatches
+    from archlab.training.config import TrainConfig
+
+    cfg = TrainConfig().with_overrides({"batch_size": "4", "seq_len": "16", "stream.unique_tokens": "1e3"})
+    assert cfg.stream.unique_tokens == 1000
+    batches = TrainBatches(ModelConfig(vocab_size=5000), cfg, TokenDataset(counting_dir))
+    per_epoch = (1000 - 1) // 16 - 1                      # 61 windows of 17 tokens fit in the first 1000
+    assert batches.sampler.windows_per_epoch == per_epoch
+    seen = []
+    for step in range(per_epoch):                         # 4 windows a step: exactly 4 epochs
+        inputs, labels = batches.next(step, 0)
+        seen.append(inputs["input_ids"])
+        assert int(labels.max()) <= 999                   # the last target is token 999 at most: never past the head
+    assert batches.epoch == pytest.approx(4.0)
+    starts = torch.cat(seen)[:, 0].tolist()
+    for k in range(4):                                    # each epoch visits its own 61 disjoint windows once
+        epoch = sorted(starts[k * per_epoch:(k + 1) * per_epoch])
+        assert all(b - a == 16 for a, b in zip(epoch, epoch[1:]))
+
+
+def test_a_splits_head_counts_its_tokens_bytes_and_documents_and_refuses_a_cut_past_the_end(tmp_path):
+    docs = _docs(40)
+    _prepare(docs, tmp_path / "d", val_fraction=0.1)
+    train = TokenDataset(tmp_path / "d", "train")
+    ids = np.asarray(train.tokens, dtype=np.int64)
+    cut = int(np.flatnonzero(ids == train.eot_id)[4]) + 1          # five whole documents
+    head = train.head(cut)
+    assert head.n_tokens == len(head) == cut and np.array_equal(np.asarray(head.tokens), ids[:cut])
+    assert head.n_documents == 5 and train.n_tokens == len(ids)      # the original is untouched
+    assert head.n_bytes == round(train.n_bytes * cut / train.n_tokens)
+    with pytest.raises(DataError, match="unique_tokens"):
+        train.head(train.n_tokens + 1)
+
+
+def test_unique_tokens_must_be_a_whole_positive_number():
+    from archlab.config import ConfigError
+    from archlab.training.config import TrainConfig
+
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ConfigError, match="unique_tokens"):
+            TrainConfig(stream={"unique_tokens": bad})
+    assert TrainConfig().with_overrides({"train.stream.unique_tokens": "none"}).stream.unique_tokens is None

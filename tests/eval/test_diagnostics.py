@@ -102,7 +102,7 @@ def test_save_report_writes_json_and_pngs(tmp_path):
     result = diagnostics.diagnose(_frozen_stream_model(q_bias=100.0), _ids())
     paths = diagnostics.save_report(result, tmp_path)
     assert json.loads(paths["json"].read_text())["summary"]["n_layers"] == 3
-    for key in ("first_token_mass", "entropy", "massive", "effective_rank"):
+    for key in ("first_token_mass", "entropy", "prefix_matching", "massive", "effective_rank"):
         assert paths[key].stat().st_size > 1000
 
 
@@ -115,7 +115,7 @@ def test_layer_and_head_axes_have_integer_ticks(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = build_model(presets.tiny("gpt2"))
     diagnostics.save_report(diagnostics.diagnose(model, torch.randint(0, 256, (2, 12))), tmp_path)
-    assert len(kept) == 4
+    assert len(kept) == 5                              # sinks, entropy, induction, massive, rank
     for fig in kept:
         ax = fig.axes[0]
         fig.canvas.draw()

@@ -137,6 +137,21 @@ def test_less_rule_held_not_held_inconclusive():
     assert judge(rule, _rows({"A": [2.0, 2.1]})).verdict == INCONCLUSIVE          # no B at all
 
 
+def test_less_rule_with_a_margin_needs_the_gap_beyond_margin_plus_spread():
+    rule = Rule(kind="less", statement="A clearly below B", a={"v": "A"}, b={"v": "B"}, margin=0.05)
+    d = 0.01 / math.sqrt(2)                       # stdev of (x - d, x, x + d) is d: spread sqrt(2) d = 0.01
+    def rows(a, b):
+        return _rows({"A": [a - d, a, a + d], "B": [b - d, b, b + d]})
+    v = judge(rule, rows(2.00, 2.07))             # gap 0.07 > 0.05 + 0.01
+    assert v.verdict == HELD and v.numbers["margin"] == 0.05 and "margin 0.05 nats" in v.reason
+    assert judge(rule, rows(2.00, 2.055)).verdict == INCONCLUSIVE   # 0.04 <= 0.055 <= 0.06
+    assert judge(rule, rows(2.00, 2.03)).verdict == NOT_HELD        # below: worse, but not by the margin
+    assert judge(rule, rows(2.10, 2.00)).verdict == NOT_HELD
+    assert "0.05 nats + 1x the seed spread" in tolerance(rule)
+    with pytest.raises(ValueError, match="margin"):
+        Rule(kind="parity", statement="x", a={}, b={}, margin=0.1)
+
+
 def test_bias_suite_states_its_tolerance_and_a_gap_of_2_5_spreads_is_not_parity():
     rule = suites.load("bias").rules[0]
     assert rule.tol_abs == 0.02 and "0.02 nats" in tolerance(rule)

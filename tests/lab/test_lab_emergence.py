@@ -134,10 +134,15 @@ def test_emergence_suite_and_report_from_a_synthetic_table(tmp_path):
     assert len(planned) == 18 and {p.train.budget_unit for p in planned} == {"tokens"}
     sizes = [param_count(p.model) for p in planned if p.seed == 0]
     assert sizes == sorted(sizes) and 3e4 < sizes[0] and sizes[-1] < 4e5          # a ladder, smallest first
-    assert suite.corpus == "addition-2" and suite.scale("large")["corpus"] == "addition-4"
+    assert suite.corpus == "addition-2+icl" and suite.scale("large")["corpus"] == "addition-4+icl"
+    rows = _rows(SMOOTH, [d ** 4 for d in SMOOTH])
+    for r in rows:                                        # the mapping task's scores and the induction score
+        i = int(r.variant[len("size=s"):])
+        r.extra.update(icl_accuracy=0.1 + 0.2 * i, icl_accuracy_per_shot=[0.04, 0.1 * i, 0.2 * i, 0.3 * i],
+                       icl_nll=3.0 - 0.5 * i, prefix_matching_max=0.1 * i + 0.05 * r.seed)
     with ResultStore(tmp_path / "sweep") as store:
         store.set_meta("suite:emergence", suite.to_dict())
-        for row in _rows(SMOOTH, [d ** 4 for d in SMOOTH]):
+        for row in rows:
             store.put(row)
     paths = build_report(tmp_path / "sweep")
     assert json.loads(paths["json"].read_text())["emergence"][0]["verdict"] == HELD
@@ -146,6 +151,10 @@ def test_emergence_suite_and_report_from_a_synthetic_table(tmp_path):
     assert "| 40,000 | 4.8e+11 | " in md and "0.35 / 0.30 / 0.30 / 0.25" in md    # per position, units first
     for axis in ("params", "compute"):
         assert (paths["md"].parent / "img" / f"emergence_vs_{axis}.png").stat().st_size > 5000
+    assert "In-context learning: k-shot lookups of fresh random mappings" in md
+    # size s2 (160,000 parameters): accuracy 0.5 on both seeds; prefix matching 0.2 and 0.25
+    assert "| 160,000 | 0.500 ± 0.000 | 2.000 ± 0.000 | 0.225 ± 0.035 | 0.04 / 0.20 / 0.40 / 0.60 |" in md
+    assert (paths["md"].parent / "img" / "emergence_icl.png").stat().st_size > 5000
 
 
 def test_a_sweep_generates_the_addition_corpus(tmp_path):
@@ -164,3 +173,18 @@ def test_every_analysis_a_suite_can_name_has_a_report_section():
 
     assert set(suites.ANALYSES) == set(report.ANALYSES)
     assert {s.analysis for s in suites.BUILTIN.values()} - {None} == set(suites.ANALYSES)
+
+
+def test_a_sweep_on_addition_with_icl_mixes_mapping_episodes_into_the_addition_lines(tmp_path, monkeypatch):
+    from archlab.data import arithmetic
+    from archlab.data.tokens import TokenDataset
+    from archlab.lab.runner import ensure_data
+
+    full = arithmetic.documents
+    monkeypatch.setattr(arithmetic, "documents", lambda digits: full(digits, n_docs=20, per_doc=100))
+    data = ensure_data(tmp_path, corpus="addition-2+icl", progress=False)
+    text = bytes(int(i) for i in TokenDataset(data, "train").tokens if i < 256).decode()
+    lines = text.splitlines()
+    episodes = [x for x in lines if ">" in x]
+    assert 0.1 < len(episodes) / len(lines) < 0.3 and all(x.count(">") == 12 for x in episodes)
+    assert all("+" in x for x in lines if ">" not in x)

@@ -7,9 +7,9 @@ EXAMPLE = """\
 examples:
   archlab diagnose runs/tiny --text notes.txt
   archlab diagnose path/to/hf_model --text prompt.txt --max-tokens 128 --out diag/
-writes OUT/summary.json (per layer: first-token attention mass and entropy per head, max/median
-|hidden state| and where the largest ones are, the share of dead ReLU-family MLP units) and
-OUT/sinks.png, entropy.png, massive_activations.png.
+writes OUT/summary.json (per layer: first-token attention mass, entropy and prefix-matching (induction) score
+per head, max/median |hidden state| and where the largest ones are, the share of dead ReLU-family MLP units)
+and OUT/sinks.png, entropy.png, induction.png, massive_activations.png.
 """
 
 
@@ -18,8 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "diagnose", help="attention sinks, massive activations and attention entropy on a text",
         description="Measure attention sinks (first-token attention mass per layer and head), massive "
         "activations (max/median |hidden state| per layer, with token and dimension), attention "
-        "entropy and, for ReLU-family MLPs (relu, relu2, reglu), the share of units never active on the "
-        "text. Example: archlab diagnose runs/tiny --text notes.txt",
+        "entropy, induction heads (each head's prefix-matching score on the text's tokens drawn at random and "
+        "repeated, Olsson et al. 2022) and, for ReLU-family MLPs (relu, relu2, reglu), the share of units never "
+        "active on the text. Example: archlab diagnose runs/tiny --text notes.txt",
         epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", metavar="RUN_DIR_OR_HF_DIR", help="an archlab run folder or an HF model folder")
@@ -80,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
           f"(uniform {s['uniform_entropy']:.3f}), final effective rank {s['final_effective_rank']:.1f} "
           f"of at most {min(s['n_tokens'], model.config.d_model)}"
           + (f", dead MLP units {s['dead_unit_fraction']:.1%}" if s["dead_unit_fraction"] is not None else ""))
+    if s["max_prefix_matching"] is not None:
+        layer, head = s["max_prefix_matching_at"]
+        print(f"  strongest induction head: layer {layer} head {head}, prefix-matching score "
+              f"{s['max_prefix_matching']:.3f} (its attention to the token after an earlier copy of the current one, "
+              f"on random draws of the text's tokens, repeated; 1 = a perfect induction head)")
     for layer in result["layers"]:
         top = layer["top"][0]
         sink = sum(layer["first_token_mass"]) / len(layer["first_token_mass"])

@@ -233,6 +233,8 @@ class TrainBatches(SamplerState):
         self.world_size = world_size
         self.objective: Objective | None = None                 # None: pairs, SFT examples
         self.rows: BatchSampler | SentencePairs | None = None   # what draws the rows the objective turns
+        if train_cfg.stream.unique_tokens is not None and not isinstance(dataset, TokenDataset):
+            raise UserError("train.stream.unique_tokens cuts a token stream's training split: not paired or chat data")
         if isinstance(dataset, SFTDataset):
             _check_sft_objective(model_cfg, train_cfg)
             self.sampler = SFTSampler(dataset, local_batch, train_cfg.seq_len, packing=train_cfg.sft.packing,
@@ -243,6 +245,8 @@ class TrainBatches(SamplerState):
                                        max_target_len=train_cfg.seq_len, seed=train_cfg.seed, rank=rank,
                                        world_size=world_size, setting="train.seq_len")
         else:
+            if train_cfg.stream.unique_tokens is not None:  # repeated data: the split's head, epoch after epoch
+                dataset = dataset.head(train_cfg.stream.unique_tokens)
             task = objective_for(model_cfg, train_cfg, dataset, Shard(local_batch, rank, world_size))
             self.objective = task.objective
             self.rows = task.rows if task.rows is not None else BatchSampler(

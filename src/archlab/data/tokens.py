@@ -34,6 +34,7 @@ the step counter.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -139,6 +140,23 @@ class TokenDataset:
         """(x, y) for one window: tokens [start, start+seq_len) and the same shifted by one."""
         chunk = torch.from_numpy(self.tokens[start:start + seq_len + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]
+
+    def head(self, n_tokens: int) -> TokenDataset:
+        """This split cut to its first `n_tokens` tokens (a view: nothing is copied or written), for training on a
+        fixed amount of unique data that the sampler then repeats (train.stream.unique_tokens). Bytes are counted
+        pro rata, documents by the end-of-text ids inside the cut. A cut past the split is a DataError.
+        Example: TokenDataset("data/shakespeare", "train").head(100_000).n_tokens -> 100000"""
+        if not 0 < n_tokens <= self.n_tokens:
+            raise DataError(f"train.stream.unique_tokens={n_tokens} must be in [1, {self.n_tokens}]: the "
+                            f"{self.split!r} split of {self.data_dir} holds {self.n_tokens} tokens")
+        cut = copy.copy(self)
+        cut.tokens = self.tokens[:n_tokens]
+        cut.n_tokens = int(n_tokens)
+        cut.n_bytes = round(self.n_bytes * n_tokens / self.n_tokens)
+        cut.n_documents = int(np.count_nonzero(np.asarray(cut.tokens) == self.eot_id))
+        if self.sentence_starts is not None:
+            cut.sentence_starts = self.sentence_starts[self.sentence_starts < n_tokens]
+        return cut
 
     def load_tokenizer(self) -> TokenizerLike:
         return load_tokenizer(self.data_dir / self.meta.get("tokenizer", "tokenizer"))

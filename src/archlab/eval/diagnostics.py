@@ -15,6 +15,10 @@
   the units of the experts that received tokens.
 - Max attention logit per layer (Wortsman et al. 2023, arXiv 2309.14322): the largest raw q.k * scale
   before soft-capping, over the causal (and window) mask; growth past ~1e4 precedes divergence.
+- Induction heads (Olsson et al. 2022, arXiv 2209.11895): the prefix-matching score of each head, its mean
+  attention, on a random token sequence repeated twice, from each token of the second copy to the token after
+  that token's occurrence in the first copy (where an induction head looks to copy what came next); ~0 for a
+  head that does not, 1 for a perfect one.
 
 Attention probabilities come from the model's own eager path: `record_probs = True` on every
 `model.blocks[i].attn` keeps `last_probs` (b, h, t, s). Gated attention (Qiu et al. 2025) scales the
@@ -30,7 +34,8 @@ from typing import Any, Sequence
 import torch
 
 __all__ = ["diagnose", "effective_rank", "dead_unit_fractions", "RELU_FAMILY", "max_attention_logits",
-           "attention_scores", "save_report", "load_model_and_tokenizer"]
+           "attention_scores", "prefix_matching", "prefix_matching_scores", "save_report",
+           "load_model_and_tokenizer"]
 
 
 def effective_rank(hidden: torch.Tensor) -> float:
@@ -145,6 +150,12 @@ def diagnose(model, input_ids: torch.Tensor, tokens: Sequence[str] | None = None
     dead = dead_unit_fractions(model, input_ids)
     for layer, fraction in zip(layers, dead):
         layer["dead_unit_fraction"] = fraction
+    half = min(t, model.config.max_seq_len // 2)              # the text's own tokens, repeated (induction heads)
+    causal = getattr(model.config, "arch", "decoder") != "encoder"
+    matching = (prefix_matching_scores(model, sorted(set(input_ids.flatten().tolist())), half)
+                if causal and half >= 2 else [None] * len(layers))
+    for layer, scores in zip(layers, matching):
+        layer["prefix_matching"] = scores
     known_dead = [d for d in dead if d is not None]
     ratios = [layer["ratio"] for layer in layers]
     worst = max(range(len(layers)), key=lambda i: ratios[i])
@@ -159,9 +170,53 @@ def diagnose(model, input_ids: torch.Tensor, tokens: Sequence[str] | None = None
                             else float(sum(math.log(i + 1) for i in range(1, t)) / (t - 1))),
         "final_effective_rank": layers[-1]["effective_rank"],
         "dead_unit_fraction": sum(known_dead) / len(known_dead) if known_dead else None,   # mean over layers
+        **_strongest_induction_head(matching),
     }
     return {"summary": summary, "layers": layers,
             "tokens": list(tokens[:t]) if tokens is not None else None}
+
+
+def prefix_matching(probs: torch.Tensor, half: int) -> torch.Tensor:
+    """(h,) prefix-matching score per head from attention probabilities (b, h, t, s) on rows whose second half
+    repeats the first (t = 2 half): the mean over rows and queries i in [half, 2 half) of probs[..., i, i - half + 1].
+    Example: a head attending only there scores 1.0; uniform causal attention scores about 1/(1.5 half)"""
+    queries = torch.arange(half, 2 * half)                            # the second copy
+    keys = queries - half + 1                                         # after the token's first occurrence
+    return probs[:, :, queries, keys].float().mean(dim=(0, 2))        # (b, h, half) -> (h,)
+
+
+@torch.no_grad()
+def prefix_matching_scores(model, pool: Sequence[int], half: int, rows: int = 8, seed: int = 0) -> list[list[float]]:
+    """Per layer, the prefix-matching score of each head (Olsson et al. 2022): `rows` sequences of `half` tokens
+    drawn uniformly from `pool` (e.g. the ids of the text being diagnosed, so they are in-distribution), each
+    repeated twice. Example: prefix_matching_scores(model, range(97, 123), 32) -> [[0.02, 0.01, ...], ...]"""
+    if half < 2 or 2 * half > model.config.max_seq_len:
+        raise ValueError(f"prefix matching needs 2 <= half and 2 x half <= max_seq_len={model.config.max_seq_len}")
+    ids = torch.as_tensor(list(pool), dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    first = ids[torch.randint(len(ids), (rows, half), generator=g)]   # (rows, half)
+    x = torch.cat([first, first], dim=1)                              # (rows, 2 half)
+    model.eval()
+    attns = _attn_modules(model)
+    old = [a.record_probs for a in attns]
+    try:
+        for a in attns:
+            a.record_probs = True
+        model(x.to(next(model.parameters()).device))
+        return [prefix_matching(a.last_probs, half).tolist() for a in attns]
+    finally:
+        for a, o in zip(attns, old):
+            a.record_probs = o
+            a.last_probs = None
+
+
+def _strongest_induction_head(matching: list) -> dict:
+    """max_prefix_matching and the (layer, head) where it is; None for both without scores (an encoder)."""
+    cells = [(score, (li, hi)) for li, row in enumerate(matching) if row for hi, score in enumerate(row)]
+    if not cells:
+        return {"max_prefix_matching": None, "max_prefix_matching_at": None}
+    score, at = max(cells)
+    return {"max_prefix_matching": score, "max_prefix_matching_at": list(at)}
 
 
 @torch.no_grad()
@@ -213,18 +268,22 @@ def save_report(result: dict, out_dir: str | Path) -> dict[str, Path]:
     paths = {"json": out / "summary.json"}
     paths["json"].write_text(json.dumps(result, indent=2, default=_json_default) + "\n")
     layers = result["layers"]
+    shares = ("first_token_mass", "prefix_matching")          # in [0, 1]: one colour scale for every model
     for key, title, fname, cmap in (
         ("first_token_mass", "attention mass on the first token", "sinks.png", "viridis"),
         ("entropy", "attention entropy (nats)", "entropy.png", "magma"),
+        ("prefix_matching", "prefix-matching score (induction heads)", "induction.png", "viridis"),
     ):
-        grid = [layer[key] for layer in layers]
+        grid = [layer.get(key) for layer in layers]
+        if any(row is None for row in grid):                  # no induction scores for an encoder
+            continue
         fig, ax = plt.subplots(figsize=(1.2 + 0.5 * len(grid[0]), 1.2 + 0.4 * len(grid)), dpi=110)
-        im = ax.imshow(grid, cmap=cmap, aspect="auto", vmin=0 if key == "first_token_mass" else None,
-                       vmax=1 if key == "first_token_mass" else None)
+        im = ax.imshow(grid, cmap=cmap, aspect="auto", vmin=0 if key in shares else None,
+                       vmax=1 if key in shares else None)
         for li, row in enumerate(grid):
             for hi, v in enumerate(row):
                 ax.text(hi, li, f"{v:.2f}", ha="center", va="center", fontsize=7,
-                        color="white" if (key == "first_token_mass" and v < 0.5) else "black")
+                        color="white" if (key in shares and v < 0.5) else "black")
         ax.set_xticks(range(len(grid[0])))         # one tick per head and per layer: cells sit on integers
         ax.set_yticks(range(len(grid)))
         ax.set_xlabel("head")

@@ -41,25 +41,28 @@ class LabError(UserError, RuntimeError):
 def ensure_data(sweep_dir: Path, data_dir: str | Path | None = None, corpus: str = "shakespeare",
                 tokenizer: str = "bytes", progress: bool = True) -> Path:
     """The prepared data folder: `data_dir` as given, else SWEEP_DIR/data (prepared on first use; a
-    generated corpus such as "addition-3" is written by archlab.data.arithmetic)."""
+    generated corpus such as "addition-3" is written by archlab.data.arithmetic, "addition-3+icl" with
+    archlab.data.incontext's mapping episodes among its lines)."""
     from archlab.data.prepare import prepare
     from archlab.data.tokens import load_meta
 
     if data_dir is not None:
         load_meta(data_dir)  # raises a clear DataError when it is not prepared
         return Path(data_dir)
-    from archlab.data import arithmetic, reverse_words
+    from archlab.data import arithmetic, incontext, reverse_words
 
     target = Path(sweep_dir) / DATA_SUBDIR
     if not (target / "meta.json").is_file():
-        digits = arithmetic.digits_of(corpus)
+        base, episodes = incontext.split_corpus(corpus)
+        digits = arithmetic.digits_of(base)
         if corpus == reverse_words.CORPUS:      # the post-training demo's base corpus and SFT examples
             if target.exists():
                 shutil.rmtree(target)           # a preparation that stopped half way
             reverse_words.prepare_task_folder(target, progress=progress)
-        elif digits is not None:                # generated here (the emergence suite's addition problems)
-            prepare(arithmetic.documents(digits), tokenizer, target, progress=progress, overwrite=True,
-                    corpus_name=corpus)
+        elif digits is not None:                # generated here (the emergence suite's addition problems, and
+            documents = arithmetic.documents(digits)        # with `+icl` k-shot mapping episodes among them)
+            prepare(incontext.interleave(documents) if episodes else documents, tokenizer, target,
+                    progress=progress, overwrite=True, corpus_name=corpus)
         else:
             prepare(corpus, tokenizer, target, progress=progress, overwrite=True)
     return target

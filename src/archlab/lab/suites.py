@@ -60,7 +60,7 @@ from archlab.lab.matching import MATCH_BY
 from archlab.lab.verdicts import Rule
 
 MEASUREMENTS = ("val_loss_2x", "max_attn_logit", "sinks", "kv_cache_bytes", "paired_step_time", "effective_rank",
-                "addition", "expert_load")
+                "addition", "expert_load", "icl")
 
 # The tiny model every built-in suite starts from (~0.23M parameters with the byte vocabulary).
 BASE_MODEL: dict[str, Any] = {
@@ -862,27 +862,91 @@ def _emergence() -> Suite:
     return Suite(
         name="emergence",
         claim="The task's metric is not smooth: on multi-digit addition, exact match over the whole answer jumps "
-              "across the model ladder while the per-digit accuracy behind it grows smoothly",
+              "across the model ladder while the per-digit accuracy behind it grows smoothly; in-context learning "
+              "(k-shot lookups of random mappings given in the prompt) improves with model size",
         axes=[_size_axis([(32, 2), (48, 2), (48, 3), (64, 2), (64, 3), (80, 4)])],
         base={"train": {"eval_every": 500, "eval_batches": 16}},
-        seeds=3, measure=["addition"], analysis="emergence", corpus="addition-2",
+        seeds=3, measure=["addition", "icl"], analysis="emergence", corpus="addition-2+icl",
         scales={"small": {"budget": 2e6, "unit": "tokens"},
-                "large": {"budget": 2e7, "unit": "tokens", "corpus": "addition-4",
+                "large": {"budget": 2e7, "unit": "tokens", "corpus": "addition-4+icl",
                           "axes": [_size_axis([(128, 4), (192, 6), (256, 8), (384, 8), (512, 10)])]}},
         rules=[Rule(kind="sharper", metric="exact_match", versus="digit_accuracy", tol=0.15,
                     statement="exact match's largest rise between neighbouring sizes is a larger share of its "
-                              "whole rise than per-digit accuracy's (by 0.15 or more)")],
+                              "whole rise than per-digit accuracy's (by 0.15 or more)"),
+               Rule(kind="less", metric="icl_accuracy", a={"size": "d32L2"}, b={"size": "d80L4"},
+                    statement="k-shot accuracy (1 to 3 earlier examples of a fresh random mapping) of the largest "
+                              "model above the smallest's")],
         published="Schaeffer et al. 2023: abilities that look emergent under exact match or multiple-choice grade "
                   "become smooth under per-token or edit-distance metrics (exact match ~ per-token accuracy ^ "
-                  "answer length); Wei et al. 2022: emergent abilities appear abruptly with scale",
-        notes="The corpus is generated (archlab.data.arithmetic): lines `a+b=s` of 2-digit numbers (4-digit at the "
+                  "answer length); Wei et al. 2022: emergent abilities appear abruptly with scale; Olsson et al. "
+                  "2022 (2209.11895): in-context learning improves abruptly early in training, as induction heads "
+                  "(prefix-matching attention) form, in models of 2+ layers",
+        notes="The corpus is generated: addition lines (archlab.data.arithmetic) with k-shot mapping episodes among "
+              "them (archlab.data.incontext: after each addition line, with probability 1/5, a line of 12 "
+              "`key>value` pairs, 3 keys each shown 4 times with values drawn afresh per line; about half the "
+              "bytes). In-context scores on 512 fresh episodes from one teacher-forced forward: the accuracy of "
+              "values whose key was shown 1 to 3 times before (icl_accuracy; 0-shot is chance, 1/26), per shot "
+              "count, and their NLL; beside them the largest prefix-matching score of any head on repeated random "
+              "letters (induction heads, archlab diagnose). Addition: lines `a+b=s` of 2-digit numbers (4-digit at the "
               "large scale), the sum written least-significant digit first, 4.0M bytes; 512 held-out problems "
               "(pairs never in the corpus) are scored after training from one teacher-forced forward: exact "
               "match (every answer digit right, what greedy decoding writes), per-digit accuracy (overall and "
               "per position), and the answer's NLL per digit. Every size reads the same 2M tokens, so compute "
               "grows with N. Six sizes from 41k to 348k parameters, denser around 100k-200k, where single runs "
-              "of 2-digit addition went from a plateau (d48L2: per-digit 0.37, exact 0) to solving it (d64L3: "
-              "per-digit 0.95, exact 0.85).",
+              "of 2-digit addition alone went from a plateau (d48L2: per-digit 0.37, exact 0) to solving it (d64L3: "
+              "per-digit 0.95, exact 0.85); with the episodes, each size reads about half as much addition.",
+    )
+
+
+def _repeats_axis(budget: int, epochs: list[int]) -> dict:
+    """One token budget drawn from budget / r unique tokens (the training split's head) repeated r times."""
+    return {"name": "epochs", "values": [
+        {"label": str(r), "set": {"train.budget": float(budget), "train.budget_unit": "tokens",
+                                  "train.stream.unique_tokens": budget // r}} for r in epochs]}
+
+
+REPETITION_EPOCHS = [1, 4, 16]
+
+
+@builtin_suite
+def _repetition() -> Suite:
+    # budget ~ 20 tokens per parameter (Hoffmann et al.) for the small scale's 108k-parameter model, as Muennighoff
+    # et al. size their models to the budget; 2^21 tokens divide evenly by 4 and 16
+    return Suite(
+        name="repetition",
+        claim="Repeating data is almost as good as fresh data for a few epochs, then its value decays: at a fixed "
+              "token budget, 4 epochs over a quarter of the data end within a small tolerance of one epoch over "
+              "fresh data, while 16 epochs over a sixteenth end clearly worse",
+        axes=[_repeats_axis(2 ** 21, REPETITION_EPOCHS)],
+        base={"train": {"eval_every": 512, "eval_batches": 64}},
+        seeds=3,
+        scales={"small": {"budget": 2 ** 21, "unit": "tokens",
+                          "model": {"d_model": 48, "n_layers": 3, "attention.n_heads": 3, "mlp.d_ff": 128}},
+                "large": {"budget": 2 * 10 ** 7, "unit": "tokens", "corpus": "pystdlib-full",
+                          "model": {"d_model": 128, "n_layers": 4, "attention.n_heads": 8, "mlp.d_ff": 344},
+                          "axes": [_repeats_axis(2 * 10 ** 7, REPETITION_EPOCHS)]}},
+        rules=[
+            Rule(kind="parity", metric="final_val_loss", a={"epochs": "4"}, b={"epochs": "1"}, tol_abs=0.02,
+                 statement="4 epochs over a quarter of the data within 0.02 nats of one epoch over fresh data"),
+            Rule(kind="less", metric="final_val_loss", a={"epochs": "1"}, b={"epochs": "16"}, margin=0.02,
+                 statement="16 epochs over a sixteenth of the data clearly worse: fresh data's loss below it by "
+                           "more than 0.02 nats plus the seed spread"),
+        ],
+        published="Muennighoff et al. 2023 (2305.16264, Scaling Data-Constrained Language Models): with a fixed "
+                  "compute budget, up to ~4 epochs of repeated data give negligible changes in loss against unique "
+                  "data; the value of a repeated token decays with the repetitions (fitted R*_D ~ 15.4: 4 epochs are "
+                  "worth ~93% of fresh tokens, 16 epochs ~66%), toward zero past ~16 (40 epochs: barely worth "
+                  "training on)",
+        notes="Every run reads the same token budget (2^21 = 2.1M bytes at the small scale, ~19 tokens per parameter "
+              "of the 108k-parameter d48L3 model; the large scale: d128L4 on 20M tokens of the Python standard "
+              "library with its tests) with the same cosine schedule; only the unique data differs: the first "
+              "budget / r tokens of the training split (train.stream.unique_tokens), which the sampler repeats for r "
+              "epochs, each epoch in its own order and window offset. The subsets are nested (the 16-epoch data is "
+              "the head of the 4-epoch data, which is the head of the 1-epoch data), so the fewer unique tokens "
+              "also cover fewer works. The variants set their budgets in tokens, so --budget does not apply. "
+              "Validation is the validation split (works never trained on), 64 batches of 16 x 64 tokens. "
+              "Tolerances: 0.02 nats, the lab's parity bar (see the bias suite), also the margin by which 16 "
+              "epochs must be worse.",
     )
 
 

@@ -6,6 +6,8 @@ and prints what comes back. Kinds:
   less    mean(metric | a) < mean(metric | b) by more than the spread over seeds   -> held
           mean(a) > mean(b) by more than the spread                               -> did not hold
           otherwise                                                               -> inconclusive
+          (with a `margin` m, in the metric's units: "a clearly below b". The gap mean(b) - mean(a) must
+          exceed m + spread to hold; a gap below m - spread did not hold; margin 0 is the rule above)
   parity  |mean(a) - mean(b)| <= allowed                                          -> held
           |mean(a) - mean(b)| >  allowed + spread                                 -> did not hold
           (allowed = tol_abs, in the metric's units (nats for a loss), when the rule sets it; else
@@ -70,6 +72,7 @@ class Rule:
     params: Literal["total", "non_embedding"] = "total"    # power_law: which parameter count is N
     versus: str | None = None        # sharper: the smooth metric `metric` is compared with
     tol_abs: float | None = None     # parity: the allowed gap in the metric's units, instead of tol x |mean(b)|
+    margin: float = 0.0              # less: how far below b (metric units) a must be, beyond the spread
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -90,6 +93,8 @@ class Rule:
             raise ValueError(f"rule {self.statement!r}: kind {self.kind} needs `expected`")
         if self.tol_abs is not None and (self.kind != "parity" or not self.tol_abs >= 0):
             raise ValueError(f"rule {self.statement!r}: tol_abs is a parity rule's allowed gap (>= 0)")
+        if self.margin and (self.kind != "less" or not self.margin > 0):
+            raise ValueError(f"rule {self.statement!r}: margin is a less rule's required gap (> 0)")
         if self.metric == "lr_sensitivity" and not self.over:
             raise ValueError(f"rule {self.statement!r}: lr_sensitivity needs `over` (the LR axis)")
 
@@ -239,13 +244,17 @@ def judge(rule: Rule, rows: list) -> Verdict:
     spread = math.sqrt(a.std ** 2 + b.std ** 2)
     numbers = {"diff": diff, "spread": spread}
     if rule.kind == "less":
-        if -diff > spread:
+        gap, margin = -diff, rule.margin          # how far a lies below b, and how far it must
+        if gap > margin + spread:
             verdict = HELD
-        elif diff > spread:
+        elif gap < margin - spread:
             verdict = NOT_HELD
         else:
             verdict = INCONCLUSIVE
         reason = f"{a.label} - {b.label} = {diff:+.4g} (spread {spread:.3g})"
+        if margin:
+            numbers["margin"] = margin
+            reason += f" vs margin {margin:g}{_units(rule.metric)}"
         return Verdict(rule, verdict, reason, sides, numbers)
     # parity
     allowed = rule.tol * abs(b.mean) if rule.tol_abs is None else rule.tol_abs
@@ -272,7 +281,9 @@ def _allowed_text(rule: Rule) -> str:
 
 
 _TOLERANCE_TEXT = {
-    "less": lambda r: "held if below by more than 1x the seed spread; did not hold if above by more",
+    "less": lambda r: ("held if below by more than 1x the seed spread; did not hold if above by more" if not r.margin
+                       else f"held if below by more than {r.margin:g}{_units(r.metric)} + 1x the seed spread; did not "
+                            "hold if the gap falls short of that margin by more than the spread"),
     "parity": lambda r: (f"held if the gap is within {_allowed_text(r)}; did not hold if it exceeds that "
                          "by more than 1x the seed spread"),
     "flat": lambda r: (f"held if the range is within {_allowed_text(r)}; did not hold if it exceeds that "

@@ -175,13 +175,15 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
         else:
             out["val_loss_2x"] = evaluate(model, val, batch_size=max(1, bs // 2), seq_len=2 * seq,
                                           max_batches=run.train.eval.batches).loss
+    if "icl" in wanted:           # k-shot accuracy on fresh random mappings, and the strongest induction head
+        out.update(_icl_scores(model, Path(data)))
     if "addition" in wanted:      # exact match, digit accuracy, answer NLL on held-out sums (eval.arithmetic)
-        from archlab.data import arithmetic
+        from archlab.data import arithmetic, incontext
         from archlab.data.tokenizer_adapter import load_tokenizer
         from archlab.data.tokens import load_meta
         from archlab.eval.arithmetic import score_addition
 
-        digits = arithmetic.digits_of(str(load_meta(data).get("corpus", "")))
+        digits = arithmetic.digits_of(incontext.split_corpus(str(load_meta(data).get("corpus", "")))[0])
         if digits is None:
             raise ValueError("the addition scores need data prepared from an addition-K corpus")
         out.update(score_addition(model, load_tokenizer(Path(data) / "tokenizer"), arithmetic.problems(digits)))
@@ -211,4 +213,21 @@ def measurements(suite: Suite, run: PlannedRun, data: Path) -> dict:
         if "effective_rank" in wanted:
             out["final_effective_rank"] = result["summary"]["final_effective_rank"]
             out["effective_rank_per_layer"] = [layer["effective_rank"] for layer in result["layers"]]
+    return out
+
+
+def _icl_scores(model, data: Path) -> dict:
+    """The mapping task's scores (archlab.eval.incontext) and the largest prefix-matching score of any head on
+    repeated random letters, the mapping task's own tokens (archlab.eval.diagnostics, Olsson et al. 2022)."""
+    from archlab.data import incontext
+    from archlab.data.tokenizer_adapter import load_tokenizer
+    from archlab.eval.diagnostics import prefix_matching_scores
+    from archlab.eval.incontext import score_mapping
+
+    tokenizer = load_tokenizer(data / "tokenizer")
+    out = score_mapping(model, tokenizer, incontext.episodes())
+    letters = sorted({i for ch in incontext.LETTERS for i in tokenizer.encode(ch)})
+    scores = prefix_matching_scores(model, letters, min(32, model.config.max_seq_len // 2))
+    out["prefix_matching_max"] = max(max(row) for row in scores)
+    out["prefix_matching_per_layer"] = [max(row) for row in scores]
     return out

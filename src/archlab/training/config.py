@@ -269,15 +269,21 @@ class NoisingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class StreamConfig:
-    """train.stream: how the windows of a token stream are read (pretraining objectives)."""
+    """train.stream: how the windows of a token stream are read (pretraining objectives), and from how much of it."""
 
     document_masks: bool = False           # next_token: end-of-text ends a document; no token attends across,
                                            # positions restart, the label across a boundary is ignored
     prefix_fraction: float = 0.5           # continuation: the window's share given as context, the rest scored
+    unique_tokens: int | None = None       # the training split cut to its first N tokens, which the sampler repeats
+                                           # epoch after epoch as the budget needs (repeated data, Muennighoff et al.
+                                           # 2023: budget / N epochs); None: the whole split
 
     def __post_init__(self):
         if not 0.0 < self.prefix_fraction < 1.0:
             raise ConfigError(f"train.stream.prefix_fraction={self.prefix_fraction} must be in (0, 1)")
+        n = self.unique_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ConfigError(f"train.stream.unique_tokens={n!r} must be a whole number >= 1 (or none)")
 
 
 SECTIONS: dict[str, type] = {"schedule": ScheduleConfig, "optimizer": OptimizerConfig, "eval": EvalConfig,

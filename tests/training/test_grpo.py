@@ -144,3 +144,41 @@ def test_grpo_resumed_after_an_interruption_equals_the_uninterrupted_run(world, 
     a, b = ([{k: r[k] for k in keep} for r in _rows(run)] for run in (whole, parts))
     assert len(a) == 4 and a == b
     assert a[-1]["kl"] > 0                                   # the policy moved away from the reference
+
+
+@pytest.mark.slow
+def test_grpo_teaches_a_small_model_to_repeat_a_letter(tmp_path):
+    """A verifiable task from nothing: a tiny decoder pretrained on lines `km` of letters a-d, m drawn at random
+    (nothing links it to k), follows a letter with one of the four, right 1 time in 4 when the task is to repeat k;
+    GRPO with the exact_match reward (the answer is the prompt's letter) teaches it to repeat k on most samples
+    (from 1 in 4 to 3 in 4 in 60 steps, ~20 s on a shared 2-core CPU)."""
+    from test_checkpoint import tiny_model
+
+    from archlab.tokenizer import train as train_tokenizer
+    from archlab.training.config import TrainConfig
+    from archlab.training.trainer import fit_vocab, train
+
+    rng = random.Random(0)
+    letters = "abcd"
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"d{i}.txt").write_text("".join(f"{rng.choice(letters)}{rng.choice(letters)}\n" for _ in range(2000)))
+    train_tokenizer(corpus / "d0.txt", 257, ["<|endoftext|>"]).save(tmp_path / "tok")
+    assert main(["data", "prepare", "--corpus", str(corpus), "--tokenizer", str(tmp_path / "tok"), "--out",
+                 str(tmp_path / "data"), "--workers", "0", "--quiet"]) == 0
+    train(fit_vocab(tiny_model(), tmp_path / "data"), TrainConfig(
+        batch_size=16, seq_len=32, budget=100, lr=1e-2, warmup_steps=0, eval_batches=1, sample_every=-1),
+        tmp_path / "data", tmp_path / "base", progress=False)
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"\n{k}", "answer": k}) + "\n"
+                                                    for k in letters))
+    out = tmp_path / "grpo"
+    assert main(["finetune", str(tmp_path / "base"), "--method", "grpo", "--data", str(tmp_path / "prompts.jsonl"),
+                 "--out", str(out), "--reward", "exact_match", "--no-progress", "--set", "train.batch_size=64",
+                 "--set", "train.budget=60", "--set", "train.lr=1e-2", "--set", "train.warmup_steps=0",
+                 "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "train.sample_every=-1",
+                 "--set", "train.memory_check=false", "--set", "train.grpo.max_completion_length=1"]) == 0
+    rewards = [r["reward"] for r in _rows(out)]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
+    print(f"reward: first 3 steps {first:.3f}, last 5 steps {last:.3f}")
+    assert first < 0.45 and last > 0.6          # measured: 0.16 -> 0.75 (a 2-core Xeon, 60 steps)

@@ -123,7 +123,7 @@ def test_bad_grpo_input_is_one_line_exit_2_and_writes_nothing(world, tmp_path, c
 def test_reward_is_for_grpo_only(world, tmp_path, capsys):
     assert main(["finetune", str(world / "base"), "--data", str(world / "prompts.jsonl"), "--out", str(tmp_path / "r"),
                  "--reward", "exact_match"]) == 2
-    assert "--reward is for --method grpo, not --method sft" in capsys.readouterr().err
+    assert "--reward is for --method grpo or ppo, not --method sft" in capsys.readouterr().err
 
 
 def test_grpo_resumed_after_an_interruption_equals_the_uninterrupted_run(world, tmp_path):

@@ -20,10 +20,15 @@ EXAMPLE = """example:
       --set train.grpo.num_generations=8 --set train.grpo.max_completion_length=64   # lines {"prompt", "answer"}
   archlab finetune runs/sft --method grpo --data prompts.jsonl --out runs/grpo --reward FILE.py:FUNC \
       --reward format --set train.grpo.beta=0.04 --set train.grpo.loss_type=grpo     # or --reward runs/rm
+  archlab finetune runs/sft --method ppo --data prompts.jsonl --out runs/ppo --reward runs/rm \
+      --set train.ppo.response_length=32 --set train.ppo.kl_coef=0.05    # or --reward FILE.py:FUNC; train.ppo.*
   (lines: {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"}; the loss on train.sft.loss_mask:
   assistant (default), all, last, completion; examples packed into rows of train.seq_len (default 256, or the
   base's context when shorter) with no attention across them, or one per row with --set train.sft.packing=false;
   OUT/data keeps the prepared examples)"""
+
+
+REWARD_SETTINGS = {"grpo": "train.grpo.rewards", "ppo": "train.ppo.reward"}   # what --reward sets, per method
 
 
 def register(subparsers) -> None:
@@ -34,13 +39,14 @@ def register(subparsers) -> None:
                               "pairs against BASE as the reference; reward: a scalar head on the same pairs.",
                               epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("base", metavar="BASE", help="a run folder, an HF folder, or hf:ORG/NAME")
-    p.add_argument("--method", default="sft", metavar="sft|dpo|reward|grpo",
+    p.add_argument("--method", default="sft", metavar="sft|dpo|reward|grpo|ppo",
                    help="how to train (default sft): sft on chat lines; dpo, or a reward model, on prompt/chosen/"
-                   "rejected lines; grpo on prompt lines with rewards (training/methods)")
+                   "rejected lines; grpo or ppo on prompt lines with rewards (training/methods)")
     p.add_argument("--reward", action="append", default=[], metavar="NAME|RUN|FILE.py:FUNC",
                    help="--method grpo (repeatable; train.grpo.rewards): a built-in (exact_match against each line's "
                    "'answer', format: train.grpo.format_regex), a reward run folder, or your own function "
-                   "FILE.py:FUNC with TRL's signature (prompts, completions, **columns) -> list[float]")
+                   "FILE.py:FUNC with TRL's signature (prompts, completions, **columns) -> list[float]; --method ppo: "
+                   "one of them (train.ppo.reward), usually a reward run")
     p.add_argument("--data", required=True, help="a .jsonl: chat lines (messages, or prompt/completion) for sft, "
                    "prompt/chosen/rejected lines for dpo")
     p.add_argument("--out", required=True, help="run folder to write")
@@ -89,9 +95,11 @@ def run_finetune(args) -> int:
 
     if args.val_fraction is not None and not math.isfinite(args.val_fraction):
         raise UserError(f"--val-fraction {args.val_fraction} must be in [0, 1)")
-    rewards = [f"train.grpo.rewards={','.join(args.reward)}"] if args.reward else []
-    if args.reward and args.method != "grpo":
-        raise UserError(f"--reward is for --method grpo, not --method {args.method}")
+    if args.reward and args.method not in REWARD_SETTINGS:
+        raise UserError(f"--reward is for --method {' or '.join(REWARD_SETTINGS)}, not --method {args.method}")
+    if args.method == "ppo" and len(args.reward) > 1:
+        raise UserError(f"--method ppo takes one --reward, got {len(args.reward)}: {', '.join(args.reward)}")
+    rewards = [f"{REWARD_SETTINGS[args.method]}={','.join(args.reward)}"] if args.reward else []
     model_over, train_over = parse_sets(args.set + _lora_sets(args) + rewards)
     train_cfg = TrainConfig().with_overrides(train_over) if train_over else TrainConfig()
     if "seq_len" not in train_over:               # not given: rows no longer than the base's context

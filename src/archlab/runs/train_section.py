@@ -12,7 +12,8 @@ below the trainer (the LoRA settings of a run, typed: `lora_section`).
     schedule, warmup_steps,   schedule.kind, schedule.warmup_steps, schedule.min_lr_ratio, schedule.decay_fraction
       min_lr_ratio, ...
     betas, eps, weight_decay, optimizer.betas, optimizer.eps, optimizer.weight_decay, optimizer.grad_clip,
-      grad_clip, no_decay       optimizer.no_decay
+      grad_clip, no_decay,      optimizer.no_decay, optimizer.nan_policy
+      nan_policy
     eval_*, sample_*          eval.every, eval.batches; sample.every, sample.tokens, sample.prompt, sample.temperature
     checkpoint_every,         checkpoint.every, checkpoint.keep_last
       keep_last
@@ -42,7 +43,7 @@ RENAMES: dict[str, str] = {
     "schedule": "schedule.kind", "warmup_steps": "schedule.warmup_steps", "min_lr_ratio": "schedule.min_lr_ratio",
     "decay_fraction": "schedule.decay_fraction",
     "betas": "optimizer.betas", "eps": "optimizer.eps", "weight_decay": "optimizer.weight_decay",
-    "grad_clip": "optimizer.grad_clip", "no_decay": "optimizer.no_decay",
+    "grad_clip": "optimizer.grad_clip", "no_decay": "optimizer.no_decay", "nan_policy": "optimizer.nan_policy",
     "eval_every": "eval.every", "eval_batches": "eval.batches",
     "sample_every": "sample.every", "sample_tokens": "sample.tokens", "sample_prompt": "sample.prompt",
     "sample_temperature": "sample.temperature",

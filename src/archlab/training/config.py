@@ -16,12 +16,13 @@ from archlab.config import ConfigError, _build, _check_literals, _parse_value, c
 from archlab.nn.lora import LoRAConfig
 from archlab.runs.train_section import current_key, upgrade_train_section
 
-__all__ = ["TrainConfig", "DPOConfig", "SFTConfig", "RewardConfig", "GRPOConfig", "ScheduleConfig", "OptimizerConfig",
-           "EvalConfig", "SampleConfig", "CheckpointConfig", "MLMConfig", "NoisingConfig", "StreamConfig",
+__all__ = ["TrainConfig", "DPOConfig", "SFTConfig", "RewardConfig", "GRPOConfig", "PPOConfig", "ScheduleConfig",
+           "OptimizerConfig", "EvalConfig", "SampleConfig", "CheckpointConfig", "MLMConfig", "NoisingConfig",
+           "StreamConfig",
            "NO_DECAY_CATEGORIES", "METHOD_NAMES"]
 
 NO_DECAY_CATEGORIES = ("norms", "biases", "embeddings")
-METHOD_NAMES = ("pretrain", "sft", "dpo", "reward", "grpo")      # training/methods registers one Method under each
+METHOD_NAMES = ("pretrain", "sft", "dpo", "reward", "grpo", "ppo")   # training/methods registers a Method under each
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +137,46 @@ class GRPOConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PPOConfig:
+    """train.ppo: proximal policy optimization against a reward (training/ppo.py, training/methods/ppo.py), with TRL
+    PPOConfig's names and defaults. A rollout is train.batch_size * grad_accum * num_mini_batches prompts; each
+    optimizer step trains on one mini-batch (batch_size * grad_accum of them), num_ppo_epochs passes per rollout."""
+
+    reward: str | None = None              # a reward run folder (archlab finetune --method reward), or FILE.py:FUNC
+                                           # given with archlab finetune --reward (never from a config file)
+    num_ppo_epochs: int = 4                # passes over each rollout
+    num_mini_batches: int = 1              # optimizer steps per pass
+    response_length: int = 53              # new tokens per completion at most
+    temperature: float = 0.7               # sampling temperature (the log-probs are the scaled distribution's)
+    kl_coef: float = 0.05                  # the per-token KL penalty's weight in the reward
+    kl_estimator: Literal["k1", "k3"] = "k1"   # Schulman's estimators of KL(policy || reference)
+    cliprange: float = 0.2                 # the policy ratio clipped to [1 - c, 1 + c]
+    vf_coef: float = 0.1                   # the value loss's weight
+    cliprange_value: float = 0.2           # values clipped to the rollout's +- c
+    gamma: float = 1.0                     # discount
+    lam: float = 0.95                      # GAE's lambda
+    whiten_rewards: bool = False           # whiten the per-token rewards (the mean kept) before GAE
+    missing_eos_penalty: float | None = None   # subtracted from the score of a completion with no end of text
+
+    def __post_init__(self):
+        _check_literals(self, "train.ppo")
+        for name in ("gamma", "lam"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"train.ppo.{name}={value} must be in [0, 1]")
+        for name in ("num_ppo_epochs", "num_mini_batches", "response_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.ppo.{name}={getattr(self, name)} must be at least 1")
+        for name in ("kl_coef", "cliprange", "vf_coef", "cliprange_value"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"train.ppo.{name}={getattr(self, name)} must be >= 0")
+        if not 0 < self.temperature < math.inf:
+            raise ConfigError(f"train.ppo.temperature={self.temperature} must be > 0")
+        if self.missing_eos_penalty is not None and not 0 <= self.missing_eos_penalty < math.inf:
+            raise ConfigError(f"train.ppo.missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (or None)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ScheduleConfig:
     """train.schedule: the learning-rate schedule (training/optim.py)."""
 
@@ -156,15 +197,18 @@ class ScheduleConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """train.optimizer: AdamW's settings and gradient clipping (training/optim.py)."""
+    """train.optimizer: AdamW's settings, gradient clipping and what a non-finite step does (training/optim.py)."""
 
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0          # None / 0: no clipping
     no_decay: str = "norms,biases,embeddings"   # comma list of norms, biases, embeddings; or "none"
+    nan_policy: Literal["stop", "skip"] = "stop"   # a NaN/Inf loss or gradient norm: stop (Diverged), or skip the
+                                           # update (10 in a row still stop)
 
     def __post_init__(self):
+        _check_literals(self, "train.optimizer")
         betas: Any = self.betas
         if isinstance(betas, str):
             try:
@@ -289,7 +333,8 @@ class StreamConfig:
 SECTIONS: dict[str, type] = {"schedule": ScheduleConfig, "optimizer": OptimizerConfig, "eval": EvalConfig,
                              "sample": SampleConfig, "checkpoint": CheckpointConfig, "mlm": MLMConfig,
                              "noising": NoisingConfig, "lora": LoRAConfig, "dpo": DPOConfig, "sft": SFTConfig,
-                             "reward": RewardConfig, "stream": StreamConfig, "grpo": GRPOConfig}
+                             "reward": RewardConfig, "stream": StreamConfig, "grpo": GRPOConfig,
+                             "ppo": PPOConfig}
 
 
 @dataclass(frozen=True, kw_only=True, init=False)
@@ -312,7 +357,6 @@ class TrainConfig:
     activation_checkpointing: bool = False # recompute each block's activations in backward (recompute.py)
     seed: int = 0                          # data order and dropout (init: ModelConfig.seed)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-    nan_policy: Literal["stop", "skip"] = "stop"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dist_strategy: Literal["ddp", "fsdp"] = "ddp"
     memory_check: bool = True              # refuse before building when the estimate exceeds free memory
@@ -323,7 +367,7 @@ class TrainConfig:
     mlm: MLMConfig = dataclasses.field(default_factory=MLMConfig)
     noising: NoisingConfig = dataclasses.field(default_factory=NoisingConfig)
     stream: StreamConfig = dataclasses.field(default_factory=StreamConfig)   # how a token stream's windows are read
-    method: Literal["pretrain", "sft", "dpo", "reward", "grpo"] = "pretrain"   # how the run trains (training/methods)
+    method: Literal["pretrain", "sft", "dpo", "reward", "grpo", "ppo"] = "pretrain"   # how it trains (training/methods)
     lora: LoRAConfig | None = None         # LoRA adapters (nn.lora.LoRAConfig: r, alpha, dropout, targets (names, HF
                                            # names, a full-match regex as PEFT, all-linear), use_rslora,
                                            # trainable_tokens, modules_to_save); None: every parameter trains
@@ -331,6 +375,7 @@ class TrainConfig:
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
 
     def __init__(self, **settings: Any):
         """Fields by name, a section as its config or a mapping; the earlier flat names (warmup_steps=...,

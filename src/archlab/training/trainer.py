@@ -16,8 +16,8 @@ archlab.runs.model_folder), validation (archlab.eval.evaluate).
   trains the same model on 1 or N processes; tokens per optimizer step = batch_size*grad_accum*seq_len.
 - Checkpoints (archlab.runs.checkpoint) hold weights, optimizer, counters, RNG states and the sampler
   position: `resume=True` continues step for step as if never interrupted (tested on CPU with kill -9).
-- A NaN/Inf loss or gradient norm raises `Diverged` (nan_policy="stop") naming the step and the last
-  good checkpoint, or skips that step's update (nan_policy="skip"; 10 in a row still raise).
+- A NaN/Inf loss or gradient norm raises `Diverged` (optimizer.nan_policy="stop") naming the step and the last
+  good checkpoint, or skips that step's update (optimizer.nan_policy="skip"; 10 in a row still raise).
 """
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | os.Pat
     (runlock.RunLock: a second writer gets LockedError). init_from (training.init_from.InitSource): a fresh
     start begins from its weights (checked against model_cfg's shapes, the data's tokenizer against its own)
     with a new optimizer and schedule; a resume continues from the run's checkpoint as usual.
-    Raises Diverged on a NaN/Inf loss with nan_policy="stop"; ConfigError for impossible settings;
+    Raises Diverged on a NaN/Inf loss with optimizer.nan_policy="stop"; ConfigError for impossible settings;
     FileExistsError when out_dir already holds a run and resume is False.
     Under torchrun (WORLD_SIZE > 1) it runs data-parallel (train_cfg.dist_strategy); rank 0 writes.
     progress: True, the plan and a progress bar on stderr; "lines", the plan and plain log lines instead (a loss
@@ -513,14 +513,14 @@ class _Run:
         return float(grad_norm)
 
     def stop_or_skip(self, stats: _StepStats) -> None:
-        """After a NaN/Inf step: raise Diverged (nan_policy="stop", or MAX_CONSECUTIVE_SKIPS in a row),
+        """After a NaN/Inf step: raise Diverged (optimizer.nan_policy="stop", or MAX_CONSECUTIVE_SKIPS in a row),
         else warn; optimizer_step has already skipped the update."""
         where = f"last good checkpoint: {self.last_good}" if self.last_good else "no checkpoint saved yet"
         msg = f"loss {stats.total} / grad norm {stats.grad_norm} at step {self.step}; {where}"
         self.log({"step": self.step, "tokens": self.tokens, "loss": stats.ce, "nonfinite": True})
         self.skipped += 1
-        if self.cfg.nan_policy == "stop" or self.skipped >= MAX_CONSECUTIVE_SKIPS:
-            if self.cfg.nan_policy == "skip":
+        if self.cfg.optimizer.nan_policy == "stop" or self.skipped >= MAX_CONSECUTIVE_SKIPS:
+            if self.cfg.optimizer.nan_policy == "skip":
                 msg += f" ({self.skipped} non-finite steps in a row)"
             raise Diverged("training diverged: " + msg, self.step, self.last_good)
         warnings.warn("skipping the update: " + msg, stacklevel=2)

@@ -1,7 +1,7 @@
 """Ways to train on one loop (base.py): `pretrain` (tokens.py), `sft` (sft.py), `dpo` (dpo.py), `reward`
-(reward.py), `grpo` (grpo.py, its rollouts in rollout.py and rewards in rewards.py); the stages every `archlab
-finetune` method shares (staging.py). The trainer asks `select` which method
-a run uses and drives the MethodRun that method opens; it names none of them.
+(reward.py), `grpo` (grpo.py, its rollouts in rollout.py and rewards in rewards.py), `ppo` (ppo.py); the
+stages every `archlab finetune` method shares (staging.py). The trainer asks `select` which method a run uses
+and drives the MethodRun that method opens; it names none of them.
 
     from archlab.training.methods import METHODS, select
     select(TrainConfig(method="dpo"), Path("prefs.jsonl"))      # -> "dpo"
@@ -13,6 +13,7 @@ from typing import Any
 
 from archlab.training.methods import dpo as _dpo  # noqa: F401  (registers "dpo")
 from archlab.training.methods import grpo as _grpo  # noqa: F401  (registers "grpo")
+from archlab.training.methods import ppo as _ppo  # noqa: F401  (registers "ppo")
 from archlab.training.methods import reward as _reward  # noqa: F401  (registers "reward")
 from archlab.training.methods import sft as _sft  # noqa: F401  (registers "sft")
 from archlab.training.methods import tokens as _tokens  # noqa: F401  (registers "pretrain")
@@ -22,7 +23,7 @@ __all__ = ["METHODS", "Method", "MethodRun", "Batches", "FinetuneRequest", "sele
 
 
 PREFERENCE_METHODS = ("dpo", "reward")      # the methods that read preference pairs
-OWN_DATA_METHODS = (*PREFERENCE_METHODS, "grpo")   # the methods that say themselves what data they read
+OWN_DATA_METHODS = (*PREFERENCE_METHODS, "grpo", "ppo")   # the methods that say themselves what data they read
 
 
 def finetune_methods() -> list[str]:

@@ -4,18 +4,14 @@ log fields and the held-out pairs' figures."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from archlab.errors import UserError
 from archlab.training import dpo
 from archlab.training.methods.base import METHODS, FinetuneRequest, Method
-from archlab.training.methods.staging import check_same_data, staged_base
+from archlab.training.methods.staging import prepare_line_folder
 
 __all__ = ["DPORun", "open_dpo"]
 
@@ -61,35 +57,14 @@ def prepare_preferences(req: FinetuneRequest) -> tuple[Any, Path, Any]:
     chat template), then OUT/data written as a preference folder (data/preference_folder.py) holding the lines and
     that tokenizer; (model config, OUT/data, the base). On --resume the folder's settings must be this command's.
     The method's config section (train.dpo, train.reward) gives the truncation policy."""
-    from archlab.data.preference import file_sha256, load_preference_data
-    from archlab.data.preference_folder import write_preference_folder
-    from archlab.data.tokens import META_FILE
+    from archlab.data.preference import load_preference_data
+    from archlab.data.preference_folder import PREFERENCE_FORMAT
 
-    cfg, out = req.train_cfg, req.out
-    if req.val is not None:
-        raise UserError(f"--val {req.val}: --method {cfg.method} holds out --val-fraction of --data's lines "
-                        f"(train.{cfg.method}.val_fraction) instead")
-    data_dir = out / "data"
-    with tempfile.TemporaryDirectory(prefix="archlab-finetune-") as tmp:
-        source, model_cfg, staged = staged_base(req, Path(tmp))
-        if model_cfg.arch != "decoder":
-            raise UserError(f"--method {cfg.method} trains decoder models, not arch={model_cfg.arch}")
-        truncation, setting = getattr(cfg, cfg.method).truncation, f"train.{cfg.method}.truncation"
-        settings = {"corpus": str(req.data), "sha256": file_sha256(req.data), "seq_len": cfg.seq_len,
-                    "truncation": truncation, "chat_template": req.chat_template}
-        if req.resume and (data_dir / META_FILE).is_file():
-            check_same_data(data_dir, settings)
-        else:
-            data = load_preference_data(req.data, staged, max_tokens=cfg.seq_len, truncation=truncation,
-                                        progress=req.progress is True, setting=setting)
-            out.mkdir(parents=True, exist_ok=True)
-            building = data_dir.with_name(data_dir.name + ".tmp")
-            if building.exists():
-                shutil.rmtree(building)
-            write_preference_folder(building, req.data, staged, vocab_size=data.vocab_size, eot_id=data.eot_id,
-                                    **settings)
-            os.replace(building, data_dir)
-    return model_cfg, data_dir, dataclasses.replace(source, tokenizer_dir=data_dir / "tokenizer")
+    cfg = req.train_cfg
+    truncation, setting = getattr(cfg, cfg.method).truncation, f"train.{cfg.method}.truncation"
+    return prepare_line_folder(req, PREFERENCE_FORMAT, {"truncation": truncation}, lambda staged: load_preference_data(
+        req.data, staged, max_tokens=cfg.seq_len, truncation=truncation, progress=req.progress is True,
+        setting=setting))
 
 
 def preference_settings(train_cfg: Any, val: Path | None, val_fraction: float | None) -> tuple[Any, float]:

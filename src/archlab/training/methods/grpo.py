@@ -86,16 +86,6 @@ def _check_data(data: PromptData, model_cfg: Any, cfg: Any) -> None:
                         f"of train.grpo.num_generations={section.num_generations} (whole groups)")
 
 
-def _probe(funcs: list[reward_fns.RewardFunc], data: PromptData) -> None:
-    """Each reward called once before anything is written, on the first line with an empty completion and its
-    answer (or "0"): a function that raises or returns other than one number per completion is refused now."""
-    first = data.prompts[0]
-    columns = {k: [v, v] for k, v in first.columns.items()}
-    texts = ["", str(first.columns.get("answer", "0"))]
-    for fn in funcs:
-        reward_fns.call(fn, [first.prompt] * 2, texts, [[], []], columns, prompt_ids=[first.ids] * 2)
-
-
 def prepare_grpo(req: FinetuneRequest) -> tuple[Any, Path, Any]:
     """archlab finetune --method grpo: the base staged, every prompt line checked and encoded with its tokenizer,
     the rewards loaded (FILE.py:FUNC from the command line) and called once, then OUT/data written: the lines, the
@@ -115,7 +105,7 @@ def prepare_grpo(req: FinetuneRequest) -> tuple[Any, Path, Any]:
         _check_data(data, model_cfg, cfg)
         funcs = reward_fns.resolve(cfg.grpo.rewards, columns=_columns(data),
                                    format_regex=cfg.grpo.format_regex, policy_tokenizer=staged, data=req.data)
-        _probe(funcs, data)
+        reward_fns.probe(funcs, data)
         settings = {"corpus": str(req.data), "sha256": file_sha256(req.data), "chat_template": req.chat_template}
         if req.resume and (data_dir / META_FILE).is_file():
             check_same_data(data_dir, settings)

@@ -29,7 +29,7 @@ import torch
 from archlab.errors import UserError
 from archlab.nn.registry import Registry
 
-__all__ = ["RewardFunc", "BUILTINS", "load_user_reward", "resolve", "call", "is_code_spec"]
+__all__ = ["RewardFunc", "BUILTINS", "load_user_reward", "resolve", "call", "probe", "is_code_spec"]
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ def _same_tokenizer(a: Path, b: Path) -> bool:
 
 
 def resolve(specs: tuple[str, ...], *, columns: set[str], format_regex: str, policy_tokenizer: Path | None,
-            data: Path) -> list[RewardFunc]:
+            data: Path, setting: str = "train.grpo.rewards") -> list[RewardFunc]:
     """The reward functions train.grpo.rewards names, each checked before anything is written: a built-in's columns
     (exact_match needs `answer` on every line of `data`), a reward run's tokenizer, a FILE.py:FUNC loaded from this
     process's command line (a config naming one otherwise is refused)."""
@@ -144,7 +144,7 @@ def resolve(specs: tuple[str, ...], *, columns: set[str], format_regex: str, pol
     for spec in specs:
         if is_code_spec(spec):
             if spec not in _FROM_COMMAND_LINE:
-                raise UserError(f"train.grpo.rewards names code ({spec}): pass it as --reward {spec} on archlab "
+                raise UserError(f"{setting} names code ({spec}): pass it as --reward {spec} on archlab "
                                 "finetune's command line (code named by a config or run folder is never imported)")
             fn = _FROM_COMMAND_LINE[spec]
             out.append(RewardFunc(getattr(fn, "__name__", spec.rpartition(":")[2]), fn, spec))
@@ -188,3 +188,14 @@ def call(reward: RewardFunc, prompts: list, completions: list[str], completion_i
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise UserError(f"reward {reward.source} returned {v!r}: every reward must be a finite number")
     return [float(v) for v in values]
+
+
+def probe(funcs: list[RewardFunc], data: Any) -> None:
+    """Each reward called once before anything is written, on the first line of `data` (data/prompts.PromptData) with
+    an empty completion and its answer (or "0"): a function that raises or returns other than one number per
+    completion is refused now."""
+    first = data.prompts[0]
+    columns = {k: [v, v] for k, v in first.columns.items()}
+    texts = ["", str(first.columns.get("answer", "0"))]
+    for fn in funcs:
+        call(fn, [first.prompt] * 2, texts, [[], []], columns, prompt_ids=[first.ids] * 2)

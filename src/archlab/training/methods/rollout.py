@@ -22,7 +22,7 @@ import torch
 from archlab.generation import generate
 from archlab.generation.stepper import model_device, positions_from_mask, prepare_prompts
 
-__all__ = ["Rollout", "rollout", "completion_logps", "mask_at_eos", "prompt_completion"]
+__all__ = ["Rollout", "rollout", "completion_logps", "token_logps", "mask_at_eos", "prompt_completion"]
 
 
 @dataclass
@@ -80,10 +80,17 @@ def completion_logps(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     p, c = prompt_ids.shape[1], completion_ids.shape[1]
     ids, positions = prompt_completion(prompt_ids, prompt_mask, completion_ids, completion_mask)
     logits = model(input_ids=ids, positions=positions)[:, p - 1: p + c - 1]               # (b, c, v)
+    return token_logps(logits, completion_ids, temperature=temperature, vocab_limit=vocab_limit, entropy=entropy)
+
+
+def token_logps(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0,
+                vocab_limit: int | None = None, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs (b, c) of `tokens` (b, c) under logits (b, c, v) scaled by 1 / temperature (float32), the entropy
+    (b, c) of each slot's distribution or None). Example: logps, ent = token_logps(logits, ids, temperature=0.7)"""
     if vocab_limit is not None:
         logits = logits[..., :vocab_limit]
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)                      # (b, c, v)
-    logps = logprobs.gather(-1, completion_ids[..., None]).squeeze(-1)                      # (b, c)
+    logps = logprobs.gather(-1, tokens[..., None]).squeeze(-1)                              # (b, c)
     if not entropy:
         return logps, None
     return logps, -(logprobs.exp() * logprobs).sum(-1)

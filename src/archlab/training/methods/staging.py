@@ -20,7 +20,7 @@ from archlab.training import lora as lora_stage
 from archlab.training.init_from import InitSource, read_init_source
 from archlab.training.methods.base import FinetuneRequest
 
-__all__ = ["TOKENIZER_FILES", "stage_tokenizer", "grow_vocab", "staged_base", "check_same_data"]
+__all__ = ["TOKENIZER_FILES", "stage_tokenizer", "grow_vocab", "staged_base", "check_same_data", "prepare_line_folder"]
 
 # files of an HF folder that belong to its tokenizer (a run folder's tokenizer/ is copied whole)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -112,3 +112,42 @@ def staged_base(req: FinetuneRequest, tmp: Path) -> tuple[InitSource, Any, Path]
     lora_stage.check(model_cfg, req.train_cfg, staged,     # trainable token texts (`template`): in this tokenizer
                      shown_as=f"{source.tokenizer_dir}{template}")          # the user's path, not the staging one
     return source, model_cfg, staged
+
+
+def prepare_line_folder(req: FinetuneRequest, kind: str, settings: dict, read: Any) -> tuple[Any, Path, InitSource]:
+    """Stages 1-4 of a method whose data folder keeps its .jsonl lines as given (data/preference_folder.py: dpo and
+    reward's preference pairs, ppo's prompts): the base staged (staged_base), every line checked by `read(staged
+    tokenizer)` (-> data with vocab_size and eot_id), then OUT/data written (format `kind`) with `settings` and the
+    file's sha256 in its meta.json; on --resume the folder's settings must be this command's. Returns (model config,
+    OUT/data, the base reading its tokenizer there)."""
+    import os
+    import tempfile
+
+    from archlab.data.preference import file_sha256
+    from archlab.data.preference_folder import write_line_folder
+
+    cfg, out = req.train_cfg, req.out
+    if req.val is not None:
+        held = getattr(getattr(cfg, cfg.method), "val_fraction", None)
+        raise UserError(f"--val {req.val}: --method {cfg.method} " + (
+            "takes no validation file" if held is None else
+            f"holds out --val-fraction of --data's lines (train.{cfg.method}.val_fraction) instead"))
+    data_dir = out / "data"
+    with tempfile.TemporaryDirectory(prefix="archlab-finetune-") as tmp:
+        source, model_cfg, staged = staged_base(req, Path(tmp))
+        if model_cfg.arch != "decoder":
+            raise UserError(f"--method {cfg.method} trains decoder models, not arch={model_cfg.arch}")
+        settings = {"corpus": str(req.data), "sha256": file_sha256(req.data), "seq_len": cfg.seq_len, **settings,
+                    "chat_template": req.chat_template}
+        if req.resume and (data_dir / META_FILE).is_file():
+            check_same_data(data_dir, settings)
+        else:
+            data = read(staged)
+            out.mkdir(parents=True, exist_ok=True)
+            building = data_dir.with_name(data_dir.name + ".tmp")
+            if building.exists():
+                shutil.rmtree(building)
+            write_line_folder(building, req.data, staged, kind=kind, vocab_size=data.vocab_size, eot_id=data.eot_id,
+                              **settings)
+            os.replace(building, data_dir)
+    return model_cfg, data_dir, dataclasses.replace(source, tokenizer_dir=data_dir / "tokenizer")

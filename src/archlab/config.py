@@ -338,6 +338,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.01         # Switch load-balancing loss per layer, at transformers Mixtral scale
     router_z_loss_coef: float = 0.0     # ST-MoE router z-loss
     shared_expert_d_ff: int | None = None  # an always-on dense expert (DeepSeek/Qwen-MoE style)
+    shared_expert_gate: bool = False       # Qwen2-MoE: the shared expert's output times sigmoid(w . x), per token
     capacity_factor: float | None = None   # None: no limit; else each expert takes at most
                                            # ceil(real tokens x top_k / n_experts x capacity_factor) per batch
                                            # (Switch, Fedus 2021); the overflow gets no expert output
@@ -356,6 +357,8 @@ class MoEConfig:
             raise ConfigError(
                 f"mlp.moe.top_k={self.top_k} must be <= mlp.moe.n_experts={self.n_experts}"
             )
+        if self.shared_expert_gate and not self.shared_expert_d_ff:
+            raise ConfigError("mlp.moe.shared_expert_gate needs a shared expert (mlp.moe.shared_expert_d_ff)")
         if self.aux_loss_coef < 0 or self.router_z_loss_coef < 0:
             raise ConfigError("mlp.moe loss coefficients must be >= 0")
 

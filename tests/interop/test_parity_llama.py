@@ -1,4 +1,4 @@
-"""LLaMA-like families (llama, mistral, mixtral, qwen2, qwen3): logits equal transformers'."""
+"""LLaMA-like families (llama, mistral, mixtral, qwen2, qwen2_moe, qwen3): logits equal transformers'."""
 import pytest
 
 pytest.importorskip("transformers")
@@ -65,3 +65,26 @@ def test_mixtral_moe_routing(hf_parity, hf_roundtrip, tiny_kwargs):
     assert (moe.n_experts, moe.top_k, moe.normalize_top_k) == (4, 2, True)
     hf_roundtrip(ours, expect_family="mixtral")
 
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_qwen2_moe_routing_and_gated_shared_expert(hf_parity, hf_roundtrip, tiny_kwargs, norm_topk_prob):
+    """Qwen2-MoE: 4 experts top-2 (moe_intermediate_size wide) beside a shared expert scaled by a sigmoid gate."""
+    _, ours, _ = hf_parity("qwen2_moe", **tiny_kwargs(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                      shared_expert_intermediate_size=48,
+                                                      norm_topk_prob=norm_topk_prob))
+    cfg = ours.config
+    moe = cfg.mlp.moe
+    assert (moe.n_experts, moe.top_k, moe.normalize_top_k, cfg.d_ff) == (4, 2, norm_topk_prob, 32)
+    assert moe.shared_expert_d_ff == 48 and moe.shared_expert_gate and cfg.bias.qkv
+    hf_roundtrip(ours, expect_family="qwen2_moe")
+
+
+@pytest.mark.parametrize("field", [{"decoder_sparse_step": 2}, {"mlp_only_layers": [0]}, {"qkv_bias": False}])
+def test_qwen2_moe_layouts_archlab_cannot_hold_are_refused(field):
+    from archlab.config import ConfigError
+    from archlab.interop.hf import family_for
+    hf = {"model_type": "qwen2_moe", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+          "vocab_size": 128, **field}
+    with pytest.raises(ConfigError, match=next(iter(field))):
+        family_for(hf).to_config(hf)

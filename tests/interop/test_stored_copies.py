@@ -136,6 +136,9 @@ PRESET = {"bert": "bert-base", "roberta": "roberta-base", "gpt2": "gpt2", "t5": 
 BUILT = {"gemma": lambda: _hf_built("gemma", head_dim=8, num_key_value_heads=2, **TINY_HF),
          "phi": lambda: _hf_built("phi", **TINY_HF),
          "olmoe": lambda: _hf_built("olmoe", num_experts=4, num_experts_per_tok=2, **TINY_HF),
+         "qwen2_moe": lambda: _hf_built("qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                        shared_expert_intermediate_size=40, num_key_value_heads=2,
+                                        **TINY_HF),
          "bloom": lambda: presets.tiny("bloom-176b").with_overrides({"mlp.d_ff": 4 * 64})}   # HF's 4 * d
 
 

@@ -224,3 +224,13 @@ def test_balance_bias_has_no_balance_loss_and_its_bias_is_in_the_state_dict():
 def test_balance_settings_are_checked(key, value):
     with pytest.raises(ConfigError, match=key):
         moe_model().config.with_overrides({key: value})
+
+
+def test_a_gated_shared_expert_is_counted_and_needs_a_shared_expert():
+    from archlab.models.accounting import active_param_count, param_count
+    model = moe_model(2, shared_expert_d_ff=8, shared_expert_gate=True)
+    assert param_count(model.config) == sum(p.numel() for p in model.parameters())
+    plain = moe_model(2, shared_expert_d_ff=8).config
+    assert active_param_count(model.config) - active_param_count(plain) == 2 * 16   # one (1, d) gate per layer
+    with pytest.raises(ConfigError, match="shared_expert_gate"):
+        moe_model().config.with_overrides({"mlp.moe.shared_expert_gate": True})

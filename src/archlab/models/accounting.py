@@ -95,7 +95,7 @@ def _mlp_params(cfg: ModelConfig) -> int:
     n = moe.n_experts * dense + d * moe.n_experts  # experts + router (no bias)
     if moe.shared_expert_d_ff:
         n += _dense_mlp_params(d, moe.shared_expert_d_ff, mlp.gated, bias)
-    return n
+    return n + (d if moe.shared_expert_gate else 0)
 
 
 def _block_norms(cfg: ModelConfig) -> int:
@@ -278,7 +278,7 @@ def _layer_matmuls(cfg: ModelConfig) -> tuple[int, int]:
     else:
         mlp = moe.top_k * f_mats * d * cfg.d_ff + d * moe.n_experts
         if moe.shared_expert_d_ff:
-            mlp += f_mats * d * moe.shared_expert_d_ff
+            mlp += f_mats * d * moe.shared_expert_d_ff + (d if moe.shared_expert_gate else 0)
     return attn, mlp
 
 

@@ -123,6 +123,8 @@ class MoEMLP(nn.Module):
             DenseMLP(d_model, moe.shared_expert_d_ff, cfg.activation, bias)
             if moe.shared_expert_d_ff else None
         )
+        # Qwen2-MoE: one sigmoid gate per token on the shared expert's output
+        self.shared_expert_gate = nn.Linear(d_model, 1, bias=False) if moe.shared_expert_gate else None
         self.aux_loss = torch.zeros(())
         self.load = torch.zeros(moe.n_experts)
         self.expert_bias: torch.Tensor | None      # (n,), a persistent buffer with balance=bias (else None: none)
@@ -151,7 +153,10 @@ class MoEMLP(nn.Module):
             y = expert(flat[token_idx], session) * weights[token_idx, slot, None].to(flat.dtype)
             out.index_add_(0, token_idx, y)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat, session)
+            shared = self.shared_expert(flat, session)                         # (bt, d)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared  # (bt, 1) gate per token
+            out = out + shared
         self.aux_loss = self._aux_loss(logits, probs, chosen, mask)
         return out.reshape(b, t, d)
 

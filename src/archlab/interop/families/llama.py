@@ -1,4 +1,4 @@
-"""LLaMA and its close relatives: llama, mistral, mixtral, qwen2, qwen3.
+"""LLaMA and its close relatives: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3.
 
 All are pre-norm RMSNorm, rotate-half RoPE, gated MLP, untied (or tied) head, and share one weight
 layout (`model.layers.N.self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`). They differ in:
@@ -11,6 +11,10 @@ layout (`model.layers.N.self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`). T
   mixtral  mistral + top-k MoE (`block_sparse_moe.gate`, `experts.E.w1/w3/w2`): softmax over all
            experts, top-k, renormalize the k weights (same order of operations as archlab's MoEMLP)
   qwen2    q/k/v bias (not o); sliding window on layers >= max_window_layers (or `layer_types`)
+  qwen2_moe qwen2 with top-k experts on every layer (`mlp.gate`, `mlp.experts.E.*`, experts moe_intermediate_size
+           wide, the k weights renormalized only with norm_topk_prob) and a shared expert whose output a per-token
+           sigmoid gate scales (`mlp.shared_expert`, `mlp.shared_expert_gate`); dense layers between sparse ones
+           (decoder_sparse_step > 1, mlp_only_layers) and qkv_bias false are refused
   qwen3    per-head RMSNorm on q and k (`q_norm`, `k_norm`), attention_bias like llama
 All read the rope scaling types linear, llama3, yarn (Qwen2.5/Qwen3 long context), longrope and
 dynamic (read_rope); other types (e.g. proportional) raise ConfigError.
@@ -335,3 +339,50 @@ class MixtralFamily(LlamaLike):
         moe = {"gate": "router", "experts.{e}.w1": "experts.{e}.gate_proj", "experts.{e}.w2": "experts.{e}.down_proj",
                "experts.{e}.w3": "experts.{e}.up_proj"}
         return llama_table() + renames(layers(moe, "model.layers.{i}.block_sparse_moe.", "blocks.{i}.mlp."), "weight")
+
+
+# the experts of the families with routed MLPs, HF (under model.layers.{i}.mlp.) -> ours (under blocks.{i}.mlp.)
+ROUTED_EXPERTS = {"gate": "router", **{f"experts.{{e}}.{name}": f"experts.{{e}}.{name}"
+                                       for name in ("gate_proj", "up_proj", "down_proj")}}
+
+
+@register_family
+class Qwen2MoeFamily(LlamaLike):
+    model_type = "qwen2_moe"
+    architecture = "Qwen2MoeForCausalLM"
+    has_attention_bias_field = False
+    qkv_bias = True
+    window_style = "qwen"
+    routed_experts = True
+    save_priority = 50
+
+    def to_config(self, hf: dict) -> ModelConfig:
+        c = HFConfig(hf, self.model_type)
+        c.unsupported("qkv_bias", lambda v: v is False, "Qwen2-MoE without q/k/v biases")
+        c.unsupported("decoder_sparse_step", lambda v: v != 1, "dense MLP layers between the sparse ones")
+        c.unsupported("mlp_only_layers", bool, "dense MLP layers between the sparse ones")
+        # every layer is sparse, so the experts' width is the MLP width (intermediate_size sizes dense layers only)
+        return super().to_config({**hf, "intermediate_size": hf.get("moe_intermediate_size", 1408)})
+
+    def read_moe(self, c: HFConfig) -> MoEConfig:
+        return MoEConfig(n_experts=c.get("num_experts", 60), top_k=c.get("num_experts_per_tok", 4),
+                         normalize_top_k=bool(c.get("norm_topk_prob", False)),
+                         aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)),
+                         shared_expert_d_ff=c.get("shared_expert_intermediate_size", 5632), shared_expert_gate=True)
+
+    def from_config(self, cfg: ModelConfig) -> dict:
+        moe = cfg.mlp.moe
+        if moe is None or not moe.shared_expert_gate:
+            raise ConfigError("HF family 'qwen2_moe' needs mlp.moe with a gated shared expert "
+                              "(mlp.moe.shared_expert_gate)")
+        hf = super().from_config(cfg)
+        hf.update(num_experts=moe.n_experts, num_experts_per_tok=moe.top_k, norm_topk_prob=moe.normalize_top_k,
+                  router_aux_loss_coef=float(moe.aux_loss_coef), moe_intermediate_size=cfg.d_ff,
+                  shared_expert_intermediate_size=moe.shared_expert_d_ff, decoder_sparse_step=1, mlp_only_layers=[],
+                  qkv_bias=True, output_router_logits=False)
+        return hf
+
+    def weight_table(self, cfg: ModelConfig) -> list[Rule]:
+        shared = {f"shared_expert.{name}": f"shared_expert.{name}" for name in ("gate_proj", "up_proj", "down_proj")}
+        return llama_table() + renames(layers({**ROUTED_EXPERTS, **shared, "shared_expert_gate": "shared_expert_gate"},
+                                              "model.layers.{i}.mlp.", "blocks.{i}.mlp."), "weight")

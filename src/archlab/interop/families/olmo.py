@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from archlab.config import ConfigError, ModelConfig, MoEConfig
 from archlab.interop.families.base import HFConfig, register_family
-from archlab.interop.families.llama import LlamaLike, llama_table
+from archlab.interop.families.llama import ROUTED_EXPERTS, LlamaLike, llama_table
 from archlab.interop.families.tables import Rule, layers, renames
 
 POST_SUBLAYER_NORMS = {"post_attention_layernorm": "attn_norm", "post_feedforward_layernorm": "mlp_norm"}
@@ -73,6 +73,4 @@ class OlmoeFamily(LlamaLike):
         return hf
 
     def weight_table(self, cfg: ModelConfig) -> list[Rule]:
-        experts = {"gate": "router", **{f"experts.{{e}}.{name}": f"experts.{{e}}.{name}"
-                                        for name in ("gate_proj", "up_proj", "down_proj")}}
-        return llama_table() + renames(layers(experts, "model.layers.{i}.mlp.", "blocks.{i}.mlp."), "weight")
+        return llama_table() + renames(layers(ROUTED_EXPERTS, "model.layers.{i}.mlp.", "blocks.{i}.mlp."), "weight")

@@ -49,7 +49,9 @@ def world(tmp_path_factory):
         "def has_e(prompts, completions, answer, **kw):\n    return [float('e' in c) for c in completions]\n"
         "def boom(prompts, completions, **kw):\n    raise RuntimeError('no reward today')\n"
         "def short(prompts, completions, **kw):\n    return [1.0]\n"
-        "def words(prompts, completions, **kw):\n    return ['good' for _ in completions]\n")
+        "def words(prompts, completions, **kw):\n    return ['good' for _ in completions]\n"
+        "def slow_has_e(prompts, completions, **kw):\n    import time\n    time.sleep(0.05)\n"
+        "    return [float('e' in c) for c in completions]\n")
     return root
 
 
@@ -182,3 +184,49 @@ def test_grpo_teaches_a_small_model_to_repeat_a_letter(tmp_path):
     first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     print(f"reward: first 3 steps {first:.3f}, last 5 steps {last:.3f}")
     assert first < 0.45 and last > 0.6          # measured: 0.16 -> 0.75 (a 2-core Xeon, 60 steps)
+
+
+@pytest.mark.slow
+def test_grpo_killed_mid_rollout_and_resumed_equals_the_uninterrupted_run(world, tmp_path):
+    """SIGKILL while a step's completions are being scored (the reward sleeps, so that is where the time goes), then
+    --resume: the metrics and the final weights equal the uninterrupted run's, step for step."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from archlab.runs.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+
+    argv = [sys.executable, "-m", "archlab", "finetune", str(world / "base"), "--method", "grpo", "--data",
+            str(world / "prompts.jsonl"), *COMMON, "--reward", "exact_match",
+            "--reward", f"{world / 'my_rewards.py'}:slow_has_e", "--set", "train.grpo.beta=0.1",
+            "--set", "train.grad_accum=2", "--set", "train.batch_size=4", "--set", "train.checkpoint_every=2",
+            "--set", "train.keep_last=2", "--set", "train.budget=6"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(out, *extra):
+        return subprocess.Popen([*argv, "--out", str(out), *extra], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    assert main([*argv[3:], "--out", str(tmp_path / "full")]) == 0     # uninterrupted, in this process
+    victim = run(tmp_path / "killed")
+    deadline = time.time() + 300
+    while time.time() < deadline and victim.poll() is None:
+        found = list_checkpoints(tmp_path / "killed" / "checkpoints")
+        if found and found[-1].name >= "step_0000002":
+            time.sleep(0.03)                                   # into step 3's rollout (its rewards sleep 0.05 s)
+            victim.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    victim.communicate(timeout=60)
+    assert victim.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert latest_checkpoint(tmp_path / "killed").name < "step_0000006"
+    resumed = run(tmp_path / "killed", "--resume")
+    err = resumed.communicate(timeout=300)[1]
+    assert resumed.returncode == 0, err
+    keep = ("loss", "grad_norm", "reward", "kl", "entropy")
+    a, b = ([{k: r[k] for k in keep} for r in _rows(run_dir)] for run_dir in (tmp_path / "full", tmp_path / "killed"))
+    assert len(a) == 6 and a == b
+    x, _ = load_checkpoint(latest_checkpoint(tmp_path / "full"))
+    y, _ = load_checkpoint(latest_checkpoint(tmp_path / "killed"))
+    assert all(torch.equal(x[k], y[k]) for k in x)

@@ -82,3 +82,35 @@ def test_the_report_draws_each_layers_load_from_metrics(tmp_path):
     assert images == ["img/moe_expert_load.png", "img/moe_busiest_expert.png"]
     assert all((tmp_path / i).stat().st_size > 0 for i in images)
     assert section(suites.BUILTIN["moe"], rows[1:], tmp_path / "img", "img") == []    # no MoE run, no section
+
+
+@pytest.mark.slow
+def test_a_sweep_measures_the_expert_load_and_reports_it(tmp_path):
+    """The real trainer on a 2-variant suite (3 steps): the MoE run's row carries the measured shares, the dense
+    one none, and the report holds the expert-load section with its figures."""
+    from archlab.data.prepare import prepare
+    from archlab.lab import runner
+    from archlab.lab.report import build_report
+
+    prepare(["to be or not to be, that is the question " * 30] * 10, "bytes", tmp_path / "data", progress=False,
+            num_workers=0)
+    suite = suites.Suite(
+        name="tiny_moe", claim="c", seeds=1, measure=["expert_load"],
+        variants=[{"label": "dense", "set": {}, "labels": {"mlp": "dense"}},
+                  {"label": "moe", "set": {"mlp.moe.n_experts": 4, "mlp.moe.top_k": 2, "mlp.moe.balance": "bias"},
+                   "labels": {"mlp": "moe"}}],
+        base={"model": {"d_model": 16, "n_layers": 2, "attention.n_heads": 2, "mlp.d_ff": 16},
+              "train": {"batch_size": 2, "seq_len": 16, "eval_every": 0, "eval_batches": 2, "warmup_steps": 1,
+                        "log_every": 1}})
+    rows = {r.variant: r for r in runner.run_suite(suite, tmp_path / "sweep", data_dir=tmp_path / "data", budget=3,
+                                                   progress=False)}
+    assert "busiest_expert_share" not in rows["dense"].extra
+    extra = rows["moe"].extra
+    first, routed = extra["expert_load_first_choice"], extra["expert_load_routed"]
+    assert len(first) == len(routed) == 2 and all(len(row) == 4 and abs(sum(row) - 1) < 1e-6 for row in first)
+    assert extra["busiest_expert_share"] == pytest.approx(sum(max(row) for row in first) / 2)
+    assert 0.25 <= extra["busiest_routed_share"] <= 0.5       # top 2: at most one of each token's two slots
+    paths = build_report(tmp_path / "sweep")
+    text = paths["md"].read_text()
+    assert "### Expert load per layer" in text and "img/tiny_moe_expert_load.png" in text
+    assert (paths["md"].parent / "img" / "tiny_moe_busiest_expert.png").is_file()

@@ -1,5 +1,5 @@
 """Data parallelism under torchrun (2 CPU processes, gloo): DDP and FSDP2 give the single-process losses
-for the same global batch, and every rank ends with the same parameters."""
+for the same global batch, and every rank ends with the same parameters (and MoE expert biases)."""
 from __future__ import annotations
 
 import os
@@ -29,7 +29,8 @@ WORKER = textwrap.dedent('''
     def capture(model, info):   # every rank: its own (gathered) parameters at each checkpoint
         raw = du.unwrap(model)
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
-                  for n, p in raw.named_parameters()}
+                  for n, p in [*raw.named_parameters(), *raw.named_buffers()]
+                  if n in dict(raw.named_parameters()) or n.endswith("expert_bias")}
         torch.save(params, os.path.join(out + "-ranks", f"rank{info.rank}.pt"))
         return original(model, info)
 
@@ -67,12 +68,42 @@ def setup(tmp_path_factory):
 ])
 def test_two_process_run_matches_single_process(setup, strategy, overrides):
     root, cfg, reference = setup
-    (root / f"{strategy}.yaml").write_text(cfg.with_overrides(overrides).to_yaml())
+    assert_two_processes_match(root, "model.yaml", cfg.with_overrides(overrides), strategy, reference)
+
+
+@pytest.mark.slow
+def test_expert_biases_move_alike_on_every_rank(setup):
+    """MoE balance=bias under DDP: each rank counts its own half of the batch, the counts are summed, so both ranks
+    move their biases alike, and the losses stay the single process's."""
+    root, cfg, _ = setup
+    model = ModelConfig.from_yaml((root / "model.yaml").read_text()).with_overrides(
+        {"mlp.moe": {"n_experts": 4, "top_k": 2, "balance": "bias", "bias_update_rate": 0.01}})
+    (root / "moe.yaml").write_text(model.to_yaml())
+    torch.set_num_threads(1)
+    try:
+        single = train(model, cfg, root / "data", root / "moe-single", progress=False)
+    finally:
+        torch.set_num_threads(os.cpu_count() or 1)
+    ranks = assert_two_processes_match(root, "moe.yaml", cfg.with_overrides({"dist_strategy": "ddp"}), "moe-ddp",
+                                       read_metrics(single.metrics_path))
+    biases = [k for k in ranks[0] if k.endswith("expert_bias")]
+    assert len(biases) == 2 and any(ranks[0][k].abs().sum() > 0 for k in biases)
+    # DDP broadcasts rank 0's buffers, so the ranks agree either way; the single process's biases show that the
+    # counts were summed over both halves of the batch (rank 0's half alone moves them otherwise)
+    from archlab.runs.checkpoint import latest_checkpoint, load_checkpoint
+    alone, _ = load_checkpoint(latest_checkpoint(root / "moe-single"))
+    assert all(torch.equal(ranks[0][k], alone[k]) for k in biases)
+
+
+def assert_two_processes_match(root, model_yaml: str, cfg: TrainConfig, strategy: str, reference: list) -> list:
+    """Run `cfg` on 2 processes; its logged losses equal `reference`'s, every rank's parameters (and expert biases)
+    are equal and the checkpoint holds them. Returns each rank's tensors."""
+    (root / f"{strategy}.yaml").write_text(cfg.to_yaml())
     out = root / strategy
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(root / "worker.py"), str(root / "data"), str(out), str(root / "model.yaml"),
+         str(root / "worker.py"), str(root / "data"), str(out), str(root / model_yaml),
          str(root / f"{strategy}.yaml")],
         env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -88,3 +119,4 @@ def test_two_process_run_matches_single_process(setup, strategy, overrides):
     assert len(list_checkpoints(out)) == 2          # rank 0 alone wrote them
     saved, _ = load_checkpoint(latest_checkpoint(out))
     assert all(torch.equal(saved[k], ranks[0][k]) for k in ranks[0])
+    return ranks

@@ -59,3 +59,25 @@ def test_rollout_logps_equal_each_row_scored_alone_without_padding(model):
                                       completion_mask=out.completion_mask)
     torch.testing.assert_close(logps * out.completion_mask, out.logps, atol=1e-5, rtol=0)
     assert entropy is not None and (entropy >= 0).all() and (entropy <= torch.log(torch.tensor(257.0)) + 1e-4).all()
+
+
+def test_completions_of_chat_prompts_also_end_at_the_templates_end_of_turn(tmp_path):
+    import json
+    import shutil
+
+    from archlab.data.prompts import load_prompts
+    from archlab.tokenizer import train as train_tokenizer
+    from archlab.tokenizer.chat_builtin import install_chat_template
+    from archlab.tokenizer.loading import load
+    from archlab.training.methods.rollout import end_ids
+
+    (tmp_path / "c.txt").write_text("the cat sat on the mat " * 20)
+    train_tokenizer(tmp_path / "c.txt", 260, ["<|endoftext|>"]).save(tmp_path / "tok")
+    shutil.copytree(tmp_path / "tok", tmp_path / "chat")
+    install_chat_template(tmp_path / "chat", "chatml")
+    (tmp_path / "plain.jsonl").write_text(json.dumps({"prompt": "the cat"}) + "\n")
+    (tmp_path / "msgs.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "the cat"}]}) + "\n")
+    eot = load(tmp_path / "tok").eot_id
+    assert end_ids(load_prompts(tmp_path / "plain.jsonl", tmp_path / "tok")) == [eot]
+    chat = end_ids(load_prompts(tmp_path / "msgs.jsonl", tmp_path / "chat"))
+    assert chat[0] == eot and load(tmp_path / "chat").decode(chat[1:]) == "<|im_end|>"

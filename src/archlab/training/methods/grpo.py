@@ -18,9 +18,6 @@ clip_ratio/low_mean, low_min, high_mean, high_max, region_mean; with the trainer
 from __future__ import annotations
 
 import copy
-import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,22 +25,20 @@ from typing import Any
 import torch
 
 from archlab.data.corpora import jsonl_records
-from archlab.data.preference import file_sha256
-from archlab.data.prepare import write_json
+from archlab.data.preference_folder import is_line_folder
 from archlab.data.prompts import PromptData, load_prompts
-from archlab.data.tokens import META_FILE, load_meta
-from archlab.errors import DataError, UserError
+from archlab.errors import UserError
 from archlab.models.decoder import LossOutput
 from archlab.training.grpo import group_advantages, grpo_loss
 from archlab.training.methods import rewards as reward_fns
 from archlab.training.methods.base import METHODS, FinetuneRequest, Method
-from archlab.training.methods.rollout import completion_logps, rollout
-from archlab.training.methods.staging import check_same_data, staged_base
+from archlab.training.methods.rollout import completion_logps, end_ids, rollout
+from archlab.training.methods.staging import prepare_line_folder
 
 __all__ = ["PROMPTS_FORMAT", "PROMPTS_FILE", "read_prompts", "GRPORun", "open_grpo", "prepare_grpo"]
 
-PROMPTS_FORMAT = "prompts"
-PROMPTS_FILE = "prompts.jsonl"
+PROMPTS_FORMAT = "prompts"                   # the data folder's format, as PPO's (write_line_folder)
+PROMPTS_FILE = f"{PROMPTS_FORMAT}.jsonl"
 PREFERENCE_KEYS = ("chosen", "rejected")
 
 
@@ -87,49 +82,23 @@ def _check_data(data: PromptData, model_cfg: Any, cfg: Any) -> None:
 
 
 def prepare_grpo(req: FinetuneRequest) -> tuple[Any, Path, Any]:
-    """archlab finetune --method grpo: the base staged, every prompt line checked and encoded with its tokenizer,
-    the rewards loaded (FILE.py:FUNC from the command line) and called once, then OUT/data written: the lines, the
-    tokenizer and meta.json (format "prompts"); on --resume the folder's settings must be this command's."""
-    import dataclasses
-
-    cfg, out = req.train_cfg, req.out
+    """archlab finetune --method grpo: the rewards named on the command line loaded (FILE.py:FUNC), then the base
+    staged and OUT/data written as a prompts folder (methods/staging.prepare_line_folder, as PPO's): every line read
+    with the staged tokenizer, the rewards resolved against its columns and called once, before anything is written."""
+    cfg = req.train_cfg
     if req.val is not None:
         raise UserError(f"--val {req.val}: --method grpo trains on prompts and holds none out")
     for spec in cfg.grpo.rewards:
         if reward_fns.is_code_spec(spec):
             reward_fns.load_user_reward(spec)              # the user's code, named on this command line
-    data_dir = out / "data"
-    with tempfile.TemporaryDirectory(prefix="archlab-finetune-") as tmp:
-        source, model_cfg, staged = staged_base(req, Path(tmp))
+
+    def read(staged: Path) -> PromptData:
         data = read_prompts(req.data, staged)
-        _check_data(data, model_cfg, cfg)
-        funcs = reward_fns.resolve(cfg.grpo.rewards, columns=_columns(data),
-                                   format_regex=cfg.grpo.format_regex, policy_tokenizer=staged, data=req.data)
+        funcs = reward_fns.resolve(cfg.grpo.rewards, columns=_columns(data), format_regex=cfg.grpo.format_regex,
+                                   policy_tokenizer=staged, data=req.data)
         reward_fns.probe(funcs, data)
-        settings = {"corpus": str(req.data), "sha256": file_sha256(req.data), "chat_template": req.chat_template}
-        if req.resume and (data_dir / META_FILE).is_file():
-            check_same_data(data_dir, settings)
-        else:
-            out.mkdir(parents=True, exist_ok=True)
-            building = data_dir.with_name(data_dir.name + ".tmp")
-            if building.exists():
-                shutil.rmtree(building)
-            building.mkdir()
-            shutil.copy2(req.data, building / PROMPTS_FILE)
-            shutil.copytree(staged, building / "tokenizer")
-            write_json(building / META_FILE, {"format": PROMPTS_FORMAT, "version": 1, **settings,
-                                              "vocab_size": data.vocab_size, "eot_id": data.eot_id,
-                                              "splits": {"train": {"file": PROMPTS_FILE}}, "tokenizer": "tokenizer"})
-            os.replace(building, data_dir)
-    return model_cfg, data_dir, dataclasses.replace(source, tokenizer_dir=data_dir / "tokenizer")
-
-
-def is_prompts_folder(data_dir: Path) -> bool:
-    """Whether `data_dir` is a prompts folder archlab finetune --method grpo prepared."""
-    try:
-        return data_dir.is_dir() and load_meta(data_dir, expect=None).get("format") == PROMPTS_FORMAT
-    except DataError:
-        return False
+        return data
+    return prepare_line_folder(req, PROMPTS_FORMAT, {}, read)
 
 
 class _Batches:
@@ -168,6 +137,7 @@ class GRPORun:
         self.model: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None
         self.vocab_limit: int | None = None
+        self.end_ids = end_ids(data)                   # end-of-text, and a chat template's end of turn
         self.equal_steps = 0
         self._figures: dict[str, list[float]] = {}
 
@@ -211,18 +181,19 @@ class GRPORun:
         return out
 
     def _completion_texts(self, tokens: list[list[int]]) -> list[str]:
-        eot = self.data.eot_id
-        return [self.tokenizer.decode(t[:-1] if t and t[-1] == eot else t) for t in tokens]
+        """Each completion's text without the token that ended it."""
+        return [self.tokenizer.decode(t[:-1] if t and t[-1] in self.end_ids else t) for t in tokens]
 
     @torch.no_grad()
     def generation_batch(self, step: int) -> list[dict[str, torch.Tensor]]:
         """Sample, score and split the step's completions into grad_accum micro-batches of train.batch_size rows."""
         assert self.model is not None, "start() sets the policy before the first step"
-        section, group, eot = self.section, self.section.num_generations, int(self.data.eot_id or 0)
+        section, group = self.section, self.section.num_generations
         index = self._prompt_indices(step)
         lines = [self.data.prompts[i] for i in index for _ in range(group)]
         out = rollout(self.model, [self.data.prompts[i].ids for i in index], group=group,
-                      max_new_tokens=section.max_completion_length, eos_ids=[eot], pad_id=eot,
+                      max_new_tokens=section.max_completion_length, eos_ids=self.end_ids,
+                      pad_id=self.end_ids[0],
                       seed=self.cfg.seed * 1_000_003 + step, temperature=section.temperature,
                       top_k=section.top_k or None, top_p=section.top_p if section.top_p < 1 else None,
                       vocab_limit=self.vocab_limit)
@@ -313,7 +284,7 @@ def open_grpo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: An
     if info.world_size > 1:
         raise UserError("train.method=grpo trains on one process: data-parallel GRPO is not supported yet "
                         "(run it without torchrun)")
-    if not is_prompts_folder(data_dir):
+    if not is_line_folder(data_dir, PROMPTS_FORMAT):
         raise UserError(f"train.method=grpo reads a prompts folder from archlab finetune BASE --method grpo --data "
                         f"prompts.jsonl: {data_dir} is not one")
     data = read_prompts(data_dir / PROMPTS_FILE, data_dir / "tokenizer")

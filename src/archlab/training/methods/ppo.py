@@ -37,7 +37,14 @@ from archlab.training import ppo
 from archlab.training.methods import rewards as reward_fns
 from archlab.training.methods.base import METHODS, FinetuneRequest, Method
 from archlab.training.methods.reward import _unwrapped
-from archlab.training.methods.rollout import Rollout, completion_logps, prompt_completion, rollout, token_logps
+from archlab.training.methods.rollout import (
+    Rollout,
+    completion_logps,
+    end_ids,
+    prompt_completion,
+    rollout,
+    token_logps,
+)
 from archlab.training.methods.staging import prepare_line_folder
 
 __all__ = ["PROMPTS", "PPOBatches", "PPORun", "open_ppo", "prepare_ppo", "policy_forward"]
@@ -244,18 +251,6 @@ class PPORun:
                             "PPO's reference is the starting weights, so resume from the same base")
 
 
-def _end_ids(data: PromptData) -> list[int]:
-    """The ids a completion ends at: the end-of-text token, and a chat template's end of turn for chat prompts."""
-    from archlab.generation.chat import end_of_turn_ids
-    from archlab.tokenizer.chat import ChatTokenizer
-
-    turn = end_of_turn_ids(ChatTokenizer.of(data.tokenizer_dir)) if data.is_chat else []
-    ends = list(dict.fromkeys(([data.eot_id] if data.eot_id is not None else []) + turn))
-    if not ends:
-        raise UserError(f"the tokenizer {data.tokenizer_dir} has no end-of-text token to end completions with")
-    return ends
-
-
 def _read(path: Path, tokenizer_dir: Path, cfg: Any) -> PromptData:
     room = cfg.seq_len - cfg.ppo.response_length
     if room < 1:
@@ -303,7 +298,7 @@ def open_ppo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any
                         "train.ppo.num_mini_batches must be at least 2")
     reward = _resolve_reward(cfg, data)
     limit = data.vocab_size if data.vocab_size < model_cfg.vocab_size else None
-    return PPORun(PPOBatches(data, cfg, reward, _end_ids(data), limit), model_cfg, init_from)
+    return PPORun(PPOBatches(data, cfg, reward, end_ids(data), limit), model_cfg, init_from)
 
 
 def prepare_ppo(req: FinetuneRequest) -> tuple[Any, Path, Any]:

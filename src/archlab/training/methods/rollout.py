@@ -15,14 +15,28 @@ scores a padded row as it scores the row alone. The log-probs are those of the t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from archlab.generation import generate
 from archlab.generation.stepper import model_device, positions_from_mask, prepare_prompts
 
-__all__ = ["Rollout", "rollout", "completion_logps", "token_logps", "mask_at_eos", "prompt_completion"]
+__all__ = ["Rollout", "rollout", "end_ids", "completion_logps", "token_logps", "mask_at_eos", "prompt_completion"]
+
+
+def end_ids(data: Any) -> list[int]:
+    """The ids a completion of `data`'s prompts (data/prompts.PromptData) ends at: the end-of-text token, and a chat
+    template's end of turn when some prompt is chat messages; a UserError when there is none."""
+    from archlab.errors import UserError
+    from archlab.generation.chat import end_of_turn_ids
+    from archlab.tokenizer.chat import ChatTokenizer
+
+    turn = end_of_turn_ids(ChatTokenizer.of(data.tokenizer_dir)) if data.is_chat else []
+    ends = list(dict.fromkeys(([data.eot_id] if data.eot_id is not None else []) + turn))
+    if not ends:
+        raise UserError(f"the tokenizer {data.tokenizer_dir} has no end-of-text token to end completions with")
+    return ends
 
 
 @dataclass

@@ -44,10 +44,17 @@ class RewardFunc:
 BUILTINS: Registry[Callable[..., Callable[..., list[float]]]] = Registry("reward")
 
 
+def _text(completion: Any) -> str:
+    """A completion's text: itself, or the content of its last message (TRL's conversational form)."""
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
 @BUILTINS.register("exact_match")
 def _exact_match(**_: Any) -> Callable[..., list[float]]:
     def exact_match(prompts, completions, answer, **kwargs) -> list[float]:
-        return [float(str(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
+        return [float(_text(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
     return exact_match
 
 
@@ -56,7 +63,7 @@ def _format(format_regex: str = "", **_: Any) -> Callable[..., list[float]]:
     pattern = re.compile(format_regex, re.DOTALL)
 
     def format(prompts, completions, **kwargs) -> list[float]:     # noqa: A001  (the name TRL logs it under)
-        return [float(pattern.fullmatch(str(c).strip()) is not None) for c in completions]
+        return [float(pattern.fullmatch(_text(c).strip()) is not None) for c in completions]
     return format
 
 

@@ -161,3 +161,32 @@ def test_ppo_raises_the_reward_from_a_fresh_start(world, tmp_path):
     assert len(scores) == 30
     before, after = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
     assert after >= before + 0.3, (before, after, scores)
+
+
+def test_a_lora_ppo_policy_exports_without_its_value_head_and_is_a_base_for_another_method(world, tmp_path):
+    """The value head stays in the run's checkpoint, leaves with neither an HF export nor a new method's start; a LoRA
+    run read as a base has its adapters merged, as load_run merges them."""
+    from safetensors.torch import load_file
+
+    from archlab.runs.model_folder import load_run
+
+    run = tmp_path / "ppo"
+    assert main(["finetune", str(world["base"]), "--method", "ppo", "--data", str(world["prompts"]), "--out", str(run),
+                 "--reward", world["reward"], "--lora-r", "4", "--no-progress", "--set", "train.batch_size=4",
+                 "--set", "train.seq_len=32", "--set", "train.budget=2", "--set", "train.sample.every=-1",
+                 "--set", "train.memory_check=false", "--set", "train.ppo.response_length=4"]) == 0
+    from archlab.training.init_from import read_init_source
+
+    model, _ = load_run(run)
+    assert hasattr(model, "value_head")                       # the checkpoint keeps it (a resume needs it)
+    source = read_init_source(run).state                      # a LoRA run as a base: its adapters folded in
+    assert not any(".lora_" in k for k in source) and set(source) == set(model.state_dict())
+    assert all(torch.equal(source[k], v) for k, v in model.state_dict().items())
+    assert main(["convert", "--to-hf", str(run), "--out", str(tmp_path / "hf"), "--no-check"]) == 0
+    assert not any(k.startswith("value_head") for k in load_file(tmp_path / "hf" / "model.safetensors"))
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"Repeat {w}:", "completion": f" {w}"}) + "\n" for w in WORDS))
+    assert main(["finetune", str(run), "--data", str(sft), "--out", str(tmp_path / "sft"), "--no-progress",
+                 "--set", "train.batch_size=4", "--set", "train.seq_len=32", "--set", "train.budget=1",
+                 "--set", "train.sample.every=-1", "--set", "train.memory_check=false"]) == 0
+    assert not hasattr(load_run(tmp_path / "sft")[0], "value_head")

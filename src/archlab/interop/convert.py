@@ -134,6 +134,7 @@ def convert_to_gguf(run_dir: str | Path, out_file: str | Path, qtype: str = "f16
     if out_file.is_dir():
         raise UserError(f"{out_file} is a folder; --to-gguf writes one .gguf file")
     model, tokenizer = load_run(run_dir)
+    drop_value_head(model)
     tok_dir = run_dir / "tokenizer"
     generation_file = run_dir / GENERATION_FILE
     generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
@@ -152,6 +153,14 @@ def _tokenizer_problem(folder: Path) -> str | None:
     return None
 
 
+def drop_value_head(model: torch.nn.Module) -> None:
+    """A PPO policy exports as the policy: its value head (training state, nn/heads.VALUE_HEAD) is left behind."""
+    from archlab.nn.heads import VALUE_HEAD
+
+    if hasattr(model, VALUE_HEAD):
+        delattr(model, VALUE_HEAD)
+
+
 def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None = None,
                   overwrite: bool = False) -> str:
     """Run folder (latest checkpoint) -> HF folder with the tokenizer files transformers reads
@@ -167,6 +176,7 @@ def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None =
     refuse_quantized(run_dir, "convert --to-hf")
     check_output(out_dir, inputs=[run_dir], overwrite=overwrite)
     model, _ = load_run(run_dir)
+    drop_value_head(model)
     with fresh_output(out_dir, overwrite=overwrite, inputs=[run_dir]) as tmp:
         fam = save_hf(model, tmp, family=family)
         tok = run_dir / "tokenizer"

@@ -42,7 +42,7 @@ class InitSource:
 
         with torch.device("meta"):                        # shapes only: no memory, no init
             wanted = {k: tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
-        have = {k: tuple(v.shape) for k, v in self.state.items()}
+        have = {k: tuple(v.shape) for k, v in self.state.items() if not _is_scalar_head(k)}   # a method's, not cfg's
         for name in sorted(wanted.keys() | have.keys()):
             if wanted.get(name) != have.get(name):
                 ours = "no such weight" if name not in wanted else f"shape {wanted[name]}"
@@ -64,12 +64,24 @@ class InitSource:
                             f"{_size(self.tokenizer_dir)}): the tokenizers differ, so the ids mean other text; "
                             f"prepare it with `archlab data prepare --tokenizer {self.tokenizer_dir}`")
 
+    def weights_for(self, fresh: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The source's weights for a run whose method adds the modules `fresh` holds: a scalar head the source has
+        (a reward run's score head, a PPO policy's value head) is kept only where this run has one too, so a PPO
+        policy or a reward model can be the base of another method."""
+        return {k: v for k, v in self.state.items() if not _is_scalar_head(k) or k in fresh}
+
     def record(self) -> dict:
         """What config.yaml keeps of the source."""
         from archlab.runs.provenance import tokenizer_fingerprint
 
         return {"source": self.spec, "weights": self.weights,
                 "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer_dir) if self.tokenizer_dir else None}
+
+
+def _is_scalar_head(name: str) -> bool:
+    from archlab.nn.heads import SCALAR_HEADS
+
+    return name.split(".", 1)[0] in SCALAR_HEADS
 
 
 def read_init_source(spec: str | os.PathLike) -> InitSource:
@@ -99,6 +111,12 @@ def _from_run(spec: str, folder: Path) -> InitSource:
         raise ckpt_io.CheckpointError(f"--init-from {spec}: no checkpoint under {folder / ckpt_io.CHECKPOINT_DIR}")
     state, _ = ckpt_io.load_checkpoint(latest, weights_only_model=True, full_verify=True)
     state = upgrade_keys(state, cfg.arch)              # a run folder of an earlier module layout
+    if any(".lora_" in k for k in state):              # a LoRA run: its adapters folded in, as load_run does
+        from archlab.nn.lora import merge_lora
+
+        model = model_folder.model_with_weights(cfg, state, latest / ckpt_io.MODEL_FILE,
+                                                train=model_folder.read_run_config(folder).get("train"))
+        state = {k: v.detach() for k, v in merge_lora(model).state_dict().items()}
     tokenizer = next((folder / name for name in ("tokenizer", "tokenizer_hf") if (folder / name).is_dir()), None)
     return InitSource(spec, cfg, state, str(latest / ckpt_io.MODEL_FILE), tokenizer)
 

@@ -231,7 +231,8 @@ def _train_in(model_cfg, cfg, data_dir, run_dir, latest, progress, info, device,
         run.resume_from(latest)
     elif init_from is not None:   # the source's weights; LoRA adapters (train.lora) keep their fresh init
         from archlab.nn.lora import lora_state
-        dist_util.load_full_model_state(run.model, {**lora_state(run.raw), **run.fresh_state, **init_from.state}, info)
+        dist_util.load_full_model_state(run.model, {**lora_state(run.raw), **run.fresh_state,
+                                                     **init_from.weights_for(run.fresh_state)}, info)
     session.start(run.raw, run_dir, device=device, dtype=cfg.dtype, info=info, resuming=latest is not None,
                   progress=progress is True)          # what the method needs of the starting weights (a reference)
     # 5. the loop

@@ -55,6 +55,14 @@ ICL = {"icl_accuracy": "k-shot accuracy (1-3 shots)", "icl_nll": "k-shot NLL (na
        "prefix_matching_max": "strongest induction head (prefix matching)"}
 
 
+_ICL_NOTE = ("Each episode maps 3 letters to random letters drawn afresh, each shown 4 times: a value whose key came "
+             "before can only be read from the line itself (0 shots: chance, 1/26). Guessing among the values already "
+             "in the line (up to 3) gets about a third right without matching keys; above that the model matches "
+             "keys. The prefix-matching score is the largest, over heads, mean attention from a token of a repeated "
+             "random letter sequence to the token after its first occurrence (1 = a perfect induction head; uniform "
+             "attention over 32-63 keys gives ~0.02).")
+
+
 def _icl_blocks(suite, rows: list, img_dir: Path, rel: str) -> list[Block]:
     """Per size: k-shot accuracy overall and per shot count, its NLL and the strongest head's prefix-matching score."""
     series = {m: ladder(rows, m) for m in ICL}
@@ -71,11 +79,7 @@ def _icl_blocks(suite, rows: list, img_dir: Path, rel: str) -> list[Block]:
         table.append(cells + [" / ".join(f"{p:.2f}" for p in per_shot.get(n, []))])
     blocks = [Block("h3", "In-context learning: k-shot lookups of fresh random mappings"),
               Block("table", header=["params", *ICL.values(), "accuracy by shots (0, 1, 2, ...)"], rows=table),
-              Block("p", "Each episode maps 3 letters to random letters drawn afresh, each shown 4 times: a value "
-                         "whose key came before can only be read from the line itself (0 shots: chance, 1/26). The "
-                         "prefix-matching score is the largest, over heads, mean attention from a token of a "
-                         "repeated random letter sequence to the token after its first occurrence (1 = a perfect "
-                         "induction head; uniform attention over 32-63 keys gives ~0.02).")]
+              Block("p", _ICL_NOTE)]
     out = _plot_icl(series, per_shot, img_dir / f"{suite.name}_icl.png")
     return blocks + [Block("img", f"{rel}/{out.name}", header=[out.stem])]
 

@@ -3,7 +3,7 @@
 time goes; and the server's per-slot prefix cache on the same conversation.
 
     .venv/bin/python benchmarks/chat_cache.py [--threads 1] [--turns 10] [--rounds 5] [--user 60] [--answer 60]
-                                              [--d-model 256] [--no-server]
+                                              [--d-model 256] [--no-server] [--breakdown-only]
 
 The model: the decode benchmark's LLaMA shape (8 layers, d_model 256, GQA 8:2, random weights; only shapes matter
 for time; --d-model widens it, heads of 32). A turn appends --user tokens to the history, streams an answer of
@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=256, help="model width (heads of 32, GQA 4:1, d_ff 2.69x)")
     ap.add_argument("--repeats", type=int, default=15, help="repeats of the breakdown (min taken)")
     ap.add_argument("--no-server", action="store_true", help="skip the server's table")
+    ap.add_argument("--breakdown-only", action="store_true",
+                    help="the breakdown alone (no conversations, no server): for wide models, e.g. --d-model 1024")
     args = ap.parse_args()
     from archlab.runs.provenance import provenance_line
     print(provenance_line(threads=args.threads), flush=True)
@@ -145,27 +147,30 @@ def main() -> None:
     model = archlab.TransformerLM(cfg).eval()
     g = torch.Generator().manual_seed(0)
     users = [torch.randint(0, cfg.vocab_size, (args.user,), generator=g).tolist() for _ in range(args.turns)]
-    conversation(model, users[:2], 4, True)                                         # warm-up
-    times: dict[bool, list[list[float]]] = {True: [], False: []}
-    for r in range(args.rounds):
-        for cached in ((True, False) if r % 2 == 0 else (False, True)):
-            ttft, history = conversation(model, users, args.answer, cached)
-            times[cached].append(ttft)
-            if cached:
-                kept = history
-            else:
-                assert history == kept, "the cached conversation decoded different answers"
-    med = {c: [statistics.median(t[i] for t in times[c]) for i in range(args.turns)] for c in (True, False)}
-    print(f"d_model {args.d_model}: time to first token (ms), median of {args.rounds} interleaved rounds; "
-          f"{args.user} user + {args.answer} answer tokens a turn")
-    print(f"{'turn':>4} {'prompt':>7} {'cached':>8} {'fresh':>8}")
-    for i in range(args.turns):
-        print(f"{i + 1:>4} {(i + 1) * args.user + i * args.answer:>7} {1e3 * med[True][i]:>8.1f} "
-              f"{1e3 * med[False][i]:>8.1f}")
     last = args.turns - 1
-    print(f"turn {args.turns} / turn 1: cached {med[True][last] / med[True][0]:.2f}x (against the fresh turn 1 "
-          f"{med[True][last] / med[False][0]:.2f}x), fresh {med[False][last] / med[False][0]:.2f}x; at turn "
-          f"{args.turns} the cache is {med[False][last] / med[True][last]:.1f}x faster to the first token")
+    if args.breakdown_only:        # the history's tokens drawn at random: the breakdown's times depend on lengths
+        kept = torch.randint(0, cfg.vocab_size, (args.turns * (args.user + args.answer),), generator=g).tolist()
+    else:
+        conversation(model, users[:2], 4, True)                                         # warm-up
+        times: dict[bool, list[list[float]]] = {True: [], False: []}
+        for r in range(args.rounds):
+            for cached in ((True, False) if r % 2 == 0 else (False, True)):
+                ttft, history = conversation(model, users, args.answer, cached)
+                times[cached].append(ttft)
+                if cached:
+                    kept = history
+                else:
+                    assert history == kept, "the cached conversation decoded different answers"
+        med = {c: [statistics.median(t[i] for t in times[c]) for i in range(args.turns)] for c in (True, False)}
+        print(f"d_model {args.d_model}: time to first token (ms), median of {args.rounds} interleaved rounds; "
+              f"{args.user} user + {args.answer} answer tokens a turn")
+        print(f"{'turn':>4} {'prompt':>7} {'cached':>8} {'fresh':>8}")
+        for i in range(args.turns):
+            print(f"{i + 1:>4} {(i + 1) * args.user + i * args.answer:>7} {1e3 * med[True][i]:>8.1f} "
+                  f"{1e3 * med[False][i]:>8.1f}")
+        print(f"turn {args.turns} / turn 1: cached {med[True][last] / med[True][0]:.2f}x (against the fresh turn 1 "
+              f"{med[True][last] / med[False][0]:.2f}x), fresh {med[False][last] / med[False][0]:.2f}x; at turn "
+              f"{args.turns} the cache is {med[False][last] / med[True][last]:.1f}x faster to the first token")
 
     last_prompt = kept[:args.turns * args.user + last * args.answer]
     cases = {1: (users[0], 0), args.turns: (last_prompt, len(last_prompt) - args.user - 1)}
@@ -188,7 +193,7 @@ def main() -> None:
           f"attention {grew['prefill'] - grew['rest']:+.1f} ms, the rest of the forward {grew['rest']:+.1f} ms, "
           f"setup {grew['setup']:+.2f} ms, the first token {grew['sample']:+.2f} ms")
 
-    if args.no_server:
+    if args.no_server or args.breakdown_only:
         return
     g = torch.Generator().manual_seed(1)
     small = [torch.randint(0, 256, (args.user,), generator=g).tolist() for _ in range(args.turns)]

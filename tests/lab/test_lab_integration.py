@@ -78,3 +78,12 @@ def test_cli_report_and_diagnose(sweep, tmp_path, capsys):
     assert "first-token attention mass" in capsys.readouterr().out
     assert main(["ablate", "--list"]) == 0
     assert main(["ablate", "no_such_suite"]) == 2
+
+
+def test_ablate_set_takes_old_and_new_train_keys_typed(monkeypatch, tmp_path):
+    """`--set train.eval_every=0` (an old flat key) reaches the runs typed, as does a current one: each value is read
+    from the nested train config at its key's current dotted name (eval.every)."""
+    seen: dict = {}
+    monkeypatch.setattr(runner, "run_suite", lambda suite, out, **kw: seen.update(kw["train_overrides"]) or [])
+    main(["ablate", "bias", "--set", "train.eval_every=0", "--set", "train.lr=1e-3", "--out", str(tmp_path / "s")])
+    assert seen == {"eval_every": 0, "lr": 0.001}

@@ -98,10 +98,11 @@ def run_ablate(args: argparse.Namespace) -> int:
             key, value = item.split("=", 1)
             overrides[key[len("train."):] if key.startswith("train.") else key] = value
         if overrides:
+            from archlab.runs.train_section import current_key
             from archlab.training.trainer import TrainConfig
             TrainConfig().with_overrides(overrides)  # validate names and values early
-            hints = TrainConfig().with_overrides(overrides).to_dict()
-            overrides = {k: hints[k] for k in overrides}
+            typed = TrainConfig().with_overrides(overrides).to_dict()        # nested: sections as mappings
+            overrides = {k: _dotted(typed, current_key(k, v)[0]) for k, v in overrides.items()}
         out = args.out or f"sweeps/{suite.name}"
         rows = runner.run_suite(
             suite, out, scale=args.scale, seeds=args.seeds, budget=args.budget, budget_unit=args.budget_unit,
@@ -129,3 +130,10 @@ def run_report(args: argparse.Namespace) -> int:
     paths = build_report(args.dir, args.out)
     print(f"wrote {paths['md']}, {paths['html']}, {paths['json']}")
     return 0
+
+
+def _dotted(tree: dict, key: str):
+    """The value at a dotted key of a nested mapping. Example: _dotted({"eval": {"every": 0}}, "eval.every") -> 0"""
+    for part in key.split("."):
+        tree = tree[part]
+    return tree

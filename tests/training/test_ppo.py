@@ -123,6 +123,11 @@ def test_a_reward_run_scores_the_completions(world, tmp_path):
                  "--set", "train.ppo.response_length=4"]) == 0
     first = _records(tmp_path / "ppo")[0]
     assert first["objective/scores"] != 0.0 and first["objective/kl"] == 0.0
+    # archlab train on the prompt file itself, encoded with BASE's tokenizer: the same first rollout
+    assert main(["train", "--init-from", str(world["base"]), "--data", str(world["prompts"]), "--out",
+                 str(tmp_path / "train"), *common, "--set", "train.method=ppo", "--set",
+                 f"train.ppo.reward={tmp_path / 'rm'}", "--set", "train.ppo.response_length=4"]) == 0
+    assert _records(tmp_path / "train")[0]["objective/scores"] == first["objective/scores"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -190,3 +195,23 @@ def test_a_lora_ppo_policy_exports_without_its_value_head_and_is_a_base_for_anot
                  "--set", "train.batch_size=4", "--set", "train.seq_len=32", "--set", "train.budget=1",
                  "--set", "train.sample.every=-1", "--set", "train.memory_check=false"]) == 0
     assert not hasattr(load_run(tmp_path / "sft")[0], "value_head")
+
+
+def test_chat_prompts_end_at_the_templates_end_of_turn(world, tmp_path):
+    from archlab.tokenizer.chat import ChatTokenizer
+
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Repeat {w}"}]}) + "\n"
+                               for w in WORDS))
+    out = tmp_path / "run"
+    finetune(world["base"], prompts, out, train_cfg=_cfg(world, response_length=8), method="ppo", progress=False)
+    from types import SimpleNamespace
+
+    from archlab.training.init_from import read_init_source
+    from archlab.training.methods.ppo import open_ppo
+
+    source = read_init_source(world["base"])
+    run = open_ppo(source.model_config, _cfg(world), out / "data", source, SimpleNamespace(world_size=1))
+    specials = ChatTokenizer.of(out / "tokenizer").tokenizer.special_to_id
+    assert run.batches.end_ids == [specials["<|endoftext|>"], specials["<|im_end|>"]]
+    assert {"objective/scores", "val/num_eos_tokens"} <= set(_records(out)[0])

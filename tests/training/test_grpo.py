@@ -63,8 +63,22 @@ def test_grpo_trains_with_a_builtin_and_a_users_reward_and_logs_trls_names(world
     out = tmp_path / "run"
     assert main(["finetune", str(world / "base"), "--method", "grpo", "--data", str(world / "prompts.jsonl"),
                  "--out", str(out), "--reward", "exact_match", "--reward", f"{world / 'my_rewards.py'}:has_e",
-                 "--set", "train.grpo.beta=0.04", *COMMON]) == 0
+                 "--set", "train.grpo.beta=0.04", "--val-fraction", "0.25", *COMMON]) == 0
     rows = _rows(out)
+    val = [r for r in read_metrics(out / "metrics.jsonl") if "val_reward" in r]
+    assert len(val) == 1 and {"val_loss", "val_reward_std", "val_rewards/has_e/mean"} <= set(val[0])
+    assert val[0]["val_loss"] == -val[0]["val_reward"]
+    from types import SimpleNamespace
+
+    from archlab.runs.model_folder import read_run_config
+    from archlab.training.config import TrainConfig
+    from archlab.training.methods.grpo import open_grpo
+
+    cfg = TrainConfig.from_dict(read_run_config(out)["train"])
+    session = open_grpo(SimpleNamespace(arch="decoder", max_seq_len=64, vocab_size=280), cfg, out / "data", None,
+                        SimpleNamespace(world_size=1, rank=0))
+    trained = {i for step in range(8) for i in session._prompt_indices(step)}     # two passes over the lines
+    assert session.val and not trained & set(session.val) and trained | set(session.val) == set(range(12))
     assert len(rows) == 2
     names = {"loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std", "rewards/exact_match/mean",
              "rewards/has_e/mean", "rewards/has_e/std", "completions/mean_length", "completions/clipped_ratio",

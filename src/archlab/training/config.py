@@ -104,6 +104,7 @@ class GRPOConfig:
     format_regex: str = r"<think>.*?</think>\s*<answer>.*?</answer>"   # the format reward: 1 when it matches
                                            # the whole completion (re.fullmatch, DOTALL), else 0
     equal_rewards_warn_steps: int = 10     # warn when every group's rewards are equal this many steps in a row
+    val_fraction: float = 0.0              # share of the prompt lines held out (val_reward, ... at each evaluation)
 
     def __post_init__(self):
         _check_literals(self, "train.grpo")
@@ -134,6 +135,8 @@ class GRPOConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < math.inf:
                 raise ConfigError(f"train.grpo.{name}={value} must be >= 0")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(f"train.grpo.val_fraction={self.val_fraction} must be in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True)

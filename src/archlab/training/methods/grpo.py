@@ -26,12 +26,14 @@ import torch
 
 from archlab.data.corpora import jsonl_records
 from archlab.data.preference_folder import is_line_folder
+from archlab.data.prepare import split_by_line
 from archlab.data.prompts import PromptData, load_prompts
 from archlab.errors import UserError
 from archlab.models.decoder import LossOutput
 from archlab.training.grpo import group_advantages, grpo_loss
 from archlab.training.methods import rewards as reward_fns
 from archlab.training.methods.base import METHODS, FinetuneRequest, Method
+from archlab.training.methods.dpo import preference_settings
 from archlab.training.methods.rollout import completion_logps, end_ids, rollout
 from archlab.training.methods.staging import prepare_line_folder
 
@@ -87,7 +89,8 @@ def prepare_grpo(req: FinetuneRequest) -> tuple[Any, Path, Any]:
     with the staged tokenizer, the rewards resolved against its columns and called once, before anything is written."""
     cfg = req.train_cfg
     if req.val is not None:
-        raise UserError(f"--val {req.val}: --method grpo trains on prompts and holds none out")
+        raise UserError(f"--val {req.val}: --method grpo holds out --val-fraction of --data's lines "
+                        "(train.grpo.val_fraction) instead")
     for spec in cfg.grpo.rewards:
         if reward_fns.is_code_spec(spec):
             reward_fns.load_user_reward(spec)              # the user's code, named on this command line
@@ -140,6 +143,14 @@ class GRPORun:
         self.end_ids = end_ids(data)                   # end-of-text, and a chat template's end of turn
         self.equal_steps = 0
         self._figures: dict[str, list[float]] = {}
+        # held-out prompts (train.grpo.val_fraction): a seeded hash of each line, as SFT's and DPO's splits
+        held = split_by_line(data.path, data.prompts, cfg.seed, self.section.val_fraction)[1] \
+            if self.section.val_fraction > 0 else []
+        held_lines = {p.line for p in held}
+        self.val = [i for i, p in enumerate(data.prompts) if p.line in held_lines]
+        self.pool = [i for i, p in enumerate(data.prompts) if p.line not in held_lines]
+        if not self.pool:
+            raise UserError(f"{data.path}: train.grpo.val_fraction={self.section.val_fraction} holds out every prompt")
 
     # ---- the seam
     def extend(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -166,37 +177,47 @@ class GRPORun:
     def check_resume(self, run_dir: Path) -> None:
         return None
 
+    @torch.no_grad()
     def evaluate(self, model: Any, *, device: torch.device, dtype: str, info: Any) -> dict[str, float]:
-        return {}
+        """The held-out prompts' figures: num_generations completions of each, sampled as in training from the same
+        seed at every evaluation (so two evaluations differ by the weights alone): val_reward, val_reward_std,
+        val_rewards/<name>/mean, val_frac_reward_zero_std; val_loss is -val_reward (lower is better, as the trainer
+        reads it). {} without held-out prompts."""
+        if not self.val:
+            return {}
+        group = self.section.num_generations
+        _, per_func, rewards = self._sample(self.val, self.cfg.seed * 1_000_003 - 1)
+        _, zero_std = group_advantages(rewards, group, self.section.scale_rewards)
+        out = {"val_loss": -float(rewards.mean()), "val_reward": float(rewards.mean()),
+               "val_reward_std": float(rewards.std()), "val_frac_reward_zero_std": float(zero_std.float().mean())}
+        out.update({f"val_rewards/{f.name}/mean": float(per_func[:, j].mean()) for j, f in enumerate(self.funcs)})
+        return out
 
     # ---- a step's rollouts
     def _prompt_indices(self, step: int) -> list[int]:
         """The prompts of `step`: seeded passes over the lines, one permutation per epoch (a function of seed, step)."""
-        n, per_step = len(self.data.prompts), self.cfg.batch_size * self.cfg.grad_accum // self.section.num_generations
+        n, per_step = len(self.pool), self.cfg.batch_size * self.cfg.grad_accum // self.section.num_generations
         out = []
         for k in range(step * per_step, (step + 1) * per_step):
             epoch, pos = divmod(k, n)
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch))
-            out.append(int(order[pos]))
+            out.append(self.pool[int(order[pos])])
         return out
 
     def _completion_texts(self, tokens: list[list[int]]) -> list[str]:
         """Each completion's text without the token that ended it."""
         return [self.tokenizer.decode(t[:-1] if t and t[-1] in self.end_ids else t) for t in tokens]
 
-    @torch.no_grad()
-    def generation_batch(self, step: int) -> list[dict[str, torch.Tensor]]:
-        """Sample, score and split the step's completions into grad_accum micro-batches of train.batch_size rows."""
+    def _sample(self, index: list[int], seed: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """(the Rollout of num_generations completions of each prompt in `index`, rewards per function (n, k), the
+        weighted reward (n,)), sampled from the policy with the generator seeded by `seed`."""
         assert self.model is not None, "start() sets the policy before the first step"
         section, group = self.section, self.section.num_generations
-        index = self._prompt_indices(step)
         lines = [self.data.prompts[i] for i in index for _ in range(group)]
         out = rollout(self.model, [self.data.prompts[i].ids for i in index], group=group,
-                      max_new_tokens=section.max_completion_length, eos_ids=self.end_ids,
-                      pad_id=self.end_ids[0],
-                      seed=self.cfg.seed * 1_000_003 + step, temperature=section.temperature,
-                      top_k=section.top_k or None, top_p=section.top_p if section.top_p < 1 else None,
-                      vocab_limit=self.vocab_limit)
+                      max_new_tokens=section.max_completion_length, eos_ids=self.end_ids, pad_id=self.end_ids[0],
+                      seed=seed, temperature=section.temperature, top_k=section.top_k or None,
+                      top_p=section.top_p if section.top_p < 1 else None, vocab_limit=self.vocab_limit)
         tokens = out.completion_tokens()
         texts = self._completion_texts(tokens)
         prompts = [line.prompt for line in lines]
@@ -209,7 +230,13 @@ class GRPORun:
         per_func = torch.tensor([reward_fns.call(f, prompts, completions, tokens, columns,
                                                  prompt_ids=[line.ids for line in lines]) for f in self.funcs]
                                 ).T                                                              # (n, k)
-        rewards = (per_func * self.weights).sum(-1)                                              # (n,)
+        return out, per_func, (per_func * self.weights).sum(-1)                                 # (n,)
+
+    @torch.no_grad()
+    def generation_batch(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """Sample, score and split the step's completions into grad_accum micro-batches of train.batch_size rows."""
+        section, group = self.section, self.section.num_generations
+        out, per_func, rewards = self._sample(self._prompt_indices(step), self.cfg.seed * 1_000_003 + step)
         advantages, zero_std = group_advantages(rewards, group, section.scale_rewards)
         self._rollout_figures(per_func, rewards, zero_std, out.lengths, out.truncated)
         mask = out.completion_mask.clone()
@@ -296,13 +323,6 @@ def open_grpo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: An
     return GRPORun(data, cfg, funcs, init_from)
 
 
-def _grpo_settings(train_cfg: Any, val: Path | None, val_fraction: float | None) -> tuple[Any, float]:
-    """No held-out share: --val-fraction is refused unless 0."""
-    if val_fraction:
-        raise UserError(f"--val-fraction {val_fraction}: --method grpo holds no prompts out")
-    return train_cfg, 0.0
-
-
 METHODS.register("grpo")(Method("grpo", "group relative policy optimization on prompts with rewards (TRL's GRPO)",
-                                open_grpo, prepare=prepare_grpo, fit_settings=_grpo_settings,
+                                open_grpo, prepare=prepare_grpo, fit_settings=preference_settings,
                                 data_help="prompt data is a .jsonl file of {\"prompt\", ...} lines"))

@@ -80,7 +80,7 @@ def test_every_module_a_text_names_exists(path):
 def test_the_checks_catch_stale_names_and_spare_real_ones():
     assert stale_dotted("archlab.nn.calls and archlab.nn.fused.no_such_thing") == [
         "archlab.nn.calls", "archlab.nn.fused.no_such_thing"]
-    assert stale_dotted("archlab.nn.fused.direct_calls, archlab.training.trainer") == []
+    assert stale_dotted("archlab.nn.fused.decode_session, archlab.training.trainer") == []
     assert stale_paths("see nn/calls.py and src/archlab/training/train_config.py") == [
         "nn/calls.py", "src/archlab/training/train_config.py"]
     assert stale_paths("nn/fused.py, interop/families/, runs/demo, data/mine") == []

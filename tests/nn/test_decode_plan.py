@@ -185,15 +185,3 @@ def test_two_models_decoding_interleaved_do_not_interfere():
         tokens = torch.cat([torch.as_tensor(t).reshape(2, -1) for t in got[i]], 1)
         assert torch.equal(tokens, expected[i][:, -8:])
         assert set(model.decode_plan().packs.keys()) <= set(model.modules())
-
-
-def test_the_old_direct_calls_context_warns_and_changes_nothing():
-    model = TransformerLM(variant("base")).eval()
-    before = _module_state(model)
-    x = torch.randint(0, model.config.vocab_size, (1, 3))
-    with torch.no_grad():
-        expected = model(x)
-        with pytest.warns(DeprecationWarning, match="decode_session"), fused.direct_calls(model):
-            assert _module_state(model) == before
-            got = model(x, session=fused.DecodeSession())
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -31,11 +31,9 @@ session and plan; two sessions of one model share its plan's packed copies.
 """
 from __future__ import annotations
 
-import contextlib
 import operator
-import warnings
 import weakref
-from typing import Any, Callable, Hashable, Iterator, cast
+from typing import Any, Callable, Hashable, cast
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +44,7 @@ from archlab.nn.int8 import Int8Matrix, Int8Packed, int8_pack, is_quantized
 
 __all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed_linears",
            "packed_matmul", "packed_split", "packed_groups", "packable", "decode_weights", "DecodeSession",
-           "DecodePlan", "PlannedDecode", "decode_session", "direct", "call", "direct_calls", "matrix", "DECODE_ROWS"]
+           "DecodePlan", "PlannedDecode", "decode_session", "direct", "call", "matrix", "DECODE_ROWS"]
 
 DECODE_ROWS = 32   # at most this many rows without gradients: the packed (decode) path of project/linear
 
@@ -146,17 +144,6 @@ def decode_session(model: nn.Module) -> DecodeSession:
     session alone). Example: session = decode_session(model); logits = model(tok, cache=c, session=session)"""
     build = getattr(model, "decode_plan", None)
     return DecodeSession(build() if callable(build) else None, model)
-
-
-@contextlib.contextmanager
-def direct_calls(model: nn.Module) -> Iterator[None]:
-    """Deprecated, does nothing: the direct call path is a session's now (`decode_session(model)` takes it for a
-    hook-free model) and no module is changed for a loop. Kept so that loops written as
-    `with direct_calls(model): model(tok, cache=c, session=s)` still run (through nn.Module.__call__ unless `s`
-    is a `decode_session(model)`). Example: session = decode_session(model)  # in its place"""
-    warnings.warn("archlab.nn.fused.direct_calls does nothing now: decode with session=decode_session(model), "
-                  "which takes the direct call path itself", DeprecationWarning, stacklevel=3)
-    yield
 
 
 def _hook_free(model: nn.Module) -> bool:

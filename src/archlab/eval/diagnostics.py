@@ -150,9 +150,11 @@ def diagnose(model, input_ids: torch.Tensor, tokens: Sequence[str] | None = None
     dead = dead_unit_fractions(model, input_ids)
     for layer, fraction in zip(layers, dead):
         layer["dead_unit_fraction"] = fraction
-    half = min(t, model.config.max_seq_len // 2)              # the text's own tokens, repeated (induction heads)
+    # the text's own tokens drawn at random and repeated (induction heads); 64 tokens a copy keeps every layer's
+    # recorded probabilities (rows, h, 128, 128) small for large models
+    half = min(t, model.config.max_seq_len // 2, 64)
     causal = getattr(model.config, "arch", "decoder") != "encoder"
-    matching = (prefix_matching_scores(model, sorted(set(input_ids.flatten().tolist())), half)
+    matching = (prefix_matching_scores(model, sorted(set(input_ids.flatten().tolist())), half, rows=4)
                 if causal and half >= 2 else [None] * len(layers))
     for layer, scores in zip(layers, matching):
         layer["prefix_matching"] = scores

@@ -15,7 +15,10 @@ always prefilled (its logits choose the first new token).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from archlab.generation.prefix import common_prefix
 from archlab.nn.kv_cache import SlotKVCache
@@ -40,7 +43,8 @@ class SlotPrefixes:
     def __init__(self, slots: SlotKVCache, enabled: bool = True):
         self.slots, self.enabled = slots, enabled
         rows = len(slots.length)
-        self.held: list[list[int]] = [[] for _ in range(rows)]   # ids a free row's keys and values are of
+        # ids a free row's keys and values are of, as arrays: a placement compares the prompt with every row
+        self.held: list[Sequence[int]] = [[] for _ in range(rows)]
         self.used = [-1] * rows                                  # the clock at each row's last use; -1: never
         self._clock = 0
 
@@ -49,10 +53,10 @@ class SlotPrefixes:
         target = min(free, key=lambda r: (self.used[r], r))      # least recently used (empty rows: -1)
         if not self.enabled:
             return Placement(target, 0, None)
-        best, source = 0, None
+        best, source, prompt = 0, None, np.asarray(ids, dtype=np.int64)
         for row in sorted(range(len(self.held)), key=lambda r: -self.used[r]):   # the most recent first on a tie
             held = active[row] if row in active else self.held[row]
-            common = common_prefix(held, ids, len(ids) - 1)
+            common = common_prefix(held, prompt, len(ids) - 1) if len(held) and held[0] == ids[0] else 0
             if common > best:
                 best, source = common, row
         if source is None:
@@ -83,7 +87,7 @@ class SlotPrefixes:
             self.held[row], self.used[row] = [], -1
             return
         self._clock += 1
-        self.held[row], self.used[row] = ids, self._clock
+        self.held[row], self.used[row] = np.asarray(ids, dtype=np.int64), self._clock
 
     @property
     def held_tokens(self) -> int:

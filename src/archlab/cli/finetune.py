@@ -36,7 +36,9 @@ def register(subparsers) -> None:
                               description="Post-training: start from BASE's weights, train with --method on --data "
                               "and write a run folder. sft (default): the chat examples of --data (decoders: the loss "
                               "on the assistant's tokens; encoder-decoders: prompt -> completion); dpo: preference "
-                              "pairs against BASE as the reference; reward: a scalar head on the same pairs.",
+                              "pairs against BASE as the reference; reward: a scalar head on the same pairs; grpo "
+                              "and ppo: prompt lines, completions sampled and scored by --reward (ppo: with a value "
+                              "head and BASE as the KL reference).",
                               epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("base", metavar="BASE", help="a run folder, an HF folder, or hf:ORG/NAME")
     p.add_argument("--method", default="sft", metavar="sft|dpo|reward|grpo|ppo",
@@ -48,7 +50,7 @@ def register(subparsers) -> None:
                    "FILE.py:FUNC with TRL's signature (prompts, completions, **columns) -> list[float]; --method ppo: "
                    "one of them (train.ppo.reward), usually a reward run")
     p.add_argument("--data", required=True, help="a .jsonl: chat lines (messages, or prompt/completion) for sft, "
-                   "prompt/chosen/rejected lines for dpo")
+                   "prompt/chosen/rejected lines for dpo and reward, {\"prompt\", ...} lines for grpo and ppo")
     p.add_argument("--out", required=True, help="run folder to write")
     p.add_argument("--val", help="validation .jsonl (default: a seeded hash of each --data line picks "
                    "--val-fraction of them)")

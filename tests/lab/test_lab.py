@@ -17,9 +17,13 @@ from archlab.lab.verdicts import HELD, INCONCLUSIVE, NOT_HELD, Rule, judge, lr_s
 
 # --------------------------------------------------------------------------- suites
 @pytest.mark.parametrize("name", suites.names())
-def test_every_builtin_suite_expands_to_valid_configs(name):
+def test_every_builtin_suite_expands_to_valid_configs(name, tmp_path):
     suite = suites.BUILTIN[name]
-    planned = plan(suite, Path("/nonexistent"), vocab_size=257)
+    model = None
+    if suite.runs == "real_model":         # a run folder stands in for the packaged model (the models extra)
+        (tmp_path / "config.yaml").write_text("{}\n")
+        model = str(tmp_path)
+    planned = plan(suite, Path("/nonexistent"), vocab_size=257, model=model)
     variants = suite.expand()
     assert len(planned) == len(variants) * suite.seeds
     assert len({(p.variant.name, p.seed) for p in planned}) == len(planned)

@@ -13,13 +13,17 @@ examples:
   archlab ablate activation --executor ray --workers 8             # Ray tasks on a local Ray instance
   archlab ablate activation --executor ray --address HEAD:6379     # an existing Ray cluster (shared folder)
   archlab report sweeps/activation
+  archlab ablate quantization --report                             # a real model (SmolLM2), none trained
+  archlab ablate streaming --model ~/models/qwen2.5-0.5b-q8_0.gguf --out sweeps/streaming-qwen
 
 Each variant x seed is one training run under OUT/runs/; rows go to OUT/results.sqlite. Re-running the
 same command resumes: finished (done / diverged) runs are skipped, crashed ones are run again.
 Whatever the executor, every run trains with --threads torch threads (so its losses equal the serial
 run's bit for bit) and the driver alone writes the table; paired timings run on the driver.
 Without --data the suite's corpus (Shakespeare, or the generated addition problems of `emergence`) is
-prepared once with the byte tokenizer into OUT/data.
+prepared once with the byte tokenizer into OUT/data. The real-model suites (massive_activations, quantization,
+streaming) train nothing: they convert the --model GGUF once into OUT/models/ and measure it on Hamlet in its
+own tokenizer (default: SmolLM2-135M-Instruct from the `models` extra).
 """
 
 REPORT_EXAMPLE = """\
@@ -58,6 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ablate.add_argument("--workers", type=int, metavar="N",
                         help="runs at once (local: default cores // threads; ray: what the cluster holds)")
     ablate.add_argument("--address", metavar="ADDR", help="Ray cluster address (default: start a local Ray)")
+    ablate.add_argument("--model", metavar="NAME|FILE.gguf|RUN",
+                        help="real-model suites: a packaged model (smollm2-135m-instruct, gemma-3-270m), a .gguf "
+                             "file or a converted run folder (default: the suite's, SmolLM2)")
     ablate.add_argument("--report", action="store_true", help="write the report when the sweep ends")
     ablate.add_argument("--quiet", action="store_true", help="no progress bar")
     ablate.set_defaults(func=run_ablate)
@@ -84,7 +91,8 @@ def run_ablate(args: argparse.Namespace) -> int:
         for s in suites.BUILTIN.values():
             n = len(s.expand())
             sc = s.scale("small")
-            print(f"{s.name:15s} {n:2d} variants x {s.seeds} seeds, small: {sc['budget']:g} {sc['unit']}  {s.claim}")
+            what = "a real model, none trained" if s.runs == "real_model" else f"small: {sc['budget']:g} {sc['unit']}"
+            print(f"{s.name:15s} {n:2d} variants x {s.seeds} seeds, {what}  {s.claim}")
         return 0
     if not args.suite:
         raise UserError("give a SUITE_OR_YAML (see --list)")
@@ -108,7 +116,7 @@ def run_ablate(args: argparse.Namespace) -> int:
             suite, out, scale=args.scale, seeds=args.seeds, budget=args.budget, budget_unit=args.budget_unit,
             data_dir=args.data, corpus=args.corpus, tokenizer=args.tokenizer, train_overrides=overrides,
             device=args.device, progress=not args.quiet, threads=args.threads or None,
-            executor=args.executor, workers=args.workers, address=args.address,
+            executor=args.executor, workers=args.workers, address=args.address, model=args.model,
         )
     except ValueError as exc:                    # ConfigError / LabError are UserErrors already
         raise exc if isinstance(exc, UserError) else UserError(str(exc)) from exc

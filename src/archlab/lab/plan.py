@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,11 +16,13 @@ from typing import Callable
 
 from archlab.config import ConfigError, ModelConfig
 from archlab.lab import matching
+from archlab.lab.real_model_run import RealSpec, real_spec, resolve_model
 from archlab.lab.store import RunRecord
-from archlab.lab.suites import Suite, Variant, build_model_config
+from archlab.lab.suites import Suite, Variant, build_model_config, slug
 from archlab.training.config import TrainConfig
 
-__all__ = ["INTERRUPTED", "LAB_TRAIN_DEFAULTS", "BaseSpec", "PlannedRun", "RunJob", "crashed", "plan", "slug"]
+__all__ = ["INTERRUPTED", "LAB_TRAIN_DEFAULTS", "BaseSpec", "RealSpec", "PlannedRun", "RunJob", "crashed", "plan",
+           "slug"]
 
 INTERRUPTED = "interrupted"   # error prefix of a row whose run a Ctrl-C / SIGTERM stopped
 LAB_TRAIN_DEFAULTS = {"sample_every": -1, "checkpoint_every": 0, "keep_last": 1, "log_every": 10}
@@ -57,6 +58,7 @@ class PlannedRun:
     run_dir: Path
     match_note: str | None = None
     base: BaseSpec | None = None  # a finetune or extend run's base (`train` is then the fine-tuning / extension)
+    real: RealSpec | None = None  # a real_model run's model and measurement (`model` / `train` unused)
 
     @property
     def config(self) -> dict:
@@ -64,7 +66,8 @@ class PlannedRun:
                 "overrides": {"model": self.variant.model, "train": self.variant.train,
                               **({"ngram": self.variant.ngram} if self.variant.ngram else {}),
                               **({"extend": self.variant.extend} if self.variant.extend else {})},
-                "labels": self.variant.labels, **({"base": self.base.to_dict()} if self.base else {})}
+                "labels": self.variant.labels, **({"base": self.base.to_dict()} if self.base else {}),
+                **({"real": self.real.to_dict()} if self.real else {})}
 
 
 @dataclass(eq=False)      # hashed by identity: the serial executor's job is its own handle
@@ -83,10 +86,6 @@ class RunJob:
 def crashed(job: RunJob, why: str) -> RunRecord:
     """The row of a job whose worker died (or was stopped) before returning one."""
     return replace(job.record, status="failed", error=why, finished_at=time.time())
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", name).strip("_") or "variant"
 
 
 NGRAM_SETTINGS = {"order": int, "add_k": float}   # an n-gram run's `ngram.` keys and their types
@@ -225,8 +224,11 @@ def _extension(suite: Suite, variant: Variant, base_model: dict, train_base: dic
 
 def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | None = None,
          budget: float | None = None, budget_unit: str | None = None, vocab_size: int | None = None,
-         train_overrides: dict | None = None, device: str | None = None) -> list[PlannedRun]:
-    """Every (variant, seed) with its resolved ModelConfig and TrainConfig, matching applied."""
+         train_overrides: dict | None = None, device: str | None = None,
+         model: str | None = None) -> list[PlannedRun]:
+    """Every (variant, seed) with its resolved ModelConfig and TrainConfig, matching applied; `model`: a real_model
+    suite's model instead of its own (a packaged model's name, a .gguf file or a run folder)."""
+
     sc = suite.scale(scale)
     base_model, base_train = suite.base_overrides(scale)
     train_base = {**LAB_TRAIN_DEFAULTS, **base_train, "budget": float(budget or sc["budget"]),
@@ -244,10 +246,12 @@ def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | No
         target = matching.MATCH_BY[by](base_cfg, seq_len)
     n_seeds = seeds or suite.seeds
     _check_finetune(suite)
+    source = resolve_model(suite, model)            # (path, cache folder) of a real_model suite, else None
     out: list[PlannedRun] = []
     for variant in suite.expand(scale):
         _check_ngram(suite, variant)
         _check_extend(suite, variant)
+        real = real_spec(suite, variant, source, Path(sweep_dir))
         try:
             cfg = build_model_config({**base_model, **variant.model})
         except ConfigError as exc:
@@ -268,5 +272,5 @@ def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | No
             if suite.runs == "extend":
                 model_cfg, train_cfg, base = _extension(suite, variant, base_model, train_base, seed, Path(sweep_dir))
             out.append(PlannedRun(variant, seed, model_cfg, train_cfg,
-                                  Path(sweep_dir) / "runs" / slug(variant.name) / f"seed{seed}", note, base))
+                                  Path(sweep_dir) / "runs" / slug(variant.name) / f"seed{seed}", note, base, real))
     return out

@@ -16,7 +16,15 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-from archlab.lab import baseline, context_report, emergence_report, moe_report, ngram_report, scaling_report
+from archlab.lab import (
+    baseline,
+    context_report,
+    emergence_report,
+    moe_report,
+    ngram_report,
+    real_model_report,
+    scaling_report,
+)
 from archlab.lab import suites as suites_mod
 from archlab.lab.document import Block
 from archlab.lab.plotstyle import series_style
@@ -28,7 +36,8 @@ STANDARD_METRICS = ("final_val_loss", "step_time_s", "lr_sensitivity", "diverged
 ANALYSES: dict[str, Callable[..., list[Block]]] = {"scaling": scaling_report.section,
                                                    "emergence": emergence_report.section,
                                                    "ngram": ngram_report.section,
-                                                   "context": context_report.section}
+                                                   "context": context_report.section,
+                                                   "real_model": real_model_report.section}
 MEASURED_METRICS = ("val_loss_2x", "max_attn_logit", "first_token_mass", "massive_ratio", "kv_cache_bytes",
                     "busiest_routed_share")
 
@@ -319,6 +328,8 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
         what = f"fine-tuning {what}; {_bases_line(rows)}"
     if suite.runs == "extend":
         what = context_report.runs_line(rows)
+    if suite.runs == "real_model":
+        what = real_model_report.what_line(rows)
     blocks.append(Block("p", (
         f"Runs: {len(rows)} ({', '.join(f'{v} {k}' for k, v in status.items() if v)}); {what}; total wall time "
         f"{wall / 60:.1f} min.")))
@@ -331,7 +342,7 @@ def suite_section(suite: suites_mod.Suite, rows: list[RunRecord], img_dir: Path,
         vrows.append([v.rule.statement, f"**{v.verdict}**", tolerance(v.rule) or "see test", ours, v.reason])
     blocks.append(Block("table", header=["rule", "verdict", "tolerance", "ours (mean ± std over seeds)", "test"],
                         rows=vrows))
-    if suite.runs != "ngram":           # an n-gram suite's runs have no curves, sizes or step times
+    if suite.runs not in ("ngram", "real_model"):   # no curves, sizes or step times: their analysis shows them
         blocks.extend(_variant_blocks(suite, rows, verdicts, img_dir, rel))
         blocks.extend(moe_report.section(suite, rows, img_dir, rel))      # [] unless runs have MoE layers
     if suite.analysis:
@@ -427,8 +438,9 @@ def build_report(path: str | Path, out_dir: str | Path | None = None) -> dict[st
                 if suite is None:
                     continue
                 recorded = (store.get_meta(f"sweep:{name}") or {}).get("data")
-                # a fine-tuning loss is on chat answers, not the base corpus the n-gram would read
-                line = baseline.ngram_line(rows, recorded, db.parent) if suite.runs != "finetune" else None
+                # a fine-tuning loss is on chat answers, a real model's on its own tokens: not what an n-gram reads
+                line = (baseline.ngram_line(rows, recorded, db.parent)
+                        if suite.runs not in ("finetune", "real_model") else None)
                 sec, verdicts = suite_section(suite, rows, img_dir, "img", line)
                 sections.extend(sec)
                 all_verdicts[name] = [v.to_dict() for v in verdicts]

@@ -88,6 +88,7 @@ def run_suite(
     executor: str | Executor = "serial",
     workers: int | None = None,
     address: str | None = None,
+    model: str | None = None,
 ) -> list[RunRecord]:
     """Run (or resume) `suite` into `sweep_dir`; returns the rows of this suite.
 
@@ -98,6 +99,8 @@ def run_suite(
     else Shakespeare).
     executor: "serial" (here, one after another), "local" (`workers` processes on this machine) or "ray"
     (Ray tasks; `address` of a cluster, else a local Ray instance), see archlab.lab.executors.
+    model: a real-model suite's model (a packaged model's name, a .gguf file or a run folder) instead of its own;
+    such a suite prepares no data: its runs read their text in the model's tokenizer (archlab.lab.real_model_run).
     """
     if threads:
         import torch
@@ -106,7 +109,8 @@ def run_suite(
     corpus = corpus or suite.scale(scale)["corpus"] or suite.corpus or "shakespeare"
     # every variant's config is checked (with a stand-in vocabulary) before any folder or data work
     checked = plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit,
-                   vocab_size=257, train_overrides=train_overrides, device=device)
+                   vocab_size=257, train_overrides=train_overrides, device=device, model=model)
+    real = checked[0].real if checked else None
     from archlab.training.placement import device_kind
 
     gpu = any(device_kind(run.train.device) == "cuda" for run in checked)   # one GPU per run where it trains on one
@@ -114,21 +118,27 @@ def run_suite(
     from archlab.runs.outputs import check_output
 
     own = data_dir is not None and Path(os.path.realpath(data_dir)).is_relative_to(os.path.realpath(sweep_dir))
-    check_output(sweep_dir, inputs=[None if own else data_dir, *input_paths(corpus, tokenizer)],
-                 in_place=True)               # the sweep's own data (a first run's sweep/data) is no input
+    inputs = [real.source] if real else [None if own else data_dir, *input_paths(corpus, tokenizer)]
+    check_output(sweep_dir, inputs=inputs, in_place=True)   # the sweep's own data (sweep/data) is no input
     with RunLock(sweep_dir, what="sweep folder"):    # one driver per sweep: a second writes no row, no data
         pool = executor if isinstance(executor, Executor) else make_executor(executor, workers, address, threads,
                                                                              gpu=gpu)
         try:
-            data = ensure_data(sweep_dir, data_dir, corpus, tokenizer, progress)
-            from archlab.data.tokens import load_meta
+            if real:                  # a pretrained model, converted once, reads its own text: no data
+                from archlab.lab.real_model_run import ensure_model
 
-            vocab = int(load_meta(data)["vocab_size"])
-            runs = plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit,
-                        vocab_size=vocab, train_overrides=train_overrides, device=device)
+                ensure_model(real)
+                data, runs = sweep_dir, checked
+            else:
+                data = ensure_data(sweep_dir, data_dir, corpus, tokenizer, progress)
+                from archlab.data.tokens import load_meta
+
+                vocab = int(load_meta(data)["vocab_size"])
+                runs = plan(suite, sweep_dir, scale=scale, seeds=seeds, budget=budget, budget_unit=budget_unit,
+                            vocab_size=vocab, train_overrides=train_overrides, device=device)
             with ResultStore(sweep_dir) as store:
                 store.set_meta(f"suite:{suite.name}", suite.to_dict())
-                store.set_meta(f"sweep:{suite.name}", {"scale": scale, "data": str(data),
+                store.set_meta(f"sweep:{suite.name}", {"scale": scale, "data": None if real else str(data),
                                                        "seeds": seeds or suite.seeds, "budget": budget,
                                                        "budget_unit": budget_unit})
                 _drive(store, suite, runs, pool, lambda run, record: RunJob(suite, run, data, record, train_fn,
@@ -218,7 +228,7 @@ def _due(store: ResultStore, suite: Suite, run: PlannedRun) -> bool:
 
 def _start(store: ResultStore, suite: Suite, run: PlannedRun) -> RunRecord:
     """The `running` row of a run about to start."""
-    trains = suite.runs != "ngram"                  # an n-gram run has no model to count
+    trains = suite.runs not in ("ngram", "real_model")   # no model to count, or one the run counts itself
     record = RunRecord(suite=suite.name, variant=run.variant.name, seed=run.seed, status="running",
                        config=_config(run), params=matching.param_count(run.model) if trains else None,
                        flops_per_token=matching.flops_per_token(run.model, run.train.seq_len) if trains else None,

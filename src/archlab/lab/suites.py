@@ -22,19 +22,23 @@ figures in CLAIMS.md). A suite can also come from YAML with the same fields::
     rules:
       - {kind: parity, metric: final_val_loss, a: {norm: rmsnorm}, b: {norm: layernorm}, tol: 0.02,
          statement: "RMSNorm's loss within 2% of LayerNorm's"}
-    analysis: scaling        # optional: a report section of its own (ANALYSES: scaling, emergence, ngram)
-    runs: train              # optional: what a run is (RUN_KINDS: train a model, evaluate an n-gram model, or
-                             # fine-tune a pretrained base on the post-training demo's task)
+    analysis: scaling        # optional: a report section of its own (ANALYSES: scaling, emergence, ngram, real_model)
+    runs: train              # optional: what a run is (RUN_KINDS: train a model, evaluate an n-gram model,
+                             # fine-tune a pretrained base on the post-training demo's task, or evaluate a
+                             # pretrained real model: real_model)
     finetune: {bases: per_seed, pretrain: {budget: 100}, test_words: 200}   # optional, runs: finetune only
     extend: {factor: 4, bases: per_seed, train: {lr: 1.0e-3}}   # optional, runs: extend only (archlab.lab.extend)
     corpus: addition-2       # optional: the corpus a sweep prepares unless --corpus / --data say otherwise
+    real_model: {measure: quantization, model: smollm2-135m-instruct, tokens: 512, seq_len: 256}
+                             # optional, runs: real_model only (archlab.lab.real_model_run.SETTINGS)
 
 A scale may also carry `axes` (replacing the suite's axes of the same name: a model ladder sized for
 GPUs) and `corpus`. Per-variant `train.budget` / `train.budget_unit` give each run its own budget (the
 scaling suite's token ladder).
 
 Keys starting with `train.` go to TrainConfig, keys starting with `ngram.` to an n-gram run (`order`, `add_k`),
-`extend.` to an extend run (`steps`), all others to ModelConfig.with_overrides. A `finetune` run
+`extend.` to an extend run (`steps`), `real.` to a real-model run's measurement
+(e.g. `real.scheme`, `real.window`), all others to ModelConfig.with_overrides. A `finetune` run
 (archlab.lab.finetune) pretrains its base from the ModelConfig (once per distinct base, shared by seeds unless
 `finetune.bases` is per_seed), then fine-tunes it with the TrainConfig on the demo's chat examples and scores
 held-out words (`exact_match`). An `extend` run
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -91,19 +96,21 @@ class Variant:
     labels: dict[str, str]         # axis name -> label
     ngram: dict[str, Any] = field(default_factory=dict)   # an n-gram run's settings (without the `ngram.` prefix)
     extend: dict[str, Any] = field(default_factory=dict)  # an extend run's settings (without `extend.`): steps
+    real: dict[str, Any] = field(default_factory=dict)    # a real-model run's settings (without the `real.` prefix)
 
 
 _FIELD_TYPES = {"name": str, "claim": str, "variants": list, "axes": list, "base": dict, "match": dict, "seeds": int,
                 "scales": dict, "measure": list, "rules": list, "published": str, "lr_axis": str, "notes": str,
                 "timing_seq_len": int, "analysis": str, "corpus": str, "runs": str, "finetune": dict,
-                "extend": dict}
+                "extend": dict, "real_model": dict}
 # report sections beyond the rules' table, by name (archlab.lab.report.ANALYSES holds their code)
-ANALYSES = ("scaling", "emergence", "ngram", "context")
+ANALYSES = ("scaling", "emergence", "ngram", "context", "real_model")
 # what one run of a suite is (archlab.lab.worker.RUN_KINDS holds their code): a trained model, an n-gram
 # model counted on the train split and scored on the validation split (no training, no model), or a pretrained base
 # fine-tuned on the post-training demo's task and scored on held-out words (archlab.lab.finetune), or a base's
-# context extended by RoPE scaling and a few steps at the longer length (archlab.lab.extend)
-RUN_KINDS = ("train", "ngram", "finetune", "extend")
+# context extended by RoPE scaling and a few steps at the longer length (archlab.lab.extend), or a pretrained
+# model converted once (GGUF -> run folder, cached in the sweep) and measured, none trained (archlab.lab.real_model_run)
+RUN_KINDS = ("train", "ngram", "finetune", "extend", "real_model")
 _KIND_NAMES = {str: "a string", list: "a list", dict: "a mapping", int: "an integer"}
 
 
@@ -131,6 +138,7 @@ class Suite:
                                                            # (archlab.lab.plan.FINETUNE_SETTINGS)
     extend: dict | None = None                             # runs: extend: {factor, bases, train, passkey_trials}
                                                            # (archlab.lab.plan.EXTEND_SETTINGS)
+    real_model: dict | None = None                         # runs: real_model: {measure, model, text, tokens, ...}
 
     def __post_init__(self):
         for name, kind in _FIELD_TYPES.items():
@@ -248,10 +256,15 @@ def _fmt(value: Any) -> str:
 
 
 def _variant(name: str, sets: dict, labels: dict) -> Variant:
-    model = {k: v for k, v in sets.items() if not k.startswith(("train.", "ngram.", "extend."))}
-    train, ngram, extend = ({k[len(p):]: v for k, v in sets.items() if k.startswith(p)}
-                            for p in ("train.", "ngram.", "extend."))
-    return Variant(name=name, model=model, train=train, labels=labels, ngram=ngram, extend=extend)
+    model = {k: v for k, v in sets.items() if not k.startswith(("train.", "ngram.", "extend.", "real."))}
+    train, ngram, extend, real = ({k[len(p):]: v for k, v in sets.items() if k.startswith(p)}
+                                  for p in ("train.", "ngram.", "extend.", "real."))
+    return Variant(name=name, model=model, train=train, labels=labels, ngram=ngram, extend=extend, real=real)
+
+
+def slug(name: str) -> str:
+    """A name as a folder name: runs/<variant>/, models/<file>-<hash>/."""
+    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", name).strip("_") or "variant"
 
 
 def build_model_config(model_overrides: dict) -> ModelConfig:
@@ -1082,6 +1095,110 @@ def _context_extension() -> Suite:
               "and 1 (Mohtashami & Jaggi's prompt, greedy). At L = 64 the passkey prompt only just fits 4L = 256 "
               "bytes (243 without filler), and a byte model of Shakespeare has never had to copy a number: the "
               "passkey rules can fail for that reason alone, which the verdicts then say.",
+    )
+
+
+# ---- the real-model suites (runs: real_model): a pretrained model converted from GGUF and measured, none trained
+_REAL_NOTES = ("No model is trained: SmolLM2-135M-Instruct (the `models` extra's GGUF, Q4_1 dequantized to float32) is "
+               "converted once into the sweep's models/ folder (--model takes another .gguf, a packaged model's name "
+               "or a run folder), and each variant measures one condition on Hamlet (the Shakespeare corpus, past "
+               "its header) in the model's own tokenizer. The measurements are deterministic: one seed, and the rules "
+               "(kind bound) compare the values with the claim's bar, no spread. ")
+
+
+@builtin_suite
+def _massive_activations() -> Suite:
+    return Suite(
+        name="massive_activations",
+        claim="Massive activations (Sun et al. 2024): in a pretrained LM a few activations of the first token reach "
+              ">= 1,000x the median in middle layers, in <= 2 dimensions, and the model depends on them: zeroing "
+              "them destroys perplexity, zeroing as many random activations does not",
+        axes=[{"name": "zeroed", "values": [{"label": z, "set": {"real.zeroed": z}}
+                                            for z in ("none", "massive", "random")]}],
+        seeds=1, runs="real_model", analysis="real_model",
+        real_model={"measure": "massive_activations", "tokens": 1024, "seq_len": 256},
+        rules=[
+            Rule(kind="bound", metric="peak_ratio", a={"zeroed": "none"}, at_least=1_000,
+                 statement="max/median |h| >= 1,000 in a middle layer (layers 2 .. L-3)"),
+            Rule(kind="bound", metric="massive_at_first_token", a={"zeroed": "none"}, at_least=1.0,
+                 statement="every massive activation (|h| > 100 and >= 1,000x the median) is at the first token"),
+            Rule(kind="bound", metric="massive_dims", a={"zeroed": "none"}, at_least=1, at_most=2,
+                 statement="they sit in 1 or 2 dimensions"),
+            Rule(kind="bound", metric="ppl", a={"zeroed": "massive"}, b={"zeroed": "none"}, at_least=10,
+                 statement="zeroing them (after every block from where they appear) multiplies perplexity by >= 10"),
+            Rule(kind="bound", metric="ppl", a={"zeroed": "random"}, b={"zeroed": "none"}, at_most=1.05,
+                 statement="zeroing as many random activations (token > 0; mean of 3 draws) keeps it within 5%"),
+        ],
+        published="Sun et al. 2024 (arXiv 2402.17762): a few fixed dimensions reach ~10^4-10^5x the median on the "
+                  "first token from the early-middle layers on; setting them to zero destroys perplexity, setting "
+                  "them to their mean does not",
+        notes=_REAL_NOTES + "The probe (archlab.eval.diagnostics) reads 256 tokens; perplexity is over 1,024 tokens "
+              "in windows of 256.",
+    )
+
+
+@builtin_suite
+def _quantization() -> Suite:
+    schemes = ("float", "w8a8_per_tensor", "w8a8_per_token", "int8_weight_only", "outlier_split")
+    within = [Rule(kind="bound", metric="ppl", a={"scheme": s}, b={"scheme": "float"}, at_least=0.98, at_most=1.02,
+                   statement=f"{label} stays within 2% of float's perplexity")
+              for s, label in (("w8a8_per_token", "per-token W8A8"), ("int8_weight_only", "int8 weight-only"),
+                               ("outlier_split", "the LLM.int8 outlier split (threshold 6)"))]
+    return Suite(
+        name="quantization",
+        claim="Outliers break per-tensor int8 but not per-token, weight-only or LLM.int8's mixed precision "
+              "(Dettmers et al. 2022)",
+        axes=[{"name": "scheme", "values": [{"label": s, "set": {"real.scheme": s}} for s in schemes]}],
+        seeds=1, runs="real_model", analysis="real_model",
+        real_model={"measure": "quantization", "tokens": 512, "seq_len": 256},
+        rules=[Rule(kind="bound", metric="ppl", a={"scheme": "w8a8_per_tensor"}, b={"scheme": "float"}, at_least=1.2,
+                    statement="per-tensor W8A8 raises perplexity by >= 20%"), *within],
+        published="Dettmers et al. 2022 (arXiv 2208.07339): systematic outlier features (magnitude >= 6) appear from "
+                  "~6.7B parameters; vector-wise quantization with the mixed-precision decomposition keeps full "
+                  "quality where per-tensor absmax int8 degrades",
+        notes=_REAL_NOTES + "Every linear of the blocks is quantized (the head and embeddings stay float): weights "
+              "int8 per output row, activations per tensor or per token (nn/quantize, the math the int8 run uses); "
+              "int8 weight-only is `archlab quantize`'s own path (nn/int8); the outlier split keeps input columns "
+              "with any |x| >= 6 in float. Perplexity over 512 tokens in windows of 256.",
+    )
+
+
+STREAMING_WINDOWS = (64, 256, 1024)     # cache sizes, the last the paper's
+STREAMING_ROWS, STREAMING_SCORED = 4, 256   # stretches of text decoded as one batch, targets scored past the window
+
+
+@builtin_suite
+def _streaming() -> Suite:
+    fair = str(STREAMING_WINDOWS[-1])
+    return Suite(
+        name="streaming",
+        claim="Attention sinks (Xiao et al. 2023): past the window, a cache that drops the first tokens has a "
+              "perplexity >= 3x that of one keeping 4 sink tokens (StreamingLLM), which stays within 10% of the "
+              "full cache's",
+        axes=[{"name": "cache", "values": [{"label": c, "set": {"real.cache": c}}
+                                           for c in ("full", "window", "sinks")]},
+              {"name": "window", "key": "real.window", "values": list(STREAMING_WINDOWS)}],
+        seeds=1, runs="real_model", analysis="real_model",
+        real_model={"measure": "streaming", "rows": STREAMING_ROWS, "scored": STREAMING_SCORED, "sinks": 4,
+                    "tokens": STREAMING_ROWS * (STREAMING_WINDOWS[-1] + 1 + STREAMING_SCORED)},
+        rules=[
+            Rule(kind="bound", metric="ppl", a={"cache": "window", "window": fair},
+                 b={"cache": "sinks", "window": fair},
+                 at_least=3.0, statement=f"at window {fair} (the paper's cache size), dropping the first tokens gives "
+                                         ">= 3x the perplexity of keeping 4 sinks"),
+            Rule(kind="bound", metric="ppl", a={"cache": "sinks", "window": fair}, b={"cache": "full", "window": fair},
+                 at_most=1.10, statement=f"at window {fair}, 4 sinks + {int(fair) - 4} recent tokens stay within 10% "
+                                         "of the full cache"),
+        ],
+        published="Xiao et al. 2023 (arXiv 2309.17453), Table 1: Llama-2-13B on PG19 with a 1,024-token cache, window "
+                  "attention (0+1024) perplexity 5,158 against 5.40 keeping 4 initial tokens (4+1020); a 160M model "
+                  "trained from scratch: 27.87 (0+1024) against 18.05 (4+1020), a milder 1.54x",
+        notes=_REAL_NOTES + f"For each window w, {STREAMING_ROWS} consecutive stretches of w + 1 + {STREAMING_SCORED} "
+              "tokens are decoded one token at a time as one batch (nn/kv_cache.SinkKVCache, positions inside the "
+              f"cache as in the paper) and the {STREAMING_SCORED} targets of each past its window are scored (every "
+              "one with more context than the cache holds); the full cache is one causal forward over the same "
+              "tokens (what decoding through a full cache computes). The rules judge the paper's cache size, "
+              f"{fair}; windows {', '.join(map(str, STREAMING_WINDOWS[:-1]))} show how the gap moves with it.",
     )
 
 

@@ -34,6 +34,9 @@ and prints what comes back. Kinds:
           minimum (it flattens)                                                   -> held, else did not hold
           (both: fewer than 3 labels with values -> inconclusive; meant for deterministic metrics such as
           n-gram estimates, so no spread over seeds enters)
+  bound   mean(metric | a), or mean(metric | a) / mean(metric | b) when `b` is given, within
+          [at_least, at_most] (either may be open)                                -> held, else did not hold
+          (a deterministic measurement, e.g. a real model's perplexity under two conditions: no spread enters)
 
 The spread is sqrt(std_a^2 + std_b^2), the standard deviation over seeds of one run of each side (so a
 gap smaller than the seed-to-seed noise of a single comparison is "inconclusive"). A side with fewer
@@ -55,13 +58,14 @@ from typing import Any, Iterable, Literal
 import numpy as np
 
 HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
-KINDS = ("less", "parity", "flat", "ratio", "power_law", "sharper", "falls", "rises_past_best", "above", "below")
+KINDS = ("less", "parity", "flat", "ratio", "power_law", "sharper", "falls", "rises_past_best", "above", "below",
+         "bound")
 
 
 @dataclass(frozen=True)
 class Rule:
     kind: Literal["less", "parity", "flat", "ratio", "power_law", "sharper", "falls", "rises_past_best", "above",
-                  "below"]
+                  "below", "bound"]
     statement: str
     metric: str = "final_val_loss"
     a: dict = field(default_factory=dict)
@@ -73,6 +77,8 @@ class Rule:
     versus: str | None = None        # sharper: the smooth metric `metric` is compared with
     tol_abs: float | None = None     # parity: the allowed gap in the metric's units, instead of tol x |mean(b)|
     margin: float = 0.0              # less: how far below b (metric units) a must be, beyond the spread
+    at_least: float | None = None    # bound: the lowest value (or a / b) that holds
+    at_most: float | None = None     # bound: the highest
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -95,6 +101,10 @@ class Rule:
             raise ValueError(f"rule {self.statement!r}: tol_abs is a parity rule's allowed gap (>= 0)")
         if self.margin and (self.kind != "less" or not self.margin > 0):
             raise ValueError(f"rule {self.statement!r}: margin is a less rule's required gap (> 0)")
+        if self.kind == "bound" and self.at_least is None and self.at_most is None:
+            raise ValueError(f"rule {self.statement!r}: kind bound needs at_least and/or at_most")
+        if self.kind != "bound" and (self.at_least is not None or self.at_most is not None):
+            raise ValueError(f"rule {self.statement!r}: at_least / at_most are a bound rule's limits")
         if self.metric == "lr_sensitivity" and not self.over:
             raise ValueError(f"rule {self.statement!r}: lr_sensitivity needs `over` (the LR axis)")
 
@@ -293,6 +303,9 @@ _TOLERANCE_TEXT = {
                         "by more"),
     "below": lambda r: (f"held if below {r.expected:g} by more than 1x the std over seeds; did not hold if above "
                         "by more"),
+    "bound": lambda r: "held if " + " and ".join(
+        f"{r.metric + ' ratio' if r.b is not None else r.metric} {op} {x:,.4g}"
+        for op, x in ((">=", r.at_least), ("<=", r.at_most)) if x is not None),
 }
 
 
@@ -474,7 +487,20 @@ def _judge_rises_past_best(rule: Rule, rows: list) -> Verdict:
     return Verdict(rule, HELD if rise > allowed and vrise <= vallowed else NOT_HELD, reason, sides, numbers)
 
 
-_CURVE_JUDGES = {"falls": _judge_falls, "rises_past_best": _judge_rises_past_best}
+def _judge_bound(rule: Rule, rows: list) -> Verdict:
+    sides = [Side(describe(sel), side_values(rows, sel, rule.metric)) for sel in (rule.a, rule.b) if sel is not None]
+    if any(s.n == 0 for s in sides):
+        missing = ", ".join(s.label for s in sides if s.n == 0)
+        return Verdict(rule, INCONCLUSIVE, f"no finished runs with a value of {rule.metric} for {missing}", sides)
+    value = sides[0].mean / sides[1].mean if len(sides) == 2 else sides[0].mean
+    ok = math.isfinite(value) and (rule.at_least is None or value >= rule.at_least) and (
+        rule.at_most is None or value <= rule.at_most)
+    what = f"{rule.metric} " + " / ".join(s.label for s in sides)
+    return Verdict(rule, HELD if ok else NOT_HELD, f"{what} = {value:,.4g}; {tolerance(rule)}", sides,
+                   {"value": value, "at_least": rule.at_least, "at_most": rule.at_most})
+
+
+_CURVE_JUDGES = {"falls": _judge_falls, "rises_past_best": _judge_rises_past_best, "bound": _judge_bound}
 
 
 def judge_all(rules: list[Rule], rows: list) -> list[Verdict]:

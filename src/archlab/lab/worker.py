@@ -16,6 +16,7 @@ from archlab.errors import one_line_warnings
 from archlab.lab.extend import extend_job
 from archlab.lab.finetune import finetune_job
 from archlab.lab.plan import INTERRUPTED, PlannedRun, RunJob
+from archlab.lab.real_model_run import real_model_job
 from archlab.lab.store import RunRecord
 from archlab.lab.suites import Suite
 from archlab.runs.lock import LockedError
@@ -79,7 +80,8 @@ def failed(record: RunRecord, exc: BaseException, t0: float) -> RunRecord:
 RUN_KINDS: dict[str, Callable[[RunJob], RunRecord]] = {"train": _train_job, "ngram": evaluate_ngram_run,
                                                        "finetune": lambda job: finetune_job(job, train_and_measure,
                                                                                             failed),
-                                                       "extend": lambda job: extend_job(job, train_and_measure, failed)}
+                                                       "extend": lambda job: extend_job(job, train_and_measure, failed),
+                                                       "real_model": lambda job: real_model_job(job, failed)}
 
 
 def train_and_measure(suite: Suite, run: PlannedRun, data: Path, record: RunRecord, train_fn: Callable | None,

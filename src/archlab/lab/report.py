@@ -453,7 +453,8 @@ def build_report(path: str | Path, out_dir: str | Path | None = None) -> dict[st
         "gap is within the tolerance, `flat` when the range of means is within the tolerance; "
         "otherwise inconclusive (or did not hold when the gap is beyond tolerance + spread). `falls` and "
         "`rises_past_best` compare a deterministic curve over a numeric axis (an n-gram order) with a relative "
-        "tolerance. "
+        "tolerance; `bound` compares a deterministic measurement, or the ratio of two (a real model's perplexity "
+        "under two conditions), with the claim's bar. "
         "Small models, short budgets: read 'inconclusive' as 'not resolved at this budget'.")))
     blocks.append(Block("table", header=["suite", "overall", "held", "did not hold", "inconclusive", "claim"],
                         rows=summary_rows))

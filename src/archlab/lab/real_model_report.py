@@ -29,14 +29,15 @@ def what_line(rows: list) -> str:
         return "a pretrained model evaluated, none trained; no run finished"
     first = done[0].extra
     seconds = sum(r.extra.get("seconds", 0.0) for r in done)
+    cores = f"{first['cores']} cores, " if first.get("cores") else ""
     return (f"a pretrained model evaluated, none trained: {first.get('model')} ({done[0].params:,} parameters, from "
-            f"{Path(str(first.get('source'))).name}), {first.get('text')}; measured on {first.get('device')} with "
-            f"{first.get('threads')} torch thread(s), {seconds:.0f} s measuring")
+            f"{Path(str(first.get('source'))).name}), {first.get('text')}; measured on {first.get('device')} "
+            f"({cores}{first.get('threads')} torch thread(s) per run), {seconds:.0f} s measuring in all")
 
 
 def _fmt(x) -> str:
     if isinstance(x, float):
-        return f"{x:,.4g}" if abs(x) < 1e6 else f"{x:.3g}"
+        return f"{x:.3g}" if abs(x) >= 1e6 else f"{x:,.0f}" if abs(x) >= 1_000 else f"{x:.4g}"
     return str(x)
 
 
@@ -93,7 +94,7 @@ def _ratios(name: str, extra: dict, out: Path) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("layer (block output)")
     ax.set_ylabel("max |h| / median |h| (log scale)")
-    ax.set_title(f"{name}: largest activation over the median, per layer ({extra.get('model')})", fontsize=9)
+    ax.set_title(f"{name}: largest |h| over the median, per layer", fontsize=9)
     ax.grid(alpha=0.3)
     return save(fig, out)
 

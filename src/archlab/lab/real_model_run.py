@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -193,7 +194,8 @@ def real_model_job(job: RunJob, failed: Callable[[RunRecord, BaseException, floa
     record.tokens_seen = int(ids.numel())
     record.extra.update({**metrics, "model": model.config.name, "source": str(spec.source),
                          "text": f"{TEXT}, {ids.numel() - 1} tokens", "device": device_name("cpu"),
-                         "threads": torch.get_num_threads(), "seconds": time.perf_counter() - start})
+                         "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+                         "seconds": time.perf_counter() - start})
     record.wall_s = time.perf_counter() - t0
     record.finished_at = time.time()
     return record

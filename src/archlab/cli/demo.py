@@ -11,7 +11,7 @@ EXAMPLE = """example:
   archlab demo --minutes 1 --out runs/demo-short
   archlab demo --arch encoder       # a BERT-style masked LM, ~4 minutes; run folder ./runs/demo-encoder
   archlab demo --arch encoder_decoder   # a T5-style model on span corruption; ./runs/demo-encoder_decoder
-  archlab demo --post-training      # pretraining, SFT and DPO of a tiny model; ./runs/demo-post-training
+  archlab demo --post-training      # pretraining, SFT, DPO and GRPO of a tiny model; ./runs/demo-post-training
   archlab demo --post-training --seed 1 --out runs/demo-post-training-1   # another init and data order
   archlab demo --real-model         # SmolLM2-135M-Instruct: convert, chat, diagnose, int8, GGUF; ./runs/demo-real-model
   archlab demo --quick              # seconds: a smoke test of every stage"""
@@ -37,8 +37,9 @@ def register(subparsers) -> None:
                    help="prompt of the final sample (default 'ROMEO:'); with --arch encoder the fill-mask line, "
                    "holding [MASK]")
     p.add_argument("--post-training", action="store_true",
-                   help="the three training stages instead: pretrain a tiny model on a generated task, instruction-"
-                   "tune it on chat examples (SFT) and preference-tune it (DPO); held-out exact match before/after")
+                   help="the post-training stages instead: pretrain a tiny model on a generated task, instruction-"
+                   "tune it on chat examples (SFT), preference-tune it (DPO) and, from the SFT model, RL with a "
+                   "verifiable reward (GRPO); held-out exact match and pass@1/pass@8 before/after")
     p.add_argument("--seed", type=int, default=None,
                    help="with --post-training: the model's init and the stages' data order (default 0); the "
                    "figures vary with it, as with the CPU")

@@ -5,6 +5,8 @@
     SFT           chat examples `reverse abcde` -> `edcba` written by two annotators, one in lowercase and one
                   in capitals (write_task_data: SFT_FILE)
     DPO           pairs preferring the lowercase answer to the capitals (write_task_data: dpo.jsonl)
+    GRPO          prompts `reverse abcde` with their answer `edcba`, the lowercase reversal, for an exact-match
+                  reward (write_grpo_prompts: grpo.jsonl)
 
 A word with crc32(word) % 10 == 0 never appears in any training line: the problems scored are drawn from those
 (reverse_problems), so a model that memorised its training lines gains nothing. The scorers are in
@@ -17,7 +19,8 @@ import random
 import zlib
 from pathlib import Path
 
-__all__ = ["CORPUS", "SFT_FILE", "DPO_FILE", "INSTRUCTION", "TEMPLATE", "WORD_LENGTH", "SIZES", "reverse_problems",
+__all__ = ["CORPUS", "SFT_FILE", "DPO_FILE", "INSTRUCTION", "TEMPLATE", "WORD_LENGTH", "SIZES", "GRPO_FILE",
+           "reverse_problems", "write_grpo_prompts",
            "user_turn", "plain_prompt", "base_documents", "write_task_data", "prepare_base_data",
            "prepare_task_folder"]
 
@@ -28,9 +31,12 @@ TEMPLATE = "chatml"
 CORPUS = "reverse-words"     # the name a lab sweep prepares this task's data under (archlab.lab.runner.ensure_data)
 SFT_FILE = "sft.jsonl"
 DPO_FILE = "dpo.jsonl"
-# How much of each: base documents, SFT examples, DPO pairs, held-out words; "quick" for tests (seconds).
-SIZES = {"full": {"base_documents": 40_000, "sft_examples": 24_000, "dpo_pairs": 4_000, "test_words": 200},
-         "quick": {"base_documents": 2_000, "sft_examples": 400, "dpo_pairs": 200, "test_words": 40}}
+GRPO_FILE = "grpo.jsonl"
+# How much of each: base documents, SFT examples, DPO pairs, GRPO prompts, held-out words; "quick" for tests.
+SIZES = {"full": {"base_documents": 40_000, "sft_examples": 24_000, "dpo_pairs": 4_000, "grpo_prompts": 2_000,
+                  "test_words": 200},
+         "quick": {"base_documents": 2_000, "sft_examples": 400, "dpo_pairs": 200, "grpo_prompts": 64,
+                   "test_words": 40}}
 
 
 def _held_out(word: str) -> bool:
@@ -79,6 +85,16 @@ def write_task_data(out: Path, *, sft_examples: int, dpo_pairs: int, seed: int =
     _write_jsonl(out / SFT_FILE, sft)
     _write_jsonl(out / DPO_FILE, pairs)
     return out / SFT_FILE, out / DPO_FILE
+
+
+def write_grpo_prompts(out: Path, n: int, seed: int = 0) -> Path:
+    """GRPO_FILE under `out`: `n` prompt lines {"prompt": [the user's turn], "answer": the lowercase reversal}
+    (archlab finetune --method grpo; its exact_match reward reads `answer`), training words only.
+    Example: write_grpo_prompts(Path("d"), 64) -> d/grpo.jsonl"""
+    words = _words(random.Random(seed + 2), held_out=False)
+    lines = ({"prompt": user_turn(w), "answer": w[::-1]} for w in (next(words) for _ in range(n)))
+    _write_jsonl(out / GRPO_FILE, lines)
+    return out / GRPO_FILE
 
 
 def plain_prompt(word: str) -> str:

@@ -116,8 +116,8 @@ def _plot_passes(ax, passes: dict[str, dict]) -> None:
         bars = ax.bar(xs, [p[k] for k in ks], width, label=name, color=f"C{i + 4}")
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
     ax.set_xticks([j + width * (len(passes) - 1) / 2 for j in range(len(ks))], ks)
-    ax.set(title="held-out pass@k (temperature 1)", ylim=(0, 1.15))
-    ax.legend(loc="lower right", fontsize=8)
+    ax.set(title="held-out pass@k (temperature 1)", ylim=(0, 1.3))
+    ax.legend(loc="upper center", ncol=max(1, len(passes)), fontsize=8)
 
 
 # ---- the demo --------------------------------------------------------------------------------------------------

@@ -56,9 +56,10 @@ def _until(row: list[int], end: list[int]) -> list[int]:
 
 
 def sample_reversal(folder: Path, words: list[str], *, samples: int = 8, temperature: float = 1.0,
-                    seed: int = 0) -> dict[str, float]:
+                    seed: int = 0, ks: tuple[int, ...] | None = None) -> dict[str, float]:
     """`samples` sampled answers per word (at `temperature`, a seeded generator) of the chat model in `folder`,
-    scored right when exactly the lowercase reversal (GRPO's exact-match reward): {"pass@1", f"pass@{samples}"}.
+    scored right when exactly the lowercase reversal (GRPO's exact-match reward): {"pass@1", f"pass@{samples}"},
+    or f"pass@{k}" for each k in `ks` (every k <= samples; the pass@k curve of the lab's rlvr suite).
     Example: sample_reversal(Path("runs/p/grpo"), reverse_problems(200)) -> {"pass@1": 0.97, "pass@8": 1.0}"""
     import torch
 
@@ -79,7 +80,7 @@ def sample_reversal(folder: Path, words: list[str], *, samples: int = 8, tempera
     rows = [_until(row, end) for row in out[:, ids.shape[1]:].tolist()]
     right = [tokenizer.decode(row).strip() == words[j // samples][::-1] for j, row in enumerate(rows)]
     correct = [right[i * samples:(i + 1) * samples] for i in range(len(words))]
-    return {"pass@1": pass_at_k(correct, 1), f"pass@{samples}": pass_at_k(correct, samples)}
+    return {f"pass@{k}": pass_at_k(correct, k) for k in (ks or (1, samples))}
 
 
 def score_plain(folder: Path, words: list[str]) -> float:

@@ -109,8 +109,12 @@ def _check_ngram(suite: Suite, variant: Variant) -> None:
 
 
 # a finetune suite's `finetune:` keys: bases shared by the seeds or one per seed, the base's pretraining settings
-# over the post-training demo's (TrainConfig keys), the number of held-out words scored
-FINETUNE_SETTINGS = {"bases": ("shared", "per_seed"), "pretrain": dict, "test_words": int}
+# over the post-training demo's (TrainConfig keys), the number of held-out words scored, and `rlvr`: GRPO after the
+# fine-tuning with pass@k measured before and after (archlab.lab.finetune.RLVR_SETTINGS)
+FINETUNE_SETTINGS = {"bases": ("shared", "per_seed"), "pretrain": dict, "test_words": int, "rlvr": dict}
+# finetune.rlvr: GRPO steps from the fine-tuned model, sampled answers per held-out word (the largest k of pass@k),
+# GRPO prompt lines written for the run; defaults: the post-training demo's GRPO stage (archlab.training.recipes)
+RLVR_SETTINGS = {"steps": 60, "samples": 16, "prompts": 2_000}
 
 
 def _check_finetune(suite: Suite) -> None:
@@ -130,6 +134,14 @@ def _check_finetune(suite: Suite) -> None:
     words = settings.get("test_words", 1)
     if isinstance(words, bool) or not isinstance(words, int) or words < 1:
         raise ConfigError(f"{where}: finetune.test_words={words!r} must be a whole number >= 1")
+    rlvr = settings.get("rlvr", {})
+    if not isinstance(rlvr, dict):
+        raise ConfigError(f"{where}: finetune.rlvr must be a mapping (steps, samples, prompts)")
+    for key, value in rlvr.items():
+        if key not in RLVR_SETTINGS:
+            raise ConfigError(f"{where}: unknown finetune.rlvr key {key!r}; known: {', '.join(RLVR_SETTINGS)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: finetune.rlvr.{key}={value!r} must be a whole number >= 1")
 
 
 def _base_spec(suite: Suite, model: ModelConfig, sft: TrainConfig, seed: int, sweep_dir: Path) -> BaseSpec:

@@ -23,6 +23,7 @@ from archlab.lab import (
     moe_report,
     ngram_report,
     real_model_report,
+    rlvr_report,
     scaling_report,
 )
 from archlab.lab import suites as suites_mod
@@ -37,7 +38,8 @@ ANALYSES: dict[str, Callable[..., list[Block]]] = {"scaling": scaling_report.sec
                                                    "emergence": emergence_report.section,
                                                    "ngram": ngram_report.section,
                                                    "context": context_report.section,
-                                                   "real_model": real_model_report.section}
+                                                   "real_model": real_model_report.section,
+                                                   "rlvr": rlvr_report.section}
 MEASURED_METRICS = ("val_loss_2x", "max_attn_logit", "first_token_mass", "massive_ratio", "kv_cache_bytes",
                     "busiest_routed_share")
 

@@ -104,7 +104,7 @@ _FIELD_TYPES = {"name": str, "claim": str, "variants": list, "axes": list, "base
                 "timing_seq_len": int, "analysis": str, "corpus": str, "runs": str, "finetune": dict,
                 "extend": dict, "real_model": dict}
 # report sections beyond the rules' table, by name (archlab.lab.report.ANALYSES holds their code)
-ANALYSES = ("scaling", "emergence", "ngram", "context", "real_model")
+ANALYSES = ("scaling", "emergence", "ngram", "context", "real_model", "rlvr")
 # what one run of a suite is (archlab.lab.worker.RUN_KINDS holds their code): a trained model, an n-gram
 # model counted on the train split and scored on the validation split (no training, no model), or a pretrained base
 # fine-tuned on the post-training demo's task and scored on held-out words (archlab.lab.finetune), or a base's
@@ -785,6 +785,40 @@ def _lora_rank() -> Suite:
               "the embedding and the (untied) output head stay frozen. Tolerances: 5 points of "
               "exact match is 10 of 200 words, about two binomial standard errors at 80%; 0.05 nats per answer "
               "token is the full model's probability of the answer within ~5% per token.",
+    )
+
+
+# a light SFT (80 of the demo's 200 steps) so that the fine-tuned model still misses some answers
+_RLVR_BUDGET = {"small": {"budget": 80, "unit": "steps"}, "large": {"budget": 200, "unit": "steps"}}
+
+
+@builtin_suite
+def _rlvr() -> Suite:
+    return Suite(
+        name="rlvr",
+        claim="RL with a verifiable reward sharpens, it does not widen: GRPO with an exact-match reward raises pass@1 "
+              "much more than pass@16 (at large k the model before RL solves about as many problems)",
+        variants=[{"label": "grpo", "set": {}}],
+        base=_post_training_base(), runs="finetune", corpus="reverse-words", seeds=3, scales=_RLVR_BUDGET,
+        finetune={"rlvr": {"steps": 40, "samples": 16}}, analysis="rlvr",
+        rules=[
+            Rule(kind="above", metric="pass1_gain", a={}, expected=0.0,
+                 statement="GRPO raises pass@1 (after minus before) by more than the std over seeds"),
+            Rule(kind="below", metric="passk_share", a={}, expected=0.5,
+                 statement="pass@16's gain is less than half of pass@1's (Yue et al.: pass@1 rises much more than "
+                           "pass@k at large k), by more than the std over seeds"),
+        ],
+        published="Yue et al. 2025 (2504.13837) Figs. 1-2: RLVR-trained models (GRPO, PPO on Qwen2.5 7B-32B, math "
+                  "and code) beat their base at pass@1, while the base matches or beats them at pass@k for k in the "
+                  "tens to 256: RL narrows the answers it samples toward ones the base already finds",
+        notes="One base (the post-training demo's 0.6M-parameter decoder pretrained on plain 'reverse abcde' / "
+              "'edcba' documents, 200 steps) shared by every run; each run fine-tunes it for 80 SFT steps (the "
+              "demo's 200 at scale large; answers in lowercase or capitals by a coin), samples 16 answers per "
+              "held-out word at temperature 1 (pass@k before), runs the demo's GRPO stage from it (40 steps, the "
+              "demo's 60, of 8 prompts x 8 answers, lr 3e-4, beta 0, reward 1 when an answer is exactly the "
+              "lowercase reversal) and samples again with the same seed (pass@k after). The 'before' is the 0-step "
+              "model of the same seed. The reward model part of the claim list (held-out accuracy before PPO) is "
+              "not measured here.",
     )
 
 

@@ -27,14 +27,21 @@ def test_registered_methods_open_runs():
 
 
 def test_select_reads_the_config_and_the_data(tmp_path):
+    from archlab.errors import UserError
+
     folder = tmp_path / "data"
     folder.mkdir()
+    (folder / "meta.json").write_text('{"format": "archlab-tokens", "splits": {}}')
     prefs = tmp_path / "prefs.jsonl"
-    prefs.write_text("{}\n")
+    prefs.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
     assert select(TrainConfig(), folder) == "pretrain"
-    assert select(TrainConfig(method="dpo"), folder) == "dpo"
-    assert select(TrainConfig().with_overrides({"train.objective": "dpo"}), folder) == "dpo"   # the earlier key
-    assert select(TrainConfig(), prefs) == "dpo"       # a file trains DPO, which says what it needs
+    assert select(TrainConfig(method="dpo"), prefs) == "dpo"
+    assert select(TrainConfig().with_overrides({"train.objective": "dpo"}), prefs) == "dpo"   # the earlier key
+    with pytest.raises(UserError, match=r"prefs.jsonl is a file of preference pairs; train.method=pretrain reads "
+                                        r"a token stream, seq2seq \(source/target\) pairs or chat examples"):
+        select(TrainConfig(), prefs)
+    with pytest.raises(UserError, match=r"data is a folder of a token stream; train.method=dpo reads preference"):
+        select(TrainConfig(method="dpo"), folder)
 
 
 def test_unknown_method_is_a_config_error():

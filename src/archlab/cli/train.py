@@ -150,9 +150,14 @@ def run_train(args) -> int:
 
     init_from = None
     if not args.init_from and Path(args.data).is_file():
+        from archlab.data.formats import FORMATS, detect
         from archlab.errors import UserError
-        raise UserError(f"--data {args.data} is a file: preference data (.jsonl) trains a model given by --init-from "
-                        "BASE with --set train.method=dpo")
+        from archlab.training.methods import METHODS
+
+        held = detect(args.data).format
+        readers = [name for name in METHODS.names() if held in METHODS.get(name).data_formats]
+        raise UserError(f"--data {args.data} is a file of {FORMATS.get(held).summary}: a .jsonl trains a model given "
+                        f"by --init-from BASE (archlab finetune BASE --method {'|'.join(readers)})")
     if args.init_from:
         from archlab.training.init_from import read_init_source
         init_from = read_init_source(args.init_from)

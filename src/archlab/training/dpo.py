@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from archlab.data.batches import SamplerState
+from archlab.data.formats import require
 from archlab.data.objectives import IGNORE
 from archlab.data.preference import (
     NoTemplateForMessages,
@@ -53,7 +54,7 @@ from archlab.data.preference import (
     load_preference_data,
     pad_pairs,
 )
-from archlab.data.preference_folder import is_preference_folder, open_preference_folder
+from archlab.data.preference_folder import open_preference_folder
 from archlab.data.prepare import split_by_line
 from archlab.errors import UserError
 from archlab.eval.evaluate import autocast
@@ -202,13 +203,7 @@ def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: A
     """The DPO batches of `data_path`: a prepared preference folder (archlab finetune --method dpo: its own tokenizer),
     or a .jsonl encoded with the --init-from source's tokenizer; a UserError for data or settings DPO cannot train,
     before anything is written."""
-    folder = is_preference_folder(data_path)
-    if cfg.method != "dpo":
-        raise UserError(f"--data {data_path} is a file: preference .jsonl trains with --set train.method=dpo "
-                        "(token data is a folder from archlab data prepare)")
-    if not folder and not (data_path.is_file() and data_path.suffix == ".jsonl"):
-        raise UserError(f"train.method=dpo reads a .jsonl file of prompt / chosen / rejected lines; "
-                        f"--data {data_path} is not one")
+    folder = require(data_path, ("preference_pairs",), who=f"train.method={cfg.method}").folder
     if model_cfg.arch != "decoder":
         raise UserError(f"train.method=dpo trains decoder models, not arch={model_cfg.arch}")
     if init_from is None:

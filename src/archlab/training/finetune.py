@@ -35,7 +35,10 @@ from archlab.training.methods.staging import grow_vocab, stage_tokenizer
 __all__ = ["finetune", "stage_tokenizer", "grow_vocab"]
 
 
-def _checked_file(path: str | os.PathLike, flag: str, what: str) -> Path:
+def _checked_file(path: str | os.PathLike, flag: str, what: str, method: Any) -> Path:
+    """`path` as a .jsonl file of a format `method` reads (data/formats.py), else a UserError saying what it is."""
+    from archlab.data.formats import require
+
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{flag} {path} is a folder: {what}")
@@ -43,6 +46,7 @@ def _checked_file(path: str | os.PathLike, flag: str, what: str) -> Path:
         raise UserError(f"{flag} {path}: no such file ({what})")
     if path.suffix.lower() != ".jsonl":
         raise UserError(f"{flag} {path}: {what}")
+    require(path, method.data_formats, who=f"--method {method.name}", flag=flag)
     return path
 
 
@@ -82,8 +86,8 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
     _refuse_not_empty(out, resume)
     from archlab.runs.model_folder import refuse_quantized
     refuse_quantized(base, "finetune")           # int8 weights cannot train: before anything is written
-    data_path = _checked_file(data, "--data", chosen.data_help)
-    val_path = _checked_file(val, "--val", chosen.data_help) if val is not None else None
+    data_path = _checked_file(data, "--data", chosen.data_help, chosen)
+    val_path = _checked_file(val, "--val", chosen.data_help, chosen) if val is not None else None
     train_cfg, val_fraction = chosen.fit_settings(dataclasses.replace(train_cfg, method=method), val_path,
                                                   val_fraction)
     _check_settings(train_cfg, val_fraction)

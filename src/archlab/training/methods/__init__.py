@@ -4,7 +4,7 @@ stages every `archlab finetune` method shares (staging.py). The trainer asks `se
 and drives the MethodRun that method opens; it names none of them.
 
     from archlab.training.methods import METHODS, select
-    select(TrainConfig(method="dpo"), Path("prefs.jsonl"))      # -> "dpo"
+    select(TrainConfig(method="dpo"), Path("prefs.jsonl"))      # -> "dpo" (a UserError for chat lines)
 """
 from __future__ import annotations
 
@@ -22,10 +22,6 @@ from archlab.training.methods.base import METHODS, Batches, FinetuneRequest, Met
 __all__ = ["METHODS", "Method", "MethodRun", "Batches", "FinetuneRequest", "select", "open_run", "finetune_methods"]
 
 
-PREFERENCE_METHODS = ("dpo", "reward")      # the methods that read preference pairs
-OWN_DATA_METHODS = (*PREFERENCE_METHODS, "grpo", "ppo")   # the methods that say themselves what data they read
-
-
 def finetune_methods() -> list[str]:
     """The methods `archlab finetune --method` runs (those with a `prepare`), the default (sft) first."""
     return sorted((name for name in METHODS.names() if METHODS.get(name).prepare is not None),
@@ -33,10 +29,11 @@ def finetune_methods() -> list[str]:
 
 
 def select(cfg: Any, data_dir: Path) -> str:
-    """The method a run trains with: train.method; a data file (a preference .jsonl) for a method that reads
-    prepared folders goes to DPO, which refuses it unless train.method=dpo, saying so."""
-    if data_dir.is_file() and cfg.method not in OWN_DATA_METHODS:
-        return "dpo"
+    """The method a run trains with: train.method, once its data is one of the formats it reads (data/formats.py;
+    a UserError naming the format found and those the method reads otherwise)."""
+    from archlab.data.formats import require
+
+    require(data_dir, METHODS.get(cfg.method).data_formats, who=f"train.method={cfg.method}")
     return cfg.method
 
 

@@ -100,14 +100,16 @@ class Method:
     MethodRun from (model_cfg, train_cfg, data_dir, init_from, info, progress=...) or raises UserError /
     ConfigError before anything is written. Methods `archlab finetune` runs have `prepare` (FinetuneRequest ->
     (model config, the prepared data folder OUT/data, the base as an InitSource), every check before a write),
-    `data_help` (what their --data lines hold) and `fit_settings` ((train_cfg, --val, --val-fraction) ->
-    (train_cfg, the held-out share): where the method keeps its held-out share)."""
+    `data_help` (what their --data lines hold), `data_formats` (the data/formats.py formats the method reads, a
+    .jsonl file or a prepared folder; every other is refused naming both) and `fit_settings` ((train_cfg, --val,
+    --val-fraction) -> (train_cfg, the held-out share): where the method keeps its held-out share)."""
 
     name: str
     summary: str
     open: Any
     prepare: Any = None
     data_help: str = ""
+    data_formats: tuple[str, ...] = ("token_stream",)
     fit_settings: Any = _sft_settings
 
 

@@ -79,4 +79,5 @@ def preference_settings(train_cfg: Any, val: Path | None, val_fraction: float | 
 
 METHODS.register("dpo")(Method("dpo", "direct preference optimization (DPO, IPO, SimPO) against the starting model",
                                open_dpo, prepare=prepare_preferences, fit_settings=preference_settings,
-                               data_help="preference data is a .jsonl file of prompt / chosen / rejected lines"))
+                               data_help="preference data is a .jsonl file of prompt / chosen / rejected lines",
+                               data_formats=("preference_pairs",)))

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from archlab.data.corpora import jsonl_records
-from archlab.data.preference_folder import is_line_folder
+from archlab.data.formats import require
 from archlab.data.prepare import split_by_line
 from archlab.data.prompts import PromptData, load_prompts
 from archlab.errors import UserError
@@ -311,9 +311,9 @@ def open_grpo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: An
     if info.world_size > 1:
         raise UserError("train.method=grpo trains on one process: data-parallel GRPO is not supported yet "
                         "(run it without torchrun)")
-    if not is_line_folder(data_dir, PROMPTS_FORMAT):
+    if not require(data_dir, ("prompts",), who="train.method=grpo").folder:
         raise UserError(f"train.method=grpo reads a prompts folder from archlab finetune BASE --method grpo --data "
-                        f"prompts.jsonl: {data_dir} is not one")
+                        f"prompts.jsonl: {data_dir} is the file itself")
     data = read_prompts(data_dir / PROMPTS_FILE, data_dir / "tokenizer")
     _check_data(data, model_cfg, cfg)
     funcs = reward_fns.resolve(cfg.grpo.rewards, columns=_columns(data), format_regex=cfg.grpo.format_regex,
@@ -325,4 +325,5 @@ def open_grpo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: An
 
 METHODS.register("grpo")(Method("grpo", "group relative policy optimization on prompts with rewards (TRL's GRPO)",
                                 open_grpo, prepare=prepare_grpo, fit_settings=preference_settings,
-                                data_help="prompt data is a .jsonl file of {\"prompt\", ...} lines"))
+                                data_help="prompt data is a .jsonl file of {\"prompt\", ...} lines",
+                                data_formats=("prompts",)))

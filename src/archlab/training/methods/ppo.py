@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from archlab.data.preference_folder import is_line_folder
+from archlab.data.formats import require
 from archlab.data.prompts import Prompt, PromptData, load_prompts
 from archlab.errors import UserError
 from archlab.models.decoder import LossOutput
@@ -283,13 +283,13 @@ def open_ppo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any
     if init_from is None:
         raise UserError("train.method=ppo needs a starting policy, which is also its reference: archlab finetune BASE "
                         "--method ppo (or --init-from RUN)")
-    if is_line_folder(data_dir, PROMPTS):
+    if require(data_dir, ("prompts",), who="train.method=ppo").folder:
         data = _read(data_dir / f"{PROMPTS}.jsonl", data_dir / "tokenizer", cfg)
-    elif data_dir.is_file() and data_dir.suffix == ".jsonl" and init_from.tokenizer_dir is not None:
+    elif init_from.tokenizer_dir is not None:
         data = _read(data_dir, Path(init_from.tokenizer_dir), cfg)
     else:
-        raise UserError(f"train.method=ppo reads prompt lines ({{\"prompt\": ...}}): --data {data_dir} is neither a "
-                        ".jsonl file nor a folder from archlab finetune --method ppo")
+        raise UserError(f"train.method=ppo on the file {data_dir} encodes it with --init-from's tokenizer, and the "
+                        "starting model holds none: archlab finetune BASE --method ppo")
     if model_cfg.vocab_size < data.vocab_size:
         raise UserError(f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {data.vocab_size} "
                         f"({data.tokenizer_dir})")
@@ -318,4 +318,5 @@ def prepare_ppo(req: FinetuneRequest) -> tuple[Any, Path, Any]:
 
 METHODS.register("ppo")(Method("ppo", "proximal policy optimization: a value head, the clipped losses, a KL penalty to "
                                "the start, against a reward run or function", open_ppo, prepare=prepare_ppo,
-                               data_help="prompt data is a .jsonl file of {\"prompt\": text or messages, ...} lines"))
+                               data_help="prompt data is a .jsonl file of {\"prompt\": text or messages, ...} lines",
+                               data_formats=("prompts",)))

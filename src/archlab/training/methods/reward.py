@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from archlab.data.corpora import jsonl_records
+from archlab.data.formats import require
 from archlab.data.preference import PreferenceBatches, PreferenceData, load_preference_data, pad_pairs
-from archlab.data.preference_folder import is_preference_folder, open_preference_folder
+from archlab.data.preference_folder import open_preference_folder
 from archlab.data.prepare import split_by_line
 from archlab.errors import UserError
 from archlab.eval.evaluate import autocast
@@ -167,10 +168,7 @@ def open_reward(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: 
     if info.world_size > 1:       # the score head reads hidden states outside the wrapped forward; lm_head idles
         raise UserError("train.method=reward trains on one process: data-parallel reward models are not supported "
                         "(run it without torchrun)")
-    folder = is_preference_folder(data_dir)
-    if not folder and not (data_dir.is_file() and data_dir.suffix == ".jsonl"):
-        raise UserError(f"train.method=reward reads preference lines (prompt / chosen / rejected): --data {data_dir} "
-                        "is neither a .jsonl file nor a folder from archlab finetune --method reward")
+    folder = require(data_dir, ("preference_pairs",), who="train.method=reward").folder
     if model_cfg.arch != "decoder":
         raise UserError(f"train.method=reward puts its score head on decoder models, not arch={model_cfg.arch}")
     check_pair_settings(model_cfg, cfg, info)
@@ -196,4 +194,5 @@ def open_reward(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: 
 
 METHODS.register("reward")(Method("reward", "a reward model: a scalar head, the Bradley-Terry loss on preference pairs",
                                   open_reward, prepare=prepare_preferences, fit_settings=preference_settings,
-                                  data_help="preference data is a .jsonl file of prompt / chosen / rejected lines"))
+                                  data_help="preference data is a .jsonl file of prompt / chosen / rejected lines",
+                                  data_formats=("preference_pairs",)))

@@ -102,4 +102,5 @@ def prepare_sft(req: FinetuneRequest) -> tuple[Any, Path, InitSource]:
 
 METHODS.register("sft")(Method("sft", "supervised fine-tuning on chat examples: the loss on the assistant's tokens",
                                open_tokens, prepare=prepare_sft,
-                               data_help="chat data is a .jsonl file of messages or prompt/completion lines"))
+                               data_help="chat data is a .jsonl file of messages or prompt/completion lines",
+                               data_formats=("chat_examples", "seq2seq_pairs")))

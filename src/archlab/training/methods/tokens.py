@@ -101,4 +101,5 @@ def open_tokens(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: 
     return TokenRun(model_cfg, cfg, data_dir, info, init_from)
 
 
-METHODS.register("pretrain")(Method("pretrain", "next-token (or the objective's) loss on a token stream", open_tokens))
+METHODS.register("pretrain")(Method("pretrain", "next-token (or the objective's) loss on a token stream", open_tokens,
+                                    data_formats=("token_stream", "seq2seq_pairs", "chat_examples")))

@@ -1,0 +1,151 @@
+"""The data formats a `--data` path can hold, in one registry: how each is recognised (a prepared folder by its
+meta.json "format", a .jsonl file by the fields of its lines) and what it prepares into. Which formats a training
+method reads is the method's own `data_formats` (training/methods); everything that decides what a path is asks
+`detect` here instead of testing is_file / suffix / isinstance itself.
+
+    found = detect(Path("prefs.jsonl"))        # Found(format="preference_pairs", folder=False)
+    FORMATS.get(found.format).summary          # "preference pairs"
+    require(Path("prefs.jsonl"), ("chat_examples",), who="--method sft")   # UserError: names both
+
+The five formats: token_stream (archlab data prepare), seq2seq_pairs (source -> target for encoder-decoders,
+`archlab data prepare --pairs`), chat_examples (messages, or prompt and completion), preference_pairs (chosen and
+rejected, a prompt optional), prompts (a prompt and other columns, no completion).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from archlab.errors import UserError
+from archlab.nn.registry import Registry
+
+__all__ = ["DataFormat", "FORMATS", "Found", "detect", "line_format", "require", "describe"]
+
+
+@dataclass(frozen=True)
+class DataFormat:
+    """One data format: its name, what it is in a few words (errors name it so), the meta.json "format" of its
+    prepared folder (None: it has none), the fields a .jsonl line of it has (() : no line form; each tuple is one
+    accepted shape), and what it prepares into."""
+
+    name: str
+    summary: str
+    folder_format: str | None
+    line_shapes: tuple[tuple[str, ...], ...] = ()
+    prepares_into: str = ""
+
+
+FORMATS: Registry[DataFormat] = Registry("data format")
+
+# Checked in registration order: the first format whose shape a line has is the line's (a preference line may hold a
+# prompt, so it comes before prompts; a chat line's prompt comes with a completion).
+for _format in (
+    DataFormat("token_stream", "a token stream", "archlab-tokens", (),
+               "memmap token files (archlab data prepare --corpus)"),
+    DataFormat("preference_pairs", "preference pairs", "preference", (("chosen", "rejected"),),
+               "a preference folder (archlab finetune --method dpo|reward)"),
+    DataFormat("chat_examples", "chat examples", "archlab-sft", (("messages",), ("prompt", "completion")),
+               "an SFT folder, or a seq2seq folder for encoder-decoders (archlab finetune --method sft)"),
+    DataFormat("prompts", "prompts", "prompts", (("prompt",),),
+               "a prompts folder (archlab finetune --method grpo|ppo)"),
+    DataFormat("seq2seq_pairs", "seq2seq (source/target) pairs", "archlab-pairs", (("source", "target"),),
+               "memmap source/target files (archlab data prepare --pairs)"),
+):
+    FORMATS.register(_format.name)(_format)
+
+
+@dataclass(frozen=True)
+class Found:
+    """What `detect` found: the format's name and whether the path is a prepared folder (else a .jsonl file)."""
+
+    format: str
+    folder: bool
+
+
+def describe(names: tuple[str, ...] | list[str]) -> str:
+    """The formats `names` in words, for errors.
+    Example: describe(("chat_examples", "prompts")) -> "chat examples or prompts"."""
+    words = [FORMATS.get(name).summary for name in names]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def line_format(record: Any) -> str | None:
+    """The format of one parsed .jsonl line (None: no format's shape)."""
+    if not isinstance(record, dict):
+        return None
+    for name in FORMATS.names():
+        if any(all(key in record for key in shape) for shape in FORMATS.get(name).line_shapes):
+            return name
+    return None
+
+
+def _folder_format(path: Path) -> str:
+    from archlab.data.tokens import load_meta
+
+    found = load_meta(path, expect=None).get("format", "archlab-tokens")   # DataError (a UserError) when no folder
+    for name in FORMATS.names():
+        if FORMATS.get(name).folder_format == found:
+            return name
+    raise UserError(f"{path} has format {found!r}, which this archlab cannot read")
+
+
+def _file_format(path: Path) -> str:
+    """The one format of every line of `path`; a UserError naming the file and line for a line of none or of
+    another format than the first."""
+    first: tuple[int, str] | None = None
+    try:
+        with path.open("rb") as fh:
+            for number, raw in enumerate(fh, 1):
+                if not raw.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    record = json.loads(raw)
+                except ValueError as exc:
+                    raise UserError(f"{where}: not JSON ({exc})") from None
+                name = line_format(record)
+                if name is None:
+                    fields = (", ".join(map(repr, record)) if isinstance(record, dict)
+                              else f"a JSON {type(record).__name__}")
+                    shapes = "; ".join(f"{fmt.summary}: " + " or ".join("+".join(s) for s in fmt.line_shapes)
+                                       for fmt in map(FORMATS.get, FORMATS.names()) if fmt.line_shapes)
+                    raise UserError(f"{where} is no data format archlab reads (it has {fields or 'no fields'}; "
+                                    f"{shapes})")
+                if first is None:
+                    first = (number, name)
+                elif name != first[1]:
+                    raise UserError(f"{where} holds {FORMATS.get(name).summary}, line {first[0]} "
+                                    f"{FORMATS.get(first[1]).summary}: one format per file")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    if first is None:
+        raise UserError(f"{path} holds no lines")
+    return first[1]
+
+
+def detect(path: str | os.PathLike, *, flag: str = "--data") -> Found:
+    """The format of `path`: a prepared folder by its meta.json, a .jsonl file by its lines (all of one format).
+    A UserError for anything else, naming what was found. Example: detect("runs/sft/data").format -> "chat_examples"."""
+    path = Path(path)
+    if path.is_dir():
+        return Found(_folder_format(path), folder=True)
+    if not path.exists():
+        raise UserError(f"{flag} {path}: no such file or folder")
+    if path.suffix != ".jsonl":
+        raise UserError(f"{flag} {path} is a file but not a .jsonl (line data) file; token data is a folder from "
+                        "archlab data prepare")
+    return Found(_file_format(path), folder=False)
+
+
+def require(path: str | os.PathLike, accepts: tuple[str, ...], *, who: str, flag: str = "--data") -> Found:
+    """`detect(path)`, refused unless its format is one of `accepts` (who: the method, as the user named it).
+    Example: require(data, ("preference_pairs",), who="train.method=dpo")"""
+    found = detect(path, flag=flag)
+    if found.format not in accepts:
+        shape = "a folder of" if found.folder else "a file of"
+        raise UserError(f"{flag} {path} is {shape} {FORMATS.get(found.format).summary}; {who} reads "
+                        f"{describe(accepts)}")
+    return found

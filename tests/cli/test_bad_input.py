@@ -283,10 +283,10 @@ CASES = [
     ("dpo unknown role", DPO, "bad.jsonl:1: prompt[0] has unknown role 'boss'",
      write("bad.jsonl", json.dumps({"prompt": [{"role": "boss", "content": "hi"}], "chosen": [
          {"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]}) + "\n")),
-    ("dpo on a token folder", DPO[:4] + ["{data}"] + DPO[5:], "reads a .jsonl file"),
+    ("dpo on a token folder", DPO[:4] + ["{data}"] + DPO[5:], "token stream; train.method=dpo reads preference pairs"),
     ("dpo without init-from", ["train", "--preset", "tiny:llama2-7b"] + DPO[3:], "--init-from BASE",
      write("bad.jsonl", PREF)),
-    ("jsonl without method dpo", DPO[:-2], "--set train.method=dpo", write("bad.jsonl", PREF)),
+    ("jsonl without method dpo", DPO[:-2], "preference pairs; train.method=pretrain reads", write("bad.jsonl", PREF)),
     ("dpo beta zero", DPO + ["--set", "train.dpo.beta=0"], "train.dpo.beta=0", write("bad.jsonl", PREF)),
     ("dpo unknown loss", DPO + ["--set", "train.dpo.loss=nope"], "dpo.loss", write("bad.jsonl", PREF)),
     ("train unknown key", TP + ["--set", "n_layerz=2"], "n_layerz"),

@@ -46,11 +46,13 @@ def test_mixed_unknown_and_broken_files_are_refused_naming_file_and_line(tmp_pat
     with pytest.raises(UserError, match=r"mixed\.jsonl:2 holds preference pairs, line 1 chat examples: one format"):
         detect(mixed)
     odd = _jsonl(tmp_path / "odd.jsonl", [LINES["prompts"][0], {"text": "hi"}])
-    with pytest.raises(UserError, match=r"odd\.jsonl:2 is no data format archlab reads \(it has 'text'; .*chat "
-                                        r"examples: messages or prompt\+completion"):
+    with pytest.raises(UserError, match=r"odd\.jsonl:2 has 'text', not the fields of preference pairs, chat "
+                                        r"examples, prompts or .*chat examples: messages or prompt\+completion"):
         detect(odd)
+    with pytest.raises(UserError, match=r"odd\.jsonl:2 has 'text', not the fields of prompts \(prompts: prompt\)$"):
+        require(odd, ("prompts",), who="--method grpo")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n\n[1, 2\n')
-    with pytest.raises(UserError, match=r"bad\.jsonl:3: not JSON"):
+    with pytest.raises(UserError, match=r"bad\.jsonl:3: not valid JSON"):
         detect(tmp_path / "bad.jsonl")
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(UserError, match=r"empty\.jsonl holds no lines"):
@@ -65,7 +67,8 @@ def test_mixed_unknown_and_broken_files_are_refused_naming_file_and_line(tmp_pat
 def test_a_line_of_no_format_and_precedence():
     assert line_format({"prompt": "a", "chosen": "b", "rejected": "c"}) == "preference_pairs"   # not prompts
     assert line_format({"prompt": "a", "completion": "b"}) == "chat_examples"                    # not prompts
-    assert line_format({"completion": "b"}) is None and line_format([1]) is None
+    assert line_format({"prompt": "a", "chosen": "b"}) == "preference_pairs"   # its reader names the missing field
+    assert line_format({"text": "b"}) is None and line_format([1]) is None
 
 
 def test_require_names_the_format_found_and_those_accepted(tmp_path):

@@ -76,7 +76,7 @@ def test_finetune_method_dpo_prepares_a_folder_and_trains_as_train_does(world, t
 @pytest.mark.parametrize("args, message", [
     (["--method", "nope"], "--method nope: choose one of sft, dpo"),
     (["--method", "dpo", "--val", "{prefs}"], "--method dpo holds out --val-fraction"),
-    (["--method", "dpo", "--data", "{chat}"], "chat.jsonl:1 has no 'chosen'"),
+    (["--method", "dpo", "--data", "{chat}"], "chat.jsonl is a file of chat examples; --method dpo reads"),
     (["--method", "dpo", "--set", "train.dpo.beta=0"], "train.dpo.beta=0"),
 ])
 def test_bad_method_input_is_one_line_and_writes_nothing(world, tmp_path, capsys, args, message):

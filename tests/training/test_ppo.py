@@ -134,7 +134,7 @@ def test_a_reward_run_scores_the_completions(world, tmp_path):
     (["--set", "train.ppo.gamma=1.5"], "train.ppo.gamma=1.5 must be in [0, 1]"),
     (["--set", "train.ppo.lam=-0.1"], "train.ppo.lam=-0.1 must be in [0, 1]"),
     ([], "--method ppo needs a reward"),
-    (["--data", "{bad}", "--reward", "{broken}"], "bad.jsonl:2 has no 'prompt'"),
+    (["--data", "{bad}", "--reward", "{broken}"], "bad.jsonl:2 has 'question', not the fields of prompts"),
     (["--reward", "nowhere"], "reward 'nowhere'"),
     (["--reward", "{broken}"], "returned 1 values for 2 completions"),
     (["--reward", "{broken}", "--reward", "{broken}"], "--method ppo takes one --reward"),

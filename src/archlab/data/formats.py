@@ -28,30 +28,39 @@ __all__ = ["DataFormat", "FORMATS", "Found", "detect", "line_format", "require",
 @dataclass(frozen=True)
 class DataFormat:
     """One data format: its name, what it is in a few words (errors name it so), the meta.json "format" of its
-    prepared folder (None: it has none), the fields a .jsonl line of it has (() : no line form; each tuple is one
-    accepted shape), and what it prepares into."""
+    prepared folder (None: it has none), the fields a .jsonl line of it has (each tuple one accepted shape; ():
+    no line form), the fields that mark a line as this format's (any one: the first format in FORMATS with a marker
+    the line holds; so a line missing a field reaches the method's reader, which names it), and what it prepares
+    into."""
 
     name: str
     summary: str
     folder_format: str | None
     line_shapes: tuple[tuple[str, ...], ...] = ()
+    markers: tuple[str, ...] = ()
     prepares_into: str = ""
+
+    def shapes(self) -> str:
+        """The line shapes in words: "messages or prompt+completion"."""
+        return " or ".join("+".join(shape) for shape in self.line_shapes)
 
 
 FORMATS: Registry[DataFormat] = Registry("data format")
 
-# Checked in registration order: the first format whose shape a line has is the line's (a preference line may hold a
-# prompt, so it comes before prompts; a chat line's prompt comes with a completion).
+# Checked in registration order: the first format with a field of the line is the line's (preference and chat lines
+# may hold a prompt, so they come before prompts; a prompts line may hold any other column, so seq2seq comes last).
 for _format in (
-    DataFormat("token_stream", "a token stream", "archlab-tokens", (),
+    DataFormat("token_stream", "a token stream", "archlab-tokens", (), (),
                "memmap token files (archlab data prepare --corpus)"),
-    DataFormat("preference_pairs", "preference pairs", "preference", (("chosen", "rejected"),),
+    DataFormat("preference_pairs", "preference pairs", "preference", (("chosen", "rejected"),), ("chosen", "rejected"),
                "a preference folder (archlab finetune --method dpo|reward)"),
     DataFormat("chat_examples", "chat examples", "archlab-sft", (("messages",), ("prompt", "completion")),
+               ("messages", "completion"),
                "an SFT folder, or a seq2seq folder for encoder-decoders (archlab finetune --method sft)"),
-    DataFormat("prompts", "prompts", "prompts", (("prompt",),),
+    DataFormat("prompts", "prompts", "prompts", (("prompt",),), ("prompt",),
                "a prompts folder (archlab finetune --method grpo|ppo)"),
     DataFormat("seq2seq_pairs", "seq2seq (source/target) pairs", "archlab-pairs", (("source", "target"),),
+               ("source", "target"),
                "memmap source/target files (archlab data prepare --pairs)"),
 ):
     FORMATS.register(_format.name)(_format)
@@ -77,7 +86,7 @@ def line_format(record: Any) -> str | None:
     if not isinstance(record, dict):
         return None
     for name in FORMATS.names():
-        if any(all(key in record for key in shape) for shape in FORMATS.get(name).line_shapes):
+        if any(key in record for key in FORMATS.get(name).markers):
             return name
     return None
 
@@ -92,7 +101,7 @@ def _folder_format(path: Path) -> str:
     raise UserError(f"{path} has format {found!r}, which this archlab cannot read")
 
 
-def _file_format(path: Path) -> str:
+def _file_format(path: Path, accepts: tuple[str, ...] | None) -> str:
     """The one format of every line of `path`; a UserError naming the file and line for a line of none or of
     another format than the first."""
     first: tuple[int, str] | None = None
@@ -105,15 +114,15 @@ def _file_format(path: Path) -> str:
                 try:
                     record = json.loads(raw)
                 except ValueError as exc:
-                    raise UserError(f"{where}: not JSON ({exc})") from None
+                    raise UserError(f"{where}: not valid JSON ({exc})") from None
                 name = line_format(record)
                 if name is None:
                     fields = (", ".join(map(repr, record)) if isinstance(record, dict)
                               else f"a JSON {type(record).__name__}")
-                    shapes = "; ".join(f"{fmt.summary}: " + " or ".join("+".join(s) for s in fmt.line_shapes)
-                                       for fmt in map(FORMATS.get, FORMATS.names()) if fmt.line_shapes)
-                    raise UserError(f"{where} is no data format archlab reads (it has {fields or 'no fields'}; "
-                                    f"{shapes})")
+                    known = [n for n in (accepts or FORMATS.names()) if FORMATS.get(n).line_shapes]
+                    shapes = "; ".join(f"{FORMATS.get(n).summary}: {FORMATS.get(n).shapes()}" for n in known)
+                    raise UserError(f"{where} has {fields or 'no fields'}, not the fields of {describe(known)} "
+                                    f"({shapes})")
                 if first is None:
                     first = (number, name)
                 elif name != first[1]:
@@ -126,9 +135,10 @@ def _file_format(path: Path) -> str:
     return first[1]
 
 
-def detect(path: str | os.PathLike, *, flag: str = "--data") -> Found:
+def detect(path: str | os.PathLike, *, flag: str = "--data", accepts: tuple[str, ...] | None = None) -> Found:
     """The format of `path`: a prepared folder by its meta.json, a .jsonl file by its lines (all of one format).
-    A UserError for anything else, naming what was found. Example: detect("runs/sft/data").format -> "chat_examples"."""
+    A UserError for anything else, naming what was found (and for a line of no format, the fields of `accepts`).
+    Example: detect("runs/sft/data").format -> "chat_examples"."""
     path = Path(path)
     if path.is_dir():
         return Found(_folder_format(path), folder=True)
@@ -137,13 +147,13 @@ def detect(path: str | os.PathLike, *, flag: str = "--data") -> Found:
     if path.suffix != ".jsonl":
         raise UserError(f"{flag} {path} is a file but not a .jsonl (line data) file; token data is a folder from "
                         "archlab data prepare")
-    return Found(_file_format(path), folder=False)
+    return Found(_file_format(path, accepts), folder=False)
 
 
 def require(path: str | os.PathLike, accepts: tuple[str, ...], *, who: str, flag: str = "--data") -> Found:
     """`detect(path)`, refused unless its format is one of `accepts` (who: the method, as the user named it).
     Example: require(data, ("preference_pairs",), who="train.method=dpo")"""
-    found = detect(path, flag=flag)
+    found = detect(path, flag=flag, accepts=accepts)
     if found.format not in accepts:
         shape = "a folder of" if found.folder else "a file of"
         raise UserError(f"{flag} {path} is {shape} {FORMATS.get(found.format).summary}; {who} reads "

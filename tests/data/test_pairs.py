@@ -310,10 +310,13 @@ def test_cli_prepares_pairs_and_reports_bad_input_as_status_2(tmp_path, capsys):
     from archlab.cli import main
 
     write_jsonl(tmp_path / "p.jsonl", make_pairs(10), source="de", target="en")
-    args = ["data", "prepare", "--pairs", "--corpus", str(tmp_path / "p.jsonl"), "--tokenizer", "bytes",
+    args = ["data", "prepare", "--seq2seq", "--corpus", str(tmp_path / "p.jsonl"), "--tokenizer", "bytes",
             "--workers", "0", "--quiet", "--source-field", "de", "--target-field", "en"]
     assert main([*args, "--out", str(tmp_path / "d")]) == 0
     assert "pairs" in capsys.readouterr().out and len(PairDataset(tmp_path / "d")) > 0
+    old = [("--pairs" if a == "--seq2seq" else a) for a in args]       # the flag's earlier name still works
+    assert main([*old, "--out", str(tmp_path / "d2")]) == 0 and len(PairDataset(tmp_path / "d2")) > 0
+    assert "--pairs is deprecated: it is --seq2seq now" in capsys.readouterr().err
     (tmp_path / "bad.jsonl").write_text('{"de": "a", "en": "b"}\n{"de": "a"}\n')
     args[args.index(str(tmp_path / "p.jsonl"))] = str(tmp_path / "bad.jsonl")
     assert main([*args, "--out", str(tmp_path / "e")]) == 2

@@ -3,22 +3,23 @@ what a chat .jsonl becomes (counts, and examples with the tokens the loss scores
 from __future__ import annotations
 
 import argparse
+import sys
 
 PREPARE_EXAMPLE = """\
 examples:
   archlab data prepare --corpus shakespeare --tokenizer bytes --out data/shakespeare-bytes
   archlab data prepare --corpus pystdlib --tokenizer runs/tok32k --out data/pystdlib --workers 4
   archlab data prepare --corpus docs.jsonl --text-field body --tokenizer runs/tok --out data/docs
-  archlab data prepare --pairs --corpus wmt.jsonl --source-field de --target-field en --tokenizer runs/tok \
+  archlab data prepare --seq2seq --corpus wmt.jsonl --source-field de --target-field en --tokenizer runs/tok \
       --out data/wmt-de-en
 
 corpora: shakespeare, shakespeare-folio, pystdlib, pystdlib-full, hf:NAME[:CONFIG] (needs `datasets`),
 or a file / folder of .txt .md .py ... (one document per file), .jsonl (one per line), .parquet (per row).
 writes OUT/train.bin, OUT/val.bin (raw uint16/uint32 ids, end-of-text after each document),
 OUT/meta.json and OUT/tokenizer/.
---pairs (encoder-decoder data): one .jsonl file of {"source": ..., "target": ...} lines; writes per split
-OUT/{train,val}.source.bin, .target.bin (ids, end-of-text after each side) and .offsets.bin (int64, where each
-pair starts), OUT/meta.json and OUT/tokenizer/.
+--seq2seq (encoder-decoder data; --pairs is its earlier name): one .jsonl file of {"source": ..., "target": ...}
+lines; writes per split OUT/{train,val}.source.bin, .target.bin (ids, end-of-text after each side) and
+.offsets.bin (int64, where each pair starts), OUT/meta.json and OUT/tokenizer/.
 """
 
 INSPECT_CHAT_EXAMPLE = """\
@@ -62,10 +63,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="tokenizing processes (default: CPUs, at most 8; 0 = in this process)")
     prepare.add_argument("--eot-token", default="<|endoftext|>", help="end-of-text token after each document")
     prepare.add_argument("--text-field", default="text", help=".jsonl field / .parquet column with the text")
-    prepare.add_argument("--pairs", action="store_true",
-                         help="source/target pairs for encoder-decoders from one .jsonl file (archlab.data.pairs)")
-    prepare.add_argument("--source-field", default="source", help="with --pairs: the .jsonl field of the source")
-    prepare.add_argument("--target-field", default="target", help="with --pairs: the .jsonl field of the target")
+    prepare.add_argument("--seq2seq", action="store_true",
+                         help="seq2seq source/target pairs for encoder-decoders from one .jsonl file "
+                         "(archlab.data.pairs; --pairs is the earlier name of this flag)")
+    prepare.add_argument("--pairs", dest="pairs_flag", action="store_true", help=argparse.SUPPRESS)   # deprecated
+    prepare.add_argument("--source-field", default="source", help="with --seq2seq: the .jsonl field of the source")
+    prepare.add_argument("--target-field", default="target", help="with --seq2seq: the .jsonl field of the target")
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     prepare.add_argument("--sentences", action="store_true",
                          help="also write OUT/{train,val}.sentences.bin, where each sentence starts (int64 token "
@@ -100,7 +103,10 @@ def run_prepare(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 0:
         raise DataError(f"--workers {args.workers} must be >= 0")
-    if args.pairs:
+    if args.pairs_flag:
+        print("note: --pairs is deprecated: it is --seq2seq now (source/target pairs; preference pairs are "
+              "archlab finetune --method dpo's)", file=sys.stderr)
+    if args.seq2seq or args.pairs_flag:
         return run_prepare_pairs(args)
     meta = prepare(
         args.corpus, args.tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed,
@@ -120,7 +126,7 @@ def run_prepare_pairs(args: argparse.Namespace) -> int:
     from archlab.data import pairs
 
     if getattr(args, "sentences", False):
-        raise pairs.DataError("--sentences marks sentences of a token stream; it does not apply to --pairs")
+        raise pairs.DataError("--sentences marks sentences of a token stream; it does not apply to --seq2seq")
     meta = pairs.prepare_pairs(
         args.corpus, args.tokenizer, args.out, source_field=args.source_field, target_field=args.target_field,
         val_fraction=args.val_fraction, seed=args.seed, eot_token=args.eot_token, num_workers=args.workers,

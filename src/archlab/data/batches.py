@@ -175,7 +175,7 @@ def open_splits(data_dir: str | Path) -> tuple[Dataset, Dataset]:
 def _check_pairs_objective(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
     if model_cfg.arch != "encoder_decoder":
         raise UserError(f"paired source/target data trains encoder-decoders, not arch={model_cfg.arch}: "
-                        "prepare a token stream for it (archlab data prepare without --pairs)")
+                        "prepare a token stream for it (archlab data prepare without --seq2seq)")
     if train_cfg.objective != "auto" or train_cfg.stream.document_masks:
         setting = ("train.document_masks" if train_cfg.stream.document_masks
                    else f"train.objective={train_cfg.objective}")

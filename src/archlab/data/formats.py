@@ -8,7 +8,7 @@ method reads is the method's own `data_formats` (training/methods); everything t
     require(Path("prefs.jsonl"), ("chat_examples",), who="--method sft")   # UserError: names both
 
 The five formats: token_stream (archlab data prepare), seq2seq_pairs (source -> target for encoder-decoders,
-`archlab data prepare --pairs`), chat_examples (messages, or prompt and completion), preference_pairs (chosen and
+`archlab data prepare --seq2seq`), chat_examples (messages, or prompt and completion), preference_pairs (chosen and
 rejected, a prompt optional), prompts (a prompt and other columns, no completion).
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ for _format in (
                "a prompts folder (archlab finetune --method grpo|ppo)"),
     DataFormat("seq2seq_pairs", "seq2seq (source/target) pairs", "archlab-pairs", (("source", "target"),),
                ("source", "target"),
-               "memmap source/target files (archlab data prepare --pairs)"),
+               "memmap source/target files (archlab data prepare --seq2seq)"),
 ):
     FORMATS.register(_format.name)(_format)
 

@@ -9,7 +9,7 @@ import pytest
 
 import archlab
 from archlab.data.chat import ChatDataError, load_chat_data, read_conversations
-from archlab.data.chat_pairs import read_chat_pairs
+from archlab.data.chat_seq2seq import read_chat_seq2seq
 from archlab.data.preference import extract_prompt, load_preference_data
 from archlab.tokenizer import Tokenizer
 from archlab.tokenizer.chat_builtin import install_chat_template
@@ -105,7 +105,7 @@ def test_the_truncation_error_names_the_setting(tmp_path, tok):
                                             r"train\.truncation \(refuse, keep_start"):
         load_chat_data(path, tok, max_tokens=32, progress=False, setting="train.truncation")
     with pytest.raises(ChatDataError, match=r"long\.jsonl:1: the source: .*choose a policy with train\.truncation"):
-        list(read_chat_pairs(path, tok, max_len=32, setting="train.truncation"))
+        list(read_chat_seq2seq(path, tok, max_len=32, setting="train.truncation"))
 
 
 def test_finetune_names_train_truncation(tmp_path, tok, capsys):

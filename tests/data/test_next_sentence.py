@@ -1,4 +1,4 @@
-"""BERT's next-sentence pretraining (sentence_pairs.SentencePairs rows, masked by objectives.MaskedLM): IsNext
+"""BERT's next-sentence pretraining (next_sentence.NextSentencePairs rows, masked by objectives.MaskedLM): IsNext
 about half the time, A and B contiguous sentences of one document for IsNext and B from another document for
 NotNext, [CLS] A [SEP] B [SEP] with token types and right padding, lengths within seq_len, truncation as BERT's
 truncate_seq_pair, masking that never touches the specials, the same batch for the same (seed, step, micro,
@@ -14,9 +14,9 @@ import torch
 
 from archlab.config import ModelConfig
 from archlab.data.batches import Task
+from archlab.data.next_sentence import NextSentencePairs, next_sentence_for, truncated_lengths
 from archlab.data.objectives import IGNORE, MaskedLM
 from archlab.data.prepare import prepare
-from archlab.data.sentence_pairs import SentencePairs, next_sentence_for, truncated_lengths
 from archlab.data.tokens import TokenDataset
 from archlab.errors import UserError
 from archlab.models.encoder import EncoderLM
@@ -44,15 +44,15 @@ def synthetic(n_docs=30, seed=0):
 @dataclass
 class Pretraining:
     """What train.objective=next_sentence trains on: the pair sampler's rows, masked by the MLM objective."""
-    pairs: SentencePairs
+    pairs: NextSentencePairs
     masked_lm: MaskedLM
 
     def batch(self, step, micro=0, rank=0):
         return self.masked_lm.turn(self.pairs.rows(step, micro, rank), step, micro, rank)
 
 
-def pairs_of(tokens, starts, seq_len, batch_size, **kw) -> SentencePairs:
-    return SentencePairs(np.asarray(tokens), np.asarray(starts), cls_id=CLS, sep_id=SEP, pad_id=PAD, eot_id=EOT,
+def pairs_of(tokens, starts, seq_len, batch_size, **kw) -> NextSentencePairs:
+    return NextSentencePairs(np.asarray(tokens), np.asarray(starts), cls_id=CLS, sep_id=SEP, pad_id=PAD, eot_id=EOT,
                          seq_len=seq_len, batch_size=batch_size, **kw)
 
 

@@ -7,7 +7,7 @@ unscored slots, passed as `targets=`. Two kinds of data make them:
     token stream (archlab.data.tokens)    BatchSampler windows, turned by the objective (objectives.py): next-token
                                    targets as sampled, BERT's masks, T5's spans, BART's infilling, a continuation;
                                    BERT's next-sentence pairs come from their own sampler over the split's
-                                   sentence index (sentence_pairs.py), masked as any window
+                                   sentence index (next_sentence.py), masked as any window
     pairs (archlab.data.pairs)          source -> target rows, padded; the objective is the pairing itself
     SFT examples (archlab.data.sft)     chat examples packed into rows with document_ids (or padded one per row),
                                    labels on the slots the loss mask scores
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 from archlab.data import objectives
+from archlab.data.next_sentence import NextSentencePairs, next_sentence_for
 from archlab.data.noising import span_corruption_for, text_infilling_for
 from archlab.data.objectives import Batch, Objective
 from archlab.data.pairs import PairDataset, PairSampler, is_pairs, pair_eval_batches
-from archlab.data.sentence_pairs import SentencePairs, next_sentence_for
 from archlab.data.sft import SFTDataset, SFTSampler, is_sft, sft_eval_batches
 from archlab.data.tokens import BatchSampler, Rows, StepSampler, TokenDataset, eval_batches
 from archlab.errors import UserError
@@ -55,7 +55,7 @@ class Task:
     sampler of its own rows where it draws them (next-sentence pairs); None: the split's token windows."""
 
     objective: Objective
-    rows: SentencePairs | None = None
+    rows: NextSentencePairs | None = None
 
 
 class Shard(NamedTuple):
@@ -102,7 +102,7 @@ def _mlm(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: TokenDataset, 
 
 @register_objective("next_sentence", trains=("encoder",))
 def _next_sentence(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: TokenDataset, shard: Shard) -> Task:
-    """[CLS] A [SEP] B [SEP] rows from the split's sentence index (SentencePairs), masked as MLM."""
+    """[CLS] A [SEP] B [SEP] rows from the split's sentence index (NextSentencePairs), masked as MLM."""
     if not model_cfg.nsp_head:
         raise UserError("train.objective=next_sentence needs the next-sentence head: --set nsp_head=true")
     pairs, masked_lm = next_sentence_for(dataset, dataset.load_tokenizer(), model_cfg.vocab_size,
@@ -232,7 +232,7 @@ class TrainBatches(SamplerState):
         self.model_cfg, self.train_cfg, self.rank, self.local_batch = model_cfg, train_cfg, rank, local_batch
         self.world_size = world_size
         self.objective: Objective | None = None                 # None: pairs, SFT examples
-        self.rows: BatchSampler | SentencePairs | None = None   # what draws the rows the objective turns
+        self.rows: BatchSampler | NextSentencePairs | None = None   # what draws the rows the objective turns
         if train_cfg.stream.unique_tokens is not None and not isinstance(dataset, TokenDataset):
             raise UserError("train.stream.unique_tokens cuts a token stream's training split: not paired or chat data")
         if isinstance(dataset, SFTDataset):

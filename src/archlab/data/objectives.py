@@ -7,7 +7,7 @@
                  and stays itself 10%; the loss is scored on the chosen tokens only. Whole-word masking
                  (BERT's later release) chooses words instead and masks all of a chosen word's pieces.
     next_sentence  encoders: BERT's pretraining, the masked LM over `[CLS] A [SEP] B [SEP]` rows that a sampler
-                 draws from a data folder's sentence index (archlab.data.sentence_pairs)
+                 draws from a data folder's sentence index (archlab.data.next_sentence)
     span_corruption   encoder-decoders: T5's (archlab.data.noising.SpanCorruption)
     text_infilling    encoder-decoders: BART's (archlab.data.noising.TextInfilling)
     continuation      any kind: the window's first `train.prefix_fraction` is context, the rest is scored (004's

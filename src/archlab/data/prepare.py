@@ -296,7 +296,7 @@ def prepare(
     tokenizer: "bytes", a tokenizer folder, or an object with encode / vocab_size / token_to_id / save.
     num_workers: processes that tokenize (None: the usable CPUs, at most 8; 0 or 1: this process).
     sentences: also write each split's sentence starts ({split}.sentences.bin; module docstring), for
-    next-sentence prediction (archlab.data.sentence_pairs.next_sentence_for).
+    next-sentence prediction (archlab.data.next_sentence.next_sentence_for).
     The folder is built beside out_dir under a temporary name and renamed into place at the end, so
     a crash never leaves a folder that looks complete. An existing out_dir is an error unless overwrite.
     """

@@ -7,7 +7,7 @@ stages in order; every check passes before anything is written:
        (--chat-template); a built-in one's new special tokens grow the embedding and head by as many rows,
        each set to the mean embedding row
     3. the examples: decoders read archlab.data.chat (loss mask train.sft.loss_mask, truncation train.sft.truncation),
-       encoder-decoders archlab.data.chat_pairs (source -> target); the validation split is a seeded hash of
+       encoder-decoders archlab.data.chat_seq2seq (source -> target); the validation split is a seeded hash of
        each line (train.seed, val_fraction) or a --val file
     4. OUT/data: an SFT folder (archlab.data.sft) or a pairs folder, with the staged tokenizer
     5. the trainer on OUT/data from the base's weights: full fine-tuning, or LoRA with train.lora; exact

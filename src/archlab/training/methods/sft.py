@@ -1,7 +1,7 @@
 """`sft`: supervised fine-tuning on chat examples, the default method of `archlab finetune`. Its `prepare`:
 
     3. the examples: decoders read archlab.data.chat (loss mask train.sft.loss_mask, truncation train.sft.truncation),
-       encoder-decoders archlab.data.chat_pairs (source -> target); the validation split is a seeded hash of
+       encoder-decoders archlab.data.chat_seq2seq (source -> target); the validation split is a seeded hash of
        each line (train.seed, --val-fraction) or a --val file
     4. OUT/data: an SFT folder (archlab.data.sft) or a pairs folder, with the staged tokenizer (methods/staging.py)
 
@@ -31,8 +31,8 @@ __all__ = ["prepare_sft"]
 
 def _read_examples(arch: str, path: Path, tokenizer_dir: Path, cfg: TrainConfig, progress: bool) -> list:
     if arch == "encoder_decoder":
-        from archlab.data.chat_pairs import read_chat_pairs
-        return list(read_chat_pairs(path, tokenizer_dir, max_len=cfg.seq_len, truncation=cfg.sft.truncation,
+        from archlab.data.chat_seq2seq import read_chat_seq2seq
+        return list(read_chat_seq2seq(path, tokenizer_dir, max_len=cfg.seq_len, truncation=cfg.sft.truncation,
                                     setting="train.sft.truncation"))
     if arch != "decoder":
         raise UserError(f"archlab finetune trains decoders and encoder-decoders, not arch={arch}")
@@ -59,7 +59,7 @@ def _write_data(folder: Path, arch: str, splits: dict, tokenizer_dir: Path, desc
     if tmp.exists():
         shutil.rmtree(tmp)
     if arch == "encoder_decoder":
-        from archlab.data.chat_pairs import write_pairs_folder as write
+        from archlab.data.chat_seq2seq import write_seq2seq_folder as write
     else:
         from archlab.data.sft import write_sft_folder as write
     write(tmp, splits, tokenizer_dir, vocab_size_of(tokenizer), eot_id, **described)

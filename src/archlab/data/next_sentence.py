@@ -18,7 +18,7 @@ from archlab.data.objectives import MaskedLM, masked_lm_for
 from archlab.data.tokens import DataError, Rows, StepSampler, _mix_seed
 from archlab.errors import UserError
 
-__all__ = ["SentencePairs", "next_sentence_for", "truncated_lengths", "NSP_TOKENS", "IS_NEXT", "NOT_NEXT"]
+__all__ = ["NextSentencePairs", "next_sentence_for", "truncated_lengths", "NSP_TOKENS", "IS_NEXT", "NOT_NEXT"]
 
 NSP_TOKENS = ("[CLS]", "[SEP]")
 IS_NEXT, NOT_NEXT = 0, 1      # next_sentence_labels, as transformers' BertForPreTraining reads them
@@ -34,7 +34,7 @@ def truncated_lengths(len_a: int, len_b: int, max_tokens: int) -> tuple[int, int
     return len_a - rest // 2, len_b - (rest + 1) // 2
 
 
-class SentencePairs(StepSampler):
+class NextSentencePairs(StepSampler):
     """BERT's pretraining pairs: `[CLS] A [SEP] B [SEP]`, token types 0 up to the first [SEP] and 1 after,
     right-padded to seq_len. A: sentences of one document from a random start, up to a target length (seq_len - 3,
     or 10% of the time a shorter one drawn from 2..seq_len-3, BERT's short_seq_prob), cut at a random sentence
@@ -44,7 +44,7 @@ class SentencePairs(StepSampler):
     a successor in their document for IsNext), NotNext's document uniform over the others.
     `rows(step, micro, rank)` is a pure function of (seed, step, micro, rank); `next_rows(step, micro)` draws this
     rank's rows of the trainer's micro-step and moves the counter a checkpoint keeps.
-    Example: rows = SentencePairs(ds.tokens, ds.sentence_starts, cls_id=2, sep_id=3, pad_id=0, eot_id=1,
+    Example: rows = NextSentencePairs(ds.tokens, ds.sentence_starts, cls_id=2, sep_id=3, pad_id=0, eot_id=1,
     seq_len=128, batch_size=8).rows(step=0)"""
 
     STATE_KEYS = ("seed", "seq_len", "global_batch_size")    # a token window sampler's: its checkpoints resume here
@@ -160,7 +160,7 @@ class SentencePairs(StepSampler):
 def next_sentence_for(dataset: Any, tokenizer: Any, vocab_size: int, *, seq_len: int, seed: int = 0,
                       batch_size: int = 8, whole_word: bool = False, mask_id: int | None = None, prob: float = 0.15,
                       short_seq_prob: float = 0.1, rank: int = 0, world_size: int = 1
-                      ) -> tuple[SentencePairs, MaskedLM]:
+                      ) -> tuple[NextSentencePairs, MaskedLM]:
     """BERT's MLM + next-sentence pretraining over a split (an archlab.data.tokens.TokenDataset prepared with
     sentences) and its tokenizer (with [CLS], [SEP] and a mask token; [PAD] pads where it has one, else the
     end-of-text id): the pair sampler, and the masked LM that turns its rows ([CLS], [SEP], padding never masked).
@@ -182,7 +182,7 @@ def next_sentence_for(dataset: Any, tokenizer: Any, vocab_size: int, *, seq_len:
     pad_id = dataset.eot_id if pad is None else pad
     for i in (*ids.values(), pad_id):
         masked_lm.special[i] = True
-    pairs = SentencePairs(dataset.tokens, dataset.sentence_starts, cls_id=ids["[CLS]"], sep_id=ids["[SEP]"],
+    pairs = NextSentencePairs(dataset.tokens, dataset.sentence_starts, cls_id=ids["[CLS]"], sep_id=ids["[SEP]"],
                           pad_id=pad_id, eot_id=dataset.eot_id, seq_len=seq_len, batch_size=batch_size, seed=seed,
                           short_seq_prob=short_seq_prob, rank=rank, world_size=world_size)
     return pairs, masked_lm

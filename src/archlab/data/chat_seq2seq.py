@@ -35,11 +35,11 @@ from archlab.data.tokens import META_FILE
 from archlab.errors import UserError
 from archlab.tokenizer.chat import ChatTemplateError, ChatTokenizer, render_chat
 
-__all__ = ["ChatPair", "read_chat_pairs", "write_pairs_folder"]
+__all__ = ["ChatSeq2Seq", "read_chat_seq2seq", "write_seq2seq_folder"]
 
 
 @dataclass(frozen=True)
-class ChatPair:
+class ChatSeq2Seq:
     """Source and target ids (without the end-of-text id the folder adds) of one line."""
     source: list[int]
     target: list[int]
@@ -73,8 +73,8 @@ def _cut(ids: list[int], limit: int, policy: str, side: str) -> list[int] | None
     return None if cut is None else cut[0]
 
 
-def read_chat_pairs(path: str | os.PathLike, tokenizer: Any, *, max_len: int, truncation: str = "refuse",
-                    setting: str = "truncation") -> Iterator[ChatPair]:
+def read_chat_seq2seq(path: str | os.PathLike, tokenizer: Any, *, max_len: int, truncation: str = "refuse",
+                    setting: str = "truncation") -> Iterator[ChatSeq2Seq]:
     """The pairs of a chat .jsonl, each side at most `max_len` tokens with its end-of-text id (a longer one is
     cut or skipped by `truncation`, or refused naming its line and `setting`, how the user sets the policy)."""
     check_truncation(truncation, setting)
@@ -89,11 +89,11 @@ def read_chat_pairs(path: str | os.PathLike, tokenizer: Any, *, max_len: int, tr
         except UserError as exc:
             raise ChatDataError(f"{path}:{conv.line}: {exc}") from None
         if src is not None and tgt is not None:
-            yield ChatPair(src, tgt, conv.line)
+            yield ChatSeq2Seq(src, tgt, conv.line)
 
 
-def write_pairs_folder(folder: str | os.PathLike, splits: dict[str, list[ChatPair]], tokenizer_dir: str | os.PathLike,
-                       vocab_size: int, eot_id: int, **described: Any) -> dict:
+def write_seq2seq_folder(folder: str | os.PathLike, splits: dict[str, list[ChatSeq2Seq]],
+                         tokenizer_dir: str | os.PathLike, vocab_size: int, eot_id: int, **described: Any) -> dict:
     """A pairs folder (archlab.data.pairs.PairDataset reads it) holding `splits` and a copy of the tokenizer."""
     import shutil
 

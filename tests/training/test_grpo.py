@@ -244,3 +244,58 @@ def test_grpo_killed_mid_rollout_and_resumed_equals_the_uninterrupted_run(world,
     x, _ = load_checkpoint(latest_checkpoint(tmp_path / "full"))
     y, _ = load_checkpoint(latest_checkpoint(tmp_path / "killed"))
     assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.parametrize("info,message", [
+    ({"world_size": 2, "rank": 0, "strategy": "fsdp"}, "run it with dist.strategy=ddp, not fsdp"),
+    ({"world_size": 3, "rank": 0, "strategy": "ddp"}, "must be divisible by the world size 3"),
+])
+def test_data_parallel_grpo_refuses_what_it_cannot_split(world, tmp_path, info, message):
+    from types import SimpleNamespace
+
+    from archlab.errors import UserError
+    from archlab.training.config import TrainConfig
+    from archlab.training.methods.grpo import open_grpo
+
+    with pytest.raises(UserError, match=message):
+        open_grpo(SimpleNamespace(arch="decoder", max_seq_len=64, vocab_size=280), TrainConfig(batch_size=8),
+                  tmp_path, None, SimpleNamespace(**info))
+
+
+@pytest.mark.slow      # two torchrun processes; ~30 s on 2 cores
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])   # the two with a token count across ranks
+def test_two_process_grpo_matches_single_process(world, tmp_path, loss_type):
+    """GRPO under torchrun (2 CPU processes, gloo, DDP): every rank samples the step's whole generation batch (the
+    same completions and rewards as one process), takes its share of each micro-batch and scales its loss so that
+    DDP's mean gradient is the one-process gradient; the loss's figures are reduced over the ranks. The logged loss,
+    gradient norm, rewards, KL, entropy, clip ratios and held-out reward, and the final weights, are the single
+    process's."""
+    import os
+    import subprocess
+    import sys
+
+    from archlab.runs.checkpoint import latest_checkpoint, load_checkpoint
+
+    args = ["finetune", str(world / "base"), "--method", "grpo", "--data", str(world / "prompts.jsonl"), *COMMON,
+            "--reward", "exact_match", "--reward", f"{world / 'my_rewards.py'}:has_e", "--set", "train.grpo.beta=0.04",
+            "--set", f"train.grpo.loss_type={loss_type}", "--set", "train.grad_accum=2", "--set", "train.budget=3",
+            "--set", "train.lr=1e-2", "--set", "train.eval_every=2", "--val-fraction", "0.25"]
+    assert main([*args, "--out", str(tmp_path / "single")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "archlab", *args, "--out", str(tmp_path / "ddp"), "--set", "dist.strategy=ddp"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    single, both = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("single", "ddp"))
+    for key in ("loss", "grad_norm", "reward", "reward_std", "rewards/has_e/mean", "kl", "entropy",
+                "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_max", "completions/mean_length",
+                "val_reward"):
+        ours = [(r["step"], r[key]) for r in both if key in r]
+        reference = [(r["step"], r[key]) for r in single if key in r]
+        assert [s for s, _ in ours] == [s for s, _ in reference] and ours, key
+        assert [v for _, v in ours] == pytest.approx([v for _, v in reference], rel=1e-4, abs=1e-5), key
+    assert single[-2]["kl"] > 0                                  # the policy moved: the weights say something
+    ours, theirs = (load_checkpoint(latest_checkpoint(tmp_path / name))[0] for name in ("ddp", "single"))
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=name)

@@ -14,6 +14,7 @@ import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -145,12 +146,21 @@ def all_reduce_mean(values: list[float], info: DistInfo) -> list[float]:
 
 
 def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
+    return _all_reduce(values, info, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(values: list[float], info: DistInfo) -> list[float]:
+    """Each value's maximum over the ranks (a minimum: the negated values'). Example: all_reduce_max([x], info)"""
+    return _all_reduce(values, info, dist.ReduceOp.MAX)
+
+
+def _all_reduce(values: list[float], info: DistInfo, op: Any) -> list[float]:
     if not info.enabled:
         return values
     t = torch.tensor(values, dtype=torch.float64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=op)
     return t.tolist()
 
 

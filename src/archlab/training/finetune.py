@@ -81,9 +81,11 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
         raise UserError(f"--method {method}: choose one of {', '.join(finetune_methods())}")
     chosen = METHODS.get(method)
     out = Path(out)
-    check_output(out, inputs=[None if str(base).startswith("hf:") else base, data, val, chat_template],
-                 in_place=True)                 # never the base, the data or the template, nor a live writer's
-    _refuse_not_empty(out, resume)
+    main = int(os.environ.get("RANK", "0")) == 0       # torchrun: rank 0 writes and checks --out, as the trainer
+    if main:                                           # (the other ranks would see its lock as a live writer's)
+        check_output(out, inputs=[None if str(base).startswith("hf:") else base, data, val, chat_template],
+                     in_place=True)             # never the base, the data or the template, nor a live writer's
+        _refuse_not_empty(out, resume)
     from archlab.runs.model_folder import refuse_quantized
     refuse_quantized(base, "finetune")           # int8 weights cannot train: before anything is written
     data_path = _checked_file(data, "--data", chosen.data_help, chosen)
@@ -91,9 +93,9 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
     train_cfg, val_fraction = chosen.fit_settings(dataclasses.replace(train_cfg, method=method), val_path,
                                                   val_fraction)
     _check_settings(train_cfg, val_fraction)
-    main = int(os.environ.get("RANK", "0")) == 0       # torchrun: rank 0 writes, as in the trainer
     with RunLock(out) if main else contextlib.nullcontext() as lock:
-        _refuse_not_empty(out, resume, ignore=LOCK_FILE)    # a writer that finished while this one started
+        if main:
+            _refuse_not_empty(out, resume, ignore=LOCK_FILE)    # a writer that finished while this one started
         had_data = (out / "data").exists()
         try:
             request = FinetuneRequest(base, data_path, val_path, out, train_cfg, model_overrides, chat_template,

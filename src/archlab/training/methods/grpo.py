@@ -10,6 +10,11 @@ the current weights, scored by the rewards (methods/rewards.py), advantages rela
 gradient step of the clipped surrogate (+ β k3 KL to the starting weights, frozen). The rollout is drawn from a
 generator seeded by (train.seed, step), so a run resumed from a checkpoint samples what the uninterrupted run did.
 
+Under torchrun (dist.strategy=ddp) every rank samples and scores the step's whole generation batch (the same
+weights and seed: the same completions, rewards and advantages as one process), then takes its share of each
+micro-batch's rows for the loss, scaled so that DDP's mean of the ranks' gradients is the one-process gradient; the
+loss's figures are reduced over the ranks. The rollout is not sharded: it costs each rank what it costs one process.
+
 Lines: {"prompt": "text" | [messages], ...}; the other columns reach the reward functions by name (TRL's
 **kwargs), e.g. "answer" for exact_match. Logged under TRL's names: reward, reward_std, rewards/<name>/mean and /std,
 frac_reward_zero_std, completions/mean_length (min, max, clipped_ratio, mean_terminated_length), kl (β > 0), entropy,
@@ -30,6 +35,7 @@ from archlab.data.prepare import split_by_line
 from archlab.data.prompts import PromptData, load_prompts
 from archlab.errors import UserError
 from archlab.models.decoder import LossOutput
+from archlab.training import distributed as dist_util
 from archlab.training.grpo import group_advantages, grpo_loss
 from archlab.training.methods import rewards as reward_fns
 from archlab.training.methods.base import METHODS, FinetuneRequest, Method
@@ -128,9 +134,11 @@ class _Batches:
 class GRPORun:
     """One GRPO run: the prompts, the rewards, the policy (set at `start`) and its frozen reference (β > 0)."""
 
-    def __init__(self, data: PromptData, cfg: Any, funcs: list[reward_fns.RewardFunc], init_from: Any):
+    def __init__(self, data: PromptData, cfg: Any, funcs: list[reward_fns.RewardFunc], init_from: Any,
+                 info: Any = None):
         from archlab.tokenizer.loading import load
 
+        self.info = info if info is not None else dist_util.DistInfo()
         self.data, self.cfg, self.section, self.funcs, self.init_from = data, cfg, cfg.grpo, funcs, init_from
         self.train_data, self.val_data = data, data.without_prompts()
         self.tokenizer_dir: Path | None = data.tokenizer_dir
@@ -251,10 +259,22 @@ class GRPORun:
                                                      out.completion_ids, temperature=section.temperature,
                                                      completion_mask=out.completion_mask,
                                                      vocab_limit=self.vocab_limit, entropy=False)
-        # dapo: the tokens of the whole generation batch, per micro-step (the trainer divides by grad_accum)
+        # dapo: the tokens of the whole generation batch, per micro-step (the trainer divides by grad_accum) and
+        # per rank (DDP averages the ranks' gradients); bnpo: the micro-batch's tokens, on every rank
+        world, rank, size = self.info.world_size, self.info.rank, self.cfg.batch_size
         items = mask.sum().float() / self.cfg.grad_accum
-        return [{**{k: v[m * self.cfg.batch_size:(m + 1) * self.cfg.batch_size] for k, v in batch.items()},
-                 "num_items": items} for m in range(self.cfg.grad_accum)]
+        if world > 1:
+            items = items / world
+        share = size // world                          # this rank's rows of each micro-batch
+        out = []
+        for m in range(self.cfg.grad_accum):
+            rows = slice(m * size + rank * share, m * size + (rank + 1) * share)
+            micro = {k: v[rows] for k, v in batch.items()}
+            micro["num_items"] = items
+            if world > 1:
+                micro["micro_items"] = mask[m * size:(m + 1) * size].sum().float()
+            out.append(micro)
+        return out
 
     def _rollout_figures(self, per_func: torch.Tensor, rewards: torch.Tensor, zero_std: torch.Tensor,
                          lengths: torch.Tensor, truncated: torch.Tensor) -> None:
@@ -292,10 +312,16 @@ class GRPORun:
                         ref_logps=inputs.get("ref_logps"), max_completion_length=section.max_completion_length,
                         num_items=inputs["num_items"], entropy=entropy.detach() if entropy is not None else None,
                         bias_correction_kl=section.use_bias_correction_kl)
-        for name, value in out.figures.items():
+        loss, figures = out.loss, out.figures
+        if self.info.world_size > 1:
+            tokens = inputs["loss_mask"].sum().float()
+            if section.loss_type == "bnpo":          # this rank's tokens' mean -> its share of the micro-batch's
+                loss = loss * tokens.clamp(min=1.0) * self.info.world_size / inputs["micro_items"].clamp(min=1.0)
+            figures = _reduced_figures(figures, float(tokens), self.info)
+        for name, value in figures.items():
             self._figures.setdefault(name, []).append(value)
-        zero = out.loss.new_zeros(())
-        return LossOutput(total=out.loss, ce=out.loss.detach(), z_loss=zero, aux_loss=zero)
+        zero = loss.new_zeros(())
+        return LossOutput(total=loss, ce=loss.detach(), z_loss=zero, aux_loss=zero)
 
     def log_fields(self) -> dict[str, float]:
         """Each figure's mean since the last log line (TRL averages its lists the same way)."""
@@ -304,13 +330,31 @@ class GRPORun:
         return out
 
 
+_EXTREMES = {"clip_ratio/low_min": -1.0, "clip_ratio/high_max": 1.0}   # min as the max of the negated values
+
+
+def _reduced_figures(figures: dict[str, float], tokens: float, info: Any) -> dict[str, float]:
+    """The loss's figures of a micro-batch split over the ranks: the masked means weighted by each rank's tokens,
+    low_min and high_max as the ranks' min and max (what one process computes over the whole micro-batch)."""
+    means = [k for k in figures if k not in _EXTREMES]
+    sums = dist_util.all_reduce_sum([figures[k] * tokens for k in means] + [tokens], info)
+    out = {k: s / max(sums[-1], 1.0) for k, s in zip(means, sums)}
+    extremes = [k for k in figures if k in _EXTREMES]
+    peaks = dist_util.all_reduce_max([figures[k] * _EXTREMES[k] for k in extremes], info)
+    out.update({k: v * _EXTREMES[k] for k, v in zip(extremes, peaks)})
+    return {k: out[k] for k in figures}
+
+
 def open_grpo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any, *, progress: bool = True
               ) -> GRPORun:
     """The GRPORun of a prompts folder (archlab finetune --method grpo); UserError before any write for what this
     run cannot train."""
-    if info.world_size > 1:
-        raise UserError("train.method=grpo trains on one process: data-parallel GRPO is not supported yet "
-                        "(run it without torchrun)")
+    if info.world_size > 1 and info.strategy != "ddp":
+        raise UserError(f"train.method=grpo samples from the whole model on every rank: run it with "
+                        f"dist.strategy=ddp, not {info.strategy}")
+    if cfg.batch_size % info.world_size:
+        raise UserError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the world size "
+                        f"{info.world_size}")
     if not require(data_dir, ("prompts",), who="train.method=grpo").folder:
         raise UserError(f"train.method=grpo reads a prompts folder from archlab finetune BASE --method grpo --data "
                         f"prompts.jsonl: {data_dir} is the file itself")
@@ -320,7 +364,7 @@ def open_grpo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: An
                                policy_tokenizer=data_dir / "tokenizer", data=data.path)
     if model_cfg.vocab_size < data.vocab_size:
         raise UserError(f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {data.vocab_size}")
-    return GRPORun(data, cfg, funcs, init_from)
+    return GRPORun(data, cfg, funcs, init_from, info)
 
 
 METHODS.register("grpo")(Method("grpo", "group relative policy optimization on prompts with rewards (TRL's GRPO)",

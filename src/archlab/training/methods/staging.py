@@ -143,6 +143,10 @@ def prepare_line_folder(req: FinetuneRequest, kind: str, settings: dict, read: A
             check_same_data(data_dir, settings)
         else:
             data = read(staged)
+            if os.environ.get("RANK", "0") != "0":     # torchrun: rank 0 writes the folder, the others wait for it
+                _wait_for(data_dir / META_FILE)
+                check_same_data(data_dir, settings)
+                return model_cfg, data_dir, dataclasses.replace(source, tokenizer_dir=data_dir / "tokenizer")
             out.mkdir(parents=True, exist_ok=True)
             building = data_dir.with_name(data_dir.name + ".tmp")
             if building.exists():
@@ -151,3 +155,14 @@ def prepare_line_folder(req: FinetuneRequest, kind: str, settings: dict, read: A
                               **settings)
             os.replace(building, data_dir)
     return model_cfg, data_dir, dataclasses.replace(source, tokenizer_dir=data_dir / "tokenizer")
+
+
+def _wait_for(path: Path, timeout_s: float = 1800.0) -> None:
+    """Until `path` exists (rank 0 moves the finished folder in at once); a UserError after `timeout_s`."""
+    import time
+
+    start = time.monotonic()
+    while not path.is_file():
+        if time.monotonic() - start > timeout_s:
+            raise UserError(f"{path} did not appear within {timeout_s:.0f} s: rank 0 did not prepare the data")
+        time.sleep(0.1)

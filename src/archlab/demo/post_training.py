@@ -194,8 +194,8 @@ def run_post_training_demo(out: str | Path = "runs/demo-post-training", *, quick
     pass_grpo = sample_reversal(out / "grpo", words, samples=samples, temperature=section.temperature, seed=seed)
     k = f"pass@{samples}"
     log(f"      {seconds['grpo']:.0f} s ({cpu['grpo']:.0f} s CPU); held-out exact match (greedy, lowercase) "
-        f"{sft['preferred']:.0%} -> {grpo['preferred']:.0%}; sampled: pass@1 {pass_sft['pass@1']:.0%} -> "
-        f"{pass_grpo['pass@1']:.0%}, {k} {pass_sft[k]:.0%} -> {pass_grpo[k]:.0%}")
+        f"{sft['preferred']:.0%} -> {grpo['preferred']:.0%}; sampled: pass@1 {pass_sft['pass@1']:.1%} -> "
+        f"{pass_grpo['pass@1']:.1%}, {k} {pass_sft[k]:.1%} -> {pass_grpo[k]:.1%}")
 
     plot_stages(out, out / "post_training.png", {"SFT": pass_sft, "GRPO": pass_grpo})
     total, total_cpu = time.time() - t0, time.process_time() - c0

@@ -141,7 +141,7 @@ PEERS = {("training", "eval"), ("eval", "training"), ("runs", "interop"), ("inte
 # away must leave this list (the last test).
 LAYER_EXCEPTIONS = {
     ("archlab.data.corpora", "archlab.runs.hub"): "a corpus named hf:NAME resolves through the hub ids",
-    ("archlab.data.pairs", "archlab.runs.outputs"): "prepared folders are one-shot outputs, replaced atomically",
+    ("archlab.data.seq2seq", "archlab.runs.outputs"): "prepared folders are one-shot outputs, replaced atomically",
     ("archlab.data.prepare", "archlab.runs.outputs"): "the same",
     ("archlab.generation.drafts", "archlab.eval.ngram"): "the n-gram draft is eval's Kneser-Ney model",
     ("archlab.nn.tiled_attention", "archlab.training.precision"): "whether the CPU has bf16 units",

@@ -2,7 +2,7 @@
 clean-up, like a kill -9) the N-th time (default: the first) the code passes `fault_point(NAME)`.
 
 Points: save:weights, save:trainer, save:meta, save:fsync, save:rename, save:prune (checkpoint.py, in the
-order a save passes them) and prepare:split (data.py and pairs.py, after the splits' tokens are written). Costs one
+order a save passes them) and prepare:split (data.py and seq2seq.py, after the splits' tokens are written). Costs one
 dictionary lookup when the variable is unset.
 
     ARCHLAB_FAULT=save:rename@2 archlab train ...   # dies right after its second checkpoint's rename

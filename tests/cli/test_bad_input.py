@@ -217,10 +217,10 @@ def seq2seq_run(tmp: Path, w: dict) -> None:
 
 def pairs_data(tmp: Path, w: dict) -> None:
     """{tmp}/pairs: a prepared source/target folder (byte tokenizer)."""
-    from archlab.data.pairs import prepare_pairs
+    from archlab.data.seq2seq import prepare_seq2seq
     rows = [{"source": f"to be {i}", "target": f"{i} be to"} for i in range(20)]
     (tmp / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    prepare_pairs(tmp / "pairs.jsonl", "bytes", tmp / "pairs", progress=False)
+    prepare_seq2seq(tmp / "pairs.jsonl", "bytes", tmp / "pairs", progress=False)
 
 
 T = ["train", "--data", "{data}", "--out", "{new}", "--no-progress"]

@@ -61,7 +61,7 @@ CASES = {
 def make_folders(root: Path) -> dict[str, Path]:
     """A token stream with a sentence index and a tokenizer holding every special token the objectives ask for,
     and a folder of source -> target pairs."""
-    from archlab.data.pairs import prepare_pairs
+    from archlab.data.seq2seq import prepare_seq2seq
 
     rng = np.random.default_rng(0)
     docs = [" ".join(SENTENCES[int(i)] for i in rng.integers(0, len(SENTENCES), int(rng.integers(1, 7))))
@@ -70,7 +70,7 @@ def make_folders(root: Path) -> dict[str, Path]:
     tok = train_tokenizer([root / "corpus.txt"], 300, ["<|endoftext|>", "[MASK]", "[CLS]", "[SEP]", "[PAD]"])
     prepare(docs, tok, root / "stream", num_workers=0, progress=False, sentences=True, val_fraction=0.2)
     pairs = write_reversed_pairs(root / "pairs.jsonl", " ".join(SENTENCES).split(), 80, shortest=2, lengths=6)
-    prepare_pairs(pairs, "bytes", root / "pairs", progress=False, val_fraction=0.2)
+    prepare_seq2seq(pairs, "bytes", root / "pairs", progress=False, val_fraction=0.2)
     return {"stream": root / "stream", "pairs": root / "pairs"}
 
 

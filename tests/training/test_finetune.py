@@ -203,8 +203,8 @@ def test_encoder_decoder_finetune_learns_prompt_to_completion(world, tmp_path, c
     rows = [{"prompt": f"Repeat {w}: ", "completion": w} for w in WORDS] * 2
     data = _jsonl(tmp_path / "pairs.jsonl", rows + [r for r in _rows(6) if "messages" in r])
     result = finetune(base, data, tmp_path / "run", train_cfg=_cfg(lr=1e-2), val=data, progress=False)
-    from archlab.data.pairs import PairDataset
-    val = PairDataset(tmp_path / "run" / "data", "val")
+    from archlab.data.seq2seq import Seq2SeqDataset
+    val = Seq2SeqDataset(tmp_path / "run" / "data", "val")
     before = evaluate(load_run(base, device="cpu")[0], val, batch_size=4, seq_len=32).loss
     assert len(val) == len(rows) + 4
     assert result.final_val_loss < 0.7 * before

@@ -103,10 +103,10 @@ def write_reversed_pairs(path: Path, words: list[str], n: int, shortest: int, le
 @pytest.fixture(scope="module")
 def pair_data(tmp_path_factory) -> Path:
     """Source -> target pairs of every length 3..12: the target is the source's words reversed."""
-    from archlab.data.pairs import prepare_pairs
+    from archlab.data.seq2seq import prepare_seq2seq
     root = tmp_path_factory.mktemp("pairs")
     pairs = write_reversed_pairs(root / "pairs.jsonl", TEXT.split(), 120, shortest=3, lengths=10)
-    prepare_pairs(pairs, "bytes", root / "data", progress=False, val_fraction=0.2)
+    prepare_seq2seq(pairs, "bytes", root / "data", progress=False, val_fraction=0.2)
     return root / "data"
 
 
@@ -114,12 +114,12 @@ PAIRS = {**FAST, "objective": "auto", "seq_len": 64}
 
 
 def test_an_encoder_decoder_learns_pairs_and_counts_their_real_tokens(pair_data, tmp_path):
-    from archlab.data.pairs import PairDataset, PairSampler
+    from archlab.data.seq2seq import Seq2SeqDataset, Seq2SeqSampler
     train(enc_dec(), TrainConfig(budget=30, eval_every=15, **PAIRS), pair_data, tmp_path / "run", progress=False)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     losses = [r["loss"] for r in rows if "loss" in r]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
-    sampler = PairSampler(PairDataset(pair_data, "train"), 4, max_source_len=64, max_target_len=64)
+    sampler = Seq2SeqSampler(Seq2SeqDataset(pair_data, "train"), 4, max_source_len=64, max_target_len=64)
     real = [int(b[0]["attention_mask"].sum()) + int((b[1] != -100).sum()) for b in map(sampler.batch, range(3))]
     assert [r["tokens"] for r in rows if "loss" in r][:3] == [sum(real[:i + 1]) for i in range(3)]
     assert [r for r in rows if "val_loss" in r]

@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare.add_argument("--text-field", default="text", help=".jsonl field / .parquet column with the text")
     prepare.add_argument("--seq2seq", action="store_true",
                          help="seq2seq source/target pairs for encoder-decoders from one .jsonl file "
-                         "(archlab.data.pairs; --pairs is the earlier name of this flag)")
+                         "(archlab.data.seq2seq; --pairs is the earlier name of this flag)")
     prepare.add_argument("--pairs", dest="pairs_flag", action="store_true", help=argparse.SUPPRESS)   # deprecated
     prepare.add_argument("--source-field", default="source", help="with --seq2seq: the .jsonl field of the source")
     prepare.add_argument("--target-field", default="target", help="with --seq2seq: the .jsonl field of the target")
@@ -107,7 +107,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         print("note: --pairs is deprecated: it is --seq2seq now (source/target pairs; preference pairs are "
               "archlab finetune --method dpo's)", file=sys.stderr)
     if args.seq2seq or args.pairs_flag:
-        return run_prepare_pairs(args)
+        return run_prepare_seq2seq(args)
     meta = prepare(
         args.corpus, args.tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed,
         num_workers=args.workers, eot_token=args.eot_token, text_field=args.text_field,
@@ -122,12 +122,12 @@ def run_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_prepare_pairs(args: argparse.Namespace) -> int:
-    from archlab.data import pairs
+def run_prepare_seq2seq(args: argparse.Namespace) -> int:
+    from archlab.data import seq2seq
 
     if getattr(args, "sentences", False):
-        raise pairs.DataError("--sentences marks sentences of a token stream; it does not apply to --seq2seq")
-    meta = pairs.prepare_pairs(
+        raise seq2seq.DataError("--sentences marks sentences of a token stream; it does not apply to --seq2seq")
+    meta = seq2seq.prepare_seq2seq(
         args.corpus, args.tokenizer, args.out, source_field=args.source_field, target_field=args.target_field,
         val_fraction=args.val_fraction, seed=args.seed, eot_token=args.eot_token, num_workers=args.workers,
         overwrite=args.overwrite, progress=not args.quiet,

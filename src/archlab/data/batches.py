@@ -8,7 +8,7 @@ unscored slots, passed as `targets=`. Two kinds of data make them:
                                    targets as sampled, BERT's masks, T5's spans, BART's infilling, a continuation;
                                    BERT's next-sentence pairs come from their own sampler over the split's
                                    sentence index (next_sentence.py), masked as any window
-    pairs (archlab.data.pairs)          source -> target rows, padded; the objective is the pairing itself
+    pairs (archlab.data.seq2seq)          source -> target rows, padded; the objective is the pairing itself
     SFT examples (archlab.data.sft)     chat examples packed into rows with document_ids (or padded one per row),
                                    labels on the slots the loss mask scores
 
@@ -32,7 +32,7 @@ from archlab.data import objectives
 from archlab.data.next_sentence import NextSentencePairs, next_sentence_for
 from archlab.data.noising import span_corruption_for, text_infilling_for
 from archlab.data.objectives import Batch, Objective
-from archlab.data.pairs import PairDataset, PairSampler, is_pairs, pair_eval_batches
+from archlab.data.seq2seq import Seq2SeqDataset, Seq2SeqSampler, is_seq2seq, seq2seq_eval_batches
 from archlab.data.sft import SFTDataset, SFTSampler, is_sft, sft_eval_batches
 from archlab.data.tokens import BatchSampler, Rows, StepSampler, TokenDataset, eval_batches
 from archlab.errors import UserError
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["Batch", "open_splits", "SamplerState", "TrainBatches", "validation_batches", "tokens_processed",
            "scores_text", "objective_for", "objective_name", "OBJECTIVES", "Task", "Shard", "register_objective"]
 
-Dataset = TokenDataset | PairDataset | SFTDataset
+Dataset = TokenDataset | Seq2SeqDataset | SFTDataset
 
 
 # --------------------------------------------------------------------------- objectives by name
@@ -163,10 +163,10 @@ def objective_for(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: Token
 # --------------------------------------------------------------------------- datasets and batches
 def open_splits(data_dir: str | Path) -> tuple[Dataset, Dataset]:
     """(train, val) datasets of a prepared folder: archlab.data.tokens.TokenDataset for a token stream,
-    archlab.data.pairs.PairDataset for source/target pairs, archlab.data.sft.SFTDataset for chat examples.
+    archlab.data.seq2seq.Seq2SeqDataset for source/target pairs, archlab.data.sft.SFTDataset for chat examples.
     Example: train_data, val_data = open_splits("data/pairs")"""
-    if is_pairs(data_dir):
-        return PairDataset(data_dir, "train"), PairDataset(data_dir, "val")
+    if is_seq2seq(data_dir):
+        return Seq2SeqDataset(data_dir, "train"), Seq2SeqDataset(data_dir, "val")
     if is_sft(data_dir):
         return SFTDataset(data_dir, "train"), SFTDataset(data_dir, "val")
     return TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
@@ -239,9 +239,9 @@ class TrainBatches(SamplerState):
             _check_sft_objective(model_cfg, train_cfg)
             self.sampler = SFTSampler(dataset, local_batch, train_cfg.seq_len, packing=train_cfg.sft.packing,
                                       seed=train_cfg.seed, rank=rank, world_size=world_size)
-        elif isinstance(dataset, PairDataset):
+        elif isinstance(dataset, Seq2SeqDataset):
             _check_pairs_objective(model_cfg, train_cfg)
-            self.sampler = PairSampler(dataset, local_batch, max_source_len=train_cfg.seq_len,
+            self.sampler = Seq2SeqSampler(dataset, local_batch, max_source_len=train_cfg.seq_len,
                                        max_target_len=train_cfg.seq_len, seed=train_cfg.seed, rank=rank,
                                        world_size=world_size, setting="train.seq_len")
         else:
@@ -256,7 +256,7 @@ class TrainBatches(SamplerState):
     def objective_on(self, dataset: Dataset) -> Task | None:
         """The Task over `dataset`'s split, as validation_batches reads it (None for pairs and SFT examples): an
         objective that draws its own rows draws them from this split (validation rows from the validation split)."""
-        if isinstance(dataset, (PairDataset, SFTDataset)):
+        if isinstance(dataset, (Seq2SeqDataset, SFTDataset)):
             return None
         return objective_for(self.model_cfg, self.train_cfg, dataset,
                              Shard(self.local_batch, self.rank, self.world_size))
@@ -282,8 +282,8 @@ def validation_batches(dataset: Dataset, *, batch_size: int, seq_len: int, max_b
     order turned by `objective` (a Task or an Objective; None: next-token targets), batch i with the fixed step
     -1 - i: the same masks / spans at every evaluation. A Task that draws its own rows draws batch i's at step -1 - i.
     Example: for inputs, labels in validation_batches(val, batch_size=8, seq_len=128, objective=obj): ..."""
-    if isinstance(dataset, PairDataset):
-        yield from pair_eval_batches(dataset, batch_size, max_batches, rank=rank, world_size=world_size,
+    if isinstance(dataset, Seq2SeqDataset):
+        yield from seq2seq_eval_batches(dataset, batch_size, max_batches, rank=rank, world_size=world_size,
                                      max_source_len=seq_len, max_target_len=seq_len, setting="train.seq_len")
         return
     if isinstance(dataset, SFTDataset):

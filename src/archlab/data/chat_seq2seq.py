@@ -1,4 +1,4 @@
-"""Chat data for encoder-decoders: each line of a chat .jsonl as one source -> target pair (archlab.data.pairs).
+"""Chat data for encoder-decoders: each line of a chat .jsonl as one source -> target pair (archlab.data.seq2seq).
 
     {"prompt": "...", "completion": "..."}      source = the prompt, target = the completion
     {"messages": [...]}  (or prompt/completion as message lists)
@@ -6,7 +6,7 @@
                                                 conversation before it, rendered by the chat template with the
                                                 generation prompt
 
-Both sides end with the end-of-text id, as archlab.data.pairs writes them. A side longer than the limit is
+Both sides end with the end-of-text id, as archlab.data.seq2seq writes them. A side longer than the limit is
 handled by the truncation policy (archlab.data.chat.TRUNCATIONS); any bad line is a UserError naming the file
 and line.
 """
@@ -29,8 +29,8 @@ from archlab.data.chat import (
     read_conversations,
     truncation_advice,
 )
-from archlab.data.pairs import FORMAT_VERSION, PAIRS_FORMAT, _PairWriter
 from archlab.data.prepare import _token_dtype, write_json
+from archlab.data.seq2seq import FORMAT_VERSION, SEQ2SEQ_FORMAT, _Seq2SeqWriter
 from archlab.data.tokens import META_FILE
 from archlab.errors import UserError
 from archlab.tokenizer.chat import ChatTemplateError, ChatTokenizer, render_chat
@@ -94,7 +94,7 @@ def read_chat_seq2seq(path: str | os.PathLike, tokenizer: Any, *, max_len: int, 
 
 def write_seq2seq_folder(folder: str | os.PathLike, splits: dict[str, list[ChatSeq2Seq]],
                          tokenizer_dir: str | os.PathLike, vocab_size: int, eot_id: int, **described: Any) -> dict:
-    """A pairs folder (archlab.data.pairs.PairDataset reads it) holding `splits` and a copy of the tokenizer."""
+    """A pairs folder (archlab.data.seq2seq.Seq2SeqDataset reads it) holding `splits` and a copy of the tokenizer."""
     import shutil
 
     folder = Path(folder)
@@ -103,13 +103,13 @@ def write_seq2seq_folder(folder: str | os.PathLike, splits: dict[str, list[ChatS
     eot = np.array([eot_id], dtype=dtype)
     info = {}
     for split in ("train", "val"):
-        writer = _PairWriter(folder, split, eot)
+        writer = _Seq2SeqWriter(folder, split, eot)
         for pair in splits.get(split, []):
             writer.write((np.asarray(pair.source, dtype=dtype), 0), (np.asarray(pair.target, dtype=dtype), 0))
         writer.close()
         info[split] = writer.info()
     shutil.copytree(tokenizer_dir, folder / "tokenizer")
-    meta = {"format": PAIRS_FORMAT, "version": FORMAT_VERSION, **described, "dtype": dtype.name,
+    meta = {"format": SEQ2SEQ_FORMAT, "version": FORMAT_VERSION, **described, "dtype": dtype.name,
             "vocab_size": int(vocab_size), "eot_id": int(eot_id), "splits": info, "tokenizer": "tokenizer"}
     write_json(folder / META_FILE, meta)
     return meta

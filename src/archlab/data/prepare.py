@@ -1,7 +1,7 @@
 """Preparing a token data folder: a corpus tokenized in worker processes into one flat file per split, split by
 document (a seeded hash of its text), with meta.json and a copy of the tokenizer; optionally a sentence index.
 The layout and the split rule are described in data/tokens.py, which reads what this writes. The writers and the
-worker pool here also serve the pairs (data/pairs.py) and chat (data/chat.py) preparers.
+worker pool here also serve the pairs (data/seq2seq.py) and chat (data/chat.py) preparers.
 """
 from __future__ import annotations
 
@@ -261,7 +261,7 @@ def input_paths(corpus: Any, tokenizer: Any) -> list[str | os.PathLike]:
 
 def checked_output(out_dir: str | os.PathLike, tokenizer: Any, eot_token: str, val_fraction: float,
                     overwrite: bool, inputs: list[str | os.PathLike]) -> tuple[Path, Any, int, int, np.dtype]:
-    """The checks a prepare runs before any work (here and in archlab.data.pairs):
+    """The checks a prepare runs before any work (here and in archlab.data.seq2seq):
     (out folder, tokenizer, vocab_size, end-of-text id, token dtype). `inputs`: what it reads (input_paths),
     which the output may not be, hold or sit inside."""
     if not 0.0 <= val_fraction < 1.0:

@@ -61,7 +61,7 @@ SENTENCES_SUFFIX = ".sentences.bin"
 # meta.json "format": what a folder of that format holds, and what reads it
 FORMATS = {
     "archlab-tokens": ("a token-stream folder", "archlab.data.tokens.TokenDataset"),
-    "archlab-pairs": ("a source/target pairs folder", "archlab.data.pairs.PairDataset"),
+    "archlab-pairs": ("a source/target pairs folder", "archlab.data.seq2seq.Seq2SeqDataset"),
     "archlab-sft": ("a folder of chat examples (archlab finetune)", "archlab.data.sft.SFTDataset"),
 }
 

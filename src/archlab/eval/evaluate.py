@@ -38,7 +38,7 @@ def evaluate(model: nn.Module, dataset, *, batch_size: int, seq_len: int,
              dtype: str = "float32", dist_info=None, progress: bool = False, objective=None) -> EvalResult:
     """Cross-entropy over `max_batches` deterministic validation batches of `dataset` (token windows: spread
     over the split; archlab.data.batches.validation_batches: token windows, or source/target pairs for an
-    archlab.data.pairs.PairDataset).
+    archlab.data.seq2seq.Seq2SeqDataset).
     Under data parallelism every rank runs the same number of forwards (FSDP needs all ranks in each all-gather);
     the sums are all-reduced. `objective` (an objectives.Objective, or a batches.Task that may draw its own rows)
     turns the windows as in training, batch i the same way at every evaluation: an encoder scored on its masked

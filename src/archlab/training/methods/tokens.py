@@ -12,7 +12,7 @@ import torch
 
 from archlab.config import ConfigError
 from archlab.data.batches import TrainBatches, open_splits
-from archlab.data.pairs import PairDataset
+from archlab.data.seq2seq import Seq2SeqDataset
 from archlab.data.sft import SFTDataset
 from archlab.eval.evaluate import evaluate
 from archlab.training.methods.base import METHODS, Method
@@ -82,7 +82,7 @@ def _check_data(model_cfg, cfg, data_dir, train_data, val_data, info) -> bool:
     if cfg.batch_size % info.world_size:
         raise ConfigError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the "
                           f"world size {info.world_size}")
-    if isinstance(val_data, (PairDataset, SFTDataset)):
+    if isinstance(val_data, (Seq2SeqDataset, SFTDataset)):
         if cfg.budget_unit == "tokens":
             raise ConfigError("train.budget_unit=tokens counts fixed windows; paired data and chat examples have "
                               "rows of every length: give the budget in steps or minutes")

@@ -1,7 +1,7 @@
 """Paired data for encoder-decoders (translation, summarization): a .jsonl corpus of source/target pairs
 tokenized into memmap files, and the batch samplers that read them.
 
-Pairs folder layout (written by `prepare_pairs`, read by `PairDataset`)::
+Pairs folder layout (written by `prepare_seq2seq`, read by `Seq2SeqDataset`)::
 
     DATA_DIR/
       meta.json             "format": "archlab-pairs", dtype, vocab_size, eot id, fields, per-split pair /
@@ -52,10 +52,10 @@ from archlab.errors import DataError
 from archlab.faults import fault_point
 from archlab.runs.outputs import fresh_output
 
-__all__ = ["PAIRS_FORMAT", "prepare_pairs", "is_pairs", "PairDataset", "PairSampler", "pair_eval_batches",
-           "collate_pairs", "check_lengths", "DataError"]
+__all__ = ["SEQ2SEQ_FORMAT", "prepare_seq2seq", "is_seq2seq", "Seq2SeqDataset", "Seq2SeqSampler",
+           "seq2seq_eval_batches", "collate_pairs", "check_lengths", "DataError"]
 
-PAIRS_FORMAT = "archlab-pairs"
+SEQ2SEQ_FORMAT = "archlab-pairs"          # the meta.json value folders already prepared hold
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 OFFSET_DTYPE = np.dtype("<i8")
@@ -110,7 +110,7 @@ def _splits(path: Path, fields: tuple[str, str], seed: int, val_fraction: float)
 
 
 # --------------------------------------------------------------------------- prepare
-class _PairWriter:
+class _Seq2SeqWriter:
     """One split: source and target token files (ids + eot each) and the offsets of every pair."""
 
     def __init__(self, tmp: Path, split: str, eot: np.ndarray) -> None:
@@ -142,7 +142,7 @@ class _PairWriter:
                 "max_source_len": self.longest[0], "max_target_len": self.longest[1]}
 
 
-def prepare_pairs(
+def prepare_seq2seq(
     corpus_jsonl: str | os.PathLike,
     tokenizer: Any,
     out_dir: str | os.PathLike,
@@ -180,14 +180,14 @@ def prepare_pairs(
         splits = _write_pairs(path, fields, is_val, tok, tmp, dtype=dtype, eot_id=eot_id, seed=seed,
                               workers=workers, progress=progress)
         fault_point("prepare:split")
-        meta = {"format": PAIRS_FORMAT, "version": FORMAT_VERSION, "corpus": os.fspath(corpus_jsonl),
+        meta = {"format": SEQ2SEQ_FORMAT, "version": FORMAT_VERSION, "corpus": os.fspath(corpus_jsonl),
                 "dtype": dtype.name, "vocab_size": vocab_size, "eot_token": eot_token, "eot_id": eot_id,
                 "seed": seed, "val_fraction": val_fraction, "source_field": source_field,
                 "target_field": target_field, "splits": splits, "tokenizer": "tokenizer"}
         (tmp / "tokenizer").mkdir()
         tok.save(tmp / "tokenizer")
         write_json(tmp / META_FILE, meta)  # written last: its presence marks completeness
-    return load_meta(out, expect=PAIRS_FORMAT)
+    return load_meta(out, expect=SEQ2SEQ_FORMAT)
 
 
 def _write_pairs(path: Path, fields: tuple[str, str], is_val: bytearray, tok: Any, tmp: Path, *,
@@ -195,7 +195,7 @@ def _write_pairs(path: Path, fields: tuple[str, str], is_val: bytearray, tok: An
     from archlab.progress import progress_bar
 
     eot = np.array([eot_id], dtype=dtype)
-    writers = {s: _PairWriter(tmp, s, eot) for s in SPLITS}
+    writers = {s: _Seq2SeqWriter(tmp, s, eot) for s in SPLITS}
     # sources and targets interleaved through archlab.data.tokens's tokenizing pool, paired up again in order
     texts = (text for pair in _read_pairs(path, *fields) for text in pair)
     # each encoded document is (ids, split score, byte count, ...): the score is the pair's, from _splits
@@ -213,10 +213,10 @@ def _write_pairs(path: Path, fields: tuple[str, str], is_val: bytearray, tok: An
 
 
 # --------------------------------------------------------------------------- reading
-def is_pairs(data_dir: str | os.PathLike) -> bool:
+def is_seq2seq(data_dir: str | os.PathLike) -> bool:
     """Whether `data_dir` is a prepared pairs folder (False for a token-stream folder or no data folder)."""
     try:
-        return load_meta(data_dir, expect=None).get("format") == PAIRS_FORMAT
+        return load_meta(data_dir, expect=None).get("format") == SEQ2SEQ_FORMAT
     except DataError:
         return False
 
@@ -229,13 +229,13 @@ def _memmap(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
 
 
-class PairDataset:
+class Seq2SeqDataset:
     """A read-only memmap view of one split of a pairs folder: pair i is (source(i), target(i))."""
 
     def __init__(self, data_dir: str | os.PathLike, split: str = "train") -> None:
         split = {"validation": "val", "valid": "val"}.get(split, split)
         self.data_dir = Path(data_dir)
-        self.meta = load_meta(self.data_dir, expect=PAIRS_FORMAT)
+        self.meta = load_meta(self.data_dir, expect=SEQ2SEQ_FORMAT)
         if split not in self.meta["splits"]:
             raise DataError(f"no split {split!r} in {data_dir} (has {sorted(self.meta['splits'])})")
         self.split = split
@@ -281,10 +281,10 @@ class PairDataset:
         return load_tokenizer(self.data_dir / self.meta.get("tokenizer", "tokenizer"))
 
     def __repr__(self) -> str:
-        return f"PairDataset({str(self.data_dir)!r}, {self.split!r}, n_pairs={self.n_pairs})"
+        return f"Seq2SeqDataset({str(self.data_dir)!r}, {self.split!r}, n_pairs={self.n_pairs})"
 
 
-def check_lengths(dataset: PairDataset, max_source_len: int | None, max_target_len: int | None, *,
+def check_lengths(dataset: Seq2SeqDataset, max_source_len: int | None, max_target_len: int | None, *,
                   setting: str | None = None) -> None:
     """A DataError naming how many of the split's sources (targets) are longer than the limit, and the longest;
     `setting` names where the limit comes from (e.g. "train.seq_len")."""
@@ -302,7 +302,7 @@ def check_lengths(dataset: PairDataset, max_source_len: int | None, max_target_l
                             f"tokens, end-of-text included): raise {setting or 'the limit'} or filter the pairs")
 
 
-def collate_pairs(dataset: PairDataset, indices: Sequence[int], pad_id: int = 0,
+def collate_pairs(dataset: Seq2SeqDataset, indices: Sequence[int], pad_id: int = 0,
                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Pairs `indices` as (inputs, labels), right padded to the longest source (s) and target (t) among them."""
     sources = [dataset.source(i) for i in indices]
@@ -319,13 +319,13 @@ def collate_pairs(dataset: PairDataset, indices: Sequence[int], pad_id: int = 0,
     return inputs, torch.from_numpy(labels)
 
 
-class PairSampler(StepSampler):
+class Seq2SeqSampler(StepSampler):
     """Training batches (inputs, labels) of pairs, every pair once per epoch in a permutation drawn from
     (seed, epoch). Batch `step` on `rank` is a pure function of (seed, step, rank, batch_size * world_size):
     the state is the step counter (iteration, state_dict and load_state_dict: archlab.data.tokens.StepSampler).
     Pairs longer than the limits are an error here, before any training."""
 
-    def __init__(self, dataset: PairDataset, batch_size: int, *, max_source_len: int, max_target_len: int,
+    def __init__(self, dataset: Seq2SeqDataset, batch_size: int, *, max_source_len: int, max_target_len: int,
                  seed: int = 0, rank: int = 0, world_size: int = 1, pad_id: int = 0, setting: str | None = None
                  ) -> None:
         if batch_size < 1:
@@ -365,13 +365,13 @@ class PairSampler(StepSampler):
         return self.step * self.global_batch_size / self.pairs_per_epoch
 
 
-def pair_eval_batches(dataset: PairDataset, batch_size: int, max_batches: int | None = None, *, rank: int = 0,
+def seq2seq_eval_batches(dataset: Seq2SeqDataset, batch_size: int, max_batches: int | None = None, *, rank: int = 0,
                       world_size: int = 1, pad_id: int = 0, max_source_len: int | None = None,
                       max_target_len: int | None = None, setting: str | None = None,
                       ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
     """Deterministic validation batches: pairs [k*batch_size, (k+1)*batch_size) in file order, k = 0, 1, ...;
     the last batch may be smaller. With world_size > 1, rank r gets batches r, r + world_size, ... (of the
-    first max_batches). Length limits, when given, are checked as PairSampler checks them."""
+    first max_batches). Length limits, when given, are checked as Seq2SeqSampler checks them."""
     if len(dataset) == 0:
         raise DataError(f"split {dataset.split!r} of {dataset.data_dir} has no pairs")
     check_lengths(dataset, max_source_len, max_target_len, setting=setting)

@@ -1,4 +1,4 @@
-"""archlab.data.pairs: paired source/target data for encoder-decoders, prepared from .jsonl and sampled."""
+"""archlab.data.seq2seq: paired source/target data for encoder-decoders, prepared from .jsonl and sampled."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from archlab.data.batches import tokens_processed
-from archlab.data.pairs import PairDataset, PairSampler, is_pairs, pair_eval_batches, prepare_pairs
 from archlab.data.prepare import prepare
+from archlab.data.seq2seq import Seq2SeqDataset, Seq2SeqSampler, is_seq2seq, prepare_seq2seq, seq2seq_eval_batches
 from archlab.data.tokenizer_adapter import ByteTokenizer
 from archlab.data.tokens import TokenDataset
 from archlab.errors import DataError, UserError
@@ -49,7 +49,7 @@ def expected_ids(text: str) -> tuple[int, ...]:
 def split_contents(data_dir) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
     out = {}
     for split in ("train", "val"):
-        ds = PairDataset(data_dir, split)
+        ds = Seq2SeqDataset(data_dir, split)
         out[split] = [(tuple(ds.source(i).tolist()), tuple(ds.target(i).tolist())) for i in range(len(ds))]
     return out
 
@@ -59,7 +59,7 @@ def pairs_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pairs")
     pairs = make_pairs(40)
     write_jsonl(tmp / "pairs.jsonl", pairs)
-    prepare_pairs(tmp / "pairs.jsonl", "bytes", tmp / "data", val_fraction=0.2, num_workers=0, progress=False)
+    prepare_seq2seq(tmp / "pairs.jsonl", "bytes", tmp / "data", val_fraction=0.2, num_workers=0, progress=False)
     return tmp / "data", pairs
 
 
@@ -87,7 +87,7 @@ def test_prepared_ids_are_the_tokenizer_encoding_plus_eot_in_file_order(pairs_di
         texts = [pairs[index[row]] for row in split_contents(data_dir)[split]]
         assert info["source_bytes"] == sum(len(s.encode()) for s, _ in texts)
     assert meta["splits"]["train"]["pairs"] > meta["splits"]["val"]["pairs"] > 0
-    train = PairDataset(data_dir)
+    train = Seq2SeqDataset(data_dir)
     assert train.load_tokenizer() == ByteTokenizer()
     targets = [pairs[index[row]][1] for row in split_contents(data_dir)["train"]]
     assert train.n_tokens == train.sources.size + train.targets.size
@@ -113,7 +113,7 @@ def test_split_depends_on_seed_and_pairs_not_on_file_order(tmp_path):
     runs = {}
     for name, rows, seed in (("a", pairs, 0), ("b", shuffled, 0), ("c", pairs, 1)):
         write_jsonl(tmp_path / f"{name}.jsonl", rows)
-        prepare_pairs(tmp_path / f"{name}.jsonl", "bytes", tmp_path / name, val_fraction=0.3, seed=seed,
+        prepare_seq2seq(tmp_path / f"{name}.jsonl", "bytes", tmp_path / name, val_fraction=0.3, seed=seed,
                       num_workers=0, progress=False)
         runs[name] = {split: sorted(rows) for split, rows in split_contents(tmp_path / name).items()}
     assert runs["a"] == runs["b"]
@@ -123,7 +123,7 @@ def test_split_depends_on_seed_and_pairs_not_on_file_order(tmp_path):
 def test_tokenizing_processes_write_the_same_files(tmp_path, pairs_dir):
     data_dir, pairs = pairs_dir
     write_jsonl(tmp_path / "pairs.jsonl", pairs)
-    prepare_pairs(tmp_path / "pairs.jsonl", "bytes", tmp_path / "data", val_fraction=0.2, num_workers=2,
+    prepare_seq2seq(tmp_path / "pairs.jsonl", "bytes", tmp_path / "data", val_fraction=0.2, num_workers=2,
                   progress=False)
     for path in sorted(data_dir.glob("*.bin")):
         assert (tmp_path / "data" / path.name).read_bytes() == path.read_bytes(), path.name
@@ -132,25 +132,25 @@ def test_tokenizing_processes_write_the_same_files(tmp_path, pairs_dir):
 @pytest.mark.parametrize("n, expect", [(1, (1, 0)), (2, (1, 1))])
 def test_two_or_more_pairs_keep_one_for_each_split(tmp_path, n, expect):
     write_jsonl(tmp_path / "p.jsonl", make_pairs(n))
-    meta = prepare_pairs(tmp_path / "p.jsonl", "bytes", tmp_path / "d", val_fraction=0.01, num_workers=0,
+    meta = prepare_seq2seq(tmp_path / "p.jsonl", "bytes", tmp_path / "d", val_fraction=0.01, num_workers=0,
                          progress=False)
     assert (meta["splits"]["train"]["pairs"], meta["splits"]["val"]["pairs"]) == expect
 
 
 def test_custom_fields_and_an_existing_folder(tmp_path):
     write_jsonl(tmp_path / "p.jsonl", [("hallo", "hello"), ("Welt", "world")], source="de", target="en")
-    prepare_pairs(tmp_path / "p.jsonl", "bytes", tmp_path / "d", source_field="de", target_field="en",
+    prepare_seq2seq(tmp_path / "p.jsonl", "bytes", tmp_path / "d", source_field="de", target_field="en",
                   num_workers=0, progress=False)
     rows = sorted(sum(split_contents(tmp_path / "d").values(), []))
     assert rows == sorted([(expected_ids("hallo"), expected_ids("hello")),
                            (expected_ids("Welt"), expected_ids("world"))])
     with pytest.raises(OutputExistsError, match="--overwrite"):
-        prepare_pairs(tmp_path / "p.jsonl", "bytes", tmp_path / "d", source_field="de", target_field="en",
+        prepare_seq2seq(tmp_path / "p.jsonl", "bytes", tmp_path / "d", source_field="de", target_field="en",
                       progress=False)
     write_jsonl(tmp_path / "p.jsonl", [("a", "b")], source="de", target="en")
-    prepare_pairs(tmp_path / "p.jsonl", "bytes", tmp_path / "d", source_field="de", target_field="en",
+    prepare_seq2seq(tmp_path / "p.jsonl", "bytes", tmp_path / "d", source_field="de", target_field="en",
                   num_workers=0, overwrite=True, progress=False)
-    assert len(PairDataset(tmp_path / "d")) == 1
+    assert len(Seq2SeqDataset(tmp_path / "d")) == 1
 
 
 BAD_LINES = {
@@ -170,7 +170,7 @@ def test_bad_input_is_one_line_naming_file_and_line(tmp_path, case):
     text, message = BAD_LINES[case]
     (tmp_path / "pairs.jsonl").write_text(text)
     with pytest.raises(UserError, match=message) as err:   # DataError, or corpora's CorpusError for bad JSON
-        prepare_pairs(tmp_path / "pairs.jsonl", "bytes", tmp_path / "d", num_workers=0, progress=False)
+        prepare_seq2seq(tmp_path / "pairs.jsonl", "bytes", tmp_path / "d", num_workers=0, progress=False)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "d").exists() and list(tmp_path.iterdir()) == [tmp_path / "pairs.jsonl"]
 
@@ -181,16 +181,16 @@ def test_a_leading_bom_is_dropped_as_in_corpora(tmp_path):
     marked = tmp_path / "bom.jsonl"
     marked.write_bytes("\ufeff".encode() + plain.read_bytes())
     for path in (plain, marked):
-        prepare_pairs(path, "bytes", tmp_path / path.stem, val_fraction=0.2, num_workers=0, progress=False)
+        prepare_seq2seq(path, "bytes", tmp_path / path.stem, val_fraction=0.2, num_workers=0, progress=False)
     assert split_contents(tmp_path / "bom") == split_contents(tmp_path / "plain")
 
 
 def test_a_pairs_corpus_is_one_jsonl_file(tmp_path):
     (tmp_path / "pairs.txt").write_text("a\tb\n")
     with pytest.raises(DataError, match="not a .jsonl path"):
-        prepare_pairs(tmp_path / "pairs.txt", "bytes", tmp_path / "d", progress=False)
+        prepare_seq2seq(tmp_path / "pairs.txt", "bytes", tmp_path / "d", progress=False)
     with pytest.raises(DataError, match="does not exist"):
-        prepare_pairs(tmp_path / "missing.jsonl", "bytes", tmp_path / "d", progress=False)
+        prepare_seq2seq(tmp_path / "missing.jsonl", "bytes", tmp_path / "d", progress=False)
 
 
 # --------------------------------------------------------------------------- folder kinds
@@ -200,18 +200,18 @@ def test_each_folder_kind_refuses_the_other_reader(tmp_path, pairs_dir):
     (tmp_path / "texts" / "a.txt").write_text("some text for a token stream")
     prepare(tmp_path / "texts", "bytes", tmp_path / "tokens", num_workers=0, progress=False)
     with pytest.raises(DataError, match="is a source/target pairs folder, not a token-stream folder: "
-                       "read it with archlab.data.pairs.PairDataset"):
+                       "read it with archlab.data.seq2seq.Seq2SeqDataset"):
         TokenDataset(data_dir)
     with pytest.raises(DataError, match="is a token-stream folder, not a source/target pairs folder: "
                        "read it with archlab.data.tokens.TokenDataset"):
-        PairDataset(tmp_path / "tokens")
-    assert is_pairs(data_dir) and not is_pairs(tmp_path / "tokens") and not is_pairs(tmp_path / "nothing")
+        Seq2SeqDataset(tmp_path / "tokens")
+    assert is_seq2seq(data_dir) and not is_seq2seq(tmp_path / "tokens") and not is_seq2seq(tmp_path / "nothing")
 
 
 # --------------------------------------------------------------------------- sampling
 def test_batch_rows_are_padded_pairs_with_mask_and_ignored_labels(pairs_dir):
-    ds = PairDataset(pairs_dir[0])
-    sampler = PairSampler(ds, 6, max_source_len=ds.max_source_len, max_target_len=ds.max_target_len, pad_id=7)
+    ds = Seq2SeqDataset(pairs_dir[0])
+    sampler = Seq2SeqSampler(ds, 6, max_source_len=ds.max_source_len, max_target_len=ds.max_target_len, pad_id=7)
     inputs, labels = sampler.batch(3)
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     sources = [ds.source(i) for i in sampler.indices(3)]
@@ -228,25 +228,25 @@ def test_batch_rows_are_padded_pairs_with_mask_and_ignored_labels(pairs_dir):
 
 
 def test_batch_is_a_pure_function_of_step_and_resumes_from_state(pairs_dir):
-    ds = PairDataset(pairs_dir[0])
+    ds = Seq2SeqDataset(pairs_dir[0])
     limits = dict(max_source_len=ds.max_source_len, max_target_len=ds.max_target_len)
-    straight = PairSampler(ds, 4, seed=3, **limits)
+    straight = Seq2SeqSampler(ds, 4, seed=3, **limits)
     batches = [next(straight) for _ in range(20)]  # 80 samples: past two epochs of 30-odd pairs
-    fresh = PairSampler(ds, 4, seed=3, **limits)
+    fresh = Seq2SeqSampler(ds, 4, seed=3, **limits)
     for step in (7, 0, 19, 7):
         assert_same(fresh.batch(step), batches[step])
-    first = PairSampler(ds, 4, seed=3, **limits)
+    first = Seq2SeqSampler(ds, 4, seed=3, **limits)
     for _ in range(9):
         next(first)
-    resumed = PairSampler(ds, 4, seed=3, **limits)
+    resumed = Seq2SeqSampler(ds, 4, seed=3, **limits)
     resumed.load_state_dict(first.state_dict())
     for step in range(9, 20):
         assert_same(next(resumed), batches[step])
     assert resumed.step == 20 and resumed.epoch == pytest.approx(80 / len(ds))
     with pytest.raises(DataError, match="seed=3"):
-        PairSampler(ds, 4, seed=4, **limits).load_state_dict(first.state_dict())
+        Seq2SeqSampler(ds, 4, seed=4, **limits).load_state_dict(first.state_dict())
     with pytest.raises(DataError, match="global_batch_size=4"):
-        PairSampler(ds, 2, seed=3, **limits).load_state_dict(first.state_dict())
+        Seq2SeqSampler(ds, 2, seed=3, **limits).load_state_dict(first.state_dict())
 
 
 def assert_same(a, b):
@@ -255,20 +255,20 @@ def assert_same(a, b):
 
 
 def test_ranks_split_the_global_batch(pairs_dir):
-    ds = PairDataset(pairs_dir[0])
+    ds = Seq2SeqDataset(pairs_dir[0])
     limits = dict(max_source_len=ds.max_source_len, max_target_len=ds.max_target_len)
-    whole = PairSampler(ds, 6, seed=1, **limits)
-    ranks = [PairSampler(ds, 3, seed=1, rank=r, world_size=2, **limits) for r in range(2)]
+    whole = Seq2SeqSampler(ds, 6, seed=1, **limits)
+    ranks = [Seq2SeqSampler(ds, 3, seed=1, rank=r, world_size=2, **limits) for r in range(2)]
     for step in range(12):
         assert whole.indices(step) == ranks[0].indices(step) + ranks[1].indices(step)
-    resumed = PairSampler(ds, 2, seed=1, rank=1, world_size=3, **limits)   # same global batch, 3 ranks
+    resumed = Seq2SeqSampler(ds, 2, seed=1, rank=1, world_size=3, **limits)   # same global batch, 3 ranks
     resumed.load_state_dict(whole.state_dict())
     assert resumed.indices(5) == whole.indices(5)[2:4]
 
 
 def test_every_pair_once_per_epoch(pairs_dir):
-    ds = PairDataset(pairs_dir[0])
-    sampler = PairSampler(ds, 5, seed=2, max_source_len=ds.max_source_len, max_target_len=ds.max_target_len)
+    ds = Seq2SeqDataset(pairs_dir[0])
+    sampler = Seq2SeqSampler(ds, 5, seed=2, max_source_len=ds.max_source_len, max_target_len=ds.max_target_len)
     n = len(ds)
     seen = [i for step in range(-(-3 * n // 5)) for i in sampler.indices(step)]
     epochs = [seen[e * n:(e + 1) * n] for e in range(3)]
@@ -277,32 +277,32 @@ def test_every_pair_once_per_epoch(pairs_dir):
 
 
 def test_too_long_pairs_are_named_at_construction(pairs_dir):
-    ds = PairDataset(pairs_dir[0])
+    ds = Seq2SeqDataset(pairs_dir[0])
     lengths = np.array([[len(ds.source(i)), len(ds.target(i))] for i in range(len(ds))])
     limit = int(np.median(lengths[:, 0]))
     over = int((lengths[:, 0] > limit).sum())
     message = (f"{over} of {len(ds)} train sources are longer than max_source_len={limit} "
                f"(longest {lengths[:, 0].max()} tokens")
     with pytest.raises(DataError, match=message.replace("(", r"\(")):
-        PairSampler(ds, 2, max_source_len=limit, max_target_len=100)
+        Seq2SeqSampler(ds, 2, max_source_len=limit, max_target_len=100)
     with pytest.raises(DataError, match="train targets are longer than max_target_len=1 "):
-        PairSampler(ds, 2, max_source_len=100, max_target_len=1)
-    PairSampler(ds, 2, max_source_len=int(lengths[:, 0].max()), max_target_len=int(lengths[:, 1].max()))
+        Seq2SeqSampler(ds, 2, max_source_len=100, max_target_len=1)
+    Seq2SeqSampler(ds, 2, max_source_len=int(lengths[:, 0].max()), max_target_len=int(lengths[:, 1].max()))
 
 
 def test_eval_batches_cover_the_split_in_order(pairs_dir):
-    ds = PairDataset(pairs_dir[0], "train")
-    batches = list(pair_eval_batches(ds, 8, pad_id=0))
+    ds = Seq2SeqDataset(pairs_dir[0], "train")
+    batches = list(seq2seq_eval_batches(ds, 8, pad_id=0))
     assert [b[1].shape[0] for b in batches[:-1]] == [8] * (len(batches) - 1)
     assert sum(b[1].shape[0] for b in batches) == len(ds)
     targets = [row[row != -100].tolist() for _, labels in batches for row in labels]
     assert targets == [ds.target(i).tolist() for i in range(len(ds))]
-    assert len(list(pair_eval_batches(ds, 8, max_batches=2))) == 2
-    shards = [list(pair_eval_batches(ds, 8, rank=r, world_size=2)) for r in range(2)]
+    assert len(list(seq2seq_eval_batches(ds, 8, max_batches=2))) == 2
+    shards = [list(seq2seq_eval_batches(ds, 8, rank=r, world_size=2)) for r in range(2)]
     assert_same(shards[1][0], batches[1])
     assert [len(s) for s in shards] == [len(batches[0::2]), len(batches[1::2])]
     with pytest.raises(DataError, match="train targets are longer than max_target_len=2 "):
-        next(pair_eval_batches(ds, 8, max_target_len=2))
+        next(seq2seq_eval_batches(ds, 8, max_target_len=2))
 
 
 # --------------------------------------------------------------------------- command line
@@ -313,9 +313,9 @@ def test_cli_prepares_pairs_and_reports_bad_input_as_status_2(tmp_path, capsys):
     args = ["data", "prepare", "--seq2seq", "--corpus", str(tmp_path / "p.jsonl"), "--tokenizer", "bytes",
             "--workers", "0", "--quiet", "--source-field", "de", "--target-field", "en"]
     assert main([*args, "--out", str(tmp_path / "d")]) == 0
-    assert "pairs" in capsys.readouterr().out and len(PairDataset(tmp_path / "d")) > 0
+    assert "pairs" in capsys.readouterr().out and len(Seq2SeqDataset(tmp_path / "d")) > 0
     old = [("--pairs" if a == "--seq2seq" else a) for a in args]       # the flag's earlier name still works
-    assert main([*old, "--out", str(tmp_path / "d2")]) == 0 and len(PairDataset(tmp_path / "d2")) > 0
+    assert main([*old, "--out", str(tmp_path / "d2")]) == 0 and len(Seq2SeqDataset(tmp_path / "d2")) > 0
     assert "--pairs is deprecated: it is --seq2seq now" in capsys.readouterr().err
     (tmp_path / "bad.jsonl").write_text('{"de": "a", "en": "b"}\n{"de": "a"}\n')
     args[args.index(str(tmp_path / "p.jsonl"))] = str(tmp_path / "bad.jsonl")
@@ -329,12 +329,12 @@ def test_cli_prepares_pairs_and_reports_bad_input_as_status_2(tmp_path, capsys):
 
 def test_a_killed_prepare_leaves_no_folder_and_a_rerun_completes(tmp_path):
     write_jsonl(tmp_path / "p.jsonl", make_pairs(10))
-    code = ("from archlab.data.pairs import prepare_pairs\n"
-            f"prepare_pairs({str(tmp_path / 'p.jsonl')!r}, 'bytes', {str(tmp_path / 'd')!r}, num_workers=0)\n")
+    code = ("from archlab.data.seq2seq import prepare_seq2seq\n"
+            f"prepare_seq2seq({str(tmp_path / 'p.jsonl')!r}, 'bytes', {str(tmp_path / 'd')!r}, num_workers=0)\n")
     env = {**os.environ, "ARCHLAB_FAULT": "prepare:split"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == FAULT_EXIT, proc.stderr
     assert not (tmp_path / "d").exists() and list(tmp_path.glob(".d.partial-*"))
-    prepare_pairs(tmp_path / "p.jsonl", "bytes", tmp_path / "d", num_workers=0, progress=False)
-    assert len(PairDataset(tmp_path / "d")) + len(PairDataset(tmp_path / "d", "val")) == 10
+    prepare_seq2seq(tmp_path / "p.jsonl", "bytes", tmp_path / "d", num_workers=0, progress=False)
+    assert len(Seq2SeqDataset(tmp_path / "d")) + len(Seq2SeqDataset(tmp_path / "d", "val")) == 10
     assert not list(tmp_path.glob(".d.partial-*"))

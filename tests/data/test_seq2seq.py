@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from archlab.data.batches import tokens_processed
+from archlab.data.formats import detect
 from archlab.data.prepare import prepare
-from archlab.data.seq2seq import Seq2SeqDataset, Seq2SeqSampler, is_seq2seq, prepare_seq2seq, seq2seq_eval_batches
+from archlab.data.seq2seq import Seq2SeqDataset, Seq2SeqSampler, prepare_seq2seq, seq2seq_eval_batches
 from archlab.data.tokenizer_adapter import ByteTokenizer
 from archlab.data.tokens import TokenDataset
 from archlab.errors import DataError, UserError
@@ -205,7 +206,7 @@ def test_each_folder_kind_refuses_the_other_reader(tmp_path, pairs_dir):
     with pytest.raises(DataError, match="is a token-stream folder, not a source/target pairs folder: "
                        "read it with archlab.data.tokens.TokenDataset"):
         Seq2SeqDataset(tmp_path / "tokens")
-    assert is_seq2seq(data_dir) and not is_seq2seq(tmp_path / "tokens") and not is_seq2seq(tmp_path / "nothing")
+    assert detect(data_dir).format == "seq2seq_pairs" and detect(tmp_path / "tokens").format == "token_stream"
 
 
 # --------------------------------------------------------------------------- sampling

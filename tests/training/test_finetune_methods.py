@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from archlab.cli import main
-from archlab.data.preference_folder import PREFERENCE_FILE, is_preference_folder
+from archlab.data.formats import Found, detect
+from archlab.data.preference_folder import PREFERENCE_FILE
 from archlab.tokenizer import train as train_tokenizer
 from archlab.tokenizer.chat_builtin import install_chat_template
 from archlab.training.config import TrainConfig
@@ -60,7 +61,7 @@ def test_finetune_method_dpo_prepares_a_folder_and_trains_as_train_does(world, t
                  "--out", str(out), *COMMON]) == 0
     assert main(["train", "--init-from", str(world / "base"), "--data", str(world / "prefs.jsonl"), "--out",
                  str(plain), *COMMON, "--set", "train.objective=dpo"]) == 0       # the earlier key, renamed
-    assert is_preference_folder(out / "data") and (out / "data" / PREFERENCE_FILE).is_file()
+    assert detect(out / "data") == Found("preference_pairs", folder=True) and (out / "data" / PREFERENCE_FILE).is_file()
     assert (out / "data" / "tokenizer" / "tokenizer.json").is_file() and (out / "tokenizer").is_dir()
     ours, theirs = _losses(out), _losses(plain)
     assert abs(ours[0]["loss"] - math.log(2)) < 1e-6                # policy = reference at the first step

@@ -24,16 +24,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
 from archlab.data import objectives
+from archlab.data.formats import detect
 from archlab.data.next_sentence import NextSentencePairs, next_sentence_for
 from archlab.data.noising import span_corruption_for, text_infilling_for
 from archlab.data.objectives import Batch, Objective
-from archlab.data.seq2seq import Seq2SeqDataset, Seq2SeqSampler, is_seq2seq, seq2seq_eval_batches
-from archlab.data.sft import SFTDataset, SFTSampler, is_sft, sft_eval_batches
+from archlab.data.seq2seq import Seq2SeqDataset, Seq2SeqSampler, seq2seq_eval_batches
+from archlab.data.sft import SFTDataset, SFTSampler, sft_eval_batches
 from archlab.data.tokens import BatchSampler, Rows, StepSampler, TokenDataset, eval_batches
 from archlab.errors import UserError
 from archlab.nn.registry import Registry
@@ -161,15 +162,18 @@ def objective_for(model_cfg: ModelConfig, train_cfg: TrainConfig, dataset: Token
 
 
 # --------------------------------------------------------------------------- datasets and batches
+# the split reader of each prepared-folder format a training step reads (data/formats.py names the formats)
+SPLIT_READERS: dict[str, Any] = {"token_stream": TokenDataset, "seq2seq_pairs": Seq2SeqDataset,
+                                 "chat_examples": SFTDataset}
+
+
 def open_splits(data_dir: str | Path) -> tuple[Dataset, Dataset]:
     """(train, val) datasets of a prepared folder: archlab.data.tokens.TokenDataset for a token stream,
     archlab.data.seq2seq.Seq2SeqDataset for source/target pairs, archlab.data.sft.SFTDataset for chat examples.
     Example: train_data, val_data = open_splits("data/pairs")"""
-    if is_seq2seq(data_dir):
-        return Seq2SeqDataset(data_dir, "train"), Seq2SeqDataset(data_dir, "val")
-    if is_sft(data_dir):
-        return SFTDataset(data_dir, "train"), SFTDataset(data_dir, "val")
-    return TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
+    held = detect(data_dir).format if Path(data_dir).is_dir() else "token_stream"   # else TokenDataset says why
+    reader = SPLIT_READERS.get(held, TokenDataset)          # a folder of another format: TokenDataset names it
+    return reader(data_dir, "train"), reader(data_dir, "val")
 
 
 def _check_pairs_objective(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:

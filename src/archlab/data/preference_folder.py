@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from archlab.data.prepare import write_json
-from archlab.data.tokens import META_FILE, load_meta
-from archlab.errors import DataError
+from archlab.data.tokens import META_FILE
 
-__all__ = ["PREFERENCE_FORMAT", "PREFERENCE_FILE", "write_line_folder", "write_preference_folder", "is_line_folder",
-           "is_preference_folder", "open_preference_folder"]
+__all__ = ["PREFERENCE_FORMAT", "PREFERENCE_FILE", "write_line_folder", "write_preference_folder",
+           "open_preference_folder"]
 
 PREFERENCE_FORMAT = "preference"
 PREFERENCE_FILE = "preference.jsonl"
@@ -46,21 +45,6 @@ def write_preference_folder(folder: str | os.PathLike, data: str | os.PathLike, 
     """A preference folder (write_line_folder of kind "preference")."""
     return write_line_folder(folder, data, tokenizer_dir, kind=PREFERENCE_FORMAT, vocab_size=vocab_size,
                              eot_id=eot_id, **described)
-
-
-def is_line_folder(data_dir: str | os.PathLike, kind: str) -> bool:
-    """Whether `data_dir` is a prepared folder of `kind` lines (False for other data folders, files, or nothing)."""
-    if not Path(data_dir).is_dir():
-        return False
-    try:
-        return load_meta(data_dir, expect=None).get("format") == kind
-    except DataError:
-        return False
-
-
-def is_preference_folder(data_dir: str | os.PathLike) -> bool:
-    """Whether `data_dir` is a prepared preference folder (False for other data folders, files, or nothing)."""
-    return is_line_folder(data_dir, PREFERENCE_FORMAT)
 
 
 def open_preference_folder(folder: str | os.PathLike, *, max_tokens: int | None, truncation: str,

@@ -52,7 +52,7 @@ from archlab.errors import DataError
 from archlab.faults import fault_point
 from archlab.runs.outputs import fresh_output
 
-__all__ = ["SEQ2SEQ_FORMAT", "prepare_seq2seq", "is_seq2seq", "Seq2SeqDataset", "Seq2SeqSampler",
+__all__ = ["SEQ2SEQ_FORMAT", "prepare_seq2seq", "Seq2SeqDataset", "Seq2SeqSampler",
            "seq2seq_eval_batches", "collate_pairs", "check_lengths", "DataError"]
 
 SEQ2SEQ_FORMAT = "archlab-pairs"          # the meta.json value folders already prepared hold
@@ -213,14 +213,6 @@ def _write_pairs(path: Path, fields: tuple[str, str], is_val: bytearray, tok: An
 
 
 # --------------------------------------------------------------------------- reading
-def is_seq2seq(data_dir: str | os.PathLike) -> bool:
-    """Whether `data_dir` is a prepared pairs folder (False for a token-stream folder or no data folder)."""
-    try:
-        return load_meta(data_dir, expect=None).get("format") == SEQ2SEQ_FORMAT
-    except DataError:
-        return False
-
-
 def _memmap(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     n = path.stat().st_size // dtype.itemsize
     if n != count:

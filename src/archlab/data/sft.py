@@ -37,7 +37,7 @@ from archlab.data.tokenizer_adapter import load_tokenizer
 from archlab.data.tokens import META_FILE, StepSampler, _mix_seed, load_meta
 from archlab.errors import DataError
 
-__all__ = ["SFT_FORMAT", "is_sft", "write_sft_folder", "SFTDataset", "SFTSampler", "sft_eval_batches",
+__all__ = ["SFT_FORMAT", "write_sft_folder", "SFTDataset", "SFTSampler", "sft_eval_batches",
            "pack_rows", "collate_examples", "real_token_share", "describe"]
 
 SFT_FORMAT = "archlab-sft"
@@ -75,14 +75,6 @@ def write_sft_folder(folder: str | os.PathLike, splits: dict[str, Sequence[Any]]
             "vocab_size": int(vocab_size), "eot_id": int(eot_id), "splits": info, "tokenizer": "tokenizer"}
     write_json(folder / META_FILE, meta)
     return meta
-
-
-def is_sft(data_dir: str | os.PathLike) -> bool:
-    """Whether `data_dir` is an SFT folder (False for other data folders or no data folder)."""
-    try:
-        return load_meta(data_dir, expect=None).get("format") == SFT_FORMAT
-    except DataError:
-        return False
 
 
 # --------------------------------------------------------------------------- reading

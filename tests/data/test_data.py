@@ -363,7 +363,8 @@ def test_unique_tokens_trains_on_the_splits_head_repeated_epoch_after_epoch(coun
     from archlab.data.batches import TrainBatches
     from archlab.training.config import TrainConfig
 
-    cfg = TrainConfig().with_overrides({"batch_size": "4", "seq_len": "16", "stream.unique_tokens": "1e3"})
+    cfg = TrainConfig().with_overrides({"batch_size": "4", "seq_len": "16", "stream.unique_tokens": "1e3",
+                                        "stream.unique_spread": "false"})
     assert cfg.stream.unique_tokens == 1000
     batches = TrainBatches(ModelConfig(vocab_size=5000), cfg, TokenDataset(counting_dir))
     per_epoch = (1000 - 1) // 16 - 1                      # 61 windows of 17 tokens fit in the first 1000
@@ -378,6 +379,63 @@ def test_unique_tokens_trains_on_the_splits_head_repeated_epoch_after_epoch(coun
     for k in range(4):                                    # each epoch visits its own 61 disjoint windows once
         epoch = sorted(starts[k * per_epoch:(k + 1) * per_epoch])
         assert all(b - a == 16 for a, b in zip(epoch, epoch[1:]))
+
+
+def test_unique_tokens_spread_takes_equal_chunks_strided_over_the_split_and_every_epoch_repeats_exactly_them(
+        counting_dir):
+    from archlab.config import ModelConfig
+    from archlab.data.batches import TrainBatches
+    from archlab.training.config import TrainConfig
+
+    cfg = TrainConfig().with_overrides({"batch_size": "7", "seq_len": "16", "stream.unique_tokens": "1000",
+                                        "stream.unique_chunk_windows": "8"})
+    assert cfg.stream.unique_spread                       # the default
+    batches = TrainBatches(ModelConfig(vocab_size=5000), cfg, TokenDataset(counting_dir))
+    # by hand: chunks of >= 8 * 16 = 128 tokens -> k = 1000 // 128 = 7; lengths i*1000//7 apart: 142, then 6 x 143;
+    # the 4000 unused tokens as gaps of i*4000//7: chunk i starts at i*1000//7 + i*4000//7 of the 5000
+    firsts = [0, 713, 1427, 2142, 2856, 3571, 4285]
+    lengths = [142, 143, 143, 143, 143, 143, 143]
+    subset = np.concatenate([np.arange(a, a + m) for a, m in zip(firsts, lengths)])
+    data = batches.sampler.dataset
+    assert data.n_tokens == 1000 and np.array_equal(np.asarray(data.tokens), subset)
+    assert data.chunk_starts.tolist() == [0, 142, 285, 428, 571, 714, 857]
+    per_epoch = 7 * ((142 - 16) // 16)                    # 7 windows a chunk, whatever the epoch's offset
+    assert batches.sampler.windows_per_epoch == per_epoch == 49
+    chunk_of = {int(t): c for c, (a, m) in enumerate(zip(firsts, lengths)) for t in range(a, a + m)}
+    epochs = []
+    for epoch in range(4):
+        seen = set()
+        for step in range(7 * epoch, 7 * epoch + 7):     # 7 steps of 7 windows: one epoch
+            inputs, labels = batches.next(step, 0)
+            for x, y in zip(inputs["input_ids"], labels):
+                span = [int(t) for t in x] + [int(y[-1])]
+                assert span == list(range(span[0], span[0] + 17))       # contiguous in the split: no seam crossed
+                assert {chunk_of.get(t) for t in span} == {chunk_of[span[0]]}   # inside one chunk
+                seen.add(span[0])
+        starts = sorted(seen)
+        assert len(starts) == 49                                         # each window once an epoch
+        offsets = {s - firsts[chunk_of[s]] for s in starts}
+        assert len({o % 16 for o in offsets}) == 1                       # one offset an epoch, in every chunk
+        assert sorted({chunk_of[s] for s in starts}) == list(range(7))   # every chunk, every epoch
+        epochs.append(starts)
+    assert batches.epoch == pytest.approx(4.0)
+    assert len({tuple(e) for e in epochs}) > 1                           # the offset moves between epochs
+
+
+def test_a_spread_subset_keeps_sentence_starts_and_refuses_a_bad_size(counting_dir):
+    from archlab.config import ConfigError
+    from archlab.training.config import TrainConfig
+
+    train = TokenDataset(counting_dir)
+    train.sentence_starts = np.array([0, 50, 140, 150, 700, 720, 4999])
+    part = train.spread(1000, 128)                        # chunks [0, 142), [713, 856), ... glued at 0, 142, ...
+    assert part.sentence_starts.tolist() == [0, 50, 140, 142 + 720 - 713]
+    assert part.n_bytes == round(train.n_bytes * 1000 / 5000) and train.n_tokens == 5000
+    assert np.array_equal(np.asarray(train.spread(5000, 128).tokens), np.arange(5000))  # all of it: the split
+    with pytest.raises(DataError, match="unique_tokens"):
+        train.spread(5001, 128)
+    with pytest.raises(ConfigError, match="unique_chunk_windows"):
+        TrainConfig(stream={"unique_chunk_windows": 4})
 
 
 def test_a_splits_head_counts_its_tokens_bytes_and_documents_and_refuses_a_cut_past_the_end(tmp_path):

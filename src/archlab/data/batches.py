@@ -249,8 +249,11 @@ class TrainBatches(SamplerState):
                                        max_target_len=train_cfg.seq_len, seed=train_cfg.seed, rank=rank,
                                        world_size=world_size, setting="train.seq_len")
         else:
-            if train_cfg.stream.unique_tokens is not None:  # repeated data: the split's head, epoch after epoch
-                dataset = dataset.head(train_cfg.stream.unique_tokens)
+            stream = train_cfg.stream
+            if stream.unique_tokens is not None and stream.unique_spread:   # repeated data from across the split
+                dataset = dataset.spread(stream.unique_tokens, stream.unique_chunk_windows * train_cfg.seq_len)
+            elif stream.unique_tokens is not None:                         # repeated data: the split's head
+                dataset = dataset.head(stream.unique_tokens)
             task = objective_for(model_cfg, train_cfg, dataset, Shard(local_batch, rank, world_size))
             self.objective = task.objective
             self.rows = task.rows if task.rows is not None else BatchSampler(

@@ -119,6 +119,7 @@ class TokenDataset:
         self.vocab_size = int(self.meta["vocab_size"])
         self.eot_id = int(self.meta["eot_id"])
         self.sentence_starts = self._sentence_starts(info) if self.meta.get("sentences") else None
+        self.chunk_starts: np.ndarray | None = None   # set by spread(): where its glued chunks start
 
     def _sentence_starts(self, info: dict) -> np.ndarray:
         """(n,) int64 memmap: token offsets where this split's sentences start (prepare(sentences=True))."""
@@ -156,6 +157,36 @@ class TokenDataset:
         cut.n_documents = int(np.count_nonzero(np.asarray(cut.tokens) == self.eot_id))
         if self.sentence_starts is not None:
             cut.sentence_starts = self.sentence_starts[self.sentence_starts < n_tokens]
+        return cut
+
+    def spread(self, n_tokens: int, chunk: int) -> TokenDataset:
+        """`n_tokens` of this split taken as k = max(1, n_tokens // chunk) chunks of near-equal length (each at
+        least `chunk` tokens) evenly strided over the whole split, glued back to back in memory: a fixed amount
+        of unique data that samples every part of the split, where head() samples its first works only
+        (train.stream.unique_tokens with unique_spread). Chunk i holds tokens [a_i, a_i + len_i) of the split,
+        len_i = (i+1)n//k - i*n//k and a_i = i*n//k + i*(N-n)//k (the unused N - n tokens spread as equal
+        gaps); `chunk_starts` records where each chunk starts in the glued stream, so BatchSampler never draws a
+        window across a seam. Bytes are counted pro rata, documents by the end-of-text ids inside.
+        Example: TokenDataset("data/shakespeare", "train").spread(100_000, 2048).chunk_starts[:2] -> [0, 2083]"""
+        if not 0 < n_tokens <= self.n_tokens:
+            raise DataError(f"train.stream.unique_tokens={n_tokens} must be in [1, {self.n_tokens}]: the "
+                            f"{self.split!r} split of {self.data_dir} holds {self.n_tokens} tokens")
+        n, total = int(n_tokens), self.n_tokens
+        k = max(1, n // chunk)
+        i = np.arange(k + 1, dtype=np.int64)
+        glued = i * n // k                                    # (k+1,) chunk bounds in the glued stream
+        first = glued[:-1] + i[:-1] * (total - n) // k         # (k,) where each chunk starts in the split
+        lengths = np.diff(glued)                               # (k,)
+        cut = copy.copy(self)
+        cut.tokens = np.concatenate([np.asarray(self.tokens[a:a + m]) for a, m in zip(first, lengths)])   # (n,)
+        cut.n_tokens = n
+        cut.n_bytes = round(self.n_bytes * n / total)
+        cut.n_documents = int(np.count_nonzero(cut.tokens == self.eot_id))
+        cut.chunk_starts = glued[:-1]
+        if self.sentence_starts is not None:
+            ss = np.asarray(self.sentence_starts)
+            cut.sentence_starts = np.concatenate([ss[(ss >= a) & (ss < a + m)] - a + g
+                                                  for a, m, g in zip(first, lengths, glued[:-1])])
         return cut
 
     def load_tokenizer(self) -> TokenizerLike:
@@ -254,8 +285,23 @@ class BatchSampler(StepSampler):
         most = (n - 1) // seq_len
         self.windows_per_epoch = most - 1 if most >= 2 else most
         self._max_offset = min(seq_len - 1, n - 1 - self.windows_per_epoch * seq_len)
+        self._bases = np.arange(self.windows_per_epoch, dtype=np.int64) * seq_len   # window k: offset + bases[k]
+        if dataset.chunk_starts is not None:
+            self._chunked(dataset.chunk_starts, n)
         self.step = 0
         self._epochs: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def _chunked(self, chunk_starts: np.ndarray, n: int) -> None:
+        """Windows inside the chunks of a spread() subset only: a chunk of L tokens holds (L - seq_len) // seq_len
+        windows at chunk start + offset + j * seq_len, which fit for every offset in [0, seq_len)."""
+        s = self.seq_len
+        bounds = np.append(np.asarray(chunk_starts, dtype=np.int64), n)
+        per_chunk = (np.diff(bounds) - s) // s                 # (k,) windows per chunk
+        if per_chunk.min() < 1:
+            raise DataError(f"a chunk of {int(np.diff(bounds).min())} tokens holds no window of seq_len + offset "
+                            f"< {2 * s} tokens: make train.stream.unique_tokens larger or the chunks longer")
+        self._bases = np.concatenate([a + np.arange(w, dtype=np.int64) * s for a, w in zip(bounds[:-1], per_chunk)])
+        self.windows_per_epoch, self._max_offset = len(self._bases), s - 1
 
     def _epoch(self, epoch: int) -> tuple[int, torch.Tensor]:
         if epoch not in self._epochs:
@@ -272,7 +318,7 @@ class BatchSampler(StepSampler):
         out = []
         for epoch, pos in self._rows(step, self.windows_per_epoch):
             offset, perm = self._epoch(epoch)
-            out.append(offset + int(perm[pos]) * self.seq_len)
+            out.append(offset + int(self._bases[int(perm[pos])]))
         return out
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

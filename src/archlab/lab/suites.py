@@ -946,10 +946,12 @@ def _emergence() -> Suite:
 
 
 def _repeats_axis(budget: int, epochs: list[int]) -> dict:
-    """One token budget drawn from budget / r unique tokens (the training split's head) repeated r times."""
+    """One token budget drawn from budget / r unique tokens (chunks strided over the training split) repeated r
+    times."""
     return {"name": "epochs", "values": [
         {"label": str(r), "set": {"train.budget": float(budget), "train.budget_unit": "tokens",
-                                  "train.stream.unique_tokens": budget // r}} for r in epochs]}
+                                  "train.stream.unique_tokens": budget // r, "train.stream.unique_spread": True}}
+        for r in epochs]}
 
 
 REPETITION_EPOCHS = [1, 4, 16]
@@ -986,11 +988,13 @@ def _repetition() -> Suite:
                   "training on)",
         notes="Every run reads the same token budget (2^21 = 2.1M bytes at the small scale, ~19 tokens per parameter "
               "of the 108k-parameter d48L3 model; the large scale: d128L4 on 20M tokens of the Python standard "
-              "library with its tests) with the same cosine schedule; only the unique data differs: the first "
-              "budget / r tokens of the training split (train.stream.unique_tokens), which the sampler repeats for r "
-              "epochs, each epoch in its own order and window offset. The subsets are nested (the 16-epoch data is "
-              "the head of the 4-epoch data, which is the head of the 1-epoch data), so the fewer unique tokens "
-              "also cover fewer works. The variants set their budgets in tokens, so --budget does not apply. "
+              "library with its tests) with the same cosine schedule; only the unique data differs: budget / r "
+              "tokens of the training split (train.stream.unique_tokens), taken as chunks of at least 32 windows "
+              "(2,048 tokens) evenly strided over the whole split (train.stream.unique_spread), so every work is "
+              "represented at every r; the sampler repeats them for r epochs, each epoch in its own order and window "
+              "offset, and no window crosses a chunk seam. (Taking the split's first budget / r tokens instead "
+              "measured narrower data as much as repetition: 4 epochs then covered 4-5 of the works against 15.) "
+              "The variants set their budgets in tokens, so --budget does not apply. "
               "Validation is the validation split (works never trained on), 64 batches of 16 x 64 tokens. "
               "Tolerances: 0.02 nats, the lab's parity bar (see the bias suite), also the margin by which 16 "
               "epochs must be worse.",

@@ -321,9 +321,14 @@ class StreamConfig:
     document_masks: bool = False           # next_token: end-of-text ends a document; no token attends across,
                                            # positions restart, the label across a boundary is ignored
     prefix_fraction: float = 0.5           # continuation: the window's share given as context, the rest scored
-    unique_tokens: int | None = None       # the training split cut to its first N tokens, which the sampler repeats
+    unique_tokens: int | None = None       # the training split cut to N tokens, which the sampler repeats
                                            # epoch after epoch as the budget needs (repeated data, Muennighoff et al.
                                            # 2023: budget / N epochs); None: the whole split
+    unique_spread: bool = True             # those N tokens as chunks evenly strided over the whole split
+                                           # (TokenDataset.spread), so every part of the corpus is represented;
+                                           # false: the split's first N tokens (its first works only)
+    unique_chunk_windows: int = 32         # spread: each chunk holds at least this many seq_len windows; windows
+                                           # never cross a chunk seam
 
     def __post_init__(self):
         if not 0.0 < self.prefix_fraction < 1.0:
@@ -331,6 +336,10 @@ class StreamConfig:
         n = self.unique_tokens
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ConfigError(f"train.stream.unique_tokens={n!r} must be a whole number >= 1 (or none)")
+        w = self.unique_chunk_windows
+        if isinstance(w, bool) or not isinstance(w, int) or w < 8:
+            raise ConfigError(f"train.stream.unique_chunk_windows={w!r} must be a whole number >= 8 (a chunk loses "
+                              "up to one window to the epoch's offset)")
 
 
 SECTIONS: dict[str, type] = {"schedule": ScheduleConfig, "optimizer": OptimizerConfig, "eval": EvalConfig,

@@ -743,7 +743,7 @@ def _post_training_base() -> dict:
             "train": {k: sft[k] for k in sorted(keep_train - {"seed", "budget", "budget_unit", "device"})}}
 
 
-_SFT_BUDGET = {"small": {"budget": 200, "unit": "steps"}, "large": {"budget": 200, "unit": "steps"}}
+_SFT_BUDGET = {"small": {"budget": 300, "unit": "steps"}, "large": {"budget": 300, "unit": "steps"}}
 # What LoRA trains beside its adapters in this suite. The demo's model has learned absolute positions, which no
 # rank-r update of the Linears can move: with them frozen, plain LoRA reached 0-4.5% held-out exact match where full
 # fine-tuning reached 100% (an earlier report), and LoRA r=16 with the positions trainable reached 100%. ChatML's
@@ -775,7 +775,7 @@ def _lora_rank() -> Suite:
                   "points of rank 64 on WikiSQL and MultiNLI, at 10,000x fewer trainable parameters; Table 2: "
                   "LoRA matches or beats full fine-tuning on GLUE (RoBERTa, DeBERTa)",
         notes="One base (the demo's 0.6M-parameter decoder pretrained on plain 'reverse abcde' / 'edcba' documents, "
-              "200 steps) shared by every run; each run fine-tunes it for the demo's 200 SFT steps (32 rows of "
+              "200 steps) shared by every run; each run fine-tunes it for the demo's 300 SFT steps (32 rows of "
               "packed ChatML examples, loss on the answers, lr 3e-3 for all methods) and is scored by greedy "
               "decoding on 200 held-out words (exact match, case ignored). LoRA on all Linears, alpha 16 for every "
               "rank (Hu et al. fix alpha and scale by alpha/r). Beside the adapters the learned position embeddings "
@@ -843,7 +843,7 @@ def _norm_transfer() -> Suite:
                   "at init; no published figure at this scale",
         notes="Each seed pretrains its own pre- and post-norm base (the demo's 2-layer decoder, 200 steps on plain "
               "'reverse abcde' / 'edcba' documents, the same data and settings) and fine-tunes each the same "
-              "way (full fine-tuning, the demo's 200 SFT steps through ChatML), so the spread over seeds holds "
+              "way (full fine-tuning, the demo's 300 SFT steps through ChatML), so the spread over seeds holds "
               "pretraining's noise as well as fine-tuning's. Scored by greedy decoding on 200 held-out words. "
               "Two layers is far from the depths where the pre/post difference is reported. Read the verdict with "
               "the bases' own exact match: at this scale no pretraining setting tried (lower lr, longer warmup, 3x "

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 from archlab.lab.document import Block
-from archlab.lab.plotstyle import series_style
+from archlab.lab.plotstyle import pyplot, save, series_style
 
 
 def _groups(rows: list) -> dict[tuple[str, int], list]:
@@ -71,9 +71,7 @@ def section(suite, rows: list, img_dir: Path, rel: str) -> list[Block]:
 
 
 def _plot_by_length(groups: dict, short: int | None, out: Path) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     methods = list(dict.fromkeys(m for m, _ in groups))
@@ -97,16 +95,11 @@ def _plot_by_length(groups: dict, short: int | None, out: Path) -> Path:
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("validation perplexity (mean over seeds)")
     fig.suptitle("perplexity against length per extension method (dotted: the trained length)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save(fig, out)
 
 
 def _plot_by_steps(groups: dict, long: int, out: Path) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     for i, method in enumerate(dict.fromkeys(m for m, _ in groups)):
@@ -119,7 +112,4 @@ def _plot_by_steps(groups: dict, long: int, out: Path) -> Path:
     ax.set_title(f"perplexity at {long} tokens against fine-tuning steps (mean ± std over seeds)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save(fig, out)

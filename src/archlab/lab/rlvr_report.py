@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 
 from archlab.lab.document import Block
+from archlab.lab.plotstyle import pyplot, save
 
 
 def curves(rows: list) -> dict[str, dict[int, list[float]]]:
@@ -52,9 +53,7 @@ def section(suite, rows: list, img_dir: Path, rel: str) -> list[Block]:
 
 
 def _plot(series: dict, ks: list[int], out: Path) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3.8), dpi=100)
     for when, label, style in (("before", "fine-tuned (before GRPO)", "o--"), ("after", "after GRPO", "s-")):
@@ -66,7 +65,4 @@ def _plot(series: dict, ks: list[int], out: Path) -> Path:
     ax.set_title("pass@k before and after RL with a verifiable reward", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return save(fig, out)

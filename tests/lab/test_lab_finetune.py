@@ -106,3 +106,39 @@ def test_a_worker_waits_for_the_base_another_is_building(tmp_path, task_data, mo
     run_dir, record = lab_finetune.ensure_base(spec, task_data)
     assert record == {"seconds": 1.0, "exact_plain": 0.5}          # its record, not a second pretraining
     assert run_dir == spec.folder / "run" and not run_dir.exists()
+
+
+def test_run_base_notes_the_base_or_fails_the_row_and_lets_a_lock_through(tmp_path):
+    from types import SimpleNamespace
+
+    from archlab.lab.store import RunRecord
+    from archlab.lab.worker import failed
+    from archlab.runs.lock import LockedError
+
+    spec = plan(_tiny_suite(), tmp_path, vocab_size=259)[0].base
+
+    def job():
+        return SimpleNamespace(run=SimpleNamespace(base=spec), data=tmp_path,
+                               record=RunRecord(suite="s", variant="v", seed=0, status="running"))
+
+    built = job()
+    got = lab_bases.run_base(built, failed, 0.0, build=lambda s, d: (s.folder / "run", {
+        "seconds": 2.0, "final_val_loss": 1.5, "built_here": True}))
+    assert got == (spec.folder / "run", {"seconds": 2.0, "final_val_loss": 1.5, "built_here": True})
+    assert built.record.extra == {"base": spec.folder.name, "base_val_loss": 1.5, "base_s": 2.0}
+    reused = job()
+    lab_bases.run_base(reused, failed, 0.0, build=lambda s, d: (s.folder / "run", {"seconds": 2.0}))
+    assert "base_s" not in reused.record.extra                      # built by another run: not this row's time
+
+    def missing():
+        raise FileNotFoundError("no sft.jsonl")
+
+    broken = job()
+    row = lab_bases.run_base(broken, failed, 0.0, check=missing, build=lambda s, d: pytest.fail("built anyway"))
+    assert row is broken.record and row.status == "failed" and "no sft.jsonl" in row.error
+
+    def locked(s, d):
+        raise LockedError("busy")
+
+    with pytest.raises(LockedError):                                # the worker retries it: no failed row
+        lab_bases.run_base(job(), failed, 0.0, build=locked)

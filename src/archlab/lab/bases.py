@@ -6,6 +6,9 @@ SWEEP/bases/<hash of both>/), and `ensure_base` builds it there under a lock on 
 needs it trains it, a worker that finds another building it waits, and every later run reads the record.
 
     run_dir, record = ensure_base(spec, data)        # SWEEP/bases/<hash>/run, {"seconds", "final_val_loss", ...}
+
+`run_base` is the step both kinds of run begin with: the base built or reused and noted in the row, or the row
+failed when the base could not be built.
 """
 from __future__ import annotations
 
@@ -16,10 +19,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from archlab.lab.plan import BaseSpec
+from archlab.lab.plan import BaseSpec, RunJob
+from archlab.lab.store import RunRecord
 from archlab.runs.lock import LockedError, RunLock
 
-__all__ = ["ensure_base", "BASE_RECORD", "WAIT_S"]
+__all__ = ["ensure_base", "run_base", "BASE_RECORD", "WAIT_S"]
 
 BASE_RECORD = "base.json"    # in the base's folder, written last: the base is complete
 WAIT_S = 2.0                 # how often a worker waiting for another's base looks again
@@ -54,3 +58,27 @@ def ensure_base(spec: BaseSpec, data: Path, score: Callable[[Path], dict] | None
                 return run_dir, {**record, "built_here": True}
         except LockedError:
             time.sleep(WAIT_S)
+
+
+def run_base(job: RunJob, failed: Callable[[RunRecord, BaseException, float], RunRecord], t0: float, *,
+             build: Callable[[BaseSpec, Path], tuple[Path, dict]] = ensure_base,
+             check: Callable[[], None] | None = None) -> tuple[Path, dict] | RunRecord:
+    """The base a finetune or extend row starts from, built or reused by `build`, noted in the row's extra as `base`
+    (its folder's name), `base_val_loss` and, when this call built it, `base_s`. When `check` (what the row needs
+    besides the base) or the build raises, the row failed: `failed(job.record, exc, t0)` (the worker's) is returned.
+    A LockedError is no failure: it goes up to the worker, which tries the run again.
+    Example: got = run_base(job, failed, t0); if isinstance(got, RunRecord): return got; base_dir, base = got"""
+    spec = job.run.base
+    assert spec is not None, "a run that starts from a base is planned with it"
+    try:
+        if check is not None:
+            check()
+        base_dir, base = build(spec, Path(job.data))
+    except LockedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a failed run is recorded, the sweep goes on
+        return failed(job.record, exc, t0)
+    job.record.extra.update({"base": spec.folder.name, "base_val_loss": base.get("final_val_loss")})
+    if base.get("built_here"):
+        job.record.extra["base_s"] = base["seconds"]
+    return base_dir, base

@@ -19,10 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from archlab.lab.bases import ensure_base
+from archlab.lab.bases import run_base
 from archlab.lab.plan import RunJob
 from archlab.lab.store import RunRecord
-from archlab.runs.lock import LockedError
 
 __all__ = ["extend_job", "context_scores", "PASSKEY_DEPTHS", "DEFAULT_LENGTHS"]
 
@@ -38,19 +37,13 @@ def extend_job(job: RunJob, train_and_measure: Callable[..., RunRecord],
     from archlab.training.init_from import read_init_source
     from archlab.training.trainer import train
 
-    run, record, spec = job.run, job.record, job.run.base
-    assert spec is not None, "an extend run is planned with its base"
+    run, record = job.run, job.record
     t0 = time.perf_counter()
-    try:
-        base_dir, base = ensure_base(spec, Path(job.data))
-    except LockedError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a failed run is recorded, the sweep goes on
-        return failed(record, exc, t0)
-    record.extra.update({"base": spec.folder.name, "base_val_loss": base.get("final_val_loss"),
-                         "steps": int(job.run.variant.extend.get("steps", 0))})
-    if base.get("built_here"):
-        record.extra["base_s"] = base["seconds"]
+    got = run_base(job, failed, t0)
+    if isinstance(got, RunRecord):
+        return got
+    base_dir, _ = got
+    record.extra["steps"] = int(job.run.variant.extend.get("steps", 0))
     if record.extra["steps"] > 0:
         def extend(model, train_cfg, data, run_dir, *, resume, progress):
             return train(model, train_cfg, data, run_dir, resume=resume, progress=progress,

@@ -26,7 +26,6 @@ from archlab.lab import bases
 from archlab.lab.bases import BASE_RECORD
 from archlab.lab.plan import RLVR_SETTINGS, BaseSpec, RunJob
 from archlab.lab.store import RunRecord
-from archlab.runs.lock import LockedError
 
 __all__ = ["finetune_job", "ensure_base", "rlvr_stage", "BASE_RECORD"]
 
@@ -54,19 +53,17 @@ def finetune_job(job: RunJob, train_and_measure: Callable[..., RunRecord],
     assert spec is not None, "a finetune run is planned with its base"
     t0 = time.perf_counter()
     sft = Path(job.data) / SFT_FILE
-    try:
+
+    def check_sft() -> None:
         if not sft.is_file():
             raise UserError(f"{job.data} holds no {SFT_FILE}: a finetune suite reads the data of "
                             "archlab.data.reverse_words.prepare_task_folder (corpus reverse-words)")
-        base_dir, base = ensure_base(spec, Path(job.data))
-    except LockedError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a failed run is recorded, the sweep goes on
-        return failed(record, exc, t0)
-    record.extra.update({"base": spec.folder.name, "base_exact_plain": base.get("exact_plain"),
-                         "base_val_loss": base.get("final_val_loss")})
-    if base.get("built_here"):
-        record.extra["base_s"] = base["seconds"]
+
+    got = bases.run_base(job, failed, t0, build=ensure_base, check=check_sft)
+    if isinstance(got, RunRecord):
+        return got
+    base_dir, base = got
+    record.extra["base_exact_plain"] = base.get("exact_plain")
 
     def fine_tune(model, train_cfg, data, run_dir, *, resume, progress):
         return finetune(base_dir, sft, run_dir, train_cfg=train_cfg, resume=resume, progress=progress)

@@ -69,7 +69,8 @@ def test_every_extension_starts_from_its_seeds_base_trained_at_L(tmp_path):
 
 @pytest.mark.parametrize("settings, word", [
     ({"factor": 1}, "extend.factor"), ({"factor": 0.5}, "extend.factor"), ({"bases": "each"}, "extend.bases"),
-    ({"colour": 1}, "unknown extend"), ({"passkey_trials": -1}, "passkey_trials"), ({"lengths": []}, "lengths")])
+    ({"colour": 1}, "unknown extend"), ({"passkey_trials": -1}, "passkey_trials"), ({"lengths": []}, "lengths"),
+    ({"train": 3}, "extend.train must be a mapping")])
 def test_bad_extend_settings_are_refused_by_name(tmp_path, settings, word):
     with pytest.raises(ConfigError, match=word):
         plan(_tiny_suite(extend=settings), tmp_path, vocab_size=257)

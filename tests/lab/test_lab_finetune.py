@@ -56,9 +56,12 @@ def test_finetune_suites_share_one_base_unless_per_seed(tmp_path):
     assert lora[0].train.lr == demo["sft"].lr and lora[0].train.batch_size == demo["sft"].batch_size
 
 
-@pytest.mark.parametrize("settings", [{"bases": "each"}, {"test_words": 0}, {"colour": 1}, {"pretrain": {"lr": -1}}])
-def test_bad_finetune_settings_are_refused_by_name(tmp_path, settings):
-    with pytest.raises(ConfigError, match="finetune"):
+@pytest.mark.parametrize("settings, word", [
+    ({"bases": "each"}, "finetune.bases='each'; known: shared, per_seed"), ({"test_words": 0}, "finetune.test_words"),
+    ({"colour": 1}, r"unknown finetune key\(s\) \['colour'\]"), ({"pretrain": {"lr": -1}}, "finetune.pretrain"),
+    ({"pretrain": 3}, "finetune.pretrain must be a mapping")])
+def test_bad_finetune_settings_are_refused_by_name(tmp_path, settings, word):
+    with pytest.raises(ConfigError, match=word):
         plan(_tiny_suite(finetune=settings), tmp_path, vocab_size=259)
 
 

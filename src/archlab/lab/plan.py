@@ -98,14 +98,44 @@ def _check_ngram(suite: Suite, variant: Variant) -> None:
         if variant.ngram:
             raise ConfigError(f"{where}: ngram.* keys need `runs: ngram`")
         return
-    unknown = set(variant.ngram) - set(NGRAM_SETTINGS)
-    if unknown:
-        raise ConfigError(f"{where}: unknown ngram key(s) {sorted(unknown)}; known: {', '.join(NGRAM_SETTINGS)}")
+    _refuse_unknown(where, "ngram", variant.ngram, NGRAM_SETTINGS)
     order, add_k = variant.ngram.get("order"), variant.ngram.get("add_k", 1.0)
     if isinstance(order, bool) or not isinstance(order, int) or order < 1:
         raise ConfigError(f"{where}: ngram.order={order!r} must be a whole number >= 1")
     if isinstance(add_k, bool) or not isinstance(add_k, (int, float)) or not add_k > 0:
         raise ConfigError(f"{where}: ngram.add_k={add_k!r} must be a number > 0")
+
+
+def _refuse_unknown(where: str, kind: str, settings: dict, known: dict) -> None:
+    """A KIND setting that `known` does not name is refused with the names it does know."""
+    unknown = set(settings) - set(known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown {kind} key(s) {sorted(unknown)}; known: {', '.join(known)}")
+
+
+def _run_kind_settings(suite: Suite, kind: str, known: dict, variant_keys: dict | None = None) -> dict | None:
+    """The suite's `KIND:` settings (suite.finetune, suite.extend) when it has `runs: KIND`, checked against `known`
+    (key -> type, or the tuple of allowed values): an unknown key, a value outside its tuple or a mapping that is not
+    one is refused by name. None when the suite runs another kind; it must then have no such settings, nor
+    `variant_keys` (a variant's KIND.* keys).
+    Example: _run_kind_settings(suite, "extend", EXTEND_SETTINGS, variant.extend) -> {"factor": 4, ...}"""
+    where, settings = f"suite {suite.name}", getattr(suite, kind)
+    if suite.runs != kind:
+        if settings is not None or variant_keys:
+            keys = f" and {kind}.* keys" if variant_keys is not None else ""
+            raise ConfigError(f"{where}: `{kind}` settings{keys} need `runs: {kind}`")
+        return None
+    settings = settings or {}
+    _refuse_unknown(where, kind, settings, known)
+    for key, allowed in known.items():
+        if key not in settings:
+            continue
+        value = settings[key]
+        if isinstance(allowed, tuple) and value not in allowed:
+            raise ConfigError(f"{where}: {kind}.{key}={value!r}; known: {', '.join(allowed)}")
+        if allowed is dict and not isinstance(value, dict):
+            raise ConfigError(f"{where}: {kind}.{key} must be a mapping, got {value!r}")
+    return settings
 
 
 # a finetune suite's `finetune:` keys: bases shared by the seeds or one per seed, the base's pretraining settings
@@ -118,28 +148,17 @@ RLVR_SETTINGS = {"steps": 60, "samples": 16, "prompts": 2_000}
 
 
 def _check_finetune(suite: Suite) -> None:
+    """A finetune suite's settings (test_words >= 1, whole rlvr numbers >= 1); other suites have none."""
     where = f"suite {suite.name}"
-    if suite.runs != "finetune":
-        if suite.finetune is not None:
-            raise ConfigError(f"{where}: `finetune` settings need `runs: finetune`")
+    settings = _run_kind_settings(suite, "finetune", FINETUNE_SETTINGS)
+    if settings is None:
         return
-    settings = suite.finetune or {}
-    unknown = set(settings) - set(FINETUNE_SETTINGS)
-    if unknown:
-        raise ConfigError(f"{where}: unknown finetune key(s) {sorted(unknown)}; known: {', '.join(FINETUNE_SETTINGS)}")
-    if settings.get("bases", "shared") not in FINETUNE_SETTINGS["bases"]:
-        raise ConfigError(f"{where}: finetune.bases={settings['bases']!r}; known: shared, per_seed")
-    if not isinstance(settings.get("pretrain", {}), dict):
-        raise ConfigError(f"{where}: finetune.pretrain must be a mapping of train keys")
     words = settings.get("test_words", 1)
     if isinstance(words, bool) or not isinstance(words, int) or words < 1:
         raise ConfigError(f"{where}: finetune.test_words={words!r} must be a whole number >= 1")
     rlvr = settings.get("rlvr", {})
-    if not isinstance(rlvr, dict):
-        raise ConfigError(f"{where}: finetune.rlvr must be a mapping (steps, samples, prompts)")
+    _refuse_unknown(where, "finetune.rlvr", rlvr, RLVR_SETTINGS)
     for key, value in rlvr.items():
-        if key not in RLVR_SETTINGS:
-            raise ConfigError(f"{where}: unknown finetune.rlvr key {key!r}; known: {', '.join(RLVR_SETTINGS)}")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{where}: finetune.rlvr.{key}={value!r} must be a whole number >= 1")
 
@@ -172,22 +191,13 @@ EXTEND_SETTINGS = {"factor": float, "bases": ("shared", "per_seed"), "train": di
 def _check_extend(suite: Suite, variant: Variant) -> None:
     """An extend suite's settings and each variant's `extend.steps` (a whole number >= 0); other suites have none."""
     where = f"suite {suite.name}"
-    if suite.runs != "extend":
-        if suite.extend is not None or variant.extend:
-            raise ConfigError(f"{where}: `extend` settings and extend.* keys need `runs: extend`")
+    settings = _run_kind_settings(suite, "extend", EXTEND_SETTINGS, variant.extend)
+    if settings is None:
         return
-    settings = suite.extend or {}
-    unknown = set(settings) - set(EXTEND_SETTINGS)
-    if unknown:
-        raise ConfigError(f"{where}: unknown extend key(s) {sorted(unknown)}; known: {', '.join(EXTEND_SETTINGS)}")
     factor = settings.get("factor", 4)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
         raise ConfigError(f"{where}: extend.factor={factor!r} must be a number > 1 (the extended length is factor "
                           "x the base's training length)")
-    if settings.get("bases", "per_seed") not in EXTEND_SETTINGS["bases"]:
-        raise ConfigError(f"{where}: extend.bases={settings['bases']!r}; known: shared, per_seed")
-    if not isinstance(settings.get("train", {}), dict):
-        raise ConfigError(f"{where}: extend.train must be a mapping of train keys")
     lengths = settings.get("lengths", [1])
     if not isinstance(lengths, list) or not lengths or not all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in lengths):

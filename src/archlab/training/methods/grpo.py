@@ -151,6 +151,7 @@ class GRPORun:
         self.end_ids = end_ids(data)                   # end-of-text, and a chat template's end of turn
         self.equal_steps = 0
         self._figures: dict[str, list[float]] = {}
+        self._reward_model: dict[str, float] = {}      # reward runs' held-out accuracy, for the first log line
         # held-out prompts (train.grpo.val_fraction): a seeded hash of each line, as SFT's and DPO's splits
         held = split_by_line(data.path, data.prompts, cfg.seed, self.section.val_fraction)[1] \
             if self.section.val_fraction > 0 else []
@@ -164,11 +165,13 @@ class GRPORun:
     def extend(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {}
 
-    def start(self, model: torch.nn.Module, run_dir: Path, *, resuming: bool, **_: Any) -> None:
+    def start(self, model: torch.nn.Module, run_dir: Path, *, resuming: bool, info: Any = None, **_: Any) -> None:
         """The policy to sample from; with β > 0 a frozen copy of the starting weights (on a resume: the base's
-        weights from --init-from, adapters at zero) as the reference."""
+        weights from --init-from, adapters at zero) as the reference. Reward runs' held-out accuracy is said now,
+        before the first step (rewards.announce_reward_runs)."""
         from archlab.generation.stepper import vocab_limit
 
+        self._reward_model = reward_fns.announce_reward_runs(self.funcs, info if info is not None else self.info)
         self.model = model
         self.vocab_limit = vocab_limit(model, self.tokenizer)
         if self.section.beta == 0.0:
@@ -326,7 +329,8 @@ class GRPORun:
     def log_fields(self) -> dict[str, float]:
         """Each figure's mean since the last log line (TRL averages its lists the same way)."""
         out = {name: sum(values) / len(values) for name, values in self._figures.items() if values}
-        self._figures = {}
+        out.update(self._reward_model)                 # reward runs' held-out accuracy, on the first line only
+        self._figures, self._reward_model = {}, {}
         return out
 
 

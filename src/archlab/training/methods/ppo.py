@@ -190,14 +190,17 @@ class PPORun:
         self.tokenizer_dir: Path | None = Path(batches.data.tokenizer_dir)
         self._sums: torch.Tensor | None = None
         self._ratios: list[torch.Tensor] = []
+        self._reward_model: dict[str, float] = {}       # a reward run's held-out accuracy, for the first log line
 
     def extend(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The value head (zeros) on the policy; its fresh state, which starting weights do not hold."""
         head = attach_score_head(model, VALUE_HEAD)
         return {f"{VALUE_HEAD}.{name}": t for name, t in head.state_dict().items()}
 
-    def start(self, model: torch.nn.Module, run_dir: Path, *, device: torch.device, **_: Any) -> None:
-        """The policy samples rollouts; the reference is the starting weights (BASE), frozen, on a resume too."""
+    def start(self, model: torch.nn.Module, run_dir: Path, *, device: torch.device, info: Any = None, **_: Any
+              ) -> None:
+        """The policy samples rollouts; the reference is the starting weights (BASE), frozen, on a resume too. A
+        reward run's held-out accuracy is said now, before the first step (rewards.announce_reward_runs)."""
         from archlab.data.tokenizer_adapter import load_tokenizer
         from archlab.models import build_model
 
@@ -206,6 +209,7 @@ class PPORun:
         self.batches.reference = reference.to(device).eval().requires_grad_(False)
         self.batches.policy = model
         self.batches.tokenizer = load_tokenizer(self.tokenizer_dir)
+        self._reward_model = reward_fns.announce_reward_runs([self.batches.reward], info)
 
     def loss(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> LossOutput:
         s = self.batches.section
@@ -225,7 +229,7 @@ class PPORun:
         return LossOutput(total=loss, ce=loss.detach(), z_loss=zero, aux_loss=zero)
 
     def log_fields(self) -> dict[str, float]:
-        out: dict[str, float] = {}
+        out, self._reward_model = self._reward_model, {}        # the reward run's held-out accuracy, once
         figures, self.batches.figures = self.batches.figures, []
         if figures:
             out.update({name: sum(f[name] for f in figures) / len(figures) for name in ROLLOUT_FIGURES})

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ from archlab.training.dpo import _tokenizer_only, check_pair_settings
 from archlab.training.methods.base import METHODS, Method
 from archlab.training.methods.dpo import preference_settings, prepare_preferences
 
-__all__ = ["METRICS", "reward_loss", "sequence_rewards", "RewardRun", "open_reward"]
+__all__ = ["METRICS", "reward_loss", "sequence_rewards", "RewardRun", "open_reward", "held_out_pairs",
+           "HeldOutAccuracy", "held_out_accuracy"]
 
 METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")     # TRL's RewardTrainer's names
 
@@ -87,10 +89,9 @@ class RewardRun:
         self.cfg, self.data, self.margins = cfg, data, margins
         self.train_data, self.val_data = data, data.without_pairs()
         self.tokenizer_dir: Path | None = Path(data.tokenizer_dir)
-        held = {id(p) for p in split_by_line(data.path, data.pairs, cfg.seed, cfg.reward.val_fraction)[1]} \
-            if cfg.reward.val_fraction > 0 else set()
-        self.val = [i for i, p in enumerate(data.pairs) if id(p) in held]
-        pool = [i for i in range(len(data.pairs)) if id(data.pairs[i]) not in held]
+        self.val = held_out_pairs(data, cfg)
+        held = set(self.val)
+        pool = [i for i in range(len(data.pairs)) if i not in held]
         self.batches = PreferenceBatches(data, cfg.batch_size, seed=cfg.seed, rank=info.rank,
                                          world_size=info.world_size, pool=pool if held else None)
         self._sums: torch.Tensor | None = None
@@ -151,6 +152,71 @@ class RewardRun:
 
     def check_resume(self, run_dir: Path) -> None:
         return None
+
+
+def held_out_pairs(data: PreferenceData, cfg: Any) -> list[int]:
+    """The indices (into data.pairs) a reward run holds out: train.reward.val_fraction of the lines by a seeded hash
+    of each line's text (train.seed). Example: held_out_pairs(data, TrainConfig(reward={"val_fraction": 0.25}))"""
+    if cfg.reward.val_fraction <= 0:
+        return []
+    held = {id(p) for p in split_by_line(data.path, data.pairs, cfg.seed, cfg.reward.val_fraction)[1]}
+    return [i for i, p in enumerate(data.pairs) if id(p) in held]
+
+
+@dataclass(frozen=True)
+class HeldOutAccuracy:
+    """A reward run's held-out accuracy (None: it holds no pairs out) and where the figure comes from, in words."""
+    accuracy: float | None
+    source: str
+
+
+def _checkpoint_step(folder: Path) -> int | None:
+    import json
+
+    from archlab.runs.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(folder)
+    return None if ckpt is None else int(json.loads((ckpt / "meta.json").read_text())["step"])
+
+
+def held_out_accuracy(folder: str | Path, model: Any) -> HeldOutAccuracy:
+    """The held-out accuracy (share of held-out pairs whose chosen reward is the larger) of the reward run `folder`,
+    whose weights `model` holds: the val_accuracy its metrics.jsonl recorded at the step of its latest checkpoint, or,
+    when it recorded none there, computed now on its held-out pairs (its prepared OUT/data and config.yaml's
+    train.reward.val_fraction and seed give the same split the run held out).
+    Example: held_out_accuracy("runs/rm", model).accuracy -> 0.875"""
+    from archlab.runs.model_folder import read_run_config
+    from archlab.training.config import TrainConfig
+    from archlab.training.metrics import read_metrics
+
+    folder = Path(folder)
+    step = _checkpoint_step(folder)
+    metrics = folder / "metrics.jsonl"
+    recorded = [r for r in read_metrics(metrics) if "val_accuracy" in r] if metrics.is_file() else []
+    if recorded and recorded[-1].get("step") == step:
+        return HeldOutAccuracy(float(recorded[-1]["val_accuracy"]), f"recorded by the reward run at step {step}")
+    cfg = TrainConfig.from_dict(read_run_config(folder).get("train") or {})
+    data_dir = folder / "data"
+    if not (data_dir / "meta.json").is_file():
+        return HeldOutAccuracy(None, f"not recorded at step {step}, and {folder} holds no prepared preference data "
+                               "to compute it on")
+    data = open_preference_folder(data_dir, max_tokens=cfg.seq_len, truncation=cfg.reward.truncation,
+                                  progress=False)
+    val = held_out_pairs(data, cfg)
+    if not val:
+        return HeldOutAccuracy(None, f"{folder} held no pairs out (train.reward.val_fraction="
+                               f"{cfg.reward.val_fraction})")
+    device = next(model.parameters()).device
+    right = 0
+    with torch.no_grad():
+        for start in range(0, len(val), cfg.batch_size):
+            pairs = [data.pairs[i] for i in val[start:start + cfg.batch_size]]
+            ids, _ = pad_pairs(pairs, data.eot_id or 0)                                            # (2b, t)
+            lengths = torch.tensor([len(p.chosen[0]) for p in pairs] + [len(p.rejected[0]) for p in pairs])
+            chosen, rejected = sequence_rewards(model, ids.to(device), lengths.to(device)).chunk(2)   # (b,) each
+            right += int((chosen > rejected).sum())
+    return HeldOutAccuracy(right / len(val), f"computed now on its {len(val)} held-out pairs (its metrics.jsonl "
+                           f"records no val_accuracy at step {step})")
 
 
 def _figures(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,8 @@ import torch
 from archlab.errors import UserError
 from archlab.nn.registry import Registry
 
-__all__ = ["RewardFunc", "BUILTINS", "load_user_reward", "resolve", "call", "probe", "is_code_spec"]
+__all__ = ["RewardFunc", "BUILTINS", "load_user_reward", "resolve", "call", "probe", "is_code_spec",
+           "announce_reward_runs"]
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class _RewardRun:
             raise UserError(f"{folder} is not a reward run (its checkpoint has no score head): train one with "
                             "archlab finetune BASE --method reward")
         self.model.eval().requires_grad_(False)
+        self.folder = folder
 
     @torch.no_grad()
     def __call__(self, prompts, completions, completion_ids, prompt_ids=None, **kwargs) -> list[float]:
@@ -131,6 +133,27 @@ class _RewardRun:
         device = next(self.model.parameters()).device
         lengths = torch.tensor([len(r) for r in rows], device=device)
         return sequence_rewards(self.model, ids.to(device), lengths).float().cpu().tolist()
+
+
+def announce_reward_runs(funcs: list[RewardFunc], info: Any) -> dict[str, float]:
+    """Before the first step of a run that trains against reward runs: each one's held-out accuracy (recorded by the
+    reward run, or computed now on its held-out pairs: the line says which) printed on rank 0, and returned as
+    `reward_model/<name>/val_accuracy` for the run's first log line (none for a run that held no pairs out).
+    Example: announce_reward_runs(funcs, info) -> {"reward_model/rm/val_accuracy": 0.875}"""
+    from archlab.training.methods.reward import held_out_accuracy
+
+    out: dict[str, float] = {}
+    for func in funcs:
+        if not isinstance(func.fn, _RewardRun):
+            continue
+        found = held_out_accuracy(func.fn.folder, func.fn.model)
+        if found.accuracy is not None:
+            out[f"reward_model/{func.name}/val_accuracy"] = found.accuracy
+        if info is None or info.is_main:
+            figure = "unknown" if found.accuracy is None else f"{found.accuracy:.4f}"
+            print(f"reward run {func.source}: held-out accuracy {figure} ({found.source})", file=sys.stderr,
+                  flush=True)
+    return out
 
 
 def _same_tokenizer(a: Path, b: Path) -> bool:

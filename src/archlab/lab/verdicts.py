@@ -16,8 +16,9 @@ and prints what comes back. Kinds:
   flat    the variants selected by `a`: (max mean - min mean) <= tol * min mean   -> held
           range > tol * min mean + spread (of the two extreme variants)            -> did not hold
   ratio   mean(a) / mean(b) == expected within tol (relative; deterministic metrics like KV bytes)
-  above / below  mean(metric | a) beyond the threshold `expected` (above it / below it) by more than the std over
-          seeds -> held; on the other side by more than the std -> did not hold; otherwise inconclusive
+  above / below  bounds on a trained metric, judged as `bound` is with the limit `expected` (at_least / at_most)
+          and the std over seeds as the noise: mean(metric | a) past it by more than the std     -> held
+          on the other side by more than the std -> did not hold; otherwise (or one seed) -> inconclusive
   power_law  L(N, D) = E + A/N^alpha + B/D^beta fitted to the runs `a` selects (archlab.lab.scaling; N the
           `params` count). Over the ladder's range, the N term's fall A (N_min^-alpha - N_max^-alpha) and
           the D term's, each with its bootstrap interval, against tol x the median loss:
@@ -36,7 +37,8 @@ and prints what comes back. Kinds:
           n-gram estimates, so no spread over seeds enters)
   bound   mean(metric | a), or mean(metric | a) / mean(metric | b) when `b` is given, within
           [at_least, at_most] (either may be open)                                -> held, else did not hold
-          (a deterministic measurement, e.g. a real model's perplexity under two conditions: no spread enters)
+          (a deterministic measurement, e.g. a real model's perplexity under two conditions: no spread enters;
+          `Rule.limits` gives the same pair for above / below, and one judge serves all three)
 
 The spread is sqrt(std_a^2 + std_b^2), the standard deviation over seeds of one run of each side (so a
 gap smaller than the seed-to-seed noise of a single comparison is "inconclusive"). A side with fewer
@@ -60,6 +62,7 @@ import numpy as np
 HELD, NOT_HELD, INCONCLUSIVE = "held", "did not hold", "inconclusive"
 KINDS = ("less", "parity", "flat", "ratio", "power_law", "sharper", "falls", "rises_past_best", "above", "below",
          "bound")
+SEEDED_BOUNDS = ("above", "below")     # bounds judged against the std over seeds; `bound` is judged exactly
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ class Rule:
             raise ValueError(f"rule {self.statement!r}: kind {self.kind} needs a `b` selector")
         if self.kind in ("ratio", "above", "below") and self.expected is None:
             raise ValueError(f"rule {self.statement!r}: kind {self.kind} needs `expected`")
+        if self.kind in SEEDED_BOUNDS and self.b is not None:
+            raise ValueError(f"rule {self.statement!r}: kind {self.kind} judges one side (`a`); a ratio of two is "
+                             "kind bound's")
         if self.tol_abs is not None and (self.kind != "parity" or not self.tol_abs >= 0):
             raise ValueError(f"rule {self.statement!r}: tol_abs is a parity rule's allowed gap (>= 0)")
         if self.margin and (self.kind != "less" or not self.margin > 0):
@@ -107,6 +113,15 @@ class Rule:
             raise ValueError(f"rule {self.statement!r}: at_least / at_most are a bound rule's limits")
         if self.metric == "lr_sensitivity" and not self.over:
             raise ValueError(f"rule {self.statement!r}: lr_sensitivity needs `over` (the LR axis)")
+
+    @property
+    def limits(self) -> tuple[float | None, float | None]:
+        """(the lowest, the highest) value that holds, None for an open side: a bound rule's at_least / at_most;
+        above's threshold is its lowest, below's its highest. Example: Rule(kind="above", expected=0.5, ...).limits
+        -> (0.5, None)"""
+        if self.kind in SEEDED_BOUNDS:
+            return (self.expected, None) if self.kind == "above" else (None, self.expected)
+        return self.at_least, self.at_most
 
 
 @dataclass
@@ -225,16 +240,14 @@ def side_values(rows: list, selector: dict, metric: str, over: str | None = None
 
 # --------------------------------------------------------------------------- judging
 def judge(rule: Rule, rows: list) -> Verdict:
-    if rule.kind in _CURVE_JUDGES:
-        return _CURVE_JUDGES[rule.kind](rule, rows)
+    if rule.kind in _JUDGES:
+        return _JUDGES[rule.kind](rule, rows)
     if rule.kind == "flat":
         return _judge_flat(rule, rows)
     if rule.kind == "sharper":
         return _judge_sharper(rule, rows)
     if rule.kind == "power_law":
         return _judge_power_law(rule, rows)
-    if rule.kind in ("above", "below"):
-        return _judge_threshold(rule, rows)
     a = Side(describe(rule.a), side_values(rows, rule.a, rule.metric, rule.over))
     b = Side(describe(rule.b), side_values(rows, rule.b, rule.metric, rule.over))
     sides = [a, b]
@@ -313,18 +326,6 @@ def tolerance(rule: Rule) -> str:
     """The rule's bar in words, printed beside its verdict; kinds whose reason states it give ''."""
     text = _TOLERANCE_TEXT.get(rule.kind)
     return text(rule) if text else ""
-
-
-def _judge_threshold(rule: Rule, rows: list) -> Verdict:
-    """above / below: one side's mean against a fixed threshold, the std over its seeds as the noise."""
-    assert rule.expected is not None                      # Rule.__post_init__ requires it
-    a = Side(describe(rule.a), side_values(rows, rule.a, rule.metric))
-    if a.n < 2:
-        return Verdict(rule, INCONCLUSIVE, f"{a.n} finished runs with {rule.metric} for {a.label}: no spread", [a])
-    gap = a.mean - rule.expected if rule.kind == "above" else rule.expected - a.mean
-    verdict = HELD if gap > a.std else NOT_HELD if gap < -a.std else INCONCLUSIVE
-    reason = f"{a.label}: {a.mean:.4g} vs threshold {rule.expected:g} ({rule.kind}; std over seeds {a.std:.3g})"
-    return Verdict(rule, verdict, reason, [a], {"gap": gap, "std": a.std, "threshold": rule.expected})
 
 
 def _judge_flat(rule: Rule, rows: list) -> Verdict:
@@ -488,19 +489,35 @@ def _judge_rises_past_best(rule: Rule, rows: list) -> Verdict:
 
 
 def _judge_bound(rule: Rule, rows: list) -> Verdict:
+    """bound, above, below: a value (mean(a), or mean(a) / mean(b)) against the rule's limits. A bound is a
+    deterministic measurement, held on its closed limits; above / below bound a trained metric, so the value must
+    clear the threshold by more than the std over the seeds of `a` (and one seed is inconclusive)."""
     sides = [Side(describe(sel), side_values(rows, sel, rule.metric)) for sel in (rule.a, rule.b) if sel is not None]
     if any(s.n == 0 for s in sides):
         missing = ", ".join(s.label for s in sides if s.n == 0)
         return Verdict(rule, INCONCLUSIVE, f"no finished runs with a value of {rule.metric} for {missing}", sides)
-    value = sides[0].mean / sides[1].mean if len(sides) == 2 else sides[0].mean
-    ok = math.isfinite(value) and (rule.at_least is None or value >= rule.at_least) and (
-        rule.at_most is None or value <= rule.at_most)
+    a = sides[0]
+    if len(sides) == 2:
+        value = a.mean / sides[1].mean if sides[1].mean else float("nan")
+    else:
+        value = a.mean
+    lowest, highest = rule.limits
+    gap = min(value - lowest if lowest is not None else math.inf,      # how far inside the limits; < 0: outside
+              highest - value if highest is not None else math.inf) if math.isfinite(value) else -math.inf
+    if rule.kind in SEEDED_BOUNDS:
+        if a.n < 2:
+            return Verdict(rule, INCONCLUSIVE, f"{a.n} finished runs with {rule.metric} for {a.label}: no spread",
+                           sides)
+        verdict = HELD if gap > a.std else NOT_HELD if gap < -a.std else INCONCLUSIVE
+        reason = f"{a.label}: {value:.4g} vs threshold {rule.expected:g} ({rule.kind}; std over seeds {a.std:.3g})"
+        return Verdict(rule, verdict, reason, sides, {"gap": gap, "std": a.std, "threshold": rule.expected})
     what = f"{rule.metric} " + " / ".join(s.label for s in sides)
-    return Verdict(rule, HELD if ok else NOT_HELD, f"{what} = {value:,.4g}; {tolerance(rule)}", sides,
+    return Verdict(rule, HELD if gap >= 0 else NOT_HELD, f"{what} = {value:,.4g}; {tolerance(rule)}", sides,
                    {"value": value, "at_least": rule.at_least, "at_most": rule.at_most})
 
 
-_CURVE_JUDGES = {"falls": _judge_falls, "rises_past_best": _judge_rises_past_best, "bound": _judge_bound}
+_JUDGES = {"falls": _judge_falls, "rises_past_best": _judge_rises_past_best, "bound": _judge_bound,
+                 "above": _judge_bound, "below": _judge_bound}
 
 
 def judge_all(rules: list[Rule], rows: list) -> list[Verdict]:

@@ -40,8 +40,9 @@ class ByteTokenizer:
         from archlab.tokenizer.base import clean_surrogates
         return list(clean_surrogates(text).encode("utf-8"))
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Bytes back to text; the end-of-text id decodes to nothing, an id outside 0..256 is an error."""
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Bytes back to text; the end-of-text id decodes to nothing (skip_special_tokens or not: the same text),
+        an id outside 0..256 is an error."""
         from archlab.tokenizer.base import check_ids
         ids = list(ids)
         check_ids(ids, self.vocab_size)

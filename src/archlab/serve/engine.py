@@ -193,7 +193,7 @@ class Engine:
         job = _Job(ids, settings, cancel or threading.Event(), processors=processors_for(settings, len(ids)))
         if request.seed is not None:
             job.generator = torch.Generator(self.slots.pos.device).manual_seed(request.seed)
-        job.head = self.tokenizer.decode(job.ids)
+        job.head = self._text(job.ids)
         with self._wake:
             self._waiting.append(job)
             if self._thread is None:
@@ -301,7 +301,7 @@ class Engine:
             return self._finish(job, "stop")
         job.new.append(token)
         stops = cfg.stop_strings or ()
-        job.text = _continuation(self.tokenizer.decode(job.ids + job.new), job.head)
+        job.text = _continuation(self._text(job.ids + job.new), job.head)
         if settled_stop(job.text, stops) is not None:
             return self._finish(job, "stop")
         if len(job.new) >= (cfg.max_new_tokens or 0):
@@ -310,6 +310,11 @@ class Engine:
         if len(ready) > len(job.sent):
             job.out.put(Delta(ready[len(job.sent):]))
             job.sent = ready
+
+    def _text(self, ids: list[int]) -> str:
+        """The text of `ids` as the answer shows it: special tokens left out (transformers' decode with
+        skip_special_tokens=True, vLLM's default), so a chat model's <|im_start|> never reaches a client."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _finish(self, job: _Job, reason: str) -> None:
         """The last delta: all the text not yet sent (what was held back for a stop that never came), cut before

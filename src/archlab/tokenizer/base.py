@@ -171,14 +171,22 @@ class BaseTokenizer:
     def token_bytes(self, i: int) -> bytes:
         return self.id_to_bytes[i]
 
-    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+    def decode_bytes(self, ids: Iterable[int], skip_special_tokens: bool = False) -> bytes:
+        """The ids' bytes; skip_special_tokens: the special tokens' ids contribute nothing."""
         table, ids = self.id_to_bytes, list(ids)
         check_ids(ids, len(table))
+        if skip_special_tokens and self._special_ids:
+            special = self._special_ids
+            return b"".join([table[i] for i in ids if i not in special])
         return b"".join([table[i] for i in ids])
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of the ids; byte sequences that are not valid UTF-8 become U+FFFD."""
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of the ids; byte sequences that are not valid UTF-8 become U+FFFD. skip_special_tokens: the special
+        tokens are left out, as transformers' decode(ids, skip_special_tokens=True) leaves out the tokens its
+        tokenizer.json marks special (what an OpenAI-compatible server shows).
+        Example: tok.decode(tok.encode("hi<|im_end|>"), skip_special_tokens=True) == "hi"
+        """
+        return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
 
     # ------------------------------------------------------------------ saving
     def to_json(self) -> dict:

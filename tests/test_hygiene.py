@@ -1,5 +1,5 @@
-"""Code a reviewer can hold in their head: no function in src/archlab over 120 lines, and no import
-circle between archlab's modules (layers read downward only)."""
+"""Code a reviewer can hold in their head: no function in src/archlab over 120 lines, no import circle between
+archlab's modules (layers read downward only), and tests/ laid out as the rooms are."""
 from __future__ import annotations
 
 import ast
@@ -195,3 +195,21 @@ def test_modules_import_downward_only_but_for_the_listed_exceptions():
     assert not new, f"imports that read sideways or upward (see LAYERS, PEERS): {sorted(new)}"
     gone = set(LAYER_EXCEPTIONS) - set(breaches)
     assert not gone, f"listed exceptions that no longer exist: drop them from LAYER_EXCEPTIONS: {sorted(gone)}"
+
+
+# --------------------------------------------------------------------------- tests/ layout
+TESTS = Path(__file__).resolve().parent
+PROJECT_WIDE = {"test_hygiene.py", "test_docs_names.py", "test_docs_no_history.py", "test_public_api.py",
+                "test_readme_examples.py", "test_readme_first_hour.py"}       # about the whole project, not a room
+
+
+def test_tests_mirror_the_source_rooms():
+    """A test of a room lives in tests/<room>/ (config.py's in tests/config/), so a reader finds a module's tests
+    where the module is; only the project-wide tests sit at the top."""
+    rooms = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    leaves = {p.stem for p in SRC.glob("*.py")} - {"__init__", "__main__"}
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert not rooms - folders, f"rooms without a tests/<room>/ folder of tests: {sorted(rooms - folders)}"
+    assert folders <= rooms | leaves, f"test folders named after no room: {sorted(folders - rooms - leaves)}"
+    top = {p.name for p in TESTS.glob("test_*.py")}
+    assert top <= PROJECT_WIDE, f"room tests at the top of tests/ (move them down): {sorted(top - PROJECT_WIDE)}"

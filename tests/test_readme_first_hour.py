@@ -62,6 +62,29 @@ def test_what_it_is_and_the_two_first_commands_open_the_readme():
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()       # CI runs the README's command
 
 
+def quick_start_commands(lines: list[str]) -> tuple[list[str], list[str]]:
+    """(the commands of the code block under `## Quick starts`, continuation lines joined; the prose after it)."""
+    start = next(i for i, line in enumerate(lines) if line.startswith("## Quick starts"))
+    opening = next(i for i in range(start, len(lines)) if lines[i].startswith("```"))
+    closing = next(i for i in range(opening + 1, len(lines)) if lines[i].startswith("```"))
+    text = "\n".join(lines[opening + 1:closing]).replace("\\\n", " ")
+    after = lines[closing + 1:next(i for i in range(closing + 1, len(lines)) if lines[i].startswith("## "))]
+    return [line.strip() for line in text.splitlines() if line.strip().startswith("archlab ")], after
+
+
+def test_the_three_quick_starts_say_how_long_their_training_runs():
+    """A newcomer who copies the quick start's `train` from a preset gets a budget, and the text after the block
+    says what a `train` without one runs (TrainConfig's default: 1,000 steps, hours on 2 cores)."""
+    from archlab.training.config import TrainConfig
+
+    commands, after = quick_start_commands(FIRST)
+    assert len([line for line in FIRST if re.match(r"# [123]\. ", line)]) == 3
+    from_scratch = [c for c in commands if c.startswith("archlab train ") and "--preset" in c]
+    assert from_scratch and all("train.budget=" in c for c in from_scratch), from_scratch
+    default = TrainConfig()
+    assert f"{default.budget:,.0f} {default.budget_unit}" in " ".join(after), "the default budget, said as it is"
+
+
 def test_dates_stay_out_of_the_first_150_lines():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()[:150]
     assert len(DATE.findall("\n".join(lines))) <= 3
@@ -72,3 +95,7 @@ def test_the_parsers_catch_a_missing_row_and_a_missing_room():
              "src/archlab/", "  cli/         one module", "  nn/          norms", "```", "  lab/  after the block"]
     assert table_commands(lines) == {"demo", "fill-mask"}
     assert map_rooms(lines) == {"cli", "nn"}
+    block = ["## Quick starts", "```bash", "# 1. yours", "archlab train --preset x \\", "    --set train.budget=5",
+             "archlab report y", "```", "A train runs 1,000 steps.", "## Next"]
+    assert quick_start_commands(block) == (["archlab train --preset x      --set train.budget=5", "archlab report y"],
+                                           ["A train runs 1,000 steps."])

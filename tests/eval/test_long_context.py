@@ -155,6 +155,18 @@ def test_bad_long_context_options_are_one_line_exit_2(run_dir, capsys, extra, ne
     assert needle in err and len(err.splitlines()) == 1
 
 
+def test_a_plot_path_that_is_no_image_is_refused_before_the_evaluation(run_dir, tmp_path, capsys):
+    """--plot over a run's own file (config.yaml), a data file or a folder: one line, exit 2, nothing written; it
+    used to evaluate first and end in matplotlib's ValueError traceback."""
+    config = (run_dir / "config.yaml").read_bytes()
+    for plot in (run_dir / "config.yaml", run_dir, tmp_path / "pos.bin"):
+        capsys.readouterr()
+        assert main(["eval", str(run_dir), "--by-position", "--batches", "1", "--plot", str(plot), "--overwrite"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"--plot {plot} must name an image file ending in .pdf, .png, .svg" in err and len(err.splitlines()) == 1
+    assert (run_dir / "config.yaml").read_bytes() == config and not (tmp_path / "pos.bin").exists()
+
+
 def test_cli_by_position_and_lengths_write_a_plot_and_refuse_to_overwrite(run_dir, tmp_path, capsys):
     plot = tmp_path / "pos.png"
     args = ["eval", str(run_dir), "--by-position", "--lengths", "8,16", "--batches", "1", "--plot", str(plot)]

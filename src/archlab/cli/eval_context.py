@@ -7,6 +7,8 @@ from pathlib import Path
 
 from archlab.errors import UserError
 
+PLOT_SUFFIXES = {".png", ".pdf", ".svg"}   # what the plot is saved as (matplotlib picks the format by suffix)
+
 CONTEXT_EXAMPLE = """
   archlab eval runs/exp1 --seq-len 256 --stride 128     # overlapping windows: each scores its last 128 tokens
   archlab eval runs/exp1 --by-position                  # loss by position in the window (table + PNG)
@@ -108,6 +110,8 @@ def check(args, seq_len: int, max_seq_len: int, learned: bool, run_dir: Path) ->
         return lengths, None
     name = "loss_by_position.png" if args.by_position else "ppl_by_length.png"
     path = Path(args.plot) if args.plot else run_dir / name
+    if path.suffix.lower() not in PLOT_SUFFIXES:     # a run's config.yaml or a data file is never written over
+        raise UserError(f"--plot {path} must name an image file ending in {', '.join(sorted(PLOT_SUFFIXES))}")
     if path.exists() and not args.overwrite:
         raise UserError(f"{path} exists: pass --overwrite to replace it, or --plot another file")
     if not path.parent.is_dir():

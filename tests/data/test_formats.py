@@ -111,3 +111,19 @@ def test_every_method_reads_exactly_its_formats(tmp_path):
                 with pytest.raises(UserError, match=rf"is a folder of {re.escape(FORMATS.get(name).summary)}; "
                                                     rf"train.method={method} reads"):
                     select(cfg, folder)
+
+
+@pytest.mark.parametrize("name", FORMATS.names())
+def test_a_folder_handed_to_another_reader_is_named_with_its_own_reader(tmp_path, name):
+    import importlib
+
+    from archlab.data.tokens import load_meta
+    fmt = FORMATS.get(name)
+    module, _, attr = fmt.reader.rpartition(".")
+    assert callable(getattr(importlib.import_module(module), attr))          # the reader named exists
+    (tmp_path / "meta.json").write_text(json.dumps({"format": fmt.folder_format, "splits": {}}))
+    other = "archlab-pairs" if name == "token_stream" else "archlab-tokens"
+    with pytest.raises(UserError, match=re.escape(f"is {fmt.folder_summary}, not ") + ".*" +
+                       re.escape(f": read it with {fmt.reader}")):
+        load_meta(tmp_path, expect=other)
+    assert load_meta(tmp_path, expect=fmt.folder_format)["format"] == fmt.folder_format

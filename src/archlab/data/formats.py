@@ -10,6 +10,9 @@ method reads is the method's own `data_formats` (training/methods); everything t
 The five formats: token_stream (archlab data prepare), seq2seq_pairs (source -> target for encoder-decoders,
 `archlab data prepare --seq2seq`), chat_examples (messages, or prompt and completion), preference_pairs (chosen and
 rejected, a prompt optional), prompts (a prompt and other columns, no completion).
+
+A prepared folder describes itself in META_FILE; `load_meta` reads it for every reader (data/tokens.py re-exports
+both), refusing a folder of another format with the words and the reader its DataFormat names.
 """
 from __future__ import annotations
 
@@ -19,10 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from archlab.errors import UserError
+from archlab.errors import DataError, UserError
 from archlab.nn.registry import Registry
 
-__all__ = ["DataFormat", "FORMATS", "Found", "detect", "line_format", "require", "describe"]
+__all__ = ["DataFormat", "FORMATS", "Found", "detect", "line_format", "require", "describe", "by_folder_format",
+           "load_meta", "META_FILE"]
+
+META_FILE = "meta.json"     # a prepared data folder's description; its "format" names the folder's DataFormat
 
 
 @dataclass(frozen=True)
@@ -30,8 +36,9 @@ class DataFormat:
     """One data format: its name, what it is in a few words (errors name it so), the meta.json "format" of its
     prepared folder (None: it has none), the fields a .jsonl line of it has (each tuple one accepted shape; ():
     no line form), the fields that mark a line as this format's (any one: the first format in FORMATS with a marker
-    the line holds; so a line missing a field reaches the method's reader, which names it), and what it prepares
-    into."""
+    the line holds; so a line missing a field reaches the method's reader, which names it), what it prepares
+    into, and for a prepared folder: what it is in words and what reads it (a folder handed to another reader's
+    load_meta is refused with both, archlab.data.tokens)."""
 
     name: str
     summary: str
@@ -39,6 +46,8 @@ class DataFormat:
     line_shapes: tuple[tuple[str, ...], ...] = ()
     markers: tuple[str, ...] = ()
     prepares_into: str = ""
+    folder_summary: str = ""
+    reader: str = ""
 
     def shapes(self) -> str:
         """The line shapes in words: "messages or prompt+completion"."""
@@ -51,17 +60,23 @@ FORMATS: Registry[DataFormat] = Registry("data format")
 # may hold a prompt, so they come before prompts; a prompts line may hold any other column, so seq2seq comes last).
 for _format in (
     DataFormat("token_stream", "a token stream", "archlab-tokens", (), (),
-               "memmap token files (archlab data prepare --corpus)"),
+               "memmap token files (archlab data prepare --corpus)",
+               "a token-stream folder", "archlab.data.tokens.TokenDataset"),
     DataFormat("preference_pairs", "preference pairs", "preference", (("chosen", "rejected"),), ("chosen", "rejected"),
-               "a preference folder (archlab finetune --method dpo|reward)"),
+               "a preference folder (archlab finetune --method dpo|reward)",
+               "a folder of preference pairs (archlab finetune)",
+               "archlab.data.preference_folder.open_preference_folder"),
     DataFormat("chat_examples", "chat examples", "archlab-sft", (("messages",), ("prompt", "completion")),
                ("messages", "completion"),
-               "an SFT folder, or a seq2seq folder for encoder-decoders (archlab finetune --method sft)"),
+               "an SFT folder, or a seq2seq folder for encoder-decoders (archlab finetune --method sft)",
+               "a folder of chat examples (archlab finetune)", "archlab.data.sft.SFTDataset"),
     DataFormat("prompts", "prompts", "prompts", (("prompt",),), ("prompt",),
-               "a prompts folder (archlab finetune --method grpo|ppo)"),
+               "a prompts folder (archlab finetune --method grpo|ppo)",
+               "a folder of prompts (archlab finetune)", "archlab.data.prompts.load_prompts"),
     DataFormat("seq2seq_pairs", "seq2seq (source/target) pairs", "archlab-pairs", (("source", "target"),),
                ("source", "target"),
-               "memmap source/target files (archlab data prepare --seq2seq)"),
+               "memmap source/target files (archlab data prepare --seq2seq)",
+               "a source/target pairs folder", "archlab.data.seq2seq.Seq2SeqDataset"),
 ):
     FORMATS.register(_format.name)(_format)
 
@@ -91,14 +106,45 @@ def line_format(record: Any) -> str | None:
     return None
 
 
-def _folder_format(path: Path) -> str:
-    from archlab.data.tokens import load_meta
+def by_folder_format(meta_format: str) -> DataFormat | None:
+    """The format whose prepared folders say `meta_format` in their meta.json "format" (None: none of this archlab's).
+    Example: by_folder_format("archlab-pairs").reader -> "archlab.data.seq2seq.Seq2SeqDataset"."""
+    return next((f for f in map(FORMATS.get, FORMATS.names()) if f.folder_format == meta_format), None)
 
+
+def load_meta(data_dir: str | os.PathLike, expect: str | None = "archlab-tokens") -> dict:
+    """A data folder's meta.json; a folder of another format than `expect` (a meta.json "format"; None: any) is a
+    DataError that names what the folder is and what reads it (both from FORMATS).
+    Example: load_meta("data/shakespeare")["vocab_size"] -> 50257"""
+    path = Path(data_dir) / META_FILE
+    if not Path(data_dir).exists():
+        raise DataError(f"{data_dir}: no such data folder; make one with `archlab data prepare --corpus TEXT "
+                        f"--tokenizer TOKENIZER --out {data_dir}`")
+    if not path.is_file():
+        raise DataError(f"{data_dir} is not a prepared data folder (no {META_FILE}); "
+                        "run `archlab data prepare` first")
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as exc:
+        raise DataError(f"{path} is corrupt (not JSON: {exc}); prepare the data folder again") from exc
+    if not isinstance(meta, dict) or "splits" not in meta:
+        raise DataError(f"{path} is not an archlab data folder's meta.json (no `splits`)")
+    found = meta.get("format", "archlab-tokens")
+    if expect is not None and found != expect:
+        have, want = by_folder_format(found), by_folder_format(expect)
+        if have is None:
+            raise DataError(f"{data_dir} has format {found!r}, which this archlab cannot read")
+        wanted = want.folder_summary if want else f"a {expect!r} folder"
+        raise DataError(f"{data_dir} is {have.folder_summary}, not {wanted}: read it with {have.reader}")
+    return meta
+
+
+def _folder_format(path: Path) -> str:
     found = load_meta(path, expect=None).get("format", "archlab-tokens")   # DataError (a UserError) when no folder
-    for name in FORMATS.names():
-        if FORMATS.get(name).folder_format == found:
-            return name
-    raise UserError(f"{path} has format {found!r}, which this archlab cannot read")
+    known = by_folder_format(found)
+    if known is None:
+        raise UserError(f"{path} has format {found!r}, which this archlab cannot read")
+    return known.name
 
 
 def _file_format(path: Path, accepts: tuple[str, ...] | None) -> str:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,51 +45,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from archlab.data.formats import META_FILE, load_meta  # a data folder's meta.json, read beside the formats it names
 from archlab.data.tokenizer_adapter import TokenizerLike, load_tokenizer
 from archlab.errors import DataError
 
-__all__ = ["META_FILE", "FORMAT_VERSION", "SPLITS", "SENTENCES_SUFFIX", "FORMATS", "load_meta", "TokenDataset",
+__all__ = ["META_FILE", "FORMAT_VERSION", "SPLITS", "SENTENCES_SUFFIX", "load_meta", "TokenDataset",
            "Rows", "StepSampler", "BatchSampler", "eval_batches", "DataError"]
 
-META_FILE = "meta.json"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 SENTENCES_SUFFIX = ".sentences.bin"
 
 # --------------------------------------------------------------------------- reading
-# meta.json "format": what a folder of that format holds, and what reads it
-FORMATS = {
-    "archlab-tokens": ("a token-stream folder", "archlab.data.tokens.TokenDataset"),
-    "archlab-pairs": ("a source/target pairs folder", "archlab.data.seq2seq.Seq2SeqDataset"),
-    "archlab-sft": ("a folder of chat examples (archlab finetune)", "archlab.data.sft.SFTDataset"),
-}
-
-
-def load_meta(data_dir: str | os.PathLike, expect: str | None = "archlab-tokens") -> dict:
-    """A data folder's meta.json; a folder of another format than `expect` (None: any) is a DataError
-    that names what the folder is and what reads it."""
-    path = Path(data_dir) / META_FILE
-    if not Path(data_dir).exists():
-        raise DataError(f"{data_dir}: no such data folder; make one with `archlab data prepare --corpus TEXT "
-                        f"--tokenizer TOKENIZER --out {data_dir}`")
-    if not path.is_file():
-        raise DataError(f"{data_dir} is not a prepared data folder (no {META_FILE}); "
-                        "run `archlab data prepare` first")
-    try:
-        meta = json.loads(path.read_text())
-    except ValueError as exc:
-        raise DataError(f"{path} is corrupt (not JSON: {exc}); prepare the data folder again") from exc
-    if not isinstance(meta, dict) or "splits" not in meta:
-        raise DataError(f"{path} is not an archlab data folder's meta.json (no `splits`)")
-    found = meta.get("format", "archlab-tokens")
-    if expect is not None and found != expect:
-        if found not in FORMATS:
-            raise DataError(f"{data_dir} has format {found!r}, which this archlab cannot read")
-        holds, reader = FORMATS[found]
-        raise DataError(f"{data_dir} is {holds}, not {FORMATS[expect][0]}: read it with {reader}")
-    return meta
-
-
 class TokenDataset:
     """A read-only memmap view of one split of a prepared data folder.
 

@@ -1,6 +1,7 @@
 """The module names the README, docs/ and the code's docstrings and comments give exist: a dotted
-`archlab.ROOM.module[.attribute]`, a path `src/archlab/...`, `ROOM/file.py` or `ROOM/module`, and a bare `file.py`
-in a module's text (which means a file beside it: in its folder, or its room, or a leaf such as config.py).
+`archlab.ROOM.module[.attribute]`, a path `src/archlab/...`, `ROOM/file.py`, `ROOM/module` or `ROOM/module.attribute`,
+a bare `file.py` in a module's text (which means a file beside it: in its folder, or its room, or a leaf such as
+config.py), and in the README and docs/ a `Class.attribute` of a class archlab defines.
 Renamed or removed modules leave such names behind; a reader then looks for a file that is not there."""
 from __future__ import annotations
 
@@ -50,7 +51,13 @@ def stale_paths(text: str, here: Path | None = None) -> list[str]:
     bad = []
     for m in PATH.finditer(text):
         rooted, path = m.group(1), m.group(2)
-        if "NAME" in path or Path(path).suffix not in ("", ".py"):        # a placeholder, a data file
+        suffix = Path(path).suffix
+        if "NAME" in path:                                                  # a placeholder
+            continue
+        if suffix not in ("", ".py"):       # `ROOM/module.attribute` names an attribute; anything else, a data file
+            module = SRC / (path.removesuffix(suffix) + ".py")
+            if module.is_file() and not re.search(rf"\b{re.escape(suffix[1:])}\b", module.read_text(encoding="utf-8")):
+                bad.append(m.group(0))
             continue
         if path.split("/")[0] in USER_FOLDERS and not rooted and not path.endswith(".py"):
             continue
@@ -69,11 +76,29 @@ def stale_paths(text: str, here: Path | None = None) -> list[str]:
     return bad
 
 
+CLASSES: dict[str, list[Path]] = {}      # class name -> the modules that define a class of that name
+for _path in SRC.rglob("*.py"):
+    for _name in re.findall(r"^class (\w+)", _path.read_text(encoding="utf-8"), re.M):
+        CLASSES.setdefault(_name, []).append(_path)
+
+
+def stale_class_attributes(text: str) -> list[str]:
+    """`Class.attribute` in backticks, for a class archlab defines, whose module never names the attribute (a
+    field renamed: `TrainConfig.dpo_loss` once it became train.dpo.loss)."""
+    bad = []
+    for m in re.finditer(r"`([A-Z]\w+)\.([a-z_]\w*)", text):
+        name, attribute = m.groups()
+        if name in CLASSES and not any(re.search(rf"\b{attribute}\b", p.read_text(encoding="utf-8"))
+                                       for p in CLASSES[name]):
+            bad.append(f"{name}.{attribute}")
+    return bad
+
+
 @pytest.mark.parametrize("path", TEXTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_module_a_text_names_exists(path):
     text = path.read_text(encoding="utf-8")
     here = path if path.is_relative_to(SRC) else None
-    bad = stale_dotted(text) + stale_paths(text, here)
+    bad = stale_dotted(text) + stale_paths(text, here) + (stale_class_attributes(text) if here is None else [])
     assert not bad, f"{path.relative_to(ROOT)} names modules that do not exist: {sorted(set(bad))}"
 
 
@@ -84,6 +109,10 @@ def test_the_checks_catch_stale_names_and_spare_real_ones():
     assert stale_paths("see nn/calls.py and src/archlab/training/train_config.py") == [
         "nn/calls.py", "src/archlab/training/train_config.py"]
     assert stale_paths("nn/fused.py, interop/families/, runs/demo, data/mine") == []
+    assert stale_paths("`generation/drafts.Draft`, `nn/fused.no_such_thing`, `runs/demo/loss.png`") == [
+        "nn/fused.no_such_thing"]
+    assert stale_class_attributes("`TrainConfig.dpo_loss`, `TrainConfig.lora`, `Nobody.knows`") == [
+        "TrainConfig.dpo_loss"]
     trainer = SRC / "training" / "trainer.py"
     assert stale_paths("TrainConfig (train_config.py), optim.py, checkpoints (checkpoint.py)", trainer) == [
         "train_config.py", "checkpoint.py"]                 # checkpoint.py is in runs/, not beside the trainer

@@ -117,9 +117,11 @@ def run_suite(
     from archlab.data.prepare import input_paths
     from archlab.runs.outputs import check_output
 
-    own = data_dir is not None and Path(os.path.realpath(data_dir)).is_relative_to(os.path.realpath(sweep_dir))
+    # the sweep's own data (SWEEP/data, what ensure_data prepares) is no input; any other --data is, the sweep
+    # folder itself included: a sweep written into its data folder would go with the next `data prepare --overwrite`
+    own = data_dir is not None and os.path.realpath(data_dir) == os.path.realpath(sweep_dir / DATA_SUBDIR)
     inputs = [real.source] if real else [None if own else data_dir, *input_paths(corpus, tokenizer)]
-    check_output(sweep_dir, inputs=inputs, in_place=True)   # the sweep's own data (sweep/data) is no input
+    check_output(sweep_dir, inputs=inputs, in_place=True)
     with RunLock(sweep_dir, what="sweep folder"):    # one driver per sweep: a second writes no row, no data
         pool = executor if isinstance(executor, Executor) else make_executor(executor, workers, address, threads,
                                                                              gpu=gpu)

@@ -56,6 +56,19 @@ def test_axes_product_and_explicit_variants():
     assert vs[-1].model == {"block.parallel": True} and vs[-1].train == {"weight_decay": 0.0}
 
 
+
+def test_a_nested_and_a_flat_train_key_merge_into_one_the_later_layer_winning(tmp_path):
+    from archlab.runs.train_section import merge_train
+
+    assert merge_train({"eval_every": 100, "lr": 0.1}, {"train.eval.every": 50}) == {"lr": 0.1, "eval.every": 50}
+    assert merge_train({"eval.every": 50}, {"eval_every": 7}) == {"eval.every": 7}
+    nested = suites.Suite(name="t", claim="c", base={"train": {"eval.every": 30}}, axes=[{"name": "e", "values": [
+        {"label": "flat", "set": {"train.eval_every": 7}}, {"label": "none", "set": {}}]}])
+    merged = nested.base_overrides("small")[1]
+    assert merged["eval.every"] == 30 and "eval_every" not in merged        # BASE_TRAIN's eval_every is replaced
+    runs = plan(nested, tmp_path, vocab_size=257, train_overrides={"eval.every": 50})     # --set train.eval.every=50
+    assert {r.variant.name: r.train.eval.every for r in runs} == {"e=flat": 7, "e=none": 50}   # the variant's wins
+
 def test_suite_yaml_roundtrip_and_errors(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text("""

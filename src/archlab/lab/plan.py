@@ -19,6 +19,7 @@ from archlab.lab import matching
 from archlab.lab.real_model_run import RealSpec, real_spec, resolve_model
 from archlab.lab.store import RunRecord
 from archlab.lab.suites import Suite, Variant, build_model_config, slug
+from archlab.runs.train_section import merge_train
 from archlab.training.config import TrainConfig
 
 __all__ = ["INTERRUPTED", "LAB_TRAIN_DEFAULTS", "BaseSpec", "RealSpec", "PlannedRun", "RunJob", "crashed", "plan",
@@ -172,8 +173,8 @@ def _base_spec(suite: Suite, model: ModelConfig, sft: TrainConfig, seed: int, sw
     settings = suite.finetune or {}
     base_seed = seed if settings.get("bases") == "per_seed" else 0
     try:
-        train = TrainConfig.from_dict({**demo["base"].to_dict(), "device": sft.device,
-                                       **settings.get("pretrain", {}), "seed": base_seed})
+        train = TrainConfig.from_dict(merge_train(demo["base"].to_dict(), {"device": sft.device},
+                                                  settings.get("pretrain", {}), {"seed": base_seed}))
     except ConfigError as exc:
         raise ConfigError(f"suite {suite.name}, finetune.pretrain: {exc}") from exc
     model = model.with_overrides({"seed": base_seed})
@@ -237,8 +238,9 @@ def _extension(suite: Suite, variant: Variant, base_model: dict, train_base: dic
         cfg, _ = extended_config(source, source.with_overrides(overrides), overrides)
         cfg = cfg.with_overrides({"max_seq_len": long, "seed": seed})
         # a 0-step run trains nothing (archlab.lab.extend); its TrainConfig only has to be a valid one
-        train = TrainConfig.from_dict({**train_base, "seq_len": long, **settings.get("train", {}), **variant.train,
-                                       "budget": max(steps, 1), "budget_unit": "steps", "seed": seed})
+        train = TrainConfig.from_dict(merge_train(train_base, {"seq_len": long}, settings.get("train", {}),
+                                                  variant.train, {"budget": max(steps, 1), "budget_unit": "steps",
+                                                                  "seed": seed}))
     except UserError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
     return cfg, train, base
@@ -253,8 +255,9 @@ def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | No
 
     sc = suite.scale(scale)
     base_model, base_train = suite.base_overrides(scale)
-    train_base = {**LAB_TRAIN_DEFAULTS, **base_train, "budget": float(budget or sc["budget"]),
-                  "budget_unit": budget_unit or sc["unit"], **(train_overrides or {})}
+    train_base = merge_train(LAB_TRAIN_DEFAULTS, base_train, {"budget": float(budget or sc["budget"]),
+                                                              "budget_unit": budget_unit or sc["unit"]},
+                             train_overrides or {})
     if device:
         train_base["device"] = device
     if vocab_size:
@@ -289,7 +292,7 @@ def plan(suite: Suite, sweep_dir: Path, *, scale: str = "small", seeds: int | No
             note = f"{knob}={result.value} ({result.rel_error:+.2%} {m.get('by', 'params')} vs base)"
         for seed in range(n_seeds):
             model_cfg = cfg.with_overrides({"seed": seed})
-            train_cfg = TrainConfig.from_dict({**train_base, **variant.train, "seed": seed})
+            train_cfg = TrainConfig.from_dict(merge_train(train_base, variant.train, {"seed": seed}))
             base = _base_spec(suite, cfg, train_cfg, seed, Path(sweep_dir)) if suite.runs == "finetune" else None
             if suite.runs == "extend":
                 model_cfg, train_cfg, base = _extension(suite, variant, base_model, train_base, seed, Path(sweep_dir))

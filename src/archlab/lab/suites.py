@@ -63,6 +63,7 @@ import yaml
 from archlab.config import ConfigError, ModelConfig
 from archlab.lab.matching import MATCH_BY
 from archlab.lab.verdicts import Rule
+from archlab.runs.train_section import merge_train
 
 MEASUREMENTS = ("val_loss_2x", "max_attn_logit", "sinks", "kv_cache_bytes", "paired_step_time", "effective_rank",
                 "addition", "expert_load", "icl")
@@ -208,7 +209,7 @@ class Suite:
         """(model overrides, train overrides) of the suite base at a scale, before any variant."""
         sc = self.scale(scale)
         model = {**BASE_MODEL, **sc["model"], **(self.base.get("model") or {})}
-        train = {**BASE_TRAIN, **sc["train"], **(self.base.get("train") or {})}
+        train = merge_train(BASE_TRAIN, sc["train"], self.base.get("train") or {})
         return model, train
 
     def to_dict(self) -> dict:

@@ -30,7 +30,7 @@ from typing import Any
 
 from archlab.config import ConfigError
 
-__all__ = ["RENAMES", "VALUE_RENAMES", "current_key", "upgrade_train_section", "lora_section"]
+__all__ = ["RENAMES", "VALUE_RENAMES", "current_key", "merge_train", "upgrade_train_section", "lora_section"]
 
 RENAMES: dict[str, str] = {
     "dist.strategy": "dist_strategy",
@@ -67,6 +67,20 @@ def current_key(key: str, value: Any = None) -> tuple[str, Any]:
     if isinstance(value, str) and (name, value.strip()) in VALUE_RENAMES:
         return VALUE_RENAMES[(name, value.strip())]
     return RENAMES.get(name, name), value
+
+
+def merge_train(*layers: dict[str, Any]) -> dict[str, Any]:
+    """Train settings layered left to right (defaults first), each key read through the rename table, so a later
+    `train.eval.every` replaces an earlier `eval_every` (and the other way round) instead of both surviving, where the
+    mapping's order, not the layer, would decide which one TrainConfig.from_dict reads.
+    Example: merge_train({"eval_every": 100, "lr": 0.1}, {"train.eval.every": 50}) -> {"lr": 0.1, "eval.every": 50}"""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            name, value = current_key(key, value)
+            out.pop(name, None)                   # to the end too: the latest layer is also read last
+            out[name] = value
+    return out
 
 
 def upgrade_train_section(data: dict[str, Any]) -> dict[str, Any]:

@@ -169,3 +169,60 @@ def test_slot_cache_rows_of_different_lengths_decode_as_each_would_alone():
     assert got == expected
     slots.reset(0)
     assert slots.length[0] == 0 and bool((slots.pos[0] == -1).all())
+
+
+def test_slot_cache_batches_scattered_rows_as_views_moved_once_per_composition():
+    """Rows that join and leave out of order (5 rows, prompts in rows 4, 1, 3; row 1 leaves, row 0 joins) decode
+    together to archlab.generate's greedy tokens for each prompt alone; every step's keys are views of the slot
+    cache (no copy per step): rows are moved to consecutive places once per batch composition, not per step."""
+    from variants import BASE
+
+    import archlab
+    from archlab.nn.kv_cache import SlotKVCache
+    cfg = BASE.with_overrides({"vocab_size": 257, "init.std": 0.2, "max_seq_len": 64})
+    torch.manual_seed(0)
+    model = archlab.TransformerLM(cfg).eval()
+    prompts = {4: [5, 6, 7, 8, 9], 1: [40, 41], 3: [7, 1, 2, 3, 4, 5, 6, 9, 9], 0: [100, 3, 30]}
+    expected = {row: archlab.generate(model, torch.tensor(p), 8)[len(p):].tolist() for row, p in prompts.items()}
+    slots = SlotKVCache(cfg, rows=5, capacity=64)
+    got: dict[int, list[int]] = {}
+    storage = slots.k.untyped_storage().data_ptr()
+
+    def join(row: int) -> None:
+        p = torch.tensor([prompts[row]])
+        logits = model(p, positions=torch.arange(p.shape[1])[None], cache=slots.view([row]))
+        got[row] = [int(logits[0, -1].argmax())]
+
+    def step(rows: list[int]) -> None:
+        view, keys = slots.view(rows), []
+        update = view.update
+
+        def recorded(*args):                                         # what each layer attends over
+            out = update(*args)
+            keys.append(out[0])
+            return out
+        view.update = recorded                                       # type: ignore[method-assign]
+        last = torch.tensor([[got[r][-1]] for r in rows])
+        positions = torch.tensor([[slots.length[r]] for r in rows])
+        logits = model(last, positions=positions, cache=view)
+        for i, r in enumerate(rows):
+            got[r].append(int(logits[i, -1].argmax()))
+        assert len(keys) == cfg.n_layers and all(k.untyped_storage().data_ptr() == storage for k in keys)
+
+    with torch.no_grad():
+        for row in (4, 1, 3):
+            join(row)
+        for n in range(4):
+            step([4, 1, 3])
+            if n == 0:
+                moved = slots.moved
+                assert moved > 0                                     # scattered: arranged once...
+        assert slots.moved == moved                                  # ...and never again for this batch
+        assert got[1] == expected[1][:5]
+        slots.reset(1)
+        join(0)
+        for _ in range(7):
+            step([4, 3, 0])
+        assert slots.moved > moved
+    assert {r: got[r][:8] for r in (4, 3, 0)} == {r: expected[r] for r in (4, 3, 0)}
+    assert sorted(slots.physical(r) for r in range(5)) == list(range(5))

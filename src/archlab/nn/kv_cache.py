@@ -278,6 +278,11 @@ class SlotKVCache:
     follows the cache protocol for just those rows (each writes at its own offset; empty slots return
     position -1, so attention masks them). Every layer keeps `capacity` slots: windows are enforced by
     the mask, not by a rolling buffer.
+
+    A row is a name; where its keys live is `physical(row)`, an index into `k`, `v` and `pos`. A forward over
+    several rows attends over a view of consecutive physical rows, so its keys are never copied: when the rows a
+    view asks for are not consecutive there, `view` first swaps rows' contents until they are (once per batch
+    composition, each move as long as the rows it moves hold), and every later step of that batch is a view.
     Example: slots = SlotKVCache(cfg, rows=8, capacity=cfg.max_seq_len)
              logits = model(ids, positions=pos, cache=slots.view([3]))     # row 3 only"""
 
@@ -285,11 +290,18 @@ class SlotKVCache:
                  device: torch.device | str = "cpu"):
         kv_heads, head_dim = _model_dims(config)
         shape = (config.n_layers, rows, kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)              # (L, rows, k, cap, e)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)              # (L, rows, k, cap, e) by physical row
         self.v = torch.zeros_like(self.k)
-        self.pos = torch.full((rows, capacity), -1, dtype=torch.long, device=device)  # (rows, cap)
+        self.pos = torch.full((rows, capacity), -1, dtype=torch.long, device=device)  # (rows, cap) by physical row
         self.length = [0] * rows                                              # tokens held per row
         self.capacity = capacity
+        self._physical = list(range(rows))                                    # row -> its index in k, v, pos
+        self._row = list(range(rows))                                         # physical index -> row
+        self.moved = 0                                                        # tokens moved by view's swaps
+
+    def physical(self, row: int) -> int:
+        """Where `row`'s keys, values and positions are in `k`, `v` and `pos`."""
+        return self._physical[row]
 
     def reset(self, row: int) -> None:
         """Free a row for the next request."""
@@ -298,16 +310,17 @@ class SlotKVCache:
     def crop(self, row: int, length: int) -> None:
         """Keep a row's first `length` tokens (a prefix the next request shares); the next forward writes after."""
         _check_crop(length, self.length[row])
-        self.pos[row, length:] = -1
+        self.pos[self._physical[row], length:] = -1
         self.length[row] = length
 
     def copy(self, source: int, row: int, length: int) -> None:
         """Row `row` holds `source`'s first `length` tokens (a prefix another request shares) and nothing after."""
         _check_crop(length, self.length[source])
-        self.k[:, row, :, :length] = self.k[:, source, :, :length]
-        self.v[:, row, :, :length] = self.v[:, source, :, :length]
-        self.pos[row, :length] = self.pos[source, :length]
-        self.pos[row, length:] = -1
+        src, dst = self._physical[source], self._physical[row]
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self.pos[dst, :length] = self.pos[src, :length]
+        self.pos[dst, length:] = -1
         self.length[row] = length
 
     @property
@@ -316,36 +329,64 @@ class SlotKVCache:
         return self.k.nbytes + self.v.nbytes
 
     def view(self, rows: list[int]) -> _SlotView:
+        """The cache protocol over `rows` (batch row i = rows[i]), their keys a view of consecutive physical rows."""
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"rows {rows} name a row twice")
+        self._arrange(rows)
         return _SlotView(self, rows)
+
+    def _arrange(self, rows: list[int]) -> None:
+        """Swap rows' contents until rows[i] sits at physical start + i, for the start that moves the fewest tokens
+        (nothing to do when they already run on consecutively)."""
+        n, b = len(self._row), len(rows)
+        where = [self._physical[r] for r in rows]
+        if all(p == where[0] + i for i, p in enumerate(where)):
+            return
+
+        def cost(start: int) -> int:                 # tokens the swaps would move
+            return sum(self.length[row] + self.length[self._row[start + i]]
+                       for i, (row, p) in enumerate(zip(rows, where)) if p != start + i)
+        start = min(sorted({p - i for i, p in enumerate(where) if 0 <= p - i <= n - b} | {0}), key=cost)
+        for i, row in enumerate(rows):
+            if self._physical[row] != start + i:
+                self._swap(row, self._row[start + i])
+
+    def _swap(self, a: int, b: int) -> None:
+        """Exchange where rows a and b live, moving the tokens each holds."""
+        pa, pb = self._physical[a], self._physical[b]
+        la, lb = self.length[a], self.length[b]
+        for t in (self.k, self.v):                                           # (L, rows, k, cap, e)
+            held = t[:, pa, :, :la].clone()
+            t[:, pa, :, :lb] = t[:, pb, :, :lb]
+            t[:, pb, :, :la] = held
+        self.pos[[pa, pb]] = self.pos[[pb, pa]]
+        self._physical[a], self._physical[b] = pb, pa
+        self._row[pa], self._row[pb] = b, a
+        self.moved += la + lb
 
 
 class _SlotView:
-    """The cache protocol over some rows of a SlotKVCache (batch row i = slot rows[i])."""
+    """The cache protocol over some rows of a SlotKVCache (batch row i = slot rows[i]), which sit at consecutive
+    physical rows (SlotKVCache.view arranged them): each layer hands back views of their keys, no copies."""
 
     def __init__(self, slots: SlotKVCache, rows: list[int]):
         self.slots, self.rows = slots, rows
-        self.index = torch.tensor(rows, dtype=torch.long, device=slots.pos.device)
         self.starts = [slots.length[r] for r in rows]   # where this forward writes in each row
-        consecutive = rows == list(range(rows[0], rows[0] + len(rows))) if rows else False
-        self.span = (rows[0], rows[0] + len(rows)) if consecutive else None
+        self.lo = slots.physical(rows[0]) if rows else 0
+        assert all(slots.physical(r) == self.lo + i for i, r in enumerate(rows)), "rows not arranged"
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        s, t = self.slots, k.shape[2]
+        s, t, lo = self.slots, k.shape[2], self.lo
         if max(self.starts) + t > s.capacity:
             raise ValueError(f"a request needs more than the cache's {s.capacity} slots")
         for i, (row, start) in enumerate(zip(self.rows, self.starts)):
-            s.k[layer, row, :, start:start + t] = k[i]
-            s.v[layer, row, :, start:start + t] = v[i]
-            s.pos[row, start:start + t] = positions[i]     # the same for every layer of this forward
+            s.k[layer, lo + i, :, start:start + t] = k[i]
+            s.v[layer, lo + i, :, start:start + t] = v[i]
+            s.pos[lo + i, start:start + t] = positions[i]     # the same for every layer of this forward
             s.length[row] = start + t
         # only the slots some row has written: attention never spans the empty tail of the capacity
-        end = max(self.starts) + t
-        if self.span is not None:                 # consecutive rows (a prefill's one row): views, no copy
-            lo, hi = self.span
-            return s.k[layer, lo:hi, :, :end], s.v[layer, lo:hi, :, :end], s.pos[lo:hi, :end]
-        keys = s.k[layer, :, :, :end].index_select(0, self.index)            # (b, k, end, e)
-        values = s.v[layer, :, :, :end].index_select(0, self.index)
-        return keys, values, s.pos[:, :end].index_select(0, self.index)    # ..., (b, end)
+        end, hi = max(self.starts) + t, lo + len(self.rows)
+        return s.k[layer, lo:hi, :, :end], s.v[layer, lo:hi, :, :end], s.pos[lo:hi, :end]   # views: (b, k, end, e)
 
     def __len__(self) -> int:
         return max(self.starts)

@@ -268,7 +268,9 @@ class Engine:
 
     @torch.no_grad()
     def _step(self) -> None:
-        jobs = list(self._active.values())
+        # in the order their rows sit in the slot cache: the batch's keys are one view of it (moved there once
+        # per batch composition, archlab.nn.kv_cache.SlotKVCache.view), not copied every step
+        jobs = sorted(self._active.values(), key=lambda j: self.slots.physical(j.row))
         rows = [j.row for j in jobs]
         device = self.slots.pos.device
         last = torch.tensor([[j.new[-1]] for j in jobs], device=device)               # (b, 1)

@@ -3,7 +3,7 @@
 time goes; and the server's per-slot prefix cache on the same conversation.
 
     .venv/bin/python benchmarks/chat_cache.py [--threads 1] [--turns 10] [--rounds 5] [--user 60] [--answer 60]
-                                              [--d-model 256] [--no-server] [--breakdown-only]
+                                              [--d-model 256] [--no-server] [--breakdown-only] [--clock cpu]
 
 The model: the decode benchmark's LLaMA shape (8 layers, d_model 256, GQA 8:2, random weights; only shapes matter
 for time; --d-model widens it, heads of 32). A turn appends --user tokens to the history, streams an answer of
@@ -15,7 +15,13 @@ identical.
 The breakdown (turn 1 and the last turn, the cache holding what it holds in the chat; each part the least of
 interleaved repeats): setup (the prompt's tensors, the cache's common prefix), the prefill forward, of it the
 attention (the prefill's time less that of the same prefill with SDPA's calls answering zeros at once: the other
-operations' time does not depend on their values), and the first token's sampling.
+operations' time does not depend on their values), and the first token's sampling. Then the floor: the attention's
+arithmetic at each turn (4·t·s·h·e per layer over the pairs a causal query sees) and the least turn N / turn 1 that
+any attention kernel could give on this machine: turn 1 as measured, the last turn's attention done at this
+machine's large-matmul rate (a 512x512 float32 matmul, the same threads), nothing else changed.
+
+--clock cpu times this process's CPU time (time.process_time; with one torch thread the computation's own time), so
+a shared machine's other tenants drop out of the figures; --clock wall (the default) is what a user waits.
 
 The server (archlab.serve.Engine, one decoding row): the same turns as requests of one token each (prefill + the
 first token), with the prefix cache and without (prefix_cache=False), interleaved; ids below 256 (a byte
@@ -34,6 +40,9 @@ import torch
 import archlab
 from archlab.generation import PrefixCache, stream
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter          # set from --clock in main()
+
 
 def conversation(model, users: list[list[int]], answer: int, cached: bool) -> tuple[list[float], list[int]]:
     """(seconds to the first token of each turn, the final history)."""
@@ -42,10 +51,10 @@ def conversation(model, users: list[list[int]], answer: int, cached: bool) -> tu
     ttft = []
     for user in users:
         history = history + user
-        start = time.perf_counter()
+        start = clock()
         tokens = stream(model, history, answer, eos_token_id=[], prefix_cache=cache)
         first = next(tokens)
-        ttft.append(time.perf_counter() - start)
+        ttft.append(clock() - start)
         history = history + [int(first[0])] + [int(t[0]) for t in tokens]
     return ttft, history
 
@@ -80,20 +89,20 @@ def breakdown(model, prompt: list[int], held: int, repeats: int) -> dict[str, fl
         cache.cache.crop(held)
         del cache.ids[held:]
         calls: list = []
-        start = time.perf_counter()
+        start = clock()
         ids, mask, _ = prepare_prompts(prompt)
         stepper = Stepper(model, ids, mask, 2, prefix=cache)
-        setup = time.perf_counter()
+        setup = clock()
         with attention_backends.observe(calls.append):
             logits = stepper.prefill()
-        return setup - start, time.perf_counter() - setup, logits, calls
+        return setup - start, clock() - setup, logits, calls
 
     for _ in range(repeats):
         with torch.inference_mode():
             setup, forward, logits, calls = prefill()
-            start = time.perf_counter()
+            start = clock()
             int(next_token(logits, SamplingParams(temperature=0.0))[0])
-            sample = time.perf_counter() - start
+            sample = clock() - start
             assert {attention_backends.choose(c).name for c in calls} == {"sdpa"}
             with attention_skipped():
                 rest = prefill()[1]
@@ -101,6 +110,27 @@ def breakdown(model, prompt: list[int], held: int, repeats: int) -> dict[str, fl
                              ("sample", sample), ("rest", rest)):
             best[key] = min(best.get(key, float("inf")), seconds)
     return {k: 1e3 * v for k, v in best.items()}
+
+
+def attention_work(cfg, new: int, keys: int) -> tuple[float, float]:
+    """(FLOPs, exponentials) of a prefill's attention: `new` queries, the last `new` of `keys` positions, each over the
+    keys a causal query sees: q·k and p·v (2 multiply-adds per pair and head dimension) and one exp per score, every
+    query head, every layer."""
+    pairs = (new * (keys - new) + new * (new + 1) // 2) * cfg.attention.n_heads * cfg.n_layers
+    return 4.0 * pairs * cfg.head_dim, float(pairs)
+
+
+def machine_rates(repeats: int = 30) -> tuple[float, float]:
+    """(FLOP/s of a 512x512 float32 matmul, exponentials/s of torch.exp over 2^20 floats) at the set threads, each the
+    best of `repeats`: what this CPU's kernels sustain, the ceilings for attention's products and its softmax."""
+    a, b, x = torch.randn(512, 512), torch.randn(512, 512), torch.randn(1 << 20)
+    best = [float("inf"), float("inf")]
+    for _ in range(repeats + 3):
+        for i, fn in enumerate((lambda: a @ b, lambda: torch.exp(x))):
+            start = clock()
+            fn()
+            best[i] = min(best[i], clock() - start)
+    return 2 * 512 ** 3 / best[0], (1 << 20) / best[1]
 
 
 def server_turns(model, users: list[list[int]], answers: list[list[int]], cached: bool) -> tuple[list[float], list]:
@@ -115,10 +145,10 @@ def server_turns(model, users: list[list[int]], answers: list[list[int]], cached
     times, out = [], []
     for user, answer in zip(users, answers):
         history = history + user
-        start = time.perf_counter()
+        start = clock()
         deltas = list(engine.complete(CompletionRequest("", max_tokens=1, temperature=0),
                                       prepared=(list(history), settings)))
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
         out.append(("".join(d.text for d in deltas), deltas[-1].cached_tokens))
         history = history + answer
     return times, out
@@ -136,7 +166,11 @@ def main() -> None:
     ap.add_argument("--no-server", action="store_true", help="skip the server's table")
     ap.add_argument("--breakdown-only", action="store_true",
                     help="the breakdown alone (no conversations, no server): for wide models, e.g. --d-model 1024")
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                    help="wall: elapsed time; cpu: this process's CPU time (a shared machine's load drops out)")
     args = ap.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
     from archlab.runs.provenance import provenance_line
     print(provenance_line(threads=args.threads), flush=True)
     torch.set_num_threads(args.threads)
@@ -162,8 +196,8 @@ def main() -> None:
                 else:
                     assert history == kept, "the cached conversation decoded different answers"
         med = {c: [statistics.median(t[i] for t in times[c]) for i in range(args.turns)] for c in (True, False)}
-        print(f"d_model {args.d_model}: time to first token (ms), median of {args.rounds} interleaved rounds; "
-              f"{args.user} user + {args.answer} answer tokens a turn")
+        print(f"d_model {args.d_model}: time to first token (ms, {args.clock} clock), median of {args.rounds} "
+              f"interleaved rounds; {args.user} user + {args.answer} answer tokens a turn")
         print(f"{'turn':>4} {'prompt':>7} {'cached':>8} {'fresh':>8}")
         for i in range(args.turns):
             print(f"{i + 1:>4} {(i + 1) * args.user + i * args.answer:>7} {1e3 * med[True][i]:>8.1f} "
@@ -192,6 +226,15 @@ def main() -> None:
     print(f"turn {args.turns} - turn 1: {grew['total']:+.1f} ms ({end['total'] / first['total']:.2f}x), of which "
           f"attention {grew['prefill'] - grew['rest']:+.1f} ms, the rest of the forward {grew['rest']:+.1f} ms, "
           f"setup {grew['setup']:+.2f} ms, the first token {grew['sample']:+.2f} ms")
+    work = {turn: attention_work(cfg, args.user + (turn > 1), len(prompt)) for turn, (prompt, _) in cases.items()}
+    (flops, exps), (rate, exp_rate) = work[args.turns], machine_rates()
+    floor = 1e3 * (flops / rate + exps / exp_rate)      # ms: the last turn's attention at the kernels' rates
+    first_rest = first['total'] - (first['prefill'] - first['rest'])     # turn 1 less its attention
+    print(f"attention's work: turn 1 {work[1][0] / 1e9:.3f} GFLOP, turn {args.turns} {flops / 1e9:.3f} GFLOP and "
+          f"{exps / 1e6:.2f}M exponentials ({flops / 1e6 / (end['prefill'] - end['rest']):.0f} GFLOP/s as measured); "
+          f"at this machine's rates ({rate / 1e9:.0f} GFLOP/s for a 512x512 float32 matmul, {exp_rate / 1e9:.1f}G "
+          f"exp/s) it takes at least {floor:.1f} ms: turn {args.turns} / turn 1 >= "
+          f"{(first_rest + floor) / first['total']:.2f}x with any attention kernel (turn 1 as measured)")
 
     if args.no_server or args.breakdown_only:
         return

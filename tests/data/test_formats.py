@@ -14,6 +14,9 @@ LINES = {
     "chat_examples": [{"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "2+2=", "completion": "4"}],
     "preference_pairs": [{"prompt": "Sky?", "chosen": "Blue", "rejected": "Green"},
                          {"chosen": "Sky? Blue", "rejected": "Sky? Green"}],
+    "unpaired_preferences": [{"prompt": "Sky?", "completion": "Blue", "label": True},
+                             {"prompt": [{"role": "user", "content": "Sky?"}],
+                              "completion": [{"role": "assistant", "content": "Green"}], "label": False}],
     "prompts": [{"prompt": "2+2=", "answer": "4"}, {"prompt": [{"role": "user", "content": "hi"}]}],
     "seq2seq_pairs": [{"source": "Hallo", "target": "Hello"}],
 }
@@ -30,7 +33,7 @@ def test_a_jsonl_file_is_recognised_by_its_lines(tmp_path, name):
     assert (found.format, found.folder) == (name, False)
 
 
-@pytest.mark.parametrize("name", FORMATS.names())
+@pytest.mark.parametrize("name", [n for n in FORMATS.names() if FORMATS.get(n).folder_format])
 def test_a_prepared_folder_is_recognised_by_its_meta(tmp_path, name):
     (tmp_path / "meta.json").write_text(json.dumps({"format": FORMATS.get(name).folder_format, "splits": {}}))
     assert detect(tmp_path) == type(detect(tmp_path))(name, True)
@@ -46,8 +49,9 @@ def test_mixed_unknown_and_broken_files_are_refused_naming_file_and_line(tmp_pat
     with pytest.raises(UserError, match=r"mixed\.jsonl:2 holds preference pairs, line 1 chat examples: one format"):
         detect(mixed)
     odd = _jsonl(tmp_path / "odd.jsonl", [LINES["prompts"][0], {"text": "hi"}])
-    with pytest.raises(UserError, match=r"odd\.jsonl:2 has 'text', not the fields of preference pairs, chat "
-                                        r"examples, prompts or .*chat examples: messages or prompt\+completion"):
+    with pytest.raises(UserError, match=r"odd\.jsonl:2 has 'text', not the fields of preference pairs, "
+                                        r"unpaired preferences, chat examples, prompts or .*chat examples: "
+                                        r"messages or prompt\+completion"):
         detect(odd)
     with pytest.raises(UserError, match=r"odd\.jsonl:2 has 'text', not the fields of prompts \(prompts: prompt\)$"):
         require(odd, ("prompts",), who="--method grpo")
@@ -83,7 +87,7 @@ def test_require_names_the_format_found_and_those_accepted(tmp_path):
 ACCEPTS = {
     "pretrain": {"token_stream", "seq2seq_pairs", "chat_examples"},
     "sft": {"chat_examples", "seq2seq_pairs"},
-    "dpo": {"preference_pairs"},
+    "dpo": {"preference_pairs", "unpaired_preferences"},
     "reward": {"preference_pairs"},
     "grpo": {"prompts"},
     "ppo": {"prompts"},
@@ -113,7 +117,7 @@ def test_every_method_reads_exactly_its_formats(tmp_path):
                     select(cfg, folder)
 
 
-@pytest.mark.parametrize("name", FORMATS.names())
+@pytest.mark.parametrize("name", [n for n in FORMATS.names() if FORMATS.get(n).folder_format])
 def test_a_folder_handed_to_another_reader_is_named_with_its_own_reader(tmp_path, name):
     import importlib
 

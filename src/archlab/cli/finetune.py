@@ -15,6 +15,8 @@ EXAMPLE = """example:
   archlab finetune runs/t5 --data pairs.jsonl --out runs/t5-sft          # encoder-decoder: prompt -> completion
   archlab finetune runs/sft --method dpo --data prefs.jsonl --out runs/dpo --set train.lr=5e-6 \
       --set train.dpo.beta=0.1        # preference lines {"prompt", "chosen", "rejected"}; train.dpo.loss=ipo|simpo|orpo
+  archlab finetune runs/sft --method dpo --data kto.jsonl --out runs/kto --set train.dpo.loss=kto \
+      --set train.dpo.undesirable_weight=1.33    # KTO: {"prompt", "completion", "label": true|false} lines, or pairs
   archlab finetune runs/sft --method reward --data prefs.jsonl --out runs/rm     # then: archlab score runs/rm ...
   archlab finetune runs/sft --method grpo --data prompts.jsonl --out runs/grpo --reward exact_match \
       --set train.grpo.num_generations=8 --set train.grpo.max_completion_length=64   # lines {"prompt", "answer"}
@@ -36,21 +38,24 @@ def register(subparsers) -> None:
                               description="Post-training: start from BASE's weights, train with --method on --data "
                               "and write a run folder. sft (default): the chat examples of --data (decoders: the loss "
                               "on the assistant's tokens; encoder-decoders: prompt -> completion); dpo: preference "
-                              "pairs against BASE as the reference; reward: a scalar head on the same pairs; grpo "
+                              "pairs against BASE as the reference (with train.dpo.loss=kto also TRL's unpaired "
+                              "prompt/completion/label lines); reward: a scalar head on the same pairs; grpo "
                               "and ppo: prompt lines, completions sampled and scored by --reward (ppo: with a value "
                               "head and BASE as the KL reference).",
                               epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("base", metavar="BASE", help="a run folder, an HF folder, or hf:ORG/NAME")
     p.add_argument("--method", default="sft", metavar="sft|dpo|reward|grpo|ppo",
                    help="how to train (default sft): sft on chat lines; dpo, or a reward model, on prompt/chosen/"
-                   "rejected lines; grpo or ppo on prompt lines with rewards (training/methods)")
+                   "rejected lines (dpo with --set train.dpo.loss=kto also prompt/completion/label lines); grpo or ppo "
+                   "on prompt lines with rewards (training/methods)")
     p.add_argument("--reward", action="append", default=[], metavar="NAME|RUN|FILE.py:FUNC",
                    help="--method grpo (repeatable; train.grpo.rewards): a built-in (exact_match against each line's "
                    "'answer', format: train.grpo.format_regex), a reward run folder, or your own function "
                    "FILE.py:FUNC with TRL's signature (prompts, completions, **columns) -> list[float]; --method ppo: "
                    "one of them (train.ppo.reward), usually a reward run")
     p.add_argument("--data", required=True, help="a .jsonl: chat lines (messages, or prompt/completion) for sft, "
-                   "prompt/chosen/rejected lines for dpo and reward, {\"prompt\", ...} lines for grpo and ppo")
+                   "prompt/chosen/rejected lines for dpo and reward (or prompt/completion/label lines for dpo's kto "
+                   "loss), {\"prompt\", ...} lines for grpo and ppo")
     p.add_argument("--out", required=True, help="run folder to write")
     p.add_argument("--val", help="validation .jsonl (default: a seeded hash of each --data line picks "
                    "--val-fraction of them)")

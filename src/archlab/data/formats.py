@@ -7,9 +7,12 @@ method reads is the method's own `data_formats` (training/methods); everything t
     FORMATS.get(found.format).summary          # "preference pairs"
     require(Path("prefs.jsonl"), ("chat_examples",), who="--method sft")   # UserError: names both
 
-The five formats: token_stream (archlab data prepare), seq2seq_pairs (source -> target for encoder-decoders,
+The six formats: token_stream (archlab data prepare), seq2seq_pairs (source -> target for encoder-decoders,
 `archlab data prepare --seq2seq`), chat_examples (messages, or prompt and completion), preference_pairs (chosen and
-rejected, a prompt optional), prompts (a prompt and other columns, no completion).
+rejected, a prompt optional), unpaired_preferences (TRL's prompt, completion and a true/false label, what KTO reads),
+prompts (a prompt and other columns, no completion). A prepared preference folder holds either preference form: it
+detects as preference_pairs (unpaired_preferences has no folder format of its own), and data/preference.py reads
+which its lines are.
 
 A prepared folder describes itself in META_FILE; `load_meta` reads it for every reader (data/tokens.py re-exports
 both), refusing a folder of another format with the words and the reader its DataFormat names.
@@ -57,7 +60,8 @@ class DataFormat:
 FORMATS: Registry[DataFormat] = Registry("data format")
 
 # Checked in registration order: the first format with a field of the line is the line's (preference and chat lines
-# may hold a prompt, so they come before prompts; a prompts line may hold any other column, so seq2seq comes last).
+# may hold a prompt, so they come before prompts; an unpaired preference holds a completion, so it comes before chat
+# examples; a prompts line may hold any other column, so seq2seq comes last).
 for _format in (
     DataFormat("token_stream", "a token stream", "archlab-tokens", (), (),
                "memmap token files (archlab data prepare --corpus)",
@@ -66,6 +70,9 @@ for _format in (
                "a preference folder (archlab finetune --method dpo|reward)",
                "a folder of preference pairs (archlab finetune)",
                "archlab.data.preference_folder.open_preference_folder"),
+    DataFormat("unpaired_preferences", "unpaired preferences", None, (("prompt", "completion", "label"),),
+               ("label",), "a preference folder (archlab finetune --method dpo --set train.dpo.loss=kto), which "
+               "detects as preference_pairs"),
     DataFormat("chat_examples", "chat examples", "archlab-sft", (("messages",), ("prompt", "completion")),
                ("messages", "completion"),
                "an SFT folder, or a seq2seq folder for encoder-decoders (archlab finetune --method sft)",

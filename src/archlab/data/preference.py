@@ -7,6 +7,14 @@ Two shapes of line, as TRL's preference datasets have them:
     {"chosen": [messages], "rejected": [messages]}   (or texts): TRL's implicit prompt, their shared start
                                                       (extract_prompt, as TRL splits it)
 
+and TRL's unpaired form, one completion judged alone (what KTO trains on; data/formats.py: unpaired_preferences):
+
+    {"prompt": "..." | [messages], "completion": "..." | [assistant messages], "label": true | false}
+
+A file holds one form: paired lines become PreferenceData.pairs, unpaired ones PreferenceData.unpaired
+(LabelledCompletion: true = desirable); `labelled_completions` gives KTO either as labelled completions, a pair
+unpaired as TRL's unpair_preference_dataset does (every chosen side desirable, then every rejected side not).
+
 Each side becomes one sequence, encoded as archlab.data.chat encodes a prompt/completion line with the loss mask
 "completion": plain text is prompt + completion + the end-of-text token; messages render through the tokenizer's
 chat template and the completion is what the assistant's messages add. labels score the completion only
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +54,9 @@ from archlab.errors import UserError
 from archlab.progress import progress_bar
 from archlab.tokenizer.chat import ChatTokenizer, NoChatTemplate
 
-__all__ = ["SIDES", "NoTemplateForMessages", "extract_prompt", "PreferencePair", "PreferenceData",
-           "load_preference_data",
-           "pad_pairs", "PreferenceBatches"]
+__all__ = ["SIDES", "NoTemplateForMessages", "extract_prompt", "PreferencePair", "LabelledCompletion",
+           "PreferenceData", "load_preference_data", "labelled_completions", "pad_rows", "pad_pairs",
+           "PreferenceBatches"]
 
 SIDES = ("chosen", "rejected")
 
@@ -63,13 +72,33 @@ class PreferencePair:
     def prompt_ids(self) -> list[int]:
         """The ids before the chosen completion's first scored token (the prompt as the model reads it)."""
         ids, labels = self.chosen
-        first = next(j for j, t in enumerate(labels) if t != IGNORE)
-        return ids[:first + 1]
+        return ids[:first_scored(labels) + 1]
+
+
+def first_scored(labels: list[int]) -> int:
+    """The slot of the first scored label: the prompt, as the model reads it, is ids[:first_scored(labels) + 1]."""
+    return next(j for j, t in enumerate(labels) if t != IGNORE)
+
+
+@dataclass(frozen=True)
+class LabelledCompletion:
+    """One prompt + completion judged alone (TRL's unpaired preference line, or one side of a pair): ids (n,), labels
+    (n,) scoring the completion only (as a pair's side), and whether it is desirable (TRL's label)."""
+    line: int
+    ids: list[int]
+    labels: list[int]
+    desirable: bool
+
+    @property
+    def prompt_len(self) -> int:
+        """How many leading ids are the prompt."""
+        return first_scored(self.labels) + 1
 
 
 @dataclass
 class PreferenceData:
-    """The pairs of one file and what the trainer records of a data source (the file's sha256 as fingerprint)."""
+    """The pairs (or unpaired labelled completions) of one file and what the trainer records of a data source (the
+    file's sha256 as fingerprint). A file holds one form: `pairs` or `unpaired` is empty."""
     path: Path
     pairs: list[PreferencePair]
     tokenizer_dir: Path
@@ -78,15 +107,16 @@ class PreferenceData:
     fingerprint: str
     skipped: int = 0
     bytes_per_token: float | None = None
+    unpaired: list[LabelledCompletion] = dataclasses.field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
-        return sum(len(p.chosen[0]) + len(p.rejected[0]) for p in self.pairs)
+        return sum(len(p.chosen[0]) + len(p.rejected[0]) for p in self.pairs) + sum(len(e.ids) for e in self.unpaired)
 
     def without_pairs(self) -> PreferenceData:
         """The same source with no pairs: what stands for a token validation split, which a DPO run has none of (its
         held-out pairs are DPOBatches.val, scored by DPOBatches.evaluate)."""
-        return dataclasses.replace(self, pairs=[])
+        return dataclasses.replace(self, pairs=[], unpaired=[])
 
     @property
     def meta(self) -> dict:
@@ -124,9 +154,23 @@ def extract_prompt(chosen: Any, rejected: Any) -> dict:
     return {"prompt": chosen[:idx], "chosen": chosen[idx:], "rejected": rejected[idx:]}
 
 
+def _unpaired(value: dict, where: str) -> dict:
+    """TRL's unpaired line checked: a prompt, a completion, and a label that is true or false."""
+    for needed in ("prompt", "completion"):
+        if needed not in value:
+            raise ChatDataError(f"{where} has a 'label' but no {needed!r} (an unpaired preference line has prompt, "
+                                "completion and label)")
+    if not isinstance(value["label"], bool):
+        raise ChatDataError(f"{where}: label is {json.dumps(value['label'])}, not true or false (true: the completion "
+                            "is desirable)")
+    return value
+
+
 def _record(value: Any, where: str) -> dict:
     if not isinstance(value, dict):
         raise ChatDataError(f"{where} is a JSON {type(value).__name__}, not an object with prompt, chosen, rejected")
+    if "label" in value and not any(side in value for side in SIDES):
+        return _unpaired(value, where)
     for needed in SIDES:
         if needed not in value:
             raise ChatDataError(f"{where} has no {needed!r} (a preference line has prompt, chosen and rejected)")
@@ -145,13 +189,14 @@ def _record(value: Any, where: str) -> dict:
 
 
 def _conversations(record: dict, where: str, line: int) -> list[Conversation]:
-    """The chosen and rejected sides of a line as prompt/completion conversations, checked."""
+    """The chosen and rejected sides of a line (or an unpaired line's completion) as prompt/completion conversations,
+    checked."""
     out = []
-    for side in SIDES:
+    for side in (SIDES if "chosen" in record else ("completion",)):
         try:
             conv = _conversation({"prompt": record["prompt"], "completion": record[side]}, where, line)
         except ChatDataError as exc:
-            raise ChatDataError(str(exc).replace("completion", side)) from None
+            raise ChatDataError(str(exc).replace("completion", side) if side != "completion" else str(exc)) from None
         if not conv.is_plain and any(m["role"] != "assistant" for m in conv.messages[conv.prompt_len:]):
             raise ChatDataError(f"{where}: {side} must hold assistant messages only")
         out.append(conv)
@@ -192,6 +237,7 @@ def load_preference_data(path: str | os.PathLike, tokenizer: str | os.PathLike, 
         raise UserError(f"{path}: no such file (preference data is a .jsonl file)")
     chat = ChatTokenizer.of(tokenizer)
     template: str | None = None
+    form: tuple[int, bool] | None = None            # (the first line, whether it is unpaired): one form per file
     data = PreferenceData(path, [], tokenizer, int(chat.tokenizer.vocab_size),
                           getattr(chat.tokenizer, "eot_id", None), file_sha256(path))
     bar = progress_bar(desc=f"reading {path.name}", unit=" pairs", disable=not progress)
@@ -208,25 +254,53 @@ def load_preference_data(path: str | os.PathLike, tokenizer: str | os.PathLike, 
                                                 "chat_template=, or write the sides as plain text)") from None
                 except UserError as exc:
                     raise ChatDataError(f"{where}: {exc}") from None
+            unpaired = len(convs) == 1
+            if form is None:
+                form = (line, unpaired)
+            elif form[1] != unpaired:
+                raise ChatDataError(f"{where} is {_FORMS[unpaired]}, line {form[0]} {_FORMS[form[1]]}: one form "
+                                    "per file")
+            names = ("completion",) if unpaired else SIDES
             sides = [_side(chat, template, conv, side, where, max_tokens, truncation, setting)
-                     for conv, side in zip(convs, SIDES)]
-            if sides[0] is None or sides[1] is None:
+                     for conv, side in zip(convs, names)]
+            if any(side is None for side in sides):
                 data.skipped += 1
                 continue
-            data.pairs.append(PreferencePair(line, sides[0], sides[1]))
+            if unpaired:
+                ids, labels = sides[0]          # type: ignore[misc]   (None is skipped above)
+                data.unpaired.append(LabelledCompletion(line, ids, labels, value["label"]))
+            else:
+                data.pairs.append(PreferencePair(line, sides[0], sides[1]))      # type: ignore[arg-type]
             bar.update()
     except CorpusError as exc:
         raise ChatDataError(str(exc)) from None
     finally:
         bar.close()
-    if not data.pairs:
+    if not data.pairs and not data.unpaired:
         raise ChatDataError(f"{path}: no preference pairs (an empty file, or every line skipped)")
     return data
 
 
+_FORMS = {False: "a preference pair (chosen, rejected)", True: "an unpaired preference (prompt, completion, label)"}
+
+
+def labelled_completions(data: PreferenceData) -> list[LabelledCompletion]:
+    """What KTO trains on: the file's unpaired lines, or its pairs unpaired as TRL's unpair_preference_dataset does
+    (every pair's chosen side, desirable, in file order; then every rejected side, undesirable).
+    Example: [e.desirable for e in labelled_completions(two_pairs)] -> [True, True, False, False]"""
+    if data.unpaired:
+        return list(data.unpaired)
+    return ([LabelledCompletion(p.line, *p.chosen, True) for p in data.pairs]
+            + [LabelledCompletion(p.line, *p.rejected, False) for p in data.pairs])
+
+
 def pad_pairs(pairs: list[PreferencePair], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids (2b, t), labels (2b, t)): the chosen sides, then the rejected ones, right-padded (labels IGNORE)."""
-    rows = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    return pad_rows([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id)
+
+
+def pad_rows(rows: list[tuple[list[int], list[int]]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (r, t), labels (r, t)) of (ids, labels) rows, right-padded (labels IGNORE)."""
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)

@@ -30,9 +30,12 @@ class DPOConfig:
     """train.dpo: preference tuning (training/dpo.py holds the losses)."""
 
     beta: float = 0.1                      # the strength of the pull toward the reference
-    loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"   # DPO, IPO, SimPO or ORPO (the last two
-                                                                   # reference-free); training/dpo.py LOSSES
+    loss: Literal["sigmoid", "ipo", "simpo", "orpo", "kto"] = "sigmoid"   # DPO, IPO, SimPO, ORPO (the last two
+                                           # reference-free; training/dpo.py LOSSES) or KTO (training/kto.py: on
+                                           # labelled completions, a pair's sides or TRL's unpaired lines)
     simpo_gamma: float = 0.5               # simpo: the target reward margin
+    desirable_weight: float = 1.0          # kto: the weight of a desirable completion's loss (TRL's)
+    undesirable_weight: float = 1.0        # kto: the weight of an undesirable completion's loss (TRL's)
     truncation: Literal["refuse", "keep_start", "keep_end", "skip"] = "refuse"   # a side past seq_len
     val_fraction: float = 0.05             # share of the lines held out for validation (val_loss, val_rewards/...)
 
@@ -44,6 +47,9 @@ class DPOConfig:
             raise ConfigError(f"train.dpo.val_fraction={self.val_fraction} must be in [0, 1)")
         if not 0 <= self.simpo_gamma < math.inf:
             raise ConfigError(f"train.dpo.simpo_gamma={self.simpo_gamma} must be >= 0")
+        for name in ("desirable_weight", "undesirable_weight"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ConfigError(f"train.dpo.{name}={getattr(self, name)} must be a positive number")
 
 
 @dataclass(frozen=True, kw_only=True)

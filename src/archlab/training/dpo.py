@@ -22,6 +22,8 @@ and beta = train.dpo.beta, the losses of LOSSES (train.dpo.loss):
               p = exp(logp / n), odds(p) = p / (1 - p); reference-free; the NLL a mean over the batch's chosen
               tokens, as TRL's ORPOTrainer computes it (each pair carries its share: -logp_c * pairs / sum n_c)
 
+    kto       on completions judged one at a time (TRL's unpaired lines, or a pair's two sides): training/kto.py
+
 Logged as TRL names them: rewards/chosen and rewards/rejected (the implicit reward beta * (logp - ref), batch
 means), rewards/margins, rewards/accuracies (share of pairs whose chosen reward is the larger), logps/chosen,
 logps/rejected. The model's z-loss and MoE auxiliary losses are not added to a preference loss.
@@ -48,9 +50,11 @@ from archlab.data.batches import SamplerState
 from archlab.data.formats import require
 from archlab.data.objectives import IGNORE
 from archlab.data.preference import (
+    LabelledCompletion,
     NoTemplateForMessages,
     PreferenceBatches,
     PreferenceData,
+    labelled_completions,
     load_preference_data,
     pad_pairs,
 )
@@ -63,7 +67,8 @@ from archlab.progress import progress_bar
 from archlab.runs.provenance import tensors_sha256
 
 __all__ = ["LOSSES", "METRICS", "REFERENCE_FILE", "sequence_logps", "preference_loss", "implicit_rewards", "DPOBatches",
-           "open_preference_data", "reference_logps", "prepare_reference", "read_reference"]
+           "open_preference_data", "reference_logps", "prepare_reference", "read_reference", "write_reference",
+           "read_reference_tensors", "read_preference_data", "check_form", "check_classes"]
 
 REFERENCE_FILE = "reference_logps.safetensors"
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -182,28 +187,39 @@ class DPOBatches(SamplerState):
         Example: batches.evaluate(model, device=torch.device("cpu"))["val_rewards/accuracies"] -> 0.75"""
         if not self.val:
             return {}
-        was_training = model.training
-        model.eval()
-        parts: list[torch.Tensor] = []
-        try:
-            for start in range(0, len(self.val), self.cfg.batch_size):
-                index = torch.tensor(self.val[start:start + self.cfg.batch_size])                  # (b,)
-                ids, labels = pad_pairs([self.data.pairs[i] for i in index], self.data.eot_id or 0)   # (2b, t)
-                with autocast(device, dtype):
-                    loss, metrics = self._per_pair(model, ids.to(device), labels.to(device), index)
-                parts.append(torch.cat([loss[:, None], metrics], dim=1).cpu())                     # (b, 7)
-        finally:
-            model.train(was_training)
-        means = torch.cat(parts).mean(0).tolist()                                                      # (7,)
+
+        def score(index: torch.Tensor) -> torch.Tensor:
+            ids, labels = pad_pairs([self.data.pairs[i] for i in index], self.data.eot_id or 0)   # (2b, t)
+            with autocast(device, dtype):
+                loss, metrics = self._per_pair(model, ids.to(device), labels.to(device), index)
+            return torch.cat([loss[:, None], metrics], dim=1)                                  # (b, 7)
+
+        means = held_out_rows(model, self.val, self.cfg.batch_size, score).mean(0).tolist()      # (7,)
         return {"val_loss": means[0], **{f"val_{name}": value for name, value in zip(METRICS, means[1:])}}
 
 
-def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: Any, info: Any, *,
-                         progress: bool = True) -> DPOBatches:
-    """The DPO batches of `data_path`: a prepared preference folder (archlab finetune --method dpo: its own tokenizer),
-    or a .jsonl encoded with the --init-from source's tokenizer; a UserError for data or settings DPO cannot train,
-    before anything is written."""
-    folder = require(data_path, ("preference_pairs",), who=f"train.method={cfg.method}").folder
+def held_out_rows(model: torch.nn.Module, val: list[int], batch_size: int,
+                  score: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`score(index)` ((b,) held-out indices -> (b, k) figures) over `val` in batches of `batch_size`, with `model`
+    in eval mode (its mode restored after): (len(val), k) on the CPU."""
+    was_training = model.training
+    model.eval()
+    parts: list[torch.Tensor] = []
+    try:
+        for start in range(0, len(val), batch_size):
+            parts.append(score(torch.tensor(val[start:start + batch_size])).cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(parts)
+
+
+def read_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: Any, info: Any, *,
+                         progress: bool = True) -> tuple[PreferenceData, tempfile.TemporaryDirectory | None]:
+    """The preference data of `data_path` for the DPO family: a prepared preference folder (archlab finetune --method
+    dpo: its own tokenizer), or a .jsonl encoded with the --init-from source's tokenizer (then also the temporary
+    folder of that tokenizer alone, kept while the run trains); a UserError for data or settings the family cannot
+    train, before anything is written."""
+    folder = require(data_path, ("preference_pairs", "unpaired_preferences"), who=f"train.method={cfg.method}").folder
     if model_cfg.arch != "decoder":
         raise UserError(f"train.method=dpo trains decoder models, not arch={model_cfg.arch}")
     if init_from is None:
@@ -234,10 +250,39 @@ def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: A
     if model_cfg.vocab_size < data.vocab_size:
         raise UserError(f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
                         f"{data.vocab_size} ({data.tokenizer_dir})")
+    return data, staged
+
+
+def open_preference_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: Any, info: Any, *,
+                         progress: bool = True) -> DPOBatches:
+    """The DPO batches of `data_path` (read_preference_data reads and checks it); pairs only: unpaired lines are
+    KTO's (training/kto.py)."""
+    data, staged = read_preference_data(model_cfg, cfg, data_path, init_from, info, progress=progress)
+    check_form(data, cfg)
     batches = DPOBatches(data, cfg, rank=info.rank, world_size=info.world_size, val=held_out(data, cfg))
     batches.staged_tokenizer = staged           # removed with the batches, after the run folder has its copy
     batches.reference_model = (init_from.spec, tensors_sha256(init_from.state))     # what scores the reference
     return batches
+
+
+def check_form(data: PreferenceData, cfg: Any) -> None:
+    """Preference data the run's method and loss can train on: unpaired lines only with train.dpo.loss=kto, and KTO
+    with desirable and undesirable completions; a UserError naming the file otherwise."""
+    kto = cfg.method == "dpo" and cfg.dpo.loss == "kto"
+    if data.unpaired and not kto:
+        who = "train.method=reward" if cfg.method == "reward" else f"train.dpo.loss={cfg.dpo.loss}"
+        raise UserError(f"{data.path} holds unpaired preferences (prompt, completion, label): {who} needs pairs "
+                        "(prompt, chosen, rejected); KTO trains on unpaired lines (--set train.dpo.loss=kto)")
+    if kto:
+        check_classes(labelled_completions(data), f"{data.path}'s lines")
+
+
+def check_classes(examples: list[LabelledCompletion], where: str) -> None:
+    """KTO learns from both kinds of completion: a UserError naming `where` when all are desirable or none is."""
+    kinds = {e.desirable for e in examples}
+    if len(kinds) < 2:
+        only = "desirable (label true)" if kinds == {True} else "undesirable (label false)"
+        raise UserError(f"{where} hold only {only} completions: KTO (train.dpo.loss=kto) needs both")
 
 
 def check_pair_settings(model_cfg: Any, cfg: Any, info: Any) -> None:
@@ -304,13 +349,14 @@ def reference_logps(model: torch.nn.Module, data: PreferenceData, *, batch_size:
     return both[0].contiguous(), both[1].contiguous()
 
 
-def _write(path: Path, batches: DPOBatches, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+def write_reference(path: Path, data: Any, reference_model: tuple[str, str] | None,
+                    tensors: dict[str, torch.Tensor]) -> None:
+    """The reference log-probs `tensors` (a "line" tensor naming each row's line among them) to `path`, atomically,
+    with the data file's sha256, the source and sha256 of the starting weights that scored them, and their own
+    sha256 (read_reference_tensors checks all three)."""
     from safetensors.torch import save_file
 
-    data = batches.data
-    tensors = {"line": torch.tensor([p.line for p in data.pairs], dtype=torch.long), "chosen": chosen,
-               "rejected": rejected}
-    source, weights = batches.reference_model or ("", "")
+    source, weights = reference_model or ("", "")
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"data_sha256": data.fingerprint, "data": str(data.path),
                                            "model": source, "model_sha256": weights,
@@ -318,31 +364,41 @@ def _write(path: Path, batches: DPOBatches, chosen: torch.Tensor, rejected: torc
     os.replace(tmp, path)
 
 
-def read_reference(run_dir: Path, batches: DPOBatches) -> tuple[torch.Tensor, torch.Tensor]:
-    """The run folder's stored reference log-probs (chosen, rejected), refused (a UserError naming why) unless they
-    are this run's: scored on this data, by the weights --init-from holds now, with the values they were written
-    with. Example: read_reference(Path("runs/dpo"), batches) -> ((pairs,), (pairs,))"""
+def read_reference_tensors(run_dir: Path, data: Any, reference_model: tuple[str, str] | None,
+                           expected: dict[str, list]) -> dict[str, torch.Tensor]:
+    """The run folder's stored reference tensors, refused (a UserError naming why) unless they are this run's: scored
+    on this data (the data's sha256, and the identity tensors `expected`, e.g. {"line": [...]}, as stored), by the
+    weights --init-from holds now (reference_model: its source and sha256), with the values they were written with."""
     from safetensors import safe_open
 
-    data, path = batches.data, run_dir / REFERENCE_FILE
+    path = run_dir / REFERENCE_FILE
     if not path.is_file():
         raise UserError(f"cannot resume {path.parent}: {path.name} (the reference log-probs, written before the "
                         "first step) is missing, and the starting weights are gone: start a new run")
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
-        tensors = {name: f.get_tensor(name) for name in ("line", "chosen", "rejected")}
-    lines = [p.line for p in data.pairs]
-    if meta.get("data_sha256") != data.fingerprint or tensors["line"].tolist() != lines:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}      # noqa: SIM118  (safe_open has no iterator)
+    if meta.get("data_sha256") != data.fingerprint or any(
+            name not in tensors or tensors[name].tolist() != values for name, values in expected.items()):
         raise UserError(f"cannot resume {path.parent}: its reference log-probs score {meta.get('data')}, and "
                         f"--data {data.path} holds other lines")
     if meta.get("values_sha256") != tensors_sha256(tensors):
         raise UserError(f"cannot resume {path.parent}: {path} does not hold the values it was written with (edited, "
                         "damaged, or from an earlier archlab without a checksum): start a new run")
-    source, weights = batches.reference_model or ("", "")
+    source, weights = reference_model or ("", "")
     if meta.get("model_sha256") != weights:
         raise UserError(f"cannot resume {path.parent}: its reference log-probs were scored by the weights of "
                         f"{meta.get('model') or 'another model'}, and --init-from {source} holds other weights: "
                         "resume with the --init-from the run started from")
+    return tensors
+
+
+def read_reference(run_dir: Path, batches: DPOBatches) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run folder's stored reference log-probs (chosen, rejected), refused (a UserError naming why) unless they
+    are this run's: scored on this data, by the weights --init-from holds now, with the values they were written
+    with. Example: read_reference(Path("runs/dpo"), batches) -> ((pairs,), (pairs,))"""
+    tensors = read_reference_tensors(run_dir, batches.data, batches.reference_model,
+                                     {"line": [p.line for p in batches.data.pairs]})
     return tensors["chosen"], tensors["rejected"]
 
 
@@ -357,7 +413,9 @@ def prepare_reference(batches: DPOBatches, model: torch.nn.Module, run_dir: Path
         if not (torch.isfinite(chosen).all() and torch.isfinite(rejected).all()):
             raise UserError("the starting model gives a non-finite log-probability to a completion: no reference")
         if info.is_main:
-            _write(path, batches, chosen, rejected)
+            lines = torch.tensor([p.line for p in batches.data.pairs], dtype=torch.long)
+            write_reference(path, batches.data, batches.reference_model,
+                            {"line": lines, "chosen": chosen, "rejected": rejected})
         if info.enabled:
             torch.distributed.barrier()
     else:

@@ -1,6 +1,6 @@
-"""`dpo`: preference tuning (DPO, IPO, SimPO; training/dpo.py holds the losses) as a method: the preference pairs
-and their batches, the loss against the reference log-probs scored once before the first step (`start`), TRL's
-log fields and the held-out pairs' figures."""
+"""`dpo`: preference tuning (DPO, IPO, SimPO, ORPO: training/dpo.py holds the losses; KTO: training/kto.py) as a
+method: the preference pairs (or KTO's labelled completions) and their batches, the loss against the reference
+log-probs scored once before the first step (`start`), TRL's log fields and the held-out lines' figures."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from archlab.training import dpo
+from archlab.training import dpo, kto
 from archlab.training.methods.base import METHODS, FinetuneRequest, Method
 from archlab.training.methods.staging import prepare_line_folder
 
@@ -17,10 +17,11 @@ __all__ = ["DPORun", "open_dpo"]
 
 
 class DPORun:
-    """DPOBatches as the trainer drives a method."""
+    """DPOBatches (or KTOBatches) as the trainer drives a method; `family`: the module holding the batches' reference
+    log-probs (dpo or kto: prepare_reference, read_reference)."""
 
-    def __init__(self, batches: dpo.DPOBatches, tokenizer_dir: Path | None):
-        self.batches = batches
+    def __init__(self, batches: Any, tokenizer_dir: Path | None, family: Any = dpo):
+        self.batches, self.family = batches, family
         self.train_data, self.val_data = batches.data, batches.data.without_pairs()
         self.tokenizer_dir = tokenizer_dir
 
@@ -39,15 +40,18 @@ class DPORun:
     def start(self, model: torch.nn.Module, run_dir: Path, *, device: torch.device, dtype: str, info: Any,
               resuming: bool, progress: bool) -> None:
         """The reference log-probs: scored now from the starting weights, or read back on a resume."""
-        dpo.prepare_reference(self.batches, model, run_dir, device=device, dtype=dtype, info=info, resuming=resuming,
-                              progress=progress)
+        self.family.prepare_reference(self.batches, model, run_dir, device=device, dtype=dtype, info=info,
+                                      resuming=resuming, progress=progress)
 
     def check_resume(self, run_dir: Path) -> None:
         """The stored reference log-probs are this run's (dpo.read_reference refuses them otherwise)."""
-        dpo.read_reference(run_dir, self.batches)
+        self.family.read_reference(run_dir, self.batches)
 
 
 def open_dpo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any, *, progress: bool = True) -> DPORun:
+    if cfg.dpo.loss == "kto":
+        batches: Any = kto.open_kto_data(model_cfg, cfg, data_dir, init_from, info, progress=progress)
+        return DPORun(batches, Path(batches.data.tokenizer_dir), kto)
     batches = dpo.open_preference_data(model_cfg, cfg, data_dir, init_from, info, progress=progress)
     return DPORun(batches, Path(batches.data.tokenizer_dir))      # the tokenizer the pairs were encoded with
 
@@ -62,9 +66,13 @@ def prepare_preferences(req: FinetuneRequest) -> tuple[Any, Path, Any]:
 
     cfg = req.train_cfg
     truncation, setting = getattr(cfg, cfg.method).truncation, f"train.{cfg.method}.truncation"
-    return prepare_line_folder(req, PREFERENCE_FORMAT, {"truncation": truncation}, lambda staged: load_preference_data(
-        req.data, staged, max_tokens=cfg.seq_len, truncation=truncation, progress=req.progress is True,
-        setting=setting))
+    def read(staged: Path) -> Any:
+        data = load_preference_data(req.data, staged, max_tokens=cfg.seq_len, truncation=truncation,
+                                    progress=req.progress is True, setting=setting)
+        dpo.check_form(data, cfg)       # unpaired lines only for KTO, and KTO with both kinds of completion
+        return data
+
+    return prepare_line_folder(req, PREFERENCE_FORMAT, {"truncation": truncation}, read)
 
 
 def preference_settings(train_cfg: Any, val: Path | None, val_fraction: float | None) -> tuple[Any, float]:
@@ -77,7 +85,9 @@ def preference_settings(train_cfg: Any, val: Path | None, val_fraction: float | 
     return dataclasses.replace(train_cfg, **{train_cfg.method: changed}), val_fraction
 
 
-METHODS.register("dpo")(Method("dpo", "direct preference optimization (DPO, IPO, SimPO) against the starting model",
-                               open_dpo, prepare=prepare_preferences, fit_settings=preference_settings,
-                               data_help="preference data is a .jsonl file of prompt / chosen / rejected lines",
-                               data_formats=("preference_pairs",)))
+METHODS.register("dpo")(Method("dpo", "direct preference optimization (DPO, IPO, SimPO, ORPO, KTO: train.dpo.loss) "
+                               "against the starting model", open_dpo, prepare=prepare_preferences,
+                               fit_settings=preference_settings,
+                               data_help="preference data is a .jsonl file of prompt / chosen / rejected lines (KTO: "
+                                         "also prompt / completion / label lines)",
+                               data_formats=("preference_pairs", "unpaired_preferences")))

@@ -32,7 +32,7 @@ from archlab.errors import UserError
 from archlab.eval.evaluate import autocast
 from archlab.models.decoder import LossOutput
 from archlab.nn.heads import SCORE_HEAD, attach_score_head
-from archlab.training.dpo import _tokenizer_only, check_pair_settings
+from archlab.training.dpo import _tokenizer_only, check_form, check_pair_settings
 from archlab.training.methods.base import METHODS, Method
 from archlab.training.methods.dpo import preference_settings, prepare_preferences
 
@@ -249,6 +249,7 @@ def open_reward(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: 
         staged = _tokenizer_only(init_from.tokenizer_dir)      # an HF folder's tokenizer files alone
         data = load_preference_data(data_dir, staged.name if staged else init_from.tokenizer_dir, **reading)
         data.staged_tokenizer = staged                         # type: ignore[attr-defined]  # kept while it trains
+    check_form(data, cfg)                                      # pairs: a prepared folder may hold KTO's lines
     if model_cfg.vocab_size < data.vocab_size:
         raise UserError(f"model vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {data.vocab_size} "
                         f"({data.tokenizer_dir})")

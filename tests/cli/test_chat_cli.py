@@ -155,14 +155,52 @@ def test_the_hinted_plain_template_makes_a_trained_run_chat(tmp_path, capsys, mo
     assert rc == 0 and err == "" and out == printed([first, second])
 
 
+def _files(folder) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def test_a_template_whose_tokens_the_model_lacks_is_one_line(tmp_path, capsys, monkeypatch):
-    """`archlab tokenizer chat-template --format chatml` on a trained run's tokenizer adds ids past the model's
-    vocabulary: chat names the numbers instead of failing inside the embedding."""
+    """`archlab tokenizer chat-template --format chatml` on a trained run's tokenizer would add ids past the
+    model's vocabulary (the run could no longer chat or generate): refused before anything is written, naming
+    the run and finetune, which grows the embedding. A tokenizer grown another way meets chat's own check, which
+    names the numbers instead of failing inside the embedding."""
+    from archlab.tokenizer.chat_builtin import install_chat_template
+
     plain_run(tmp_path)
-    assert main(["tokenizer", "chat-template", str(tmp_path / "tokenizer"), "--format", "chatml"]) == 0
+    before = _files(tmp_path)
+    capsys.readouterr()
+    assert main(["tokenizer", "chat-template", str(tmp_path / "tokenizer"), "--format", "chatml"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and (f"{tmp_path / 'tokenizer'} is the tokenizer of the run {tmp_path}, made for 257 "
+                                     "ids: --format chatml would add special tokens 257..258 past them") in err, err
+    assert f"archlab finetune {tmp_path} --chat-template chatml" in err and _files(tmp_path) == before
+    install_chat_template(tmp_path / "tokenizer", "chatml")
     rc, out, err = chat(tmp_path, [FIRST], capsys, monkeypatch)
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert "the tokenizer has 259 tokens but the model's vocabulary has 257" in err
+
+
+def test_a_template_the_bound_vocabulary_has_room_for_is_written(tmp_path, capsys):
+    """A run whose model has rows past its tokenizer (a padded vocabulary) takes the new tokens; a prepared data
+    folder's tokenizer does not (its token files and meta.json were made for the vocabulary as it was)."""
+    import archlab
+    from archlab.data.prepare import prepare
+    from archlab.runs.model_folder import write_run_config
+    from archlab.tokenizer import Tokenizer
+
+    cfg = archlab.presets.tiny("llama2-7b").with_overrides({"vocab_size": 264})
+    (tmp_path / "run").mkdir()
+    write_run_config(tmp_path / "run", cfg.to_dict(), {}, {})
+    Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]).save(tmp_path / "run" / "tokenizer")
+    assert main(["tokenizer", "chat-template", str(tmp_path / "run" / "tokenizer"), "--format", "chatml"]) == 0
+    Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]).save(tmp_path / "tok")
+    prepare(["some text to prepare"] * 4, str(tmp_path / "tok"), tmp_path / "data", num_workers=0, progress=False)
+    before = _files(tmp_path / "data")
+    capsys.readouterr()
+    assert main(["tokenizer", "chat-template", str(tmp_path / "data" / "tokenizer"), "--format", "chatml"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is the tokenizer of the data folder" in err and "made for 257 ids" in err, err
+    assert _files(tmp_path / "data") == before
 
 
 def test_chat_on_the_hf_export_equals_transformers(chat_run, tmp_path, capsys, monkeypatch):

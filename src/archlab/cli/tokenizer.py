@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -74,7 +75,9 @@ def register(subparsers) -> None:
     chat = sub.add_parser(
         "chat-template", help="give a tokenizer a built-in chat template and its special tokens",
         description="Add a built-in chat format to a tokenizer folder: its special tokens into tokenizer.json "
-        "(new ids after the vocabulary) and its Jinja template as chat_template.jinja.\n\n" + CHAT_EXAMPLE,
+        "(new ids after the vocabulary) and its Jinja template as chat_template.jinja. A run's or a prepared data "
+        "folder's tokenizer takes no token past the vocabulary its model or token files were made with (finetune "
+        "--chat-template grows a model's embedding instead).\n\n" + CHAT_EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     chat.add_argument("dir", metavar="DIR", help="folder holding tokenizer.json, e.g. runs/tok-shakespeare")
     chat.add_argument("--format", required=True, metavar="NAME",
@@ -195,10 +198,49 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def _bound_vocab(owner: Path) -> tuple[str, int] | None:
+    """("run" | "data folder", the vocabulary size its model or token files were made with) when `owner` is a run
+    or a prepared data folder; None otherwise."""
+    import yaml
+
+    try:
+        if (owner / "config.yaml").is_file():
+            return "run", int(yaml.safe_load((owner / "config.yaml").read_text())["model"]["vocab_size"])
+        if (owner / "meta.json").is_file():
+            return "data folder", int(json.loads((owner / "meta.json").read_text())["vocab_size"])
+    except (KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None                                   # not one of archlab's: nothing is bound to this tokenizer
+    return None
+
+
+def _refuse_a_bound_tokenizer(folder: Path, name: str) -> None:
+    """A run's or a prepared data folder's tokenizer may take a template, but no token past the vocabulary its
+    model (or token files) was made with: the model would have no row for it, and the run could no longer chat
+    or generate. Checked before anything is written, with the live-writer check every writing command runs."""
+    from archlab.errors import UserError
+    from archlab.runs.outputs import check_output
+    from archlab.tokenizer.chat_builtin import add_chat_tokens
+    from archlab.tokenizer.loading import load
+
+    check_output(folder, inputs=(), overwrite=True, out_flag="DIR")      # not inside a folder a live process writes
+    owner = folder.parent if folder.name else Path(os.path.realpath(folder)).parent
+    bound = _bound_vocab(owner)
+    if bound is None or not (folder / "tokenizer.json").is_file():
+        return
+    kind, vocab = bound
+    _, new_ids = add_chat_tokens(load(folder), name)
+    if new_ids and max(new_ids) >= vocab:
+        fix = (f"fine-tune with `archlab finetune {owner} --chat-template {name} ...`, which grows the embedding"
+               if kind == "run" else f"give a copy the template (cp -r {folder} tok-{name}) and prepare with it")
+        raise UserError(f"{folder} is the tokenizer of the {kind} {owner}, made for {vocab} ids: --format {name} "
+                        f"would add special tokens {new_ids[0]}..{new_ids[-1]} past them; {fix}")
+
+
 def cmd_chat_template(args) -> int:
     from archlab.tokenizer.chat_builtin import install_chat_template
     from archlab.tokenizer.loading import load
 
+    _refuse_a_bound_tokenizer(Path(args.dir), args.format)
     new_ids = install_chat_template(args.dir, args.format, overwrite=args.overwrite)
     size = load(args.dir).vocab_size
     added = f"added {len(new_ids)} special tokens (ids {new_ids[0]}..{new_ids[-1]})" if new_ids else "no new tokens"

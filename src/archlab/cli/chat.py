@@ -17,6 +17,7 @@ from archlab.cli.generate import add_sampling_flags
 EXAMPLE = """example:
   archlab tokenizer chat-template runs/demo/tokenizer --format plain    # a template with no new tokens
   archlab chat runs/sft --system "You answer in one line." --max-new-tokens 64
+  archlab chat runs/smollm2 --compile                                   # a compiled decode step
   printf 'Hi\\n/reset\\nWhat is 2+2?\\n' | archlab chat runs/sft      # piped: one user turn per line
 
 in the loop:  /reset  forget the conversation (the system message stays)
@@ -44,6 +45,9 @@ def register(subparsers) -> None:
     add_sampling_flags(p)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (answer i samples with seed + i)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="answer through the model's compiled decode step (torch.compile; compiled once, at the "
+                   "first answer, for tens of seconds; as archlab generate --compile)")
     p.set_defaults(func=run)
 
 
@@ -79,10 +83,11 @@ def run(args) -> int:
 class _Session:
     """The loop's state: the model, the decoding settings, the conversation, whether a drop was reported."""
 
-    def __init__(self, model, convo, settings, seed, limit):
+    def __init__(self, model, convo, settings, seed, limit, compile: bool = False):
         from archlab.generation import PrefixCache
 
         self.model, self.convo, self.settings, self.seed, self.limit = model, convo, settings, seed, limit
+        self.compile = compile
         self.cache = PrefixCache()     # the conversation's KV cache, kept from turn to turn
         self.warned = False
         self.refused = 0
@@ -110,7 +115,7 @@ class _Session:
             raise UserError(f"{named} {reserve} leaves no room for a prompt in the model's context of "
                             f"{context} tokens: use --max-new-tokens {context // 4} (at most {context - 1})")
         convo = Conversation(chat, context=context, reserve=reserve, system=args.system)
-        return cls(model, convo, cfg, args.seed, vocab_limit(model, chat.tokenizer))
+        return cls(model, convo, cfg, args.seed, vocab_limit(model, chat.tokenizer), getattr(args, "compile", False))
 
     def loop(self, lines) -> int:
         """Read user turns until /exit or the end of input; 2 if any turn was refused, else 0."""
@@ -153,7 +158,7 @@ class _Session:
         printer = _TextPrinter(self.convo.chat.tokenizer, prefix=prompt)
         try:
             for tokens in stream(self.model, prompt, generation_config=self.settings, seed=seed,
-                                 vocab_limit=self.limit, prefix_cache=self.cache):
+                                 vocab_limit=self.limit, prefix_cache=self.cache, compile=self.compile):
                 if int(tokens[0]) in self.settings.eos:
                     break
                 printer.add(int(tokens[0]))

@@ -46,13 +46,14 @@ def beam_search(model, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens:
                 num_beams: int, length_penalty: float = 1.0, early_stopping: bool | str = False,
                 eos: Sequence[int] = (), pad: int = 0, use_cache: bool = True,
                 vocab_limit: int | None = None, processors: Sequence[Processor] = (),
-                source: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+                source: tuple[torch.Tensor, torch.Tensor | None] | None = None, compile: bool = False) -> torch.Tensor:
     """ids, mask (b, t) left-padded -> (b, t + n) best hypothesis per row, padded with `pad`.
     source: an encoder-decoder's (source ids, mask or None) (b, s): `ids` are then its decoder prompts (the start
     token); the encoder runs once per source, its output repeated for the row's beams (Stepper).
 
     processors: functions (seqs (b * num_beams, t + step), log_probs) -> log_probs applied every step
-    (archlab.generation.processors); seqs starts with `ids` as given, padding included."""
+    (archlab.generation.processors); seqs starts with `ids` as given, padding included. compile: steps through
+    the model's compiled step (archlab.nn.compiled_step), as generate's compile=True."""
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping={early_stopping!r} must be True, False or 'never'")
     if num_beams < 1:
@@ -62,7 +63,8 @@ def beam_search(model, ids: torch.Tensor, mask: torch.Tensor, *, max_new_tokens:
     b, t = ids.shape
     nb, n_max = num_beams, max_new_tokens
     stepper = Stepper(model, ids.repeat_interleave(nb, 0), mask.repeat_interleave(nb, 0), n_max,
-                      use_cache=use_cache, vocab_limit=vocab_limit, source=source, source_repeats=nb)
+                      use_cache=use_cache, vocab_limit=vocab_limit, source=source, source_repeats=nb,
+                      compile=compile)
     device = stepper.ids.device
     prompt = ids.to(device).repeat_interleave(nb, 0)                     # (b*nb, t) what processors see
     eos_t = torch.tensor(list(eos), dtype=torch.long, device=device)

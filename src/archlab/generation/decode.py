@@ -73,7 +73,8 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
            fast_decode: bool = True, vocab_limit: int | None = None,
            decoder_start_token_id: int | None = None, sampling_order: str | Sequence[str] | None = None,
            generation_config: GenerationConfig | None = None, draft=None, draft_tokens: int | str | None = None,
-           stats: SpeculativeStats | None = None, prefix_cache: PrefixCache | None = None) -> Iterator[torch.Tensor]:
+           stats: SpeculativeStats | None = None, prefix_cache: PrefixCache | None = None,
+           compile: bool = False) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (b,) long, as each is decoded.
 
     Arguments as for `generate` (which collects this iterator; beams are `generate`'s alone). Bad
@@ -104,7 +105,7 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
     stepper = Stepper(model, ids, mask, new, use_cache=use_cache,
                       sink_tokens=4 if sink_tokens is None and sink_window is not None else sink_tokens,
                       sink_window=sink_window, fast=fast_decode, vocab_limit=vocab_limit, source=source,
-                      rewindable=speculation is not None, prefix=prefix_cache)
+                      rewindable=speculation is not None, prefix=prefix_cache, compile=compile)
     if generator is None and seed is not None:
         generator = torch.Generator(stepper.ids.device).manual_seed(seed)
     stops = None
@@ -267,6 +268,10 @@ def generate(model, prompt_ids, max_new_tokens: int | None = None, *, num_beams:
     fast_decode=True runs the model's modules over packed, transposed copies of their weights
     (a DecodeSession, archlab.nn.fused, tested equal to the plain forward; one extra copy of the weights):
     pass False to save that memory on large models.
+    compile=True: each decode step runs the model's compiled step (torch.compile with inductor, held by the
+    model's decode plan: archlab.nn.compiled_step; tested equal to the eager step). The first call compiles
+    (tens of seconds; again for another batch size or after the weights change); later calls of any length
+    reuse it. Worth it for long or repeated generations (docs/benchmarks.md has the figures).
     draft: speculative decoding (archlab.generation.speculative): a model of the same vocabulary,
     "prompt_lookup", "ngram", or a draft object (archlab.generation.drafts: PromptLookupDraft(max_ngram=3),
     NgramDraft(order=3, data=token_ids)); draft_tokens: tokens drafted per round (default and "auto":
@@ -309,7 +314,8 @@ _BEAM_SETTINGS = ("repetition_penalty", "eos_token_id", "pad_token_id", "no_repe
 
 def _beam(model, prompt_ids, max_new_tokens, cfg: GenerationConfig, callback, *, attention_mask=None,
           use_cache: bool = True, vocab_limit: int | None = None, temperature: float | None = None,
-          fast_decode: bool = True, tokenizer=None, sink_tokens: int | None = None, **kwargs):
+          fast_decode: bool = True, tokenizer=None, sink_tokens: int | None = None, compile: bool = False,
+          **kwargs):
     unsupported = {k for k, v in kwargs.items() if v is not None and k in _NOT_IN_BEAMS}
     if temperature not in (0, 0.0, None):
         unsupported.add("temperature")
@@ -334,5 +340,5 @@ def _beam(model, prompt_ids, max_new_tokens, cfg: GenerationConfig, callback, *,
                       length_penalty=1.0 if cfg.length_penalty is None else cfg.length_penalty,
                       early_stopping=False if cfg.early_stopping is None else cfg.early_stopping,
                       eos=eos, pad=pad, use_cache=use_cache, vocab_limit=vocab_limit, processors=processors,
-                      source=source)
+                      source=source, compile=compile)
     return out[0] if single else out

@@ -8,7 +8,9 @@ the rejected ones with `rewind(n)`. Every step
 runs the model's own forward; fast=True (the default) hands each one the Stepper's DecodeSession over the
 model's decode plan (`model(..., session=...)`, archlab.nn.fused): packed weight copies and, for a hook-free
 model, its modules called straight into forward; fast=False: no session, no weight copies, every call through
-nn.Module.__call__.
+nn.Module.__call__. compile=True decodes each one-token step through the model's compiled step (the plain
+forward traced by torch.compile, held by the decode plan: archlab.nn.compiled_step), tested equal to the eager
+one; the prefill, speculative verification and models it cannot take run eagerly.
 
 Batched prompts of different lengths are left-padded: positions = cumsum(mask) - 1 and padded
 slots get position -1, which attention masks out; every row's newest token is then in the last
@@ -22,12 +24,14 @@ projects once; every step then runs the decoder alone over its self-attention KV
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Sequence
 
 import torch
 
 from archlab.config import ABSOLUTE_POSITIONS
 from archlab.generation.prefix import PrefixCache
+from archlab.nn.compiled_step import compilable, compiled_step
 from archlab.nn.fused import call, decode_session
 from archlab.nn.kv_cache import SinkKVCache, StaticKVCache
 from archlab.nn.masks import Context
@@ -174,12 +178,14 @@ class Stepper:
                  use_cache: bool = True, sink_tokens: int | None = None,
                  sink_window: int | None = None, fast: bool = True, vocab_limit: int | None = None,
                  source: tuple[torch.Tensor, torch.Tensor | None] | None = None, source_repeats: int = 1,
-                 rewindable: bool = False, prefix: PrefixCache | None = None):
+                 rewindable: bool = False, prefix: PrefixCache | None = None, compile: bool = False):
         """source: an encoder-decoder's (source ids (b', s), mask (b', s) or None), encoded once at prefill, each
         row serving `source_repeats` consecutive rows of `ids` (its decoder prompts: b = b' * source_repeats).
         rewindable: `rewind` may drop tokens at any point (windowed layers keep every slot, no rolling buffer).
         prefix: a PrefixCache kept across calls (one unpadded row): only the prompt's tokens it does not hold are
-        prefilled, and every token fed is recorded in it."""
+        prefilled, and every token fed is recorded in it.
+        compile: one-token steps through the model's compiled step (nn/compiled_step.py) where it can take one:
+        cached, decoder-only, no StreamingLLM, no hooks (else eager, with a warning)."""
         self.model = model
         self.config = config = getattr(model, "config", None)
         device = model_device(model)
@@ -202,6 +208,14 @@ class Stepper:
             check_source(model, src, src_mask)
             self.source = (src.to(device), None if src_mask is None else src_mask.to(device))
         self.prefix = prefix
+        self.compiled = None          # the model's compiled decode step (compile=True), or None: eager steps
+        self._first_compiled = True   # its first call checks the guards (then skipped)
+        if compile:
+            why = self._why_not_compiled(model, use_cache, source, sink_window)
+            if why is None:
+                self.compiled = compiled_step(model.decode_plan(), model)
+            else:
+                warnings.warn(f"compile=True: decoding eagerly, the compiled step needs {why}", stacklevel=4)
         if prefix is not None:
             if b != 1 or not bool(self.mask.all()) or self.sink or source is not None or not use_cache:
                 raise ValueError("a prefix cache (prefix_cache=) serves one unpadded row of a decoder-only model, "
@@ -220,7 +234,8 @@ class Stepper:
             self._check_context(max_new_tokens)
             depth = config.stack_depth("cross_decoder") if source is not None else None   # the decoder's
             self.cache = StaticKVCache(config, b, t + max_new_tokens, dtype=model_dtype(model),
-                                       device=device, n_layers=depth, rolling=not rewindable)
+                                       device=device, n_layers=depth,
+                                       rolling=not (rewindable or self.compiled is not None))   # compiled: every slot
         else:
             if config is not None:
                 self._check_context(max_new_tokens)
@@ -237,6 +252,16 @@ class Stepper:
         self.vocab_limit = vocab_limit
 
     # ---- checks ------------------------------------------------------------------------------
+    @staticmethod
+    def _why_not_compiled(model, use_cache: bool, source, sink_window) -> str | None:
+        """What the compiled step (nn/compiled_step.py) needs that this generation lacks, or None."""
+        if not use_cache or source is not None or sink_window is not None:
+            return "a KV cache (not uncached, an encoder-decoder or StreamingLLM)"
+        why = compilable(model)
+        if why is None and decode_session(model).views is None:
+            why = "a model without hooks or compiled wrappers"
+        return why
+
     def _check_context(self, max_new_tokens: int) -> None:
         ctx = self.config.max_seq_len
         longest = int(self.mask.sum(-1).max())
@@ -312,6 +337,15 @@ class Stepper:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:            # (b,) -> (b, v)
         tokens = tokens[:, None]
+        if self.compiled is not None:
+            logits = self.compiled(tokens, self.next_pos, self.cache, first=self._first_compiled)
+            if logits is not None:
+                self._first_compiled = False
+                self.next_pos = self.next_pos + 1
+                if self.prefix is not None:
+                    self.prefix.fed(tokens)
+                return self._within_vocab(logits)
+            self.compiled = None                                    # it failed to compile: eager from here
         if self.cache is None:
             next_pos = self.positions[:, -1:] + 1
             self.ids = torch.cat((self.ids, tokens), dim=1)

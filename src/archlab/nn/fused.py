@@ -20,7 +20,9 @@ the decode form of a model is one object, its `DecodePlan`, which the model buil
 - the direct call path: `direct(module, session)`, a view of a module whose children are their `forward`s,
   so a step's ~35 module calls skip nn.Module.__call__'s two frames of hook checks (~1.5 us each, 3-5% of a
   small model's step). The modules still read `self.norm(x)` off the view or themselves: the plain path
-  stays the reference the decode path is tested equal to, and no module or class is changed.
+  stays the reference the decode path is tested equal to, and no module or class is changed;
+- the compiled step, where a generation asks for one (`compile=True`): the plain forward of one token per row
+  traced by torch.compile with the weights frozen in (nn/compiled_step.py), rebuilt when the weights change.
 
 A `DecodeSession` is one decode loop's use of the plan (a generate call, a server's batch composition),
 handed to every forward of the loop (`model(tok, positions=p, cache=c, session=s)`, then `AttnInputs.session`,
@@ -55,12 +57,14 @@ class DecodePlan:
     held by it and by each session decoding it; a copy or a pickle of the model starts a fresh, empty plan.
     Example: session = DecodeSession(model.decode_plan(), model)"""
 
-    __slots__ = ("packs", "__weakref__")
+    __slots__ = ("packs", "step", "__weakref__")
 
     def __init__(self) -> None:
         # first module of a group (or a head's owner) -> {key: packed weights}; weak keys: a replaced module's
         # copies go with it, and the plan never keeps a module (nor its model) alive
         self.packs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # the compiled decode step (nn/compiled_step.CompiledStep), built on a compiling session's first use
+        self.step: Any = None
 
     def __reduce__(self):                     # copy.deepcopy / pickle of a model: an empty plan, rebuilt on use
         return (DecodePlan, ())

@@ -24,6 +24,9 @@ Caches here:
   StaticKVCache    preallocated buffers (no torch.cat per step); global layers keep every token,
                    local (sliding-window) layers a rolling buffer of `window` slots (rolling=False: every
                    slot, so that `crop` can always roll back).
+  SlotWrites       a compiled decode step's view of a StaticKVCache (nn/compiled_step.py): writes at a slot
+                   given as a tensor and returns every slot (empty ones at position -1), so one graph serves
+                   every step and every cache length.
   SinkKVCache      StreamingLLM (Xiao et al. 2023, arXiv 2309.17453): the first `sink_tokens`
                    tokens plus a recent window, positions assigned inside the cache, so decoding
                    continues past max_seq_len.
@@ -175,6 +178,20 @@ class StaticKVCache(_BufferedCache):
         self.shared_pos[:, length:] = -1
         self._shared_view = (0, None)      # the next forward writes its positions again
 
+    def slots(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """(keys (b, k, max_len, e) per layer, values alike, positions (b, max_len)): the whole buffers, for a
+        compiled step (`SlotWrites`); only for a cache without rolling buffers (every layer sharing the positions).
+        Example: keys, values, pos = cache.slots()"""
+        if any(buf.pos is not self.shared_pos for buf in self.layers):
+            raise ValueError("a compiled step needs every layer's slots: build the cache with rolling=False")
+        return [buf.k for buf in self.layers], [buf.v for buf in self.layers], self.shared_pos
+
+    def advance(self, t: int) -> None:
+        """Count `t` tokens that a compiled step wrote through `SlotWrites` (it cannot move the counts itself)."""
+        for buf in self.layers:
+            buf.count += t
+        self._shared_view = (0, None)
+
     def _positions(self, buf: _Buffers, n: int, t: int, positions: torch.Tensor) -> torch.Tensor:
         """buf.pos[:, :n + t] with `positions` written at n: once per forward where the buffer is shared."""
         if buf.pos is not self.shared_pos:
@@ -220,6 +237,30 @@ class StaticKVCache(_BufferedCache):
         buf.pos.index_copy_(1, slots, positions[:, t - keep:])
         buf.count = n + t
         return k_all, v_all, pos_all
+
+
+class SlotWrites:
+    """The cache protocol over a StaticKVCache's whole buffers (`StaticKVCache.slots()`) for a compiled decode
+    step: the step's t tokens are written at `slot` (a 0-d long tensor: the count of tokens held, the same for
+    every row) and every slot is returned, the empty ones at position -1, which attention masks. Nothing here
+    depends on how many tokens are held, so one traced graph serves every step; the caller counts the tokens
+    (`StaticKVCache.advance`). Example (inside the step): cache = SlotWrites(keys, values, pos, slot)"""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, slot: torch.Tensor):
+        self.keys, self.values, self.pos, self.slot = keys, values, pos, slot
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        index = self.slot + torch.arange(k.shape[2], device=k.device)          # (t,) the slots written
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(2, index, k)                                          # (b, k, max_len, e)
+        values.index_copy_(2, index, v)
+        self.pos.index_copy_(1, index, positions)     # the same for every layer: a (b, t) write each
+        return keys, values, self.pos
+
+    def __len__(self) -> int:
+        """Held tokens as far as the model's inputs ask (a step never starts a fresh cache): the true count is
+        `slot`, a tensor, which positions are given beside."""
+        return 1
 
 
 class SinkKVCache(_BufferedCache):

@@ -225,7 +225,8 @@ class MaskSpec:
         if continued and self.causal and self.only_structure and q_pos.shape[-1] == 1:
             return None, False
         mask = self.allows(q_pos, k_pos)
-        if q_pos.shape[-1] == 1 and bool(mask.all()):  # one query that may see every key (a decode step)
+        # one query that may see every key (a decode step): no mask; a compiled step keeps its mask (no host sync)
+        if q_pos.shape[-1] == 1 and not torch.compiler.is_compiling() and bool(mask.all()):
             return None, False
         return mask, False
 
@@ -286,6 +287,8 @@ class AttnInputs:
         """(mask or None, is_causal) of `spec` over these positions, built once per forward for every layer
         whose spec and numbers of queries and keys match (a cache returns the same key positions to every
         layer whose keys are equally many; an encoder's spec and a decoder's never share a key)."""
+        if torch.compiler.is_compiling():   # a compiled step: no key of symbolic sizes; the compiler shares it
+            return spec.dense(q_pos, k_pos, plain=self.plain, continued=self.continued)
         key = ("mask", spec.key, q_pos.shape[-1], k_pos.shape[-1])
         hit = self.shared.get(key)
         if hit is None:

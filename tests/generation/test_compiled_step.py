@@ -1,0 +1,122 @@
+"""The compiled decode step (archlab.nn.compiled_step) against the eager step: the traced function run eagerly over
+the whole-buffer cache (fast), the fallbacks, and the compiled graph itself (slow: inductor compiles for ~30 s)."""
+import warnings
+
+import pytest
+import torch
+
+import archlab
+from archlab.generation.stepper import Stepper
+from archlab.nn.compiled_step import CompiledStep, compilable
+from archlab.nn.int8 import quantize_int8
+from archlab.nn.kv_cache import StaticKVCache
+
+
+def _model(**overrides):
+    torch.manual_seed(0)
+    cfg = archlab.presets.tiny("llama2-7b").with_overrides(overrides)
+    return archlab.TransformerLM(cfg).eval()
+
+
+def _prompt(model, b=2, t=7):
+    ids = torch.randint(0, model.config.vocab_size, (b, t))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :3] = False                                        # row 1 left-padded
+    return ids, mask
+
+
+@pytest.mark.parametrize("overrides", [{}, {"attention.window": 4, "attention.layer_pattern": "LG"}],
+                         ids=["global", "window"])
+@torch.inference_mode()
+def test_slot_writes_step_equals_the_eager_step(overrides):
+    """The function that is compiled, run eagerly: every slot returned (empty ones at -1), written at a tensor
+    slot. Its logits equal the eager decode's step by step, padded rows and sliding windows included."""
+    model = _model(**overrides)
+    ids, mask = _prompt(model)
+    pos = torch.where(mask, mask.long().cumsum(-1) - 1, -1)
+    plain = StaticKVCache(model.config, 2, 20)                # the eager path: a rolling buffer where windowed
+    whole = StaticKVCache(model.config, 2, 20, rolling=False)
+    model(ids, positions=pos, cache=plain)
+    model(ids, positions=pos, cache=whole)
+    step = CompiledStep(model)
+    tok, nxt = ids[:, -1:], pos[:, -1:] + 1
+    for _ in range(10):                                       # past the window of 4
+        ref = model(tok, positions=nxt, cache=plain)[:, -1]
+        got = step.eager(tok, nxt, torch.tensor(len(whole)), *whole.slots())
+        whole.advance(1)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        tok, nxt = ref.argmax(-1, keepdim=True), nxt + 1
+    assert len(whole) == len(plain) == 17
+
+
+def test_stale_after_a_weight_changes_in_place():
+    model = _model()
+    step = CompiledStep(model)
+    assert not step.stale(model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2) if hasattr(model.lm_head, "weight") else next(model.parameters()).mul_(2)
+    assert step.stale(model)
+
+
+def test_a_compile_failure_decodes_eagerly_with_one_warning():
+    model = _model()
+    ids, mask = _prompt(model)
+    ref = archlab.generate(model, ids, 6, attention_mask=mask)
+    step = model.decode_plan().step = CompiledStep(model)
+
+    def broken(*args):
+        raise RuntimeError("no compiler here")
+    step.compiled = broken
+    with pytest.warns(UserWarning, match="failed to compile.*no compiler here"):
+        out = archlab.generate(model, ids, 6, attention_mask=mask, compile=True)
+    assert torch.equal(out, ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                         # once per model: the next call stays quiet
+        assert torch.equal(archlab.generate(model, ids, 6, attention_mask=mask, compile=True), ref)
+
+
+def test_what_the_compiled_step_does_not_take_decodes_eagerly():
+    model = _model()
+    ids = torch.randint(0, model.config.vocab_size, (1, 6))
+    assert compilable(model) is None
+    assert "floating-point" in compilable(quantize_int8(_model()))
+    ref = archlab.generate(model, ids, 5, sink_window=8)
+    with pytest.warns(UserWarning, match="decoding eagerly"):
+        out = archlab.generate(model, ids, 5, sink_window=8, compile=True)
+    assert torch.equal(out, ref)
+    with pytest.warns(UserWarning, match="decoding eagerly"):
+        assert torch.equal(archlab.generate(model, ids, 5, use_cache=False, compile=True),
+                           archlab.generate(model, ids, 5, use_cache=False))
+
+
+@pytest.mark.slow
+def test_compiled_decode_equals_eager_and_does_not_recompile_for_another_length():
+    """Inductor's graph: logits within float tolerance of the eager step, greedy tokens identical (a left-padded
+    batch, then another prompt length and more new tokens through the same graph), beams and a chat's kept cache
+    too."""
+    model = _model(max_seq_len=256)
+    ids, mask = _prompt(model)
+    with torch.inference_mode():
+        eager, compiled = (Stepper(model, ids, mask, 8, compile=c) for c in (False, True))
+        a, b = eager.prefill(), compiled.prefill()
+        for _ in range(6):
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+            tok = a.argmax(-1)
+            a, b = eager.step(tok), compiled.step(tok)
+    step = model.decode_plan().step
+    assert step is not None and step.failed is None and len(step.graphs) == 1
+    seconds = step.compile_seconds
+    assert seconds > 0
+    for t, new in ((7, 12), (4, 100)):                  # capacities 19 and 104: whole buffers, then views of 64, 104
+        got = archlab.generate(model, ids[:, -t:], new, attention_mask=mask[:, -t:], compile=True)
+        assert torch.equal(got, archlab.generate(model, ids[:, -t:], new, attention_mask=mask[:, -t:]))
+    assert len(step.graphs) == 1 and step.compile_seconds == seconds    # no new graph for other lengths
+    assert torch.equal(archlab.generate(model, ids, 6, attention_mask=mask, num_beams=2, compile=True),
+                       archlab.generate(model, ids, 6, attention_mask=mask, num_beams=2))
+    caches = {c: archlab.generation.PrefixCache() for c in (False, True)}    # a chat's turns: the cache kept
+    turn = ids[1:, :4]
+    for _ in range(2):
+        outs = [archlab.generate(model, turn, 10, prefix_cache=caches[c], compile=c) for c in (False, True)]
+        assert torch.equal(outs[0], outs[1])
+        turn = torch.cat((outs[0], ids[1:, 4:]), dim=1)
+    assert caches[True].reused == caches[False].reused > 0

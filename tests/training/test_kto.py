@@ -226,3 +226,36 @@ def test_bad_kto_input_is_one_line_exit_2_and_writes_nothing(world, tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err and "Traceback" not in err
     assert not out.exists()
+
+
+def _desirable_rate(run, prompts) -> float:
+    """The share of `prompts` whose greedy completion under `run`'s weights begins with the tokens of " yes"."""
+    from archlab import generate
+    from archlab.runs.model_folder import load_run
+
+    model, tok = load_run(run)
+    yes = tok.encode(" yes")
+    hits = 0
+    for prompt in prompts:
+        ids = tok.encode(prompt)
+        hits += generate(model, ids, max_new_tokens=len(yes), temperature=0.0)[len(ids):].tolist() == yes
+    return hits / len(prompts)
+
+
+def test_kto_raises_the_desirable_rate_on_held_out_prompts(world, tmp_path):
+    """Unpaired lines only, each prompt judged once (" yes" desirable, " no" undesirable, the label drawn at random):
+    after 20 KTO steps the greedy completion of prompts it never saw is the desirable one (0 of 8 before, 8 of 8
+    after on the 2-core Xeon; the test asks for at most 2 before and at least 6 after)."""
+    rng = random.Random(1)
+    flags = [rng.random() < 0.5 for _ in range(32)]
+    lines = [{"prompt": f"Is it {rng.choice(WORDS)} {i}?", "completion": " yes" if desirable else " no",
+              "label": desirable} for i, desirable in enumerate(flags)]
+    data = tmp_path / "yes.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    held = [f"Is it {w} {32 + i}?" for i, w in enumerate(WORDS)]
+    before = _desirable_rate(world["base"], held)
+    out = tmp_path / "run"
+    assert main(["finetune", str(world["base"]), "--method", "dpo", "--data", str(data), "--out", str(out), *COMMON,
+                 "--set", "train.budget=20", "--set", "train.batch_size=8", "--set", "train.dpo.val_fraction=0"]) == 0
+    after = _desirable_rate(out, held)
+    assert before <= 0.25 and after >= 0.75, (before, after)

@@ -78,3 +78,11 @@ def test_a_reward_run_that_held_nothing_out_says_so(world, tmp_path):
     model, _ = load_run(rm)
     found = held_out_accuracy(rm, model)
     assert found.accuracy is None and "held no pairs out" in found.source
+
+
+def test_score_refuses_unpaired_lines_in_one_line(world, tmp_path, capsys):
+    data = tmp_path / "kto.jsonl"
+    data.write_text(json.dumps({"prompt": "Say cat:", "completion": " cat", "label": True}) + "\n")
+    assert main(["score", str(world["rm"]), "--data", str(data)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds unpaired preferences (prompt, completion, label): archlab score compares" in err and "\n" not in err

@@ -46,6 +46,9 @@ def run_score(args) -> int:
                         "archlab finetune BASE --method reward")
     limit = model.config.max_seq_len if model.config.position.kind == "learned" else None
     data = load_preference_data(args.data, Path(args.run) / "tokenizer", max_tokens=limit, progress=False)
+    if data.unpaired:
+        raise UserError(f"--data {args.data} holds unpaired preferences (prompt, completion, label): archlab score "
+                        "compares a pair's chosen and rejected rewards, so it reads prompt / chosen / rejected lines")
     rows = []
     with torch.no_grad():
         for start in range(0, len(data.pairs), args.batch_size):

@@ -259,3 +259,25 @@ def test_kto_raises_the_desirable_rate_on_held_out_prompts(world, tmp_path):
                  "--set", "train.budget=20", "--set", "train.batch_size=8", "--set", "train.dpo.val_fraction=0"]) == 0
     after = _desirable_rate(out, held)
     assert before <= 0.25 and after >= 0.75, (before, after)
+
+
+@pytest.mark.slow      # two torchrun processes; ~40 s on 2 cores
+def test_two_process_kto_matches_single_process(world, tmp_path):
+    """KTO under torchrun (2 CPU processes, gloo, DDP): each rank's share of the batch, z averaged over the ranks'
+    KL rows (TRL gathers it) and the loss over ranks give the single-process run's loss and kl at every step."""
+    import os
+    import subprocess
+    import sys
+
+    args = ["train", "--init-from", str(world["base"]), "--data", str(world["root"] / "kto.jsonl"), *COMMON,
+            "--set", "train.method=dpo", "--set", "train.budget=3", "--set", "train.dpo.val_fraction=0"]
+    assert main([*args, "--out", str(tmp_path / "single")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "archlab", *args, "--out", str(tmp_path / "ddp")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    single, both = _rows(tmp_path / "single"), _rows(tmp_path / "ddp")
+    assert len(both) == len(single) == 3
+    for key in ("loss", "kl"):
+        assert [r[key] for r in both] == pytest.approx([r[key] for r in single], rel=1e-4, abs=1e-5), key

@@ -166,3 +166,24 @@ def test_the_predicate_refuses_patterns_it_does_not_know():
         MaskSpec(pattern="banded", block_size=4)
     with pytest.raises(ValueError, match="block size"):
         MaskSpec(pattern="strided")
+
+
+def test_one_query_with_grouped_heads_folds_them_and_equals_eager(monkeypatch):
+    """A decode step's call (one query, GQA 4:2): SDPA runs a kv head's query heads as one matrix; the output equals
+    the eager reference with no mask, a padding mask per batch row (b, 1, 1, s), and a mask shared by the batch."""
+    queries = []
+    sdpa_fn = backends.F.scaled_dot_product_attention
+    monkeypatch.setattr(backends.F, "scaled_dot_product_attention",
+                        lambda q, *args, **kw: queries.append(tuple(q.shape)) or sdpa_fn(q, *args, **kw))
+    padding = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    padding[0, ..., :3] = False                               # row 0's first keys are padding
+    sdpa, eager = backends.BACKENDS.get("sdpa"), backends.BACKENDS.get("eager")
+    for kw in ({}, {"mask": padding}, {"mask": padding[1:]}):
+        call = _call(t=1, s=7, **kw)
+        assert sdpa.supports(call) is None
+        torch.testing.assert_close(sdpa(call)[0], eager(call)[0], rtol=1e-5, atol=1e-6)
+    q = torch.randn(2, 1, 4, 8).transpose(1, 2)               # heads split from (b, t, h*e): not contiguous
+    call = _call(t=1, s=7)
+    call = AttnCall(q, call.k, call.v, call.scale)
+    torch.testing.assert_close(sdpa(call)[0], eager(call)[0], rtol=1e-5, atol=1e-6)
+    assert queries == [(2, 2, 2, 8)] * 4                      # (b, kv heads, query heads per kv head, e)

@@ -182,9 +182,19 @@ class SDPA(Backend):
             is_causal = False
         elif attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = _additive(call, attn_mask)
+        b, h, t, e = q.shape
+        groups = h // call.k.shape[1]
+        if (t == 1 and groups > 1 and bias is None and not (is_causal and attn_mask is None)
+                and (attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[1] == 1))):
+            # one query per head (a decode step): a kv head's `groups` query heads as the rows of one query matrix
+            # (b, k, groups, e), the same keys for each (the mask (b|1, 1, 1, s) broadcasts over them); the CPU
+            # kernel then reads each kv head's keys once per group, not once per query head
+            out = F.scaled_dot_product_attention(q.reshape(b, h // groups, groups, e), call.k, call.v,
+                                                 attn_mask=attn_mask, dropout_p=call.dropout, scale=call.scale)
+            return out.reshape(b, h, 1, e), None                                               # (b, h, 1, e)
         out = F.scaled_dot_product_attention(q, call.k, call.v, attn_mask=attn_mask,
                                              is_causal=is_causal and attn_mask is None, dropout_p=call.dropout,
-                                             scale=call.scale, enable_gqa=call.k.shape[1] != q.shape[1])
+                                             scale=call.scale, enable_gqa=groups > 1)
         return out, None
 
 

@@ -83,9 +83,9 @@ def decode_model(archlab, torch, max_seq_len: int = 1024, overrides: dict | None
     return archlab.TransformerLM(cfg).eval()
 
 
-def decode_fn(archlab, torch, batch: int, new: int, overrides: dict | None = None):
-    model = decode_model(archlab, torch, overrides=overrides)
-    prompt = torch.randint(0, 8192, (batch, 32), generator=torch.Generator().manual_seed(1))
+def decode_fn(archlab, torch, batch: int, new: int, overrides: dict | None = None, prompt_len: int = 32):
+    model = decode_model(archlab, torch, max(1024, prompt_len + new), overrides=overrides)
+    prompt = torch.randint(0, 8192, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
 
     def run():
         return archlab.generate(model, prompt, max_new_tokens=new)
@@ -130,6 +130,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--new", type=int, default=64, help="decoded tokens per generate call")
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens of the decode workloads")
     ap.add_argument("--only", choices=("train", "decode", "slots"), help="time one kind of workload")
     ap.add_argument("--history", type=int, default=900, help="tokens each slot row holds (the slots workload)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per call (the slots workload)")
@@ -150,8 +151,8 @@ def main() -> int:
             archlab, copies[label] = import_archlab(checkout(rev, Path(tmp) / label))
             overrides = dict(item.split("=", 1) for item in args.decode_set)
             workloads[label] = {"train step": train_step_fn(archlab, torch, args.batch, args.seq),
-                                "decode b=1": decode_fn(archlab, torch, 1, args.new, overrides),
-                                "decode b=8": decode_fn(archlab, torch, 8, args.new, overrides),
+                                "decode b=1": decode_fn(archlab, torch, 1, args.new, overrides, args.prompt),
+                                "decode b=8": decode_fn(archlab, torch, 8, args.new, overrides, args.prompt),
                                 "slots b=8": slots_fn(archlab, torch, 8, args.history, args.steps)}
         from archlab.runs.provenance import provenance_line  # the "after" copy is the one imported last
         print(provenance_line(threads=args.threads), flush=True)

@@ -370,7 +370,8 @@ class SlotKVCache:
         return self.k.nbytes + self.v.nbytes
 
     def view(self, rows: list[int]) -> _SlotView:
-        """The cache protocol over `rows` (batch row i = rows[i]), their keys a view of consecutive physical rows."""
+        """The cache protocol over `rows` (batch row i = rows[i]) for one forward, their keys a view of consecutive
+        physical rows (a later view may move rows: take a new one for each forward)."""
         if len(set(rows)) != len(rows):
             raise ValueError(f"rows {rows} name a row twice")
         self._arrange(rows)

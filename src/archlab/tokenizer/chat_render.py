@@ -25,7 +25,8 @@ from typing import Any
 
 from archlab.errors import UserError
 
-__all__ = ["ChatTemplateError", "NoChatTemplate", "RenderLimits", "Rendered", "RenderJob", "render_chat", "render_many",
+__all__ = ["ChatTemplateError", "ChatTemplateSyntaxError", "NoChatTemplate", "check_template_syntax",
+           "RenderLimits", "Rendered", "RenderJob", "render_chat", "render_many",
            "has_generation_blocks"]
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -34,6 +35,14 @@ _SANDBOX = Path(__file__).with_name("chat_sandbox.py")
 
 class ChatTemplateError(UserError, ValueError):
     """A chat template that is missing, raises, runs too long or writes too much; or messages it cannot take."""
+
+
+class ChatTemplateSyntaxError(ChatTemplateError):
+    """A template that is not valid Jinja: the fault of the template, whatever the messages (`line`: where)."""
+
+    def __init__(self, message: str, line: int | None = None):
+        super().__init__(message)
+        self.line = line
 
 
 class NoChatTemplate(ChatTemplateError):
@@ -176,8 +185,24 @@ def render_many(jobs: list[RenderJob], limits: RenderLimits | None = None) -> li
     except (TypeError, ValueError) as exc:
         raise ChatTemplateError(f"chat messages must be JSON data (strings, numbers, lists, objects): {exc}") from None
     results = _ask(request, limits)["results"]
-    return [ChatTemplateError(f"the chat template failed: {r['error']}") if "error" in r
-            else Rendered(r["text"], tuple((int(a), int(b)) for a, b in r["spans"])) for r in results]
+    return [_error(r) if "error" in r else Rendered(r["text"], tuple((int(a), int(b)) for a, b in r["spans"]))
+            for r in results]
+
+
+def _error(result: dict) -> ChatTemplateError:
+    if "syntax_line" in result:
+        return ChatTemplateSyntaxError(f"the chat template is not valid Jinja (line {result['syntax_line']}): "
+                                       f"{result['error']}", result["syntax_line"])
+    return ChatTemplateError(f"the chat template failed: {result['error']}")
+
+
+def check_template_syntax(template: str, limits: RenderLimits | None = None) -> None:
+    """Raise ChatTemplateSyntaxError when `template` does not parse as Jinja (compiled in the sandbox: nothing of
+    it runs), so a broken template is blamed on itself before any data is read.
+    Example: check_template_syntax("{{ messages }") raises ChatTemplateSyntaxError (line 1: unexpected '}')"""
+    (result,) = render_many([RenderJob(template, [], {})], limits)
+    if isinstance(result, ChatTemplateSyntaxError):
+        raise result
 
 
 def render_chat(template: str, messages: list, *, add_generation_prompt: bool = False, tools: list | None = None,

@@ -16,6 +16,7 @@ MEMORY_MB [PATH...]`, the paths where jinja2 and markupsafe live), without impor
 speaks one JSON object per line on stdin/stdout:
     request  {"jobs": [{"source": str, "variables": {...}, "track": bool}, ...], "max_chars": int}
     reply    {"results": [{"text": str, "spans": [[start, end], ...]}  or  {"error": str}, ...]}
+             (a template that does not parse adds "syntax_line": its line number to the error)
 Several renders travel in one request (a conversation and its prefixes, a chunk of training data), so the
 cost of the round trip is paid once for them.
 """
@@ -190,6 +191,8 @@ def _result(job: dict, max_chars: int) -> dict:
         return {"error": "the chat template used more memory than the renderer allows"}
     except RecursionError:
         return {"error": "the chat template recursed too deeply"}
+    except jinja2.exceptions.TemplateSyntaxError as exc:     # the template itself, not the messages: its line
+        return {"error": " ".join(str(exc).split()) or type(exc).__name__, "syntax_line": exc.lineno}
     except (jinja2.exceptions.TemplateError, OutputLimitError) as exc:
         return {"error": " ".join(str(exc).split()) or type(exc).__name__}
     except Exception as exc:  # whatever else a template raises (TypeError, ZeroDivisionError, ...) is its own

@@ -33,6 +33,7 @@ def stage_tokenizer(source_dir: Path, staged: Path, chat_template: str | None) -
     tokenizer's vocabulary size before them)."""
     from archlab.tokenizer.chat import TEMPLATE_FILE
     from archlab.tokenizer.chat_builtin import CHAT_FORMATS, install_chat_template
+    from archlab.tokenizer.chat_render import ChatTemplateSyntaxError, check_template_syntax
     from archlab.tokenizer.loading import load
 
     if source_dir.name == "tokenizer" or not (source_dir / "config.json").is_file():
@@ -59,6 +60,10 @@ def stage_tokenizer(source_dir: Path, staged: Path, chat_template: str | None) -
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"--chat-template {chat_template}: cannot read it as UTF-8 text ({exc})") from None
+    try:
+        check_template_syntax(text)
+    except ChatTemplateSyntaxError as exc:
+        raise UserError(f"--chat-template {chat_template}: {exc}") from None
     (staged / TEMPLATE_FILE).write_text(text, encoding="utf-8")
     return [], before
 

@@ -81,3 +81,47 @@ def test_completions_of_chat_prompts_also_end_at_the_templates_end_of_turn(tmp_p
     assert end_ids(load_prompts(tmp_path / "plain.jsonl", tmp_path / "tok")) == [eot]
     chat = end_ids(load_prompts(tmp_path / "msgs.jsonl", tmp_path / "chat"))
     assert chat[0] == eot and load(tmp_path / "chat").decode(chat[1:]) == "<|im_end|>"
+
+
+def test_with_a_seed_per_prompt_a_prompts_completions_do_not_depend_on_the_rest_of_the_batch(model):
+    kw = dict(group=3, max_new_tokens=6, eos_ids=[1, 2, 3], pad_id=0, temperature=1.0)
+    whole = rollout(model, PROMPTS, seed=[7, 8, 9], **kw)
+    alone = rollout(model, [PROMPTS[2], PROMPTS[0]], seed=[9, 7], **kw)
+    for mine, theirs in ((alone.completion_tokens()[:3], whole.completion_tokens()[6:]),
+                         (alone.completion_tokens()[3:], whole.completion_tokens()[:3])):
+        assert mine == theirs
+    other = rollout(model, PROMPTS, seed=[7, 5, 9], **kw)        # another seed for prompt 1: only its rows change
+    assert other.completion_tokens()[:3] == whole.completion_tokens()[:3]
+    assert other.completion_tokens()[3:6] != whole.completion_tokens()[3:6]
+
+
+def test_ranks_shares_gathered_are_the_rollout_one_process_samples(model, monkeypatch):
+    """Two ranks each sample their slots (rollout.my_slots) of five prompts; gathered (gather_rollout, the collective
+    replaced by the two ranks' pieces) they are the one-process rollout of all five, padding included."""
+    from types import SimpleNamespace
+
+    from archlab.training import distributed as dist_util
+    from archlab.training.methods.rollout import gather_rollout, my_slots, slot_seed
+
+    prompts = [[5, 6, 7, 8, 9, 10], [9, 10], [11, 12, 13], [14], [15, 16, 17, 18]]
+    kw = dict(group=2, max_new_tokens=5, eos_ids=[1, 2, 3, 4], pad_id=0, temperature=1.0)
+    seeds = [slot_seed(0, 4, k) for k in range(5)]
+    one = rollout(model, prompts, seed=seeds, **kw)
+    infos = [SimpleNamespace(rank=r, world_size=2, enabled=True) for r in range(2)]
+    assert [my_slots(5, i) for i in infos] == [[0, 2, 4], [1, 3]]
+    shares = []
+    for info in infos:
+        slots = my_slots(5, info)
+        out = rollout(model, [prompts[k] for k in slots], seed=[seeds[k] for k in slots], **kw)
+        shares.append((slots, out, torch.arange(len(slots) * 2, dtype=torch.float32) + 10 * info.rank))
+    pieces = [(slots, [t for t in (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, out.logps,
+                                   out.truncated, score)]) for slots, out, score in shares]
+    assert shares[1][1].prompt_ids.shape[1] == 2                 # rank 1's prompts are padded to its own widest
+    monkeypatch.setattr(dist_util, "gather_objects", lambda obj, info: pieces)
+    whole, extra = gather_rollout(shares[1][1], shares[1][0], 5, 2, 0, infos[1], per_row={"score": shares[1][2]})
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(whole, name), getattr(one, name)), name
+    torch.testing.assert_close(whole.logps, one.logps, atol=1e-5, rtol=0)
+    assert extra["score"].tolist() == [0, 1, 10, 11, 2, 3, 12, 13, 4, 5]       # slot order: 0, 1, 2, 3, 4
+    empty = rollout(model, [], seed=[], **kw)
+    assert empty.completion_ids.shape == (0, 0)

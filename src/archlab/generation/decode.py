@@ -25,7 +25,7 @@ from archlab.generation.drafts import resolve as resolve_draft
 from archlab.generation.prefix import PrefixCache
 from archlab.generation.processors import apply as apply_processors
 from archlab.generation.processors import build as build_processors
-from archlab.generation.sampling import SamplingParams, next_token
+from archlab.generation.sampling import Generator, SamplingParams, next_token
 from archlab.generation.speculative import Scorer, SpeculativeStats
 from archlab.generation.speculative import prepare as prepare_speculation
 from archlab.generation.speculative import steps as speculative_steps
@@ -68,7 +68,7 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
            min_length: int | None = None, min_new_tokens: int | None = None,
            forced_bos_token_id: int | None = None, forced_eos_token_id: int | Sequence[int] | None = None,
            stop_strings: Sequence[str] | None = None, tokenizer=None, seed: int | None = None,
-           generator: torch.Generator | None = None, use_cache: bool = True,
+           generator: Generator | None = None, use_cache: bool = True,
            sink_tokens: int | None = None, sink_window: int | None = None,
            fast_decode: bool = True, vocab_limit: int | None = None,
            decoder_start_token_id: int | None = None, sampling_order: str | Sequence[str] | None = None,
@@ -252,7 +252,8 @@ def generate(model, prompt_ids, max_new_tokens: int | None = None, *, num_beams:
     (default: the first EOS id, else 0).
     temperature=0 (the default) is greedy; top_k / top_p / min_p / repetition_penalty filter the
     distribution (in transformers' order, or sampling_order="notes" / "top_k,top_p,temperature": see
-    archlab.generation.sampling); seed makes sampling reproducible.
+    archlab.generation.sampling); seed (or generator=: a torch.Generator, or a
+    GroupGenerators with one per block of rows, archlab.generation.sampling) makes sampling reproducible.
     eos_token_id: an id or a list of ids that end a row; stop_strings (with tokenizer=) too.
     no_repeat_ngram_size, bad_words_ids, min_length, min_new_tokens, forced_bos_token_id,
     forced_eos_token_id: transformers' logits processors of those names (archlab.generation.processors).

@@ -17,12 +17,14 @@ measures its mass before the temperature flattens or sharpens the distribution, 
                       (Holtzman et al. 2019, arXiv 1904.09751); the most likely token always stays.
   min-p               keep tokens whose probability is at least min_p x the top probability
                       (Nguyen et al. 2024, arXiv 2407.01082).
+The draw itself takes one torch.Generator for the batch, or GroupGenerators: one per block of rows (an RL
+rollout's group of completions of one prompt), so a block samples the same whichever rows share its batch.
 Shapes: b batch (rows), v vocab.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -126,12 +128,56 @@ def _min_p(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+class GroupGenerators:
+    """One torch.Generator per block of `size` consecutive rows (an RL rollout's completions of one prompt): a block
+    draws from its own generator alone, so what its rows sample does not depend on which other rows share the batch
+    (a rollout split over data-parallel ranks samples what the whole batch samples on one process).
+    Example: generate(model, ids, 8, temperature=1.0, generator=GroupGenerators.seeded([3, 4], size=2))"""
+
+    def __init__(self, generators: Sequence[torch.Generator], size: int):
+        self.generators, self.size = list(generators), size
+
+    @classmethod
+    def seeded(cls, seeds: Sequence[int], size: int, device: torch.device | str = "cpu") -> GroupGenerators:
+        return cls([torch.Generator(device=device).manual_seed(s) for s in seeds], size)
+
+    def _blocks(self, b: int) -> list[int]:
+        if b != self.size * len(self.generators):
+            raise ValueError(f"{b} rows for {len(self.generators)} generators of {self.size} rows each")
+        return [self.size] * len(self.generators)
+
+    def multinomial(self, probs: torch.Tensor) -> torch.Tensor:
+        """One draw per row: probs (b, v) -> (b,) long."""
+        blocks = probs.split(self._blocks(probs.shape[0]))
+        return torch.cat([torch.multinomial(p, 1, generator=g)[:, 0] for p, g in zip(blocks, self.generators)])
+
+    def rand(self, b: int, device: torch.device | str) -> torch.Tensor:
+        """(b,) uniform in [0, 1), each block's from its generator."""
+        return torch.cat([torch.rand(n, device=device, generator=g) for n, g in zip(self._blocks(b), self.generators)])
+
+
+Generator = torch.Generator | GroupGenerators
+
+
+def draw(probs: torch.Tensor, generator: Generator | None = None) -> torch.Tensor:
+    """One token per row from probs (b, v) -> (b,) long, from one generator or one per block of rows."""
+    if isinstance(generator, GroupGenerators):
+        return generator.multinomial(probs)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def uniform(b: int, device: torch.device | str, generator: Generator | None = None) -> torch.Tensor:
+    """(b,) uniform draws in [0, 1), from one generator or one per block of rows."""
+    if isinstance(generator, GroupGenerators):
+        return generator.rand(b, device)
+    return torch.rand(b, device=device, generator=generator)
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, *, seen: torch.Tensor | None = None,
-               generator: torch.Generator | None = None) -> torch.Tensor:
+               generator: Generator | None = None) -> torch.Tensor:
     """Pick one token per row: logits (b, v) -> (b,) long."""
     if params.repetition_penalty is not None and params.repetition_penalty != 1.0 and seen is not None:
         logits = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)
     if params.greedy:
         return logits.argmax(-1)
-    probs = filter_logits(logits, params).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return draw(filter_logits(logits, params).softmax(-1), generator)

@@ -39,7 +39,7 @@ import torch
 from archlab.generation.drafts import Draft, ModelDraft, Setup
 from archlab.generation.processors import Processor
 from archlab.generation.processors import apply as apply_processors
-from archlab.generation.sampling import SamplingParams, filter_logits
+from archlab.generation.sampling import Generator, SamplingParams, draw, filter_logits, uniform
 from archlab.generation.stepper import Stepper
 
 AUTO_START = 5      # "auto": the first round's draft length (transformers starts its assistant at 20 by default;
@@ -126,7 +126,7 @@ class Scorer:
     """The target's selection rule, shared by the draft (its proposals) and the check: processors, then greedy
     argmax or the filtered distribution (archlab.generation.sampling)."""
 
-    def __init__(self, params: SamplingParams, processors: list[Processor], generator: torch.Generator | None):
+    def __init__(self, params: SamplingParams, processors: list[Processor], generator: Generator | None):
         self.params, self.processors, self.generator = params, processors, generator
 
     def scores(self, logits: torch.Tensor, seqs: torch.Tensor) -> torch.Tensor:        # (b, v) -> (b, v)
@@ -137,7 +137,7 @@ class Scorer:
         return filter_logits(scores, self.params).softmax(-1)
 
     def draw(self, probs: torch.Tensor) -> torch.Tensor:                                # (b, v) -> (b,)
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        return draw(probs, self.generator)
 
     def choose(self, logits: torch.Tensor, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         scores = self.scores(logits, seqs)
@@ -147,7 +147,7 @@ class Scorer:
         return self.draw(probs), probs
 
     def uniform(self, b: int, device) -> torch.Tensor:
-        return torch.rand(b, device=device, generator=self.generator)
+        return uniform(b, device, self.generator)
 
 
 def check(scorer: Scorer, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, seqs: torch.Tensor,

@@ -7,13 +7,16 @@ TRL's GRPOTrainer does it (its defaults, loss types and log names; training/grpo
 Each step: train.batch_size * train.grad_accum / num_generations prompts (a seeded pass over the lines, epoch by
 epoch), num_generations completions of each sampled through archlab's KV-cached generate (methods/rollout.py) from
 the current weights, scored by the rewards (methods/rewards.py), advantages relative to each prompt's group; then one
-gradient step of the clipped surrogate (+ β k3 KL to the starting weights, frozen). The rollout is drawn from a
-generator seeded by (train.seed, step), so a run resumed from a checkpoint samples what the uninterrupted run did.
+gradient step of the clipped surrogate (+ β k3 KL to the starting weights, frozen). Each prompt's group is drawn
+from its own generator, seeded by (train.seed, step, the prompt's slot in the step), so a run resumed from a
+checkpoint samples what the uninterrupted run did, and what a prompt samples does not depend on who samples it.
 
-Under torchrun (dist.strategy=ddp) every rank samples and scores the step's whole generation batch (the same
-weights and seed: the same completions, rewards and advantages as one process), then takes its share of each
-micro-batch's rows for the loss, scaled so that DDP's mean of the ranks' gradients is the one-process gradient; the
-loss's figures are reduced over the ranks. The rollout is not sharded: it costs each rank what it costs one process.
+Under torchrun (dist.strategy=ddp) each rank samples and scores every world_size-th prompt of the step (whole
+groups: its group's advantages are its own), and the ranks' completions and rewards are gathered so that every rank
+holds the step's whole generation batch, the one one process samples; each rank then scores the reference on and
+trains on its share of each micro-batch's rows, its loss scaled so that DDP's mean of the ranks' gradients is the
+one-process gradient, and the loss's figures are reduced over the ranks. The rollout (generation, rewards, the
+reference) costs each rank 1/world_size of what it costs one process; held-out prompts are split the same way.
 
 Lines: {"prompt": "text" | [messages], ...}; the other columns reach the reward functions by name (TRL's
 **kwargs), e.g. "answer" for exact_match. Logged under TRL's names: reward, reward_std, rewards/<name>/mean and /std,
@@ -40,7 +43,7 @@ from archlab.training.grpo import group_advantages, grpo_loss
 from archlab.training.methods import rewards as reward_fns
 from archlab.training.methods.base import METHODS, FinetuneRequest, Method
 from archlab.training.methods.dpo import preference_settings
-from archlab.training.methods.rollout import completion_logps, end_ids, rollout
+from archlab.training.methods.rollout import completion_logps, end_ids, gather_rollout, my_slots, rollout, slot_seed
 from archlab.training.methods.staging import prepare_line_folder
 
 __all__ = ["PROMPTS_FORMAT", "PROMPTS_FILE", "read_prompts", "GRPORun", "open_grpo", "prepare_grpo"]
@@ -197,7 +200,8 @@ class GRPORun:
         if not self.val:
             return {}
         group = self.section.num_generations
-        _, per_func, rewards = self._sample(self.val, self.cfg.seed * 1_000_003 - 1)
+        _, per_func = self._sampled(self.val, -1)         # "step" -1: the same seeds at every evaluation
+        rewards = (per_func * self.weights).sum(-1)                                              # (n,)
         _, zero_std = group_advantages(rewards, group, self.section.scale_rewards)
         out = {"val_loss": -float(rewards.mean()), "val_reward": float(rewards.mean()),
                "val_reward_std": float(rewards.std()), "val_frac_reward_zero_std": float(zero_std.float().mean())}
@@ -219,16 +223,18 @@ class GRPORun:
         """Each completion's text without the token that ended it."""
         return [self.tokenizer.decode(t[:-1] if t and t[-1] in self.end_ids else t) for t in tokens]
 
-    def _sample(self, index: list[int], seed: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """(the Rollout of num_generations completions of each prompt in `index`, rewards per function (n, k), the
-        weighted reward (n,)), sampled from the policy with the generator seeded by `seed`."""
+    def _sample(self, index: list[int], seeds: list[int]) -> tuple[Any, torch.Tensor]:
+        """(the Rollout of num_generations completions of each prompt in `index`, rewards per function (n, k)),
+        sampled from the policy, each prompt's group from the generator seeded by its seed in `seeds`."""
         assert self.model is not None, "start() sets the policy before the first step"
         section, group = self.section, self.section.num_generations
         lines = [self.data.prompts[i] for i in index for _ in range(group)]
         out = rollout(self.model, [self.data.prompts[i].ids for i in index], group=group,
                       max_new_tokens=section.max_completion_length, eos_ids=self.end_ids, pad_id=self.end_ids[0],
-                      seed=seed, temperature=section.temperature, top_k=section.top_k or None,
+                      seed=seeds, temperature=section.temperature, top_k=section.top_k or None,
                       top_p=section.top_p if section.top_p < 1 else None, vocab_limit=self.vocab_limit)
+        if not index:
+            return out, torch.zeros(0, len(self.funcs))
         tokens = out.completion_tokens()
         texts = self._completion_texts(tokens)
         prompts = [line.prompt for line in lines]
@@ -241,13 +247,25 @@ class GRPORun:
         per_func = torch.tensor([reward_fns.call(f, prompts, completions, tokens, columns,
                                                  prompt_ids=[line.ids for line in lines]) for f in self.funcs]
                                 ).T                                                              # (n, k)
-        return out, per_func, (per_func * self.weights).sum(-1)                                 # (n,)
+        return out, per_func
+
+    def _sampled(self, index: list[int], step: int) -> tuple[Any, torch.Tensor]:
+        """(the Rollout, rewards per function (n, k)) of every prompt in `index` (slot k's group seeded by (seed, step,
+        k)), on every rank: under DDP this rank samples and scores its slots (rollout.my_slots) and the ranks' shares
+        are gathered in slot order."""
+        slots = my_slots(len(index), self.info)
+        out, per_func = self._sample([index[k] for k in slots], [slot_seed(self.cfg.seed, step, k) for k in slots])
+        out, extra = gather_rollout(out, slots, len(index), self.section.num_generations, self.end_ids[0], self.info,
+                                    per_row={"rewards": per_func})
+        return out, extra["rewards"]
 
     @torch.no_grad()
     def generation_batch(self, step: int) -> list[dict[str, torch.Tensor]]:
-        """Sample, score and split the step's completions into grad_accum micro-batches of train.batch_size rows."""
+        """Sample, score and split the step's completions into grad_accum micro-batches of train.batch_size rows (this
+        rank's share of each, with the reference's log-probs of those rows)."""
         section, group = self.section, self.section.num_generations
-        out, per_func, rewards = self._sample(self._prompt_indices(step), self.cfg.seed * 1_000_003 + step)
+        out, per_func = self._sampled(self._prompt_indices(step), step)
+        rewards = (per_func * self.weights).sum(-1)                                             # (n,)
         advantages, zero_std = group_advantages(rewards, group, section.scale_rewards)
         self._rollout_figures(per_func, rewards, zero_std, out.lengths, out.truncated)
         mask = out.completion_mask.clone()
@@ -257,11 +275,6 @@ class GRPORun:
                  "completion_mask": out.completion_mask, "loss_mask": mask,
                  "attention_mask": torch.cat([out.prompt_mask, out.completion_mask], 1),
                  "advantages": advantages.to(out.logps.device)}
-        if self.reference is not None:
-            batch["ref_logps"], _ = completion_logps(self.reference, out.prompt_ids, out.prompt_mask,
-                                                     out.completion_ids, temperature=section.temperature,
-                                                     completion_mask=out.completion_mask,
-                                                     vocab_limit=self.vocab_limit, entropy=False)
         # dapo: the tokens of the whole generation batch, per micro-step (the trainer divides by grad_accum) and
         # per rank (DDP averages the ranks' gradients); bnpo: the micro-batch's tokens, on every rank
         world, rank, size = self.info.world_size, self.info.rank, self.cfg.batch_size
@@ -269,15 +282,21 @@ class GRPORun:
         if world > 1:
             items = items / world
         share = size // world                          # this rank's rows of each micro-batch
-        out = []
+        mine = {k: v[torch.cat([torch.arange(m * size + rank * share, m * size + (rank + 1) * share)
+                                for m in range(self.cfg.grad_accum)])] for k, v in batch.items()}
+        if self.reference is not None:                 # on this rank's rows only
+            mine["ref_logps"], _ = completion_logps(self.reference, mine["prompt_ids"], mine["prompt_mask"],
+                                                    mine["completion_ids"], temperature=section.temperature,
+                                                    completion_mask=mine["completion_mask"],
+                                                    vocab_limit=self.vocab_limit, entropy=False)
+        micros = []
         for m in range(self.cfg.grad_accum):
-            rows = slice(m * size + rank * share, m * size + (rank + 1) * share)
-            micro = {k: v[rows] for k, v in batch.items()}
+            micro = {k: v[m * share:(m + 1) * share] for k, v in mine.items()}
             micro["num_items"] = items
             if world > 1:
                 micro["micro_items"] = mask[m * size:(m + 1) * size].sum().float()
-            out.append(micro)
-        return out
+            micros.append(micro)
+        return micros
 
     def _rollout_figures(self, per_func: torch.Tensor, rewards: torch.Tensor, zero_std: torch.Tensor,
                          lengths: torch.Tensor, truncated: torch.Tensor) -> None:

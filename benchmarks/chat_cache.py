@@ -4,6 +4,7 @@ time goes; and the server's per-slot prefix cache on the same conversation.
 
     .venv/bin/python benchmarks/chat_cache.py [--threads 1] [--turns 10] [--rounds 5] [--user 60] [--answer 60]
                                               [--d-model 256] [--no-server] [--breakdown-only] [--clock cpu]
+    .venv/bin/python benchmarks/chat_cache.py --model FOLDER [--threads 1] [--turns 10] [--rounds 3] [--answer 60]
 
 The model: the decode benchmark's LLaMA shape (8 layers, d_model 256, GQA 8:2, random weights; only shapes matter
 for time; --d-model widens it, heads of 32). A turn appends --user tokens to the history, streams an answer of
@@ -11,6 +12,14 @@ for time; --d-model widens it, heads of 32). A turn appends --user tokens to the
 token, the prefill included. Both conversations run in interleaved rounds (one whole conversation each per round,
 the order alternating); each turn's figure is the median over rounds, and the answers of both are asserted
 identical.
+
+--model FOLDER: a real conversation with a run or HF folder that has a chat template (e.g. SmolLM2-135M-Instruct:
+`archlab convert --from-gguf smollm2-135m-instruct --out /tmp/smollm2`), through `archlab chat`'s own session
+(cli/chat._Session: generation.chat.Conversation renders and encodes the history, `stream` decodes with the
+conversation's PrefixCache, or with none for the fresh side): ten fixed user questions of 20-60 tokens, answers
+greedy and capped at --answer tokens (they stop at the template's end of turn). The time to first token runs from
+the user's line (the render and encoding included) to the first streamed token; the answers of both sides are
+asserted identical; the breakdown is that of the turns' real prompts (the held tokens as the chat's cache held them).
 
 The breakdown (turn 1 and the last turn, the cache holding what it holds in the chat; each part the least of
 interleaved repeats): setup (the prompt's tensors, the cache's common prefix), the prefill forward, of it the
@@ -42,6 +51,136 @@ from archlab.generation import PrefixCache, stream
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = time.perf_counter          # set from --clock in main()
+
+
+CHAT_TURNS = [   # fixed user turns of a realistic length (20-60 tokens with SmolLM2's tokenizer)
+    "I am planning a three-day trip to Lisbon in early spring. What neighbourhoods should I stay in if I want to "
+    "walk to most of the sights and still sleep well at night?",
+    "Thanks. How do the trams and the metro compare for getting around, and is a day pass worth it for someone "
+    "who walks a lot?",
+    "What are two or three day trips from the city that can be done by train, and roughly how long does each "
+    "journey take?",
+    "I would like to try traditional food without spending too much. Which dishes should I look for, and where "
+    "do locals usually eat them?",
+    "Is it easy to get by with English, or should I learn a few phrases in Portuguese before I go? Which ones "
+    "would help most?",
+    "How warm is it usually in March, and what should I pack if I expect some rain but also long walks on steep, "
+    "slippery streets?",
+    "Can you suggest a rough plan for the first day that starts at the castle and ends somewhere with a good view "
+    "of the sunset?",
+    "Are there any museums that are free on certain days, or discounts for students that I should ask about at "
+    "the ticket office?",
+    "What is the best way to get from the airport to the centre late at night, and how much should a taxi cost?",
+    "Finally, could you summarise the whole plan in a short list I can keep on my phone, with one line for each "
+    "day of the trip?",
+]
+
+
+@contextlib.contextmanager
+def first_token_times(marks: list[float]):
+    """`archlab.generation.stream` records the clock at each call's first token in `marks` (the chat session
+    imports it at each turn, so it gets the recording one)."""
+    import archlab.generation as generation
+
+    real = generation.stream
+
+    def recording(*args, **kwargs):
+        for i, tokens in enumerate(real(*args, **kwargs)):
+            if i == 0:
+                marks.append(clock())
+            yield tokens
+
+    generation.stream = recording           # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        generation.stream = real            # type: ignore[assignment]
+
+
+def chat_session(folder: str, answer: int):
+    """(model, chat tokenizer, a function starting a fresh `archlab chat` session: greedy, --max-new-tokens answer)."""
+    from archlab.cli import build_parser
+    from archlab.cli.chat import _Session
+    from archlab.runs.chat_folder import chat_tokenizer
+    from archlab.runs.model_folder import load_model_and_tokenizer
+
+    args = build_parser().parse_args(["chat", folder, "--max-new-tokens", str(answer), "--temperature", "0"])
+    for name in ("num_beams", "sink_window", "sink_tokens", "no_repeat_ngram_size", "length_penalty",
+                 "early_stopping", "stop"):
+        setattr(args, name, None)                    # as cli/chat.run does
+    model, tok = load_model_and_tokenizer(folder, "cpu", purpose="chat", generation_config=True)
+    chat = chat_tokenizer(folder, tok)
+    if chat is None:
+        raise SystemExit(f"{folder} has no chat template")
+    return model, chat, lambda: _Session.start(args, model, chat)
+
+
+def chat_conversation(start, users: list[str], cached: bool) -> tuple[list[float], list[str], list[list[int]],
+                                                                      list[int]]:
+    """One `archlab chat` conversation: (seconds from each user line to its first token, the answers, each turn's
+    prompt ids, the tokens the cache held of each prompt)."""
+    import io
+
+    from archlab.generation.chat import Conversation
+
+    session = start()
+    if not cached:
+        session.cache = None                         # every turn prefills the whole history
+    prompts: list[list[int]] = []
+    real_prompt = Conversation.prompt
+
+    def prompt(self, user):                          # the ids the turn decodes from, as the session builds them
+        ids = real_prompt(self, user)
+        prompts.append(ids)
+        return ids
+
+    ttft, reused, marks = [], [], []
+    Conversation.prompt = prompt                     # type: ignore[method-assign]
+    try:
+        with first_token_times(marks), contextlib.redirect_stdout(io.StringIO()):
+            for text in users:
+                start_at = clock()
+                session.reply(text)
+                ttft.append(marks[-1] - start_at)
+                reused.append(session.cache.reused if cached else 0)
+    finally:
+        Conversation.prompt = real_prompt            # type: ignore[method-assign]
+    answers = [m["content"] for m in session.convo.messages if m["role"] == "assistant"]
+    return ttft, answers, prompts, reused
+
+
+def model_chat(args) -> tuple:
+    """The conversations through `archlab chat`'s session on --model, printed; (model, config, breakdown cases)."""
+    model, chat, start = chat_session(args.model, args.answer)
+    users = CHAT_TURNS[:args.turns]
+    if len(users) < args.turns:
+        raise SystemExit(f"--model has {len(CHAT_TURNS)} fixed user turns: --turns {len(CHAT_TURNS)} at most")
+    lengths = [len(chat.tokenizer.encode(u)) for u in users]
+    chat_conversation(start, users[:2], True)                                         # warm-up
+    times: dict[bool, list[list[float]]] = {True: [], False: []}
+    for r in range(args.rounds):
+        for cached in ((True, False) if r % 2 == 0 else (False, True)):
+            ttft, answers, prompts, reused = chat_conversation(start, users, cached)
+            times[cached].append(ttft)
+            if cached:
+                kept = (answers, prompts, reused)
+            else:
+                fresh = answers
+        assert fresh == kept[0], "the cached conversation answered differently"
+    answers, prompts, reused = kept
+    med = {c: [statistics.median(t[i] for t in times[c]) for i in range(args.turns)] for c in (True, False)}
+    last = args.turns - 1
+    print(f"{args.model}: time to first token (ms, {args.clock} clock, from the user's line: render and encoding "
+          f"included), median of {args.rounds} interleaved rounds; user turns of {min(lengths)}-{max(lengths)} "
+          f"tokens, answers of at most {args.answer} (greedy, identical with and without the cache)")
+    print(f"{'turn':>4} {'user':>5} {'prompt':>7} {'held':>6} {'answer':>7} {'cached':>8} {'fresh':>8}")
+    for i in range(args.turns):
+        print(f"{i + 1:>4} {lengths[i]:>5} {len(prompts[i]):>7} {reused[i]:>6} "
+              f"{len(chat.tokenizer.encode(answers[i])):>7} {1e3 * med[True][i]:>8.1f} {1e3 * med[False][i]:>8.1f}")
+    print(f"turn {args.turns} / turn 1: cached {med[True][last] / med[True][0]:.2f}x (against the fresh turn 1 "
+          f"{med[True][last] / med[False][0]:.2f}x), fresh {med[False][last] / med[False][0]:.2f}x; at turn "
+          f"{args.turns} the cache is {med[False][last] / med[True][last]:.1f}x faster to the first token")
+    return model, model.config, {1: (prompts[0], 0), args.turns: (prompts[last], reused[last])}
 
 
 def conversation(model, users: list[list[int]], answer: int, cached: bool) -> tuple[list[float], list[int]]:
@@ -156,6 +295,9 @@ def server_turns(model, users: list[list[int]], answers: list[list[int]], cached
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, metavar="FOLDER",
+                    help="a run or HF folder with a chat template: a real conversation through archlab chat's "
+                    "session (the toy model's --user, --d-model and the server's table do not apply)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
@@ -174,40 +316,43 @@ def main() -> None:
     from archlab.runs.provenance import provenance_line
     print(provenance_line(threads=args.threads), flush=True)
     torch.set_num_threads(args.threads)
-    heads = args.d_model // 32
-    cfg = archlab.presets.tiny("llama3-8b", vocab_size=4096, d_model=args.d_model, max_seq_len=2048).with_overrides(
-        {"n_layers": 8, "attention.n_heads": heads, "attention.n_kv_heads": max(1, heads // 4),
-         "mlp.d_ff": round(args.d_model * 2.6875)})
-    model = archlab.TransformerLM(cfg).eval()
-    g = torch.Generator().manual_seed(0)
-    users = [torch.randint(0, cfg.vocab_size, (args.user,), generator=g).tolist() for _ in range(args.turns)]
-    last = args.turns - 1
-    if args.breakdown_only:        # the history's tokens drawn at random: the breakdown's times depend on lengths
-        kept = torch.randint(0, cfg.vocab_size, (args.turns * (args.user + args.answer),), generator=g).tolist()
+    if args.model:
+        model, cfg, cases = model_chat(args)
     else:
-        conversation(model, users[:2], 4, True)                                         # warm-up
-        times: dict[bool, list[list[float]]] = {True: [], False: []}
-        for r in range(args.rounds):
-            for cached in ((True, False) if r % 2 == 0 else (False, True)):
-                ttft, history = conversation(model, users, args.answer, cached)
-                times[cached].append(ttft)
-                if cached:
-                    kept = history
-                else:
-                    assert history == kept, "the cached conversation decoded different answers"
-        med = {c: [statistics.median(t[i] for t in times[c]) for i in range(args.turns)] for c in (True, False)}
-        print(f"d_model {args.d_model}: time to first token (ms, {args.clock} clock), median of {args.rounds} "
-              f"interleaved rounds; {args.user} user + {args.answer} answer tokens a turn")
-        print(f"{'turn':>4} {'prompt':>7} {'cached':>8} {'fresh':>8}")
-        for i in range(args.turns):
-            print(f"{i + 1:>4} {(i + 1) * args.user + i * args.answer:>7} {1e3 * med[True][i]:>8.1f} "
-                  f"{1e3 * med[False][i]:>8.1f}")
-        print(f"turn {args.turns} / turn 1: cached {med[True][last] / med[True][0]:.2f}x (against the fresh turn 1 "
-              f"{med[True][last] / med[False][0]:.2f}x), fresh {med[False][last] / med[False][0]:.2f}x; at turn "
-              f"{args.turns} the cache is {med[False][last] / med[True][last]:.1f}x faster to the first token")
+        heads = args.d_model // 32
+        cfg = archlab.presets.tiny("llama3-8b", vocab_size=4096, d_model=args.d_model, max_seq_len=2048).with_overrides(
+            {"n_layers": 8, "attention.n_heads": heads, "attention.n_kv_heads": max(1, heads // 4),
+             "mlp.d_ff": round(args.d_model * 2.6875)})
+        model = archlab.TransformerLM(cfg).eval()
+        g = torch.Generator().manual_seed(0)
+        users = [torch.randint(0, cfg.vocab_size, (args.user,), generator=g).tolist() for _ in range(args.turns)]
+        last = args.turns - 1
+        if args.breakdown_only:        # the history's tokens drawn at random: the breakdown's times depend on lengths
+            kept = torch.randint(0, cfg.vocab_size, (args.turns * (args.user + args.answer),), generator=g).tolist()
+        else:
+            conversation(model, users[:2], 4, True)                                         # warm-up
+            times: dict[bool, list[list[float]]] = {True: [], False: []}
+            for r in range(args.rounds):
+                for cached in ((True, False) if r % 2 == 0 else (False, True)):
+                    ttft, history = conversation(model, users, args.answer, cached)
+                    times[cached].append(ttft)
+                    if cached:
+                        kept = history
+                    else:
+                        assert history == kept, "the cached conversation decoded different answers"
+            med = {c: [statistics.median(t[i] for t in times[c]) for i in range(args.turns)] for c in (True, False)}
+            print(f"d_model {args.d_model}: time to first token (ms, {args.clock} clock), median of {args.rounds} "
+                  f"interleaved rounds; {args.user} user + {args.answer} answer tokens a turn")
+            print(f"{'turn':>4} {'prompt':>7} {'cached':>8} {'fresh':>8}")
+            for i in range(args.turns):
+                print(f"{i + 1:>4} {(i + 1) * args.user + i * args.answer:>7} {1e3 * med[True][i]:>8.1f} "
+                      f"{1e3 * med[False][i]:>8.1f}")
+            print(f"turn {args.turns} / turn 1: cached {med[True][last] / med[True][0]:.2f}x (against the fresh turn 1 "
+                  f"{med[True][last] / med[False][0]:.2f}x), fresh {med[False][last] / med[False][0]:.2f}x; at turn "
+                  f"{args.turns} the cache is {med[False][last] / med[True][last]:.1f}x faster to the first token")
 
-    last_prompt = kept[:args.turns * args.user + last * args.answer]
-    cases = {1: (users[0], 0), args.turns: (last_prompt, len(last_prompt) - args.user - 1)}
+        last_prompt = kept[:args.turns * args.user + last * args.answer]
+        cases = {1: (users[0], 0), args.turns: (last_prompt, len(last_prompt) - args.user - 1)}
     parts: dict[int, list[dict[str, float]]] = {t: [] for t in cases}
     for _ in range(3):                                 # interleaved: turn 1, the last turn, again
         for turn, (prompt, held) in cases.items():
@@ -226,7 +371,7 @@ def main() -> None:
     print(f"turn {args.turns} - turn 1: {grew['total']:+.1f} ms ({end['total'] / first['total']:.2f}x), of which "
           f"attention {grew['prefill'] - grew['rest']:+.1f} ms, the rest of the forward {grew['rest']:+.1f} ms, "
           f"setup {grew['setup']:+.2f} ms, the first token {grew['sample']:+.2f} ms")
-    work = {turn: attention_work(cfg, args.user + (turn > 1), len(prompt)) for turn, (prompt, _) in cases.items()}
+    work = {turn: attention_work(cfg, len(prompt) - held, len(prompt)) for turn, (prompt, held) in cases.items()}
     (flops, exps), (rate, exp_rate) = work[args.turns], machine_rates()
     floor = 1e3 * (flops / rate + exps / exp_rate)      # ms: the last turn's attention at the kernels' rates
     first_rest = first['total'] - (first['prefill'] - first['rest'])     # turn 1 less its attention
@@ -236,7 +381,7 @@ def main() -> None:
           f"exp/s) it takes at least {floor:.1f} ms: turn {args.turns} / turn 1 >= "
           f"{(first_rest + floor) / first['total']:.2f}x with any attention kernel (turn 1 as measured)")
 
-    if args.no_server or args.breakdown_only:
+    if args.no_server or args.breakdown_only or args.model:
         return
     g = torch.Generator().manual_seed(1)
     small = [torch.randint(0, 256, (args.user,), generator=g).tolist() for _ in range(args.turns)]

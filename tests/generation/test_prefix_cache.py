@@ -98,3 +98,49 @@ def test_a_continued_prefill_turns_its_mask_into_sdpas_form_once_for_every_layer
         want = F.scaled_dot_product_attention(prefill[-1].q, prefill[-1].k, prefill[-1].v, attn_mask=mask,
                                               scale=prefill[-1].scale, enable_gqa=True)
         assert torch.equal(attention_backends.run(prefill[-1])[0], want)
+
+
+def _long_model(name: str) -> TransformerLM:
+    cfg = archlab.presets.tiny(name, vocab_size=128, window=6, max_seq_len=1024)
+    return TransformerLM(cfg.with_overrides({"init.std": 0.2, "seed": 0})).eval()
+
+
+def _growing_conversation(model, compile: bool = False) -> list[int]:
+    """Five turns of ~100 tokens through one PrefixCache, each equal to a fresh prefill's tokens; the capacity after
+    each turn."""
+    g = torch.Generator().manual_seed(5)
+    cache = PrefixCache()
+    history = torch.randint(0, 128, (20,), generator=g).tolist()
+    sizes = []
+    for turn in range(5):
+        out = archlab.generate(model, history, 8, prefix_cache=cache, compile=compile)
+        assert torch.equal(out, archlab.generate(model, history, 8)), turn
+        assert cache.reused == (0 if turn == 0 else len(history) - 1 - 100)
+        assert cache.cache is not None
+        sizes.append(cache.cache.max_len)
+        history = out.tolist() + torch.randint(0, 128, (100,), generator=g).tolist()
+    return sizes
+
+
+@pytest.mark.parametrize("family", ["llama3-8b", "gemma2-2b"])
+def test_the_cache_grows_by_doubling_and_turns_across_growths_equal_fresh_prefills(family):
+    """A first turn holds what it needs (128 slots, not the model's 1,024); turns that cross 128, 256 and 512 copy
+    the held keys into a doubled cache and decode exactly what a fresh prefill decodes (windows included)."""
+    assert _growing_conversation(_long_model(family)) == [128, 256, 256, 512, 512]
+
+
+def test_capacity_doubles_up_to_the_context():
+    from archlab.generation.prefix import capacity
+    assert [capacity(n, 8192) for n in (1, 128, 129, 300, 8000)] == [128, 128, 256, 512, 8192]
+    assert capacity(300, 8192, have=512) == 512 and capacity(600, 8192, have=512) == 1024
+    assert capacity(5000, 3000) == 3000 and capacity(10, 64) == 64
+
+
+@pytest.mark.slow
+def test_the_compiled_step_decodes_through_a_growing_cache():
+    """The compiled decode step (its capacity dimension dynamic) reads the grown buffers: every turn's tokens equal
+    a fresh eager prefill's, one graph for all capacities."""
+    model = _long_model("llama3-8b")
+    assert _growing_conversation(model, compile=True) == [128, 256, 256, 512, 512]
+    step = model.decode_plan().step
+    assert step is not None and step.failed is None and len(step.graphs) == 1

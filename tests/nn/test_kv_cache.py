@@ -226,3 +226,32 @@ def test_slot_cache_batches_scattered_rows_as_views_moved_once_per_composition()
         assert slots.moved > moved
     assert {r: got[r][:8] for r in (4, 3, 0)} == {r: expected[r] for r in (4, 3, 0)}
     assert sorted(slots.physical(r) for r in range(5)) == list(range(5))
+
+
+def test_growing_a_cache_keeps_what_it_holds_and_continues_like_a_larger_one():
+    """StaticKVCache.grow: the held keys, values and positions copied, the new slots empty (zeros at position -1, so
+    a compiled step reading them stays finite), and a forward after the growth gives the logits a cache built at
+    the larger size gives; a cache with rolling buffers refuses."""
+    cfg = BASE.with_overrides({"attention.window": 3, "attention.layer_pattern": "LG", "max_seq_len": 64})
+    model = TransformerLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    small = StaticKVCache(cfg, 2, 12, rolling=False)
+    large = StaticKVCache(cfg, 2, 40, rolling=False)
+    with torch.no_grad():
+        for cache in (small, large):
+            model(ids[:, :10], cache=cache)
+        held = [(b.k[:, :, :10].clone(), b.v[:, :, :10].clone()) for b in small.layers]
+        small.grow(10)                                     # holds as many already: nothing changes
+        assert small.max_len == 12 and small.layers[0].k.shape[2] == 12
+        small.grow(40)
+        assert len(small) == 10 and small.max_len == 40
+        for buf, (k, v) in zip(small.layers, held):
+            assert buf.k.shape[2] == buf.capacity == 40 and buf.pos is small.shared_pos
+            assert torch.equal(buf.k[:, :, :10], k) and torch.equal(buf.v[:, :, :10], v)
+            assert not buf.k[:, :, 10:].any() and not buf.v[:, :, 10:].any()
+        assert torch.equal(small.shared_pos[:, :10], large.shared_pos[:, :10])
+        assert (small.shared_pos[:, 10:] == -1).all()
+        torch.testing.assert_close(model(ids[:, 10:], cache=small), model(ids[:, 10:], cache=large), rtol=0, atol=0)
+    rolling = StaticKVCache(cfg, 1, 12)
+    with pytest.raises(ValueError, match="rolling"):
+        rolling.grow(24)

@@ -11,6 +11,10 @@ it): the cache is cropped to the longest common prefix and the rest prefilled, s
 text, or a conversation that dropped its oldest turns, costs a longer prefill, never a wrong answer. At least the
 prompt's last token is always fed (its logits choose the first new token). One row, no padding; the cache keeps
 every slot of windowed layers (StaticKVCache(rolling=False)) so it can be cropped anywhere.
+
+The cache holds what the calls so far needed (prompt + new tokens), in capacities doubling from CHUNK up to the
+model's context: a first turn does not allocate and zero the whole context (377 MB in float32 for SmolLM2's 8,192
+positions x 30 layers), and each growth copies the held keys once.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch
 
 from archlab.nn.kv_cache import StaticKVCache
 
+CHUNK = 128      # the least capacity a cache starts with (slots); it doubles from there
 
 def common_prefix(held: Sequence[int], ids: Sequence[int], limit: int | None = None) -> int:
     """How many leading tokens `held` and `ids` share, at most `limit`.
@@ -31,6 +36,15 @@ def common_prefix(held: Sequence[int], ids: Sequence[int], limit: int | None = N
         return 0
     differ = np.flatnonzero(np.asarray(held[:n], dtype=np.int64) != np.asarray(ids[:n], dtype=np.int64))
     return int(differ[0]) if len(differ) else n
+
+
+def capacity(need: int, limit: int, have: int = CHUNK) -> int:
+    """Slots for `need` tokens: `have` doubled until it holds them, at most `limit`.
+    Example: capacity(300, 8192) == 512; capacity(300, 8192, have=512) == 512"""
+    size = max(have, 1)
+    while size < need:
+        size *= 2
+    return min(size, limit)
 
 
 class PrefixCache:
@@ -59,19 +73,24 @@ class PrefixCache:
             self._pending = []
         return self._held
 
-    def open(self, model, prompt: torch.Tensor, dtype: torch.dtype, device: torch.device) -> StaticKVCache:
-        """The cache for `model`, cropped to its longest common prefix with `prompt` (1, t) (at most t - 1 tokens);
-        sets `reused` and `prefilled`."""
+    def open(self, model, prompt: torch.Tensor, dtype: torch.dtype, device: torch.device,
+             need: int | None = None) -> StaticKVCache:
+        """The cache for `model`, cropped to its longest common prefix with `prompt` (1, t) (at most t - 1 tokens),
+        with at least `need` slots (the prompt and the tokens to come; None: the model's whole context); sets `reused`
+        and `prefilled`."""
         config = model.config
         kind = (config.max_seq_len, dtype, str(device))
+        need = config.max_seq_len if need is None else min(need, config.max_seq_len)
         if self.cache is None or self._owner is None or self._owner() is not model or self._kind != kind:
             self.reset()
-            self.cache = StaticKVCache(config, 1, config.max_seq_len, dtype=dtype, device=device, rolling=False)
+            self.cache = StaticKVCache(config, 1, capacity(need, config.max_seq_len), dtype=dtype, device=device,
+                                       rolling=False)
             self._owner, self._kind = weakref.ref(model), kind
         held, ids = self.ids, prompt[0].tolist()
         common = common_prefix(held, ids, len(ids) - 1)
         assert self.cache is not None
         self.cache.crop(common)
+        self.cache.grow(capacity(need, config.max_seq_len, self.cache.max_len))   # the kept tokens copied once
         del held[common:]
         self.reused, self.prefilled = common, len(ids) - common
         return self.cache

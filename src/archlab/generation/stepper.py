@@ -223,7 +223,7 @@ class Stepper:
             if config is None:
                 raise ValueError("a prefix cache needs model.config")
             self._check_context(max_new_tokens)
-            self.cache = prefix.open(model, self.ids, model_dtype(model), device)
+            self.cache = prefix.open(model, self.ids, model_dtype(model), device, need=t + max_new_tokens)
         elif self.sink:
             self._check_sink_mode(sink_tokens, sink_window)
             self.cache = SinkKVCache(config, b, sink_tokens=sink_tokens or 0, window=sink_window,

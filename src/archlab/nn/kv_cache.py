@@ -17,7 +17,9 @@ callable, and returns rotated keys plus the queries' positions inside the cache:
     k_all, v_all, k_pos, q_pos = cache.update(layer, k, v, positions, rotate=rotate)
 
 `crop(length)` (KVCache, StaticKVCache) keeps the first `length` tokens written: speculative decoding
-(archlab.generation.speculative) rolls the rejected draft tokens back with it.
+(archlab.generation.speculative) rolls the rejected draft tokens back with it. `grow(max_len)` (StaticKVCache
+without rolling buffers) gives a cache more slots between forwards: a chat's cache (archlab.generation.prefix)
+starts at what its first turn needs and doubles, instead of holding the whole context from the start.
 
 Caches here:
   KVCache          grows by concatenation; the simplest reference.
@@ -178,6 +180,23 @@ class StaticKVCache(_BufferedCache):
         self.shared_pos[:, length:] = -1
         self._shared_view = (0, None)      # the next forward writes its positions again
 
+    def grow(self, max_len: int) -> None:
+        """Hold `max_len` slots (no change when it holds as many already): every layer's buffers reallocated, the
+        tokens held copied once, the new slots zeroed (a compiled step reads empty slots: they must be finite) and
+        marked empty. Between forwards only, and only without rolling buffers (rolling=False or no windows).
+        Example: cache = StaticKVCache(cfg, 1, 256, rolling=False); cache.grow(512)"""
+        if max_len <= self.max_len:
+            return
+        if any(buf.rolling for buf in self.layers):
+            raise ValueError("a cache with rolling buffers cannot grow: build it with rolling=False")
+        n, old = len(self), self.shared_pos
+        self.shared_pos = _grown(old, max_len, n, fill=-1)                 # (b, max_len)
+        for buf in self.layers:
+            buf.k, buf.v = _grown(buf.k, max_len, n), _grown(buf.v, max_len, n)      # (b, k, max_len, e)
+            buf.pos = self.shared_pos if buf.pos is old else _grown(buf.pos, max_len, n, fill=-1)
+            buf.capacity = max_len
+        self.max_len, self._shared_view = max_len, (0, None)
+
     def slots(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """(keys (b, k, max_len, e) per layer, values alike, positions (b, max_len)): the whole buffers, for a
         compiled step (`SlotWrites`); only for a cache without rolling buffers (every layer sharing the positions).
@@ -237,6 +256,18 @@ class StaticKVCache(_BufferedCache):
         buf.pos.index_copy_(1, slots, positions[:, t - keep:])
         buf.count = n + t
         return k_all, v_all, pos_all
+
+
+def _grown(t: torch.Tensor, size: int, held: int, fill: int = 0) -> torch.Tensor:
+    """`t` with its slot dimension (the last for positions (b, s), else dimension 2 of (b, k, s, e)) of `size`: the
+    first `held` slots copied, the rest `fill`."""
+    dim = t.dim() - 1 if t.dim() == 2 else 2
+    shape = list(t.shape)
+    shape[dim] = size
+    out = t.new_empty(shape)
+    out.narrow(dim, 0, held).copy_(t.narrow(dim, 0, held))
+    out.narrow(dim, held, size - held).fill_(fill)
+    return out
 
 
 class SlotWrites:

@@ -135,6 +135,7 @@ def test_quantize_prints_both_perplexities_and_the_run_loads_with_int8_layers(in
 def test_commands_that_train_or_export_refuse_a_quantized_run(int8_run, tmp_path):
     out = int8_run[0]
     for args in (["convert", "--to-hf", str(out), "--out", str(tmp_path / "hf")],
+                 ["convert", "--to-gguf", str(out), "--out", str(tmp_path / "gguf")],
                  ["quantize", str(out), "--weights", "int8", "--out", str(tmp_path / "again"), "--text", "x"],
                  ["finetune", str(out), "--data", str(FIXTURE / "config.yaml"), "--out", str(tmp_path / "ft")]):
         proc = _cli(*args)
@@ -144,7 +145,7 @@ def test_commands_that_train_or_export_refuse_a_quantized_run(int8_run, tmp_path
     from archlab.training.init_from import read_init_source
     with pytest.raises(UserError, match="int8 weights"):
         read_init_source(str(out))
-    assert not any((tmp_path / name).exists() for name in ("hf", "again", "ft"))
+    assert not any((tmp_path / name).exists() for name in ("hf", "gguf", "again", "ft"))
 
 
 def test_quantize_refuses_an_existing_out_before_loading(tmp_path):

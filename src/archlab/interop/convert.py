@@ -126,11 +126,12 @@ def convert_to_gguf(run_dir: str | Path, out_file: str | Path, qtype: str = "f16
     from archlab.generation.config import FILE as GENERATION_FILE
     from archlab.interop.gguf.validate import readback, sample_ids
     from archlab.interop.gguf.write import save_gguf
-    from archlab.runs.model_folder import load_run
+    from archlab.runs.model_folder import load_run, refuse_quantized
     from archlab.runs.outputs import check_output
 
     run_dir, out_file = Path(run_dir), Path(out_file)
     check_output(out_file, inputs=[run_dir], overwrite=overwrite)
+    refuse_quantized(run_dir, "convert --to-gguf")     # its int8 layers have no float weight to write
     if out_file.is_dir():
         raise UserError(f"{out_file} is a folder; --to-gguf writes one .gguf file")
     model, tokenizer = load_run(run_dir)

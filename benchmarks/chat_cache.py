@@ -11,7 +11,9 @@ for time; --d-model widens it, heads of 32). A turn appends --user tokens to the
 --answer tokens (greedy, EOS off) and appends it; the time to first token is from the call to the first streamed
 token, the prefill included. Both conversations run in interleaved rounds (one whole conversation each per round,
 the order alternating); each turn's figure is the median over rounds, and the answers of both are asserted
-identical.
+identical. Then turn 1 alone by the cache it allocates: a fresh prefill's (prompt + 1 slots), the PrefixCache's
+(grown by doubling from 128 slots: what it needs) and the PrefixCache holding the model's whole context from the
+start (what it did before it grew), interleaved.
 
 --model FOLDER: a real conversation with a run or HF folder that has a chat template (e.g. SmolLM2-135M-Instruct:
 `archlab convert --from-gguf smollm2-135m-instruct --out /tmp/smollm2`), through `archlab chat`'s own session
@@ -212,6 +214,51 @@ def attention_skipped():
         attention_backends.SDPA.__call__ = real                                                # type: ignore
 
 
+@contextlib.contextmanager
+def whole_context():
+    """PrefixCache allocates the model's whole context at its first call (what it did before it grew by doubling)."""
+    from archlab.generation import prefix
+
+    real = prefix.capacity
+    prefix.capacity = lambda need, limit, have=prefix.CHUNK: limit          # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        prefix.capacity = real                                               # type: ignore[assignment]
+
+
+def first_turn(model, prompt: list[int], repeats: int) -> dict[str, tuple[float, int]]:
+    """Turn 1's time to first token (ms, the median of `repeats` interleaved) and the KV cache's bytes: a fresh
+    prefill (prompt + 1 slots), the PrefixCache growing by doubling (what it needs, rounded up to a power of two), the
+    PrefixCache holding the model's whole context from the start."""
+    ways = {"fresh": contextlib.nullcontext, "grown": contextlib.nullcontext, "whole": whole_context}
+    times: dict[str, list[float]] = {w: [] for w in ways}
+    size = {"fresh": 0, "grown": 0, "whole": 0}
+    for r in range(repeats + 1):
+        for way in (list(ways) if r % 2 else list(ways)[::-1]):
+            cache = None if way == "fresh" else PrefixCache()
+            with ways[way]():
+                start = clock()
+                next(stream(model, prompt, 1, eos_token_id=[], prefix_cache=cache))
+                seconds = clock() - start
+            if r:                                                           # the first round warms up
+                times[way].append(seconds)
+            if cache is not None and cache.cache is not None:
+                size[way] = cache.cache.nbytes
+    cfg = model.config
+    width = next(model.parameters()).element_size()
+    size["fresh"] = (len(prompt) + 1) * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * width
+    return {w: (1e3 * statistics.median(times[w]), size[w]) for w in ways}
+
+
+def print_first_turn(model, prompt: list[int], repeats: int) -> None:
+    got = first_turn(model, prompt, repeats)
+    print(f"turn 1 ({len(prompt)} tokens): time to first token (ms, median of {repeats} interleaved) by the KV cache "
+          "it allocates: " + "; ".join(f"{way} {ms:.1f} ms ({size / 2**20:.1f} MiB)" for way, (ms, size) in
+                                      zip(("fresh prefill", "PrefixCache grown by doubling",
+                                           "PrefixCache of the whole context"), got.values())))
+
+
 def breakdown(model, prompt: list[int], held: int, repeats: int) -> dict[str, float]:
     """Milliseconds of a turn whose cache holds prompt[:held], each the least of `repeats` (a shared machine's noise
     only adds): setup, prefill, sample (the first token), total, and `rest`: the prefill with attention skipped."""
@@ -353,6 +400,8 @@ def main() -> None:
 
         last_prompt = kept[:args.turns * args.user + last * args.answer]
         cases = {1: (users[0], 0), args.turns: (last_prompt, len(last_prompt) - args.user - 1)}
+    if not args.breakdown_only:
+        print_first_turn(model, cases[1][0], args.repeats)
     parts: dict[int, list[dict[str, float]]] = {t: [] for t in cases}
     for _ in range(3):                                 # interleaved: turn 1, the last turn, again
         for turn, (prompt, held) in cases.items():

@@ -11,6 +11,11 @@ mean_reward, max_reward; the held-out pairs (train.reward.val_fraction) as val_l
 
     archlab finetune runs/sft --method reward --data prefs.jsonl --out runs/rm
     archlab score runs/rm --data prefs.jsonl          # each line's rewards, and the accuracy
+
+A reward model reads hidden states, never logits: the LM head's own parameters are frozen (they would get no gradient),
+so no optimizer holds them and DDP waits for no gradient of them. Under torchrun (dist.strategy=ddp) each rank trains
+on its share of every batch's pairs (the loss a mean over pairs, so DDP's mean gradient is one process's), the logged
+figures are reduced over the ranks and every rank scores the held-out pairs.
 """
 from __future__ import annotations
 
@@ -32,12 +37,13 @@ from archlab.errors import UserError
 from archlab.eval.evaluate import autocast
 from archlab.models.decoder import LossOutput
 from archlab.nn.heads import SCORE_HEAD, attach_score_head
-from archlab.training.dpo import _tokenizer_only, check_form, check_pair_settings
+from archlab.training import distributed as dist_util
+from archlab.training.dpo import _tokenizer_only, check_form, check_pair_settings, held_out_rows
 from archlab.training.methods.base import METHODS, Method
 from archlab.training.methods.dpo import preference_settings, prepare_preferences
 
 __all__ = ["METRICS", "reward_loss", "sequence_rewards", "RewardRun", "open_reward", "held_out_pairs",
-           "HeldOutAccuracy", "held_out_accuracy"]
+           "held_out_rewards", "HeldOutAccuracy", "held_out_accuracy"]
 
 METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")     # TRL's RewardTrainer's names
 
@@ -86,7 +92,7 @@ class RewardRun:
     """Preference pairs, their batches, the reward loss and its logged figures; `extend` puts the score head on."""
 
     def __init__(self, data: PreferenceData, cfg: Any, info: Any, margins: torch.Tensor | None):
-        self.cfg, self.data, self.margins = cfg, data, margins
+        self.cfg, self.data, self.margins, self.info = cfg, data, margins, info
         self.train_data, self.val_data = data, data.without_pairs()
         self.tokenizer_dir: Path | None = Path(data.tokenizer_dir)
         self.val = held_out_pairs(data, cfg)
@@ -94,12 +100,14 @@ class RewardRun:
         pool = [i for i in range(len(data.pairs)) if i not in held]
         self.batches = PreferenceBatches(data, cfg.batch_size, seed=cfg.seed, rank=info.rank,
                                          world_size=info.world_size, pool=pool if held else None)
-        self._sums: torch.Tensor | None = None
-        self._count = 0
+        self._figures: list[torch.Tensor] = []         # each micro-batch's METRICS since the last log line
 
     def extend(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The score head (zeros) on the model; its fresh state, which starting weights do not hold."""
+        """The score head (zeros) on the model, the LM head's own parameters frozen (a tied embedding is the trunk's
+        and trains); the score head's fresh state, which starting weights do not hold."""
         head = attach_score_head(model)
+        for p in model.lm_head.parameters():          # a tied head's matrix is the embedding's: not among these
+            p.requires_grad_(False)
         return {f"{SCORE_HEAD}.{name}": t for name, t in head.state_dict().items()}
 
     def _per_pair(self, model: Any, input_ids: torch.Tensor, lengths: torch.Tensor, index: torch.Tensor
@@ -112,46 +120,68 @@ class RewardRun:
     def loss(self, model: Any, inputs: dict[str, torch.Tensor], labels: torch.Tensor) -> LossOutput:
         lengths = inputs["attention_mask"].sum(-1)                                         # (2b,)
         loss, chosen, rejected = self._per_pair(model, inputs["input_ids"], lengths, inputs["pair_index"])
-        values = _figures(chosen.detach(), rejected.detach())                               # (METRICS,)
-        self._sums = values if self._sums is None else self._sums + values    # on device: no host sync per batch
-        self._count += 1
+        self._figures.append(_figures(chosen.detach(), rejected.detach()))    # (METRICS,) on device: no host sync
         zero = loss.new_zeros(())
         return LossOutput(total=loss, ce=loss.detach(), z_loss=zero, aux_loss=zero)
 
     def log_fields(self) -> dict[str, float]:
-        out = dict(zip(METRICS, (self._sums / self._count).tolist())) if self._sums is not None else {}
-        self._sums, self._count = None, 0
-        return out
+        """METRICS averaged over the micro-batches since the last call, each micro-batch's over all ranks' pairs."""
+        if not self._figures:
+            return {}
+        rows = torch.stack(self._figures).double().cpu()                                  # (micro-batches, METRICS)
+        self._figures = []
+        if self.info.world_size > 1:
+            rows = _over_ranks(rows, self.info)
+        return dict(zip(METRICS, rows.mean(0).tolist()))
 
     @torch.no_grad()
     def evaluate(self, model: Any, *, device: torch.device, dtype: str, info: Any) -> dict[str, float]:
-        """val_loss and val_<METRICS> over every held-out pair (the loss a mean over batches of train.batch_size)."""
+        """val_loss and val_<METRICS> over every held-out pair (every rank scores them all)."""
         if not self.val:
             return {}
-        was_training = model.training
-        model.eval()
-        losses, chosen, rejected = [], [], []
-        try:
-            for start in range(0, len(self.val), self.cfg.batch_size):
-                index = torch.tensor(self.val[start:start + self.cfg.batch_size])                  # (b,)
-                pairs = [self.data.pairs[i] for i in index]
-                ids, _ = pad_pairs(pairs, self.data.eot_id or 0)                                    # (2b, t)
-                lengths = torch.tensor([len(p.chosen[0]) for p in pairs] + [len(p.rejected[0]) for p in pairs])
-                with autocast(device, dtype):
-                    loss, c, r = self._per_pair(model, ids.to(device), lengths.to(device), index)
-                losses.append(float(loss) * len(index))
-                chosen.append(c.float().cpu())
-                rejected.append(r.float().cpu())
-        finally:
-            model.train(was_training)
-        figures = _figures(torch.cat(chosen), torch.cat(rejected)).tolist()
-        return {"val_loss": sum(losses) / len(self.val), **{f"val_{k}": v for k, v in zip(METRICS, figures)}}
+        chosen, rejected = held_out_rewards(model, self.data, self.val, self.cfg.batch_size, device, dtype)
+        margin = self.margins[torch.tensor(self.val)] if self.margins is not None else None
+        loss = reward_loss(chosen, rejected, margin, self.cfg.reward.center_rewards_coefficient)
+        figures = _figures(chosen, rejected).tolist()
+        return {"val_loss": float(loss), **{f"val_{k}": v for k, v in zip(METRICS, figures)}}
 
     def start(self, model: torch.nn.Module, run_dir: Path, **_: Any) -> None:
         return None
 
     def check_resume(self, run_dir: Path) -> None:
         return None
+
+
+_PEAKS = {METRICS.index("min_reward"): -1.0, METRICS.index("max_reward"): 1.0}    # min as the max of the negated
+
+
+def _over_ranks(rows: torch.Tensor, info: Any) -> torch.Tensor:
+    """Each micro-batch's METRICS (n, METRICS) over the ranks' equal shares of its pairs: the means averaged,
+    min_reward the ranks' least, max_reward their greatest."""
+    sign = torch.tensor([_PEAKS.get(j, 1.0) for j in range(len(METRICS))], dtype=rows.dtype)
+    mean = torch.tensor(dist_util.all_reduce_mean(rows.flatten().tolist(), info), dtype=rows.dtype).view_as(rows)
+    peak = torch.tensor(dist_util.all_reduce_max((rows * sign).flatten().tolist(), info),
+                        dtype=rows.dtype).view_as(rows) * sign
+    columns = list(_PEAKS)
+    mean[:, columns] = peak[:, columns]
+    return mean
+
+
+def held_out_rewards(model: Any, data: PreferenceData, val: list[int], batch_size: int, device: torch.device,
+                     dtype: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen rewards (n,), rejected rewards (n,)) of the pairs `val` (indices into data.pairs), float32 on the CPU,
+    scored in batches of `batch_size` with the model in eval mode (dpo.held_out_rows).
+    Example: chosen, rejected = held_out_rewards(model, data, [0, 3], 8, torch.device("cpu"))"""
+    def score(index: torch.Tensor) -> torch.Tensor:
+        pairs = [data.pairs[i] for i in index]
+        ids, _ = pad_pairs(pairs, data.eot_id or 0)                                                # (2b, t)
+        lengths = torch.tensor([len(p.chosen[0]) for p in pairs] + [len(p.rejected[0]) for p in pairs])
+        with autocast(device, dtype):
+            rewards = sequence_rewards(model, ids.to(device), lengths.to(device)).float()          # (2b,)
+        return torch.stack(rewards.chunk(2), dim=1)                                                # (b, 2)
+
+    chosen, rejected = held_out_rows(model, val, batch_size, score).unbind(1)
+    return chosen, rejected
 
 
 def held_out_pairs(data: PreferenceData, cfg: Any) -> list[int]:
@@ -206,15 +236,8 @@ def held_out_accuracy(folder: str | Path, model: Any) -> HeldOutAccuracy:
     if not val:
         return HeldOutAccuracy(None, f"{folder} held no pairs out (train.reward.val_fraction="
                                f"{cfg.reward.val_fraction})")
-    device = next(model.parameters()).device
-    right = 0
-    with torch.no_grad():
-        for start in range(0, len(val), cfg.batch_size):
-            pairs = [data.pairs[i] for i in val[start:start + cfg.batch_size]]
-            ids, _ = pad_pairs(pairs, data.eot_id or 0)                                            # (2b, t)
-            lengths = torch.tensor([len(p.chosen[0]) for p in pairs] + [len(p.rejected[0]) for p in pairs])
-            chosen, rejected = sequence_rewards(model, ids.to(device), lengths.to(device)).chunk(2)   # (b,) each
-            right += int((chosen > rejected).sum())
+    chosen, rejected = held_out_rewards(model, data, val, cfg.batch_size, next(model.parameters()).device)
+    right = int((chosen > rejected).sum())
     return HeldOutAccuracy(right / len(val), f"computed now on its {len(val)} held-out pairs (its metrics.jsonl "
                            f"records no val_accuracy at step {step})")
 
@@ -231,9 +254,8 @@ def open_reward(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: 
     """The RewardRun of a prepared preference folder (archlab finetune --method reward) or a preference .jsonl
     (archlab train --init-from BASE --set train.method=reward, encoded with BASE's tokenizer); UserError before any
     write for what a reward model cannot train."""
-    if info.world_size > 1:       # the score head reads hidden states outside the wrapped forward; lm_head idles
-        raise UserError("train.method=reward trains on one process: data-parallel reward models are not supported "
-                        "(run it without torchrun)")
+    if info.world_size > 1 and info.strategy != "ddp":   # the score head reads hidden states outside the forward
+        raise UserError(f"train.method=reward runs data-parallel with dist.strategy=ddp, not {info.strategy}")
     folder = require(data_dir, ("preference_pairs",), who="train.method=reward").folder
     if model_cfg.arch != "decoder":
         raise UserError(f"train.method=reward puts its score head on decoder models, not arch={model_cfg.arch}")

@@ -1,6 +1,9 @@
 """`archlab finetune` blames each bad input on what is wrong: one line naming it, exit status 2, nothing written."""
 from __future__ import annotations
 
+import json
+
+import pytest
 from finetune_runs import finetune_argv
 
 from archlab.cli import main
@@ -15,4 +18,26 @@ def test_a_chat_template_file_that_is_not_jinja_is_named_not_the_data(chat_world
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert f"--chat-template {template}" in err and "line 2" in err and "sft.jsonl" not in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("method, line", [
+    ("sft", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "cat"}]}),
+    ("dpo", {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "cat"}],
+             "rejected": [{"role": "assistant", "content": "dog"}]}),
+    ("grpo", {"prompt": [{"role": "user", "content": "hi"}]}),
+])
+def test_messages_on_a_base_without_a_template_name_the_option_not_the_python_call(
+        method, line, make_base, tmp_path, capsys):
+    base = make_base(tmp_path / "base")
+    (base / "tokenizer" / "chat_template.jinja").unlink()
+    data = tmp_path / "lines.jsonl"
+    data.write_text(json.dumps(line) + "\n")
+    out = tmp_path / "run"
+    extra = ["--reward", "format"] if method == "grpo" else []
+    assert main(finetune_argv(base, data, out, "--method", method, *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{data}:1: these lines are chat messages and {base} has no chat template" in err, err
+    assert "--chat-template chatml" in err and "chat_template=" not in err and "archlab-finetune-" not in err, err
     assert not out.exists()

@@ -45,6 +45,7 @@ from archlab.progress import progress_bar
 from archlab.tokenizer.chat import (
     ChatTemplateError,
     ChatTokenizer,
+    NoChatTemplate,
     Rendered,
     RenderJob,
     RenderLimits,
@@ -54,11 +55,21 @@ from archlab.tokenizer.chat import (
 )
 from archlab.tokenizer.messages import ROLES, MessageError, check_message
 
-__all__ = ["ROLES", "LOSS_MASKS", "TRUNCATIONS", "ChatExample", "ChatData", "ChatDataError", "Conversation",
+__all__ = ["ROLES", "LOSS_MASKS", "TRUNCATIONS", "ChatExample", "ChatData", "ChatDataError", "NoTemplateForMessages",
+           "Conversation",
            "read_conversations", "encode_conversation", "load_chat_data"]
 
 class ChatDataError(UserError, ValueError):
     """A line of chat data that cannot become a training example (the message names the file and line)."""
+
+
+class NoTemplateForMessages(ChatDataError):
+    """Message lines and a tokenizer without a chat template: a command replaces the advice with its own
+    (`where`: the file and line)."""
+
+    def __init__(self, where: str, message: str):
+        super().__init__(f"{where}: {message}")
+        self.where = where
 
 
 @dataclass(frozen=True)
@@ -361,6 +372,11 @@ def load_chat_data(path: str | os.PathLike, tokenizer: Any, *, mask: str = "assi
             if template is None and not all(c.is_plain for c in chunk):
                 try:
                     template = chat.template(chat_template)
+                except NoChatTemplate:
+                    line = next(c.line for c in chunk if not c.is_plain)
+                    raise NoTemplateForMessages(f"{path}:{line}", "these lines are chat messages and the tokenizer "
+                                                "has no chat template to render them (pass chat_template=, or "
+                                                "write prompt and completion as plain text)") from None
                 except UserError as exc:
                     raise ChatDataError(f"{path}: {exc}") from None
             try:

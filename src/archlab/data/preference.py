@@ -43,6 +43,7 @@ from archlab.data.chat import (
     TRUNCATIONS,
     ChatDataError,
     Conversation,
+    NoTemplateForMessages,
     _conversation,
     check_truncation,
     encode_conversation,
@@ -121,15 +122,6 @@ class PreferenceData:
     @property
     def meta(self) -> dict:
         return {"corpus": str(self.path), "tokenizer": str(self.tokenizer_dir.resolve())}
-
-
-class NoTemplateForMessages(ChatDataError):
-    """Message lines and a tokenizer without a chat template: a command replaces the advice with its own
-    (`where`: the file and line)."""
-
-    def __init__(self, where: str, message: str):
-        super().__init__(f"{where}: {message}")
-        self.where = where
 
 
 def file_sha256(path: Path) -> str:

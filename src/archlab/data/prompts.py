@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from archlab.data.chat import ChatDataError, _messages
+from archlab.data.chat import ChatDataError, NoTemplateForMessages, _messages
 from archlab.data.corpora import CorpusError, jsonl_records
 from archlab.data.preference import file_sha256
 from archlab.errors import UserError
@@ -75,8 +75,9 @@ def _encode(chat: ChatTokenizer, template: str | None, prompt: Any, where: str) 
     if isinstance(prompt, list):
         messages = _messages(prompt, where, "prompt")
         if template is None:
-            raise ChatDataError(f"{where}: the prompt is chat messages and the tokenizer has no chat template to "
-                                "render them (write the prompt as plain text, or fine-tune with --chat-template)")
+            raise NoTemplateForMessages(where, "the prompt is chat messages and the tokenizer has no chat template to "
+                                        "render them (write the prompt as plain text, or fine-tune with "
+                                        "--chat-template)")
         try:
             ids = apply_chat_template(chat, messages, chat_template=template, add_generation_prompt=True)
         except UserError as exc:

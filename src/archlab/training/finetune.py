@@ -73,6 +73,7 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
     --out is refused and touches nothing), and a refusal removes only what this call wrote: the folder if it made
     it, else the data folder it prepared.
     Example: finetune("runs/sft", "prefs.jsonl", "runs/dpo", method="dpo", train_cfg=TrainConfig(lr=5e-6))"""
+    from archlab.data.chat import NoTemplateForMessages
     from archlab.runs.lock import LOCK_FILE, RunLock
     from archlab.training.methods import METHODS, finetune_methods
     from archlab.training.trainer import train
@@ -100,7 +101,12 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
         try:
             request = FinetuneRequest(base, data_path, val_path, out, train_cfg, model_overrides, chat_template,
                                       val_fraction, resume, progress)
-            model_cfg, data_dir, source = chosen.prepare(request)
+            try:
+                model_cfg, data_dir, source = chosen.prepare(request)
+            except NoTemplateForMessages as exc:      # the data layer's advice names Python; this names the option
+                raise UserError(f"{exc.where}: these lines are chat messages and {base} has no chat template to "
+                                "render them: pass --chat-template chatml (or llama3, plain, a Jinja file), or "
+                                "write them as plain text") from None
             return train(model_cfg, train_cfg, data_dir, out, resume=resume, progress=progress, init_from=source,
                          locked=main)
         except (UserError, ConfigError, FileExistsError):

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from finetune_runs import COUNT_CALLS, assert_runs_agree, single_and_two_processes
 
 from archlab.cli import main
 from archlab.training.grpo import group_advantages
@@ -52,9 +53,7 @@ def world(tmp_path_factory):
         "def words(prompts, completions, **kw):\n    return ['good' for _ in completions]\n"
         "def slow_has_e(prompts, completions, **kw):\n    import time\n    time.sleep(0.05)\n"
         "    return [float('e' in c) for c in completions]\n"
-        "def counted_has_e(prompts, completions, **kw):\n    import os\n"
-        "    with open(os.environ['REWARD_CALLS'], 'a') as f:\n"
-        "        f.write(os.environ.get('RANK', '0') + ' ' + str(len(completions)) + '\\n')\n"
+        "def counted_has_e(prompts, completions, **kw):\n" + COUNT_CALLS +
         "    return [float('e' in c) for c in completions]\n")
     return root
 
@@ -266,16 +265,6 @@ def test_data_parallel_grpo_refuses_what_it_cannot_split(world, tmp_path, info, 
                   tmp_path, None, SimpleNamespace(**info))
 
 
-def _reward_calls(path) -> dict[int, list[int]]:
-    """rank -> the completions counted_has_e scored per call, sorted (the 2-row probe before the run left out)."""
-    calls: dict[int, list[int]] = {}
-    for line in path.read_text().splitlines():
-        rank, n = map(int, line.split())
-        if n != 2:
-            calls.setdefault(rank, []).append(n)
-    return {rank: sorted(n) for rank, n in calls.items()}
-
-
 @pytest.mark.slow      # two torchrun processes; ~30 s on 2 cores
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])   # the two with a token count across ranks
 def test_two_process_grpo_matches_single_process(world, tmp_path, loss_type, monkeypatch):
@@ -285,38 +274,16 @@ def test_two_process_grpo_matches_single_process(world, tmp_path, loss_type, mon
     micro-batch and scales its loss so that DDP's mean gradient is the one-process gradient; the loss's figures are
     reduced over the ranks. The logged loss, gradient norm, rewards, KL, entropy, clip ratios and held-out reward, and
     the final weights, are the single process's."""
-    import os
-    import subprocess
-    import sys
-
-    from archlab.runs.checkpoint import latest_checkpoint, load_checkpoint
-
     args = ["finetune", str(world / "base"), "--method", "grpo", "--data", str(world / "prompts.jsonl"), *COMMON,
             "--reward", "exact_match", "--reward", f"{world / 'my_rewards.py'}:counted_has_e", "--set",
             "train.grpo.beta=0.04", "--set", f"train.grpo.loss_type={loss_type}", "--set", "train.grad_accum=2",
             "--set", "train.budget=3", "--set", "train.lr=1e-2", "--set", "train.eval_every=2", "--val-fraction",
             "0.25"]
-    monkeypatch.setenv("REWARD_CALLS", str(tmp_path / "single_calls.txt"))
-    assert main([*args, "--out", str(tmp_path / "single")]) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "REWARD_CALLS": str(tmp_path / "ddp_calls.txt")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "archlab", *args, "--out", str(tmp_path / "ddp"), "--set", "dist.strategy=ddp"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    calls = single_and_two_processes(args, tmp_path, monkeypatch)
     # 3 steps of 4 prompts x 4 completions, 2 evaluations of the one held-out prompt: 16 and 4 rows on one process;
     # under DDP rank 0 samples each step's prompt slots 0 and 2 (8 rows) and the held-out prompt, rank 1 slots 1 and 3
-    assert _reward_calls(tmp_path / "single_calls.txt") == {0: [4, 4, 16, 16, 16]}
-    assert _reward_calls(tmp_path / "ddp_calls.txt") == {0: [4, 4, 8, 8, 8], 1: [8, 8, 8]}
-    single, both = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("single", "ddp"))
-    for key in ("loss", "grad_norm", "reward", "reward_std", "rewards/counted_has_e/mean", "kl", "entropy",
-                "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_max", "completions/mean_length",
-                "val_reward"):
-        ours = [(r["step"], r[key]) for r in both if key in r]
-        reference = [(r["step"], r[key]) for r in single if key in r]
-        assert [s for s, _ in ours] == [s for s, _ in reference] and ours, key
-        assert [v for _, v in ours] == pytest.approx([v for _, v in reference], rel=1e-4, abs=1e-5), key
-    assert single[-2]["kl"] > 0                                  # the policy moved: the weights say something
-    ours, theirs = (load_checkpoint(latest_checkpoint(tmp_path / name))[0] for name in ("ddp", "single"))
-    assert ours.keys() == theirs.keys()
-    for name, value in theirs.items():
-        torch.testing.assert_close(ours[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert calls == {"single": {0: [4, 4, 16, 16, 16]}, "ddp": {0: [4, 4, 8, 8, 8], 1: [8, 8, 8]}}
+    assert_runs_agree(tmp_path / "single", tmp_path / "ddp", (
+        "loss", "grad_norm", "reward", "reward_std", "rewards/counted_has_e/mean", "kl", "entropy",
+        "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_max", "completions/mean_length", "val_reward"))
+    assert _rows(tmp_path / "single")[-1]["kl"] > 0              # the policy moved: the weights say something

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from finetune_runs import WORDS
+from finetune_runs import COUNT_CALLS, WORDS, assert_runs_agree, single_and_two_processes
 
 from archlab.cli import main
 from archlab.training.config import TrainConfig
@@ -166,6 +166,49 @@ def test_ppo_raises_the_reward_from_a_fresh_start(world, tmp_path):
     assert len(scores) == 30
     before, after = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
     assert after >= before + 0.3, (before, after, scores)
+
+
+@pytest.mark.parametrize("info,message", [
+    ({"world_size": 2, "rank": 0, "strategy": "fsdp"}, "runs data-parallel with dist.strategy=ddp, not fsdp"),
+    ({"world_size": 3, "rank": 0, "strategy": "ddp"}, "must be divisible by the world size 3"),
+])
+def test_data_parallel_ppo_refuses_what_it_cannot_split(world, info, message):
+    from types import SimpleNamespace
+
+    from archlab.errors import UserError
+    from archlab.training.init_from import read_init_source
+    from archlab.training.methods.ppo import open_ppo
+
+    source = read_init_source(world["base"])
+    with pytest.raises(UserError, match=message):
+        open_ppo(source.model_config, _cfg(world), world["prompts"], source, SimpleNamespace(**info))
+
+
+COUNTED = REWARD.replace("    return", COUNT_CALLS + "    return")
+
+
+@pytest.mark.slow      # two torchrun processes; ~30 s on 2 cores
+def test_two_process_ppo_matches_single_process(world, tmp_path, monkeypatch):
+    """PPO under torchrun (2 CPU processes, gloo, DDP): each rank samples, values, scores (the reward sees half the
+    completions) and references every other prompt of a rollout; the shares gathered are the one-process rollout (each
+    prompt's completion from its own seeded generator), whitened and GAE'd on every rank; each rank trains on its share
+    of each micro-batch, its token-mean loss scaled by its share of the micro-batch's tokens; the step's figures are
+    token-weighted over the ranks. Logged figures and final weights equal the single process's."""
+    (tmp_path / "counted.py").write_text(COUNTED)
+    args = ["finetune", str(world["base"]), "--method", "ppo", "--data", str(world["prompts"]), "--reward",
+            f"{tmp_path / 'counted.py'}:letters", "--no-progress", "--set", "train.batch_size=4", "--set",
+            "train.grad_accum=2", "--set", "train.seq_len=32", "--set", "train.budget=5", "--set", "train.lr=1e-2",
+            "--set", "train.log_every=1", "--set", "train.sample.every=-1", "--set", "train.memory_check=false",
+            "--set", "train.schedule.warmup_steps=0", "--set", "train.ppo.response_length=6", "--set",
+            "train.ppo.temperature=1.0", "--set", "train.ppo.num_ppo_epochs=2", "--set", "train.ppo.num_mini_batches=2",
+            "--set", "train.ppo.whiten_rewards=true", "--set", "train.ppo.kl_estimator=k3"]
+    calls = single_and_two_processes(args, tmp_path, monkeypatch)
+    # two rollouts of 16 prompts (4 steps each): 16 completions per rollout on one process, 8 on each rank
+    assert calls == {"single": {0: [16, 16]}, "ddp": {0: [8, 8], 1: [8, 8]}}
+    # weights atol 1e-4: Adam turns float noise in near-zero gradients into ~1e-5 moves
+    assert_runs_agree(tmp_path / "single", tmp_path / "ddp", ("loss", "grad_norm", *TRL_NAMES), weights_atol=1e-4)
+    kl = [r["objective/kl"] for r in _records(tmp_path / "single") if "objective/kl" in r]
+    assert len(kl) == 2 and kl[-1] > 0                                   # the second rollout's policy had moved
 
 
 def test_a_lora_ppo_policy_exports_without_its_value_head_and_is_a_base_for_another_method(world, tmp_path):

@@ -11,12 +11,19 @@ TRL's experimental PPOTrainer's settings (train.ppo) and log names. Pieces, in t
                  policy and value losses: training/ppo.py, pure functions
 
 The trainer drives it as any method: one optimizer step per mini-batch. `batches.next(step, micro)` samples rollout
-k = step // (num_ppo_epochs * num_mini_batches) when the step first needs it (the policy as it stands, a private
-generator seeded by (seed, k)), then hands out rows of it in a seeded permutation per PPO epoch; the rollout is part
-of the checkpoint, so a resume mid-rollout trains on the same rollout. Logged per line under TRL's names:
-objective/kl, objective/entropy, objective/non_score_reward, objective/rlhf_reward, objective/scores,
-policy/approxkl_avg, policy/clipfrac_avg, loss/policy_avg, loss/value_avg, val/clipfrac_avg, policy/entropy_avg,
-val/ratio, val/ratio_var, val/num_eos_tokens, and episode (completions sampled so far).
+k = step // (num_ppo_epochs * num_mini_batches) when the step first needs it (the policy as it stands, each prompt's
+completion from a private generator seeded by (seed, k, its slot)), then hands out rows of it in a seeded permutation
+per PPO epoch; the rollout is part of the checkpoint, so a resume mid-rollout trains on the same rollout.
+
+Under torchrun (dist.strategy=ddp) each rank samples every world_size-th prompt of the rollout and scores its values,
+reference log-probs and rewards; the shares are gathered, so every rank holds the whole rollout (whitening and GAE run
+on it as on one process), and trains on its share of each micro-batch's rows, its loss scaled by its share of the
+micro-batch's tokens (the losses are token means) so that DDP's mean gradient is one process's; the step's figures
+are token-weighted over the ranks. The rollout costs each rank 1/world_size of what it costs one process.
+
+Logged per line under TRL's names: objective/kl, objective/entropy, objective/non_score_reward, objective/rlhf_reward,
+objective/scores, policy/approxkl_avg, policy/clipfrac_avg, loss/policy_avg, loss/value_avg, val/clipfrac_avg,
+policy/entropy_avg, val/ratio, val/ratio_var, val/num_eos_tokens, and episode (completions sampled so far).
 
     archlab finetune runs/sft --method ppo --data prompts.jsonl --reward runs/rm --out runs/ppo
     archlab finetune runs/sft --method ppo --data prompts.jsonl --reward my_rewards.py:correct --out runs/ppo
@@ -33,6 +40,7 @@ from archlab.data.prompts import Prompt, PromptData, load_prompts
 from archlab.errors import UserError
 from archlab.models.decoder import LossOutput
 from archlab.nn.heads import VALUE_HEAD, attach_score_head
+from archlab.training import distributed as dist_util
 from archlab.training import ppo
 from archlab.training.methods import rewards as reward_fns
 from archlab.training.methods.base import METHODS, FinetuneRequest, Method
@@ -41,8 +49,11 @@ from archlab.training.methods.rollout import (
     Rollout,
     completion_logps,
     end_ids,
+    gather_rollout,
+    my_slots,
     prompt_completion,
     rollout,
+    slot_seed,
     token_logps,
 )
 from archlab.training.methods.staging import prepare_line_folder
@@ -75,8 +86,10 @@ class PPOBatches:
     advantages and returns (b, c); labels are the completion ids (b, c). The policy and the reference arrive at `start`.
     """
 
-    def __init__(self, data: PromptData, cfg: Any, reward: Any, end_ids: list[int], vocab_limit: int | None):
+    def __init__(self, data: PromptData, cfg: Any, reward: Any, end_ids: list[int], vocab_limit: int | None,
+                 info: Any = None):
         self.data, self.cfg, self.section = data, cfg, cfg.ppo
+        self.info = info if info is not None else dist_util.DistInfo()
         self.reward, self.end_ids, self.vocab_limit = reward, end_ids, vocab_limit
         self.rows = cfg.batch_size * cfg.grad_accum                      # rows per optimizer step (a mini-batch)
         self.size = self.rows * self.section.num_mini_batches            # prompts per rollout
@@ -106,15 +119,22 @@ class PPOBatches:
         return order[start:start + self.cfg.batch_size]
 
     def next(self, step: int, micro: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """This rank's rows of the micro-batch (all of them on one process); under DDP also `micro_tokens`, the
+        completion tokens of the whole micro-batch (what the loss's token means divide by on one process)."""
         k = step // self.steps_per_rollout
         if self.current is None or self.current["index"] != k:
             self.current = self.collect(k)
         r, rows = self.current, self.rows_of(step, micro)
+        extra = {}
+        if self.info.world_size > 1:
+            share = len(rows) // self.info.world_size
+            extra["micro_tokens"] = r["completion_mask"][rows].sum().float()
+            rows = rows[self.info.rank * share:(self.info.rank + 1) * share]
         ids, positions = prompt_completion(r["prompt_ids"][rows], r["prompt_mask"][rows], r["completion_ids"][rows],
                                            r["completion_mask"][rows])                      # (b, p + c) each
         inputs = {"input_ids": ids, "positions": positions, "attention_mask": (positions >= 0).long(),
                   **{name: r[name][rows] for name in ("completion_mask", "logps", "values", "advantages",
-                                                      "returns")}}
+                                                      "returns")}, **extra}
         return inputs, r["completion_ids"][rows]
 
     # ---- one rollout
@@ -124,22 +144,33 @@ class PPOBatches:
         rewards, advantages (whitened) and returns; its figures join `figures`."""
         s = self.section
         prompts = self.prompts_of(k)
-        out: Rollout = rollout(self.policy, [p.ids for p in prompts], group=1, max_new_tokens=s.response_length,
+        slots = my_slots(len(prompts), self.info)               # this rank's prompts (all of them on one process)
+        mine = [prompts[i] for i in slots]
+        out: Rollout = rollout(self.policy, [p.ids for p in mine], group=1, max_new_tokens=s.response_length,
                                eos_ids=self.end_ids, pad_id=self.end_ids[0],
-                               seed=(self.cfg.seed * 1_000_003 + k) * 7 + 3, temperature=s.temperature,
+                               seed=[slot_seed(self.cfg.seed, k, i) for i in slots], temperature=s.temperature,
                                vocab_limit=self.vocab_limit)
+        values, ref_logps = out.logps.clone(), out.logps.clone()     # (b, c); no rows: empty
+        scores = torch.zeros(len(mine))
+        if mine:
+            ids, positions = prompt_completion(out.prompt_ids, out.prompt_mask, out.completion_ids,
+                                               out.completion_mask)
+            was_training = self.policy.training
+            self.policy.eval()
+            try:
+                _, _, values = policy_forward(self.policy, ids, positions, out.completion_ids,
+                                              temperature=s.temperature)
+            finally:
+                self.policy.train(was_training)
+            ref_logps, _ = completion_logps(self.reference, out.prompt_ids, out.prompt_mask, out.completion_ids,
+                                            temperature=s.temperature, completion_mask=out.completion_mask,
+                                            vocab_limit=self.vocab_limit, entropy=False)
+            scores = self.score(mine, out)
+        out, extra = gather_rollout(out, slots, len(prompts), 1, self.end_ids[0], self.info,
+                                    per_row={"scores": scores}, per_token={"values": values, "ref_logps": ref_logps})
         mask = out.completion_mask.bool()                                                           # (b, c)
-        ids, positions = prompt_completion(out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
-        was_training = self.policy.training
-        self.policy.eval()
-        try:
-            _, _, values = policy_forward(self.policy, ids, positions, out.completion_ids, temperature=s.temperature)
-        finally:
-            self.policy.train(was_training)
-        ref_logps, _ = completion_logps(self.reference, out.prompt_ids, out.prompt_mask, out.completion_ids,
-                                        temperature=s.temperature, completion_mask=out.completion_mask,
-                                        vocab_limit=self.vocab_limit, entropy=False)
-        scores = self.score(prompts, out).to(values.device)                                        # (b,)
+        values, ref_logps = extra["values"], extra["ref_logps"]
+        scores = extra["scores"].to(values.device)                                                  # (b,)
         if s.missing_eos_penalty is not None:
             scores = scores - s.missing_eos_penalty * out.truncated.float()
         kl = torch.where(mask, ppo.kl_estimate(out.logps, ref_logps, s.kl_estimator), 0.0)        # (b, c)
@@ -188,8 +219,7 @@ class PPORun:
         self.batches, self.model_cfg, self.init_from = batches, model_cfg, init_from
         self.train_data, self.val_data = batches.data, batches.data.without_prompts()
         self.tokenizer_dir: Path | None = Path(batches.data.tokenizer_dir)
-        self._sums: torch.Tensor | None = None
-        self._ratios: list[torch.Tensor] = []
+        self._figures: list[torch.Tensor] = []          # each micro-batch's STEP_FIGURES since the last log line
         self._reward_model: dict[str, float] = {}       # a reward run's held-out accuracy, for the first log line
 
     def extend(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -223,8 +253,11 @@ class PPORun:
         assert entropy is not None
         figures = torch.stack([policy.approxkl, policy.clipfrac, policy.loss.detach(), value.loss.detach(),
                                value.clipfrac, ppo.masked_mean(entropy.detach(), mask), policy.ratio])
-        self._sums = figures if self._sums is None else self._sums + figures    # on device: no host sync per batch
-        self._ratios.append(policy.ratio)
+        if "micro_tokens" in inputs:      # DDP: this rank's token mean -> its share of the micro-batch's token mean
+            tokens = mask.sum().float()
+            loss = loss * tokens * self.batches.info.world_size / inputs["micro_tokens"]
+            figures = torch.cat([figures * tokens, tokens[None]])      # token-weighted, reduced at log_fields
+        self._figures.append(figures)                                  # on device: no host sync per batch
         zero = loss.new_zeros(())
         return LossOutput(total=loss, ce=loss.detach(), z_loss=zero, aux_loss=zero)
 
@@ -233,13 +266,20 @@ class PPORun:
         figures, self.batches.figures = self.batches.figures, []
         if figures:
             out.update({name: sum(f[name] for f in figures) / len(figures) for name in ROLLOUT_FIGURES})
-        if self._sums is not None:
-            out.update(zip(STEP_FIGURES, (self._sums / len(self._ratios)).tolist()))
-            out["val/ratio_var"] = float(torch.stack(self._ratios).var()) if len(self._ratios) > 1 else 0.0
+        if self._figures:
+            rows = torch.stack(self._figures).double().cpu()          # (micro-batches, STEP_FIGURES [+ tokens])
+            info = self.batches.info
+            if info.world_size > 1:                                   # each micro-batch's figures over all its tokens
+                rows = torch.tensor(dist_util.all_reduce_sum(rows.flatten().tolist(), info),
+                                    dtype=rows.dtype).view_as(rows)
+                rows = rows[:, :-1] / rows[:, -1:]
+            out.update(zip(STEP_FIGURES, rows.mean(0).tolist()))
+            ratios = rows[:, STEP_FIGURES.index("val/ratio")]
+            out["val/ratio_var"] = float(ratios.float().var()) if len(ratios) > 1 else 0.0
         current = self.batches.current
         if current is not None:
             out["episode"] = float((current["index"] + 1) * self.batches.size)
-        self._sums, self._ratios = None, []
+        self._figures = []
         return out
 
     def evaluate(self, model: Any, *, device: torch.device, dtype: str, info: Any) -> dict[str, float]:
@@ -279,9 +319,11 @@ def open_ppo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any
     """The PPORun of a prompts folder (archlab finetune --method ppo) or a prompts .jsonl (archlab train --init-from
     BASE --set train.method=ppo, encoded with BASE's tokenizer); UserError before any write for what PPO cannot run."""
 
-    if info.world_size > 1:       # the value head reads hidden states outside the wrapped forward
-        raise UserError("train.method=ppo trains on one process: data-parallel PPO is not supported (run it without "
-                        "torchrun)")
+    if info.world_size > 1 and info.strategy != "ddp":    # generation and the heads read the whole model
+        raise UserError(f"train.method=ppo runs data-parallel with dist.strategy=ddp, not {info.strategy}")
+    if cfg.batch_size % info.world_size:
+        raise UserError(f"train.batch_size={cfg.batch_size} (global) must be divisible by the world size "
+                        f"{info.world_size}")
     if model_cfg.arch != "decoder":
         raise UserError(f"train.method=ppo trains decoder models, not arch={model_cfg.arch}")
     if init_from is None:
@@ -302,7 +344,7 @@ def open_ppo(model_cfg: Any, cfg: Any, data_dir: Path, init_from: Any, info: Any
                         "train.ppo.num_mini_batches must be at least 2")
     reward = _resolve_reward(cfg, data)
     limit = data.vocab_size if data.vocab_size < model_cfg.vocab_size else None
-    return PPORun(PPOBatches(data, cfg, reward, end_ids(data), limit), model_cfg, init_from)
+    return PPORun(PPOBatches(data, cfg, reward, end_ids(data), limit, info), model_cfg, init_from)
 
 
 def prepare_ppo(req: FinetuneRequest) -> tuple[Any, Path, Any]:

@@ -189,7 +189,7 @@ def gather_rollout(out: Rollout, slots: Sequence[int], n: int, group: int, pad_i
     reward per row) and `per_token` ((rows, c): right-padded with 0) alongside, gathered the same way. One process:
     `out` and the tensors as they are. Example: whole, extra = gather_rollout(out, [1, 3], 4, 8, 0, info)"""
     per_row, per_token = dict(per_row or {}), dict(per_token or {})
-    if not info.enabled:
+    if info.world_size <= 1:
         return out, {**per_row, **per_token}
     device = out.prompt_ids.device
     fields = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, out.logps, out.truncated)

@@ -195,3 +195,22 @@ def test_inspect_chat_prints_counts_and_marks_the_scored_text(tmp_path, folder, 
     assert main(["data", "inspect-chat", bad, "--tokenizer", str(folder)]) == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip().splitlines()
     assert "bad.jsonl:2" in err[-1] and "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.parametrize("template, message", [
+    ("missing.jinja", "--chat-template missing.jinja: no such file, nor a template of"),
+    ("chatml", "--chat-template chatml: no such file, nor a template of"),     # a name is not a template's text
+    ("broken.jinja", "--chat-template broken.jinja: the chat template is not valid Jinja (line 1)"),
+])
+def test_inspect_chat_refuses_a_template_it_cannot_find_or_parse(tmp_path, folder, capsys, monkeypatch, template,
+                                                                 message):
+    from archlab.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken.jinja").write_text("{{ messages }")
+    data = _jsonl(tmp_path / "d.jsonl", {"messages": CONVERSATION})
+    capsys.readouterr()
+    assert main(["data", "inspect-chat", data, "--tokenizer", str(folder), "--chat-template", template]) == \
+        EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "d.jsonl" not in err, err

@@ -140,9 +140,34 @@ def run_prepare_seq2seq(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_inspect_chat(args: argparse.Namespace) -> int:
+def _template_arg(value: str, chat, folder: str) -> str:
+    """The source --chat-template names: a .jinja file (read, its syntax checked) or a template of the folder by
+    name; anything else is refused (a name is never rendered as a template's text)."""
     from pathlib import Path
 
+    from archlab.errors import UserError
+    from archlab.tokenizer.chat_render import ChatTemplateSyntaxError, check_template_syntax
+
+    templates = chat.templates
+    named = templates if isinstance(templates, dict) else {} if templates is None else {"default": templates}
+    if value in named:
+        return named[value]
+    file = Path(value)
+    if not file.is_file():
+        names = f"its templates: {', '.join(sorted(named))}" if named else "it has none"
+        raise UserError(f"--chat-template {value}: no such file, nor a template of {folder} ({names}); "
+                        "give a built-in one to a tokenizer with archlab tokenizer chat-template")
+    try:
+        source = file.read_text(encoding="utf-8")
+        check_template_syntax(source)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"--chat-template {value}: cannot read it as UTF-8 text ({exc})") from None
+    except ChatTemplateSyntaxError as exc:
+        raise UserError(f"--chat-template {value}: {exc}") from None
+    return source
+
+
+def run_inspect_chat(args: argparse.Namespace) -> int:
     from archlab.data.chat import load_chat_data
     from archlab.errors import UserError
     from archlab.tokenizer.chat import ChatTokenizer
@@ -151,10 +176,8 @@ def run_inspect_chat(args: argparse.Namespace) -> int:
         raise UserError(f"--max-tokens {args.max_tokens} must be at least 2")
     if args.show < 0:
         raise UserError(f"--show {args.show} must be >= 0")
-    template = args.chat_template
-    if template is not None and template.endswith(".jinja"):
-        template = Path(template).read_text(encoding="utf-8")
     chat = ChatTokenizer.of(args.tokenizer)
+    template = None if args.chat_template is None else _template_arg(args.chat_template, chat, args.tokenizer)
     data = load_chat_data(args.file, chat, mask=args.mask, max_tokens=args.max_tokens, truncation=args.truncation,
                           chat_template=template)
     tokens = sum(len(e.input_ids) for e in data.examples)

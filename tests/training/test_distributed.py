@@ -120,3 +120,27 @@ def assert_two_processes_match(root, model_yaml: str, cfg: TrainConfig, strategy
     saved, _ = load_checkpoint(latest_checkpoint(out))
     assert all(torch.equal(saved[k], ranks[0][k]) for k in ranks[0])
     return ranks
+
+
+def test_an_optimizer_state_loads_without_a_parameter_that_never_stepped_and_is_frozen_now():
+    """A checkpoint's optimizer held a parameter that never got a gradient (so no state: a reward model's LM head
+    before it was frozen); an optimizer without it reads the checkpoint, the others' state intact. One that had
+    state is still refused."""
+    from archlab.training.distributed import DistInfo, full_optimizer_state, load_full_optimizer_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    old = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model[0](torch.randn(2, 3)).sum().backward()               # only the first layer gets gradients
+    old.step()
+    saved = full_optimizer_state(model, old, DistInfo())
+    assert set(saved["state"]) == {"0.weight", "0.bias"} and "1.weight" in saved["param_groups"][0]["params"]
+    model[1].requires_grad_(False)
+    new = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    load_full_optimizer_state(model, new, saved, DistInfo())
+    assert torch.equal(new.state[model[0].weight]["exp_avg"], old.state[model[0].weight]["exp_avg"])
+    model[1].requires_grad_(True)
+    model[0].requires_grad_(False)
+    other = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with pytest.raises(ValueError, match="parameter groups differ"):
+        load_full_optimizer_state(model, other, saved, DistInfo())

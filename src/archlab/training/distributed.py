@@ -237,8 +237,13 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
         return
     names = {id(p): n for n, p in raw.named_parameters()}
     live_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-    saved_names = [g["params"] for g in state["param_groups"]]
-    if live_names != saved_names:
+    # a parameter the optimizer held but never stepped (it got no gradient: a reward model's LM head, frozen since)
+    # has no state to lose: the checkpoint's groups are read without it
+    live = {n for group in live_names for n in group}
+    saved = [{**g, "params": [n for n in g["params"] if n in live or n in state["state"]]}
+             for g in state["param_groups"]]
+    state = {**state, "param_groups": saved}
+    if live_names != [g["params"] for g in saved]:
         raise ValueError("the optimizer's parameter groups differ from the checkpoint's "
                          "(was train.optimizer.no_decay or the model changed?)")
     name_to_index, i = {}, 0

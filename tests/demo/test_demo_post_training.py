@@ -107,8 +107,9 @@ def test_the_full_demo_meets_its_targets(tmp_path):
     share of answers in the preferred case to >= 90% without losing the task; GRPO raising greedy exact match of the
     lowercase answer and sampled pass@1 by >= 20 points each. This runs seed 4, the seed with the least margin: at
     200 SFT steps with a 20-step warmup it stayed at 3% right; at the recipe's 300 steps with a 60-step warmup its SFT
-    loss leaves the plateau last, near step 230 of 300 (seeds 0, 1, 3 and 5-7 by step 100-132, seed 2 by 200). Seeds
-    0-4 met every target on a 2-core AVX-512 Xeon, seeds 0-7 the SFT one (docs/benchmarks.md)."""
+    loss leaves the plateau last on both float paths, near step 210-225 of 300 (the other seeds by step 72-175). Seeds
+    0-4 met every target on a 2-core AVX-512 Xeon and seeds 0-7 on its AVX2 float path (emulated: ATen, MKL and
+    oneDNN held to AVX2 by environment variables; docs/benchmarks.md)."""
     result = pt.run_post_training_demo(tmp_path / "demo", seed=4, progress=False, log=lambda line: None)
     assert result.exact_base_plain >= 0.9          # the base can do the task in its pretraining format
     assert result.exact_base <= 0.05               # ... but not as a chat

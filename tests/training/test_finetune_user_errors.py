@@ -41,3 +41,22 @@ def test_messages_on_a_base_without_a_template_name_the_option_not_the_python_ca
     assert f"{data}:1: these lines are chat messages and {base} has no chat template" in err, err
     assert "--chat-template chatml" in err and "chat_template=" not in err and "archlab-finetune-" not in err, err
     assert not out.exists()
+
+
+def test_resume_with_another_method_is_refused_before_the_run_is_touched(make_base, tmp_path, capsys):
+    """DPO and reward read the same preference folder (as GRPO and PPO share prompts), so the data check passes:
+    the method is checked first, and the run's config.yaml is not rewritten as the other method's."""
+    base = make_base(tmp_path / "base")
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": f"{w} is", "chosen": " good", "rejected": " bad"}) + "\n"
+                             for w in ("cat", "dog", "bird", "fish", "tree", "rock", "star", "moon")))
+    out = tmp_path / "dpo"
+    assert main(finetune_argv(base, prefs, out, "--method", "dpo", "--set", "train.warmup_steps=0", budget=2)) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(finetune_argv(base, prefs, out, "--method", "reward", "--resume", "--set", "train.warmup_steps=0",
+                              budget=4)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"--resume: {out} was trained with --method dpo, this command asks for --method reward" in err, err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

@@ -87,6 +87,8 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
         check_output(out, inputs=[None if str(base).startswith("hf:") else base, data, val, chat_template],
                      in_place=True)             # never the base, the data or the template, nor a live writer's
         _refuse_not_empty(out, resume)
+    if resume:
+        _refuse_another_method(out, method)
     from archlab.runs.model_folder import refuse_quantized
     refuse_quantized(base, "finetune")           # int8 weights cannot train: before anything is written
     data_path = _checked_file(data, "--data", chosen.data_help, chosen)
@@ -116,6 +118,20 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
                 elif not had_data:
                     shutil.rmtree(out / "data", ignore_errors=True)
             raise
+
+
+def _refuse_another_method(out: Path, method: str) -> None:
+    """--resume of a run another method trained: refused before its config.yaml is rewritten (the weights it holds,
+    a value head or a score head, would not load into this method's model anyway)."""
+    from archlab.runs.model_folder import CONFIG_FILE, read_run_config
+
+    if not (out / CONFIG_FILE).is_file():
+        return
+    train = read_run_config(out).get("train")
+    was = train.get("method") if isinstance(train, dict) else None
+    if was is not None and was != method:
+        raise UserError(f"--resume: {out} was trained with --method {was}, this command asks for --method {method}: "
+                        f"resume with --method {was}, or fine-tune into a new --out")
 
 
 def _refuse_not_empty(out: Path, resume: bool, ignore: str = "") -> None:

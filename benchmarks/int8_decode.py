@@ -1,6 +1,8 @@
 """Decode speed of SmolLM2-135M with int8 weights: archlab fp32 vs archlab int8 (nn/int8, its decode kernel) vs
 transformers' fp32 `generate`, at batch 1 and 8, and the floor under them: the model's linear layers alone (its 211
-Linears, head included, one step's rows through each, F.linear on the same fp32 weights), timed in the same run.
+Linears, head included, one step's rows through each, F.linear on the same fp32 weights), timed in the same run; and
+archlab fp32 through its compiled decode step (`generate(..., compile=True)`, nn/compiled_step.py: compiled in the
+warm-up, its seconds printed; --no-compile leaves it out).
 
     .venv/bin/python benchmarks/int8_decode.py --run RUN --hf HF_DIR [--new 16] [--rounds 5] [--clock cpu]
 
@@ -57,6 +59,7 @@ def main() -> None:
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--text", default=None, help="text for the perplexity line (default: Hamlet)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="leave out the compiled step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = CLOCKS[args.clock]
@@ -89,8 +92,8 @@ def main() -> None:
                 for w in weights:
                     F.linear(rows[w.shape[1]], w)
 
-        def ours_gen(model, new, prompt=prompt):
-            return lambda: archlab.generate(model, prompt, max_new_tokens=new, temperature=0)
+        def ours_gen(model, new, prompt=prompt, compile=False):
+            return lambda: archlab.generate(model, prompt, max_new_tokens=new, temperature=0, compile=compile)
 
         def hf_gen(new, prompt=prompt):
             mask = torch.ones_like(prompt)
@@ -105,9 +108,18 @@ def main() -> None:
                "int8": ours_gen(int8, args.new + 1), "int8@1": ours_gen(int8, 1),
                "hf": hf_gen(args.new + 1), "hf@1": hf_gen(1), "floor": floor}
         same = torch.equal(fns["fp32"](), fns["hf"]())
+        stepped = ["fp32", "int8", "hf"]
+        if args.compile:
+            fns["compiled"], fns["compiled@1"] = ours_gen(ours, args.new + 1, compile=True), ours_gen(ours, 1)
+            t0 = time.perf_counter()
+            same_compiled = torch.equal(fns["compiled"](), fns["fp32"]())
+            seconds = ours.decode_plan().step.compile_seconds
+            print(f"batch {batch}: compiled step: first call {time.perf_counter() - t0:.1f} s wall (compiling "
+                  f"{seconds:.1f} s in all so far); greedy tokens equal to the eager step's: {same_compiled}",
+                  flush=True)
+            stepped.append("compiled")
         times = interleaved(fns, args.rounds, clock)
-        step = {name: [(a - b) / args.new for a, b in zip(times[name], times[name + "@1"])]
-                for name in ("fp32", "int8", "hf")}
+        step = {name: [(a - b) / args.new for a, b in zip(times[name], times[name + "@1"])] for name in stepped}
         step["floor"] = times["floor"]
         ms = {name: 1e3 * statistics.median(ts) for name, ts in step.items()}
 
@@ -121,6 +133,10 @@ def main() -> None:
               f"{ratio('fp32', 'int8'):.2f}x (target >= 2) | over transformers {ratio('hf', 'int8'):.2f}x "
               f"(target >= 2 at batch 1) | transformers / ours fp32 {ratio('hf', 'fp32'):.2f}x | fp32 greedy "
               f"tokens equal to transformers': {same}", flush=True)
+        if args.compile:
+            print(f"  compiled fp32 {ms['compiled']:.1f} ms a step: / floor {ratio('compiled', 'floor'):.3f} "
+                  f"(target <= 1.05) | eager / compiled {ratio('fp32', 'compiled'):.2f}x | transformers / compiled "
+                  f"{ratio('hf', 'compiled'):.2f}x", flush=True)
 
     if args.text:
         text = Path(args.text).read_text(errors="replace")

@@ -3,18 +3,18 @@
 
 Eager decoding of a small model is dominated by fixed costs, not by reading weights: ~40 aten calls and the
 module logic per layer, each small op starting cold (docs/benchmarks.md, "Where a step goes"). Compiled, the
-step's elementwise ops fuse (RMSNorm, RoPE, the residual adds, SwiGLU's product), the weights are frozen into
-the graph (inductor's `freezing`: constants, linears pre-packed for MKL/oneDNN) and the graph runs from a C++
-wrapper (`cpp_wrapper`), so a step is its matmuls, its attention and little else.
+step's elementwise ops fuse (RMSNorm, RoPE, the mask, the cache writes, the residual adds, SwiGLU's product) and
+the graph runs from a C++ wrapper (`cpp_wrapper`), so a step is its matmuls, its attention and little else.
 
 What is traced is `model(tokens, positions=..., cache=SlotWrites(...))`: the plain module path, the reference
 the eager decode is tested equal to, nothing rewritten. The KV cache is the generation's StaticKVCache (built
 without rolling buffers), whose whole buffers enter the graph as inputs and are written in place at a slot given
 as a tensor (nn/kv_cache.SlotWrites); the capacity dimension is marked dynamic, so neither the growing cache nor
 another call's prompt length recompiles. What does recompile: another batch size, dtype or device (one graph
-each, up to torch._dynamo's recompile limit, 8 per process, after which the step runs uncompiled, still
-correct), and weights changed since the compile (the frozen copy is stale: the plan notices at the next session
-and compiles again). Guards are checked on a session's first compiled step; its later steps skip them
+each, up to torch._dynamo's recompile limit, 8 per model, after which the step runs uncompiled, still
+correct), a long cache's first step over a view of its slots (`LONG`: one more graph), and weights replaced or
+changed in place since the compile (the plan notices at the next session and compiles again: a graph may hold
+what it derived from them). Guards are checked on a session's first compiled step; its later steps skip them
 (`skip_guard_eval_unsafe`): inside one generate call nothing they check may change, as for the DecodeSession.
 
 Compiling takes tens of seconds (docs/benchmarks.md), so it is an opt-in: `generate(..., compile=True)`,
@@ -37,13 +37,15 @@ from archlab.nn.kv_cache import SlotWrites, StaticKVCache
 
 __all__ = ["CompiledStep", "compiled_step", "compilable", "INDUCTOR_OPTIONS", "SPAN"]
 
-SPAN = 64   # a step attends over the cache's slots up to the next multiple of this past the tokens it holds
+SPAN = 64    # a step over a long cache attends over its slots up to the next multiple of this past the tokens held
+LONG = 1024  # a cache of at least this many slots is long
 
-# freezing: weights as constants (pre-packed linears, folded casts); cpp_wrapper: the graph's kernel calls from
-# C++ rather than Python. Measured on the 8.5M-parameter benchmark model at batch 1 (CPU time per step): plain
-# inductor 2.03 ms, freezing 2.13 ms, both 1.57 ms, both and guards skipped after a session's first step 1.54 ms
-# (eager 2.3 ms). Passed per compile, so no global inductor setting changes.
-INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+# cpp_wrapper: the graph's kernel calls from C++ rather than Python. Measured on the 8.5M-parameter benchmark model
+# (CPU time per step, shared machine): at batch 1 plain inductor 2.03 ms, with the C++ wrapper ~1.6 ms, guards
+# skipped after a session's first step ~0.1 ms less (the eager step 2.3-3.0 ms). Inductor's `freezing` (weights as
+# constants, pre-packed) gained nothing at batch 8 (A/B 1.016x, 7 interleaved rounds) and doubled the compile
+# time: not used. Passed per compile, so no global inductor setting changes.
+INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 
 
 def compilable(model: nn.Module) -> str | None:
@@ -58,9 +60,9 @@ def compilable(model: nn.Module) -> str | None:
 
 
 class CompiledStep:
-    """One model's compiled decode step (the module docstring), and the weights it froze: `stale()` says whether
-    any parameter or buffer was replaced or changed in place since. `compile_seconds`: the first call of each
-    new graph (batch size, dtype), summed."""
+    """One model's compiled decode step (the module docstring), and the weights it was traced with: `stale()`
+    says whether any parameter or buffer was replaced or changed in place since. `compile_seconds`: the first call
+    of each new graph (batch size, dtype), summed."""
 
     def __init__(self, model: nn.Module):
         self.sources = [t for t in (*model.parameters(), *model.buffers())]
@@ -74,7 +76,7 @@ class CompiledStep:
             return model(tokens, positions=positions, cache=SlotWrites(keys, values, pos, slot))[:, -1]
 
         # a code object of its own: torch.compile keeps its graphs (and its recompile limit) per code object, so a
-        # rebuilt step never finds the graphs that froze the old weights, nor another model's
+        # rebuilt step never finds the graphs traced with the old weights, nor another model's
         own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
                                  step.__closure__)
         self.eager = step
@@ -95,10 +97,12 @@ class CompiledStep:
             return None
         keys, values, pos = cache.slots()
         held = len(cache)
-        # the slots up to the next multiple of SPAN past this step's (views: written in place): attention reads
-        # what the cache holds rounded up, not its whole capacity (a chat's prefix cache spans the context)
-        span = min(pos.shape[1], -(-(held + tokens.shape[1]) // SPAN) * SPAN)
-        if span < pos.shape[1]:
+        # a long cache (a chat's prefix cache spans the context): the slots up to the next multiple of SPAN past
+        # this step's (views, written in place), so attention reads what the cache holds rounded up, not its whole
+        # capacity. Not for a short one: a view is not contiguous, and the graph then copies each layer's keys
+        # and values for attention (~40 copies a step on the benchmark model, 1.2x its step time)
+        span = -(-(held + tokens.shape[1]) // SPAN) * SPAN
+        if pos.shape[1] >= LONG and 2 * span <= pos.shape[1]:
             keys, values, pos = [k[:, :, :span] for k in keys], [v[:, :, :span] for v in values], pos[:, :span]
         slot = torch.tensor(held, device=pos.device)
         for t in (*keys, *values):

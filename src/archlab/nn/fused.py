@@ -22,7 +22,7 @@ the decode form of a model is one object, its `DecodePlan`, which the model buil
   small model's step). The modules still read `self.norm(x)` off the view or themselves: the plain path
   stays the reference the decode path is tested equal to, and no module or class is changed;
 - the compiled step, where a generation asks for one (`compile=True`): the plain forward of one token per row
-  traced by torch.compile with the weights frozen in (nn/compiled_step.py), rebuilt when the weights change.
+  traced by torch.compile (nn/compiled_step.py), rebuilt when the weights change.
 
 A `DecodeSession` is one decode loop's use of the plan (a generate call, a server's batch composition),
 handed to every forward of the loop (`model(tok, positions=p, cache=c, session=s)`, then `AttnInputs.session`,

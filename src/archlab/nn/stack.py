@@ -107,7 +107,8 @@ class TransformerStack(nn.Module):
                 positions = torch.arange(start, start + t, device=ids.device)[None]         # (1, t)
                 if cache is not None:
                     positions = positions.expand(b, t)                                     # (b, t)
-        if self.bounded and int(positions.max()) >= self.max_seq_len:
+        # (a compiled decode step skips this host sync: generation checked the context before its first step)
+        if self.bounded and not torch.compiler.is_compiling() and int(positions.max()) >= self.max_seq_len:
             raise ValueError(f"position {int(positions.max())} is past max_seq_len={self.max_seq_len}: "
                              "the position table has no row for it")
         padding = None if attention_mask is None else attention_mask.bool()

@@ -64,16 +64,24 @@ class CompiledStep:
     says whether any parameter or buffer was replaced or changed in place since. `compile_seconds`: the first call
     of each new graph (batch size, dtype), summed."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, plan: Any = None):
+        from archlab.nn.fused import DecodePlan, DecodeSession
+
+        # the step's own session over the plan (no direct views: compiled, module calls cost nothing): the packed
+        # weights (q/k/v as one matmul, gate/up as one, W transposed once) enter the graph as the eager decode
+        # path multiplies by them; its packs are filled by an eager step before the first compile
+        self.session = DecodeSession(plan if plan is not None else DecodePlan())
+        session = self.session
         self.sources = [t for t in (*model.parameters(), *model.buffers())]
         self.versions = list(map(_version, self.sources))
         self.compile_seconds = 0.0
         self.graphs: set[tuple] = set()
         self.failed: str | None = None
+        self.marked: torch.Tensor | None = None     # the positions buffer of the last buffers marked dynamic
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, keys: list[torch.Tensor],
                  values: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:    # (b, 1) -> (b, v)
-            return model(tokens, positions=positions, cache=SlotWrites(keys, values, pos, slot))[:, -1]
+            return model(tokens, positions=positions, cache=SlotWrites(keys, values, pos, slot), session=session)[:, -1]
 
         # a code object of its own: torch.compile keeps its graphs (and its recompile limit) per code object, so a
         # rebuilt step never finds the graphs traced with the old weights, nor another model's
@@ -105,9 +113,11 @@ class CompiledStep:
         if pos.shape[1] >= LONG and 2 * span <= pos.shape[1]:
             keys, values, pos = [k[:, :, :span] for k in keys], [v[:, :, :span] for v in values], pos[:, :span]
         slot = torch.tensor(held, device=pos.device)
-        for t in (*keys, *values):
-            torch._dynamo.maybe_mark_dynamic(t, 2)             # the capacity: one graph for every cache length
-        torch._dynamo.maybe_mark_dynamic(pos, 1)
+        if pos is not self.marked:                        # new buffers (a new cache, a view, beams reordered)
+            for t in (*keys, *values):
+                torch._dynamo.maybe_mark_dynamic(t, 2)         # the capacity: one graph for every cache length
+            torch._dynamo.maybe_mark_dynamic(pos, 1)
+            self.marked = pos
         tokens, positions = tokens.contiguous(), positions.contiguous()    # beams hand on views (index_select)
         args = (tokens, positions, slot, keys, values, pos)
         key = (tokens.shape[0], keys[0].dtype, keys[0].device)
@@ -115,6 +125,8 @@ class CompiledStep:
         if logits is None:                                   # guards checked; a new graph compiles here
             t0 = time.perf_counter()
             try:
+                if key not in self.graphs:     # the session's packs filled eagerly (it writes what the graph writes)
+                    self.eager(*args)
                 logits = self.compiled(*args)
             except Exception as exc:   # noqa: BLE001  (a compiler error of any kind: decode eagerly)
                 self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -154,5 +166,5 @@ def compiled_step(plan: Any, model: nn.Module) -> CompiledStep | None:
         return None
     step = plan.step
     if step is None or step.stale(model):
-        step = plan.step = CompiledStep(model)
+        step = plan.step = CompiledStep(model, plan)
     return step

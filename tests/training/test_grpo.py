@@ -170,7 +170,7 @@ def test_grpo_teaches_a_small_model_to_repeat_a_letter(tmp_path):
     """A verifiable task from nothing: a tiny decoder pretrained on lines `km` of letters a-d, m drawn at random
     (nothing links it to k), follows a letter with one of the four, right 1 time in 4 when the task is to repeat k;
     GRPO with the exact_match reward (the answer is the prompt's letter) teaches it to repeat k on most samples
-    (from 1 in 4 to 3 in 4 in 60 steps, ~20 s on a shared 2-core CPU)."""
+    (from 1 in 4 to nearly always in 90 steps, ~25 s on a shared 2-core CPU)."""
     from test_checkpoint import tiny_model
 
     from archlab.tokenizer import train as train_tokenizer
@@ -194,13 +194,15 @@ def test_grpo_teaches_a_small_model_to_repeat_a_letter(tmp_path):
     out = tmp_path / "grpo"
     assert main(["finetune", str(tmp_path / "base"), "--method", "grpo", "--data", str(tmp_path / "prompts.jsonl"),
                  "--out", str(out), "--reward", "exact_match", "--no-progress", "--set", "train.batch_size=64",
-                 "--set", "train.budget=60", "--set", "train.lr=1e-2", "--set", "train.warmup_steps=0",
+                 "--set", "train.budget=90", "--set", "train.lr=1e-2", "--set", "train.warmup_steps=0",
                  "--set", "train.log_every=1", "--set", "train.eval_every=0", "--set", "train.sample_every=-1",
                  "--set", "train.memory_check=false", "--set", "train.grpo.max_completion_length=1"]) == 0
     rewards = [r["reward"] for r in _rows(out)]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     print(f"reward: first 3 steps {first:.3f}, last 5 steps {last:.3f}")
-    assert first < 0.45 and last > 0.6          # measured: 0.16 -> 0.75 (a 2-core Xeon, 60 steps)
+    # measured (a 2-core Xeon): 0.25 -> 1.00; with train.seed 1 and 4, 0.10 -> 0.66 and 0.19 -> 1.00 (at 60 steps
+    # seed 1 reached 0.49 only: 90 leave room for another CPU's float path)
+    assert first < 0.45 and last > 0.6
 
 
 @pytest.mark.slow

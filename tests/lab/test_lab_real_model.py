@@ -110,6 +110,22 @@ def test_a_run_folder_is_used_as_it_is(tiny_gguf, tmp_path):
     assert all(r.status == "done" for r in rows) and not (tmp_path / "sweep" / "models").exists()
 
 
+def test_the_quantization_suite_refuses_a_run_already_int8(tiny_gguf, tmp_path, capsys):
+    """Its int8 layers are not the nn.Linear the schemes replace: every scheme would score the same model and
+    the verdicts would judge nothing."""
+    from archlab.interop.convert import convert_from_gguf
+
+    run = convert_from_gguf(tiny_gguf, tmp_path / "run")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["quantize", str(run), "--weights", "int8", "--out", str(tmp_path / "int8"), "--text",
+                     str(tiny_gguf.with_name("hf") / "tokenizer.json"), "--seq-len", "32", "--max-tokens", "64"]) == 0
+    capsys.readouterr()
+    assert main(["ablate", "quantization", "--model", str(tmp_path / "int8"), "--out", str(tmp_path / "sweep")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "int8 weights" in err and "ablate quantization --model needs a float run" in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "sweep").exists()
+
+
 @pytest.mark.parametrize("model, message", [
     ("no-such-model", "no packaged model of that name"),
     ("{bad}", "not a GGUF file"),

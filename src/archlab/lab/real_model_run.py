@@ -79,8 +79,10 @@ def resolve_model(suite: Suite, model: str | None = None) -> tuple[Path, Path | 
     if path.is_dir():
         if not (path / "config.yaml").is_file():
             raise UserError(f"--model {spec}: a folder but not a run folder (no config.yaml)")
-        if (suite.real_model or {}).get("measure") == "quantization":   # its int8 layers are no nn.Linear: every
-            from archlab.runs.model_folder import refuse_quantized    # scheme would score the same model
+        if (suite.real_model or {}).get("measure") == "quantization":
+            from archlab.runs.model_folder import refuse_quantized
+
+            # its int8 layers are no nn.Linear: every scheme would score the same model
             refuse_quantized(path, f"ablate {suite.name} --model")
         return path.resolve(), None
     if not path.exists():

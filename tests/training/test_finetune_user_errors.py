@@ -60,3 +60,11 @@ def test_resume_with_another_method_is_refused_before_the_run_is_touched(make_ba
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"--resume: {out} was trained with --method dpo, this command asks for --method reward" in err, err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_missing_base_is_named_as_the_base_not_as_init_from(chat_world, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(finetune_argv(tmp_path / "no-base", chat_world["data"], out)) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"BASE {tmp_path / 'no-base'}: no such folder" in err and "--init-from" not in err, err
+    assert not out.exists()

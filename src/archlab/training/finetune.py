@@ -87,6 +87,8 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
         check_output(out, inputs=[None if str(base).startswith("hf:") else base, data, val, chat_template],
                      in_place=True)             # never the base, the data or the template, nor a live writer's
         _refuse_not_empty(out, resume)
+    if not str(base).startswith("hf:") and not Path(base).is_dir():    # else named as --init-from further on
+        raise UserError(f"BASE {base}: no such folder (a run folder, an HF folder or an hf:ORG/NAME id)")
     if resume:
         _refuse_another_method(out, method)
     from archlab.runs.model_folder import refuse_quantized

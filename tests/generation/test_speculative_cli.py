@@ -56,6 +56,7 @@ def test_draft_prints_plain_greedy_text_and_its_figures(runs, capsys, draft):
     (["--draft-tokens", "3"], "needs --draft"),
     (["--draft", "prompt-lookup", "--draft-tokens", "96"], "longer than the model's context"),
     (["--draft", "OTHER"], "tokenizer differs"),
+    (["--draft", "no-such-run"], "--draft no-such-run is neither a run folder"),      # named as the draft
     (["--draft", "prompt-lookup", "--sink-window", "16"], "StreamingLLM"),
 ])
 def test_bad_draft_arguments_are_one_line_exit_2(runs, capsys, extra, message):

@@ -223,7 +223,12 @@ def build_draft(args, model, tok):
                 raise UserError(f"--draft-data {args.draft_data} holds token ids past the model's vocabulary "
                                 f"({model.config.vocab_size}): it was prepared with another tokenizer")
         return NgramDraft(order=order, data=data)
-    draft, draft_tok = load_model_and_tokenizer(args.draft, args.device, purpose="drafting")
+    try:
+        draft, draft_tok = load_model_and_tokenizer(args.draft, args.device, purpose="drafting")
+    except UserError as exc:                  # named as the draft, not as if it were the model to generate with
+        text = str(exc)
+        raise UserError(f"--draft {text}" if text.startswith(str(args.draft)) else f"--draft {args.draft}: {text}") \
+            from None
     if not same_vocabulary(tok, draft_tok):
         raise UserError(f"--draft {args.draft}: its tokenizer differs from {args.path}'s (a draft must propose the "
                         "target's token ids)")

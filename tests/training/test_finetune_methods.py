@@ -197,6 +197,12 @@ def test_score_refuses_a_run_without_a_score_head(world, capsys):
     assert "is not a reward run" in capsys.readouterr().err
 
 
+def test_score_names_a_folder_given_as_data_as_a_folder(reward_run, capsys):
+    run, data = reward_run
+    assert main(["score", str(run), "--data", str(data.parent)]) == 2
+    assert f"{data.parent}: a folder, not a file (preference data is a .jsonl file)" in capsys.readouterr().err
+
+
 def open_first_pair(run):
     from archlab.data.preference_folder import open_preference_folder
 

@@ -226,7 +226,8 @@ def load_preference_data(path: str | os.PathLike, tokenizer: str | os.PathLike, 
     path, tokenizer = Path(path), Path(tokenizer)
     check_truncation(truncation, setting)
     if not path.is_file():
-        raise UserError(f"{path}: no such file (preference data is a .jsonl file)")
+        what = "a folder, not a file" if path.is_dir() else "no such file"
+        raise UserError(f"{path}: {what} (preference data is a .jsonl file)")
     chat = ChatTokenizer.of(tokenizer)
     template: str | None = None
     form: tuple[int, bool] | None = None            # (the first line, whether it is unpaired): one form per file

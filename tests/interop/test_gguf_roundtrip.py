@@ -144,6 +144,18 @@ def test_config_llama_cpp_cannot_express_is_refused(tmp_path, capsys):
     assert not list(tmp_path.glob("*.gguf*")) and not list(tmp_path.glob(".m.gguf*"))
 
 
+def test_an_out_ending_in_a_slash_is_refused_not_written_as_a_file_of_that_name(tmp_path, capsys):
+    from archlab.interop.convert import _write_converted_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    _write_converted_run(run, archlab.TransformerLM(archlab.presets.tiny("llama3-8b")), {"test": True})
+    assert main(["convert", "--to-gguf", str(run), "--out", f"{tmp_path / 'exported'}/", "--no-check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "names a folder; --to-gguf writes one .gguf file" in err, err
+    assert not (tmp_path / "exported").exists()
+
+
 def test_sampling_defaults_travel_and_a_file_without_tokenizer_converts(tmp_path, capsys):
     """generation_config.json's sampling (do_sample, temperature, top_k, top_p) -> llama.cpp's general.sampling.*
     -> the converted run's generation_config.json; a file without a tokenizer gives a run without tokenizer/."""

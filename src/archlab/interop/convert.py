@@ -11,6 +11,7 @@ reads: natively, or through the `tokenizers` library; otherwise put aside in tok
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -129,6 +130,9 @@ def convert_to_gguf(run_dir: str | Path, out_file: str | Path, qtype: str = "f16
     from archlab.runs.model_folder import load_run, refuse_quantized
     from archlab.runs.outputs import check_output
 
+    if str(out_file).endswith(("/", os.sep)):        # Path() drops the slash: the folder's name would become a file
+        raise UserError(f"--out {out_file} names a folder; --to-gguf writes one .gguf file (e.g. "
+                        f"{Path(out_file) / 'model.gguf'})")
     run_dir, out_file = Path(run_dir), Path(out_file)
     check_output(out_file, inputs=[run_dir], overwrite=overwrite)
     refuse_quantized(run_dir, "convert --to-gguf")     # its int8 layers have no float weight to write

@@ -334,3 +334,14 @@ def test_a_render_worker_ends_when_its_parent_is_killed_mid_render(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_the_syntax_check_parses_and_renders_nothing():
+    """A template that would loop for ever parses: the check blames only syntax, so a looping template is still
+    blamed where it runs, on the data line that ran it (rendering it here stalled for the whole time limit)."""
+    from archlab.tokenizer.chat_render import ChatTemplateSyntaxError, RenderLimits, check_template_syntax
+
+    looping = "{% for i in range(10**12) %}{{ i }}{% endfor %}"
+    check_template_syntax(looping, RenderLimits(seconds=2))
+    with pytest.raises(ChatTemplateSyntaxError, match="line 2"):
+        check_template_syntax("{% for m in messages %}\n{{ m.content }\n{% endfor %}")

@@ -165,11 +165,13 @@ def _ask(request: str, limits: RenderLimits) -> dict:
 @dataclass(frozen=True)
 class RenderJob:
     """One render: `messages` through `template`; `variables` (bos_token, ..., add_generation_prompt, tools,
-    documents, anything the template reads) reach it as they are; `track` records {% generation %} spans."""
+    documents, anything the template reads) reach it as they are; `track` records {% generation %} spans;
+    `parse_only` compiles the template and renders nothing (a syntax check that no template's loop can stall)."""
     template: str
     messages: list
     variables: dict = field(default_factory=dict)
     track: bool = False
+    parse_only: bool = False
 
 
 def render_many(jobs: list[RenderJob], limits: RenderLimits | None = None) -> list[Rendered | ChatTemplateError]:
@@ -181,7 +183,8 @@ def render_many(jobs: list[RenderJob], limits: RenderLimits | None = None) -> li
         request = json.dumps({"jobs": [{"source": j.template, "variables": {"tools": None, "documents": None,
                                                                              "add_generation_prompt": False,
                                                                              **j.variables, "messages": j.messages},
-                                        "track": j.track} for j in jobs], "max_chars": limits.chars})
+                                        "track": j.track, "parse_only": j.parse_only} for j in jobs],
+                              "max_chars": limits.chars})
     except (TypeError, ValueError) as exc:
         raise ChatTemplateError(f"chat messages must be JSON data (strings, numbers, lists, objects): {exc}") from None
     results = _ask(request, limits)["results"]
@@ -200,7 +203,7 @@ def check_template_syntax(template: str, limits: RenderLimits | None = None) -> 
     """Raise ChatTemplateSyntaxError when `template` does not parse as Jinja (compiled in the sandbox: nothing of
     it runs), so a broken template is blamed on itself before any data is read.
     Example: check_template_syntax("{{ messages }") raises ChatTemplateSyntaxError (line 1: unexpected '}')"""
-    (result,) = render_many([RenderJob(template, [], {})], limits)
+    (result,) = render_many([RenderJob(template, [], {}, parse_only=True)], limits)
     if isinstance(result, ChatTemplateSyntaxError):
         raise result
 

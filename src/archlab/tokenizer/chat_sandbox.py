@@ -14,7 +14,8 @@ limit and kills the worker when it passes.
 This file imports only the standard library and jinja2: it runs as a script (`python -I chat_sandbox.py
 MEMORY_MB [PATH...]`, the paths where jinja2 and markupsafe live), without importing archlab or torch, and
 speaks one JSON object per line on stdin/stdout:
-    request  {"jobs": [{"source": str, "variables": {...}, "track": bool}, ...], "max_chars": int}
+    request  {"jobs": [{"source": str, "variables": {...}, "track": bool, "parse_only": bool}, ...],
+              "max_chars": int}  (parse_only: compile the template, render nothing)
     reply    {"results": [{"text": str, "spans": [[start, end], ...]}  or  {"error": str}, ...]}
              (a template that does not parse adds "syntax_line": its line number to the error)
 Several renders travel in one request (a conversation and its prefixes, a chunk of training data), so the
@@ -185,6 +186,9 @@ def _limit_memory(megabytes: int) -> None:
 
 def _result(job: dict, max_chars: int) -> dict:
     try:
+        if job.get("parse_only"):
+            _compiled(job["source"])
+            return {"text": "", "spans": []}
         text, spans = render(job["source"], job["variables"], track=job["track"], max_chars=max_chars)
         return {"text": text, "spans": spans}
     except MemoryError:

@@ -68,3 +68,15 @@ def test_a_missing_base_is_named_as_the_base_not_as_init_from(chat_world, tmp_pa
     err = capsys.readouterr().err.strip()
     assert f"BASE {tmp_path / 'no-base'}: no such folder" in err and "--init-from" not in err, err
     assert not out.exists()
+
+
+def test_a_resume_already_at_its_budget_says_so_instead_of_0_tokens_per_second(chat_world, make_base, tmp_path,
+                                                                                capsys):
+    base, out = make_base(tmp_path / "base"), tmp_path / "sft"
+    assert main(finetune_argv(base, chat_world["data"], out, "--set", "train.warmup_steps=0", budget=2)) == 0
+    capsys.readouterr()
+    assert main(finetune_argv(base, chat_world["data"], out, "--resume", "--set", "train.warmup_steps=0",
+                              budget=2)) == 0
+    done = capsys.readouterr().out.strip().splitlines()[-1]
+    assert done.startswith("done: 2 steps") and "no step left to train (its budget of 2 steps reached)" in done, done
+    assert "0 tokens/s" not in done

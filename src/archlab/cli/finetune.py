@@ -125,8 +125,10 @@ def run_finetune(args) -> int:
         return 3
     except FileExistsError as exc:
         raise UserError(str(exc)) from exc
-    val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
-    print(f"done: {result.steps} steps, {result.tokens_seen:,} real tokens, val loss {val} (on the scored tokens), "
-          f"{result.tokens_per_s:,.0f} tokens/s, peak memory {human_bytes(result.peak_memory_bytes)}; "
+    val = f"{result.final_val_loss:.4f} (on the scored tokens)" if result.final_val_loss is not None else "n/a"
+    rate = (f"{result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s > 0     # a resume already at its budget
+            else f"no step left to train (its budget of {train_cfg.budget:g} {train_cfg.budget_unit} reached)")
+    print(f"done: {result.steps} steps, {result.tokens_seen:,} real tokens, val loss {val}, "
+          f"{rate}, peak memory {human_bytes(result.peak_memory_bytes)}; "
           f"run folder {result.run_dir} (started from {args.base})")
     return 0

@@ -662,7 +662,8 @@ CASES = [
     # ---- diagnose, inspect, check, demo ---------------------------------------------------------
     ("diagnose out exists", ["diagnose", "{run}", "--text", "{prompt}", "--out", "{corpus}"], "pass --overwrite"),
     ("diagnose missing model", ["diagnose", "{tmp}/nomodel", "--text", "{prompt}"], "nomodel"),
-    ("diagnose missing text", ["diagnose", "{run}", "--text", "{tmp}/notext"], "notext"),
+    ("diagnose missing text", ["diagnose", "{run}", "--text", "{tmp}/notext"], "notext: no such file"),
+    ("diagnose text a folder", ["diagnose", "{run}", "--text", "{tmp}"], "a folder, not a file"),
     ("diagnose short text", ["diagnose", "{run}", "--text", "{bad}", "--out", "{new}"], "need at least 2",
      write("bad.txt", "x")),
     ("diagnose zero tokens", ["diagnose", "{run}", "--text", "{prompt}", "--max-tokens", "0"], "--max-tokens 0"),

@@ -54,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:      # the default, MODEL/diagnostics, is the model's own and is rewritten (inside the model is fine)
         from archlab.runs.outputs import check_output
         check_output(args.out, inputs=[args.text], overwrite=args.overwrite)
+    if not Path(args.text).is_file():
+        raise UserError(f"--text {args.text}: {'a folder, not a file' if Path(args.text).is_dir() else 'no such file'}")
     text = Path(args.text).read_bytes().decode("utf-8", errors="replace")
     model, tokenizer = diagnostics.load_model_and_tokenizer(args.model)
     limit = min(args.max_tokens, model.config.max_seq_len)

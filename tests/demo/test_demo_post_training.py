@@ -109,7 +109,7 @@ def test_the_full_demo_meets_its_targets(tmp_path):
     200 SFT steps with a 20-step warmup it stayed at 3% right; at the recipe's 300 steps with a 60-step warmup its SFT
     loss leaves the plateau last on both float paths, near step 210-225 of 300 (the other seeds by step 72-175). Seeds
     0-4 met every target on a 2-core AVX-512 Xeon and seeds 0-7 on its AVX2 float path (emulated: ATen, MKL and
-    oneDNN held to AVX2 by environment variables; docs/benchmarks.md)."""
+    oneDNN held to AVX2 by environment variables), seed 4 there with one and with two threads (docs/benchmarks.md)."""
     result = pt.run_post_training_demo(tmp_path / "demo", seed=4, progress=False, log=lambda line: None)
     assert result.exact_base_plain >= 0.9          # the base can do the task in its pretraining format
     assert result.exact_base <= 0.05               # ... but not as a chat

@@ -65,3 +65,18 @@ def test_bad_draft_arguments_are_one_line_exit_2(runs, capsys, extra, message):
     assert main(["generate", str(target), "--prompt", "ab", "--max-new-tokens", "4", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_draft_data_prepared_with_another_tokenizer_is_refused(runs, tmp_path, capsys):
+    """Ids below the vocabulary size pass the range check, but another tokenizer's ids stand for other tokens."""
+    target, _, other = runs
+    (tmp_path / "corpus.txt").write_text(PROMPT * 20)
+    for name, tok in (("own", target), ("theirs", other)):
+        assert main(["data", "prepare", "--corpus", str(tmp_path / "corpus.txt"), "--tokenizer",
+                     str(tok / "tokenizer"), "--out", str(tmp_path / name), "--workers", "0", "--quiet"]) == 0
+    base = ["generate", str(target), "--prompt", PROMPT, "--max-new-tokens", "4", "--draft", "ngram"]
+    assert main([*base, "--draft-data", str(tmp_path / "own")]) == 0
+    capsys.readouterr()
+    assert main([*base, "--draft-data", str(tmp_path / "theirs")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "was prepared with another tokenizer" in err and len(err.splitlines()) == 1, err

@@ -218,7 +218,12 @@ def build_draft(args, model, tok):
         data = None
         if args.draft_data is not None:
             from archlab.data.tokens import TokenDataset
+            from archlab.runs.model_folder import load_run_tokenizer
             data = np.asarray(TokenDataset(args.draft_data, "train").tokens, dtype=np.int64)
+            data_tok = load_run_tokenizer(args.draft_data)              # DIR/tokenizer, as archlab data prepare
+            if tok is not None and data_tok is not None and not same_vocabulary(tok, data_tok):   # writes it
+                raise UserError(f"--draft-data {args.draft_data} was prepared with another tokenizer than "
+                                f"{args.path}'s: its ids would stand for other tokens")
             if data.size and int(data.max()) >= model.config.vocab_size:
                 raise UserError(f"--draft-data {args.draft_data} holds token ids past the model's vocabulary "
                                 f"({model.config.vocab_size}): it was prepared with another tokenizer")

@@ -155,3 +155,12 @@ def test_quantize_refuses_an_existing_out_before_loading(tmp_path):
                 str(FIXTURE / "config.yaml"))
     assert proc.returncode == 2 and (tmp_path / "taken" / "keep.txt").read_text() == "mine"
     shutil.rmtree(tmp_path / "taken")
+
+
+def test_quantize_refuses_an_out_that_is_its_text_even_with_overwrite(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 10)
+    proc = _cli("quantize", str(FIXTURE), "--weights", "int8", "--out", str(text), "--text", str(text),
+                "--overwrite")
+    assert proc.returncode == 2 and "is the input" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert text.read_text().startswith("the quick brown fox")

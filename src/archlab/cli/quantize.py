@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     refuse_quantized(source, "quantize")
     if args.text and not Path(args.text).is_file():
         raise UserError(f"--text {args.text}: no such file")
-    check_output(args.out, inputs=[source], overwrite=args.overwrite)       # before the (long) load
+    check_output(args.out, inputs=[source, args.text], overwrite=args.overwrite)       # before the (long) load
     run_cfg = read_run_config(source)
     model, tokenizer = load_run(source)
     if model.config.arch != "decoder":

@@ -80,3 +80,17 @@ def test_a_resume_already_at_its_budget_says_so_instead_of_0_tokens_per_second(c
     done = capsys.readouterr().out.strip().splitlines()[-1]
     assert done.startswith("done: 2 steps") and "no step left to train (its budget of 2 steps reached)" in done, done
     assert "0 tokens/s" not in done
+
+
+def test_val_that_is_the_data_file_is_refused_before_anything_is_written(chat_world, make_base, tmp_path, capsys,
+                                                                         monkeypatch):
+    """The same file spelled another way (relative, through ..) is still the training file: resolved paths compared."""
+    base = make_base(tmp_path / "base")
+    data = chat_world["data"]
+    monkeypatch.chdir(data.parent)
+    out = tmp_path / "sft"
+    assert main(finetune_argv(base, data, out, "--val", f"../{data.parent.name}/{data.name}")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "the same file as --data" in err, err
+    assert not out.exists()

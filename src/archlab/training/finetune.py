@@ -95,6 +95,9 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
     refuse_quantized(base, "finetune")           # int8 weights cannot train: before anything is written
     data_path = _checked_file(data, "--data", chosen.data_help, chosen)
     val_path = _checked_file(val, "--val", chosen.data_help, chosen) if val is not None else None
+    if val_path is not None and val_path.resolve() == data_path.resolve():   # the held-out score would be training's
+        raise UserError(f"--val {val}: the same file as --data {data}: the held-out score would measure training "
+                        "lines; pass another file, or leave --val out to hold out --val-fraction of --data")
     train_cfg, val_fraction = chosen.fit_settings(dataclasses.replace(train_cfg, method=method), val_path,
                                                   val_fraction)
     _check_settings(train_cfg, val_fraction)

@@ -82,3 +82,24 @@ def test_the_train_config_has_at_most_30_direct_fields_and_reads_the_earlier_nam
     assert dataclasses.replace(cfg, warmup_steps=9).schedule == dataclasses.replace(cfg.schedule, warmup_steps=9)
     assert TrainConfig().with_overrides({"train.schedule": "constant", "train.grad_clip": "none"}).schedule.kind \
         == "constant"
+
+
+@pytest.mark.parametrize("setting, named", [
+    ("train.dpo.loss=xyz", "train.dpo.loss='xyz' is not one of"),
+    ("train.grpo.num_generations=x", "train.grpo.num_generations='x'"),
+    ("train.lora.r=x", "train.lora.r='x'"),
+    ("train.lora.rank=2", "unknown train config key 'train.lora.rank'"),
+    ("train.schedule.kind=xyz", "train.schedule.kind='xyz' is not one of"),
+    ("train.dpo.nokey=1", "unknown train config key 'train.dpo.nokey'"),
+    ("train.lr=abc", "train.lr='abc'"),
+])
+def test_a_bad_set_is_named_as_the_user_typed_it(setting, named, tmp_path, capsys):
+    """--set train.X reaches the config without its prefix: the error still says train.X, nothing is written."""
+    from archlab.cli import main
+
+    out = tmp_path / "run"
+    assert main(["finetune", str(tmp_path / "base"), "--data", str(tmp_path / "d.jsonl"), "--out", str(out),
+                 "--set", setting]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err, err
+    assert not out.exists()

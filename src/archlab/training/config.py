@@ -476,8 +476,9 @@ class TrainConfig:
         data = self.to_dict()
         hints = get_type_hints(TrainConfig)
         lora_started = False
-        for key, value in overrides.items():
-            name, value = current_key(key, value)
+        for given, value in overrides.items():
+            key = _as_typed(given)
+            name, value = current_key(given, value)
             head, _, rest = name.partition(".")
             if head not in hints:
                 raise ConfigError(f"unknown train config key {key!r}")
@@ -494,6 +495,13 @@ class TrainConfig:
         if lora_started and isinstance(data["lora"], dict) and "r" not in data["lora"]:
             raise ConfigError(f"train.lora.{next(iter(data['lora']))} needs train.lora.r (LoRA is off)")
         return TrainConfig.from_dict(data)
+
+
+def _as_typed(key: str) -> str:
+    """The key as the user typed it on the command line, for errors: `--set train.dpo.loss=...` reaches here as
+    "dpo.loss" (cli/sets drops the prefix), and `dist.strategy` is its own spelling.
+    Example: _as_typed("dpo.loss") -> "train.dpo.loss\""""
+    return key if key.startswith(("train.", "dist.")) else f"train.{key}"
 
 
 def _override_section(head: str, current: Any, field: str, value: Any, key: str) -> tuple[Any, bool]:

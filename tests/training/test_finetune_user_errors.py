@@ -94,3 +94,21 @@ def test_val_that_is_the_data_file_is_refused_before_anything_is_written(chat_wo
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "the same file as --data" in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("method, setting, section", [
+    ("sft", "train.dpo.beta=0.2", "dpo"),
+    ("sft", "train.grpo.num_generations=4", "grpo"),
+    ("dpo", "train.sft.packing=false", "sft"),
+    ("ppo", "train.grpo.beta=0.1", "grpo"),
+    ("reward", "train.dpo_beta=0.3", "dpo"),        # an earlier flat spelling of train.dpo.beta
+])
+def test_another_methods_section_is_refused_naming_the_method_that_reads_it(method, setting, section, tmp_path,
+                                                                             capsys):
+    out = tmp_path / "run"
+    assert main(["finetune", str(tmp_path / "base"), "--method", method, "--data", str(tmp_path / "d.jsonl"),
+                 "--out", str(out), "--set", setting]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"--set {setting}: train.{section} is read by --method {section}, not --method {method}" in err, err
+    assert not out.exists()

@@ -96,6 +96,7 @@ def _lora_sets(args) -> list[str]:
 def run_finetune(args) -> int:
     from archlab.cli.sets import parse_sets
     from archlab.errors import UserError
+    from archlab.training.config import refuse_other_methods_sections
     from archlab.training.finetune import finetune
     from archlab.training.trainer import Diverged, TrainConfig
     from archlab.units import human_bytes
@@ -108,6 +109,7 @@ def run_finetune(args) -> int:
         raise UserError(f"--method ppo takes one --reward, got {len(args.reward)}: {', '.join(args.reward)}")
     rewards = [f"{REWARD_SETTINGS[args.method]}={','.join(args.reward)}"] if args.reward else []
     model_over, train_over = parse_sets(args.set + _lora_sets(args) + rewards)
+    refuse_other_methods_sections(train_over, args.method)
     train_cfg = TrainConfig().with_overrides(train_over) if train_over else TrainConfig()
     if "seq_len" not in train_over:               # not given: rows no longer than the base's context
         from archlab.training.init_from import source_context

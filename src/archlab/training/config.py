@@ -497,6 +497,22 @@ class TrainConfig:
         return TrainConfig.from_dict(data)
 
 
+METHOD_SECTIONS = ("sft", "dpo", "reward", "grpo", "ppo")   # each read only by the method of its name
+
+
+def refuse_other_methods_sections(overrides: dict[str, Any], method: str) -> None:
+    """A setting typed for another method's section (train.dpo.beta under --method sft) would be accepted and do
+    nothing: refused naming the section and the method that reads it. The defaults of every section stay in
+    config.yaml; only what the user set is checked.
+    Example: refuse_other_methods_sections({"dpo.beta": "0.2"}, "sft") raises ConfigError"""
+    for key, value in overrides.items():
+        name, _ = current_key(key, value)
+        head = name.partition(".")[0]
+        if head in METHOD_SECTIONS and head != method:
+            raise ConfigError(f"--set {_as_typed(key)}={value}: train.{head} is read by --method {head}, "
+                              f"not --method {method}: drop it or pass --method {head}")
+
+
 def _as_typed(key: str) -> str:
     """The key as the user typed it on the command line, for errors: `--set train.dpo.loss=...` reaches here as
     "dpo.loss" (cli/sets drops the prefix), and `dist.strategy` is its own spelling.

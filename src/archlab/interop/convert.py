@@ -139,6 +139,7 @@ def convert_to_gguf(run_dir: str | Path, out_file: str | Path, qtype: str = "f16
     if out_file.is_dir():
         raise UserError(f"{out_file} is a folder; --to-gguf writes one .gguf file")
     model, tokenizer = load_run(run_dir)
+    refuse_score_head(model, run_dir, "GGUF")
     drop_value_head(model)
     tok_dir = run_dir / "tokenizer"
     generation_file = run_dir / GENERATION_FILE
@@ -156,6 +157,19 @@ def _tokenizer_problem(folder: Path) -> str | None:
     except Exception as exc:  # any failure means a run folder could not load it
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def refuse_score_head(model: torch.nn.Module, run_dir: Path, target: str) -> None:
+    """A reward run's score head (nn/heads.SCORE_HEAD) is what the run learnt: an export without it would keep the
+    backbone and silently lose the reward, so it is refused (--to-hf and --to-gguf alike) before anything is written.
+    A PPO policy's value head is training state and is dropped (drop_value_head).
+    Example: refuse_score_head(model, Path("runs/rm"), "GGUF") raises UserError for a reward run"""
+    from archlab.errors import UserError
+    from archlab.nn.heads import SCORE_HEAD
+
+    if hasattr(model, SCORE_HEAD):
+        raise UserError(f"{run_dir} is a reward model (its score head, {SCORE_HEAD}.weight, is what it learnt): "
+                        f"{target} has no place for a reward head; score with `archlab score {run_dir} ...`")
 
 
 def drop_value_head(model: torch.nn.Module) -> None:
@@ -181,6 +195,7 @@ def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None =
     refuse_quantized(run_dir, "convert --to-hf")
     check_output(out_dir, inputs=[run_dir], overwrite=overwrite)
     model, _ = load_run(run_dir)
+    refuse_score_head(model, run_dir, "an HF causal-LM folder")
     drop_value_head(model)
     with fresh_output(out_dir, overwrite=overwrite, inputs=[run_dir]) as tmp:
         fam = save_hf(model, tmp, family=family)

@@ -37,6 +37,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _val_folder(args, run_cfg: dict) -> str:
+    """The run's data folder, whose validation split is scored when --text is not given: checked before the model
+    loads (seconds on a large run), so a run without one is refused at once."""
+    from pathlib import Path
+
+    from archlab.errors import UserError
+
+    data_dir = (run_cfg.get("data") or {}).get("dir")
+    if not data_dir or not Path(data_dir).is_dir():
+        raise UserError(f"{args.run} names no data folder with a validation split: pass --text FILE")
+    return str(data_dir)
+
+
 def _tokens(args, run_cfg: dict, tokenizer, limit: int):
     """The ids to score: --text encoded with the run's tokenizer, else the run's validation split."""
     from pathlib import Path
@@ -53,9 +66,7 @@ def _tokens(args, run_cfg: dict, tokenizer, limit: int):
         ids = list(enc.ids) if hasattr(enc, "ids") else list(enc)
         what = f"--text {args.text}"
     else:
-        data_dir = (run_cfg.get("data") or {}).get("dir")
-        if not data_dir or not Path(data_dir).is_dir():
-            raise UserError(f"{args.run} names no data folder with a validation split: pass --text FILE")
+        data_dir = _val_folder(args, run_cfg)
         from archlab.data.tokens import TokenDataset
         val = TokenDataset(data_dir, "val")
         ids = [int(i) for i in val.tokens[: limit + 1]]
@@ -88,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--text {args.text}: no such file")
     check_output(args.out, inputs=[source, args.text], overwrite=args.overwrite)       # before the (long) load
     run_cfg = read_run_config(source)
+    if not args.text:
+        _val_folder(args, run_cfg)                     # before the (long) load too
     model, tokenizer = load_run(source)
     if model.config.arch != "decoder":
         raise UserError(f"{source} holds a {model.config.arch} model: quantize handles decoder-only LMs")

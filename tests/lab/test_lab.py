@@ -21,7 +21,7 @@ def test_every_builtin_suite_expands_to_valid_configs(name, tmp_path):
     suite = suites.BUILTIN[name]
     model = None
     if suite.runs == "real_model":         # a run folder stands in for the packaged model (the models extra)
-        (tmp_path / "config.yaml").write_text("{}\n")
+        (tmp_path / "config.yaml").write_text("model: {}\n")
         model = str(tmp_path)
     planned = plan(suite, Path("/nonexistent"), vocab_size=257, model=model)
     variants = suite.expand()

@@ -98,8 +98,9 @@ def test_a_bad_set_is_named_as_the_user_typed_it(setting, named, tmp_path, capsy
     from archlab.cli import main
 
     out = tmp_path / "run"
-    assert main(["finetune", str(tmp_path / "base"), "--data", str(tmp_path / "d.jsonl"), "--out", str(out),
-                 "--set", setting]) == 2
+    method = next((m for m in ("dpo", "grpo") if setting.startswith(f"train.{m}.")), "sft")   # its section's reader
+    assert main(["finetune", str(tmp_path / "base"), "--method", method, "--data", str(tmp_path / "d.jsonl"),
+                 "--out", str(out), "--set", setting]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and named in err, err
     assert not out.exists()

@@ -22,6 +22,7 @@ import dataclasses
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +97,9 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
     data_path = _checked_file(data, "--data", chosen.data_help, chosen)
     val_path = _checked_file(val, "--val", chosen.data_help, chosen) if val is not None else None
     if val_path is not None and val_path.resolve() == data_path.resolve():   # the held-out score would be training's
-        raise UserError(f"--val {val}: the same file as --data {data}: the held-out score would measure training "
-                        "lines; pass another file, or leave --val out to hold out --val-fraction of --data")
+        warnings.warn(f"--val {val} is the same file as --data {data}: val_loss will measure training lines, not "
+                      "held-out ones (pass another file, or leave --val out to hold out --val-fraction of --data)",
+                      stacklevel=2)
     train_cfg, val_fraction = chosen.fit_settings(dataclasses.replace(train_cfg, method=method), val_path,
                                                   val_fraction)
     _check_settings(train_cfg, val_fraction)

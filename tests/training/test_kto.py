@@ -156,6 +156,30 @@ def test_the_kl_point_is_detached_and_clamped_at_zero():
     torch.testing.assert_close(losses, torch.tensor(expected))
 
 
+def test_the_reference_is_the_bases_own_logps_of_each_completion_and_kl_row(world):
+    """kto.reference_logps scores padded batches in eval mode: each completion's and each KL row's summed log-prob
+    equals the base's on that row alone (float64, unpadded), and the model's training mode comes back."""
+    from archlab.runs.model_folder import load_run
+    from archlab.training.kto import reference_logps
+
+    data = load_preference_data(world["root"] / "kto.jsonl", world["tok"], max_tokens=32, progress=False)
+    batches = KTOBatches(data, TrainConfig(batch_size=3, seq_len=32, method="dpo", dpo={"loss": "kto"}))
+    model, _ = load_run(world["base"])
+    model.train()
+    logps, kl_logps = reference_logps(model, batches, device=torch.device("cpu"), progress=False)
+    assert model.training and logps.shape == kl_logps.shape == (len(batches.rows),)
+
+    def alone(ids: list[int], labels: list[int]) -> float:
+        model.eval()
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(input_ids=torch.tensor([ids]))[0].double(), -1)     # (n, v)
+        return sum(float(logprobs[j, t]) for j, t in enumerate(labels) if t != IGNORE)
+
+    torch.testing.assert_close(logps, torch.tensor([alone(*r) for r in batches.rows]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(kl_logps, torch.tensor([alone(*r) for r in batches.kl]), atol=1e-4, rtol=0)
+    assert not torch.equal(logps, kl_logps)
+
+
 # ---- archlab finetune --method dpo --set train.dpo.loss=kto ---------------------------------------------------
 @pytest.mark.parametrize("data", ["prefs.jsonl", "kto.jsonl"])
 def test_a_kto_runs_first_loss_is_the_formula_at_the_reference(world, tmp_path, data):

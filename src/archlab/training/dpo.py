@@ -57,6 +57,7 @@ from archlab.data.preference import (
     labelled_completions,
     load_preference_data,
     pad_pairs,
+    pad_rows,
 )
 from archlab.data.preference_folder import open_preference_folder
 from archlab.data.prepare import split_by_line
@@ -67,8 +68,8 @@ from archlab.progress import progress_bar
 from archlab.runs.provenance import tensors_sha256
 
 __all__ = ["LOSSES", "METRICS", "REFERENCE_FILE", "sequence_logps", "preference_loss", "implicit_rewards", "DPOBatches",
-           "open_preference_data", "reference_logps", "prepare_reference", "read_reference", "write_reference",
-           "read_reference_tensors", "read_preference_data", "check_form", "check_classes"]
+           "open_preference_data", "score_rows", "reference_logps", "prepare_reference", "read_reference",
+           "write_reference", "read_reference_tensors", "read_preference_data", "check_form", "check_classes"]
 
 REFERENCE_FILE = "reference_logps.safetensors"
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -326,27 +327,37 @@ def _tokenizer_only(folder: Path) -> tempfile.TemporaryDirectory | None:
 
 
 @torch.no_grad()
-def reference_logps(model: torch.nn.Module, data: PreferenceData, *, batch_size: int, device: torch.device,
-                    dtype: str = "float32", progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) summed completion log-probabilities of every pair under `model` (eval mode), (pairs,)
-    each, in float32, in the order of data.pairs."""
+def score_rows(model: torch.nn.Module, rows: list[tuple[list[int], list[int]]], *, batch_size: int, pad_id: int,
+               device: torch.device, dtype: str = "float32", progress: bool = True) -> torch.Tensor:
+    """The summed scored log-probability (n,) of each (ids, labels) row under `model` in eval mode (its mode restored
+    after), float32 on the CPU, in batches of `batch_size` rows right-padded with `pad_id`: how the DPO family scores
+    its reference. Example: score_rows(model, [(ids, labels)], batch_size=8, pad_id=0, device=torch.device("cpu"))"""
     was_training = model.training
     model.eval()
     out: list[torch.Tensor] = []
-    bar = progress_bar(total=len(data.pairs), desc="reference log-probs", unit=" pairs", disable=not progress)
+    bar = progress_bar(total=len(rows), desc="reference log-probs", unit=" rows", disable=not progress)
     try:
-        for start in range(0, len(data.pairs), batch_size):
-            chunk = data.pairs[start:start + batch_size]
-            ids, labels = pad_pairs(chunk, data.eot_id or 0)                        # (2b, t) each
+        for start in range(0, len(rows), batch_size):
+            ids, labels = pad_rows(rows[start:start + batch_size], pad_id)                      # (b, t) each
             with autocast(device, dtype):
-                logits = model(input_ids=ids.to(device))
-            out.append(sequence_logps(logits, labels.to(device))[0].view(2, -1).cpu())   # (2, b)
-            bar.update(len(chunk))
+                logits = model(input_ids=ids.to(device))                                      # (b, t, v)
+            out.append(sequence_logps(logits, labels.to(device))[0].float().cpu())            # (b,)
+            bar.update(ids.shape[0])
     finally:
         bar.close()
         model.train(was_training)
-    both = torch.cat(out, dim=1)                                                     # (2, pairs)
-    return both[0].contiguous(), both[1].contiguous()
+    return torch.cat(out)
+
+
+def reference_logps(model: torch.nn.Module, data: PreferenceData, *, batch_size: int, device: torch.device,
+                    dtype: str = "float32", progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) summed completion log-probabilities of every pair under `model` (eval mode), (pairs,)
+    each, in float32, in the order of data.pairs; `batch_size` pairs (2 * batch_size rows) a forward."""
+    rows = [p.chosen for p in data.pairs] + [p.rejected for p in data.pairs]        # chosen, then rejected
+    both = score_rows(model, rows, batch_size=2 * batch_size, pad_id=data.eot_id or 0, device=device, dtype=dtype,
+                      progress=progress)                                              # (2 * pairs,)
+    chosen, rejected = both.chunk(2)
+    return chosen.contiguous(), rejected.contiguous()
 
 
 def write_reference(path: Path, data: Any, reference_model: tuple[str, str] | None,

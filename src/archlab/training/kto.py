@@ -45,7 +45,6 @@ from archlab.data.prepare import split_by_line
 from archlab.errors import UserError
 from archlab.eval.evaluate import autocast
 from archlab.models.decoder import LossOutput
-from archlab.progress import progress_bar
 from archlab.runs.provenance import tensors_sha256
 from archlab.training import dpo
 
@@ -246,32 +245,13 @@ def open_kto_data(model_cfg: Any, cfg: Any, data_path: Path, init_from: Any, inf
     return batches
 
 
-def _row_logps(model: torch.nn.Module, rows: list[Row], *, batch_size: int, pad_id: int, device: torch.device,
-               dtype: str, bar: Any) -> torch.Tensor:
-    """The summed scored log-probabilities of `rows` (n,), float32, in batches."""
-    out = []
-    for start in range(0, len(rows), batch_size):
-        ids, labels = pad_rows(rows[start:start + batch_size], pad_id)                          # (b, t)
-        with autocast(device, dtype):
-            out.append(dpo.sequence_logps(model(input_ids=ids.to(device)), labels.to(device))[0].float().cpu())
-        bar.update(ids.shape[0])
-    return torch.cat(out)
-
-
-@torch.no_grad()
 def reference_logps(model: torch.nn.Module, batches: KTOBatches, *, device: torch.device, dtype: str = "float32",
                     progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(completions, KL rows) summed log-probabilities under `model` (eval mode), (n,) each, float32."""
-    was_training = model.training
-    model.eval()
-    bar = progress_bar(total=2 * len(batches.rows), desc="reference log-probs", unit=" rows", disable=not progress)
-    common = dict(batch_size=batches.cfg.batch_size, pad_id=batches.data.eot_id or 0, device=device, dtype=dtype,
-                  bar=bar)
-    try:
-        return _row_logps(model, batches.rows, **common), _row_logps(model, batches.kl, **common)
-    finally:
-        bar.close()
-        model.train(was_training)
+    both = dpo.score_rows(model, batches.rows + batches.kl, batch_size=batches.cfg.batch_size,
+                          pad_id=batches.data.eot_id or 0, device=device, dtype=dtype, progress=progress)   # (2n,)
+    logps, kl_logps = both.chunk(2)
+    return logps.contiguous(), kl_logps.contiguous()
 
 
 def _identity(batches: KTOBatches) -> dict[str, list]:

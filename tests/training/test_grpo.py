@@ -289,3 +289,18 @@ def test_two_process_grpo_matches_single_process(world, tmp_path, loss_type, mon
         "loss", "grad_norm", "reward", "reward_std", "rewards/counted_has_e/mean", "kl", "entropy",
         "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_max", "completions/mean_length", "val_reward"))
     assert _rows(tmp_path / "single")[-1]["kl"] > 0              # the policy moved: the weights say something
+
+
+def test_held_out_prompts_are_whole_lines_and_never_in_the_training_pool(world):
+    """train.grpo.val_fraction holds out the prompts of a seeded hash of lines (data.prepare.held_out_indices, as DPO's
+    pairs); the pool the steps draw from is every other prompt."""
+    from archlab.data.prepare import held_out_indices
+    from archlab.data.prompts import load_prompts
+    from archlab.training.config import TrainConfig
+    from archlab.training.methods.grpo import GRPORun
+
+    data = load_prompts(world / "prompts.jsonl", world / "tok")
+    run = GRPORun(data, TrainConfig(seed=3, grpo={"val_fraction": 0.25}), [], None)
+    assert run.val == held_out_indices(data.path, data.prompts, 3, 0.25) and 0 < len(run.val) < len(data.prompts)
+    assert sorted(run.val + run.pool) == list(range(len(data.prompts)))
+    assert GRPORun(data, TrainConfig(seed=3), [], None).val == []

@@ -27,7 +27,7 @@ from archlab.faults import fault_point
 from archlab.runs.outputs import check_output, fresh_output
 
 __all__ = ["prepare", "split_sentences", "input_paths", "SplitWriter", "encoded", "default_workers", "doc_score",
-           "split_by_line", "checked_output", "write_json"]
+           "split_by_line", "held_out_indices", "checked_output", "write_json"]
 
 # a sentence ends after . ! ? (and closing quotes / brackets), or before a blank line, when more text follows
 _SENTENCE_CUT = regex.compile(r"""(?:[.!?]["'\)\]}\u00bb\u201d\u2019]*|\S(?=[^\S\n]*\n[^\S\n]*\n))(?=\s+\S)""")
@@ -68,6 +68,16 @@ def split_by_line(path: Path, examples: list, seed: int, val_fraction: float) ->
         elif all(is_val):
             is_val[max(range(len(scores)), key=scores.__getitem__)] = False
     return ([e for e, v in zip(examples, is_val) if not v], [e for e, v in zip(examples, is_val) if v])
+
+
+def held_out_indices(path: Path, examples: list, seed: int, val_fraction: float) -> list[int]:
+    """The indices of the `examples` held out for validation: those whose line split_by_line holds out, so every
+    example of a held-out line goes with it (a preference pair's two sides as KTO's completions); [] when
+    val_fraction <= 0 (the file is not read). Example: held_out_indices(Path("prefs.jsonl"), data.pairs, 0, 0.1)"""
+    if val_fraction <= 0:
+        return []
+    lines = {e.line for e in split_by_line(path, examples, seed, val_fraction)[1]}
+    return [i for i, e in enumerate(examples) if e.line in lines]
 
 
 def _encode_batch(texts: list[str]) -> list[tuple[np.ndarray, float, int, np.ndarray | None]]:

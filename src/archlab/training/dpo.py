@@ -60,7 +60,7 @@ from archlab.data.preference import (
     pad_rows,
 )
 from archlab.data.preference_folder import open_preference_folder
-from archlab.data.prepare import split_by_line
+from archlab.data.prepare import held_out_indices
 from archlab.errors import UserError
 from archlab.eval.evaluate import autocast
 from archlab.models.decoder import LossOutput
@@ -303,11 +303,7 @@ def held_out(data: PreferenceData, cfg: Any) -> list[int]:
     """The indices of the pairs held out for validation: train.dpo.val_fraction of the lines by a seeded hash of each
     line's text (train.seed), as archlab finetune holds out SFT lines; with two or more pairs neither side is empty.
     Example: held_out(data, TrainConfig(dpo={"val_fraction": 0.25})) -> [3, 9, 17] (indices into data.pairs)"""
-    if cfg.dpo.val_fraction <= 0:
-        return []
-    _, val = split_by_line(data.path, data.pairs, cfg.seed, cfg.dpo.val_fraction)
-    held = {id(pair) for pair in val}
-    return [i for i, pair in enumerate(data.pairs) if id(pair) in held]
+    return held_out_indices(data.path, data.pairs, cfg.seed, cfg.dpo.val_fraction)
 
 
 def _tokenizer_only(folder: Path) -> tempfile.TemporaryDirectory | None:

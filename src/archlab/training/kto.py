@@ -41,7 +41,7 @@ from archlab.data.preference import (
     labelled_completions,
     pad_rows,
 )
-from archlab.data.prepare import split_by_line
+from archlab.data.prepare import held_out_indices
 from archlab.errors import UserError
 from archlab.eval.evaluate import autocast
 from archlab.models.decoder import LossOutput
@@ -130,7 +130,8 @@ class KTOBatches(SamplerState):
         self.rows: list[Row] = [(e.ids, e.labels) for e in self.examples]
         self.kl = kl_rows(self.examples, cfg.seq_len)
         self.desirable = torch.tensor([e.desirable for e in self.examples])             # (n,) bool
-        self.val = held_out(data, self.examples, cfg)
+        # train.dpo.val_fraction of the lines, as DPO holds out pairs: a pair's two sides share a line, and go together
+        self.val = held_out_indices(data.path, self.examples, cfg.seed, cfg.dpo.val_fraction)
         held = set(self.val)
         pool = [i for i in range(len(self.examples)) if i not in held]
         where = f"{data.path}: the lines that train (train.dpo.val_fraction={cfg.dpo.val_fraction} holds the rest out)"
@@ -204,15 +205,6 @@ class KTOBatches(SamplerState):
                             undesirable_weight=cfg.undesirable_weight)
         figures = _figures(logps, ref, desirable, kl, cfg.beta)
         return {"val_loss": float(losses.mean()), **{f"val_{k}": float(figures[k]) for k in METRICS if k in figures}}
-
-
-def held_out(data: PreferenceData, examples: list[LabelledCompletion], cfg: Any) -> list[int]:
-    """The completions held out: train.dpo.val_fraction of the lines by a seeded hash of each line's text, as DPO
-    holds out pairs (a pair's two sides share a line, so they go together)."""
-    if cfg.dpo.val_fraction <= 0:
-        return []
-    val = {e.line for e in split_by_line(data.path, examples, cfg.seed, cfg.dpo.val_fraction)[1]}
-    return [i for i, e in enumerate(examples) if e.line in val]
 
 
 def warn_imbalance(examples: list[LabelledCompletion], cfg: Any) -> None:

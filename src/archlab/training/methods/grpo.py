@@ -34,7 +34,7 @@ import torch
 
 from archlab.data.corpora import jsonl_records
 from archlab.data.formats import require
-from archlab.data.prepare import split_by_line
+from archlab.data.prepare import held_out_indices
 from archlab.data.prompts import PromptData, load_prompts
 from archlab.errors import UserError
 from archlab.models.decoder import LossOutput
@@ -156,11 +156,9 @@ class GRPORun:
         self._figures: dict[str, list[float]] = {}
         self._reward_model: dict[str, float] = {}      # reward runs' held-out accuracy, for the first log line
         # held-out prompts (train.grpo.val_fraction): a seeded hash of each line, as SFT's and DPO's splits
-        held = split_by_line(data.path, data.prompts, cfg.seed, self.section.val_fraction)[1] \
-            if self.section.val_fraction > 0 else []
-        held_lines = {p.line for p in held}
-        self.val = [i for i, p in enumerate(data.prompts) if p.line in held_lines]
-        self.pool = [i for i, p in enumerate(data.prompts) if p.line not in held_lines]
+        self.val = held_out_indices(data.path, data.prompts, cfg.seed, self.section.val_fraction)
+        held = set(self.val)
+        self.pool = [i for i in range(len(data.prompts)) if i not in held]
         if not self.pool:
             raise UserError(f"{data.path}: train.grpo.val_fraction={self.section.val_fraction} holds out every prompt")
 

@@ -32,7 +32,7 @@ from archlab.data.corpora import jsonl_records
 from archlab.data.formats import require
 from archlab.data.preference import PreferenceBatches, PreferenceData, load_preference_data, pad_pairs
 from archlab.data.preference_folder import open_preference_folder
-from archlab.data.prepare import split_by_line
+from archlab.data.prepare import held_out_indices
 from archlab.errors import UserError
 from archlab.eval.evaluate import autocast
 from archlab.models.decoder import LossOutput
@@ -187,10 +187,7 @@ def held_out_rewards(model: Any, data: PreferenceData, val: list[int], batch_siz
 def held_out_pairs(data: PreferenceData, cfg: Any) -> list[int]:
     """The indices (into data.pairs) a reward run holds out: train.reward.val_fraction of the lines by a seeded hash
     of each line's text (train.seed). Example: held_out_pairs(data, TrainConfig(reward={"val_fraction": 0.25}))"""
-    if cfg.reward.val_fraction <= 0:
-        return []
-    held = {id(p) for p in split_by_line(data.path, data.pairs, cfg.seed, cfg.reward.val_fraction)[1]}
-    return [i for i, p in enumerate(data.pairs) if id(p) in held]
+    return held_out_indices(data.path, data.pairs, cfg.seed, cfg.reward.val_fraction)
 
 
 @dataclass(frozen=True)

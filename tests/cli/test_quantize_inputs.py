@@ -1,5 +1,6 @@
 """`archlab quantize` checks its inputs before it loads the model (seconds on a real run): a run without a data
-folder and no --text is refused in one line at once, nothing written."""
+folder and no --text is refused in one line at once, nothing written; one with a data folder is scored on its
+validation split."""
 from __future__ import annotations
 
 import archlab
@@ -24,3 +25,36 @@ def test_a_run_without_a_data_folder_is_refused_before_the_model_loads(tmp_path,
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"{run} names no data folder with a validation split: pass --text FILE" in err, err
     assert not out.exists()
+
+
+def test_without_text_the_runs_validation_split_is_scored(tmp_path, capsys):
+    """No --text: the validation split of the data folder the run's config names, the first --max-tokens + 1 ids of
+    it, is what both perplexities are measured on."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    import yaml
+
+    from archlab.data.tokens import TokenDataset
+    from archlab.eval.perplexity import perplexity
+    from archlab.runs.model_folder import load_run
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).parents[1] / "fixtures" / "run_v1", run)
+    (tmp_path / "corpus").mkdir()
+    for i in range(40):
+        (tmp_path / "corpus" / f"d{i}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog.\n")
+    assert main(["data", "prepare", "--corpus", str(tmp_path / "corpus"), "--tokenizer", "bytes", "--out",
+                 str(tmp_path / "data"), "--workers", "0", "--quiet"]) == 0
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["data"]["dir"] = str(tmp_path / "data")
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    capsys.readouterr()
+    assert main(["quantize", str(run), "--weights", "int8", "--out", str(tmp_path / "q"), "--seq-len", "16",
+                 "--max-tokens", "40"]) == 0
+    printed = capsys.readouterr().out
+    ids = torch.tensor([int(i) for i in TokenDataset(str(tmp_path / "data"), "val").tokens[:41]])
+    model, _ = load_run(run)
+    assert f"perplexity on the validation split of {tmp_path / 'data'} (40 tokens" in printed, printed
+    assert f"float {perplexity(model, ids, 16):.3f}" in printed, printed

@@ -50,8 +50,9 @@ def _val_folder(args, run_cfg: dict) -> str:
     return str(data_dir)
 
 
-def _tokens(args, run_cfg: dict, tokenizer, limit: int):
-    """The ids to score: --text encoded with the run's tokenizer, else the run's validation split."""
+def _tokens(args, data_dir: str | None, tokenizer, limit: int):
+    """The ids to score: --text encoded with the run's tokenizer, else the validation split of `data_dir` (the run's
+    data folder, checked by _val_folder)."""
     from pathlib import Path
 
     import torch
@@ -66,7 +67,6 @@ def _tokens(args, run_cfg: dict, tokenizer, limit: int):
         ids = list(enc.ids) if hasattr(enc, "ids") else list(enc)
         what = f"--text {args.text}"
     else:
-        data_dir = _val_folder(args, run_cfg)
         from archlab.data.tokens import TokenDataset
         val = TokenDataset(data_dir, "val")
         ids = [int(i) for i in val.tokens[: limit + 1]]
@@ -98,13 +98,11 @@ def run(args: argparse.Namespace) -> int:
     if args.text and not Path(args.text).is_file():
         raise UserError(f"--text {args.text}: no such file")
     check_output(args.out, inputs=[source, args.text], overwrite=args.overwrite)       # before the (long) load
-    run_cfg = read_run_config(source)
-    if not args.text:
-        _val_folder(args, run_cfg)                     # before the (long) load too
+    data_dir = None if args.text else _val_folder(args, read_run_config(source))     # before the (long) load too
     model, tokenizer = load_run(source)
     if model.config.arch != "decoder":
         raise UserError(f"{source} holds a {model.config.arch} model: quantize handles decoder-only LMs")
-    ids, what = _tokens(args, run_cfg, tokenizer, args.max_tokens)
+    ids, what = _tokens(args, data_dir, tokenizer, args.max_tokens)
     seq_len = min(args.seq_len, model.config.max_seq_len)
     quantized = quantize_int8(copy.deepcopy(model)).eval()
     ppl_float = perplexity(model, ids, seq_len)

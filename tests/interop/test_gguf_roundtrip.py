@@ -156,6 +156,24 @@ def test_an_out_ending_in_a_slash_is_refused_not_written_as_a_file_of_that_name(
     assert not (tmp_path / "exported").exists()
 
 
+@pytest.mark.parametrize("filled", [False, True])
+def test_an_out_that_is_a_folder_is_refused_even_with_overwrite_and_kept(tmp_path, capsys, filled):
+    from archlab.interop.convert import _write_converted_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    _write_converted_run(run, archlab.TransformerLM(archlab.presets.tiny("llama3-8b")), {"test": True})
+    (tmp_path / "exported").mkdir()
+    if filled:
+        (tmp_path / "exported" / "notes.txt").write_text("mine")
+    assert main(["convert", "--to-gguf", str(run), "--out", str(tmp_path / "exported"), "--no-check",
+                 "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "names a folder; --to-gguf writes one .gguf file" in err, err
+    assert [p.name for p in (tmp_path / "exported").iterdir()] == (["notes.txt"] if filled else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "run"]
+
+
 def test_sampling_defaults_travel_and_a_file_without_tokenizer_converts(tmp_path, capsys):
     """generation_config.json's sampling (do_sample, temperature, top_k, top_p) -> llama.cpp's general.sampling.*
     -> the converted run's generation_config.json; a file without a tokenizer gives a run without tokenizer/."""

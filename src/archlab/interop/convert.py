@@ -130,14 +130,13 @@ def convert_to_gguf(run_dir: str | Path, out_file: str | Path, qtype: str = "f16
     from archlab.runs.model_folder import load_run, refuse_quantized
     from archlab.runs.outputs import check_output
 
-    if str(out_file).endswith(("/", os.sep)):        # Path() drops the slash: the folder's name would become a file
+    # a folder there, or a name ending in a slash (Path() drops it: the folder's name would become a file)
+    if str(out_file).endswith(("/", os.sep)) or Path(out_file).is_dir():
         raise UserError(f"--out {out_file} names a folder; --to-gguf writes one .gguf file (e.g. "
                         f"{Path(out_file) / 'model.gguf'})")
     run_dir, out_file = Path(run_dir), Path(out_file)
     check_output(out_file, inputs=[run_dir], overwrite=overwrite)
     refuse_quantized(run_dir, "convert --to-gguf")     # its int8 layers have no float weight to write
-    if out_file.is_dir():
-        raise UserError(f"{out_file} is a folder; --to-gguf writes one .gguf file")
     model, tokenizer = load_run(run_dir)
     refuse_score_head(model, run_dir, "GGUF")
     drop_value_head(model)

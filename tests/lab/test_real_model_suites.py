@@ -45,7 +45,7 @@ def test_the_full_caches_forward_equals_decoding_through_a_full_cache(tiny):
     batch = ids[:90].view(2, 45)
     with torch.no_grad():
         one_pass = real_model._token_nll(model, batch, None)
-        decoded = real_model._token_nll(model, batch, StaticKVCache(model.config, 2, 45))
+        decoded = real_model._token_nll(model, batch, StaticKVCache(model.config, 2, 45), stepwise=True)
     assert one_pass.shape == decoded.shape == (2, 44)
     torch.testing.assert_close(one_pass, decoded, atol=1e-4, rtol=1e-4)
 
@@ -60,12 +60,31 @@ def test_streaming_caches_agree_until_something_is_evicted(tiny):
     # the scored targets all come after an eviction: their nll differs from the full cache's at the first one already
     row = ids[:19][None]
     with torch.no_grad():
-        nll = real_model._token_nll(model, row, SinkKVCache(model.config, 1, sink_tokens=0, window=8))
+        nll = real_model._token_nll(model, row, SinkKVCache(model.config, 1, sink_tokens=0, window=8), stepwise=True)
         ref = real_model._token_nll(model, row, None)
     torch.testing.assert_close(nll[:, :8], ref[:, :8], atol=1e-4, rtol=1e-4)    # targets 1..8: nothing evicted
     assert not torch.allclose(nll[:, 8], ref[:, 8], atol=1e-4)                 # target 9: token 0 is gone
     with pytest.raises(ValueError, match="rows"):
         real_model.streaming(model, ids, cache="full", window=64, scored=64, rows=2)
+
+
+@pytest.mark.parametrize("cache, sinks", [("window", 4), ("sinks", 4), ("sinks", 1)])
+def test_streaming_scores_in_one_forward_what_decoding_token_by_token_scores(tiny, cache, sinks):
+    model, ids = tiny
+    window, scored, rows = 9, 12, 3                     # targets 1 .. 21: the cache fills at 9 and evicts from 10 on
+    kept = sinks if cache == "sinks" else 0
+
+    def made():
+        return SinkKVCache(model.config, rows, sink_tokens=kept, window=window - kept)
+    batch = ids[:rows * (window + 1 + scored)].view(rows, -1)
+    with torch.no_grad():
+        once = real_model._token_nll(model, batch, made())
+        stepwise = real_model._token_nll(model, batch, made(), stepwise=True)
+        past = real_model._token_nll(model, batch, made(), start=window)
+    torch.testing.assert_close(once, stepwise, atol=1e-5, rtol=1e-5)           # every target, the boundary included
+    torch.testing.assert_close(past, stepwise[:, window:], atol=1e-5, rtol=1e-5)
+    measured = real_model.streaming(model, ids, cache=cache, window=window, scored=scored, rows=rows, sinks=sinks)
+    assert measured["ppl"] == pytest.approx(float(stepwise[:, window:].mean().exp()), rel=1e-4)
 
 
 def test_massive_activation_measure_zeroes_what_it_found(tiny):

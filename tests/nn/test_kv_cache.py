@@ -6,6 +6,7 @@ from variants import BASE, variant
 
 import archlab
 from archlab import TransformerLM
+from archlab.nn import attention_backends as backends
 from archlab.nn.kv_cache import KVCache, SinkKVCache, StaticKVCache
 from archlab.nn.position import RotaryEmbedding
 
@@ -140,6 +141,52 @@ def test_sink_mode_rejects_absolute_positions_and_padding():
     model = TransformerLM(BASE).eval()
     with pytest.raises(ValueError, match="padded"):
         archlab.generate(model, [[1, 2], [3]], sink_window=8)
+
+
+def _decoded(model, ids, cache):                                             # (b, t) -> (b, t, v)
+    """The logits of feeding `ids` through `cache` one token at a time: what decoding computes (the reference)."""
+    b, t = ids.shape
+    return torch.cat([model(ids[:, i:i + 1], positions=torch.full((b, 1), i), cache=cache) for i in range(t)], 1)
+
+
+@pytest.mark.parametrize("name", ["base", "pos-none", "softcap", "learned-sinks", "qk-norm-per-head", "gqa"])
+@pytest.mark.parametrize("sinks, window", [(0, 6), (2, 5), (4, 1)])
+def test_sink_cache_stretch_in_one_forward_equals_feeding_it_token_by_token(name, sinks, window):
+    torch.manual_seed(0)
+    cfg = variant(name).with_overrides({"init.std": 0.2, "max_seq_len": 32})
+    model = TransformerLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 21))
+    stepwise, at_once = (SinkKVCache(cfg, 2, sink_tokens=sinks, window=window) for _ in range(2))
+    with torch.no_grad():
+        ref = _decoded(model, ids, stepwise)
+        once = model(ids, cache=at_once)                      # one forward: SinkKVCache.stretch
+        with backends.forced("eager", strict=True):
+            eager = model(ids, cache=SinkKVCache(cfg, 2, sink_tokens=sinks, window=window))
+        plain = model(ids)
+    torch.testing.assert_close(once, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(eager, ref, atol=2e-5, rtol=2e-5)
+    cap = sinks + window
+    torch.testing.assert_close(once[:, :cap], plain[:, :cap], atol=2e-5, rtol=2e-5)   # nothing evicted yet
+    assert not torch.allclose(once[:, cap:], plain[:, cap:], atol=1e-3)               # past it, the eviction shows
+    # the cache holds what decoding left: the sinks and the last `window` tokens, and decoding goes on alike
+    assert len(at_once) == len(stepwise) == 21
+    for layer_once, layer_ref in zip(at_once.layers, stepwise.layers):
+        torch.testing.assert_close(layer_once.k, layer_ref.k)
+        torch.testing.assert_close(layer_once.v, layer_ref.v)
+    more = torch.randint(0, cfg.vocab_size, (2, 3))
+    with torch.no_grad():
+        torch.testing.assert_close(_decoded(model, more, at_once), _decoded(model, more, stepwise),
+                                   atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("overrides", [{"position.kind": "alibi"}, {"attention.window": 4}])
+def test_sink_cache_stretch_refuses_what_it_cannot_score_as_decoding_would(overrides):
+    cfg = BASE.with_overrides(overrides)
+    model = TransformerLM(cfg).eval()
+    with pytest.raises(ValueError, match="one at a time"):
+        model(torch.zeros(1, 12, dtype=torch.long), cache=SinkKVCache(cfg, 1, sink_tokens=2, window=4))
+    with torch.no_grad():   # within its capacity a stretch is an ordinary prefill
+        model(torch.zeros(1, 6, dtype=torch.long), cache=SinkKVCache(cfg, 1, sink_tokens=2, window=4))
 
 
 def test_slot_cache_rows_of_different_lengths_decode_as_each_would_alone():

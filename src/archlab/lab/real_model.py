@@ -11,10 +11,10 @@ what the probe found), and the suite's rules (archlab.lab.verdicts, kind `bound`
     quantization         Dettmers et al. 2022 (arXiv 2208.07339): perplexity in float, per-tensor and per-token W8A8,
                          int8 weight-only (the int8 run's own path, nn/int8) and the LLM.int8 outlier split; the
                          fake-quantization math is nn/quantize's, the one the int8 run uses
-    streaming            Xiao et al. 2023 (arXiv 2309.17453): perplexity past the window, tokens decoded one at a time,
-                         with the full cache, a window cache (first tokens dropped) or StreamingLLM's (4 sinks +
-                         window - 4; nn/kv_cache.SinkKVCache, in-cache positions as in the paper), several stretches
-                         of text decoded as one batch
+    streaming            Xiao et al. 2023 (arXiv 2309.17453): perplexity past the window as decoding token by token
+                         computes it, with the full cache, a window cache (first tokens dropped) or StreamingLLM's (4
+                         sinks + window - 4; nn/kv_cache.SinkKVCache, in-cache positions as in the paper), several
+                         stretches of text as one batch, each scored in one forward (SinkKVCache.stretch)
 
 Example: MEASURES["quantization"](model, ids, {"scheme": "w8a8_per_token", "seq_len": 256})["ppl"]
 """
@@ -162,18 +162,22 @@ def quantization(model: nn.Module, ids: torch.Tensor, *, scheme: str = "float", 
         return {"ppl": perplexity(scored, ids, seq_len)}
 
 
-def _token_nll(model: nn.Module, ids: torch.Tensor, cache) -> torch.Tensor:   # (b, L) -> (b, L - 1)
-    """Next-token NLL with the tokens fed one at a time through `cache` (None: one causal forward over all of them,
-    which is what the full cache computes; tested equal to decoding through a StaticKVCache)."""
-    if cache is None:
-        logits = model(ids[:, :-1]).float()                                   # (b, L - 1, v)
-        return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+def _token_nll(model: nn.Module, ids: torch.Tensor, cache, *, start: int = 0,
+               stepwise: bool = False) -> torch.Tensor:                          # (b, L) -> (b, L - 1 - start)
+    """Next-token NLL of the targets past `start` (start + 1 .. L - 1): one forward over the tokens, through `cache`
+    when given (a fresh nn/kv_cache.SinkKVCache scores a stretch past its capacity as decoding it would:
+    SinkKVCache.stretch), or stepwise, one token at a time through `cache` (what decoding computes, the reference the
+    one forward is tested equal to). The full cache is cache=None: one causal forward."""
+    if not stepwise:
+        hidden = model(ids[:, :-1], cache=cache, return_hidden=True)[:, start:]   # (b, L - 1 - start, d)
+        logits = model.lm_head(hidden).float()                                     # only the scored targets' logits
+        return F.cross_entropy(logits.transpose(1, 2), ids[:, start + 1:], reduction="none")
     nll = torch.zeros(ids.shape[0], ids.shape[1] - 1)
     for i in range(ids.shape[1] - 1):
         pos = torch.full((ids.shape[0], 1), i)
         logits = model(ids[:, i:i + 1], positions=pos, cache=cache)[:, 0].float()
         nll[:, i] = F.cross_entropy(logits, ids[:, i + 1], reduction="none")
-    return nll
+    return nll[:, start:]
 
 
 CACHES = ("full", "window", "sinks")
@@ -182,10 +186,11 @@ CACHES = ("full", "window", "sinks")
 @torch.no_grad()
 def streaming(model: nn.Module, ids: torch.Tensor, *, cache: str = "full", window: int = 1024, scored: int = 256,
               rows: int = 4, sinks: int = 4) -> dict:
-    """Perplexity past the window: `rows` consecutive stretches of the text, window + 1 + scored tokens each, decoded
-    together token by token through a window cache of `window` tokens (the first ones dropped) or `sinks` sinks +
-    window - sinks recent ones, or seen whole (the full cache: one causal forward); the `scored` targets of each
-    row past its window are scored. A batch of rows costs about one row's time: decoding reads the weights once."""
+    """Perplexity past the window: `rows` consecutive stretches of the text, window + 1 + scored tokens each, scored
+    as decoding them token by token through a window cache of `window` tokens (the first ones dropped) or `sinks`
+    sinks + window - sinks recent ones computes, or seen whole (the full cache); the `scored` targets of each row
+    past its window are scored. Each is one forward over the rows (SinkKVCache.stretch: the same scores as decoding
+    them one at a time, tested so)."""
     from archlab.nn.kv_cache import SinkKVCache
 
     if cache not in CACHES:
@@ -199,7 +204,7 @@ def streaming(model: nn.Module, ids: torch.Tensor, *, cache: str = "full", windo
             "window": lambda: SinkKVCache(cfg, rows, sink_tokens=0, window=window),
             "sinks": lambda: SinkKVCache(cfg, rows, sink_tokens=sinks, window=window - sinks)}[cache]()
     batch = ids[:rows * length].view(rows, length)                             # (r, L)
-    past = _token_nll(model, batch, made)[:, window:]                         # (r, scored): targets window+1 .. L-1
+    past = _token_nll(model, batch, made, start=window)                       # (r, scored): targets window+1 .. L-1
     return {"ppl": math.exp(float(past.mean())), "scored_tokens": past.numel()}
 
 

@@ -82,12 +82,12 @@ class Attention(nn.Module):
         packs = decode_weights(session, x, self, self._decode_weights)   # decoding: (q/k/v, o) packed, one lookup
         if context is not None:
             return self._finish(x, self._cross_call(x, inputs, context), packs, session)
+        spec = inputs.layer_spec(self.local)
         if cache is not None and getattr(cache, "rotates_keys", False):
-            # StreamingLLM cache (kv_cache.SinkKVCache): it keeps un-rotated keys, rotates them
-            # with in-cache positions, and hands back the queries' in-cache positions
+            # StreamingLLM cache (kv_cache.SinkKVCache): it keeps un-rotated keys and rotates q and k with
+            # in-cache positions (a stretch longer than it holds: as decoding it token by token would)
             q, k, v = self._heads(x, b, t, session=session)                   # (b, h|k, t, e)
-            k, v, k_pos, positions = cache.update(self.layer, k, v, positions, rotate=position.rotate)
-            q = position.rotate(q, positions)
+            q, k, v, positions, k_pos, spec = cache.attend(self.layer, q, k, v, positions, position, spec)
         else:
             if packs is not None and t == 1:  # one query: q, k, v heads as one view, q and k rotated in one pass
                 h, k_heads = self.n_heads, self.n_kv_heads
@@ -113,7 +113,7 @@ class Attention(nn.Module):
         aligned = (cache is None and (inputs.plain or (inputs.spec.segment_ids is not None and inputs.contiguous()))
                    ) or (inputs.fresh and k.shape[2] == t and t > 1 and not getattr(cache, "rotates_keys", False)
                          and inputs.contiguous())
-        call = self._call(q, k, v, inputs.layer_spec(self.local), positions, k_pos, inputs, aligned=aligned)
+        call = self._call(q, k, v, spec, positions, k_pos, inputs, aligned=aligned)
         return self._finish(x, call, packs, session)
 
     def _finish(self, x: torch.Tensor, call: backends.AttnCall, packs, session) -> torch.Tensor:

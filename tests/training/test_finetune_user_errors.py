@@ -112,3 +112,53 @@ def test_another_methods_section_is_refused_naming_the_method_that_reads_it(meth
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert f"--set {setting}: train.{section} is read by --method {section}, not --method {method}" in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("sets, section, method", [
+    (["train.dpo.beta=0.2"], "dpo", "pretrain"),
+    (["train.method=dpo", "train.grpo.beta=0.1"], "grpo", "dpo"),
+    (["train.objective=dpo", "train.sft.packing=false"], "sft", "dpo"),     # the earlier spelling of the method
+    (["train.method=sft", "train.ppo.gamma=0.5"], "ppo", "sft"),
+])
+def test_train_refuses_another_methods_section_naming_the_method_that_reads_it(sets, section, method, tmp_path,
+                                                                              capsys):
+    out = tmp_path / "run"
+    args = ["train", "--preset", "tiny-llama3-8b", "--data", str(tmp_path / "data"), "--out", str(out), "--set",
+            "vocab_size=300"]
+    assert main([*args, *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"--set {sets[-1]}: train.{section} is read by train.method={section}, not train.method={method}" in err
+    assert not out.exists()
+
+
+def test_train_keeps_the_sections_its_method_reads():
+    """Its own section, and train.sft.packing under pretrain (how a prepared chat folder's rows are packed)."""
+    from types import SimpleNamespace
+
+    from archlab.cli.train import build_configs
+
+    def built(*sets: str):
+        args = SimpleNamespace(config=None, preset="tiny-llama3-8b", data="unused", set=["vocab_size=300", *sets])
+        return build_configs(args)[1]
+
+    assert built("train.method=dpo", "train.dpo.beta=0.2").dpo.beta == 0.2
+    assert built("train.sft.packing=false").sft.packing is False
+
+
+def test_python_finetune_refuses_another_methods_changed_field_before_writing(tmp_path):
+    from archlab.config import ConfigError
+    from archlab.training.config import DPOConfig, GRPOConfig, TrainConfig, refuse_other_methods_settings
+    from archlab.training.finetune import finetune
+
+    out = tmp_path / "sft"
+    with pytest.raises(ConfigError, match=r"^train_cfg\.dpo\.beta=0\.2: train\.dpo is read by method='dpo', not "
+                                          r"method='sft'"):
+        finetune(tmp_path / "base", tmp_path / "d.jsonl", out, train_cfg=TrainConfig(dpo=DPOConfig(beta=0.2)))
+    assert not out.exists()
+    with pytest.raises(ConfigError, match=r"train_cfg\.grpo\.num_generations=4: .* not method='ppo'"):
+        refuse_other_methods_settings(TrainConfig(grpo=GRPOConfig(num_generations=4)), "ppo")
+    for method in ("pretrain", "sft", "dpo", "reward", "grpo", "ppo"):      # defaults are never refused
+        refuse_other_methods_settings(TrainConfig(), method)
+    refuse_other_methods_settings(TrainConfig(dpo=DPOConfig(beta=0.2), method="dpo"), "dpo")
+    refuse_other_methods_settings(TrainConfig(sft={"packing": False}), "pretrain")

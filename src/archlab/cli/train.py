@@ -103,6 +103,7 @@ def build_configs(args, base_model=None):
     import yaml
 
     from archlab.config import ConfigError, ModelConfig
+    from archlab.training.config import refuse_other_methods_sections
     from archlab.training.trainer import TrainConfig, fit_vocab
 
     file_data = {}
@@ -142,6 +143,8 @@ def build_configs(args, base_model=None):
     train_cfg = TrainConfig.from_dict(file_data["train"]) if "train" in file_data else TrainConfig()
     if train_over:
         train_cfg = train_cfg.with_overrides(train_over)
+        # the method is known once merged; --set only: a --config may be a run's config.yaml, every section in it
+        refuse_other_methods_sections(train_over, train_cfg.method, option="train.method={}")
     return model_cfg, train_cfg
 
 

@@ -497,20 +497,44 @@ class TrainConfig:
         return TrainConfig.from_dict(data)
 
 
-METHOD_SECTIONS = ("sft", "dpo", "reward", "grpo", "ppo")   # each read only by the method of its name
+METHOD_SECTIONS = ("sft", "dpo", "reward", "grpo", "ppo")   # each read only by the method of its name,
+ALSO_READ = {"pretrain": ("sft.packing",)}   # but these: pretrain packs a prepared chat folder's rows (data/batches.py)
 
 
-def refuse_other_methods_sections(overrides: dict[str, Any], method: str) -> None:
+def _unread(name: str, method: str) -> str | None:
+    """The method section `name` (a current dotted key) belongs to when `method` never reads it, else None."""
+    head = name.partition(".")[0]
+    if head in METHOD_SECTIONS and head != method and name not in ALSO_READ.get(method, ()):
+        return head
+    return None
+
+
+def refuse_other_methods_sections(overrides: dict[str, Any], method: str, *, option: str = "--method {}") -> None:
     """A setting typed for another method's section (train.dpo.beta under --method sft) would be accepted and do
     nothing: refused naming the section and the method that reads it. The defaults of every section stay in
-    config.yaml; only what the user set is checked.
+    config.yaml; only what the user set (`overrides`, as --set gives them) is checked. `option`: how the command
+    spells a method (archlab train: "train.method={}").
     Example: refuse_other_methods_sections({"dpo.beta": "0.2"}, "sft") raises ConfigError"""
     for key, value in overrides.items():
         name, _ = current_key(key, value)
-        head = name.partition(".")[0]
-        if head in METHOD_SECTIONS and head != method:
-            raise ConfigError(f"--set {_as_typed(key)}={value}: train.{head} is read by --method {head}, "
-                              f"not --method {method}: drop it or pass --method {head}")
+        head = _unread(name, method)
+        if head is not None:
+            raise ConfigError(f"--set {_as_typed(key)}={value}: train.{head} is read by {option.format(head)}, "
+                              f"not {option.format(method)}: drop it or pass {option.format(head)}")
+
+
+def refuse_other_methods_settings(cfg: TrainConfig, method: str) -> None:
+    """refuse_other_methods_sections for a TrainConfig built in Python (finetune(train_cfg=...)): once built, what
+    its caller set cannot be told from a default, so a field of another method's section that differs from its
+    default is what is refused. Example: refuse_other_methods_settings(TrainConfig(dpo={"beta": 0.2}), "sft")
+    raises ConfigError"""
+    for head in METHOD_SECTIONS:
+        section, default = getattr(cfg, head), SECTIONS[head]()
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if value != getattr(default, f.name) and _unread(f"{head}.{f.name}", method) is not None:
+                raise ConfigError(f"train_cfg.{head}.{f.name}={value!r}: train.{head} is read by method={head!r}, "
+                                  f"not method={method!r}: leave it at its default or pass method={head!r}")
 
 
 def _as_typed(key: str) -> str:

@@ -76,12 +76,14 @@ def finetune(base: str | os.PathLike, data: str | os.PathLike, out: str | os.Pat
     Example: finetune("runs/sft", "prefs.jsonl", "runs/dpo", method="dpo", train_cfg=TrainConfig(lr=5e-6))"""
     from archlab.data.chat import NoTemplateForMessages
     from archlab.runs.lock import LOCK_FILE, RunLock
+    from archlab.training.config import refuse_other_methods_settings
     from archlab.training.methods import METHODS, finetune_methods
     from archlab.training.trainer import train
 
     if method not in finetune_methods():
         raise UserError(f"--method {method}: choose one of {', '.join(finetune_methods())}")
     chosen = METHODS.get(method)
+    refuse_other_methods_settings(train_cfg, method)     # a setting no step of this method would read
     out = Path(out)
     main = int(os.environ.get("RANK", "0")) == 0       # torchrun: rank 0 writes and checks --out, as the trainer
     if main:                                           # (the other ranks would see its lock as a live writer's)

@@ -48,7 +48,11 @@ def test_cli_seeded_sampling_is_reproducible(run_dir, capsys):
 def test_cli_prompt_longer_than_context_is_a_clear_error(run_dir, capsys):
     root, _, _ = run_dir
     assert main(["generate", str(root), "--prompt", "x" * 60, "--max-new-tokens", "4"]) == 2
-    assert "longer than the model's context max_seq_len=48" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "longer than the model's context max_seq_len=48" in err and "(--sink-window N, --sink-tokens 4)" in err
+    assert main(["generate", str(root), "--prompt", "x" * 40, "--max-new-tokens", "20"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]        # named as the command's flags, not Python's
+    assert "prompt (40 tokens) + --max-new-tokens 20 exceeds" in err and "lower --max-new-tokens" in err, err
     assert main(["generate", str(root), "--prompt", "x" * 60, "--max-new-tokens", "4",
                  "--sink-window", "20"]) == 0
 

@@ -54,17 +54,19 @@ def test_draft_prints_plain_greedy_text_and_its_figures(runs, capsys, draft):
     (["--draft", "prompt-lookup", "--num-beams", "2"], "beam search"),
     (["--draft", "ngram:0"], "ORDER must be in"),
     (["--draft-tokens", "3"], "needs --draft"),
-    (["--draft", "prompt-lookup", "--draft-tokens", "96"], "longer than the model's context"),
+    (["--draft", "prompt-lookup", "--draft-tokens", "96"], "--draft-tokens 96 is longer than the model's context"),
+    (["--draft", "RUN", "--max-new-tokens", "200"], "+ --max-new-tokens 200"),      # the flags, not Python's names
     (["--draft", "OTHER"], "tokenizer differs"),
     (["--draft", "no-such-run"], "--draft no-such-run is neither a run folder"),      # named as the draft
     (["--draft", "prompt-lookup", "--sink-window", "16"], "StreamingLLM"),
 ])
 def test_bad_draft_arguments_are_one_line_exit_2(runs, capsys, extra, message):
-    target, _, other = runs
-    extra = [str(other) if a == "OTHER" else a for a in extra]
+    target, draft, other = runs
+    extra = [{"OTHER": str(other), "RUN": str(draft)}.get(a, a) for a in extra]
     assert main(["generate", str(target), "--prompt", "ab", "--max-new-tokens", "4", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and "Traceback" not in "\n".join(err)
+    assert not any(f"{name}=" in err[-1] for name in ("draft_tokens", "max_new_tokens", "sink_window")), err
 
 
 def test_draft_data_prepared_with_another_tokenizer_is_refused(runs, tmp_path, capsys):

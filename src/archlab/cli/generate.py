@@ -119,6 +119,22 @@ class _TextPrinter:
         return self.tokenizer.decode(self.ids)[self.start:]
 
 
+# generation's arguments that this command sets by a flag of the same name: its errors name the flag instead
+_AS_FLAGS = ("draft_tokens", "max_new_tokens", "sink_window", "sink_tokens")
+
+
+def _in_flags(message: str) -> str:
+    """A generation error in this command's words: each argument of _AS_FLAGS as its flag, with its value.
+    Example: _in_flags("draft_tokens=80 is longer than ...") -> "--draft-tokens 80 is longer than ..."."""
+    import re
+
+    for name in _AS_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        message = re.sub(rf"\b{name}=", f"{flag} ", message)
+        message = re.sub(rf"\b{name}\b", flag, message)
+    return message
+
+
 _POSITIVE_INT = (lambda v: v >= 1, "at least 1")
 _CHECKS = {   # flag -> (test, what it must be); None values are "not given"
     "max_new_tokens": _POSITIVE_INT, "num_beams": _POSITIVE_INT, "top_k": _POSITIVE_INT, "sink_window": _POSITIVE_INT,
@@ -320,9 +336,9 @@ def run(args) -> int:
         if draft_kw:
             _report_speculation(args, model, prompt, kw, draft_kw["stats"], printer.ids[len(prompt):], eos,
                                 greedy=not (cfg.temperature or 0.0) > 0.0)
-    except ValueError as exc:  # a prompt past the context: say it plainly
+    except ValueError as exc:  # a prompt past the context: say it plainly, naming the flags
         print(file=sys.stderr)
-        raise UserError(str(exc)) from exc
+        raise UserError(_in_flags(str(exc))) from exc
     return 0
 
 
@@ -382,7 +398,7 @@ def _run_encoder_decoder(args, model, tok) -> int:
             print(tok.decode(_strip(ids[1:].tolist(), cfg.eos)))
     except ValueError as exc:
         print(file=sys.stderr)
-        raise UserError(str(exc)) from exc
+        raise UserError(_in_flags(str(exc))) from exc
     return 0
 
 

@@ -265,8 +265,8 @@ class Stepper:
     def _check_context(self, max_new_tokens: int) -> None:
         ctx = self.config.max_seq_len
         longest = int(self.mask.sum(-1).max())
-        hint = ("shorten the prompt, or decode in StreamingLLM mode (sink_window=..., "
-                "sink_tokens=4; CLI: --sink-window N) which keeps attention sinks + a recent window")
+        hint = ("shorten the prompt, or decode in StreamingLLM mode (sink_window=N, sink_tokens=4) which keeps "
+                "attention sinks + a recent window")
         if self.source is not None:
             if longest + max_new_tokens > ctx:
                 raise ValueError(f"the decoder's start ({longest} tokens) + max_new_tokens={max_new_tokens} "

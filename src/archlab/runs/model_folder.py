@@ -300,7 +300,9 @@ def load_run_tokenizer(run_dir: str | os.PathLike):
 
 def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = None, overwrite: bool = False) -> Path:
     """A LoRA run folder's adapters (latest checkpoint) in PEFT's format, for the HF export of the run's base
-    (the model the run started from). A run without adapters is a UserError."""
+    (the model the run started from). A run without adapters, or a reward run (its score head is no causal LM's), is a
+    UserError."""
+    from archlab.interop.convert import refuse_score_head
     from archlab.interop.peft import hf_module_names, save_peft
     from archlab.nn.lora import LoRAConfig, lora_modules, select_modules
     from archlab.runs.outputs import check_output
@@ -311,6 +313,7 @@ def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = No
         _peft_family(run_dir)                       # a run no family expresses: said first, in one short line
     check_output(out, inputs=[run_dir], overwrite=overwrite)        # before loading anything
     model, _ = load_run(run_dir, merge_adapters=False)
+    refuse_score_head(model, Path(run_dir), "--to-peft's causal-LM adapter")   # it would drop the learnt reward
     if not lora_modules(model):
         raise UserError(f"{run_dir} holds no LoRA adapters (train.lora was not set): export it with --to-hf")
     settings = lora_section(read_run_config(run_dir).get("train"))      # the run's LoRA config, typed

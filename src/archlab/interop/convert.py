@@ -127,7 +127,7 @@ def convert_to_gguf(run_dir: str | Path, out_file: str | Path, qtype: str = "f16
     from archlab.generation.config import FILE as GENERATION_FILE
     from archlab.interop.gguf.validate import readback, sample_ids
     from archlab.interop.gguf.write import save_gguf
-    from archlab.runs.model_folder import load_run, refuse_quantized
+    from archlab.runs.model_folder import load_run, refuse_quantized, refuse_score_head
     from archlab.runs.outputs import check_output
 
     # a folder there, or a name ending in a slash (Path() drops it: the folder's name would become a file)
@@ -158,19 +158,6 @@ def _tokenizer_problem(folder: Path) -> str | None:
     return None
 
 
-def refuse_score_head(model: torch.nn.Module, run_dir: Path, target: str) -> None:
-    """A reward run's score head (nn/heads.SCORE_HEAD) is what the run learnt: an export without it would keep the
-    backbone and silently lose the reward, so it is refused (--to-hf and --to-gguf alike) before anything is written.
-    A PPO policy's value head is training state and is dropped (drop_value_head).
-    Example: refuse_score_head(model, Path("runs/rm"), "GGUF") raises UserError for a reward run"""
-    from archlab.errors import UserError
-    from archlab.nn.heads import SCORE_HEAD
-
-    if hasattr(model, SCORE_HEAD):
-        raise UserError(f"{run_dir} is a reward model (its score head, {SCORE_HEAD}.weight, is what it learnt): "
-                        f"{target} has no place for a reward head; score with `archlab score {run_dir} ...`")
-
-
 def drop_value_head(model: torch.nn.Module) -> None:
     """A PPO policy exports as the policy: its value head (training state, nn/heads.VALUE_HEAD) is left behind."""
     from archlab.nn.heads import VALUE_HEAD
@@ -187,7 +174,7 @@ def convert_to_hf(run_dir: str | Path, out_dir: str | Path, family: str | None =
     tokenizer_files); returns the HF model_type used. An existing non-empty out_dir is replaced only with
     `overwrite` (atomically)."""
     from archlab.interop.hf import save_hf, write_tokenizer_files
-    from archlab.runs.model_folder import load_run, refuse_quantized
+    from archlab.runs.model_folder import load_run, refuse_quantized, refuse_score_head
     from archlab.runs.outputs import check_output, fresh_output
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)

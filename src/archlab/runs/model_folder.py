@@ -289,6 +289,18 @@ def refuse_quantized(folder: str | os.PathLike, purpose: str) -> None:
                         f"use the run it was quantized from")
 
 
+def refuse_score_head(model: torch.nn.Module, run_dir: Path, target: str) -> None:
+    """A reward run's score head (nn/heads.SCORE_HEAD) is what the run learnt: an export without it would keep the
+    backbone and silently lose the reward, so it is refused (--to-hf, --to-gguf and --to-peft alike) before anything
+    is written. A PPO policy's value head is training state and is dropped (interop/convert.drop_value_head).
+    Example: refuse_score_head(model, Path("runs/rm"), "GGUF") raises UserError for a reward run"""
+    from archlab.nn.heads import SCORE_HEAD
+
+    if hasattr(model, SCORE_HEAD):
+        raise UserError(f"{run_dir} is a reward model (its score head, {SCORE_HEAD}.weight, is what it learnt): "
+                        f"{target} has no place for a reward head; score with `archlab score {run_dir} ...`")
+
+
 def load_run_tokenizer(run_dir: str | os.PathLike):
     tok_dir = Path(run_dir) / "tokenizer"
     if not tok_dir.is_dir():
@@ -302,7 +314,6 @@ def export_peft(run_dir: str | Path, out: str | Path, *, family: str | None = No
     """A LoRA run folder's adapters (latest checkpoint) in PEFT's format, for the HF export of the run's base
     (the model the run started from). A run without adapters, or a reward run (its score head is no causal LM's), is a
     UserError."""
-    from archlab.interop.convert import refuse_score_head
     from archlab.interop.peft import hf_module_names, save_peft
     from archlab.nn.lora import LoRAConfig, lora_modules, select_modules
     from archlab.runs.outputs import check_output

@@ -42,11 +42,32 @@ def test_slot_writes_step_equals_the_eager_step(overrides):
     tok, nxt = ids[:, -1:], pos[:, -1:] + 1
     for _ in range(10):                                       # past the window of 4
         ref = model(tok, positions=nxt, cache=plain)[:, -1]
-        got = step.eager(tok, nxt, torch.tensor(len(whole)), *whole.slots())
+        got = step.eager(*step.arguments(tok, nxt, whole))       # the slots read: 16, then all but the last
         whole.advance(1)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
         tok, nxt = ref.argmax(-1, keepdim=True), nxt + 1
     assert len(whole) == len(plain) == 17
+
+
+@torch.inference_mode()
+def test_a_step_into_the_last_slot_runs_eagerly():
+    """The graph is traced for fewer slots than the cache holds (a view): a step that fills a cache's last slot
+    (a cache without the generation's spare slot) runs the same function eagerly, equal to the eager decode."""
+    model = _model()
+    ids, mask = _prompt(model)
+    pos = torch.where(mask, mask.long().cumsum(-1) - 1, -1)
+    plain, full = StaticKVCache(model.config, 2, 8), StaticKVCache(model.config, 2, 8, rolling=False)
+    model(ids, positions=pos, cache=plain)
+    model(ids, positions=pos, cache=full)
+    step = CompiledStep(model)
+
+    def traced(*args):
+        raise AssertionError("the graph ran")
+    step.compiled = traced
+    tok, nxt = ids[:, -1:], pos[:, -1:] + 1
+    torch.testing.assert_close(step(tok, nxt, full, first=True), model(tok, positions=nxt, cache=plain)[:, -1],
+                               atol=1e-5, rtol=1e-5)
+    assert len(full) == 8 and step.failed is None
 
 
 def test_stale_after_a_weight_changes_in_place():
@@ -96,8 +117,10 @@ def test_compiled_decode_equals_eager_and_does_not_recompile_for_another_length(
     too."""
     model = _model(max_seq_len=256)
     ids, mask = _prompt(model)
+    # as generate does: the cache made outside inference mode, the steps inside (a graph traced over inference
+    # tensors is another graph: dynamo guards on the kind of tensor)
+    eager, compiled = (Stepper(model, ids, mask, 8, compile=c) for c in (False, True))
     with torch.inference_mode():
-        eager, compiled = (Stepper(model, ids, mask, 8, compile=c) for c in (False, True))
         a, b = eager.prefill(), compiled.prefill()
         for _ in range(6):
             torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
@@ -107,10 +130,11 @@ def test_compiled_decode_equals_eager_and_does_not_recompile_for_another_length(
     assert step is not None and step.failed is None and len(step.graphs) == 1
     seconds = step.compile_seconds
     assert seconds > 0
-    for t, new in ((7, 12), (4, 60)):                   # capacities 19 and 64: no new graph
-        got = archlab.generate(model, ids[:, -t:], new, attention_mask=mask[:, -t:], compile=True)
-        assert torch.equal(got, archlab.generate(model, ids[:, -t:], new, attention_mask=mask[:, -t:]))
-    assert len(step.graphs) == 1 and step.compile_seconds == seconds    # no new graph for other lengths
+    with torch._dynamo.config.patch(error_on_recompile=True):    # a recompile fails the step (step.failed)
+        for t, new in ((7, 12), (4, 60), (3, 2)):   # 6 to 65 slots (one spare), 5 to 64 of them read
+            got = archlab.generate(model, ids[:, -t:], new, attention_mask=mask[:, -t:], compile=True)
+            assert torch.equal(got, archlab.generate(model, ids[:, -t:], new, attention_mask=mask[:, -t:]))
+    assert step.failed is None and len(step.graphs) == 1 and step.compile_seconds == seconds
     beams = ids[1:, 3:]                                   # one prompt, 2 beams: the batch-2 graph again
     assert torch.equal(archlab.generate(model, beams, 6, num_beams=2, compile=True),
                        archlab.generate(model, beams, 6, num_beams=2))
@@ -122,3 +146,4 @@ def test_compiled_decode_equals_eager_and_does_not_recompile_for_another_length(
         assert torch.equal(outs[0], outs[1])
         turn = torch.cat((outs[0], ids[1:, 4:]), dim=1)
     assert caches[True].reused == caches[False].reused > 0
+    assert step.failed is None

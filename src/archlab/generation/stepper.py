@@ -223,7 +223,8 @@ class Stepper:
             if config is None:
                 raise ValueError("a prefix cache needs model.config")
             self._check_context(max_new_tokens)
-            self.cache = prefix.open(model, self.ids, model_dtype(model), device, need=t + max_new_tokens)
+            self.cache = prefix.open(model, self.ids, model_dtype(model), device,
+                                     need=t + max_new_tokens + (self.compiled is not None))   # a spare slot, as below
         elif self.sink:
             self._check_sink_mode(sink_tokens, sink_window)
             self.cache = SinkKVCache(config, b, sink_tokens=sink_tokens or 0, window=sink_window,
@@ -233,9 +234,10 @@ class Stepper:
                 raise ValueError("a KV cache needs model.config; pass use_cache=False for this model")
             self._check_context(max_new_tokens)
             depth = config.stack_depth("cross_decoder") if source is not None else None   # the decoder's
-            self.cache = StaticKVCache(config, b, t + max_new_tokens, dtype=model_dtype(model),
-                                       device=device, n_layers=depth,
-                                       rolling=not (rewindable or self.compiled is not None))   # compiled: every slot
+            # compiled: every slot, and one to spare (the compiled step never fills the last: nn/compiled_step.py)
+            compiled = self.compiled is not None
+            self.cache = StaticKVCache(config, b, t + max_new_tokens + compiled, dtype=model_dtype(model),
+                                       device=device, n_layers=depth, rolling=not (rewindable or compiled))
         else:
             if config is not None:
                 self._check_context(max_new_tokens)

@@ -10,12 +10,16 @@ What is traced is `model(tokens, positions=..., cache=SlotWrites(...))`: the pla
 the eager decode is tested equal to, nothing rewritten. The KV cache is the generation's StaticKVCache (built
 without rolling buffers), whose whole buffers enter the graph as inputs and are written in place at a slot given
 as a tensor (nn/kv_cache.SlotWrites); the capacity dimension is marked dynamic, so neither the growing cache nor
-another call's prompt length recompiles. What does recompile: another batch size, dtype or device (one graph
-each, up to torch._dynamo's recompile limit, 8 per model, after which the step runs uncompiled, still
-correct), a long cache's first step over a view of its slots (`LONG`: one more graph), and weights replaced or
-changed in place since the compile (the plan notices at the next session and compiles again: a graph may hold
-what it derived from them). Guards are checked on a session's first compiled step; its later steps skip them
-(`skip_guard_eval_unsafe`): inside one generate call nothing they check may change, as for the DecodeSession.
+another call's prompt length recompiles. Attention reads the slots up to the next multiple of SPAN past the
+tokens held, not the whole capacity: their count is a second dynamic size, and the keys and values are cut to it
+inside the graph, after the write (views of the buffers, not copies; a step into a cache's last slot runs the
+same function eagerly, as the graph is traced for a cut). What does recompile: another batch size, dtype or
+device (one graph each, up to torch._dynamo's recompile limit, 8 per model, after which the step runs
+uncompiled, still correct), a cache made inside inference mode after one made outside it or the reverse (dynamo
+guards on the kind of tensor), and weights replaced or changed in place since the compile (the plan notices at
+the next session and compiles again: a graph may hold what it derived from them). Guards are checked on a
+session's first compiled step; its later steps skip them (`skip_guard_eval_unsafe`): inside one generate call
+nothing they check may change, as for the DecodeSession.
 
 Compiling takes tens of seconds (docs/benchmarks.md), so it is an opt-in: `generate(..., compile=True)`,
 `archlab generate --compile`, `archlab chat --compile`. A model the step cannot take (hooks, int8 weights,
@@ -37,8 +41,7 @@ from archlab.nn.kv_cache import SlotWrites, StaticKVCache
 
 __all__ = ["CompiledStep", "compiled_step", "compilable", "INDUCTOR_OPTIONS", "SPAN"]
 
-SPAN = 64    # a step over a long cache attends over its slots up to the next multiple of this past the tokens held
-LONG = 1024  # a cache of at least this many slots is long
+SPAN = 16    # a step attends over its cache's slots up to the next multiple of this past the tokens held
 
 # cpp_wrapper: the graph's kernel calls from C++ rather than Python. Measured on the 8.5M-parameter benchmark model
 # (CPU time per step, shared machine): at batch 1 plain inductor 2.03 ms, with the C++ wrapper ~1.6 ms, guards
@@ -80,8 +83,9 @@ class CompiledStep:
         self.marked: torch.Tensor | None = None     # the positions buffer of the last buffers marked dynamic
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, keys: list[torch.Tensor],
-                 values: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:    # (b, 1) -> (b, v)
-            return model(tokens, positions=positions, cache=SlotWrites(keys, values, pos, slot), session=session)[:, -1]
+                 values: list[torch.Tensor], pos: torch.Tensor, span: torch.Tensor) -> torch.Tensor:  # (b, 1) -> (b, v)
+            cache = SlotWrites(keys, values, pos, slot, span)
+            return model(tokens, positions=positions, cache=cache, session=session)[:, -1]
 
         # a code object of its own: torch.compile keeps its graphs (and its recompile limit) per code object, so a
         # rebuilt step never finds the graphs traced with the old weights, nor another model's
@@ -103,24 +107,13 @@ class CompiledStep:
         (a warning, once per model): the caller decodes eagerly."""
         if self.failed is not None:
             return None
-        keys, values, pos = cache.slots()
-        held = len(cache)
-        # a long cache (a chat's prefix cache spans the context): the slots up to the next multiple of SPAN past
-        # this step's (views, written in place), so attention reads what the cache holds rounded up, not its whole
-        # capacity. Not for a short one: a view is not contiguous, and the graph then copies each layer's keys
-        # and values for attention (~37 copies a step on the benchmark model, about 1 ms under the profiler)
-        span = -(-(held + tokens.shape[1]) // SPAN) * SPAN
-        if pos.shape[1] >= LONG and 2 * span <= pos.shape[1]:
-            keys, values, pos = [k[:, :, :span] for k in keys], [v[:, :, :span] for v in values], pos[:, :span]
-        slot = torch.tensor(held, device=pos.device)
-        if pos is not self.marked:                        # new buffers (a new cache, a view, beams reordered)
-            for t in (*keys, *values):
-                torch._dynamo.maybe_mark_dynamic(t, 2)         # the capacity: one graph for every cache length
-            torch._dynamo.maybe_mark_dynamic(pos, 1)
-            self.marked = pos
-        tokens, positions = tokens.contiguous(), positions.contiguous()    # beams hand on views (index_select)
-        args = (tokens, positions, slot, keys, values, pos)
-        key = (tokens.shape[0], keys[0].dtype, keys[0].device)
+        args = self.arguments(tokens, positions, cache)
+        keys, span = args[3], args[6].shape[0]
+        if not 2 <= span < keys[0].shape[2]:    # into the cache's last slot, or a 2-slot cache: eagerly
+            out = self.eager(*args)
+            cache.advance(tokens.shape[1])
+            return out
+        key = (tokens.shape[0], keys[0].dtype, keys[0].device)      # batch, dtype, device: a graph each
         logits = None if first or key not in self.graphs else self._unguarded(args)
         if logits is None:                                   # guards checked; a new graph compiles here
             t0 = time.perf_counter()
@@ -139,6 +132,26 @@ class CompiledStep:
         cache.advance(tokens.shape[1])
         return logits
 
+    def arguments(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> tuple:
+        """The step's inputs (tokens, positions, slot, keys, values, pos, span) for one token per row at the cache's
+        next slot: the whole buffers, and as `span`'s length how many slots attention reads, those up to the next
+        multiple of SPAN past the tokens held. On the benchmark model (batch 8, 161 slots) a 128-token decode reads
+        104 slots on average instead of 161: the attention kernel's time goes with them."""
+        keys, values, pos = cache.slots()
+        held, slots = len(cache), pos.shape[1]
+        # fewer than all the slots, always: the graph is traced for views (dynamo guards that their size and strides
+        # differ from the buffer's), so a step into the last slot reads them all and runs eagerly (the generation's
+        # cache has a slot to spare: generation/stepper.py)
+        span = min(-(-(held + tokens.shape[1]) // SPAN) * SPAN, slots - 1) if held + tokens.shape[1] < slots else slots
+        if pos is not self.marked:                        # new buffers (a new cache, a grown one, beams reordered)
+            for t in (*keys, *values):
+                torch._dynamo.maybe_mark_dynamic(t, 2)         # the capacity: one graph for every cache length
+            torch._dynamo.maybe_mark_dynamic(pos, 1)
+            self.marked = pos
+        reads = torch.empty(span, dtype=torch.int8, device=pos.device)       # (span,) its length only
+        torch._dynamo.maybe_mark_dynamic(reads, 0)             # one graph for every step
+        tokens, positions = tokens.contiguous(), positions.contiguous()    # beams hand on views (index_select)
+        return tokens, positions, torch.tensor(held, device=pos.device), keys, values, pos, reads
 
     def _unguarded(self, args: tuple) -> torch.Tensor | None:
         """The step without evaluating its guards (a session's later steps), or None where dynamo finds that the

@@ -278,12 +278,16 @@ def _grown(t: torch.Tensor, size: int, held: int, fill: int = 0) -> torch.Tensor
 class SlotWrites:
     """The cache protocol over a StaticKVCache's whole buffers (`StaticKVCache.slots()`) for a compiled decode
     step: the step's t tokens are written at `slot` (a 0-d long tensor: the count of tokens held, the same for
-    every row) and every slot is returned, the empty ones at position -1, which attention masks. Nothing here
-    depends on how many tokens are held, so one traced graph serves every step; the caller counts the tokens
-    (`StaticKVCache.advance`). Example (inside the step): cache = SlotWrites(keys, values, pos, slot)"""
+    every row) and the first n slots are returned, the empty ones at position -1, which attention masks: all of
+    them, or n = span.shape[0] (`span` a tensor only for its length, so that n is a dynamic size of the traced
+    graph, not a constant) and attention reads no slot past them. Nothing here depends on how many tokens are
+    held, so one traced graph serves every step; the caller counts the tokens (`StaticKVCache.advance`). The
+    slots are cut inside the step, after the write: views of the whole buffers, handed to attention uncopied.
+    Example (inside the step): cache = SlotWrites(keys, values, pos, slot, span=torch.empty(n))"""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, slot: torch.Tensor):
-        self.keys, self.values, self.pos, self.slot = keys, values, pos, slot
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor, slot: torch.Tensor,
+                 span: torch.Tensor | None = None):
+        self.keys, self.values, self.pos, self.slot, self.span = keys, values, pos, slot, span
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         index = self.slot + torch.arange(k.shape[2], device=k.device)          # (t,) the slots written
@@ -291,7 +295,10 @@ class SlotWrites:
         keys.index_copy_(2, index, k)                                          # (b, k, max_len, e)
         values.index_copy_(2, index, v)
         self.pos.index_copy_(1, index, positions)     # the same for every layer: a (b, t) write each
-        return keys, values, self.pos
+        if self.span is None:
+            return keys, values, self.pos
+        n = self.span.shape[0]
+        return keys[:, :, :n], values[:, :, :n], self.pos[:, :n]              # (b, k, n, e), (b, n)
 
     def __len__(self) -> int:
         """Held tokens as far as the model's inputs ask (a step never starts a fresh cache): the true count is

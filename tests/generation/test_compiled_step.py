@@ -1,6 +1,9 @@
 """The compiled decode step (archlab.nn.compiled_step) against the eager step: the traced function run eagerly over
 the whole-buffer cache (fast), the fallbacks, and the compiled graph itself (slow: inductor compiles for ~30 s)."""
+import contextlib
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -147,3 +150,45 @@ def test_compiled_decode_equals_eager_and_does_not_recompile_for_another_length(
         turn = torch.cat((outs[0], ids[1:, 4:]), dim=1)
     assert caches[True].reused == caches[False].reused > 0
     assert step.failed is None
+
+
+@contextlib.contextmanager
+def _no_cycle_collector():
+    """Only reference counts free anything inside (the collector's pending cycles gathered first)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_a_model_holding_its_compiled_step_is_freed_without_the_cycle_collector():
+    """The plan holds the compiled step, which holds the model and the plan weakly: `del model` frees the model
+    and its weights by reference counts alone."""
+    model = _model()
+    plan = model.decode_plan()
+    step = plan.step = CompiledStep(model, plan)
+    whole = StaticKVCache(model.config, 1, 8, rolling=False)
+    ids = torch.randint(0, model.config.vocab_size, (1, 1))
+    with torch.inference_mode():
+        step.eager(*step.arguments(ids, torch.zeros_like(ids), whole))          # the session's packs filled
+    assert step.session.packs
+    del plan, step
+    refs = [weakref.ref(model), weakref.ref(next(model.parameters()))]
+    with _no_cycle_collector():
+        del model
+        assert all(r() is None for r in refs)
+
+
+@pytest.mark.slow
+def test_a_model_that_decoded_through_its_compiled_graph_is_freed_without_the_cycle_collector():
+    """As above after a compiled generation: nothing dynamo keeps holds the model or its weights."""
+    model = _model(max_seq_len=64)
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    assert torch.equal(archlab.generate(model, ids, 4, compile=True), archlab.generate(model, ids, 4))
+    assert model.decode_plan().step.graphs
+    refs = [weakref.ref(model), weakref.ref(next(model.parameters()))]
+    with _no_cycle_collector():
+        del model
+        assert all(r() is None for r in refs)

@@ -20,6 +20,8 @@ guards on the kind of tensor), and weights replaced or changed in place since th
 the next session and compiles again: a graph may hold what it derived from them). Guards are checked on a
 session's first compiled step; its later steps skip them (`skip_guard_eval_unsafe`): inside one generate call
 nothing they check may change, as for the DecodeSession.
+The model's plan holds the step and the step holds the model and the plan weakly, so no cycle keeps a deleted
+model (or its weights) alive until the cycle collector runs.
 
 Compiling takes tens of seconds (docs/benchmarks.md), so it is an opt-in: `generate(..., compile=True)`,
 `archlab generate --compile`, `archlab chat --compile`. A model the step cannot take (hooks, int8 weights,
@@ -31,6 +33,7 @@ from __future__ import annotations
 import time
 import types
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -68,13 +71,16 @@ class CompiledStep:
     of each new graph (batch size, dtype), summed."""
 
     def __init__(self, model: nn.Module, plan: Any = None):
-        from archlab.nn.fused import DecodePlan, DecodeSession
+        from archlab.nn.fused import DecodeSession
 
         # the step's own session over the plan (no direct views: compiled, module calls cost nothing): the packed
         # weights (q/k/v as one matmul, gate/up as one, W transposed once) enter the graph as the eager decode
-        # path multiplies by them; its packs are filled by an eager step before the first compile
-        self.session = DecodeSession(plan if plan is not None else DecodePlan())
+        # path multiplies by them; its packs are filled by an eager step before the first compile. The plan holds
+        # this step, so the step holds the plan and the model weakly: `del model` frees them without the cycle
+        # collector (no plan given: the session's own, held by it alone)
+        self.session = DecodeSession(weakref.proxy(plan) if plan is not None else None)   # type: ignore[arg-type]
         session = self.session
+        model_ref = weakref.ref(model)
         self.sources = [t for t in (*model.parameters(), *model.buffers())]
         self.versions = list(map(_version, self.sources))
         self.compile_seconds = 0.0
@@ -84,8 +90,10 @@ class CompiledStep:
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, keys: list[torch.Tensor],
                  values: list[torch.Tensor], pos: torch.Tensor, span: torch.Tensor) -> torch.Tensor:  # (b, 1) -> (b, v)
+            lm = model_ref()
+            assert lm is not None, "a generation calling the step holds the model"
             cache = SlotWrites(keys, values, pos, slot, span)
-            return model(tokens, positions=positions, cache=cache, session=session)[:, -1]
+            return lm(tokens, positions=positions, cache=cache, session=session)[:, -1]
 
         # a code object of its own: torch.compile keeps its graphs (and its recompile limit) per code object, so a
         # rebuilt step never finds the graphs traced with the old weights, nor another model's

@@ -207,3 +207,20 @@ def test_convert_under_a_file_size_limit_is_one_line_and_leaves_nothing(tmp_path
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and "File too large (a file-size limit" in proc.stderr, proc.stderr
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("argv, prog", [
+    (["generate", "RUN", "--bogus"], "archlab generate"),
+    (["finetune", "RUN", "--data", "d.jsonl", "--out", "o", "--text", "t.txt"], "archlab finetune"),
+    (["tokenizer", "train", "--input", "x", "--out", "o", "--vocab-size", "300", "--bogus", "1"],
+     "archlab tokenizer train"),
+])
+def test_an_unknown_option_is_named_by_the_subcommand_given(argv, prog, capsys):
+    # argparse reports leftovers from the top parser: "archlab: error: ... (see archlab --help)" sent the user to
+    # the list of commands instead of the command they typed
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{prog}: error: unrecognized arguments: ") and err.count("\n") == 1, err
+    assert err.rstrip().endswith(f"(see {prog} --help)"), err

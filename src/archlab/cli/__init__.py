@@ -43,9 +43,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)command parser `argv` reaches, e.g. `archlab tokenizer train`'s for ["tokenizer", "train", ...]."""
+    for word in argv:
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subparsers or word not in subparsers[0].choices:
+            continue
+        parser = subparsers[0].choices[word]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:       # named by the command typed, with its own --help (the top parser would say `archlab`)
+        _command_parser(parser, argv).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

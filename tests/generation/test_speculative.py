@@ -300,3 +300,24 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="decoder-only"):
         archlab.generate(model, row, 4, draft="ngram", sink_window=8)
     assert PromptLookupDraft().max_ngram == 3
+
+
+def test_an_int8_target_whose_kernel_quantizes_rows_together_is_refused(monkeypatch):
+    """fbgemm quantizes a call's activations with one scale, so checking k drafts in one forward gave other tokens
+    than plain greedy (7 prompts in 20 on a tiny LLaMA): refused. An int8 draft only proposes, and a kernel that
+    keeps rows apart (the dequantize reference) checks exactly."""
+    from archlab.nn import int8
+
+    model = _model("llama3-8b")
+    quantized = int8.quantize_int8(copy.deepcopy(model)).eval()
+    row = _prompts(128)[0]
+    if int8.KERNELS.get(int8.decode_kernel()).rows_together:
+        for draft in ("prompt_lookup", model):
+            with pytest.raises(ValueError, match="int8 layers quantize the activations"):
+                archlab.generate(quantized, row, 8, draft=draft)
+    plain = archlab.generate(model, row, max_new_tokens=16)
+    assert torch.equal(archlab.generate(model, row, max_new_tokens=16, draft=quantized, draft_tokens=3), plain)
+    monkeypatch.setattr(int8, "PREFERRED", ("dequantize",))
+    plain8 = archlab.generate(quantized, row, max_new_tokens=16)
+    for draft in ("prompt_lookup", model):
+        assert torch.equal(archlab.generate(quantized, row, max_new_tokens=16, draft=draft, draft_tokens=3), plain8)

@@ -82,3 +82,20 @@ def test_draft_data_prepared_with_another_tokenizer_is_refused(runs, tmp_path, c
     assert main([*base, "--draft-data", str(tmp_path / "theirs")]) == 2
     err = capsys.readouterr().err.strip()
     assert "was prepared with another tokenizer" in err and len(err.splitlines()) == 1, err
+
+
+def test_an_int8_target_is_refused_before_the_prompt_is_printed(runs, tmp_path, capsys):
+    from archlab.nn.int8 import KERNELS, decode_kernel
+    if not KERNELS.get(decode_kernel()).rows_together:
+        pytest.skip("this torch's int8 decode kernel keeps rows apart: speculative decoding stays exact")
+    target, draft_run, _ = runs
+    (tmp_path / "text.txt").write_text(PROMPT * 4)
+    assert main(["quantize", str(target), "--weights", "int8", "--out", str(tmp_path / "int8"),
+                 "--text", str(tmp_path / "text.txt"), "--seq-len", "32"]) == 0
+    capsys.readouterr()
+    for draft in ("prompt-lookup", str(draft_run)):
+        assert main(["generate", str(tmp_path / "int8"), "--prompt", PROMPT, "--max-new-tokens", "4",
+                     "--draft", draft]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and len(out.err.strip().splitlines()) == 1, out
+        assert "int8 layers quantize the activations" in out.err and "draft for the float run" in out.err

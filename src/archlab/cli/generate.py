@@ -226,7 +226,12 @@ def build_draft(args, model, tok):
 
     from archlab.errors import UserError
     from archlab.generation import NgramDraft, PromptLookupDraft
+    from archlab.generation.speculative import check_target
 
+    try:
+        check_target(model)                 # before the prompt is echoed
+    except ValueError as exc:
+        raise UserError(f"--draft {args.draft}: {args.path}: {exc}") from None
     if args.draft == "prompt-lookup":
         return PromptLookupDraft()
     order = draft_order(args.draft)

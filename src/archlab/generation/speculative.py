@@ -255,8 +255,20 @@ def steps(stepper: Stepper, draft: Draft, schedule: Schedule, max_new_tokens: in
         stats.seconds += time.perf_counter() - start
 
 
+def check_target(model) -> None:
+    """A ValueError when `model` cannot check drafts exactly: its int8 layers quantize a forward's tokens together
+    (nn/int8.rows_quantized_together), so checking k drafts in one forward would not give plain decoding's tokens."""
+    from archlab.nn.int8 import rows_quantized_together
+
+    if rows_quantized_together(model):
+        raise ValueError("speculative decoding checks the drafted tokens in one forward, and this model's int8 "
+                         "layers quantize the activations of a forward's tokens together: its output would not be "
+                         "plain decoding's; draft for the float run it was quantized from (the draft may be int8)")
+
+
 def prepare(draft: Draft, model, prompt_width: int, max_new_tokens: int, draft_tokens) -> Schedule:
-    """Checks before anything runs: the draft length, and for a draft model its vocabulary and context."""
+    """Checks before anything runs: the target, the draft length, and for a draft model its vocabulary and context."""
+    check_target(model)
     schedule = Schedule(draft_tokens)
     context = getattr(getattr(model, "config", None), "max_seq_len", None)
     if not schedule.auto and context is not None and schedule.k >= context:

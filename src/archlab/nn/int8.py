@@ -29,7 +29,7 @@ from archlab.nn.quantize import dequantize_rows, quantize_rows
 from archlab.nn.registry import Registry
 
 __all__ = ["Int8Matrix", "QuantizedLinear", "QuantizedEmbedding", "quantize_int8", "is_quantized", "KERNELS",
-           "Int8Kernel", "decode_kernel", "int8_pack", "Int8Packed"]
+           "Int8Kernel", "decode_kernel", "int8_pack", "Int8Packed", "rows_quantized_together"]
 
 
 class Int8Matrix(nn.Module):
@@ -129,11 +129,14 @@ def quantize_int8(model: nn.Module, *, layout_only: bool = False) -> nn.Module:
 @dataclass(frozen=True)
 class Int8Kernel:
     """How a decode step multiplies by int8 rows: `prepare(q, scale, bias)` once per module group (cached while
-    the weights are unchanged), `run(x, prepared)` per step; `available()` says whether this torch build has it."""
+    the weights are unchanged), `run(x, prepared)` per step; `available()` says whether this torch build has it.
+    `rows_together`: the kernel quantizes the activations of a call's rows with one scale, so a row's result depends
+    on the other rows of the call (a forward over k tokens is not k one-token steps)."""
 
     prepare: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], Any]
     run: Callable[[torch.Tensor, Any], torch.Tensor]
     available: Callable[[], bool]
+    rows_together: bool = False
 
 
 KERNELS: Registry[Int8Kernel] = Registry("int8 kernel")
@@ -171,7 +174,7 @@ def _has_fbgemm() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-KERNELS.register("fbgemm")(Int8Kernel(_fbgemm_prepare, _fbgemm_run, _has_fbgemm))
+KERNELS.register("fbgemm")(Int8Kernel(_fbgemm_prepare, _fbgemm_run, _has_fbgemm, rows_together=True))
 
 PREFERRED = ("fbgemm", "dequantize")   # fastest first, by the measurement in this module's docstring
 
@@ -182,6 +185,14 @@ def decode_kernel(name: str | None = None) -> str:
         KERNELS.get(name)
         return name
     return next(n for n in PREFERRED if KERNELS.get(n).available())
+
+
+def rows_quantized_together(model: nn.Module) -> bool:
+    """True when `model` decodes through int8 layers whose kernel quantizes a call's rows together (fbgemm): its
+    logits for several tokens in one forward then differ from one token at a time, so whatever relies on the two
+    being equal (speculative decoding's check) cannot use it.
+    Example: rows_quantized_together(quantize_int8(model)) -> True where torch has fbgemm"""
+    return KERNELS.get(decode_kernel()).rows_together and any(map(is_quantized, model.modules()))
 
 
 class Int8Packed:

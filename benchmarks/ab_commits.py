@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from generate import interleaved  # benchmarks/generate.py: one call each per round, the order rotating
+from bench import interleaved  # benchmarks/bench.py: one call of each per round, the order rotating
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -31,7 +31,6 @@ positions inside the window (< W, where the two see the same keys) and past it.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -40,7 +39,7 @@ import sys
 import time
 
 import torch
-from generate import interleaved  # benchmarks/generate.py: one call of each per round, the order rotating
+from bench import interleaved, parser, start  # benchmarks/bench.py: one call of each per round, the order rotating
 
 D_MODEL, N_LAYERS, N_HEADS, D_FF, VOCAB = 128, 2, 4, 256, 256
 STRIDE = 128          # the strided pattern's l (Child et al. used l ~ sqrt(n): 128 at 16k)
@@ -261,7 +260,7 @@ def plot(results: dict, path: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
@@ -276,10 +275,7 @@ def main() -> None:
     ap.add_argument("--flat-only", action="store_true",
                     help="only time the window-W model alone per length (time per token against n)")
     args = ap.parse_args()
-    from archlab.runs.provenance import provenance_line
-
-    print(provenance_line(threads=args.threads), flush=True)
-    torch.set_num_threads(args.threads)
+    start(args)
     lengths = [int(n) for n in args.lengths.split(",")]
     if args.flat_only:
         flatness(lengths, args.window, args.rounds)

@@ -41,12 +41,12 @@ user's turn.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import time
 
 import torch
+from bench import parser, start  # benchmarks/bench.py: the opening every benchmark shares
 
 import archlab
 from archlab.generation import PrefixCache, stream
@@ -341,7 +341,7 @@ def server_turns(model, users: list[list[int]], answers: list[list[int]], cached
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", default=None, metavar="FOLDER",
                     help="a run or HF folder with a chat template: a real conversation through archlab chat's "
                     "session (the toy model's --user, --d-model and the server's table do not apply)")
@@ -360,9 +360,7 @@ def main() -> None:
     args = ap.parse_args()
     global clock
     clock = CLOCKS[args.clock]
-    from archlab.runs.provenance import provenance_line
-    print(provenance_line(threads=args.threads), flush=True)
-    torch.set_num_threads(args.threads)
+    start(args)
     if args.model:
         model, cfg, cases = model_chat(args)
     else:

@@ -20,37 +20,15 @@ greedy tokens of both are compared on the full --new tokens.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
-import tempfile
 import time
 
 import torch
-
-
-def _timed(fn, clock=time.perf_counter) -> float:
-    t0 = clock()
-    fn()
-    return clock() - t0
-
-
-def interleaved(fns: dict, rounds: int, warmup: int = 1, clock=time.perf_counter) -> dict[str, list[float]]:
-    """Seconds per call of each fn, one call of each per round, the order rotating every round. clock:
-    wall time by default; time.process_time counts only this process's CPU time (a shared machine's other
-    tenants and descheduled stretches drop out)."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(_timed(fns[name], clock))
-    return times
+from bench import interleaved, llama_pair, parser, start  # benchmarks/bench.py
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=32)
@@ -64,24 +42,16 @@ def main() -> None:
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="leave out the compiled step")
     args = ap.parse_args()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    from archlab.runs.provenance import provenance_line
-    print(provenance_line(threads=getattr(args, 'threads', None)), flush=True)
-    torch.set_num_threads(args.threads)
+    start(args)
 
     import transformers
 
     import archlab
-    from archlab.interop import load_hf
     from archlab.models.accounting import kv_cache_bytes
     from archlab.nn.kv_cache import StaticKVCache
 
     hf_cfg = transformers.LlamaConfig(max_position_embeddings=1024, tie_word_embeddings=False, **SHAPES[args.model])
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    hf.generation_config.eos_token_id = None
-    with tempfile.TemporaryDirectory() as folder:
-        hf.save_pretrained(folder, safe_serialization=True)
-        ours = load_hf(folder)
+    hf, ours = llama_pair(hf_cfg)
     n_params = ours.num_params()
     print(f"model: LLaMA-like {n_params / 1e6:.2f}M params, {hf_cfg.num_hidden_layers} layers, d={hf_cfg.hidden_size}, "
           f"heads {hf_cfg.num_attention_heads}/{hf_cfg.num_key_value_heads}; torch threads={torch.get_num_threads()}; "

@@ -10,7 +10,6 @@ Reports the median and best seconds of each and the median of per-round ratios; 
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 import tempfile
@@ -18,19 +17,17 @@ import time
 from pathlib import Path
 
 import torch
-from generate import interleaved  # benchmarks/generate.py: one call each per round, the order rotating
+from bench import interleaved, parser, start  # benchmarks/bench.py: one call of each per round, the order rotating
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a packaged model (archlab.interop.gguf)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cpu-time", action="store_true", help="time this process's CPU time, not wall time")
     args = ap.parse_args()
-    from archlab.runs.provenance import provenance_line
-    print(provenance_line(threads=args.threads), flush=True)
-    torch.set_num_threads(args.threads)
+    start(args)
 
     import transformers
 

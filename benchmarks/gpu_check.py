@@ -272,22 +272,15 @@ def kernels(deadline: float) -> dict:
 
 def generate(deadline: float) -> dict:
     """Greedy decoding, bf16, a ~110M LLaMA-like model: archlab.generate vs transformers' generate, same weights."""
-    import tempfile
-
     import transformers
+    from bench import llama_pair  # benchmarks/bench.py: one LLaMA in transformers and archlab
 
     import archlab
-    from archlab.interop import load_hf
 
     hf_cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
                                       num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                                       max_position_embeddings=2048, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    hf.generation_config.eos_token_id = None
-    with tempfile.TemporaryDirectory() as folder:
-        hf.save_pretrained(folder, safe_serialization=True)
-        ours = load_hf(folder)
+    hf, ours = llama_pair(hf_cfg)
     hf = hf.to(DEV, torch.bfloat16)
     ours = ours.to(DEV, torch.bfloat16).eval()
     out = []

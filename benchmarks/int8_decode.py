@@ -16,7 +16,6 @@ tokens of Hamlet from the Shakespeare corpus), windows of 256.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench import parser, start  # benchmarks/bench.py: the opening every benchmark shares
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
@@ -49,7 +49,7 @@ def linear_weights(model) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--run", required=True, help="SmolLM2-135M as an archlab run folder")
     ap.add_argument("--hf", required=True, help="the same weights as a Hugging Face folder")
     ap.add_argument("--new", type=int, default=16, help="decode steps timed per call")
@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--text", default=None, help="text for the perplexity line (default: Hamlet)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="leave out the compiled step")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    start(args)
     clock = CLOCKS[args.clock]
 
     import transformers
@@ -70,9 +70,6 @@ def main() -> None:
     from archlab.eval.perplexity import perplexity
     from archlab.nn.int8 import decode_kernel, quantize_int8
     from archlab.runs.model_folder import load_run
-    from archlab.runs.provenance import provenance_line
-
-    print(provenance_line(threads=args.threads), flush=True)
     ours, tok = load_run(args.run)
     int8 = quantize_int8(copy.deepcopy(ours)).eval()
     hf = transformers.AutoModelForCausalLM.from_pretrained(args.hf, dtype=torch.float32).eval()

@@ -20,12 +20,12 @@ decoder (d 256, 4 layers, 4 heads, SwiGLU 688, vocab 4096), float32.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
 
 import torch
+from bench import parser, start  # benchmarks/bench.py: the opening every benchmark shares
 
 D_MODEL, N_LAYERS, N_HEADS, D_FF, VOCAB = 256, 4, 4, 688, 4096
 
@@ -116,7 +116,7 @@ def epoch_fn(batches: list[dict], device: torch.device):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--examples", type=int, default=64)
     ap.add_argument("--median", type=float, default=96.0, help="median example length, tokens")
     ap.add_argument("--sigma", type=float, default=0.8, help="log-normal spread of the lengths")
@@ -128,12 +128,9 @@ def main() -> None:
     ap.add_argument("--clock", choices=("process", "wall"), default="process")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    from archlab.runs.provenance import provenance_line
-
     device = torch.device(args.device)
-    torch.set_num_threads(args.threads)
     clock = time.process_time if args.clock == "process" else time.perf_counter
-    print(provenance_line(device=device, threads=args.threads, clock=args.clock), flush=True)
+    start(args, device=device, clock=args.clock)
     lens = lengths(args.examples, args.median, args.sigma, args.seq)
     docs = examples(lens)
     padded, packed = padded_batches(docs, args.batch), packed_batches(docs, args.seq, args.rows)

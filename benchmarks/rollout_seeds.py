@@ -11,12 +11,11 @@ Reported: the median over interleaved rounds of (per-prompt seconds / one-genera
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
-from generate import interleaved  # benchmarks/generate.py: one call of each per round, the order rotating
+from bench import interleaved, parser, start  # benchmarks/bench.py: one call of each per round, the order rotating
 
 from archlab.models import build_model
 from archlab.training.methods.rollout import rollout
@@ -24,7 +23,7 @@ from archlab.training.recipes import reverse_words
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
@@ -32,9 +31,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args()
-    from archlab.runs.provenance import provenance_line
-    print(provenance_line(threads=args.threads), flush=True)
-    torch.set_num_threads(args.threads)
+    start(args)
     torch.manual_seed(0)
     model = build_model(reverse_words(quick=False)["model"]).eval()
     prompts = [torch.randint(1, 250, (args.prompt_len,)).tolist() for _ in range(args.prompts)]

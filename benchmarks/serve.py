@@ -7,15 +7,14 @@ rows each batched decode step carried.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import threading
 import time
 
 import torch
+from bench import parser, start  # benchmarks/bench.py: the opening every benchmark shares
 
 import archlab
-from archlab.runs.provenance import provenance_line
 from archlab.serve import CompletionRequest, Engine
 from archlab.tokenizer import Tokenizer
 
@@ -47,14 +46,13 @@ def run(engine: Engine, prompts: list[str], new: int, concurrent: bool) -> float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--new", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    print(provenance_line(threads=args.threads), flush=True)
+    start(args)
     engine = build_engine(max_batch=args.requests)
     prompts = [f"request {i}: " + "lorem ipsum " * (1 + i % 4) for i in range(args.requests)]
     run(engine, prompts[:2], 8, concurrent=True)                    # warm-up

@@ -15,14 +15,13 @@ tokens per target forward and the theory's (1 - a^(k+1)) / (1 - a) come from the
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from generate import interleaved  # benchmarks/generate.py: one call of each per round, the order rotating
+from bench import interleaved, parser, start  # benchmarks/bench.py: one call of each per round, the order rotating
 from safetensors.torch import load_file, save_file
 
 import archlab
@@ -121,7 +120,7 @@ def folder_model(args):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=500, help="training steps of the rewrite model")
     ap.add_argument("--weights", default=None, help="where the trained weights are kept (default: the temp folder)")
@@ -133,9 +132,7 @@ def main() -> None:
                     "by archlab convert --from-gguf): it rewrites PASSAGE, stopping at its end of turn")
     ap.add_argument("--new", type=int, default=128, help="with --model: most new tokens")
     args = ap.parse_args()
-    from archlab.runs.provenance import provenance_line
-    print(provenance_line(threads=args.threads), flush=True)
-    torch.set_num_threads(args.threads)
+    start(args)
     model, prompts, kw = folder_model(args) if args.model else trained_model(args)
     plain = archlab.generate(model, prompts, **kw)
     tokens = (plain.shape[-1] - len(prompts[0])) * len(prompts)      # every mode decodes exactly these

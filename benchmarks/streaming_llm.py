@@ -13,13 +13,13 @@ perplexity on the tokens past 2 x ctx:
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import time
 from pathlib import Path
 
 import torch
+from bench import parser, start  # benchmarks/bench.py: the opening every benchmark shares
 from tqdm import tqdm
 
 import archlab
@@ -84,7 +84,7 @@ def token_by_token_nll(model, ids: torch.Tensor, cache) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--train-seconds", type=float, default=60)
     ap.add_argument("--ctx", type=int, default=32)
     ap.add_argument("--eval-len", type=int, default=384)
@@ -94,9 +94,7 @@ def main() -> None:
                     help="start every training window and eval text with a BOS token (as LLM documents do); "
                     "without it windows start at arbitrary bytes and a first-token sink has less reason to form")
     args = ap.parse_args()
-    from archlab.runs.provenance import provenance_line
-    print(provenance_line(threads=getattr(args, 'threads', None)), flush=True)
-    torch.set_num_threads(args.threads)
+    start(args)
 
     train_bytes, held = corpus_bytes()
     data = torch.frombuffer(bytearray(train_bytes), dtype=torch.uint8).long()

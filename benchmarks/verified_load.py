@@ -10,26 +10,22 @@ saved as a one-checkpoint run folder in a temporary folder. The ratio is the med
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 from pathlib import Path
 from unittest import mock
 
-import torch
 import yaml
-from generate import interleaved  # benchmarks/generate.py: one call each per round, the order rotating
+from bench import interleaved, parser, start  # benchmarks/bench.py: one call of each per round, the order rotating
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    from archlab.runs.provenance import provenance_line
-    print(provenance_line(threads=args.threads), flush=True)
-    torch.set_num_threads(args.threads)
+    start(args)
 
     from archlab.config import ModelConfig
     from archlab.models import build_model

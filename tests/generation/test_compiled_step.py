@@ -10,6 +10,7 @@ import torch
 
 import archlab
 from archlab.generation.stepper import Stepper
+from archlab.nn.attention_backends import forced
 from archlab.nn.compiled_step import CompiledStep, compilable
 from archlab.nn.int8 import quantize_int8
 from archlab.nn.kv_cache import StaticKVCache
@@ -28,12 +29,14 @@ def _prompt(model, b=2, t=7):
     return ids, mask
 
 
+@pytest.mark.parametrize("backend", [None, "decode"], ids=["chosen", "decode"])
 @pytest.mark.parametrize("overrides", [{}, {"attention.window": 4, "attention.layer_pattern": "LG"}],
                          ids=["global", "window"])
 @torch.inference_mode()
-def test_slot_writes_step_equals_the_eager_step(overrides):
+def test_slot_writes_step_equals_the_eager_step(overrides, backend):
     """The function that is compiled, run eagerly: every slot returned (empty ones at -1), written at a tensor
-    slot. Its logits equal the eager decode's step by step, padded rows and sliding windows included."""
+    slot. Its logits equal the eager decode's step by step, padded rows and sliding windows included; also with
+    its attention on the decode backend, which a compiled step chooses (masked empty slots and padding)."""
     model = _model(**overrides)
     ids, mask = _prompt(model)
     pos = torch.where(mask, mask.long().cumsum(-1) - 1, -1)
@@ -45,7 +48,8 @@ def test_slot_writes_step_equals_the_eager_step(overrides):
     tok, nxt = ids[:, -1:], pos[:, -1:] + 1
     for _ in range(10):                                       # past the window of 4
         ref = model(tok, positions=nxt, cache=plain)[:, -1]
-        got = step.eager(*step.arguments(tok, nxt, whole))       # the slots read: 16, then all but the last
+        with forced(backend):
+            got = step.eager(*step.arguments(tok, nxt, whole))   # the slots read: 16, then all but the last
         whole.advance(1)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
         tok, nxt = ref.argmax(-1, keepdim=True), nxt + 1

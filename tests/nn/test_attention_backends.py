@@ -12,7 +12,8 @@ from archlab.nn.local_attention import BlockLocal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-OTHERS = [name for name in backends.BACKENDS.names() if name != "eager"]
+OTHERS = [name for name in backends.BACKENDS.names() if name not in ("eager", "decode")]   # decode: one query per
+# row, which no variant's full forward is (its own tests below and tests/generation/test_compiled_step.py)
 FORWARD_ONLY = ["flex"]                  # torch 2.13 has no FlexAttention backward on CPU: forward under no_grad
 
 
@@ -187,3 +188,40 @@ def test_one_query_with_grouped_heads_folds_them_and_equals_eager(monkeypatch):
     call = AttnCall(q, call.k, call.v, call.scale)
     torch.testing.assert_close(sdpa(call)[0], eager(call)[0], rtol=1e-5, atol=1e-6)
     assert queries == [(2, 2, 2, 8)] * 4                      # (b, kv heads, query heads per kv head, e)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["matmuls", "broadcast"])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (4, 1)], ids=["gqa", "mha", "mqa"])
+def test_decode_attention_equals_the_eager_reference(heads, traced):
+    """One query per row, each kv head's query heads folded into one matrix, in both written forms (batched matmuls
+    eagerly; broadcast products summed, what inductor fuses in a compiled step): the eager reference's output with
+    no mask, a padding mask per row (b, 1, 1, s) and a mask shared by the batch; bf16 within its resolution."""
+    h, kv = heads
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, h, 1, 8), torch.randn(2, kv, 7, 8), torch.randn(2, kv, 7, 8)
+    padding = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    padding[0, ..., :3] = False
+    eager = backends.BACKENDS.get("eager")
+    for mask in (None, padding, padding[1:]):
+        ref = eager(AttnCall(q, k, v, 8 ** -0.5, mask=mask))[0]
+        got = backends.decode_attention(q, k, v, 8 ** -0.5, mask, traced=traced)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        half = backends.decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 8 ** -0.5, mask, traced=traced)
+        assert half.dtype == torch.bfloat16
+        torch.testing.assert_close(half.float(), ref, rtol=0.05, atol=0.05)
+
+
+def test_the_decode_backend_takes_one_query_and_is_chosen_only_when_compiling():
+    """It supports a decode step's call and says why not elsewhere; an eager decode step stays on SDPA (as fast
+    there), so the backend is chosen only inside a compiled step."""
+    decode = backends.BACKENDS.get("decode")
+    assert decode.supports(_call(t=1, s=7)) is None
+    assert decode.supports(_call(t=1, s=7, mask=torch.ones(2, 1, 1, 7, dtype=torch.bool))) is None
+    assert "one query" in decode.supports(_call(t=5, s=7))
+    assert "soft-cap" in decode.supports(_call(t=1, s=7, softcap=30.0))
+    assert "bias" in decode.supports(_call(t=1, s=7, bias=torch.zeros(2, 4, 1, 7)))
+    assert backends.choose(_call(t=1, s=7)).name == "sdpa"
+    with forced("decode", strict=True):
+        call = _call(t=1, s=7)
+        torch.testing.assert_close(backends.run(call)[0], backends.BACKENDS.get("eager")(call)[0], rtol=1e-5,
+                                   atol=1e-6)

@@ -312,10 +312,22 @@ def packed_matmul(x: torch.Tensor, pack: _Packed | Int8Packed) -> torch.Tensor: 
     """x times the packed weights (+ bias)."""
     if isinstance(pack, Int8Packed):
         return pack.matmul(x)
+    if torch.compiler.is_compiling():
+        rows = _rows(x)                                                              # (n, in)
+        out = torch.mm(rows, pack.w_t) if pack.bias is None else torch.addmm(pack.bias, rows, pack.w_t)
+        return out.view(*x.shape[:-1], out.shape[-1])
     if x.dim() == 2:
         return torch.mm(x, pack.w_t) if pack.bias is None else torch.addmm(pack.bias, x, pack.w_t)
     out = x @ pack.w_t                                # matmul folds (b, t, in) into one mm in C++: no Python views
     return out if pack.bias is None else out.add_(pack.bias)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:                                          # (..., in) -> (n, in)
+    """x's rows as one matrix for a traced matmul, strided (in, 1) explicitly: inductor's view of a (1, 1, in) buffer
+    as (1, in) gets stride 0 on its size-1 dimension, which MKL's gemm takes for a non-contiguous matrix and copies
+    (SmolLM2-135M: 91 copies of a row a compiled decode step, every matmul but o's)."""
+    n, d = x.shape[:-1].numel(), x.shape[-1]
+    return x.contiguous().as_strided((n, d), (d, 1))
 
 
 def packed_split(x: torch.Tensor, pack: _Packed | Int8Packed) -> tuple[torch.Tensor, ...]:

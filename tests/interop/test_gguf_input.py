@@ -218,3 +218,21 @@ def test_merge_of_unknown_tokens_is_refused(tmp_path, capsys):
     file = tiny_llama(tmp_path / "model.gguf")
     rewritten(file, tmp_path / "bad.gguf", merges=["A B", "Q Z"])
     _refused(tmp_path, capsys, tmp_path / "bad.gguf", "tokenizer.ggml.merges[0]='A B'")
+
+
+def test_a_folder_or_a_misspelt_model_name_is_named_as_such(tmp_path, capsys):
+    """A folder was 'no such file' (it exists), and a near-miss of a packaged name gave no hint of the names."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "model.gguf").write_bytes(b"")
+    elsewhere = tmp_path / "out"
+    elsewhere.mkdir()
+    assert main(["convert", "--from-gguf", str(folder), "--out", str(elsewhere / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"{folder}: a folder, not a GGUF file"), err
+    assert main(["convert", "--from-gguf", "smollm2", "--out", str(elsewhere / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "smollm2: no such file, nor a packaged model (gemma-3-270m, smollm2-135m-instruct)" in err, err
+    assert main(["convert", "--from-gguf", str(tmp_path / "nope.gguf"), "--out", str(elsewhere / "run")]) == 2
+    assert capsys.readouterr().err.strip().endswith("nope.gguf: no such file")      # a path: no list of names
+    assert not (elsewhere / "run").exists()

@@ -91,4 +91,7 @@ def resolve_gguf(spec: str | os.PathLike) -> Path:
     path = Path(spec)
     if not path.exists() and str(spec) in PACKAGED:
         return packaged_model(str(spec))
+    if not path.exists() and len(path.parts) == 1 and not path.suffix:       # a name, not a path: which names
+        from archlab.interop.gguf.reader import GGUFError
+        raise GGUFError(f"{spec}: no such file, nor a packaged model ({', '.join(sorted(PACKAGED))})")
     return path

@@ -131,6 +131,8 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        if self.path.is_dir():
+            raise GGUFError(f"{self.path}: a folder, not a GGUF file")
         if not self.path.is_file():
             raise GGUFError(f"{self.path}: no such file")
         size = self.path.stat().st_size

@@ -106,9 +106,10 @@ def run_verify(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     c = subparsers.add_parser(
-        "convert", help="convert between a Hugging Face folder and an archlab run folder",
-        description="HF folder (config.json + safetensors) <-> archlab run folder. "
-        "Example: archlab convert --from-hf ~/models/Qwen2.5-0.5B --out runs/qwen",
+        "convert", help="convert between Hugging Face folders, GGUF files and archlab run folders",
+        description="Hugging Face folder (config.json + safetensors) or GGUF file (llama.cpp, Ollama) -> archlab "
+        "run folder; run folder -> Hugging Face folder, GGUF file (f32, f16, q8_0) or a LoRA run's PEFT adapter. "
+        "Example: archlab convert --from-gguf smollm2-135m-instruct --out runs/smollm2",
         epilog=CONVERT_EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = c.add_mutually_exclusive_group(required=True)

@@ -29,7 +29,9 @@ def register(subparsers) -> None:
                    help="decoder: next-token LM (default); encoder: masked LM (BERT); encoder_decoder: span "
                    "corruption (T5)")
     p.add_argument("--out", default=None,
-                   help="run folder (default: runs/demo, or runs/demo-encoder; replaced each time)")
+                   help="run folder (default: runs/demo, runs/demo-encoder, runs/demo-encoder_decoder, "
+                   "runs/demo-post-training; replaced each time), or with --real-model the demo folder (default "
+                   "runs/demo-real-model; an existing, non-empty one needs --overwrite)")
     p.add_argument("--minutes", type=float, default=2.5, help="training time (default 2.5)")
     p.add_argument("--quick", action="store_true", help="tiny model, a dozen steps (seconds)")
     p.add_argument("--corpus", default="shakespeare", help="a built-in corpus name or a path")

@@ -71,3 +71,12 @@ def test_diagnose_cli_prints_and_writes_the_dead_share(tmp_path, capsys):
     summary = json.loads((tmp_path / "diag" / "summary.json").read_text())
     share = summary["summary"]["dead_unit_fraction"]
     assert 0.0 <= share <= 1.0 and f"dead MLP units {share:.1%}" in out and "  dead " in out
+
+
+def test_a_model_without_relu_family_mlps_is_not_run_again():
+    """The count needs a forward only where a ReLU-family MLP exists: on SmolLM2 (SwiGLU) `diagnose` ran a whole
+    extra forward over the text to return 30 Nones."""
+    model = planted("swiglu", (0, 0), IDS)
+    calls = []
+    model.register_forward_pre_hook(lambda _m, _args: calls.append(1))
+    assert dead_unit_fractions(model, IDS) == [None, None] and calls == []

@@ -80,6 +80,8 @@ def dead_unit_fractions(model, input_ids: torch.Tensor) -> list[float | None]:
 
     hooks = [mlp.register_forward_pre_hook(hook_for(i)) for i, blk in enumerate(model.blocks)
              for mlp in blk.modules() if isinstance(mlp, DenseMLP) and mlp.activation in RELU_FAMILY]
+    if not hooks:                                # nothing to count: no forward (a whole one on a real model)
+        return [None] * len(model.blocks)
     try:
         model.eval()
         model(input_ids.to(next(model.parameters()).device))

@@ -179,6 +179,27 @@ def test_sink_cache_stretch_in_one_forward_equals_feeding_it_token_by_token(name
                                    atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("name", ["base", "gqa", "learned-sinks"])
+@pytest.mark.parametrize("sinks, window", [(0, 6), (2, 5)])
+@pytest.mark.parametrize("chunks", [(3, 9, 1, 6, 2), (7, 14), (10, 2, 9)])
+def test_sink_cache_stretches_in_chunks_equal_feeding_it_token_by_token(name, sinks, window, chunks):
+    """Chunks that overflow a partly filled or a full cache: each scored in one forward as decoding would."""
+    torch.manual_seed(0)
+    cfg = variant(name).with_overrides({"init.std": 0.2, "max_seq_len": 32})
+    model = TransformerLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, sum(chunks)))
+    stepwise, chunked = (SinkKVCache(cfg, 2, sink_tokens=sinks, window=window) for _ in range(2))
+    bounds = torch.tensor((0, *chunks)).cumsum(0).tolist()
+    with torch.no_grad():
+        ref = _decoded(model, ids, stepwise)
+        once = torch.cat([model(ids[:, a:z], cache=chunked) for a, z in zip(bounds, bounds[1:])], 1)
+    torch.testing.assert_close(once, ref, atol=2e-5, rtol=2e-5)
+    assert len(chunked) == len(stepwise) == ids.shape[1]
+    for layer_once, layer_ref in zip(chunked.layers, stepwise.layers):
+        torch.testing.assert_close(layer_once.k, layer_ref.k)
+        torch.testing.assert_close(layer_once.v, layer_ref.v)
+
+
 @pytest.mark.parametrize("overrides", [{"position.kind": "alibi"}, {"attention.window": 4}])
 def test_sink_cache_stretch_refuses_what_it_cannot_score_as_decoding_would(overrides):
     cfg = BASE.with_overrides(overrides)

@@ -16,6 +16,10 @@ Batched prompts of different lengths are left-padded: positions = cumsum(mask) -
 slots get position -1, which attention masks out; every row's newest token is then in the last
 column, so decoding appends one column for all rows.
 
+StreamingLLM mode (sink_window: a SinkKVCache) prefills a prompt longer than the cache in forwards of STRETCH tokens
+past its capacity, scored as feeding them token by token would (SinkKVCache.stretch), where every layer allows it
+(`stretches`); a model with a position bias or windows of its own fills the cache, then goes on token by token.
+
 An encoder-decoder (archlab.EncoderDecoderLM) is stepped the same way over its decoder: the Stepper is
 given the source (`source=(ids, mask)`, any padding) and the decoder's prompt (the start token per row).
 `prefill()` runs the encoder once into a Context, whose cross-attention keys and values each layer
@@ -31,10 +35,11 @@ import torch
 
 from archlab.config import ABSOLUTE_POSITIONS
 from archlab.generation.prefix import PrefixCache
+from archlab.nn.attention import Attention
 from archlab.nn.compiled_step import compilable, compiled_step
 from archlab.nn.fused import call, decode_session
 from archlab.nn.kv_cache import SinkKVCache, StaticKVCache
-from archlab.nn.masks import Context
+from archlab.nn.masks import Context, MaskSpec
 
 
 def prepare_prompts(prompt_ids, attention_mask=None, pad_token_id: int = 0):
@@ -150,6 +155,21 @@ def select_context(context: Context, index: torch.Tensor) -> Context:
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """(b, t) bool -> (b, t) long: cumsum(mask) - 1, padded slots -1."""
     return torch.where(mask, mask.long().cumsum(-1) - 1, -1)
+
+
+# tokens per forward of a StreamingLLM prefill past the cache's capacity: the scores of one such forward are
+# (b, h, STRETCH, capacity + STRETCH), so a long prompt never holds a (prompt x prompt) matrix; 128 was the fastest
+# of 32-2,048 for capacities 256 and 1,024 (benchmarks/sink_prefill.py: smaller chunks score fewer masked pairs,
+# smaller still run the linears on too few rows)
+STRETCH = 128
+
+
+def stretches(model) -> bool:
+    """Whether a fresh StreamingLLM cache can take a prompt longer than it holds in one forward of `model` (every
+    self-attention layer: SinkKVCache.stretches), scoring it as feeding it token by token would.
+    Example: stretches(TransformerLM(archlab.presets.tiny("llama3"))) is True; an ALiBi model's is False"""
+    return all(SinkKVCache.stretches(m.position, MaskSpec(causal=True).restricted(m.local))
+               for m in model.modules() if isinstance(m, Attention))
 
 
 def vocab_limit(model, tokenizer) -> int | None:
@@ -327,11 +347,14 @@ class Stepper:
             new = self.ids[:, self.prefix.reused:]
             logits = self._logits(new, None, self.cache)
             self.prefix.fed(new)
-        elif self.sink:  # fill the cache in one call, then token by token (evicting) past it
-            cap = self.cache.sink_tokens + self.cache.window
-            logits = self._logits(self.ids[:, :cap], self.positions[:, :cap], self.cache)
-            for i in range(cap, self.ids.shape[1]):
-                logits = self._logits(self.ids[:, i:i + 1], self.positions[:, i:i + 1], self.cache)
+        elif self.sink:
+            # the cache's capacity in one forward, then the rest in chunks of STRETCH tokens, each scored as feeding
+            # it token by token would (SinkKVCache.stretch), or, where some layer does not allow that (a position
+            # bias, a window of its own), token by token
+            t, cap = self.ids.shape[1], self.cache.sink_tokens + self.cache.window
+            chunk = STRETCH if stretches(self.model) else 1
+            for start, end in zip([0, *range(cap, t, chunk)], [*range(cap, t, chunk), t]):
+                logits = self._logits(self.ids[:, start:end], self.positions[:, start:end], self.cache)
         else:
             logits = self._logits(self.ids, self.positions, self.cache)
         self.next_pos = self.positions[:, -1:] + 1                   # (b, 1)

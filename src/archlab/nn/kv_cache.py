@@ -15,8 +15,8 @@ attention builds each mask once per forward per (window, number of keys) and sha
 A cache with `rotates_keys = True` (StreamingLLM) instead gets un-rotated keys and a `rotate`
 callable, and returns rotated keys plus the queries' positions inside the cache:
     k_all, v_all, k_pos, q_pos = cache.update(layer, k, v, positions, rotate=rotate)
-Attention calls it through `attend`, which rotates the queries too and hands back the mask structure (a stretch
-longer than the cache, fed at once, is scored with a band over its own positions: SinkKVCache.stretch):
+Attention calls it through `attend`, which rotates the queries too and hands back the mask structure (several tokens
+fed at once that overflow the cache are scored with a band over their own positions: SinkKVCache.stretch):
     q, k_all, v_all, q_pos, k_pos, spec = cache.attend(layer, q, k, v, positions, position, spec)
 
 `crop(length)` (KVCache, StaticKVCache) keeps the first `length` tokens written: speculative decoding
@@ -359,53 +359,69 @@ class SinkKVCache(_BufferedCache):
                position, spec: MaskSpec):
         """What attention computes over: (q, keys, values, q_pos, k_pos, spec), q and keys rotated. `position` is
         the layer's position module (its `rotate`, `has_bias`), `spec` the layer's mask structure. Token by token
-        (and while the cache has room): `update`, queries at their in-cache positions. A fresh cache given a
-        stretch longer than it holds: `stretch`, in one forward, what feeding it token by token would compute.
+        (and while the cache has room): `update`, queries at their in-cache positions. Several tokens that overflow
+        the cache: `stretch`, in one forward, what feeding them token by token would compute.
         Example (nn/attention.py): q, k, v, q_pos, k_pos, spec = cache.attend(i, q, k, v, pos, position, spec)"""
-        if self.layers[layer].count == 0 and k.shape[2] > self.sink_tokens + self.window:
+        if k.shape[2] > 1 and self.layers[layer].count + k.shape[2] > self.sink_tokens + self.window:
             return self.stretch(layer, q, k, v, position, spec)
         keys, values, k_pos, q_pos = self.update(layer, k, v, positions, rotate=position.rotate)
         return position.rotate(q, q_pos), keys, values, q_pos, k_pos, spec
 
+    @staticmethod
+    def stretches(position, spec: MaskSpec) -> bool:
+        """Whether `stretch` can score a layer with this position module and mask structure in one forward: rotary
+        or no positions (a position bias would see true offsets, not in-cache ones) and a plain causal layer (a
+        window or pattern of its own would apply to in-cache positions). generate's prefill asks it of every layer
+        before feeding a long prompt in chunks. Example: SinkKVCache.stretches(attn.position, MaskSpec(causal=True))"""
+        return not position.has_bias and (spec.causal and spec.only_structure and spec.dilation == 1
+                                          and not spec.global_indices)
+
     def stretch(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position, spec: MaskSpec):
-        """A fresh cache fed t > capacity tokens at once: every query attends as it would have decoding them one at
-        a time, and the cache is left holding what that leaves (the sinks and the last `window` tokens).
+        """t tokens fed at once that overflow the cache (fresh, partly filled or full): every query attends as it
+        would have decoding them one at a time, and the cache is left holding what that leaves (the sinks and the
+        last `window` tokens).
 
         Decoding token i (0-based) past the capacity c = sinks + window, the query sits at in-cache position c - 1
         and sees the sinks at slots 0..sinks-1 and the recent tokens i - window + 1 .. i at the slots after. Rotary
         scores depend only on the offset, so the recent tokens keep their true offsets (a causal band of `window`
-        tokens over the stretch's own positions) while a sink j is scored at offset min(i, c - 1) - j instead of
-        i - j. One forward computes both: the head dimension doubled, the first half q and the non-sink keys
-        rotated at their true positions, the second half q rotated at min(i, c - 1) and the sinks at j, each key
-        zero in the half that is not its own, so q·k is each pair's score; the mask is that band with the sinks
-        seen by every query (global tokens). With sink_tokens = 0 it is just the band (window attention).
-        Shapes: q (b, h, t, e), k, v (b, k, t, e) -> q (b, h, t, 2e), keys (b, k, t, 2e), values (b, k, t, e)
-        (only the halves when sink_tokens = 0), positions (b, t). Only for RoPE or no positions (a position bias
-        would see true offsets) and a plain causal layer (no window or pattern of its own: it would apply to
-        in-cache positions)."""
-        b, _, t, e = k.shape
+        tokens over the positions of what the cache holds followed by the stretch) while a sink j is scored at
+        offset min(i, c - 1) - j instead of i - j. One forward computes both: the head dimension doubled, the first
+        half q and the non-sink keys rotated at those positions, the second half q rotated at min(i, c - 1) and the
+        sinks at j, each key zero in the half that is not its own, so q·k is each pair's score; the mask is that
+        band with the sinks seen by every query (global tokens). With sink_tokens = 0 it is just the band (window
+        attention). The held keys are numbered 0..held-1 (a full cache's recent ones as if they followed the sinks:
+        only offsets among them and the stretch count), the stretch held..held+t-1.
+        Shapes: q (b, h, t, e), k, v (b, k, t, e) -> q (b, h, t, 2e), keys (b, k, n, 2e), values (b, k, n, e)
+        (only the halves when sink_tokens = 0; n = held + t), q_pos (b, t), k_pos (b, n). Only for RoPE or no
+        positions (a position bias would see true offsets) and a plain causal layer (no window or pattern of its
+        own: it would apply to in-cache positions)."""
         sinks, cap = self.sink_tokens, self.sink_tokens + self.window
-        if position.has_bias or not (spec.causal and spec.only_structure and spec.dilation == 1
-                                     and not spec.global_indices):
-            raise ValueError(f"SinkKVCache holds {cap} slots: a stretch of {t} tokens in one forward needs rotary "
-                             "or no positions and a plain causal layer; feed the tokens past the capacity one at a "
-                             "time")
-        pos = torch.arange(t, device=k.device)[None].expand(b, t)               # (b, t) each token's own position
-        q_true, k_true = position.rotate(q, pos), position.rotate(k, pos)
+        buf = self.layers[layer]
+        if not self.stretches(position, spec):
+            raise ValueError(f"SinkKVCache holds {cap} slots ({buf.count} used): {k.shape[2]} tokens in one forward "
+                             "need rotary or no positions and a plain causal layer; feed the tokens past the capacity "
+                             "one at a time")
+        held = min(buf.count, cap)
+        if held:     # what the cache holds (sinks, then the recent tokens in order), then the stretch
+            k = torch.cat((buf.k[:, :, :held], k), dim=2)                       # (b, k, n, e)
+            v = torch.cat((buf.v[:, :, :held], v), dim=2)
+        b, _, n, e = k.shape
+        pos = torch.arange(n, device=k.device)[None].expand(b, n)               # (b, n) the keys' positions
+        q_pos = pos[:, held:]                                                    # (b, t) the queries'
+        q_true, k_true = position.rotate(q, q_pos), position.rotate(k, pos)
         if sinks:
-            q_sink = position.rotate(q, pos.clamp(max=cap - 1))                  # the query's in-cache position
+            q_sink = position.rotate(q, q_pos.clamp(max=cap - 1))                # the query's in-cache position
             q = torch.cat((q_true, q_sink), dim=-1)                              # (b, h, t, 2e)
-            keys = k_true.new_zeros(b, k.shape[1], t, 2 * e)                     # (b, k, t, 2e)
+            keys = k_true.new_zeros(b, k.shape[1], n, 2 * e)                     # (b, k, n, 2e)
             keys[:, :, sinks:, :e] = k_true[:, :, sinks:]
             keys[:, :, :sinks, e:] = k_true[:, :, :sinks]                       # sink j at in-cache position j
         else:
             q, keys = q_true, k_true
-        buf = self.layers[layer]
         buf.k[:, :, :sinks], buf.v[:, :, :sinks] = k[:, :, :sinks], v[:, :, :sinks]
-        buf.k[:, :, sinks:], buf.v[:, :, sinks:] = k[:, :, t - self.window:], v[:, :, t - self.window:]
-        buf.count = t
+        buf.k[:, :, sinks:], buf.v[:, :, sinks:] = k[:, :, n - self.window:], v[:, :, n - self.window:]
+        buf.count += n - held
         band = dataclasses.replace(spec, window=(self.window - 1, 0), global_indices=tuple(range(sinks)))
-        return q, keys, v, pos, pos, band
+        return q, keys, v, q_pos, pos, band
 
 
 class SlotKVCache:

@@ -196,3 +196,16 @@ def test_a_model_that_decoded_through_its_compiled_graph_is_freed_without_the_cy
     with _no_cycle_collector():
         del model
         assert all(r() is None for r in refs)
+
+
+def test_compile_with_a_draft_says_the_checks_decode_eagerly():
+    """With a draft most forwards check k + 1 tokens, which the one-token compiled step does not take: `generate
+    --compile --draft prompt-lookup` compiled nothing on a repetitive text and said nothing."""
+    model = _model()
+    ids = torch.randint(0, model.config.vocab_size, (1, 5)).repeat(1, 3)
+    ref = archlab.generate(model, ids, 8)
+    step = model.decode_plan().step = CompiledStep(model)
+    step.compiled = step.eager                                 # the traced function, run eagerly (no inductor)
+    with pytest.warns(UserWarning, match="the forwards that check the drafts run eagerly"):
+        out = archlab.generate(model, ids, 8, draft="prompt_lookup", draft_tokens=3, compile=True)
+    assert torch.equal(out, ref)

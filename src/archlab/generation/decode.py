@@ -100,6 +100,9 @@ def stream(model, prompt_ids, max_new_tokens: int | None = None, *, attention_ma
                              "sink_window")
         speculation = resolve_draft(draft, fast=fast_decode, vocab_limit=vocab_limit)
         schedule = prepare_speculation(speculation, model, ids.shape[1], new, draft_tokens)
+        if compile:
+            warnings.warn("compile=True with a draft: the forwards that check the drafts run eagerly (the compiled "
+                          "step takes one token); only rounds without a draft use it", stacklevel=3)
     elif draft_tokens is not None:
         raise ValueError("draft_tokens is the length of a draft: give draft= too")
     stepper = Stepper(model, ids, mask, new, use_cache=use_cache,

@@ -45,7 +45,29 @@ over a fixed random token batch; exits 1 when the relative difference exceeds --
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# each option that changes what some directions write: (the directions, how the help names them); --no-check
+# (skip a read-back) is harmless where there is none
+DIRECTION_OPTIONS = {
+    "type": (("to_gguf",), "--to-gguf"),
+    "dtype": (("from_hf", "from_gguf"), "--from-hf and --from-gguf"),
+    "family": (("to_hf", "to_peft"), "--to-hf and --to-peft"),
+}
+
+
+def check_direction_options(args: argparse.Namespace) -> None:
+    """An option given with a direction it does not apply to is a UserError (it would be silently ignored)."""
+    from archlab.errors import UserError
+
+    for option, (directions, named) in DIRECTION_OPTIONS.items():
+        if getattr(args, option) not in (None, False) and not any(getattr(args, d) for d in directions):
+            flag = "--" + option.replace("_", "-")
+            hint = "; an int8 run: archlab quantize" if option == "type" and args.from_gguf else ""
+            raise UserError(f"{flag} is for {named} only: it would not apply here{hint}")
+
+
 def run_convert(args: argparse.Namespace) -> int:
+    check_direction_options(args)
+    args.type = args.type or "f16"
     try:
         if args.from_hf:
             dtype = DTYPES[args.dtype] if args.dtype else None
@@ -127,7 +149,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="a LoRA run's adapters (latest checkpoint) as a PEFT adapter folder for its base")
     c.add_argument("--out", required=True, metavar="DIR",
                    help="folder to write (must be new or empty); with --to-gguf, the .gguf file")
-    c.add_argument("--type", default="f16", choices=["f32", "f16", "q8_0"],
+    c.add_argument("--type", default=None, choices=["f32", "f16", "q8_0"],
                    help="with --to-gguf: how the 2-D weights are stored (default f16; norms and biases stay f32)")
     c.add_argument("--no-check", action="store_true",
                    help="with --to-gguf: skip reading the file back (archlab and transformers) after writing")

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from archlab.nn.fused import project, rms_norm, rope_half
+from archlab.nn.fused import materialized, project, rms_norm, rope_half
 
 
 def _rms_norm_reference(x, w, eps):
@@ -105,3 +105,15 @@ def test_projection_under_autocast_is_one_matmul_equal_to_separate_linears():
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     plain = project(x, linears)                                           # no autocast: one by one
     assert all(torch.equal(a, lin(x)) for a, lin in zip(plain, linears))
+
+
+def test_materialized_is_the_same_values_as_a_contiguous_view():
+    """What a traced step computes into a buffer: eagerly the same values, contiguous, in x's shape or the one asked
+    (a matmul's (n, in) rows strided (in, 1), never stride 0 on a size-1 dimension), a view where x is contiguous."""
+    x = torch.randn(2, 3, 1, 4)
+    y = materialized(x)
+    assert torch.equal(y, x) and y.is_contiguous() and y.data_ptr() == x.data_ptr()
+    rows = materialized(x[:1, :1], (1, 4))
+    assert rows.shape == (1, 4) and rows.stride() == (4, 1) and torch.equal(rows, x[0, 0])
+    t = torch.randn(3, 5).t()                                  # not contiguous: copied first
+    assert torch.equal(materialized(t), t) and materialized(t).is_contiguous()

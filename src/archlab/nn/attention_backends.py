@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from archlab.nn import tiled_attention
+from archlab.nn.fused import materialized
 from archlab.nn.masks import AttnInputs, MaskSpec
 from archlab.nn.registry import Registry
 
@@ -237,8 +238,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     kv = k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
     q = q.reshape(b, kv, h // kv, e)                                                       # (b, k, g, e)
-    if traced:
-        scores = (q[:, :, :, None].to(acc) * k[:, :, None].to(acc)).sum(-1)               # (b, k, g, s)
+    if traced:     # q computed once into a buffer, not again for every key inside the loop below
+        scores = (materialized(q)[:, :, :, None].to(acc) * k[:, :, None].to(acc)).sum(-1)   # (b, k, g, s)
     else:
         scores = torch.matmul(q, k.transpose(-1, -2)).to(acc)                             # (b, k, g, s)
     scores = scores * scale

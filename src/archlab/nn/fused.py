@@ -46,7 +46,7 @@ from archlab.nn.int8 import Int8Matrix, Int8Packed, int8_pack, is_quantized
 
 __all__ = ["rms_norm", "rope_half", "project", "linear", "head_linear", "packed_linears",
            "packed_matmul", "packed_split", "packed_groups", "packable", "decode_weights", "DecodeSession",
-           "DecodePlan", "PlannedDecode", "decode_session", "direct", "call", "matrix", "DECODE_ROWS"]
+           "DecodePlan", "PlannedDecode", "decode_session", "direct", "call", "materialized", "matrix", "DECODE_ROWS"]
 
 DECODE_ROWS = 32   # at most this many rows without gradients: the packed (decode) path of project/linear
 
@@ -326,8 +326,21 @@ def _rows(x: torch.Tensor) -> torch.Tensor:                                     
     """x's rows as one matrix for a traced matmul, strided (in, 1) explicitly: inductor's view of a (1, 1, in) buffer
     as (1, in) gets stride 0 on its size-1 dimension, which MKL's gemm takes for a non-contiguous matrix and copies
     (SmolLM2-135M: 91 copies of a row a compiled decode step, every matmul but o's)."""
-    n, d = x.shape[:-1].numel(), x.shape[-1]
-    return x.contiguous().as_strided((n, d), (d, 1))
+    return materialized(x, (x.shape[:-1].numel(), x.shape[-1]))
+
+
+def materialized(x: torch.Tensor, shape: tuple[int, ...] | torch.Size | None = None) -> torch.Tensor:
+    """x (or x reshaped to `shape`) as an explicit contiguous view (as_strided) of itself, for a traced step: inductor
+    computes what an as_strided reads into a buffer first, where it would otherwise recompute an elementwise producer
+    inside each iteration of the loop that reads it (a decode step's rotated queries: RoPE's cos and sin once per
+    key, not once). Eagerly a view. Example: q = materialized(rope_half(q, cos, sin))"""
+    x = x.contiguous()
+    shape = tuple(x.shape if shape is None else shape)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return x.as_strided(shape, tuple(reversed(strides)))
 
 
 def packed_split(x: torch.Tensor, pack: _Packed | Int8Packed) -> tuple[torch.Tensor, ...]:

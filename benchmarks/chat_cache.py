@@ -5,6 +5,7 @@ time goes; and the server's per-slot prefix cache on the same conversation.
     .venv/bin/python benchmarks/chat_cache.py [--threads 1] [--turns 10] [--rounds 5] [--user 60] [--answer 60]
                                               [--d-model 256] [--no-server] [--breakdown-only] [--clock cpu]
     .venv/bin/python benchmarks/chat_cache.py --model FOLDER [--threads 1] [--turns 10] [--rounds 3] [--answer 60]
+    .venv/bin/python benchmarks/chat_cache.py [--model FOLDER] --growth-only [--growth 1000] [--repeats 15]
 
 The model: the decode benchmark's LLaMA shape (8 layers, d_model 256, GQA 8:2, random weights; only shapes matter
 for time; --d-model widens it, heads of 32). A turn appends --user tokens to the history, streams an answer of
@@ -30,6 +31,11 @@ operations' time does not depend on their values), and the first token's samplin
 arithmetic at each turn (4·t·s·h·e per layer over the pairs a causal query sees) and the least turn N / turn 1 that
 any attention kernel could give on this machine: turn 1 as measured, the last turn's attention done at this
 machine's large-matmul rate (a 512x512 float32 matmul, the same threads), nothing else changed.
+
+The growth table (--growth HELD, 0 skips it; --growth-only prints it alone): a turn whose cache holds HELD tokens
+(1,000: a capacity of 1,024) adds --user tokens with --answer to decode, crossing the capacity; its time to first
+token with the cache growing inside the turn against the cache grown ahead between turns (PrefixCache.ahead, which
+`archlab chat` calls after each answer), interleaved.
 
 --clock cpu times this process's CPU time (time.process_time; with one torch thread the computation's own time), so
 a shared machine's other tenants drop out of the figures; --clock wall (the default) is what a user waits.
@@ -259,6 +265,43 @@ def print_first_turn(model, prompt: list[int], repeats: int) -> None:
                                            "PrefixCache of the whole context"), got.values())))
 
 
+def growth_turn(model, held: int, added: int, answer: int, repeats: int) -> dict[str, list[float]]:
+    """A turn that crosses the kept cache's capacity: the cache holds `held` random tokens (capacity: held + 1 rounded
+    up to a power of two), the turn adds `added` and may decode `answer`, more than that capacity holds. Its time to
+    first token (seconds, `repeats` interleaved, after one warm-up round) with the cache growing inside the turn (as
+    before PrefixCache.ahead) and grown ahead between turns (ahead(added + answer), untimed, as `archlab chat` does
+    after each answer); the first tokens are asserted equal."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, model.config.vocab_size, (held + added,), generator=g).tolist()
+    times: dict[str, list[float]] = {"in the turn": [], "ahead": []}
+    first = set()
+    for r in range(repeats + 1):
+        for way in (list(times) if r % 2 else list(times)[::-1]):
+            cache = PrefixCache()
+            list(stream(model, ids[:held], 1, eos_token_id=[], prefix_cache=cache))      # the conversation so far
+            grown = cache.cache.max_len if cache.cache is not None else 0
+            if way == "ahead":
+                cache.ahead(added + answer)
+            start = clock()
+            first.add(int(next(stream(model, ids, answer, eos_token_id=[], prefix_cache=cache))[0]))
+            seconds = clock() - start
+            assert cache.cache is not None and cache.cache.max_len > grown, "the turn did not cross a growth"
+            if r:
+                times[way].append(seconds)
+    assert len(first) == 1, "the first tokens differ"
+    return times
+
+
+def print_growth_turn(model, held: int, added: int, answer: int, repeats: int) -> None:
+    times = growth_turn(model, held, added, answer, repeats)
+    med = {way: 1e3 * statistics.median(t) for way, t in times.items()}
+    ratios = [a / b for a, b in zip(times["in the turn"], times["ahead"])]
+    print(f"a turn crossing the kept cache's capacity ({held} tokens held, {added} added, up to {answer} new): time "
+          f"to first token (ms, median of {repeats} interleaved) with the growth in the turn {med['in the turn']:.1f}, "
+          f"grown ahead between turns {med['ahead']:.1f}: {med['in the turn'] - med['ahead']:+.1f} ms "
+          f"({statistics.median(ratios):.2f}x, per round {min(ratios):.2f}-{max(ratios):.2f}x)")
+
+
 def breakdown(model, prompt: list[int], held: int, repeats: int) -> dict[str, float]:
     """Milliseconds of a turn whose cache holds prompt[:held], each the least of `repeats` (a shared machine's noise
     only adds): setup, prefill, sample (the first token), total, and `rest`: the prefill with attention skipped."""
@@ -340,6 +383,15 @@ def server_turns(model, users: list[list[int]], answers: list[list[int]], cached
     return times, out
 
 
+def toy_model(args):
+    """The decode benchmark's LLaMA shape at --d-model (heads of 32, GQA 4:1), random weights."""
+    heads = args.d_model // 32
+    cfg = archlab.presets.tiny("llama3-8b", vocab_size=4096, d_model=args.d_model, max_seq_len=2048).with_overrides(
+        {"n_layers": 8, "attention.n_heads": heads, "attention.n_kv_heads": max(1, heads // 4),
+         "mlp.d_ff": round(args.d_model * 2.6875)})
+    return archlab.TransformerLM(cfg).eval()
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--model", default=None, metavar="FOLDER",
@@ -352,6 +404,9 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=60, help="tokens of each answer")
     ap.add_argument("--d-model", type=int, default=256, help="model width (heads of 32, GQA 4:1, d_ff 2.69x)")
     ap.add_argument("--repeats", type=int, default=15, help="repeats of the breakdown (min taken)")
+    ap.add_argument("--growth", type=int, default=1000, metavar="HELD",
+                    help="the growth table: a turn whose cache holds HELD tokens crosses its capacity (0: skip it)")
+    ap.add_argument("--growth-only", action="store_true", help="the growth table alone (with --model: no chat)")
     ap.add_argument("--no-server", action="store_true", help="skip the server's table")
     ap.add_argument("--breakdown-only", action="store_true",
                     help="the breakdown alone (no conversations, no server): for wide models, e.g. --d-model 1024")
@@ -361,14 +416,16 @@ def main() -> None:
     global clock
     clock = CLOCKS[args.clock]
     start(args)
+    if args.growth_only:
+        from archlab.runs.model_folder import load_model_and_tokenizer
+        model = load_model_and_tokenizer(args.model, "cpu", purpose="chat")[0] if args.model else toy_model(args)
+        print_growth_turn(model.eval(), args.growth, args.user, args.answer, args.repeats)
+        return
     if args.model:
         model, cfg, cases = model_chat(args)
     else:
-        heads = args.d_model // 32
-        cfg = archlab.presets.tiny("llama3-8b", vocab_size=4096, d_model=args.d_model, max_seq_len=2048).with_overrides(
-            {"n_layers": 8, "attention.n_heads": heads, "attention.n_kv_heads": max(1, heads // 4),
-             "mlp.d_ff": round(args.d_model * 2.6875)})
-        model = archlab.TransformerLM(cfg).eval()
+        model = toy_model(args)
+        cfg = model.config
         g = torch.Generator().manual_seed(0)
         users = [torch.randint(0, cfg.vocab_size, (args.user,), generator=g).tolist() for _ in range(args.turns)]
         last = args.turns - 1
@@ -400,6 +457,8 @@ def main() -> None:
         cases = {1: (users[0], 0), args.turns: (last_prompt, len(last_prompt) - args.user - 1)}
     if not args.breakdown_only:
         print_first_turn(model, cases[1][0], args.repeats)
+        if args.growth:
+            print_growth_turn(model, args.growth, args.user, args.answer, args.repeats)
     parts: dict[int, list[dict[str, float]]] = {t: [] for t in cases}
     for _ in range(3):                                 # interleaved: turn 1, the last turn, again
         for turn, (prompt, held) in cases.items():

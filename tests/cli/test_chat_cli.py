@@ -93,6 +93,35 @@ def test_a_history_past_the_context_drops_its_oldest_turns_once(tmp_path, capsys
     assert history[0]["content"] != users[0]
 
 
+def test_the_kept_cache_grows_between_turns_not_inside_them(tmp_path, capsys, monkeypatch):
+    """Five turns of ~120 tokens cross the kept cache's 256 and 512 slots: each growth happens after an answer
+    (PrefixCache.ahead), none when a turn opens the cache, and every answer equals generate on the rendered history."""
+    from archlab.generation import PrefixCache
+
+    root, _, _ = make_chat_run(tmp_path, max_seq_len=1024)
+    opened, real_open = [], PrefixCache.open
+
+    def open_(self, *args, **kwargs):           # (slots before the turn, slots once its cache is open)
+        before = None if self.cache is None else self.cache.max_len
+        cache = real_open(self, *args, **kwargs)
+        opened.append((before, cache.max_len))
+        return cache
+
+    monkeypatch.setattr(PrefixCache, "open", open_)
+    users = [f"question {i}: " + "tell me more about the weather in the hills " * 2 for i in range(5)]
+    rc, out, err = chat(root, users, capsys, monkeypatch)
+    monkeypatch.setattr(PrefixCache, "open", real_open)
+    assert rc == 0 and err == ""
+    assert [after for _, after in opened] == [256, 512, 512, 1024, 1024] and all(
+        before == after for before, after in opened[1:]), opened
+    history, answers = [], []
+    for user in users:
+        history.append({"role": "user", "content": user})
+        answers.append(generated(root, render(root, history), capsys)[0])
+        history.append({"role": "assistant", "content": answers[-1]})
+    assert out == printed(answers)
+
+
 def test_a_message_that_cannot_fit_is_refused_and_the_chat_goes_on(tmp_path, capsys, monkeypatch):
     root, _, _ = make_chat_run(tmp_path, max_seq_len=64)
     first = generated(root, render(root, [{"role": "user", "content": FIRST}]), capsys, "8")[0]

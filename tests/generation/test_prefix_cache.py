@@ -105,18 +105,23 @@ def _long_model(name: str) -> TransformerLM:
     return TransformerLM(cfg.with_overrides({"init.std": 0.2, "seed": 0})).eval()
 
 
-def _growing_conversation(model, compile: bool = False) -> list[int]:
+def _growing_conversation(model, compile: bool = False, ahead: bool = False) -> list[int]:
     """Five turns of ~100 tokens through one PrefixCache, each equal to a fresh prefill's tokens; the capacity after
-    each turn."""
+    each turn. ahead: after each turn the cache grows for a next turn as long (PrefixCache.ahead, as the chat does),
+    and no turn after the first grows inside its own call."""
     g = torch.Generator().manual_seed(5)
     cache = PrefixCache()
     history = torch.randint(0, 128, (20,), generator=g).tolist()
     sizes = []
     for turn in range(5):
+        before = None if cache.cache is None else cache.cache.max_len
         out = archlab.generate(model, history, 8, prefix_cache=cache, compile=compile)
         assert torch.equal(out, archlab.generate(model, history, 8)), turn
         assert cache.reused == (0 if turn == 0 else len(history) - 1 - 100)
         assert cache.cache is not None
+        if ahead:
+            assert turn == 0 or cache.cache.max_len == before, turn          # grown before the call, not in it
+            cache.ahead(100 + 8)
         sizes.append(cache.cache.max_len)
         history = out.tolist() + torch.randint(0, 128, (100,), generator=g).tolist()
     return sizes
@@ -127,6 +132,15 @@ def test_the_cache_grows_by_doubling_and_turns_across_growths_equal_fresh_prefil
     """A first turn holds what it needs (128 slots, not the model's 1,024); turns that cross 128, 256 and 512 copy
     the held keys into a doubled cache and decode exactly what a fresh prefill decodes (windows included)."""
     assert _growing_conversation(_long_model(family)) == [128, 256, 256, 512, 512]
+
+
+def test_growing_ahead_between_turns_keeps_the_growth_out_of_the_next_call_and_its_tokens_equal():
+    """PrefixCache.ahead after each turn: the growths across 256 and 512 happen between calls (the cache holds what a
+    next turn as long needs), every turn still equal to a fresh prefill's tokens."""
+    assert _growing_conversation(_long_model("llama3-8b"), ahead=True) == [256, 256, 512, 512, 1024]
+    cache = PrefixCache()
+    cache.ahead(100)                                   # nothing held yet: nothing to grow
+    assert cache.cache is None
 
 
 def test_capacity_doubles_up_to_the_context():

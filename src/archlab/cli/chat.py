@@ -5,7 +5,9 @@ with the generation prompt (archlab.generation.chat.Conversation), decoded as `a
 text, and streamed until the template's end-of-turn token, an EOS token or --max-new-tokens. The KV cache of
 the conversation is kept between turns (archlab.generation.PrefixCache): each turn's rendered prompt is compared
 token by token with what the cache holds and only the rest is prefilled, so the time to the first token does not
-grow with the conversation (and a template that rewrites earlier text still gets a correct, longer prefill)."""
+grow with the conversation (and a template that rewrites earlier text still gets a correct, longer prefill). After
+each answer the cache grows, if it must, for a next turn up to twice as long as this one (PrefixCache.ahead), so that
+growth is not paid inside the next turn's time to first token."""
 from __future__ import annotations
 
 import argparse
@@ -166,6 +168,9 @@ class _Session:
             pass
         printer.finish()
         self.convo.answer(printer.text())
+        if self.cache is not None:   # grow for the next turn now, not inside its time to first token: room for a
+            # message up to twice this turn's prefill (the answer's end-of-turn tokens join it) and a whole answer
+            self.cache.ahead(2 * self.cache.prefilled + self.convo.reserve)
 
 
 def _prompted() -> str:

@@ -3,6 +3,8 @@ folder and no --text is refused in one line at once, nothing written; one with a
 validation split."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import archlab
 from archlab.cli import main
 from archlab.interop.convert import _write_converted_run
@@ -58,3 +60,32 @@ def test_without_text_the_runs_validation_split_is_scored(tmp_path, capsys):
     model, _ = load_run(run)
     assert f"perplexity on the validation split of {tmp_path / 'data'} (40 tokens" in printed, printed
     assert f"float {perplexity(model, ids, 16):.3f}" in printed, printed
+
+
+def test_each_model_runs_once_per_window_and_the_figures_are_perplexitys(tmp_path, capsys, monkeypatch):
+    """The float and int8 perplexities came from their own passes and compare_logits ran both models again: four
+    forwards over the text where two give every figure (minutes on a real model, with nothing printed)."""
+    import copy
+
+    import torch
+
+    from archlab.eval.perplexity import compare_logits, perplexity
+    from archlab.models.decoder import TransformerLM
+    from archlab.nn.int8 import quantize_int8
+
+    torch.manual_seed(0)
+    model = TransformerLM(archlab.presets.tiny("llama3-8b")).eval()
+    ids = torch.randint(0, model.config.vocab_size, (70,))
+    quantized = quantize_int8(copy.deepcopy(model)).eval()
+    d = compare_logits(model, quantized, ids, 32)
+    assert abs(d["ppl_a"] - perplexity(model, ids, 32)) < 1e-9 * d["ppl_a"]
+    assert abs(d["ppl_b"] - perplexity(quantized, ids, 32)) < 1e-9 * d["ppl_b"]
+
+    calls = []
+    forward = TransformerLM.forward
+    monkeypatch.setattr(TransformerLM, "forward", lambda self, *a, **k: (calls.append(1), forward(self, *a, **k))[1])
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 4)    # 180 bytes
+    assert main(["quantize", str(Path(__file__).parents[1] / "fixtures" / "run_v1"), "--weights", "int8",
+                 "--out", str(tmp_path / "q"), "--text", str(tmp_path / "text.txt"), "--seq-len", "32"]) == 0
+    assert len(calls) == 2 * 6                                   # 179 predicted tokens: 6 windows of 32, each model
+    assert "measuring float and int8 on 179 tokens" in capsys.readouterr().err

@@ -102,7 +102,7 @@ def run_real_model_demo(out: str | Path = "runs/demo-real-model", *, overwrite: 
     and is not empty, unless `overwrite`); print each stage's figures and return them.
     Example: run_real_model_demo("runs/real", overwrite=True).summary["max_ratio"]"""
     from archlab.eval import diagnostics
-    from archlab.eval.perplexity import compare_logits, perplexity
+    from archlab.eval.perplexity import compare_logits
     from archlab.interop.convert import convert_from_gguf, convert_to_gguf
     from archlab.interop.gguf.validate import report_lines
     from archlab.nn.int8 import decode_kernel, quantize_int8
@@ -160,8 +160,8 @@ def run_real_model_demo(out: str | Path = "runs/demo-real-model", *, overwrite: 
     t = time.time()
     int8 = quantize_int8(copy.deepcopy(model)).eval()
     with torch.no_grad():
-        ppl_float, ppl_int8 = perplexity(model, ids, PPL_WINDOW), perplexity(int8, ids, PPL_WINDOW)
-        diff = compare_logits(model, int8, ids, PPL_WINDOW)
+        diff = compare_logits(model, int8, ids, PPL_WINDOW)              # each model once per window
+        ppl_float, ppl_int8 = diff["ppl_a"], diff["ppl_b"]
         ms = _ms_per_token({"float": model, "int8": int8}, chat.tokenizer.encode("The capital of France is"))
     measured = {"text": "Hamlet (Shakespeare corpus)", "tokens": ids.numel() - 1, "seq_len": PPL_WINDOW,
                 "ppl_float": ppl_float, "ppl_int8": ppl_int8, "max_abs_logit_diff": diff["max_abs"],

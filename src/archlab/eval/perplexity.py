@@ -31,24 +31,33 @@ def perplexity(model: nn.Module, ids: torch.Tensor, seq_len: int, max_tokens: in
     nats, count = 0.0, 0
     for w in windows(ids, seq_len, max_tokens):
         x, y = w[:, :-1], w[:, 1:]
-        logits = model(x) if logits_of is None else logits_of(model, x)       # (1, t, v)
-        nats += float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum"))
+        nats += _nats(model(x) if logits_of is None else logits_of(model, x), y)    # logits (1, t, v)
         count += y.numel()
     if count == 0:
         raise ValueError("perplexity needs at least 2 tokens")
     return math.exp(nats / count)
 
 
+def _nats(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Summed next-token cross-entropy of logits (1, t, v) against targets (1, t)."""
+    return float(F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum"))
+
+
 @torch.no_grad()
 def compare_logits(a: nn.Module, b: nn.Module, ids: torch.Tensor, seq_len: int, max_tokens: int | None = None
                    ) -> dict[str, float]:
-    """{max_abs, max_rel (max|a - b| / max|a|), top1_agreement} of two models' logits on the same windows."""
-    worst, scale, agree, count = 0.0, 0.0, 0, 0
+    """{max_abs, max_rel (max|a - b| / max|a|), top1_agreement, ppl_a, ppl_b} of two models' logits on the same
+    windows: each model runs once per window (the perplexities are `perplexity`'s, from the same logits).
+    Example: d = compare_logits(model, quantize_int8(copy.deepcopy(model)), ids, 256); d["ppl_b"] / d["ppl_a"]"""
+    worst, scale, agree, count, nats_a, nats_b = 0.0, 0.0, 0, 0, 0.0, 0.0
     for w in windows(ids, seq_len, max_tokens):
         la, lb = a(w[:, :-1]).float(), b(w[:, :-1]).float()                  # (1, t, v) each
         worst = max(worst, float((la - lb).abs().max()))
         scale = max(scale, float(la.abs().max()))
         agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
+        nats_a, nats_b = nats_a + _nats(la, w[:, 1:]), nats_b + _nats(lb, w[:, 1:])
         count += la.shape[1]
+    if count == 0:
+        raise ValueError("compare_logits needs at least 2 tokens")
     return {"max_abs": worst, "max_rel": worst / scale if scale else float("nan"),
-            "top1_agreement": agree / max(count, 1)}
+            "top1_agreement": agree / count, "ppl_a": math.exp(nats_a / count), "ppl_b": math.exp(nats_b / count)}

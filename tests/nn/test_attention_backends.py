@@ -211,9 +211,9 @@ def test_decode_attention_equals_the_eager_reference(heads, traced):
         torch.testing.assert_close(half.float(), ref, rtol=0.05, atol=0.05)
 
 
-def test_the_decode_backend_takes_one_query_and_is_chosen_only_when_compiling():
+def test_the_decode_backend_takes_one_query_and_is_chosen_only_when_compiling(monkeypatch):
     """It supports a decode step's call and says why not elsewhere; an eager decode step stays on SDPA (as fast
-    there), so the backend is chosen only inside a compiled step."""
+    there), so the backend is chosen only inside a compiled step, and there for one row only (SDPA was faster at 8)."""
     decode = backends.BACKENDS.get("decode")
     assert decode.supports(_call(t=1, s=7)) is None
     assert decode.supports(_call(t=1, s=7, mask=torch.ones(2, 1, 1, 7, dtype=torch.bool))) is None
@@ -221,6 +221,11 @@ def test_the_decode_backend_takes_one_query_and_is_chosen_only_when_compiling():
     assert "soft-cap" in decode.supports(_call(t=1, s=7, softcap=30.0))
     assert "bias" in decode.supports(_call(t=1, s=7, bias=torch.zeros(2, 4, 1, 7)))
     assert backends.choose(_call(t=1, s=7)).name == "sdpa"
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.compiler, "is_compiling", lambda: True)
+        one = _call(t=1, s=7)
+        one = AttnCall(one.q[:1], one.k[:1], one.v[:1], one.scale)
+        assert backends.choose(one).name == "decode" and backends.choose(_call(t=1, s=7)).name == "sdpa"
     with forced("decode", strict=True):
         call = _call(t=1, s=7)
         torch.testing.assert_close(backends.run(call)[0], backends.BACKENDS.get("eager")(call)[0], rtol=1e-5,

@@ -220,7 +220,10 @@ class Decode(Backend):
         return None
 
     def prefers(self, call: AttnCall) -> bool:
-        return torch.compiler.is_compiling()
+        # compiled, one row only: on benchmarks/generate.py's model (GQA 8/4, head dim 32) the compiled step's
+        # batch-8 generate ran 0.75x the same step with SDPA in the graph (11 interleaved rounds, 0.68-0.85), batch 1
+        # 0.95x (0.83-0.99); SmolLM2-135M's batch-1 step is what chose it
+        return torch.compiler.is_compiling() and call.q.shape[0] == 1
 
     def __call__(self, call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         mask = call.dense()[0]

@@ -154,6 +154,16 @@ def test_compiled_decode_equals_eager_and_does_not_recompile_for_another_length(
         turn = torch.cat((outs[0], ids[1:, 4:]), dim=1)
     assert caches[True].reused == caches[False].reused > 0
     assert step.failed is None
+    one = Stepper(model, turn, torch.ones_like(turn, dtype=torch.bool), 4, compile=True)   # batch 1, as a chat
+    with torch.inference_mode():
+        tok = one.prefill().argmax(-1)
+        one.step(tok)
+        with torch.profiler.profile() as prof:
+            one.step(tok)
+    ran = {event.key for event in prof.key_averages()}
+    assert any(name.startswith("## Call CompiledFxGraph") for name in ran), ran     # the compiled graph ran
+    # no copy of a matmul's (1, d) input (a stride-0 view), no extern SDPA call: attention is one fused kernel
+    assert not any("clone" in name or "copy" in name or "scaled_dot_product" in name for name in ran), ran
 
 
 @contextlib.contextmanager

@@ -164,3 +164,15 @@ def test_quantize_refuses_an_out_that_is_its_text_even_with_overwrite(tmp_path):
                 "--overwrite")
     assert proc.returncode == 2 and "is the input" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert text.read_text().startswith("the quick brown fox")
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_an_int8_model_counts_the_weights_its_rows_stand_for(tie):
+    """The real-model lab recorded SmolLM2's int8 run as 35,136 parameters (its norms and biases): int8 rows are
+    buffers, which a count of parameters() misses."""
+    from archlab.nn.int8 import weight_count
+
+    model = archlab.TransformerLM(archlab.presets.tiny("llama3-8b").with_overrides({"tie_embeddings": tie})).eval()
+    floats = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert weight_count(model) == floats == archlab.accounting.param_count(model.config)
+    assert weight_count(quantize_int8(copy.deepcopy(model))) == floats

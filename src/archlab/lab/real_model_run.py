@@ -31,6 +31,7 @@ from archlab.errors import UserError
 from archlab.lab.real_model import MEASURES, SETTINGS
 from archlab.lab.store import RunRecord
 from archlab.lab.suites import Suite, Variant, slug
+from archlab.nn.int8 import weight_count
 
 if TYPE_CHECKING:
     from archlab.lab.plan import RunJob
@@ -195,7 +196,7 @@ def real_model_job(job: RunJob, failed: Callable[[RunRecord, BaseException, floa
         return failed(record, exc, t0)
     record.status = "done"
     record.final_val_loss = record.best_val_loss = math.log(metrics["ppl"]) if metrics["ppl"] > 0 else None
-    record.params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    record.params = weight_count(model)                      # an int8 run's rows included
     record.tokens_seen = int(ids.numel())
     record.extra.update({**metrics, "model": model.config.name, "source": str(spec.source),
                          "text": f"{TEXT}, {ids.numel() - 1} tokens", "device": device_name("cpu"),

@@ -99,3 +99,14 @@ def test_an_int8_target_is_refused_before_the_prompt_is_printed(runs, tmp_path, 
         out = capsys.readouterr()
         assert out.out == "" and len(out.err.strip().splitlines()) == 1, out
         assert "int8 layers quantize the activations" in out.err and "draft for the float run" in out.err
+
+
+@pytest.mark.parametrize("what", ["text file", "missing", "folder"])
+def test_a_draft_data_that_is_not_prepared_data_is_named_as_draft_data(runs, tmp_path, capsys, what):
+    target, _, _ = runs
+    path = {"text file": tmp_path / "corpus.txt", "missing": tmp_path / "nope", "folder": tmp_path}[what]
+    (tmp_path / "corpus.txt").write_text(PROMPT)
+    assert main(["generate", str(target), "--prompt", PROMPT, "--max-new-tokens", "4", "--draft", "ngram",
+                 "--draft-data", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"error: --draft-data {path}" in err, err

@@ -240,7 +240,13 @@ def build_draft(args, model, tok):
         if args.draft_data is not None:
             from archlab.data.tokens import TokenDataset
             from archlab.runs.model_folder import load_run_tokenizer
-            data = np.asarray(TokenDataset(args.draft_data, "train").tokens, dtype=np.int64)
+            try:
+                data = np.asarray(TokenDataset(args.draft_data, "train").tokens, dtype=np.int64)
+            except UserError as exc:             # named as --draft-data, the option that gave the folder
+                text = str(exc)
+                raise UserError(text.replace(str(args.draft_data), f"--draft-data {args.draft_data}", 1)
+                                if str(args.draft_data) in text else f"--draft-data {args.draft_data}: {text}") \
+                    from None
             data_tok = load_run_tokenizer(args.draft_data)              # DIR/tokenizer, as archlab data prepare
             if tok is not None and data_tok is not None and not same_vocabulary(tok, data_tok):   # writes it
                 raise UserError(f"--draft-data {args.draft_data} was prepared with another tokenizer than "

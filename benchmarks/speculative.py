@@ -12,6 +12,13 @@ for --steps AdamW steps (minutes on 2 shared cores; the weights are kept in --we
 with the same settings). Each decode produces exactly the rewrite's length (EOS off), so every mode does the same
 work; the ratio is the median over interleaved rounds of (plain seconds / speculative seconds); acceptance rate,
 tokens per target forward and the theory's (1 - a^(k+1)) / (1 - a) come from the speculative call's SpeculativeStats.
+
+With --model, draft models of the same tokenizer join the table: --draft-model RUN (e.g. the int8 copy of the
+model, `archlab quantize FOLDER --weights int8 --out RUN`) and --exit-layers K,... (self-speculation, LayerSkip-style
+early exit: the model's own first K layers, its final norm and head, their tensors shared, not copied), each at
+k=auto and k=--draft-k; --task open asks for a story instead of the rewrite.
+
+    .venv/bin/python benchmarks/speculative.py --model runs/smollm2 --draft-model runs/smollm2-int8 --exit-layers 24,28
 """
 from __future__ import annotations
 
@@ -72,6 +79,8 @@ PASSAGE = ("The old lighthouse stood at the edge of the cliff for more than a ce
            "the dark counted its flashes to know where they were, and fishermen said the light had saved more lives "
            "than any doctor in the town.")
 INSTRUCTION = "Rewrite the following passage in the past perfect tense, changing nothing else:\n\n"
+TASKS = {"rewrite": INSTRUCTION + PASSAGE,       # input-grounded: the answer copies most of the prompt
+         "open": "Write a short story about a lighthouse keeper who finds a message in a bottle."}   # open-ended
 
 
 def trained_model(args):
@@ -110,13 +119,38 @@ def folder_model(args):
     chat = chat_tokenizer(args.model, tok)
     if chat is None:
         raise SystemExit(f"{args.model} has no chat template")
-    prompt = Conversation(chat, context=model.config.max_seq_len, reserve=args.new).prompt(INSTRUCTION + PASSAGE)
+    prompt = Conversation(chat, context=model.config.max_seq_len, reserve=args.new).prompt(TASKS[args.task])
     eos = end_of_turn_ids(chat) + ([tok.eot_id] if getattr(tok, "eot_id", None) is not None else [])
     kw = dict(max_new_tokens=args.new, eos_token_id=eos)
     plain = archlab.generate(model, prompt, **kw)
     print(f"{args.model}: a {len(prompt)}-token prompt, the answer: {tok.decode(plain[len(prompt):].tolist())!r}",
           flush=True)
     return model, [prompt], kw
+
+
+def early_exit(model, layers: int) -> archlab.TransformerLM:
+    """The model's first `layers` layers, its final norm and its head as a model of their own (LayerSkip-style
+    self-speculation, Elhoushi et al. 2024, arXiv 2404.16710, without its early-exit training): built at that depth
+    and given the model's own tensors (load_state_dict(assign=True): shared storage, no copy)."""
+    if not 1 <= layers < model.config.n_layers:
+        raise SystemExit(f"--exit-layers {layers}: must be in 1..{model.config.n_layers - 1}")
+    draft = archlab.TransformerLM(model.config.with_overrides({"n_layers": layers}))
+    mine = draft.state_dict()
+    draft.load_state_dict({k: v for k, v in model.state_dict().items() if k in mine}, assign=True)
+    return draft.eval()
+
+
+def model_drafts(args, model) -> dict[str, dict]:
+    """The table's rows for --draft-model and --exit-layers: name -> generate's draft arguments."""
+    from archlab.runs.model_folder import load_model_and_tokenizer
+
+    drafts = {}
+    for run in args.draft_model or []:
+        drafts[Path(run).name] = load_model_and_tokenizer(run, "cpu", purpose="drafting")[0].eval()
+    for layers in args.exit_layers:
+        drafts[f"exit at layer {layers}"] = early_exit(model, layers)
+    return {f"{name}, k={k}": dict(draft=draft, draft_tokens=k)
+            for name, draft in drafts.items() for k in ("auto", args.draft_k)}
 
 
 def main() -> None:
@@ -131,18 +165,30 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a chat model folder instead (e.g. SmolLM2-135M-Instruct converted "
                     "by archlab convert --from-gguf): it rewrites PASSAGE, stopping at its end of turn")
     ap.add_argument("--new", type=int, default=128, help="with --model: most new tokens")
+    ap.add_argument("--task", choices=sorted(TASKS), default="rewrite",
+                    help="with --model: rewrite PASSAGE (input-grounded) or write a story (open-ended)")
+    ap.add_argument("--draft-model", action="append", metavar="RUN",
+                    help="with --model: a draft model folder of the same tokenizer (repeatable), e.g. its int8 copy")
+    ap.add_argument("--exit-layers", type=lambda t: [int(x) for x in t.split(",") if x], default=[], metavar="K,...",
+                    help="with --model: self-speculation drafts, the model's first K layers + its final norm and head")
+    ap.add_argument("--draft-k", type=int, default=4, help="the fixed draft length of the draft models' rows")
+    ap.add_argument("--skip-builtin", action="store_true", help="leave out the prompt lookup and n-gram rows")
     args = ap.parse_args()
     start(args)
     model, prompts, kw = folder_model(args) if args.model else trained_model(args)
     plain = archlab.generate(model, prompts, **kw)
     tokens = (plain.shape[-1] - len(prompts[0])) * len(prompts)      # every mode decodes exactly these
-    modes = {"prompt lookup, k=auto": dict(draft="prompt_lookup", draft_tokens="auto"),
-             "prompt lookup, k=8": dict(draft="prompt_lookup", draft_tokens=8),
-             "n-gram (order 3), k=auto": dict(draft="ngram", draft_tokens="auto")}
+    modes = {} if args.skip_builtin else {
+        "prompt lookup, k=auto": dict(draft="prompt_lookup", draft_tokens="auto"),
+        "prompt lookup, k=8": dict(draft="prompt_lookup", draft_tokens=8),
+        "n-gram (order 3), k=auto": dict(draft="ngram", draft_tokens="auto")}
+    if args.model:
+        modes.update(model_drafts(args, model))
+    width = max(26, *(len(name) for name in modes))
     print(f"batch {len(prompts)}, {tokens // len(prompts)} new tokens per row, greedy; median of {args.rounds} "
           "interleaved rounds")
-    print(f"{'draft':<26} {'tok/s':>8} {'plain':>8} {'speed-up':>8} {'alpha':>6} {'tok/fwd':>8} {'per round':>9} "
-          f"{'theory':>7}")
+    print(f"{'draft':<{width}} {'tok/s':>8} {'plain':>8} {'speed-up':>8} {'alpha':>6} {'tok/fwd':>8} "
+          f"{'per round':>9} {'theory':>7} {'mean k':>6}")
     for name, extra in modes.items():
         stats = SpeculativeStats()
         out = archlab.generate(model, prompts, **kw, **extra, stats=stats)
@@ -151,10 +197,11 @@ def main() -> None:
                "draft": lambda extra=extra: archlab.generate(model, prompts, **kw, **extra)}
         times = interleaved(fns, args.rounds)
         ratios = [p / d for p, d in zip(times["plain"], times["draft"])]
-        print(f"{name:<26} {tokens / statistics.median(times['draft']):>8.1f} "
+        mean_k = sum(stats.draft_lengths) / max(1, len(stats.draft_lengths))
+        print(f"{name:<{width}} {tokens / statistics.median(times['draft']):>8.1f} "
               f"{tokens / statistics.median(times['plain']):>8.1f} {statistics.median(ratios):>7.2f}x "
               f"{stats.alpha:>6.2f} {stats.tokens_per_forward:>8.2f} {stats.tokens_per_round:>9.2f} "
-              f"{stats.theory:>7.2f}", flush=True)
+              f"{stats.theory:>7.2f} {mean_k:>6.1f}", flush=True)
 
 
 if __name__ == "__main__":

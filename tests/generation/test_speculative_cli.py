@@ -84,17 +84,36 @@ def test_draft_data_prepared_with_another_tokenizer_is_refused(runs, tmp_path, c
     assert "was prepared with another tokenizer" in err and len(err.splitlines()) == 1, err
 
 
-def test_an_int8_target_is_refused_before_the_prompt_is_printed(runs, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def int8_run(runs, tmp_path_factory):
+    """The target's int8 copy, written by archlab quantize."""
+    root = tmp_path_factory.mktemp("int8")
+    (root / "text.txt").write_text(PROMPT * 4)
+    assert main(["quantize", str(runs[0]), "--weights", "int8", "--out", str(root / "run"),
+                 "--text", str(root / "text.txt"), "--seq-len", "32"]) == 0
+    return root / "run"
+
+
+def test_the_int8_copy_of_the_target_drafts_its_plain_greedy_text(runs, int8_run, capsys):
+    target = runs[0]
+    base = ["generate", str(target), "--prompt", PROMPT, "--max-new-tokens", "24"]
+    capsys.readouterr()
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    for k in ("2", "auto"):
+        assert main(base + ["--draft", str(int8_run), "--draft-tokens", k, "--compare-plain"]) == 0
+        out = capsys.readouterr()
+        assert out.out == plain and "output identical: yes" in out.err, out.err
+
+
+def test_an_int8_target_is_refused_before_the_prompt_is_printed(runs, int8_run, capsys):
     from archlab.nn.int8 import KERNELS, decode_kernel
     if not KERNELS.get(decode_kernel()).rows_together:
         pytest.skip("this torch's int8 decode kernel keeps rows apart: speculative decoding stays exact")
     target, draft_run, _ = runs
-    (tmp_path / "text.txt").write_text(PROMPT * 4)
-    assert main(["quantize", str(target), "--weights", "int8", "--out", str(tmp_path / "int8"),
-                 "--text", str(tmp_path / "text.txt"), "--seq-len", "32"]) == 0
     capsys.readouterr()
     for draft in ("prompt-lookup", str(draft_run)):
-        assert main(["generate", str(tmp_path / "int8"), "--prompt", PROMPT, "--max-new-tokens", "4",
+        assert main(["generate", str(int8_run), "--prompt", PROMPT, "--max-new-tokens", "4",
                      "--draft", draft]) == 2
         out = capsys.readouterr()
         assert out.out == "" and len(out.err.strip().splitlines()) == 1, out

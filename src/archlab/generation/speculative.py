@@ -54,6 +54,7 @@ class SpeculativeStats:
     rounds: int = 0                 # target forwards after the prefill (a round with no draft is a plain step)
     drafted: int = 0                # draft tokens proposed, over rows
     accepted: int = 0               # of them, accepted by each row's own rule
+    rejected: int = 0               # row-rounds whose own accepted run stopped at a rejection (not all k kept)
     new_tokens: int = 0             # tokens produced per row (the first, from the prefill, included)
     target_forwards: int = 0        # the prefill + every round
     draft_lengths: list[int] = field(default_factory=list)   # k of each round (0: no draft that round)
@@ -61,7 +62,15 @@ class SpeculativeStats:
 
     @property
     def alpha(self) -> float:
-        """Acceptance rate: accepted / drafted tokens."""
+        """Acceptance rate, Leviathan et al.'s alpha: the chance that a draft token the rule checks is accepted,
+        accepted / (accepted + rejected). A row's check stops at its first rejection, so the drafts after it
+        were never checked and do not count (accepted / drafted, `kept`, would be lower the longer k is)."""
+        checked = self.accepted + self.rejected
+        return self.accepted / checked if checked else 0.0
+
+    @property
+    def kept(self) -> float:
+        """The share of drafted tokens kept: accepted / drafted."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
@@ -95,7 +104,8 @@ class SpeculativeStats:
     def summary(self) -> str:
         """One line: alpha, tokens per target forward, tokens per round beside the theory."""
         mean_k = sum(self.draft_lengths) / len(self.draft_lengths) if self.draft_lengths else 0.0
-        return (f"draft {self.draft}: acceptance rate {self.alpha:.2f} ({self.accepted}/{self.drafted}), "
+        return (f"draft {self.draft}: acceptance rate {self.alpha:.2f} ({self.accepted} of "
+                f"{self.accepted + self.rejected} checked; {self.drafted} drafted), "
                 f"{self.tokens_per_forward:.2f} tokens per target forward; per check round {self.tokens_per_round:.2f} "
                 f"(theory (1-a^(k+1))/(1-a) = {self.theory:.2f} at mean k {mean_k:.1f}); "
                 f"{self.tokens_per_second:.1f} tokens/s")
@@ -243,6 +253,7 @@ def steps(stepper: Stepper, draft: Draft, schedule: Schedule, max_new_tokens: in
                 rows = int(now.sum())
                 stats.drafted += k * rows
                 stats.accepted += int(accepted[now].sum())
+                stats.rejected += int((accepted[now] < k).sum())
                 schedule.update(k, int(accepted[now].min()) if rows else k)
             for j in range(m + 1):
                 produced += 1

@@ -42,9 +42,13 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch", type=int, default=8,
                    help="requests decoded together at most (continuous batching; default %(default)s)")
     p.add_argument("--cache-rows", type=int, default=None,
-                   help="rows of KV cache, each the model's context long (default: --max-batch); the rows not "
+                   help="rows of KV cache, each --context tokens long (default: --max-batch); the rows not "
                    "decoding keep finished requests' prefixes for later ones, e.g. --cache-rows 32 keeps 24 "
                    "conversations while 8 decode")
+    p.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                   help="tokens each KV cache row holds: a prompt plus its max_tokens must fit (default: the "
+                   "model's context, cut so the whole cache fits in 2 GiB or a quarter of the free memory, the "
+                   "smaller; the startup line says what was chosen), e.g. --context 32768")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole (no reuse of what a row holds)")
     p.set_defaults(func=run)
@@ -66,15 +70,16 @@ def run(args) -> int:
     from archlab.cli.generate import check_device
     from archlab.serve import Engine, create_app
     from archlab.serve.server import make_server
-    from archlab.units import human_bytes
 
     if args.max_batch < 1:
         raise UserError(f"--max-batch {args.max_batch} must be >= 1")
     if args.cache_rows is not None and args.cache_rows < args.max_batch:
         raise UserError(f"--cache-rows {args.cache_rows} must be at least --max-batch {args.max_batch}")
     check_device(args.device)
+    if args.context is not None and args.context < 1:
+        raise UserError(f"--context {args.context} must be >= 1")
     engine = Engine.from_folder(args.path, args.device, args.max_batch, cache_rows=args.cache_rows,
-                                prefix_cache=not args.no_prefix_cache)
+                                context=args.context, prefix_cache=not args.no_prefix_cache)
     print(f"serving {engine.name} (context {engine.context}) on http://{args.host}:{args.port}/v1", flush=True)
     if engine.applied:
         print("generation_config.json, the defaults under each request's fields: "
@@ -82,9 +87,8 @@ def run(args) -> int:
     if engine.not_applied:
         print("generation_config.json, not applied (one sequence a request, no beam search): "
               + ", ".join(engine.not_applied), flush=True)
-    rows = len(engine.slots.length)
-    print(f"KV cache: {rows} rows x {engine.context} tokens, {human_bytes(engine.slots.nbytes)}; up to "
-          f"{engine.max_batch} decoding at once; prefix cache "
+    print(cache_line(engine), flush=True)
+    print(f"up to {engine.max_batch} decoding at once; prefix cache "
           + ("off" if args.no_prefix_cache else "on (rows not decoding keep finished requests' tokens; the least "
                                               "recently used is evicted first)"),
           flush=True)
@@ -94,3 +98,20 @@ def run(args) -> int:
     make_server(create_app(engine, limits), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=limits.shutdown_timeout_s).run()
     return 0
+
+
+def cache_line(engine) -> str:
+    """What the KV cache holds and, where the model's context was cut to fit, how to change it."""
+    from archlab.units import human_bytes
+
+    rows = len(engine.slots.length)
+    line = (f"KV cache: {rows} {'row' if rows == 1 else 'rows'} x {engine.context:,} tokens, "
+            f"{human_bytes(engine.slots.nbytes)}")
+    most = engine.model.config.max_seq_len
+    if engine.plan.cut and engine.plan.budget:
+        line += (f" (the model's context {most:,} cut to fit {human_bytes(engine.plan.budget)}: 2 GiB or a quarter "
+                 f"of the free memory; --context {most} for all of it, fewer --cache-rows / --max-batch for "
+                 "longer rows)")
+    elif engine.plan.cut:
+        line += f" (--context; the model's is {most:,})"
+    return line

@@ -88,17 +88,34 @@ class _Job:
     processors: list = field(default_factory=list)
 
 
+def _row_plan(config, rows: int, dtype: torch.dtype, device: torch.device, context: int | None):
+    """A row's tokens: `context` where given (at most the model's), else archlab.serve.cache_size's default."""
+    from archlab.models.accounting import available_memory
+    from archlab.serve.cache_size import CachePlan, cache_budget, row_tokens
+
+    most = config.max_seq_len
+    if context is not None:
+        if not 1 <= context <= most:
+            raise UserError(f"a KV cache row's context of {context} tokens must be in 1..{most} (the model's)")
+        return CachePlan(context, context < most, 0)
+    # keys and values of every layer, and a position, for one token of one row (as SlotKVCache allocates)
+    per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim * dtype.itemsize + 8
+    return row_tokens(most, rows, per_token, cache_budget(available_memory(device)))
+
+
 class Engine:
     """A loaded model and tokenizer serving up to `max_batch` requests at once; `generation_config`: the
     folder's decoding defaults (archlab.serve.settings), under each request's own fields. `cache_rows`: rows of
-    keys and values kept (default max_batch; each the model's context long), finished requests' prefixes held in
-    the free ones for later requests; prefix_cache=False: every request prefills its whole prompt.
+    keys and values kept (default max_batch), finished requests' prefixes held in the free ones for later
+    requests; `context`: tokens a row holds (default the model's context, cut to fit a memory budget:
+    archlab.serve.cache_size; `plan` says what was chosen); prefix_cache=False: every request prefills its whole
+    prompt.
     Example: Engine.from_folder("runs/demo").complete(CompletionRequest("ROMEO:", max_tokens=8))"""
 
     def __init__(self, model, tokenizer, name: str, chat_template: str | ChatTokenizer | None = None,
                  max_batch: int = 8,
                  generation_config: GenerationConfig | None = None, *, cache_rows: int | None = None,
-                 prefix_cache: bool = True):
+                 context: int | None = None, prefix_cache: bool = True):
         from archlab.generation.stepper import vocab_limit
         from archlab.nn.kv_cache import SlotKVCache
         from archlab.serve.settings import applied, defaults_for, not_served
@@ -109,7 +126,6 @@ class Engine:
                      else dataclasses.replace(ChatTokenizer.of(tokenizer), templates=chat_template))
         check_vocabulary(model, tokenizer)
         self.vocab_limit = vocab_limit(model, tokenizer)
-        self.context = model.config.max_seq_len
         self.defaults = defaults_for(generation_config, getattr(tokenizer, "eot_id", None),
                                      self.vocab_limit or model.config.vocab_size)
         self.applied, self.not_applied = applied(generation_config), not_served(generation_config)
@@ -118,6 +134,8 @@ class Engine:
         if max_batch < 1 or rows < max_batch:
             raise UserError(f"cache rows ({rows}) must be at least the batch ({max_batch}), and the batch >= 1")
         self.max_batch = max_batch
+        self.plan = _row_plan(model.config, rows, weight.dtype, weight.device, context)
+        self.context = self.plan.tokens
         self.slots = SlotKVCache(model.config, rows, self.context, dtype=weight.dtype, device=weight.device)
         self.prefixes = SlotPrefixes(self.slots, enabled=prefix_cache)
         self.prompt_tokens = self.cached_tokens = 0   # over every request admitted: the prefix cache's hit count
@@ -133,7 +151,7 @@ class Engine:
     def from_folder(cls, path: str | Path, device: str = "cpu", max_batch: int = 8, **kw) -> Engine:
         """The folder's decoder-only LM, tokenizer, chat template and generation_config.json; another kind of
         model is a UserError naming the command that serves it, before any weights load. `kw`: cache_rows,
-        prefix_cache."""
+        context, prefix_cache."""
         from archlab.runs.hub import resolve_model
         from archlab.runs.model_folder import folder_arch, load_model_and_tokenizer
 
@@ -178,7 +196,8 @@ class Engine:
                                f"tokens after a prompt of {len(ids)}: pass max_tokens")
         if len(ids) + new > self.context:
             raise RequestError(f"the prompt has {len(ids)} tokens and max_tokens is {new}: "
-                               f"{len(ids) + new} tokens do not fit the model's context of {self.context}",
+                               f"{len(ids) + new} tokens do not fit the {'server' if self.plan.cut else 'model'}'s "
+                               f"context of {self.context}",
                                param="prompt", code="context_length_exceeded")
         return ids, settings
 

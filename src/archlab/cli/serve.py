@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 from archlab.serve.limits import MB, Limits
 
@@ -88,6 +89,9 @@ def run(args) -> int:
         print("generation_config.json, not applied (one sequence a request, no beam search): "
               + ", ".join(engine.not_applied), flush=True)
     print(cache_line(engine), flush=True)
+    shared = int8_warning(engine.model, engine.max_batch, prefix_cache=not args.no_prefix_cache)
+    if shared:
+        print(shared, file=sys.stderr, flush=True)
     print(f"up to {engine.max_batch} decoding at once; prefix cache "
           + ("off" if args.no_prefix_cache else "on (rows not decoding keep finished requests' tokens; the least "
                                               "recently used is evicted first)"),
@@ -115,3 +119,15 @@ def cache_line(engine) -> str:
     elif engine.plan.cut:
         line += f" (--context; the model's is {most:,})"
     return line
+
+
+def int8_warning(model, max_batch: int, prefix_cache: bool) -> str | None:
+    """A warning where the answers can depend on what is batched beside them: int8 layers whose kernel
+    quantizes a forward's rows with one scale (archlab.nn.int8.rows_quantized_together: fbgemm's dynamic int8)."""
+    from archlab.nn.int8 import rows_quantized_together
+
+    if not rows_quantized_together(model) or (max_batch == 1 and not prefix_cache):
+        return None
+    return ("warning: this model's int8 layers quantize the activations of a forward's rows with one scale, so a "
+            "greedy answer can change with the requests decoded beside it (and with the prefix a row held); "
+            "--max-batch 1 --no-prefix-cache gives every request the answer `archlab generate` gives")

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr if args.json else sys.stdout)
     if len(ids) < 2:
         raise UserError(f"--text {args.text} encodes to {len(ids)} token(s); need at least 2")
-    result = diagnostics.diagnose(model, torch.tensor([ids]), pieces, top_k=args.top_k)
+    result = diagnostics.diagnose(model, torch.tensor([ids]), pieces, top_k=args.top_k, progress=True)
     default = Path("diagnostics") / args.model.split("/")[-1] if args.model.startswith("hf:") else \
         Path(args.model) / "diagnostics"             # never into the hub cache
     out = Path(args.out) if args.out else default

@@ -35,8 +35,8 @@ import torch
 
 from archlab.progress import progress_bar
 
-__all__ = ["diagnose", "effective_rank", "singular_values", "dead_unit_fractions", "RELU_FAMILY", "max_attention_logits",
-           "attention_scores", "prefix_matching", "prefix_matching_scores", "save_report",
+__all__ = ["diagnose", "effective_rank", "singular_values", "dead_unit_fractions", "RELU_FAMILY",
+           "max_attention_logits", "attention_scores", "prefix_matching", "prefix_matching_scores", "save_report",
            "load_model_and_tokenizer"]
 
 

@@ -32,7 +32,7 @@ from bench import interleaved, parser, start  # benchmarks/bench.py: one call of
 from safetensors.torch import load_file, save_file
 
 import archlab
-from archlab.generation import SpeculativeStats
+from archlab.generation import NgramDraft, SpeculativeStats
 
 BOS, SEP = 0, 1
 
@@ -183,7 +183,9 @@ def main() -> None:
     modes = {} if args.skip_builtin else {
         "prompt lookup, k=auto": dict(draft="prompt_lookup", draft_tokens="auto"),
         "prompt lookup, k=8": dict(draft="prompt_lookup", draft_tokens=8),
-        "n-gram (order 3), k=auto": dict(draft="ngram", draft_tokens="auto")}
+        "n-gram (order 3), k=auto": dict(draft="ngram", draft_tokens="auto"),
+        "n-gram (order 3), k=8": dict(draft="ngram", draft_tokens=8),
+        "n-gram, no cache, k=auto": dict(draft=NgramDraft(order=3, cache_max=0), draft_tokens="auto")}
     if args.model:
         modes.update(model_drafts(args, model))
     width = max(26, *(len(name) for name in modes))

@@ -135,11 +135,12 @@ def test_prompt_lookup_equals_transformers():
 
 
 def test_ngram_draft_proposes_kneser_ney_argmax():
-    """The n-gram draft's greedy proposal is the most likely token of archlab's Kneser-Ney model of the prompt."""
+    """Without its cache, the n-gram draft's greedy proposal is the most likely token of archlab's Kneser-Ney model
+    of the prompt."""
     from archlab.eval.ngram import NgramCounts
 
     prompt = [3, 4, 5, 3, 4, 6, 3, 4, 5, 3, 4]
-    draft = NgramDraft(order=3)
+    draft = NgramDraft(order=3, cache_max=0)
     from archlab.generation.drafts import Setup
     draft.start(torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.bool), Setup(16, 8, False))
     out = draft.propose(torch.tensor([prompt]), 3, lambda logits, seqs: (logits.argmax(-1), None))
@@ -149,6 +150,71 @@ def test_ngram_draft_proposes_kneser_ney_argmax():
         expect.append(int(np.argmax(kn.distribution(history))))
         history.append(expect[-1])
     assert out.tokens[0].tolist() == expect
+
+
+def _kn_greedy(data: list[int], row: list[int], vocab: int, n: int) -> list[int]:
+    """n greedy tokens of archlab's KN model (order 3) counted on data + row, the reference for the draft's fallback."""
+    from archlab.eval.ngram import NgramCounts
+
+    kn = NgramCounts(np.array(data + row), vocab, 3).model(3)
+    out, history = [], list(row)
+    for _ in range(n):
+        out.append(int(np.argmax(kn.distribution(history))))
+        history.append(out[-1])
+    return out
+
+
+def _propose(draft: NgramDraft, row: list[int], k: int, vocab: int = 16) -> list[int]:
+    from archlab.generation.drafts import Setup
+
+    ids = torch.tensor([row])
+    draft.start(ids, torch.ones_like(ids, dtype=torch.bool), Setup(vocab, 8, False))
+    return draft.propose(ids, k, lambda logits, seqs: (logits.argmax(-1), None)).tokens[0].tolist()
+
+
+def test_ngram_draft_prefers_the_rows_own_continuation_then_falls_back_to_kneser_ney():
+    """The cache: where the row's last tokens occurred earlier in the row, what followed them is proposed even
+    though the KN model (trained on data where 3 4 is followed by 9) says otherwise; the positions past the
+    copied stretch are the KN model's greedy continuation."""
+    data = [3, 4, 9, 1] * 20
+    row = [1, 3, 4, 7, 2, 3, 4]
+    assert _kn_greedy(data, row, 16, 1) == [9]                       # the KN model alone would draft 9
+    out = _propose(NgramDraft(order=3, data=np.array(data)), row, 6)
+    copied = [7, 2, 3, 4]                                            # what followed the earlier 3 4, to the row's end
+    assert out == copied + _kn_greedy(data, row + copied, 16, 2)
+
+
+def test_ngram_draft_falls_back_to_kneser_ney_below_the_cache_minimum():
+    """No earlier occurrence of the row's last cache_min tokens: the proposal is the KN model's greedy continuation;
+    a single recurring token counts only when cache_min is 1."""
+    data = [3, 6, 9, 1] * 20
+    row = [1, 2, 6, 8, 5, 3, 6]                                      # 6 recurs, 3 6 does not
+    kn = _kn_greedy(data, row, 16, 4)
+    assert kn[:2] != [8, 5]
+    assert _propose(NgramDraft(order=3, data=np.array(data)), row, 4) == kn
+    assert _propose(NgramDraft(order=3, data=np.array(data), cache_min=1), row, 2) == [8, 5]
+
+
+def test_ngram_draft_with_training_data_keeps_plain_greedy_output():
+    """The cache model over a KN model counted on (tiny) training data: plain greedy's tokens, batch 1 and a
+    left-padded batch, the cache both used and not."""
+    model = _model("llama3-8b")
+    rows = _prompts(128)
+    data = np.array(torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(3)).tolist() + rows[0] * 4)
+    for batch in ([rows[0]], rows):
+        plain = archlab.generate(model, batch, max_new_tokens=20)
+        for draft in (NgramDraft(order=3, data=data), NgramDraft(order=3, data=data, cache_min=1),
+                      NgramDraft(order=2, data=data, cache_max=0)):
+            for k in (3, "auto"):
+                stats = SpeculativeStats()
+                out = archlab.generate(model, batch, max_new_tokens=20, draft=draft, draft_tokens=k, stats=stats)
+                assert torch.equal(out, plain), (draft, k, len(batch))
+                assert stats.new_tokens == 20
+
+
+def test_ngram_draft_cache_bounds_are_checked():
+    with pytest.raises(ValueError, match="cache_min=4 must be between 1 and cache_max=3"):
+        _propose(NgramDraft(cache_min=4), [1, 2, 3], 2)
 
 
 @pytest.mark.parametrize("cache_kind", ["static", "static-windowed", "concat"])

@@ -10,9 +10,11 @@
   PromptLookupDraft  prompt lookup decoding (Saxena 2023; transformers' prompt_lookup_num_tokens): the last
                      n-gram of the row (n = max_ngram down to 1) is searched in the row so far and the tokens
                      that followed its first earlier occurrence are proposed, up to an end-of-sequence token.
-  NgramDraft         archlab's interpolated modified Kneser-Ney model (archlab.eval.ngram) counted on each row's
-                     prompt (and optionally on training tokens), proposing its most likely token, or sampling
-                     from its distribution when decoding samples.
+  NgramDraft         a cache model (Kuhn & De Mori 1990; vLLM's n-gram proposer) over archlab's interpolated
+                     modified Kneser-Ney model (archlab.eval.ngram): where the row's last n tokens (n = cache_max
+                     down to cache_min) occurred earlier in the row, what followed them is proposed; elsewhere
+                     the KN model, counted on each row's prompt (and optionally on training tokens), proposes its
+                     most likely token, or samples from its distribution when decoding samples.
 
 A draft follows one protocol, driven by archlab.generation.speculative:
     start(ids, mask, setup)           the prompt, (b, t) left-padded as the target's Stepper holds it, and the
@@ -203,13 +205,14 @@ class NgramIndex:
                 first.setdefault(tuple(row[end - n:end]), end - n)
         return self
 
-    def propose(self, k: int, eos: tuple[int, ...] = ()) -> list[int]:
+    def propose(self, k: int, eos: tuple[int, ...] = (), min_ngram: int = 1) -> list[int]:
         """Up to k tokens that followed the first occurrence of the row's last n-gram, for the longest n <= max_ngram
-        that occurred before (transformers' order: n from max_ngram down, the earliest occurrence), cut before an EOS
-        token; [] when none recurs."""
+        (and >= min_ngram) that occurred before (transformers' order: n from max_ngram down, the earliest
+        occurrence), cut before an EOS token; [] when none recurs.
+        Example: NgramIndex(3).extend([5, 6, 7, 9, 6, 8, 6]).propose(2, min_ngram=2) -> []"""
         row = self.row
         t = len(row)
-        for n in range(min(self.max_ngram, t - 1), 0, -1):
+        for n in range(min(self.max_ngram, t - 1), max(min_ngram, 1) - 1, -1):
             begin = self.first[tuple(row[t - n:])] + n
             if begin < t:                  # an occurrence before the row's own last n tokens
                 out = row[begin:min(begin + k, t)]
@@ -228,17 +231,27 @@ def lookup(row: list[int], k: int, max_ngram: int = 3, eos: tuple[int, ...] = ()
 
 @dataclass
 class NgramDraft:
-    """archlab's modified Kneser-Ney n-gram model (archlab.eval.ngram.NgramCounts) of order `order`, counted per row
-    on `data` (training token ids, optional) followed by the row's prompt. Greedy decoding proposes its most likely
-    token (found among the counted tokens: one never counted only has back-off mass, below any counted one's);
-    sampling draws from its whole distribution after the target's processing. The model is fixed once counted, so
-    each row's log-probabilities are kept per history (its last order-1 tokens) after their first use."""
+    """A cache model over archlab's modified Kneser-Ney n-gram model (archlab.eval.ngram.NgramCounts) of order
+    `order`. The cache (Kuhn & De Mori 1990; vLLM's n-gram proposer) is the row's own tokens, prompt and generated
+    so far: where the last n of them (n = cache_max down to cache_min) occurred earlier in the row, the tokens that
+    followed are proposed (prompt lookup's NgramIndex, one-hot); the positions it leaves (no match, or a match near
+    the row's end) are drafted by the KN model, counted per row on `data` (training token ids, optional) followed
+    by the row's prompt, so a rewrite of the prompt is drafted from the prompt and other text from the data.
+    cache_max=0 turns the cache off. Greedy decoding takes the KN model's most likely token (found among the counted
+    tokens: one never counted only has back-off mass, below any counted one's); sampling draws from its whole
+    distribution after the target's processing. The model is fixed once counted, so each row's log-probabilities
+    are kept per history (its last order-1 tokens) after their first use.
+    Example: archlab.generate(model, ids, 64, draft=NgramDraft(order=4, data=train_tokens, cache_min=2))"""
 
     order: int = 3
     data: np.ndarray | None = None
+    cache_max: int = 3
+    cache_min: int = 2
     name: str = "ngram"
     _models: list = field(default_factory=list, repr=False)
     _rows: _Rows | None = field(default=None, repr=False)
+    _index: list[NgramIndex] = field(default_factory=list, repr=False)
+    _eos: tuple[int, ...] = ()
     _vocab: int = 0
     _sampling: bool = False
 
@@ -247,8 +260,12 @@ class NgramDraft:
 
         if self.order < 1:
             raise ValueError(f"the n-gram draft's order {self.order} must be at least 1")
-        self._vocab, self._sampling = setup.vocab, setup.sampling
+        if self.cache_max and not 1 <= self.cache_min <= self.cache_max:
+            raise ValueError(f"the n-gram draft's cache_min={self.cache_min} must be between 1 and "
+                             f"cache_max={self.cache_max}")
+        self._vocab, self._sampling, self._eos = setup.vocab, setup.sampling, setup.eos
         self._rows = _Rows(ids, mask)
+        self._index = [NgramIndex(self.cache_max).extend(row) for row in self._rows.rows] if self.cache_max else []
         head = np.zeros(0, np.int64) if self.data is None else np.asarray(self.data, dtype=np.int64)
         self._models = []
         for row in self._rows.rows:
@@ -269,19 +286,45 @@ class NgramDraft:
             memo[key] = hit
         return hit
 
+    def _cached(self, rows: list[list[int]], k: int) -> list[list[int]]:
+        """Each row's cache proposal (up to k tokens; [] where its last cache_min..cache_max tokens never recur)."""
+        if not self.cache_max:
+            return [[] for _ in rows]
+        out = []
+        for row, index in zip(rows, self._index):
+            index.extend(row[len(index.row):])
+            out.append(index.propose(k, self._eos, self.cache_min))
+        return out
+
     def propose(self, seqs: torch.Tensor, k: int, choose: Choose) -> Proposal:
         assert self._rows is not None
         rows = self._rows.update(seqs)
+        cached = self._cached(rows, k)
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor | None] = []
         drafted: list[list[int]] = [[] for _ in rows]
-        for _ in range(k):
-            logits = torch.stack([self._logits(model, seen, memo, row + mine)
-                                  for row, mine, (model, seen, memo) in zip(rows, drafted, self._models)])
-            so_far = torch.cat([seqs, *[t[:, None] for t in tokens]], 1) if tokens else seqs
-            tok, prob = choose(logits.to(seqs.device), so_far)
+        for i in range(k):
+            from_cache = [len(c) > i for c in cached]
+            if all(from_cache):                       # no KN work, and no choose: the cache's tokens are one-hot
+                tok, prob = torch.tensor([c[i] for c in cached]), None
+            else:
+                logits = torch.stack([torch.zeros(self._vocab) if hit else self._logits(model, seen, memo, row + mine)
+                                      for hit, row, mine, (model, seen, memo)
+                                      in zip(from_cache, rows, drafted, self._models)])                     # (b, v)
+                so_far = torch.cat([seqs, *[t[:, None] for t in tokens]], 1) if tokens else seqs
+                tok, prob = choose(logits.to(seqs.device), so_far)
+                if any(from_cache):
+                    hits = torch.tensor(from_cache, device=tok.device)
+                    tok = torch.where(hits, torch.tensor([c[i] if h else 0 for c, h in zip(cached, from_cache)],
+                                                         device=tok.device), tok)
+                    if prob is not None:                                                    # one-hot where cached
+                        prob = torch.where(hits[:, None], torch.nn.functional.one_hot(tok, prob.shape[-1]).to(prob),
+                                           prob)
+            if prob is None and self._sampling:
+                prob = torch.nn.functional.one_hot(tok, self._vocab).float()                # (b, v)
+            tok = tok.to(seqs.device)
             tokens.append(tok)
-            probs.append(prob)
+            probs.append(prob if prob is None else prob.to(seqs.device))
             for mine, t in zip(drafted, tok.tolist()):
                 mine.append(t)
         return _proposal(tokens, probs, seqs.device)

@@ -428,6 +428,8 @@ class _Run:
             if self.bar is not None:
                 self.bar.update(1)
             end = self.budget_spent()
+            if end:
+                self.say(self.end_of_run())
             if (cfg.eval.every and self.step % cfg.eval.every == 0) or end:
                 self.validate()
             if (cfg.sample.every > 0 and self.step % cfg.sample.every == 0) or (end and cfg.sample.every >= 0):
@@ -443,6 +445,22 @@ class _Run:
         short = warmup_shortfall(cfg, self.step) if self.total_steps is None and self.info.is_main else None
         if short:                          # a minutes budget knows its steps only now
             warnings.warn(short, stacklevel=5)
+
+    def say(self, line: str) -> None:
+        """A line on stderr beside the progress bar or the log lines (nothing where progress is off)."""
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        elif self.lines is not None:
+            print(line, file=sys.stderr, flush=True)
+
+    def end_of_run(self) -> str:
+        """What runs after the last step: on a real model these take minutes, which looked like a hang."""
+        cfg = self.cfg
+        parts = [f"validation (up to {cfg.eval.batches} batches)"]
+        if cfg.sample.every >= 0 and self.tokenizer is not None and self.raw.config.arch == "decoder":
+            parts.append(f"a {cfg.sample.tokens}-token sample (samples.txt)")
+        parts.append("the checkpoint (weights and optimizer state)")
+        return f"step {self.step:,} was the last: now " + ", ".join(parts)
 
     def checkpoint(self) -> None:
         """Save; the NaN guard names the checkpoint only when its recorded losses are finite."""

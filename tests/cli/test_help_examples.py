@@ -50,3 +50,13 @@ def test_every_set_example_in_every_help_is_a_real_key(command, pair):
         archlab.presets.tiny("llama2-7b").with_overrides(model)     # an unknown key: ConfigError naming it
     if train:   # a LoRA setting is checked on a LoRA run (an example shows it beside --lora-r)
         TrainConfig().with_overrides({"lora.r": "8", **train} if any(k.startswith("lora.") for k in train) else train)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_no_example_line_is_two_joined_by_a_lost_backslash(command):
+    """A backslash at a line's end inside a plain Python string joins the lines: the help showed
+    'train.lr=5e-6       --set train.dpo.beta=0.1' on one line."""
+    import re
+
+    joined = [line for line in COMMANDS[command].format_help().splitlines() if re.search(r"[^\s#] {3,}--\w", line)]
+    assert not joined, joined

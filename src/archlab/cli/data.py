@@ -10,7 +10,7 @@ examples:
   archlab data prepare --corpus shakespeare --tokenizer bytes --out data/shakespeare-bytes
   archlab data prepare --corpus pystdlib --tokenizer runs/tok32k --out data/pystdlib --workers 4
   archlab data prepare --corpus docs.jsonl --text-field body --tokenizer runs/tok --out data/docs
-  archlab data prepare --seq2seq --corpus wmt.jsonl --source-field de --target-field en --tokenizer runs/tok \
+  archlab data prepare --seq2seq --corpus wmt.jsonl --source-field de --target-field en --tokenizer runs/tok \\
       --out data/wmt-de-en
 
 corpora: shakespeare, shakespeare-folio, pystdlib, pystdlib-full, hf:NAME[:CONFIG] (needs `datasets`),

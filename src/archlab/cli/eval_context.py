@@ -14,7 +14,7 @@ CONTEXT_EXAMPLE = """
   archlab eval runs/exp1 --by-position                  # loss by position in the window (table + PNG)
   archlab eval runs/exp1 --lengths 64,128,256,512       # perplexity by evaluation length (table + PNG)
   archlab eval runs/exp1 --passkey --lengths 256,1024 --depths 0,0.5,1 --trials 5   # passkey retrieval
-  archlab eval runs/exp1 --lengths 256,1024 --set position.rope_scaling.kind=yarn \
+  archlab eval runs/exp1 --lengths 256,1024 --set position.rope_scaling.kind=yarn \\
       --set position.rope_scaling.factor=4      # zero-shot context extension: the same weights, YaRN x4"""
 
 

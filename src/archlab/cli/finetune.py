@@ -13,16 +13,16 @@ EXAMPLE = """example:
   archlab finetune runs/gpt2 --data sft.jsonl --out runs/sft-lora --lora-r 8 --lora-modules-to-save wpe
   archlab finetune runs/base --data sft.jsonl --out runs/sft --chat-template chatml --set train.seq_len=512
   archlab finetune runs/t5 --data pairs.jsonl --out runs/t5-sft          # encoder-decoder: prompt -> completion
-  archlab finetune runs/sft --method dpo --data prefs.jsonl --out runs/dpo --set train.lr=5e-6 \
+  archlab finetune runs/sft --method dpo --data prefs.jsonl --out runs/dpo --set train.lr=5e-6 \\
       --set train.dpo.beta=0.1        # preference lines {"prompt", "chosen", "rejected"}; train.dpo.loss=ipo|simpo|orpo
-  archlab finetune runs/sft --method dpo --data kto.jsonl --out runs/kto --set train.dpo.loss=kto \
+  archlab finetune runs/sft --method dpo --data kto.jsonl --out runs/kto --set train.dpo.loss=kto \\
       --set train.dpo.undesirable_weight=1.33    # KTO: {"prompt", "completion", "label": true|false} lines, or pairs
   archlab finetune runs/sft --method reward --data prefs.jsonl --out runs/rm     # then: archlab score runs/rm ...
-  archlab finetune runs/sft --method grpo --data prompts.jsonl --out runs/grpo --reward exact_match \
+  archlab finetune runs/sft --method grpo --data prompts.jsonl --out runs/grpo --reward exact_match \\
       --set train.grpo.num_generations=8 --set train.grpo.max_completion_length=64   # lines {"prompt", "answer"}
-  archlab finetune runs/sft --method grpo --data prompts.jsonl --out runs/grpo --reward FILE.py:FUNC \
+  archlab finetune runs/sft --method grpo --data prompts.jsonl --out runs/grpo --reward FILE.py:FUNC \\
       --reward format --set train.grpo.beta=0.04 --set train.grpo.loss_type=grpo     # or --reward runs/rm
-  archlab finetune runs/sft --method ppo --data prompts.jsonl --out runs/ppo --reward runs/rm \
+  archlab finetune runs/sft --method ppo --data prompts.jsonl --out runs/ppo --reward runs/rm \\
       --set train.ppo.response_length=32 --set train.ppo.kl_coef=0.05    # or --reward FILE.py:FUNC; train.ppo.*
   (lines: {"messages": [{"role", "content"}, ...]} or {"prompt", "completion"}; the loss on train.sft.loss_mask:
   assistant (default), all, last, completion; examples packed into rows of train.seq_len (default 256, or the

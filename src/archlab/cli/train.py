@@ -16,7 +16,7 @@ TRAIN_EXAMPLE = """example:
   archlab convert --from-hf ~/models/Qwen2.5-0.5B --out runs/qwen
   archlab data prepare --corpus my_docs/ --tokenizer runs/qwen/tokenizer --out data/mine
   archlab train --init-from runs/qwen --data data/mine --out runs/qwen-mine --set train.lr=3e-5
-  archlab train --init-from runs/qwen-sft --data prefs.jsonl --out runs/qwen-dpo --set train.method=dpo \
+  archlab train --init-from runs/qwen-sft --data prefs.jsonl --out runs/qwen-dpo --set train.method=dpo \\
       --set train.dpo.beta=0.1 --set train.lr=5e-6          # preference tuning (DPO / IPO / SimPO)
   (model keys as ModelConfig.with_overrides, train keys prefixed `train.`; --resume continues a run;
   --init-from starts a new run from another model's weights: fresh optimizer and schedule, its model config)"""

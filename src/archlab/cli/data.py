@@ -119,6 +119,10 @@ def run_prepare(args: argparse.Namespace) -> int:
         print(f"  {split:5s} {info['documents']:>9,} docs {info['tokens']:>14,} tokens "
               f"{info['bytes']:>14,} bytes ({per:.2f} bytes/token)"
               + (f" {info['sentences']:,} sentences" if "sentences" in info else ""))
+    if not meta["splits"].get("val", {}).get("tokens", 1):
+        print(f"note: the val split is empty: whole documents are held out (--val-fraction {args.val_fraction:g}) "
+              "and this corpus has too few; `archlab eval` scores the val split by default: prepare a "
+              "folder of files or a .jsonl of documents (or eval --split train)", file=sys.stderr)
     return 0
 
 

@@ -265,6 +265,9 @@ def run_eval(args) -> int:
     seq_len = args.seq_len or train_cfg.get("seq_len") or model.config.max_seq_len
     if model.config.position.kind == "learned" and seq_len > model.config.max_seq_len:
         raise UserError(f"--seq-len {seq_len} is past the model's max_seq_len={model.config.max_seq_len}")
+    if windows and dataset.n_tokens == 0 and args.split == "val":
+        raise DataError(f"the val split of {data_dir} is empty (data prepare holds out whole documents, and a single "
+                        "text file is one): prepare a folder of files or a .jsonl of documents, or pass --split train")
     if windows and dataset.n_tokens < seq_len + 1:
         raise DataError(f"the {args.split} split of {data_dir} has {dataset.n_tokens} tokens, fewer than one "
                         f"window of --seq-len {seq_len} + 1: nothing to evaluate")

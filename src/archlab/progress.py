@@ -5,6 +5,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 from tqdm import tqdm
 
@@ -27,15 +28,38 @@ def quiet() -> Iterator[None]:
     Example: with quiet(): run_real_model_demo("runs/real")"""
     token = _QUIET.set(True)
     try:
+        with transformers_quiet():
+            yield
+    finally:
+        _QUIET.reset(token)
+
+
+@contextmanager
+def transformers_quiet() -> Iterator[None]:
+    """transformers' own progress bars off inside: its logging switch (checkpoint loading) and its GGUF loader's
+    bar, which calls tqdm directly and which that switch does not reach.
+    Example: with transformers_quiet(): AutoModelForCausalLM.from_pretrained(folder, gguf_file="m.gguf")"""
+    try:
         from transformers.utils import logging as hf_logging
     except ImportError:
-        hf_logging = None
-    was_disabled = hf_logging is None or hf_logging.is_progress_bar_enabled() is False
-    if hf_logging is not None:
-        hf_logging.disable_progress_bar()
+        yield
+        return
+    import functools
+    import importlib
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        gguf_utils: Any = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    except ImportError:              # a transformers without GGUF support (or without its gguf dependency)
+        gguf_utils = None
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
-        _QUIET.reset(token)
-        if not was_disabled:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if was_enabled:
             hf_logging.enable_progress_bar()

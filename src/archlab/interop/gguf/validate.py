@@ -48,6 +48,7 @@ def readback(model: torch.nn.Module, path: str | os.PathLike, ids: torch.Tensor)
     (its result is the reason it could not read the file otherwise: transformers lacks some architectures'
     fields, such as GPT-2's n_inner)."""
     from archlab.interop.gguf.load import load_gguf
+    from archlab.progress import transformers_quiet
 
     path = Path(path)
     with torch.no_grad():
@@ -59,8 +60,9 @@ def readback(model: torch.nn.Module, path: str | os.PathLike, ids: torch.Tensor)
             out["transformers"] = "transformers is not installed (pip install archlab[hf])"
             return out
         try:
-            theirs = transformers.AutoModelForCausalLM.from_pretrained(
-                path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
+            with transformers_quiet():       # its bars would interleave with the command's own lines
+                theirs = transformers.AutoModelForCausalLM.from_pretrained(
+                    path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
             out["transformers"] = compare(reference, theirs(ids, use_cache=False).logits, ids)
         except Exception as exc:        # any failure of the other library is reported, not raised
             out["transformers"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -54,6 +54,13 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from archlab.cli.generate import warnings_in_flags
+
+    with warnings_in_flags():
+        return _run(args)
+
+
+def _run(args) -> int:
     from archlab.cli.generate import check_args
     from archlab.errors import UserError
     from archlab.runs.chat_folder import chat_tokenizer, has_chat_template, tokenizer_dir

@@ -3,8 +3,11 @@ from a source text (an encoder-decoder: --source)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
+import warnings
+from collections.abc import Iterator
 
 from archlab.runs.model_folder import load_model_and_tokenizer  # noqa: F401 - re-exported: the old import path
 
@@ -121,6 +124,7 @@ class _TextPrinter:
 
 # generation's arguments that this command sets by a flag of the same name: its errors name the flag instead
 _AS_FLAGS = ("draft_tokens", "max_new_tokens", "sink_window", "sink_tokens")
+_SWITCHES = ("compile",)     # NAME=True is the flag --NAME
 
 
 def _in_flags(message: str) -> str:
@@ -128,11 +132,25 @@ def _in_flags(message: str) -> str:
     Example: _in_flags("draft_tokens=80 is longer than ...") -> "--draft-tokens 80 is longer than ..."."""
     import re
 
+    for name in _SWITCHES:
+        message = re.sub(rf"\b{name}=True\b", "--" + name.replace("_", "-"), message)
     for name in _AS_FLAGS:
         flag = "--" + name.replace("_", "-")
         message = re.sub(rf"\b{name}=", f"{flag} ", message)
         message = re.sub(rf"\b{name}\b", flag, message)
     return message
+
+
+@contextlib.contextmanager
+def warnings_in_flags() -> Iterator[None]:
+    """Warnings raised inside, in this command's words (_in_flags): generation warns in its Python arguments'
+    names (compile=True), which a command-line user did not type."""
+    previous = warnings.formatwarning
+    warnings.formatwarning = lambda message, *rest, **kw: previous(_in_flags(str(message)), *rest, **kw)
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
 
 
 _POSITIVE_INT = (lambda v: v >= 1, "at least 1")
@@ -295,6 +313,11 @@ def check_device(device: str) -> None:
 
 
 def run(args) -> int:
+    with warnings_in_flags():
+        return _run(args)
+
+
+def _run(args) -> int:
     import archlab
     from archlab.errors import UserError
     from archlab.generation import GenerationConfig, stream

@@ -17,13 +17,12 @@ per-round ratios. Checked once: the last logits within 1e-3 and the greedy token
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from unittest import mock
 
 import torch
-from generate import _timed, interleaved  # benchmarks/generate.py: one call of each per round, the order rotating
+from bench import _timed, interleaved, parser, start  # benchmarks/bench.py
 
 import archlab
 from archlab.generation import stepper as stepper_module
@@ -49,7 +48,7 @@ def load(args):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--sinks", type=int, default=4)
@@ -60,9 +59,7 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time (a shared machine's other tenants drop out)")
     args = ap.parse_args()
-    from archlab.runs.provenance import provenance_line
-    print(provenance_line(threads=args.threads), flush=True)
-    torch.set_num_threads(args.threads)
+    start(args)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     model = load(args)
     if not stepper_module.stretches(model):

@@ -213,3 +213,40 @@ def test_tests_mirror_the_source_rooms():
     assert folders <= rooms | leaves, f"test folders named after no room: {sorted(folders - rooms - leaves)}"
     top = {p.name for p in TESTS.glob("test_*.py")}
     assert top <= PROJECT_WIDE, f"room tests at the top of tests/ (move them down): {sorted(top - PROJECT_WIDE)}"
+
+
+BENCHMARKS = SRC.parents[1] / "benchmarks"
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """What a module defines or imports at its top level (what `from module import name` can find)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def _missing_benchmark_imports(folder: Path) -> list[str]:
+    """`from SCRIPT import NAME` lines between the benchmark scripts whose NAME the script does not define."""
+    scripts = {p.stem: p for p in folder.glob("*.py")}
+    missing = []
+    for path in sorted(scripts.values()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in scripts:
+                have = _top_level_names(scripts[node.module])
+                missing += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name not in have]
+    return missing
+
+
+def test_benchmark_scripts_import_only_what_their_siblings_define(tmp_path):
+    # the scripts run by hand, outside the test run: a helper moved from one to another breaks them silently
+    assert _missing_benchmark_imports(BENCHMARKS) == []
+    (tmp_path / "shared.py").write_text("def timed():\n    pass\n")
+    (tmp_path / "user.py").write_text("from shared import timed, interleaved\n")
+    assert _missing_benchmark_imports(tmp_path) == ["user.py: shared.interleaved"]

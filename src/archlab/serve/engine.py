@@ -90,7 +90,7 @@ class _Job:
 
 def _row_plan(config, rows: int, dtype: torch.dtype, device: torch.device, context: int | None):
     """A row's tokens: `context` where given (at most the model's), else archlab.serve.cache_size's default."""
-    from archlab.models.accounting import available_memory
+    from archlab.models.accounting import available_memory, kv_bytes_per_token
     from archlab.serve.cache_size import CachePlan, cache_budget, row_tokens
 
     most = config.max_seq_len
@@ -98,8 +98,8 @@ def _row_plan(config, rows: int, dtype: torch.dtype, device: torch.device, conte
         if not 1 <= context <= most:
             raise UserError(f"a KV cache row's context of {context} tokens must be in 1..{most} (the model's)")
         return CachePlan(context, context < most, 0)
-    # keys and values of every layer, and a position, for one token of one row (as SlotKVCache allocates)
-    per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim * dtype.itemsize + 8
+    # keys and values of every layer, and its int64 position, for one token of one row (as SlotKVCache allocates)
+    per_token = kv_bytes_per_token(config, dtype) + torch.long.itemsize
     return row_tokens(most, rows, per_token, cache_budget(available_memory(device)))
 
 
